@@ -1,0 +1,173 @@
+"""The Coordinator actor: one per job. It owns the job's placement group, workers and step loop.
+
+Life of a job, as the coordinator drives it:
+  PENDING   reserve one placement group for the whole job (all or nothing) and wait until it is ready
+  RUNNING   create one Worker per rank on its bundle, rendezvous, then per step send each worker its
+            micro-batch sample ids (one Ray call per worker per step) and record the step's metrics
+  SUCCEEDED / STOPPED / FAILED   once the workers and the placement group are released
+
+It is an async actor so that `poll` and `stop` are answered while a step runs. A worker that raises, dies
+or overruns `fault.step_timeout_s` fails the job with the worker's traceback; every rank is then killed,
+so a peer blocked in a collective cannot hang. State changes happen in `_set_state` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+
+import ray
+from ray.util.metrics import Gauge
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.naming import coordinator_name, worker_name
+from actors.state import Event, JobStatus, next_state
+from actors.worker import Worker
+from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.plan import Plan
+
+log = logging.getLogger("trainyard.coordinator")
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+_GAUGES = {
+    "step": Gauge("trainyard_step", "Last finished step", tag_keys=("job_id",)),
+    "loss": Gauge("trainyard_loss", "Training loss of the last step", tag_keys=("job_id",)),
+    "tokens_per_s": Gauge("trainyard_tokens_per_s", "Training throughput", tag_keys=("job_id",)),
+    "step_time_s": Gauge("trainyard_step_time_s", "Wall time of the last step", tag_keys=("job_id",)),
+}
+
+
+@ray.remote(num_cpus=0)
+class Coordinator:
+    def __init__(self, job_id: str, plan: Plan):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.job_id, self.plan = job_id, plan
+        self.status = JobStatus.PENDING
+        self.error: str | None = None
+        self.metrics: list[dict] = []
+        self.workers: list = []
+        self.pg = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def poll(self, since: int = 0) -> dict:
+        """Status, error and the metrics rows of steps >= `since`."""
+        return {
+            "status": self.status.value,
+            "error": self.error,
+            "step": len(self.metrics),
+            "metrics": [row for row in self.metrics if row["step"] >= since],
+            "actors": self.actor_names(),
+        }
+
+    async def stop(self) -> dict:
+        """Cancel the run, release workers and placement group, and return the final poll."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        return await self.poll(len(self.metrics))
+
+    def actor_names(self) -> list[str]:
+        return [coordinator_name(self.job_id)] + [
+            worker_name(self.job_id, self.plan.worker_name(r)) for r in range(self.plan.world_size)
+        ]
+
+    def _set_state(self, event: Event) -> None:
+        new = next_state(self.status, event)
+        log.info("job %s: %s -> %s (%s)", self.job_id, self.status, new, event)
+        self.status = new
+
+    async def _run(self) -> None:
+        outcome = Event.FINISHED
+        try:
+            self.pg = placement_group(self.plan.bundles(), strategy="PACK", name=f"trainyard/{self.job_id}")
+            await self.pg.ready()
+            self._set_state(Event.RESOURCES_READY)
+            await self._start_workers()
+            await self._train()
+        except asyncio.CancelledError:
+            outcome = Event.STOP_REQUESTED
+        except Exception as e:  # noqa: BLE001 - any failure ends the job with its traceback
+            outcome = Event.ERROR
+            self.error = str(e) if isinstance(e, StepFailed) else traceback.format_exc()
+        finally:
+            self._release()
+            self._set_state(outcome)
+
+    async def _start_workers(self) -> None:
+        plan = self.plan
+        for rank in range(plan.world_size):
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank // plan.tp)
+            self.workers.append(Worker.options(
+                name=worker_name(self.job_id, plan.worker_name(rank)),
+                num_cpus=plan.cpus_per_worker,
+                num_gpus=plan.gpus_per_worker,
+                scheduling_strategy=strategy,
+            ).remote(self.job_id, rank, int(plan.cpus_per_worker)))
+        timeout = plan.config.fault.step_timeout_s
+        addr, port = (await self._call_all([self.workers[0].address.remote()], "rendezvous", timeout))[0]
+        await self._call_all([w.setup.remote(plan, addr, port) for w in self.workers], "setup", timeout)
+
+    async def _train(self) -> None:
+        cfg, plan = self.plan.config, self.plan
+        num_samples = open_dataset(cfg).num_samples
+        tokens = cfg.global_batch * cfg.model.seq_len
+        for step in range(cfg.steps):
+            ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
+            start = time.perf_counter()
+            refs = [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches))
+                    for r, w in enumerate(self.workers)]
+            results = await self._call_all(refs, f"step {step}", cfg.fault.step_timeout_s)
+            elapsed = time.perf_counter() - start
+            self._record(step, results, elapsed, tokens)
+
+    def _record(self, step: int, results: list[dict], elapsed: float, tokens: int) -> None:
+        last = next(r for r in results if r["loss"] is not None)
+        row = {
+            "step": step,
+            "loss": last["loss"],
+            "lr": last["lr"],
+            "grad_norm": last["grad_norm"],
+            "tokens_per_s": tokens / elapsed,
+            "step_time_s": elapsed,
+            "coordinator_overhead_s": max(0.0, elapsed - max(r["compute_s"] for r in results)),
+        }
+        self.metrics.append(row)
+        for key, gauge in _GAUGES.items():
+            gauge.set(row[key] if key != "step" else step + 1, tags={"job_id": self.job_id})
+        if step == 0 or (step + 1) % 10 == 0:
+            log.info("job %s step %d/%d loss %.4f", self.job_id, step + 1, self.plan.config.steps, row["loss"])
+
+    async def _call_all(self, refs: list, what: str, timeout: float) -> list:
+        """Await one call per worker; the first failure (or the timeout) raises StepFailed."""
+        tasks = {asyncio.ensure_future(ref): rank for rank, ref in enumerate(refs)}
+        done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            if task.exception() is not None:
+                rank = tasks[task]
+                raise StepFailed(f"rank {rank} ({self.plan.worker_name(rank)}) failed in {what}:\n"
+                                 f"{task.exception()}")
+        if pending:
+            late = sorted(tasks[t] for t in pending)
+            raise StepFailed(f"{what} timed out after {timeout:g} s (fault.step_timeout_s); ranks still "
+                             f"running: {late}")
+        return [task.result() for task in tasks]
+
+    def _release(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

@@ -1,0 +1,12 @@
+"""Ray actor names and the namespace, as ARCHITECTURE.md fixes them."""
+
+NAMESPACE = "trainyard"
+
+
+def coordinator_name(job_id: str) -> str:
+    return f"trainyard/{job_id}/coordinator"
+
+
+def worker_name(job_id: str, coords: str) -> str:
+    """`coords` is the plan's `pp<i>-tp<j>-dp<k>`."""
+    return f"trainyard/{job_id}/{coords}"

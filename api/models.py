@@ -1,0 +1,55 @@
+"""Response models of the REST API."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from service.store import JobRecord
+
+
+class JobCreated(BaseModel):
+    job_id: str
+
+
+class JobInfo(BaseModel):
+    job_id: str
+    name: str
+    status: str
+    step: int
+    """Steps finished so far."""
+    steps: int
+    error: str | None = None
+    """The failure, with the worker's traceback, when status is FAILED."""
+    actors: list[str] = []
+    """Ray actor names (coordinator first), as listed in the Ray dashboard."""
+    dashboard_url: str | None = None
+    created_at: float
+    updated_at: float
+    spec: dict | None = None
+
+
+class MetricsRow(BaseModel):
+    model_config = ConfigDict(extra="allow")  # later issues add per-stage timings, bubble fraction, ...
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time_s: float
+
+
+class ClusterInfo(BaseModel):
+    nodes: int
+    cpus: float
+    gpus: float
+    ray_address: str | None
+    dashboard_url: str | None
+
+
+def job_info(job: JobRecord, dashboard_url: str | None, with_spec: bool = True) -> JobInfo:
+    return JobInfo(job_id=job.job_id, name=job.name, status=job.status.value, step=job.step, steps=job.steps,
+                   error=job.error, actors=job.actors, dashboard_url=dashboard_url, created_at=job.created_at,
+                   updated_at=job.updated_at, spec=job.spec if with_spec else None)

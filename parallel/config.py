@@ -1,0 +1,175 @@
+"""The job's configuration as frozen dataclasses: the JobSpec a user writes, typed.
+
+These dataclasses are the single definition of the JobSpec. `api/` validates incoming JSON/YAML against
+them with pydantic (the field rules below: types, ranges, unknown fields) and everything after that
+receives them frozen. Rules that relate several fields (divisibility, capabilities, cluster fit) live in
+`parallel.plan`, which names the rule it enforces.
+
+Plain dataclasses (not pydantic models) so that `parallel/` stays free of web types; pydantic reads the
+`Annotated` constraints and `__pydantic_config__` when it validates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Gt, Le, MaxLen, MinLen
+
+Positive = Annotated[int, Gt(0)]
+NonNegative = Annotated[int, Ge(0)]
+_STRICT = {"extra": "forbid"}  # an unknown field is an error, never silently ignored
+
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    __pydantic_config__ = _STRICT
+    experts: Positive
+    """Experts per MoE layer."""
+    top_k: Positive = 2
+    """Experts each token is routed to."""
+    every: Positive = 2
+    """Every `every`-th block is an MoE block."""
+    capacity_factor: Annotated[float, Gt(0)] = 1.25
+    """Expert capacity as a multiple of the even share of tokens."""
+    aux_loss_coef: Annotated[float, Ge(0)] = 0.01
+    """Weight of the load-balancing loss."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    __pydantic_config__ = _STRICT
+    n_layer: Positive
+    """Transformer blocks."""
+    n_head: Positive
+    """Attention heads per block."""
+    d_model: Positive
+    """Hidden size."""
+    vocab_size: Positive = 256
+    """Token ids are in [0, vocab_size). Byte-level text needs 256."""
+    seq_len: Positive = 64
+    """Tokens per training sequence."""
+    context_len: Positive | None = None
+    """Positions the model can attend over (position-embedding rows); null means seq_len."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output head (nanoGPT style)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts blocks; null for a dense model."""
+
+    @property
+    def context(self) -> int:
+        return self.context_len if self.context_len is not None else self.seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    __pydantic_config__ = _STRICT
+    kind: Literal["synthetic", "text", "tokens"] = "synthetic"
+    """synthetic: seeded random tokens; text: a UTF-8 file as bytes; tokens: flat binary of token ids."""
+    path: str | None = None
+    """File for `text` and `tokens`. A relative path is resolved against the server's working directory."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of a `tokens` file (nanoGPT writes uint16)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    __pydantic_config__ = _STRICT
+    lr: Annotated[float, Gt(0)] = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: Annotated[float, Ge(0)] = 0.1
+    """Decoupled weight decay, applied to matrices only (not biases, norms)."""
+    beta1: Annotated[float, Ge(0), Le(1)] = 0.9
+    beta2: Annotated[float, Ge(0), Le(1)] = 0.95
+    warmup_steps: NonNegative = 10
+    """Linear warm-up from 0 to `lr`; afterwards cosine decay to `min_lr_ratio * lr` at the last step."""
+    min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1
+    grad_clip: Annotated[float, Ge(0)] = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    __pydantic_config__ = _STRICT
+    dp: Positive = 1
+    """Data-parallel replicas."""
+    pp: Positive = 1
+    """Pipeline stages (pipeline ranks)."""
+    tp: Positive = 1
+    """Tensor-parallel shards."""
+    ep: Positive = 1
+    """Expert-parallel ranks."""
+    vpp: Positive = 1
+    """Virtual pipeline chunks per pipeline rank (interleaved-1f1b)."""
+    sp: bool = False
+    """Sequence parallelism (with tp)."""
+    microbatches: Positive = 1
+    """Micro-batches per step on each data-parallel rank (gradient accumulation, pipeline depth)."""
+    schedule: ScheduleKind = "1f1b"
+    """Pipeline schedule."""
+    stage_layers: Annotated[list[Positive], MinLen(1)] | None = None
+    """Blocks per virtual stage, in order (pp * vpp entries summing to n_layer); null splits evenly."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    __pydantic_config__ = _STRICT
+    every: NonNegative = 0
+    """Save every N steps; 0 saves nothing."""
+    keep: Positive = 3
+    path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    __pydantic_config__ = _STRICT
+    max_failures: NonNegative = 0
+    """Restarts from the latest checkpoint before the job fails."""
+    step_timeout_s: Annotated[float, Gt(0)] = 300.0
+    """A step that takes longer fails the job (a hung collective never hangs the service)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcesConfig:
+    __pydantic_config__ = _STRICT
+    gpus_per_worker: Literal["auto"] | Annotated[int, Ge(0)] = "auto"
+    """auto: 1 if the cluster has GPUs, else 0."""
+    cpus_per_worker: Annotated[float, Gt(0)] = 1.0
+    """Logical CPUs each rank reserves (also its torch thread count, at least 1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimCostsConfig:
+    __pydantic_config__ = _STRICT
+    forward: Annotated[float, Ge(0)] = 1.0
+    """Simulated time of one forward of one chunk."""
+    backward: Annotated[float, Ge(0)] = 2.0
+    """Simulated time of one backward of one chunk."""
+    comm: Annotated[float, Ge(0)] = 0.0
+    """Simulated time of one point-to-point message."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A training job, as submitted."""
+
+    __pydantic_config__ = _STRICT
+    model: ModelConfig
+    steps: Positive
+    """Optimizer steps to run."""
+    name: Annotated[str, MinLen(1), MaxLen(128)] = "job"
+    seed: NonNegative = 0
+    """Seeds parameter init and the data order; results depend on it, never on the layout."""
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    global_batch: Positive = 8
+    """Sequences per optimizer step, fixed across layouts."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    sim_costs: SimCostsConfig = field(default_factory=SimCostsConfig)
+    """Per-action costs the plan's schedule simulation uses."""

@@ -1,0 +1,118 @@
+"""Datasets and the layout-independent sampler.
+
+A dataset maps a sample id to `seq_len + 1` token ids (inputs and shifted targets). The sampler picks
+the sample ids of step s's global batch from (seed, step) alone, so every layout trains on the same
+sequences in the same steps; `rank_share` cuts the global batch into a data-parallel rank's micro-batches,
+and a worker reads only the samples it is given.
+
+- synthetic: seeded random tokens, one generator per sample id (for benchmarks; nothing to learn).
+- text: a UTF-8 file read as bytes (byte-level tokens, vocab 256); sample id = start offset.
+- tokens: a flat binary of uint16/uint32 token ids (nanoGPT's train.bin), memory-mapped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from parallel.config import DataConfig, JobConfig
+from parallel.seeds import derive_seed
+
+
+class DatasetError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+@dataclass
+class TokenDataset:
+    """Sample i is tokens[i : i + seq_len + 1] of one flat array (a memory map for files)."""
+
+    tokens: np.ndarray
+    seq_len: int
+    vocab_size: int
+    source: str
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.tokens) - self.seq_len
+
+    def sample(self, i: int) -> torch.Tensor:
+        window = torch.from_numpy(np.asarray(self.tokens[i : i + self.seq_len + 1], dtype=np.int64))
+        bad = window >= self.vocab_size
+        if bad.any():
+            raise DatasetError("data.path", f"{self.source} holds token id {int(window[bad][0])} at offset "
+                                            f"{i + int(bad.nonzero()[0, 0])}, outside vocab_size={self.vocab_size}")
+        return window
+
+
+@dataclass
+class SyntheticDataset:
+    seed: int
+    seq_len: int
+    vocab_size: int
+    num_samples: int = 1 << 30
+
+    def sample(self, i: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "synthetic", i))
+        return torch.randint(self.vocab_size, (self.seq_len + 1,), generator=gen)
+
+
+Dataset = TokenDataset | SyntheticDataset
+
+
+def resolve_path(data: DataConfig) -> Path:
+    assert data.path is not None
+    return Path(os.path.expanduser(data.path)).resolve()
+
+
+def open_dataset(config: JobConfig) -> Dataset:
+    """Open (memory-map) the job's dataset; raises DatasetError naming the field when it is unusable."""
+    data, seq_len, vocab = config.data, config.model.seq_len, config.model.vocab_size
+    if data.kind == "synthetic":
+        return SyntheticDataset(seed=config.seed, seq_len=seq_len, vocab_size=vocab)
+    path = resolve_path(data)
+    if not path.is_file():
+        raise DatasetError("data.path", f"file not found: {path}")
+    if data.kind == "text":
+        tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    else:
+        itemsize = np.dtype(_DTYPES[data.dtype]).itemsize
+        if path.stat().st_size % itemsize:
+            raise DatasetError("data.dtype", f"{path} is {path.stat().st_size} bytes, not a whole number of "
+                                             f"{data.dtype} token ids")
+        tokens = np.memmap(path, dtype=_DTYPES[data.dtype], mode="r")
+    ds = TokenDataset(tokens=tokens, seq_len=seq_len, vocab_size=vocab, source=str(path))
+    if ds.num_samples < 1:
+        raise DatasetError("data.path", f"{path} holds {len(tokens)} tokens; seq_len={seq_len} needs at least "
+                                        f"{seq_len + 1}")
+    return ds
+
+
+def global_batch_ids(seed: int, step: int, global_batch: int, num_samples: int) -> list[int]:
+    """Sample ids of step `step`'s global batch: a function of (seed, step) only."""
+    gen = torch.Generator().manual_seed(derive_seed(seed, "batch", step))
+    return torch.randint(num_samples, (global_batch,), generator=gen).tolist()
+
+
+def rank_share(ids: list[int], dp_rank: int, dp: int, microbatches: int) -> list[list[int]]:
+    """The micro-batches of data-parallel rank `dp_rank`: a contiguous slice of the global batch, split evenly."""
+    per_rank = len(ids) // dp
+    mine = ids[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    size = per_rank // microbatches
+    return [mine[i * size : (i + 1) * size] for i in range(microbatches)]
+
+
+def load_batch(ds: Dataset, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (len(ids), seq_len) int64."""
+    seqs = torch.stack([ds.sample(i) for i in ids])
+    return seqs[:, :-1], seqs[:, 1:]

@@ -1,0 +1,114 @@
+"""The GPT decoder, built as a slice of blocks so a pipeline stage holds exactly its own layers.
+
+`GPTStage(cfg, layers, first, last)` holds the token/position embedding when it is the first stage,
+the blocks whose *global* indices are in `layers` (kept in a ModuleDict keyed by that index, so a
+parameter has the same name on every layout and checkpoints can be resharded), and the final norm and
+head when it is the last stage. The whole model is simply the stage that is both first and last.
+
+Initialisation depends only on the job seed and each parameter's name, never on the layout: every
+parameter draws from its own generator seeded by (seed, name).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.config import ModelConfig
+from parallel.seeds import derive_seed
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPTStage(nn.Module):
+    """A contiguous run of blocks, plus the embedding on the first stage and the head on the last."""
+
+    def __init__(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int):
+        super().__init__()
+        self.cfg, self.first, self.last = cfg, first, last
+        if first:
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        if last:
+            self.ln_f = nn.LayerNorm(cfg.d_model)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            if cfg.tie_embeddings and first:
+                self.lm_head.weight = self.wte.weight
+        init_parameters(self, seed=seed, n_layer=cfg.n_layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) -> hidden states."""
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.wte(x) + self.wpe(pos)
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+    def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed (not averaged) cross-entropy: the caller divides by the global token count."""
+        logits = self.lm_head(self.ln_f(hidden))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def full_model(cfg: ModelConfig, seed: int) -> GPTStage:
+    """The unsharded model: one stage holding everything."""
+    return GPTStage(cfg, range(cfg.n_layer), first=True, last=True, seed=seed)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, *, seed: int, n_layer: int) -> None:
+    """GPT-2 init, each parameter from its own (seed, name) generator so the layout cannot matter."""
+    for name, p in module.named_parameters():
+        gen = torch.Generator().manual_seed(derive_seed(seed, "param", name))
+        if name.endswith("bias"):
+            p.zero_()
+        elif ".ln_" in name or name.startswith("ln_f"):
+            p.fill_(1.0)
+        else:
+            # Residual projections are scaled down by depth (GPT-2), keeping the residual stream's variance flat.
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
+            p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -1,0 +1,208 @@
+"""The `trainyard` command line: serve the API, and submit, plan, follow and control jobs over REST.
+
+Client commands find the server and its token in the state directory that `serve` wrote
+(`--state-dir`, default ~/.trainyard), or take `--url` / `--token` (or TRAINYARD_URL / TRAINYARD_TOKEN).
+`plan` needs no server: it validates the file and prints the plan locally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from service import state_dir as sd
+from service.client import ApiError, Client
+
+TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ApiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainyard", description="Train GPT models on a Ray cluster.")
+    p.add_argument("--state-dir", default=os.environ.get("TRAINYARD_STATE_DIR"),
+                   help="state directory (default ~/.trainyard)")
+    p.add_argument("--url", default=os.environ.get("TRAINYARD_URL"), help="API address (default: from state dir)")
+    p.add_argument("--token", default=os.environ.get("TRAINYARD_TOKEN"), help="API token (default: from state dir)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start the API (and an embedded Ray unless --ray-address)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of embedded Ray (default max(cores, 8))")
+    s.set_defaults(func=_serve)
+
+    s = sub.add_parser("submit", help="submit a JobSpec file (YAML or JSON)")
+    s.add_argument("file")
+    s.add_argument("--follow", action="store_true", help="show a progress bar until the job ends")
+    s.set_defaults(func=_submit)
+
+    s = sub.add_parser("plan", help="validate a JobSpec and show its plan (no server needed)")
+    s.add_argument("file")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.set_defaults(func=_plan)
+
+    for name, func, text in (("status", _status, "show a job"), ("follow", _follow_cmd, "follow a job"),
+                             ("stop", _stop, "stop a job"), ("delete", _delete, "delete a finished job")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("job_id")
+        s.set_defaults(func=func)
+    s = sub.add_parser("metrics", help="print a job's per-step metrics")
+    s.add_argument("job_id")
+    s.add_argument("--since", type=int, default=0)
+    s.set_defaults(func=_metrics)
+    sub.add_parser("list", help="list jobs").set_defaults(func=_list)
+    sub.add_parser("cluster", help="show the Ray cluster").set_defaults(func=_cluster)
+    return p
+
+
+def _client(args: argparse.Namespace) -> Client:
+    directory = sd.resolve(args.state_dir)
+    url = args.url or sd.read_server_url(directory) or "http://127.0.0.1:8000"
+    return Client(url, args.token or sd.read_token(directory))
+
+
+def read_spec_file(path: str) -> dict:
+    """The spec as a dict, with a relative data path made absolute (the server may run elsewhere)."""
+    from api.spec import load_spec_text
+
+    spec = load_spec_text(Path(path).read_text())
+    data = spec.get("data")
+    if isinstance(data, dict) and isinstance(data.get("path"), str) and not os.path.isabs(data["path"]):
+        data["path"] = str(Path(data["path"]).expanduser().resolve())
+    return spec
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from service.server import serve
+
+    serve(host=args.host, port=args.port, state_dir=args.state_dir, ray_address=args.ray_address,
+          num_cpus=args.num_cpus)
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    client = _client(args)
+    job_id = client.submit(read_spec_file(args.file))
+    print(job_id)
+    return follow(client, job_id) if args.follow else 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from api.spec import SpecError, parse_spec
+    from parallel.data import DatasetError, open_dataset
+    from parallel.plan import PlanError, describe, make_plan
+
+    try:
+        config = parse_spec(read_spec_file(args.file))
+        plan = make_plan(config)
+        open_dataset(config)
+    except SpecError as e:
+        print("\n".join(f"error: {f}: {m}" for f, m in e.errors), file=sys.stderr)
+        return 2
+    except (PlanError, DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    described = describe(plan)
+    print(json.dumps(described, indent=2) if args.json else format_plan(described))
+    return 0
+
+
+def format_plan(d: dict) -> str:
+    deg = d["degrees"]
+    lines = [
+        f"world size {d['world_size']}  (dp={deg['dp']} pp={deg['pp']} tp={deg['tp']} ep={deg['ep']} vpp={deg['vpp']})",
+        f"micro-batches per step per dp rank: {d['microbatches']} of {d['micro_batch_size']} sequences",
+        f"resources needed: {d['resources']['needed']}  (per worker {d['resources']['per_worker']})",
+        "ranks:",
+    ]
+    lines += [f"  rank {r['rank']:>3}  {r['name']}" for r in d["ranks"]]
+    lines.append("stage layers: " + "  ".join(f"v{v}={layers}" for v, layers in enumerate(d["stage_layers"])))
+    return "\n".join(lines)
+
+
+def follow(client: Client, job_id: str, poll_s: float = 0.5) -> int:
+    """Live progress bar (step/total, loss, tokens/s, ETA) until the job ends; exit code 0 iff it succeeded."""
+    from tqdm import tqdm
+
+    job = client.job(job_id)
+    last_loss = None
+    with tqdm(total=job["steps"], desc=f"{job['name']} {job_id}", unit="step", dynamic_ncols=True) as bar:
+        while True:
+            job = client.job(job_id)
+            rows = client.metrics(job_id, since=bar.n)
+            if rows:
+                last_loss = rows[-1]["loss"]
+                bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}", refresh=False)
+                bar.update(rows[-1]["step"] + 1 - bar.n)
+            elif job["status"] == "PENDING":
+                bar.set_postfix_str("waiting for resources")
+            if job["status"] in TERMINAL and not rows:
+                break
+            time.sleep(poll_s)
+    print(f"job {job_id} {job['status']} after {job['step']}/{job['steps']} steps"
+          + (f"; final loss {last_loss:.4f}" if last_loss is not None else ""))
+    if job["error"]:
+        print(job["error"], file=sys.stderr)
+    return 0 if job["status"] == "SUCCEEDED" else 1
+
+
+def _follow_cmd(args: argparse.Namespace) -> int:
+    return follow(_client(args), args.job_id)
+
+
+def _status(args: argparse.Namespace) -> int:
+    print(json.dumps(_client(args).job(args.job_id), indent=2))
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    job = _client(args).stop(args.job_id)
+    print(f"job {job['job_id']} {job['status']} at step {job['step']}/{job['steps']}")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    _client(args).delete(args.job_id)
+    print(f"deleted {args.job_id}")
+    return 0
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    rows = _client(args).metrics(args.job_id, since=args.since)
+    print(f"{'step':>6} {'loss':>9} {'lr':>10} {'grad_norm':>10} {'tokens/s':>10} {'step_s':>8}")
+    for r in rows:
+        print(f"{r['step']:>6} {r['loss']:>9.4f} {r['lr']:>10.3e} {r['grad_norm']:>10.4f} "
+              f"{r['tokens_per_s']:>10.0f} {r['step_time_s']:>8.3f}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    jobs = _client(args).jobs()
+    print(f"{'job_id':<14} {'name':<20} {'status':<10} {'step':>11}")
+    for j in jobs:
+        print(f"{j['job_id']:<14} {j['name'][:20]:<20} {j['status']:<10} {j['step']:>5}/{j['steps']:<5}")
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    print(json.dumps(_client(args).cluster(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""A small HTTP client of the trainyard API, used by the CLI, the demo and the benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class ApiError(RuntimeError):
+    """An API error, phrased as the API phrased it."""
+
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class Client:
+    def __init__(self, url: str, token: str | None, timeout_s: float = 120.0):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as e:
+            raise ApiError(0, f"cannot reach the trainyard API at {self._http.base_url} ({e}); "
+                              "is `trainyard serve` running?") from None
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, _error_text(response))
+        return response.json() if response.content else None
+
+    def healthz(self) -> bool:
+        return bool(self._call("GET", "/healthz")["ok"])
+
+    def submit(self, spec: dict) -> str:
+        return self._call("POST", "/api/jobs", json=spec)["job_id"]
+
+    def plan(self, spec: dict) -> dict:
+        return self._call("POST", "/api/plans", json=spec)
+
+    def jobs(self) -> list[dict]:
+        return self._call("GET", "/api/jobs")
+
+    def job(self, job_id: str) -> dict:
+        return self._call("GET", f"/api/jobs/{job_id}")
+
+    def metrics(self, job_id: str, since: int = 0) -> list[dict]:
+        return self._call("GET", f"/api/jobs/{job_id}/metrics", params={"since": since})
+
+    def stop(self, job_id: str) -> dict:
+        return self._call("POST", f"/api/jobs/{job_id}/stop")
+
+    def delete(self, job_id: str) -> None:
+        self._call("DELETE", f"/api/jobs/{job_id}")
+
+    def cluster(self) -> dict:
+        return self._call("GET", "/api/cluster")
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text}"
+    if isinstance(detail, list):
+        return "\n".join(f"{d.get('field') or '.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
+    return f"HTTP {response.status_code}: {detail}"

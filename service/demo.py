@@ -1,0 +1,72 @@
+"""`make demo`: start the service in a subprocess, submit a JobSpec over REST, follow it, shut down.
+
+Exit code 0 only when the job SUCCEEDED. The service gets its own state directory and port, so the demo
+never touches a running `trainyard serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from service import state_dir as sd
+from service.cli import follow, read_spec_file
+from service.client import ApiError, Client
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("spec", nargs="?", default="examples/demo.yaml")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--startup-timeout-s", type=float, default=180.0)
+    args = p.parse_args()
+    state = Path(tempfile.mkdtemp(prefix="trainyard-demo-"))
+    print(f"starting trainyard serve (state dir {state}, port {args.port}) ...", flush=True)
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve",
+                               "--port", str(args.port)])
+    try:
+        client = _wait_ready(server, state, args.port, args.startup_timeout_s)
+        print(f"Ray dashboard: {client.cluster()['dashboard_url']}", flush=True)
+        job_id = client.submit(read_spec_file(args.spec))
+        print(f"submitted {args.spec} as job {job_id}", flush=True)
+        code = follow(client, job_id)
+        rows = client.metrics(job_id)
+        if rows:
+            print(f"loss: first step {rows[0]['loss']:.4f} -> last step {rows[-1]['loss']:.4f}")
+        return code
+    except ApiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        print("service shut down")
+
+
+def _wait_ready(server: subprocess.Popen, state: Path, port: int, timeout_s: float) -> Client:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise ApiError(0, f"trainyard serve exited with code {server.returncode}")
+        token = sd.read_token(state)
+        if token:
+            client = Client(f"http://127.0.0.1:{port}", token)
+            try:
+                if client.healthz():
+                    return client
+            except ApiError:
+                pass
+        time.sleep(0.5)
+    raise ApiError(0, f"trainyard serve did not answer within {timeout_s:g} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Starting (embedded) or joining (`--ray-address`) the Ray cluster, and reading what it holds.
+
+The embedded cluster advertises more logical CPUs than the machine has cores (at least
+`MIN_EMBEDDED_CPUS`): a laptop can then run a dp=4 CPU job on two cores. Ray CPUs are a scheduling
+token here, not a promise of a free core; each worker still sets its torch thread count from its request.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+
+from actors.naming import NAMESPACE
+from parallel.plan import ClusterResources, NodeResources
+
+MIN_EMBEDDED_CPUS = 8
+
+
+@dataclass(frozen=True)
+class RayInfo:
+    address: str
+    dashboard_url: str | None
+    embedded: bool
+
+
+def connect(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
+            object_store_memory: int | None = None) -> RayInfo:
+    """Join the cluster at `address`, or start an embedded one with the dashboard on 127.0.0.1."""
+    if ray.is_initialized():  # e.g. tests, or a program embedding the service
+        ctx = ray.get_runtime_context()
+        return RayInfo(address=ctx.gcs_address, dashboard_url=_dashboard_url(), embedded=False)
+    if address:
+        ctx = ray.init(address=address, namespace=NAMESPACE)
+        return RayInfo(address=address, dashboard_url=_url(ctx.dashboard_url), embedded=False)
+    ctx = ray.init(
+        num_cpus=num_cpus or max(os.cpu_count() or 1, MIN_EMBEDDED_CPUS),
+        namespace=NAMESPACE,
+        include_dashboard=dashboard,
+        dashboard_host="127.0.0.1",
+        object_store_memory=object_store_memory,
+    )
+    return RayInfo(address=ctx.address_info["gcs_address"], dashboard_url=_url(ctx.dashboard_url), embedded=True)
+
+
+def cluster_resources() -> ClusterResources:
+    """Total CPUs and GPUs of every live node (capacity, not what is free now)."""
+    nodes = [
+        NodeResources(cpus=n["Resources"].get("CPU", 0.0), gpus=n["Resources"].get("GPU", 0.0))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+    return ClusterResources(nodes=tuple(nodes))
+
+
+def _dashboard_url() -> str | None:
+    try:
+        return _url(ray.worker.get_dashboard_url())
+    except Exception:  # noqa: BLE001 - no dashboard in this cluster
+        return None
+
+
+def _url(address: str | None) -> str | None:
+    if not address:
+        return None
+    return address if address.startswith("http") else f"http://{address}"

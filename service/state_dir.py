@@ -1,0 +1,42 @@
+"""The state directory (`~/.trainyard` by default): job store, API token, and where the server listens."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+DEFAULT_STATE_DIR = Path("~/.trainyard")
+
+
+def resolve(state_dir: str | Path | None) -> Path:
+    path = Path(state_dir).expanduser() if state_dir else DEFAULT_STATE_DIR.expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_or_create_token(state_dir: Path) -> str:
+    """The API's bearer token, generated on first start and readable by its owner only (mode 0600)."""
+    path = state_dir / "token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def read_token(state_dir: Path) -> str | None:
+    path = state_dir / "token"
+    return path.read_text().strip() if path.exists() else None
+
+
+def write_server_info(state_dir: Path, url: str) -> None:
+    (state_dir / "server.json").write_text(json.dumps({"url": url}))
+
+
+def read_server_url(state_dir: Path) -> str | None:
+    path = state_dir / "server.json"
+    return json.loads(path.read_text())["url"] if path.exists() else None
