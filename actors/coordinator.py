@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import traceback
 
@@ -157,7 +158,7 @@ class Coordinator:
             if task.exception() is not None:
                 rank = tasks[task]
                 raise StepFailed(f"rank {rank} ({self.plan.worker_name(rank)}) failed in {what}:\n"
-                                 f"{task.exception()}")
+                                 f"{_remote_traceback(task.exception())}")
         if pending:
             late = sorted(tasks[t] for t in pending)
             raise StepFailed(f"{what} timed out after {timeout:g} s (fault.step_timeout_s); ranks still "
@@ -171,3 +172,13 @@ class Coordinator:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _remote_traceback(error: BaseException) -> str:
+    """The worker's own traceback when Ray carried one, without terminal colour codes."""
+    if not isinstance(error, ray.exceptions.RayTaskError):  # e.g. the actor died: no Python traceback
+        return str(error)
+    return "Traceback (most recent call last), from " + _ANSI.sub("", str(error)).strip()

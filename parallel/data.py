@@ -25,9 +25,12 @@ from parallel.seeds import derive_seed
 
 class DatasetError(ValueError):
     def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
+        super().__init__(field, message)  # both in args, so the error pickles across Ray processes
         self.field = field
         self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
 
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}

@@ -21,9 +21,12 @@ class PlanError(ValueError):
     """A JobSpec that breaks a rule. `field` is the dotted path of the field to change."""
 
     def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
+        super().__init__(field, message)  # both in args, so the error pickles across Ray processes
         self.field = field
         self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -205,8 +208,10 @@ def split_layers(config: JobConfig) -> tuple[tuple[int, ...], ...]:
             raise PlanError("parallel.pp", f"n_layer={n_layer} cannot be split into pp x vpp = {n_stages} "
                                            "stages of at least one block each")
         base, extra = divmod(n_layer, n_stages)
-        # Later stages get the extra blocks: the first stage carries the embedding, the last the head.
-        counts = [base + (1 if v >= n_stages - extra else 0) for v in range(n_stages)]
+        # Middle stages take the extra blocks first: the first stage also embeds and the last runs the head
+        # and loss (the heavier of the two, so it is the last to get one).
+        preferred = [*range(1, n_stages - 1), 0, n_stages - 1][:extra]
+        counts = [base + (v in preferred) for v in range(n_stages)]
     elif len(counts) != n_stages:
         raise PlanError("parallel.stage_layers", f"has {len(counts)} entries but pp x vpp = {n_stages} stages")
     elif sum(counts) != n_layer:

@@ -1,0 +1,83 @@
+"""Shared fixtures: one real Ray for the session, and real uvicorn servers of the API over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import wait_for
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # tests only: the product keeps Ray's token auth on
+    ray.init(num_cpus=8, object_store_memory=100 * 1024 * 1024, include_dashboard=False, namespace="trainyard",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@dataclass
+class Service:
+    url: str
+    token: str
+    state_dir: Path
+    manager: object
+    server: object
+    thread: threading.Thread
+
+    def client(self):
+        from service.client import Client
+
+        return Client(self.url, self.token)
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.manager.shutdown()
+        self.manager.store.close()
+
+
+def start_service(state_dir: Path) -> Service:
+    """The real service stack (store, manager, FastAPI app, uvicorn) on a free loopback port."""
+    import uvicorn
+
+    from api.app import create_app
+    from service import state_dir as sd
+    from service.manager import JobManager
+    from service.store import JobStore
+
+    token = sd.load_or_create_token(sd.resolve(state_dir))
+    manager = JobManager(JobStore(state_dir / "jobs.db"), poll_interval_s=0.1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(manager, token), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30, "uvicorn to start")
+    return Service(f"http://127.0.0.1:{port}", token, state_dir, manager, server, thread)
+
+
+@pytest.fixture(scope="session")
+def service(ray_session, tmp_path_factory) -> Iterator[Service]:
+    svc = start_service(tmp_path_factory.mktemp("state"))
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture()
+def client(service):
+    c = service.client()
+    yield c
+    c.close()
+
+

@@ -1,0 +1,145 @@
+"""Every JobSpec rule, checked without a server: pydantic field rules and the plan's cross-field rules."""
+
+import pytest
+from helpers import REPO, tiny_spec
+
+from api.spec import SpecError, load_spec_text, parse_spec
+from parallel.data import DatasetError, open_dataset
+from parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
+
+ARCHITECTURE_EXAMPLE = """
+name: tiny-3d
+seed: 1234
+model: {n_layer: 4, n_head: 4, d_model: 64, vocab_size: 256, seq_len: 32,
+        moe: {experts: 4, top_k: 2, every: 2, capacity_factor: 1.25, aux_loss_coef: 0.01}}
+data: {kind: text, path: examples/corpus.txt}
+optimizer: {lr: 3.0e-3, weight_decay: 0.1, warmup_steps: 10, grad_clip: 1.0}
+steps: 200
+global_batch: 16
+precision: fp32
+parallel: {dp: 2, pp: 2, tp: 2, ep: 1, vpp: 1, sp: false, microbatches: 4, schedule: 1f1b}
+checkpoint: {every: 50, keep: 3, path: null}
+fault: {max_failures: 3, step_timeout_s: 300}
+resources: {gpus_per_worker: auto}
+"""
+
+
+def spec_error(spec: dict) -> list[tuple[str, str]]:
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    return info.value.errors
+
+
+def plan_error(spec: dict, cluster: ClusterResources | None = None) -> PlanError:
+    with pytest.raises(PlanError) as info:
+        make_plan(parse_spec(spec), cluster)
+    return info.value
+
+
+def test_every_field_of_the_architecture_example_parses():
+    config = parse_spec(load_spec_text(ARCHITECTURE_EXAMPLE))
+    assert config.parallel.tp == 2 and config.model.moe.experts == 4 and config.checkpoint.every == 50
+
+
+def test_only_model_size_and_steps_are_required():
+    errors = spec_error({})
+    assert {f for f, _ in errors} == {"model", "steps"}
+    config = parse_spec({"model": {"n_layer": 1, "n_head": 1, "d_model": 8}, "steps": 1})
+    assert config.parallel.dp == config.parallel.pp == config.parallel.tp == config.parallel.ep == 1
+
+
+def test_unknown_field_is_named():
+    assert ("optimizer.momentum", "unknown field 'momentum'") in spec_error(tiny_spec(optimizer={"momentum": 0.9}))
+
+
+def test_wrong_type_is_named():
+    errors = spec_error(tiny_spec(steps="many"))
+    assert errors[0][0] == "steps" and "integer" in errors[0][1]
+
+
+@pytest.mark.parametrize("field,spec", [
+    ("steps", tiny_spec(steps=0)),
+    ("global_batch", tiny_spec(global_batch=-8)),
+    ("parallel.dp", tiny_spec(parallel={"dp": 0})),
+    ("model.d_model", tiny_spec(model={"d_model": 0})),
+    ("optimizer.lr", tiny_spec(optimizer={"lr": 0.0})),
+])
+def test_non_positive_sizes_are_refused(field, spec):
+    assert field in [f for f, _ in spec_error(spec)]
+
+
+def test_unknown_schedule_kind_is_refused():
+    assert "parallel.schedule" in [f for f, _ in spec_error(tiny_spec(parallel={"schedule": "zero-bubble"}))]
+
+
+def test_global_batch_must_divide_by_dp_times_microbatches():
+    err = plan_error(tiny_spec(global_batch=10, parallel={"dp": 2, "microbatches": 2}))
+    assert err.field == "global_batch" and "not divisible by dp x microbatches = 2 x 2 = 4" in err.message
+
+
+def test_seq_len_beyond_model_context_is_refused():
+    err = plan_error(tiny_spec(model={"seq_len": 64, "context_len": 32}))
+    assert err.field == "model.seq_len" and "exceeds the model context" in err.message
+
+
+def test_heads_must_divide_model_width():
+    err = plan_error(tiny_spec(model={"n_head": 3}))
+    assert err.field == "model.n_head" and "n_head=3 does not divide d_model=32" in err.message
+
+
+@pytest.mark.parametrize("field,overrides", [
+    ("parallel.tp", {"parallel": {"tp": 2}}),
+    ("parallel.ep", {"parallel": {"ep": 2}}),
+    ("parallel.sp", {"parallel": {"sp": True}}),
+    ("model.moe", {"model": {"moe": {"experts": 4}}}),
+    ("precision", {"precision": "bf16"}),
+    ("checkpoint.every", {"checkpoint": {"every": 10}}),
+    ("fault.max_failures", {"fault": {"max_failures": 1}}),
+])
+def test_capabilities_not_built_yet_are_refused(field, overrides):
+    err = plan_error(tiny_spec(**overrides))
+    assert err.field == field and err.message.endswith("is not supported yet")
+
+
+def test_dp_larger_than_the_cluster_can_ever_hold_is_refused_with_needed_vs_available():
+    cluster = ClusterResources(nodes=(NodeResources(cpus=2, gpus=0), NodeResources(cpus=2, gpus=0)))
+    err = plan_error(tiny_spec(parallel={"dp": 8}), cluster)
+    assert err.field == "parallel.dp"
+    assert "needs 8 workers (8 CPU" in err.message and "can ever hold only 4" in err.message
+
+
+def test_a_job_that_fits_the_cluster_is_planned():
+    cluster = ClusterResources(nodes=(NodeResources(cpus=2, gpus=0), NodeResources(cpus=2, gpus=0)))
+    assert make_plan(parse_spec(tiny_spec(parallel={"dp": 4})), cluster).world_size == 4
+
+
+def test_gpus_auto_follows_the_cluster():
+    gpu_cluster = ClusterResources(nodes=(NodeResources(cpus=8, gpus=2),))
+    assert make_plan(parse_spec(tiny_spec(parallel={"dp": 2})), gpu_cluster).gpus_per_worker == 1
+    assert make_plan(parse_spec(tiny_spec()), ClusterResources(nodes=(NodeResources(8, 0),))).gpus_per_worker == 0
+    err = plan_error(tiny_spec(parallel={"dp": 4}), gpu_cluster)
+    assert "can ever hold only 2" in err.message
+
+
+def test_missing_dataset_file_is_refused(tmp_path):
+    config = parse_spec(tiny_spec(data={"kind": "text", "path": str(tmp_path / "nope.txt")}))
+    with pytest.raises(DatasetError) as info:
+        open_dataset(config)
+    assert info.value.field == "data.path" and "file not found" in info.value.message
+
+
+def test_dataset_shorter_than_one_sequence_is_refused(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    with pytest.raises(DatasetError, match="needs at least 17"):
+        open_dataset(parse_spec(tiny_spec(data={"kind": "text", "path": str(short)})))
+
+
+def test_text_data_needs_byte_vocabulary():
+    err = plan_error(tiny_spec(model={"vocab_size": 100}))
+    assert err.field == "model.vocab_size"
+
+
+def test_demo_spec_is_valid():
+    config = parse_spec(load_spec_text((REPO / "examples" / "demo.yaml").read_text()))
+    assert make_plan(config).dp == 2

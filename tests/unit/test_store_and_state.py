@@ -1,0 +1,47 @@
+"""The SQLite job store and the coordinator's state transitions."""
+
+import pytest
+
+from actors.state import Event, JobStatus, next_state
+from service.store import JobRecord, JobStore
+
+
+def test_store_keeps_jobs_and_metrics_across_reopen(tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    store.insert(JobRecord(job_id="j1", name="a", status=JobStatus.PENDING, spec={"steps": 2}, steps=2))
+    store.add_metrics("j1", [{"step": 0, "loss": 5.0}, {"step": 1, "loss": 4.0}])
+    store.update("j1", status=JobStatus.SUCCEEDED, step=2)
+    store.close()
+    reopened = JobStore(tmp_path / "jobs.db")
+    job = reopened.get("j1")
+    assert job.status is JobStatus.SUCCEEDED and job.step == 2 and job.spec == {"steps": 2}
+    assert [r["loss"] for r in reopened.metrics("j1", since=1)] == [4.0]
+    reopened.delete("j1")
+    assert reopened.get("j1") is None and reopened.metrics("j1") == []
+
+
+def test_store_uses_write_ahead_logging(tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_happy_path_transitions():
+    assert next_state(JobStatus.PENDING, Event.RESOURCES_READY) is JobStatus.RUNNING
+    assert next_state(JobStatus.RUNNING, Event.FINISHED) is JobStatus.SUCCEEDED
+
+
+@pytest.mark.parametrize("state", [JobStatus.PENDING, JobStatus.RUNNING])
+def test_stop_and_error_end_any_live_state(state):
+    assert next_state(state, Event.STOP_REQUESTED) is JobStatus.STOPPED
+    assert next_state(state, Event.ERROR) is JobStatus.FAILED
+
+
+def test_terminal_states_never_change():
+    for state in (JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED):
+        assert state.is_terminal
+        assert next_state(state, Event.RESOURCES_READY) is state
+
+
+def test_impossible_transition_is_an_error():
+    with pytest.raises(ValueError, match="no transition"):
+        next_state(JobStatus.PENDING, Event.FINISHED)
