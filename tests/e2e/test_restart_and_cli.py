@@ -1,0 +1,77 @@
+"""The store across a service restart, and the CLI against a real server."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import start_service
+from helpers import REPO, tiny_spec, wait_terminal
+
+from actors.state import JobStatus
+from service.cli import main as cli
+from service.store import JobRecord, JobStore
+
+
+def test_jobs_and_metrics_survive_a_service_restart(ray_session, tmp_path):
+    first = start_service(tmp_path)
+    client = first.client()
+    job_id = client.submit(tiny_spec(steps=3))
+    assert wait_terminal(client, job_id)["status"] == "SUCCEEDED"
+    before = client.metrics(job_id)
+    first.shutdown()
+
+    second = start_service(tmp_path)
+    client = second.client()
+    try:
+        assert [j["job_id"] for j in client.jobs()] == [job_id]
+        assert client.job(job_id)["status"] == "SUCCEEDED"
+        assert client.metrics(job_id) == before and len(before) == 3
+    finally:
+        second.shutdown()
+
+
+def test_jobs_live_when_the_service_died_are_marked_failed_on_start(ray_session, tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    store.insert(JobRecord(job_id="orphan", name="x", status=JobStatus.RUNNING, spec={}, steps=10))
+    store.close()
+    svc = start_service(tmp_path)
+    try:
+        job = svc.client().job("orphan")
+        assert job["status"] == "FAILED" and "service stopped while this job was live" in job["error"]
+    finally:
+        svc.shutdown()
+
+
+def run_cli(service, *args: str) -> int:
+    return cli(["--url", service.url, "--token", service.token, *args])
+
+
+def test_cli_submits_follows_lists_and_prints_metrics(service, tmp_path, capsys):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(json.dumps(tiny_spec(steps=3, name="from-cli")))
+    assert run_cli(service, "submit", str(spec), "--follow") == 0
+    out = capsys.readouterr().out
+    job_id = out.splitlines()[0].strip()
+    assert f"job {job_id} SUCCEEDED after 3/3 steps; final loss" in out
+    assert run_cli(service, "list") == 0
+    assert job_id in capsys.readouterr().out
+    assert run_cli(service, "metrics", job_id) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1 + 3
+
+
+def test_cli_shows_api_errors_as_the_api_phrased_them(service, tmp_path, capsys):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(json.dumps(tiny_spec(global_batch=6, parallel={"dp": 4})))
+    assert run_cli(service, "submit", str(spec)) == 2
+    assert "global_batch: global_batch=6 is not divisible by dp x microbatches" in capsys.readouterr().err
+
+
+def test_cli_plan_works_without_a_server(capsys, tmp_path):
+    assert cli(["--url", "http://127.0.0.1:9", "plan", str(REPO / "examples" / "demo.yaml")]) == 0
+    assert "pp0-tp0-dp1" in capsys.readouterr().out
+    assert cli(["plan", "--json", str(REPO / "examples" / "demo.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {n_layer: 2, n_head: 2, d_model: 32}\nsteps: 1\nmystery: 3\n")
+    assert cli(["plan", str(bad)]) == 2
+    assert "mystery: unknown field 'mystery'" in capsys.readouterr().err
