@@ -141,6 +141,7 @@ class Coordinator:
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
             "coordinator_overhead_s": max(0.0, elapsed - max(r["compute_s"] for r in results)),
+            **pipeline_metrics(results),
         }
         self.metrics.append(row)
         for key, gauge in _GAUGES.items():
@@ -172,6 +173,23 @@ class Coordinator:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def pipeline_metrics(results: list[dict]) -> dict:
+    """Per-stage timings of the first data-parallel replica's pipeline, and its measured bubble fraction.
+
+    bubble = 1 - (time the stages spent computing) / (pp x the longest stage's schedule wall time).
+    """
+    stages = sorted((r for r in results if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+    busy = sum(r["forward_s"] + r["backward_s"] for r in stages)
+    span = max(r["schedule_s"] for r in stages)
+    return {
+        "bubble_fraction": max(0.0, 1.0 - busy / (len(stages) * span)) if span > 0 else 0.0,
+        "stage_forward_s": [r["forward_s"] for r in stages],
+        "stage_backward_s": [r["backward_s"] for r in stages],
+        "stage_peak_activations": [r["peak_activations"] for r in stages],
+        "stage_peak_activation_mb": [r["peak_activation_bytes"] / 2**20 for r in stages],
+    }
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

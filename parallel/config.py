@@ -148,7 +148,7 @@ class SimCostsConfig:
     backward: Annotated[float, Ge(0)] = 2.0
     """Simulated time of one backward of one chunk."""
     comm: Annotated[float, Ge(0)] = 0.0
-    """Simulated time of one point-to-point message."""
+    """Simulated time of one communication run (a batch of point-to-point messages sent together)."""
 
 
 @dataclass(frozen=True, kw_only=True)

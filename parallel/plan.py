@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 
 from parallel.config import JobConfig
+from parallel.schedule_sim import Costs, render_gantt, simulate
+from parallel.schedules import Action, ScheduleError, build_schedule, check_schedule_args, format_actions
 
 
 class PlanError(ValueError):
@@ -72,6 +74,8 @@ class Plan:
     ranks: tuple[RankCoords, ...]
     stage_layers: tuple[tuple[int, ...], ...]
     """Global block indices of each virtual stage v (rank v % pp holds chunk v // pp)."""
+    schedule: tuple[tuple[Action, ...], ...]
+    """The action list each pipeline rank runs every step (index = pp rank); see parallel.schedules."""
     gpus_per_worker: int
     cpus_per_worker: float
 
@@ -121,7 +125,6 @@ class Plan:
 
 # Capabilities later issues add. Each entry: (field, predicate on the config, what is missing).
 _NOT_YET = (
-    ("parallel.pp", lambda c: c.parallel.pp > 1, "pipeline parallelism (pp > 1)"),
     ("parallel.tp", lambda c: c.parallel.tp > 1, "tensor parallelism (tp > 1)"),
     ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism (ep > 1)"),
     ("parallel.sp", lambda c: c.parallel.sp, "sequence parallelism"),
@@ -162,6 +165,7 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
         micro_batch_size=per_rank,
         ranks=_rank_grid(par.pp, par.tp, par.dp),
         stage_layers=split_layers(config),
+        schedule=tuple(map(tuple, build_schedule(par.schedule, par.pp, par.microbatches, par.vpp))),
         gpus_per_worker=gpus,
         cpus_per_worker=config.resources.cpus_per_worker,
     )
@@ -187,11 +191,6 @@ def _check_model(config: JobConfig) -> None:
 
 
 def _check_schedule(config: JobConfig) -> None:
-    try:  # TEMP until schedules land
-        from parallel.schedules import ScheduleError, check_schedule_args
-    except ImportError:
-        return
-
     par = config.parallel
     try:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
@@ -256,7 +255,7 @@ def _copies_that_fit(bundle: dict[str, float], node: NodeResources) -> int:
 
 
 def describe(plan: Plan) -> dict:
-    """The plan as plain data for the API and the CLI: degrees, rank map, groups, stages, resources."""
+    """The plan as plain data for the API and the CLI: degrees, rank map, groups, stages, schedule, resources."""
     return {
         "world_size": plan.world_size,
         "degrees": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "vpp": plan.vpp},
@@ -266,9 +265,33 @@ def describe(plan: Plan) -> dict:
                   for c in plan.ranks],
         "groups": {"dp": plan.dp_groups(), "pp": plan.pp_groups(), "tp": plan.tp_groups()},
         "stage_layers": [list(layers) for layers in plan.stage_layers],
+        "schedule": describe_schedule(plan),
         "resources": {
             "per_worker": {"CPU": plan.cpus_per_worker, "GPU": plan.gpus_per_worker},
             "bundles": plan.bundles(),
             "needed": plan.resources_needed(),
         },
+    }
+
+
+def describe_schedule(plan: Plan) -> dict:
+    """The step's schedule, simulated with the spec's `sim_costs` before anything runs.
+
+    `stages` holds each pipeline rank's actions in order (communication runs bracketed, see
+    `parallel.schedules.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
+    """
+    c = plan.config.sim_costs
+    result = simulate([list(actions) for actions in plan.schedule], plan.microbatches, plan.vpp,
+                      Costs(forward=c.forward, backward=c.backward, comm=c.comm))
+    return {
+        "kind": plan.config.parallel.schedule,
+        "pp": plan.pp,
+        "vpp": plan.vpp,
+        "microbatches": plan.microbatches,
+        "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm},
+        "stages": [format_actions(list(actions)) for actions in plan.schedule],
+        "makespan": result.makespan,
+        "bubble_fraction": result.bubble_fraction,
+        "peak_activations": result.peak_activations,
+        "gantt": render_gantt(result),
     }

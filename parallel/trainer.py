@@ -1,9 +1,10 @@
 """One rank's training state and step: its model chunks, optimizer and data, and `train_step`.
 
 This is everything a worker does, expressed with torch.distributed alone (no Ray), so it runs under
-spawned processes in tests and under Ray actors in the service. A step: run this rank's micro-batches
-(forward, backward, gradient accumulation), sum gradients across data-parallel replicas, clip the
-global norm, set the learning rate and take an AdamW step.
+spawned processes in tests and under Ray actors in the service. A step: run this rank's pipeline actions
+(forward and backward of each micro-batch through its chunks, activations exchanged with neighbouring
+stages; with pp = 1 this is plain gradient accumulation), sum gradients across data-parallel replicas,
+clip the global norm (summed across the pipeline), set the learning rate and take an AdamW step.
 
 The loss of every micro-batch is divided by the global batch's token count before backward, so summed
 gradients equal the gradient of the global mean loss whatever the layout.
@@ -22,6 +23,7 @@ from parallel.data_parallel import allreduce_gradients
 from parallel.distributed import RankGroups
 from parallel.model import GPTStage
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
+from parallel.pipeline import PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
 
 
@@ -34,6 +36,14 @@ class StepStats:
     lr: float
     compute_s: float
     """Time this rank spent inside train_step."""
+    pp_rank: int
+    dp_rank: int
+    forward_s: float
+    backward_s: float
+    comm_s: float
+    schedule_s: float
+    peak_activations: int
+    peak_activation_bytes: int
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,16 +54,21 @@ class RankTrainer:
         cfg = plan.config
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         self.coords = plan.coords(rank)
-        n_virtual = plan.n_virtual_stages
-        self.chunks = [
-            GPTStage(cfg.model, layers, first=(v == 0), last=(v == n_virtual - 1), seed=cfg.seed).to(device)
-            for v, layers in ((c * plan.pp + self.coords.pp, plan.stage_layers[c * plan.pp + self.coords.pp])
-                              for c in range(plan.vpp))
-        ]
+        self.chunks = []
+        for chunk, layers in enumerate(plan.chunk_layers(self.coords.pp)):
+            v = chunk * plan.pp + self.coords.pp  # virtual stage index
+            last = v == plan.n_virtual_stages - 1
+            self.chunks.append(GPTStage(cfg.model, layers, first=v == 0, last=last, seed=cfg.seed).to(device))
         self.params = [p for chunk in self.chunks for p in chunk.parameters()]
         self.optimizer = make_optimizer(self.chunks, cfg.optimizer)
         self.dataset = open_dataset(cfg)
-        self.tokens_per_step = cfg.global_batch * cfg.model.seq_len
+        tokens_per_step = cfg.global_batch * cfg.model.seq_len
+        self.actions = list(plan.schedule[self.coords.pp])
+        self.executor = PipelineExecutor(
+            self.chunks, self.coords.pp, plan.pp, groups.pp_ranks,
+            activation_shape=(plan.micro_batch_size, cfg.model.seq_len, cfg.model.d_model),
+            device=device, loss_scale=1.0 / tokens_per_step,
+        )
 
     @property
     def is_last_stage(self) -> bool:
@@ -62,7 +77,7 @@ class RankTrainer:
     def train_step(self, step: int, microbatch_ids: list[list[int]]) -> StepStats:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=False)
-        loss_sum = self._forward_backward(microbatch_ids)
+        loss_sum, timings = self._forward_backward(microbatch_ids)
         allreduce_gradients(self.params, self.groups.dp)
         grad_norm = clip_grad_norm(self.params, self.plan.config.optimizer.grad_clip, self.groups.pp)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
@@ -73,16 +88,16 @@ class RankTrainer:
             if self.groups.dp is not None:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
             loss = float(loss_sum)
-        return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start)
+        return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
+                         pp_rank=self.coords.pp, dp_rank=self.coords.dp, **asdict(timings))
 
-    def _forward_backward(self, microbatch_ids: list[list[int]]) -> torch.Tensor:
-        """Plain gradient accumulation over this rank's micro-batches (pp = 1)."""
-        (chunk,) = self.chunks
-        loss_sum = torch.zeros((), device=self.device)
-        for ids in microbatch_ids:
-            inputs, targets = load_batch(self.dataset, ids)
-            hidden = chunk(inputs.to(self.device))
-            loss = chunk.loss_sum(hidden, targets.to(self.device)) / self.tokens_per_step
-            loss.backward()
-            loss_sum += loss.detach()
-        return loss_sum
+    def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
+        """Run this rank's schedule; micro-batches are read lazily, once, and only where a stage needs them."""
+        loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if mb not in loaded:
+                loaded[mb] = load_batch(self.dataset, microbatch_ids[mb])
+            return loaded[mb]
+
+        return self.executor.run(self.actions, batch)

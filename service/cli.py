@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("plan", help="validate a JobSpec and show its plan (no server needed)")
     s.add_argument("file")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.add_argument("--costs", metavar="F,B[,C]", type=_costs,
+                   help="simulate the schedule with these per-chunk forward, backward (and communication) costs "
+                        "instead of the spec's sim_costs (default 1,2,0)")
     s.set_defaults(func=_plan)
 
     for name, func, text in (("status", _status, "show a job"), ("follow", _follow_cmd, "follow a job"),
@@ -87,6 +90,16 @@ def read_spec_file(path: str) -> dict:
     return spec
 
 
+def _costs(text: str) -> dict[str, float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected F,B or F,B,C with non-negative numbers, got {text!r}")
+    return dict(zip(("forward", "backward", "comm"), values, strict=False))
+
+
 def _serve(args: argparse.Namespace) -> int:
     from service.server import serve
 
@@ -108,7 +121,10 @@ def _plan(args: argparse.Namespace) -> int:
     from parallel.plan import PlanError, describe, make_plan
 
     try:
-        config = parse_spec(read_spec_file(args.file))
+        spec = read_spec_file(args.file)
+        if args.costs:
+            spec["sim_costs"] = {**spec.get("sim_costs", {}), **args.costs}
+        config = parse_spec(spec)
         plan = make_plan(config)
         open_dataset(config)
     except SpecError as e:
@@ -132,6 +148,14 @@ def format_plan(d: dict) -> str:
     ]
     lines += [f"  rank {r['rank']:>3}  {r['name']}" for r in d["ranks"]]
     lines.append("stage layers: " + "  ".join(f"v{v}={layers}" for v, layers in enumerate(d["stage_layers"])))
+    s, c = d["schedule"], d["schedule"]["costs"]
+    lines += [
+        f"schedule {s['kind']}  (pp={s['pp']} vpp={s['vpp']} microbatches={s['microbatches']}; simulated with "
+        f"forward={c['forward']:g} backward={c['backward']:g} comm={c['comm']:g} per chunk)",
+        f"  makespan {s['makespan']:g}, bubble {s['bubble_fraction']:.1%}, peak activations per stage "
+        f"{s['peak_activations']}",
+        s["gantt"],
+    ]
     return "\n".join(lines)
 
 

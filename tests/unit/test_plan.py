@@ -51,7 +51,7 @@ def test_data_parallel_plan_has_one_stage_with_every_layer():
     assert d["resources"]["needed"] == {"CPU": 4.0, "GPU": 0.0}
 
 
-def test_layers_split_evenly_with_extras_on_later_stages():
+def test_layers_split_evenly_with_extras_on_middle_stages_first():
     config = parse_spec(tiny_spec(model={"n_layer": 7}, parallel={"pp": 3}))
     assert split_layers(config) == ((0, 1), (2, 3, 4), (5, 6))
 
@@ -68,3 +68,56 @@ def test_explicit_stage_layers_are_honoured_and_checked():
 def test_too_few_layers_for_the_stages_is_refused():
     with pytest.raises(PlanError, match="cannot be split into pp x vpp = 4 stages"):
         split_layers(parse_spec(tiny_spec(model={"n_layer": 2}, parallel={"pp": 4})))
+
+
+def pipeline_plan(**parallel) -> Plan:
+    return make_plan(parse_spec(tiny_spec(model={"n_layer": 8}, global_batch=16, parallel=parallel)))
+
+
+def test_each_pipeline_rank_gets_its_own_action_list():
+    plan = pipeline_plan(pp=4, microbatches=8, schedule="1f1b")
+    assert len(plan.schedule) == 4
+    first, last = plan.schedule[0], plan.schedule[-1]
+    assert str(first[0]) == "F0.0" and str(first[1]) == "sA0.0>1"
+    assert [str(a) for a in (last[0], last[-2], last[-1])] == ["rA0.0<2", "B7.0", "sG7.0>2"]
+
+
+@pytest.mark.parametrize(("parallel", "bubble", "peaks"), [
+    ({"pp": 4, "microbatches": 8, "schedule": "gpipe"}, 3 / 11, [8, 8, 8, 8]),
+    ({"pp": 4, "microbatches": 8, "schedule": "1f1b"}, 3 / 11, [4, 3, 2, 1]),
+    ({"pp": 4, "vpp": 2, "microbatches": 8, "schedule": "interleaved-1f1b"}, 3 / 19, [11, 9, 7, 5]),
+    ({"pp": 1, "microbatches": 4}, 0.0, [1]),
+], ids=["gpipe", "1f1b", "interleaved", "no-pipeline"])
+def test_described_plan_shows_the_simulated_schedule(parallel, bubble, peaks):
+    schedule = describe(pipeline_plan(**parallel))["schedule"]
+    assert schedule["kind"] == parallel.get("schedule", "1f1b")
+    assert schedule["bubble_fraction"] == pytest.approx(bubble)
+    assert schedule["peak_activations"] == peaks
+    assert len(schedule["stages"]) == parallel["pp"] == len(schedule["gantt"].splitlines()) - 1
+    assert schedule["costs"] == {"forward": 1.0, "backward": 2.0, "comm": 0.0}
+
+
+def test_simulation_costs_come_from_the_spec():
+    spec = tiny_spec(model={"n_layer": 8}, global_batch=16, parallel={"pp": 2, "microbatches": 2},
+                     sim_costs={"forward": 2, "backward": 3, "comm": 1})
+    schedule = describe(make_plan(parse_spec(spec)))["schedule"]
+    # 1f1b, pp=2, m=2, with a comm run between each dependent pair: F F B B on the critical path, plus comms.
+    assert schedule["makespan"] > (2 + 2) * 2 + 2 * 3  # slower than the free-communication figure
+
+
+@pytest.mark.parametrize(("parallel", "rule"), [
+    ({"pp": 2, "vpp": 2, "microbatches": 4, "schedule": "1f1b"}, "1f1b needs vpp=1"),
+    ({"pp": 2, "vpp": 1, "microbatches": 4, "schedule": "interleaved-1f1b"}, "interleaved-1f1b needs vpp >= 2"),
+    ({"pp": 4, "vpp": 2, "microbatches": 2, "schedule": "interleaved-1f1b"}, "needs microbatches >= pp"),
+    ({"pp": 1, "vpp": 2, "microbatches": 2, "schedule": "interleaved-1f1b"}, "needs pp >= 2"),
+])
+def test_schedules_a_kind_cannot_run_are_refused_naming_the_rule(parallel, rule):
+    with pytest.raises(PlanError, match=rule) as err:
+        pipeline_plan(**parallel)
+    assert err.value.field == "parallel.schedule"
+
+
+def test_tied_embeddings_across_stages_are_refused():
+    with pytest.raises(PlanError, match="tied embeddings need pp=1") as err:
+        make_plan(parse_spec(tiny_spec(model={"tie_embeddings": True}, parallel={"pp": 2})))
+    assert err.value.field == "model.tie_embeddings"

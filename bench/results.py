@@ -1,0 +1,84 @@
+"""The rows every benchmark section returns, and `bench/results.json`, which holds the latest rows of each.
+
+A row compares one quantity between trainyard (`ours`) and a baseline: `ratio` is ours / baseline unless
+the row's note says otherwise, and `baseline` is null where there is none. The file is
+`{"machine": {...}, "sections": {name: {"measured_at", "wall_s", "machine", "scratch"}}, "rows": [...]}`
+(`machine` is the latest run's); re-running some sections replaces only their rows and keeps the others'.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    ours: float | None
+    baseline: float | None
+    ratio: float | None
+    unit: str
+    note: str = ""
+    section: str = ""
+    """Set by bench.run from the section that produced the row."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def load(path: Path) -> dict[str, Any]:
+    """The results file, or an empty one."""
+    if not path.exists():
+        return {"machine": {}, "sections": {}, "rows": []}
+    return json.loads(path.read_text())
+
+
+def merge(old: dict[str, Any], rows_by_section: dict[str, list[Row]], meta_by_section: dict[str, dict[str, Any]],
+          machine: dict[str, Any], order: Sequence[str]) -> dict[str, Any]:
+    """Replace the rows and metadata of the sections just run; keep every other section's; order by `order`."""
+    def rank(section: str) -> int:
+        return order.index(section) if section in order else len(order)
+
+    kept = [r for r in old.get("rows", []) if r.get("section") not in rows_by_section]
+    new = [replace(r, section=name).to_dict() for name, rows in rows_by_section.items() for r in rows]
+    sections = {**old.get("sections", {}), **meta_by_section}
+    return {
+        "machine": machine,
+        "sections": {name: sections[name] for name in sorted(sections, key=rank)},
+        "rows": sorted(kept + new, key=lambda r: rank(r.get("section", ""))),  # stable: keeps each section's order
+    }
+
+
+def save(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _number(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if unit == "s" else f"{value:.4g}"
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    """The rows as a Markdown table (readable in a terminal too), as BENCHMARKS.md shows them."""
+    lines = ["| benchmark | ours | baseline | ratio | unit | note |", "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        ratio_text = "-" if r.ratio is None else f"{r.ratio:.3f}"
+        lines.append(f"| {r.name} | {_number(r.ours, r.unit)} | {_number(r.baseline, r.unit)} | {ratio_text} "
+                     f"| {r.unit} | {r.note} |")
+    return "\n".join(lines)

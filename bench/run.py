@@ -1,0 +1,83 @@
+"""`make bench` (`python -m bench.run [--only SECTION ...]`): run benchmark sections, write bench/results.json.
+
+A section is a function `BenchContext -> list[Row]` registered in SECTIONS; add one there to extend the
+harness (e.g. the pipeline section: step time and simulated makespan per schedule, peak activation memory
+per stage). Re-running some sections with --only replaces their rows in results.json and keeps the others'.
+The machine (cores, CPU model, RAM, torch/ray versions) is read at run time, printed and stored too.
+Never run in CI: the numbers are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import dp
+from bench.context import BENCH, BenchContext
+from bench.machine import describe, machine_info
+from bench.results import Row, load, markdown_table, merge, save
+from bench.service_job import BenchError
+from service.client import ApiError
+
+RESULTS = BENCH / "results.json"
+RUNS = BENCH / ".runs"  # scratch: service state dirs, logs, raw per-step records (git-ignored)
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    title: str
+    run: Callable[[BenchContext], list[Row]]
+
+
+SECTIONS: dict[str, Section] = {
+    s.name: s for s in (
+        Section("dp", "data parallel dp=2: trainyard service vs torchrun + DDP", dp.run_section),
+    )
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    names = list(dict.fromkeys(args.only or SECTIONS))  # registry order, each once
+    start = time.perf_counter()
+    machine = machine_info()
+    print(f"machine: {describe(machine)}", flush=True)
+    run_root = RUNS / time.strftime("%Y%m%d-%H%M%S")
+    rows: dict[str, list[Row]] = {}
+    meta: dict[str, dict] = {}
+    for name in names:
+        section = SECTIONS[name]
+        print(f"\n== {name}: {section.title}", flush=True)
+        ctx = BenchContext(run_dir=run_root / name, rounds=args.rounds)
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        try:
+            rows[name] = section.run(ctx)
+        except (BenchError, ApiError) as e:
+            print(f"error: section {name}: {e}", file=sys.stderr)
+            return 1
+        meta[name] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
+                      "machine": machine, "scratch": str(ctx.run_dir.relative_to(BENCH.parent))}
+    save(args.out, merge(load(args.out), rows, meta, machine, order=list(SECTIONS)))
+    print(f"\n{markdown_table([r for name in names for r in rows[name]])}")
+    print(f"\nrows written to {args.out}; total wall time {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", action="append", choices=list(SECTIONS),
+                   help="run only this section (repeatable); other sections' rows in the results file are kept")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per section (default: its own)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results file (default bench/results.json)")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

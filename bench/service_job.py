@@ -1,0 +1,86 @@
+"""Running one JobSpec through the real trainyard service, the way a user would, and fetching its metrics.
+
+`TrainyardService` starts `python -m service.cli --state-dir <dir> serve --port <free port>` in a
+subprocess as service/demo.py does (the server's output goes to `<dir>/serve.log`), waits for /healthz
+with the demo's own wait, and shuts the server down with SIGINT on exit. `run_job` submits a spec over
+REST with `service.client.Client`, waits for SUCCEEDED and returns the job's per-step metrics rows
+(`GET /api/jobs/{id}/metrics`).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from service.cli import TERMINAL
+from service.client import ApiError, Client
+from service.demo import _wait_ready as wait_ready  # the demo's own readiness wait
+
+
+class BenchError(RuntimeError):
+    """A benchmark run did not produce its measurements."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TrainyardService:
+    """A `trainyard serve` subprocess with its own state directory and port, as a context manager."""
+
+    def __init__(self, state_dir: Path, startup_timeout_s: float = 180.0):
+        self.state_dir, self.startup_timeout_s = state_dir, startup_timeout_s
+        self.port = free_port()
+        self.log_path = state_dir / "serve.log"
+        self._server: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
+        self.client: Client | None = None
+
+    def __enter__(self) -> TrainyardService:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("wb")
+        cmd = [sys.executable, "-m", "service.cli", "--state-dir", str(self.state_dir),
+               "serve", "--port", str(self.port)]
+        self._server = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self.client = wait_ready(self._server, self.state_dir, self.port, self.startup_timeout_s)
+        except ApiError as e:
+            self.__exit__(None, None, None)
+            raise BenchError(f"{e}; see {self.log_path}") from None
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self._server is not None:
+            self._server.send_signal(signal.SIGINT)
+            try:
+                self._server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+                self._server.wait()
+        if self._log is not None:
+            self._log.close()
+
+    def run_job(self, spec: dict[str, Any], timeout_s: float = 600.0, poll_s: float = 1.0) -> list[dict[str, Any]]:
+        """Submit `spec`, wait until it ends, and return its metrics rows; raises BenchError unless SUCCEEDED."""
+        assert self.client is not None, "use TrainyardService as a context manager"
+        job_id = self.client.submit(spec)
+        deadline = time.monotonic() + timeout_s
+        while (job := self.client.job(job_id))["status"] not in TERMINAL:
+            if time.monotonic() > deadline:
+                self.client.stop(job_id)
+                raise BenchError(f"job {job_id} did not finish within {timeout_s:g} s")
+            time.sleep(poll_s)
+        if job["status"] != "SUCCEEDED":
+            raise BenchError(f"job {job_id} ended {job['status']}: {job.get('error')}")
+        return self.client.metrics(job_id)

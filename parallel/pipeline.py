@@ -1,0 +1,180 @@
+"""The pipeline executor: runs one pipeline rank's action list for one step.
+
+The coordinator's schedule (`parallel.schedules`) gives each pipeline rank an ordered list of actions;
+this module only interprets it. FORWARD/BACKWARD run one micro-batch through one local chunk. A run of
+consecutive communication actions is posted together as one `batch_isend_irecv` and waited on as a whole,
+which is the semantics the schedule simulator proves deadlock-free. Activations and their gradients move
+with torch.distributed point-to-point (gloo or NCCL), so the CPU tests run the GPU code path.
+
+Written by hand rather than with `torch.distributed.pipelining` because the schedule is computed and
+simulated by the coordinator as plain data (shown to users before a job runs), and the executor must run
+exactly that list; the torch schedules generate and run their own order internally.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parallel.model import GPTStage
+from parallel.schedules import COMM_KINDS, Action, ActionKind
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch
+
+
+@dataclass
+class PipelineTimings:
+    """What one rank measured while running its actions."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    comm_s: float = 0.0
+    schedule_s: float = 0.0
+    """Wall time from the first action to the last."""
+    peak_activations: int = 0
+    """Most (micro-batch, chunk) activations held at once (forward done, backward not yet)."""
+    peak_activation_bytes: int = 0
+    """Most bytes autograd held saved for backward at once (parameters excluded)."""
+
+
+@dataclass
+class _StepState:
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    grads_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    grads_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    live: int = 0
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: list[GPTStage], pp_rank: int, pp: int, pp_ranks: list[int],
+                 activation_shape: tuple[int, ...], device: torch.device, loss_scale: float):
+        self.chunks, self.pp_rank, self.pp, self.pp_ranks = chunks, pp_rank, pp, pp_ranks
+        self.n_virtual = pp * len(chunks)
+        self.activation_shape, self.device, self.loss_scale = activation_shape, device, loss_scale
+
+    def run(self, actions: list[Action], batch: Callable[[int], Batch]) -> tuple[torch.Tensor, PipelineTimings]:
+        """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings."""
+        state, timings = _StepState(), PipelineTimings()
+        loss_sum = torch.zeros((), device=self.device)
+        meter = _SavedTensorMeter([p for chunk in self.chunks for p in chunk.parameters()])
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            i = 0
+            while i < len(actions):
+                action = actions[i]
+                t0 = time.perf_counter()
+                if action.kind in COMM_KINDS:
+                    j = i
+                    while j < len(actions) and actions[j].kind in COMM_KINDS:
+                        j += 1
+                    self._communicate(actions[i:j], state)
+                    timings.comm_s += time.perf_counter() - t0
+                    i = j
+                    continue
+                if action.kind is ActionKind.FORWARD:
+                    loss = self._forward(action, state, batch)
+                    if loss is not None:
+                        loss_sum += loss.detach()
+                    timings.forward_s += time.perf_counter() - t0
+                else:
+                    self._backward(action, state)
+                    timings.backward_s += time.perf_counter() - t0
+                timings.peak_activations = max(timings.peak_activations, state.live)
+                i += 1
+        timings.schedule_s = time.perf_counter() - start
+        timings.peak_activation_bytes = meter.peak
+        return loss_sum, timings
+
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.pp + self.pp_rank
+
+    def _forward(self, a: Action, state: _StepState, batch: Callable[[int], Batch]) -> torch.Tensor | None:
+        key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)
+        if v == 0:
+            x = batch(a.microbatch)[0].to(self.device)
+        elif self.pp == 1:  # the previous virtual stage is on this rank: pass the activation locally
+            x = state.outputs[(a.microbatch, a.chunk - 1)].detach().requires_grad_()
+        else:
+            x = state.inputs[key]
+        state.inputs[key] = x
+        out = self.chunks[a.chunk](x)
+        state.live += 1
+        if v == self.n_virtual - 1:
+            targets = batch(a.microbatch)[1].to(self.device)
+            out = self.chunks[a.chunk].loss_sum(out, targets) * self.loss_scale
+            state.outputs[key] = out
+            return out
+        state.outputs[key] = out
+        return None
+
+    def _backward(self, a: Action, state: _StepState) -> None:
+        key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)
+        out = state.outputs.pop(key)
+        if v == self.n_virtual - 1:
+            out.backward()
+        else:
+            out.backward(state.grads_out.pop(key))
+        x = state.inputs.pop(key)
+        state.live -= 1
+        if v > 0:
+            if self.pp == 1:
+                state.grads_out[(a.microbatch, a.chunk - 1)] = x.grad
+            else:
+                state.grads_in[key] = x.grad
+
+    def _communicate(self, actions: list[Action], state: _StepState) -> None:
+        ops, received = [], []
+        for a in actions:
+            key, peer = (a.microbatch, a.chunk), self.pp_ranks[a.peer]
+            if a.kind is ActionKind.SEND_ACT:
+                ops.append(dist.P2POp(dist.isend, state.outputs[key].detach().contiguous(), peer))
+            elif a.kind is ActionKind.SEND_GRAD:
+                ops.append(dist.P2POp(dist.isend, state.grads_in.pop(key).contiguous(), peer))
+            else:
+                buffer = torch.empty(self.activation_shape, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buffer, peer))
+                received.append((a, buffer))
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        for a, buffer in received:
+            if a.kind is ActionKind.RECV_ACT:
+                state.inputs[(a.microbatch, a.chunk)] = buffer.requires_grad_()
+            else:
+                state.grads_out[(a.microbatch, a.chunk)] = buffer
+
+
+class _SavedTensorMeter:
+    """Counts the bytes autograd keeps for backward, live at once, via saved-tensor hooks.
+
+    Tensors that share storage with a parameter are skipped: they are held anyway, whatever the schedule.
+    """
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.param_storage = {p.untyped_storage().data_ptr() for p in params}
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> object:
+        if t.untyped_storage().data_ptr() in self.param_storage:
+            return t
+        return _Counted(t, self)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Counted) else packed
+
+
+class _Counted:
+    __slots__ = ("tensor", "meter", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor, meter: _SavedTensorMeter):
+        self.tensor, self.meter, self.nbytes = tensor, meter, tensor.numel() * tensor.element_size()
+        meter.live += self.nbytes
+        meter.peak = max(meter.peak, meter.live)
+
+    def __del__(self):
+        self.meter.live -= self.nbytes

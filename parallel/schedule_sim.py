@@ -1,0 +1,273 @@
+"""Schedule simulator: proves a set of per-rank action lists valid and deadlock-free, and times it.
+
+`simulate(stages, microbatches, vpp, costs)` takes one action list per pipeline rank (from
+`parallel.schedules.build_schedule`, or written by hand) and checks, in order:
+
+1. each rank on its own: every (micro-batch, chunk) is forwarded and backwarded exactly once, the backward
+   after its forward, every input is on hand before the compute that needs it, every message goes to or
+   comes from the rank that holds the neighbouring virtual stage, and every output that must leave the rank
+   is sent exactly once;
+2. each channel src -> dst: the k-th send and the k-th receive carry the same payload (point-to-point
+   messages match first-in-first-out, with no tags);
+3. the run: computes take their cost; a maximal run of consecutive communication actions is posted at once
+   and the rank blocks until the peer has posted the matching op of every message in it, then the run takes
+   `costs.comm` (its messages travel concurrently). If some rank can never go on, that is a deadlock.
+
+Any failure raises ScheduleError naming the rank, the position in its list and the action. `render_gantt`
+draws the result as text. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.schedules import (
+    COMM_KINDS,
+    SEND_KINDS,
+    Action,
+    ActionKind,
+    ScheduleError,
+    stage_location,
+    virtual_stage,
+)
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+_INPUT_OF = {F: ActionKind.RECV_ACT, B: ActionKind.RECV_GRAD}  # what a compute needs from a remote neighbour
+_SENT_AFTER = {ActionKind.SEND_ACT: F, ActionKind.SEND_GRAD: B}  # the compute a send needs done first
+
+
+@dataclass(frozen=True)
+class Costs:
+    forward: float = 1.0
+    """One forward of one chunk."""
+    backward: float = 2.0
+    """One backward of one chunk."""
+    comm: float = 0.0
+    """One communication run (its messages travel concurrently)."""
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    bubble_fraction: float
+    """1 - total compute time / (pp * makespan)."""
+    peak_activations: list[int]
+    """Per pp rank: most (micro-batch, chunk) activations held at once (forward done, backward not yet)."""
+    timeline: list[list[tuple[float, float, Action]]]
+    """Per pp rank: (start, end, action) of each compute, and of each communication action when comm > 0."""
+
+
+def simulate(stages: list[list[Action]], microbatches: int, vpp: int = 1,
+             costs: Costs = Costs()) -> SimResult:
+    """Check the per-rank lists (index = pp rank) and time them; ScheduleError on the first fault."""
+    if not stages:
+        raise ScheduleError("a schedule needs at least one pipeline rank")
+    peaks = [_check_rank(stages, rank, microbatches, vpp) for rank in range(len(stages))]
+    partners = _match_channels(stages)
+    return _execute(stages, partners, peaks, costs)
+
+
+def _check_rank(stages: list[list[Action]], rank: int, m: int, vpp: int) -> int:
+    """Static checks of one rank's list, in program order. Returns its peak of live activations."""
+    pp, actions = len(stages), stages[rank]
+    n_virtual = pp * vpp
+    seen: set[tuple[ActionKind, int, int]] = set()
+    live = peak = 0
+
+    def fail(pos: int, action: Action, why: str) -> ScheduleError:
+        return ScheduleError(f"rank {rank}, position {pos} ({action}): {why}")
+
+    for pos, a in enumerate(actions):
+        if not isinstance(a, Action):
+            raise ScheduleError(f"rank {rank}, position {pos}: {a!r} is not an Action")
+        if not (0 <= a.microbatch < m and 0 <= a.chunk < vpp):
+            raise fail(pos, a, f"micro-batch or chunk out of range (microbatches={m}, vpp={vpp})")
+        key = (a.kind, a.microbatch, a.chunk)
+        if key in seen:
+            raise fail(pos, a, f"duplicated {a.kind.name} of micro-batch {a.microbatch}, chunk {a.chunk}")
+        v = virtual_stage(rank, a.chunk, pp)
+        if a.kind in COMM_KINDS:
+            wrong_peer = _peer_problem(a, v, rank, pp, n_virtual)
+            if wrong_peer:
+                raise fail(pos, a, wrong_peer)
+            done_first = _SENT_AFTER.get(a.kind)
+            if done_first is not None and (done_first, a.microbatch, a.chunk) not in seen:
+                raise fail(pos, a, f"sends before its {done_first.name} has produced the tensor")
+        else:
+            if a.peer is not None:
+                raise fail(pos, a, "a compute action takes no peer")
+            if a.kind is B and (F, a.microbatch, a.chunk) not in seen:
+                raise fail(pos, a, "BACKWARD before its FORWARD")
+            neighbour = v - 1 if a.kind is F else v + 1
+            if 0 <= neighbour < n_virtual:
+                holder, holder_chunk = stage_location(neighbour, pp)
+                if holder == rank:  # local hand-over (pp == 1)
+                    needed = Action(a.kind, a.microbatch, holder_chunk)
+                else:
+                    needed = Action(_INPUT_OF[a.kind], a.microbatch, a.chunk, holder)
+                if (needed.kind, needed.microbatch, needed.chunk) not in seen:
+                    raise fail(pos, a, f"its input is not on hand yet (needs {needed} before it)")
+            live += 1 if a.kind is F else -1
+            peak = max(peak, live)
+        seen.add(key)
+
+    for mb in range(m):
+        for chunk in range(vpp):
+            v = virtual_stage(rank, chunk, pp)
+            owed = [F, B]
+            if v + 1 < n_virtual and stage_location(v + 1, pp)[0] != rank:
+                owed.append(ActionKind.SEND_ACT)
+            if v > 0 and stage_location(v - 1, pp)[0] != rank:
+                owed.append(ActionKind.SEND_GRAD)
+            for kind in owed:
+                if (kind, mb, chunk) not in seen:
+                    raise ScheduleError(f"rank {rank}, end of list (position {len(actions)}): missing "
+                                        f"{kind.name} of micro-batch {mb}, chunk {chunk}")
+    return peak
+
+
+def _peer_problem(a: Action, v: int, rank: int, pp: int, n_virtual: int) -> str | None:
+    towards_next = a.kind in (ActionKind.SEND_ACT, ActionKind.RECV_GRAD)
+    neighbour = v + 1 if towards_next else v - 1
+    if not 0 <= neighbour < n_virtual:
+        return f"virtual stage {v} has no {'next' if towards_next else 'previous'} stage to talk to"
+    expected = stage_location(neighbour, pp)[0]
+    if expected == rank:
+        return f"virtual stage {neighbour} is on this rank: the tensor is passed locally, not communicated"
+    if a.peer != expected:
+        return f"peer should be rank {expected} (it holds virtual stage {neighbour}), got {a.peer!r}"
+    return None
+
+
+def _payload(a: Action, rank: int, pp: int) -> tuple[str, int, int]:
+    """What travels: (act | grad, micro-batch, virtual stage that receives it)."""
+    v = virtual_stage(rank, a.chunk, pp)
+    if a.kind is ActionKind.SEND_ACT:
+        return "act", a.microbatch, v + 1
+    if a.kind is ActionKind.SEND_GRAD:
+        return "grad", a.microbatch, v - 1
+    return ("act" if a.kind is ActionKind.RECV_ACT else "grad"), a.microbatch, v
+
+
+def _match_channels(stages: list[list[Action]]) -> dict[tuple[int, int], tuple[int, int]]:
+    """Pair the k-th send with the k-th receive of each channel; (rank, position) -> the partner's."""
+    pp = len(stages)
+    sends: dict[tuple[int, int], list[int]] = {}
+    recvs: dict[tuple[int, int], list[int]] = {}
+    for rank, actions in enumerate(stages):
+        for pos, a in enumerate(actions):
+            if a.kind in SEND_KINDS:
+                sends.setdefault((rank, a.peer), []).append(pos)
+            elif a.kind in COMM_KINDS:
+                recvs.setdefault((a.peer, rank), []).append(pos)
+    partners: dict[tuple[int, int], tuple[int, int]] = {}
+    for src, dst in sorted(set(sends) | set(recvs)):
+        sent, received = sends.get((src, dst), []), recvs.get((src, dst), [])
+        for k, (i, j) in enumerate(zip(sent, received, strict=False)):
+            send, recv = stages[src][i], stages[dst][j]
+            if _payload(send, src, pp) != _payload(recv, dst, pp):
+                raise ScheduleError(f"FIFO mismatch on channel {src}->{dst}: message #{k} is sent as {send} "
+                                    f"(rank {src}, position {i}) but received as {recv} "
+                                    f"(rank {dst}, position {j})")
+            partners[(src, i)], partners[(dst, j)] = (dst, j), (src, i)
+        if len(sent) != len(received):
+            if len(sent) > len(received):
+                extra_rank, extra = src, sent[len(received)]
+            else:
+                extra_rank, extra = dst, received[len(sent)]
+            raise ScheduleError(f"rank {extra_rank}, position {extra} ({stages[extra_rank][extra]}): no "
+                                f"matching op on channel {src}->{dst} ({len(sent)} sends, {len(received)} "
+                                "receives)")
+    return partners
+
+
+def _execute(stages: list[list[Action]], partners: dict[tuple[int, int], tuple[int, int]], peaks: list[int],
+             costs: Costs) -> SimResult:
+    pp = len(stages)
+    steps = [_steps(actions) for actions in stages]  # (first, last + 1) positions: a compute or a comm run
+    step_of = [{pos: s for s, (lo, hi) in enumerate(rank_steps) for pos in range(lo, hi)}
+               for rank_steps in steps]
+    reached: list[list[float]] = [[0.0] for _ in range(pp)]  # when each rank reached each of its steps so far
+    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
+
+    def partner_posted_at(rank: int, pos: int) -> float | None:
+        peer, peer_pos = partners[(rank, pos)]
+        peer_step = step_of[peer][peer_pos]
+        return reached[peer][peer_step] if peer_step < len(reached[peer]) else None
+
+    progress = True
+    while progress:  # timing is a fixed point: no rank's times depend on the order ranks are visited
+        progress = False
+        for rank in range(pp):
+            while len(reached[rank]) <= len(steps[rank]):
+                now = reached[rank][-1]
+                lo, hi = steps[rank][len(reached[rank]) - 1]
+                first = stages[rank][lo]
+                if first.kind in COMM_KINDS:
+                    posted = [partner_posted_at(rank, pos) for pos in range(lo, hi)]
+                    if None in posted:
+                        break
+                    start = max([now, *posted])
+                    end = start + costs.comm
+                    if costs.comm > 0:
+                        timeline[rank] += [(start, end, a) for a in stages[rank][lo:hi]]
+                else:
+                    end = now + (costs.forward if first.kind is F else costs.backward)
+                    timeline[rank].append((now, end, first))
+                reached[rank].append(end)
+                progress = True
+
+    blocked = [rank for rank in range(pp) if len(reached[rank]) <= len(steps[rank])]
+    if blocked:
+        waits = []
+        for rank in blocked:
+            lo, hi = steps[rank][len(reached[rank]) - 1]
+            pos = next(pos for pos in range(lo, hi) if partner_posted_at(rank, pos) is None)
+            peer, peer_pos = partners[(rank, pos)]
+            waits.append(f"rank {rank} waits forever at position {pos} ({stages[rank][pos]}) for rank "
+                         f"{peer}, whose matching op is at its position {peer_pos} "
+                         f"({stages[peer][peer_pos]})")
+        raise ScheduleError("deadlock: " + "; ".join(waits))
+    makespan = max(times[-1] for times in reached)
+    compute = sum(end - start for row in timeline for start, end, a in row if a.kind in (F, B))
+    bubble = 1.0 - compute / (pp * makespan) if makespan > 0 else 0.0
+    return SimResult(makespan, bubble, peaks, timeline)
+
+
+def _steps(actions: list[Action]) -> list[tuple[int, int]]:
+    steps: list[tuple[int, int]] = []
+    for pos, a in enumerate(actions):
+        if a.kind in COMM_KINDS and steps and actions[pos - 1].kind in COMM_KINDS:
+            steps[-1] = (steps[-1][0], pos + 1)
+        else:
+            steps.append((pos, pos + 1))
+    return steps
+
+
+_FORWARD_MARKS = "0123456789"
+_BACKWARD_MARKS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def render_gantt(result: SimResult, width: int = 100) -> str:
+    """A text Gantt chart: one row per pp rank, a column per makespan / width time units, then a legend."""
+    width = max(width, 1)
+    scale = result.makespan / width if result.makespan > 0 else 1.0
+    rows = []
+    for rank, intervals in enumerate(result.timeline):
+        row = ["."] * width
+        # Communication first, so compute drawn later wins a shared column.
+        for start, end, a in sorted(intervals, key=lambda iv: iv[2].kind in (F, B)):
+            if a.kind is F:
+                mark = _FORWARD_MARKS[a.microbatch % len(_FORWARD_MARKS)]
+            elif a.kind is B:
+                mark = _BACKWARD_MARKS[a.microbatch % len(_BACKWARD_MARKS)]
+            else:
+                mark = "~"
+            first = min(int(start / scale + 0.5), width - 1)
+            last = max(first + 1, min(int(end / scale + 0.5), width))
+            row[first:last] = mark * (last - first)
+        rows.append(f"rank {rank:>2} |{''.join(row)}|")
+    legend = (f"legend: 0-9 forward of micro-batch (mod 10), a-z backward of micro-batch (mod 26), "
+              f"~ communication, . idle; 1 column = {scale:g} time units; makespan {result.makespan:g}, "
+              f"bubble {result.bubble_fraction:.1%}")
+    return "\n".join([*rows, legend])

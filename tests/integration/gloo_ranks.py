@@ -1,0 +1,44 @@
+"""Run a plan's ranks as spawned processes on gloo, with torch.distributed alone (no Ray)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.distributed import init_distributed, shutdown_distributed
+from parallel.plan import Plan
+from parallel.trainer import RankTrainer
+
+
+def _rank_main(rank: int, plan: Plan, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=120)
+    trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
+    cfg = plan.config
+    num_samples = open_dataset(cfg).num_samples
+    stats = []
+    for step in range(cfg.steps):
+        ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
+        share = rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches)
+        stats.append(trainer.train_step(step, share).to_dict())
+    torch.save(stats, Path(out_dir) / f"rank{rank}.pt")
+    shutdown_distributed()
+
+
+def run_ranks(plan: Plan, out_dir: Path) -> list[list[dict]]:
+    """Every rank's StepStats dicts, indexed [rank][step]."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank_main, args=(plan, port, str(out_dir)), nprocs=plan.world_size, start_method="spawn")
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(plan.world_size)]
+
+
+def losses(plan: Plan, out_dir: Path) -> list[float]:
+    per_rank = run_ranks(plan, out_dir)
+    last = next(r for r in range(plan.world_size) if per_rank[r][0]["loss"] is not None)
+    return [s["loss"] for s in per_rank[last]]

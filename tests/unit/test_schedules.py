@@ -1,0 +1,244 @@
+"""Pipeline schedules and their simulator: closed-form bubbles, activation peaks, refusals, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel.schedule_sim import Costs, render_gantt, simulate
+from parallel.schedules import (
+    SCHEDULE_KINDS,
+    Action,
+    ActionKind,
+    ScheduleError,
+    build_schedule,
+    check_schedule_args,
+    format_actions,
+    parse_actions,
+)
+
+# (pp, microbatches): multiples of pp, non-multiples, fewer micro-batches than ranks, and a single rank.
+PP_M = [(2, 4), (4, 8), (3, 7), (4, 6), (4, 2), (3, 1), (1, 5)]
+
+
+def run(kind: str, pp: int, m: int, vpp: int = 1, costs: Costs = Costs()):
+    return simulate(build_schedule(kind, pp, m, vpp), m, vpp, costs)
+
+
+def closed_form(pp: int, m: int, vpp: int = 1) -> float:
+    return (pp - 1) / (vpp * m + pp - 1)
+
+
+@pytest.mark.parametrize(("pp", "m"), PP_M)
+def test_gpipe_bubble_matches_closed_form(pp, m):
+    assert run("gpipe", pp, m).bubble_fraction == pytest.approx(closed_form(pp, m))
+
+
+@pytest.mark.parametrize(("pp", "m"), PP_M)
+def test_1f1b_bubble_matches_closed_form(pp, m):
+    assert run("1f1b", pp, m).bubble_fraction == pytest.approx(closed_form(pp, m))
+
+
+@pytest.mark.parametrize(("pp", "m", "vpp"), [
+    (2, 4, 2), (4, 8, 2), (4, 8, 3), (3, 6, 4), (4, 4, 2),  # m a multiple of pp
+    (2, 5, 2), (4, 6, 2), (3, 7, 3), (4, 9, 2), (4, 11, 4),  # m not a multiple of pp (Megatron's groups)
+])
+def test_interleaved_divides_the_bubble_by_vpp(pp, m, vpp):
+    bubble = run("interleaved-1f1b", pp, m, vpp).bubble_fraction
+    assert bubble == pytest.approx(closed_form(pp, m, vpp))
+    assert bubble < run("1f1b", pp, m).bubble_fraction
+
+
+@pytest.mark.parametrize(("pp", "m", "vpp"), [(2, 4, 2), (3, 7, 3), (4, 8, 2)])
+def test_gpipe_with_virtual_stages_matches_interleaved_bubble_but_holds_every_activation(pp, m, vpp):
+    looped = run("gpipe", pp, m, vpp)
+    assert looped.bubble_fraction == pytest.approx(closed_form(pp, m, vpp))
+    assert looped.peak_activations == [m * vpp] * pp
+    assert max(run("interleaved-1f1b", pp, m, vpp).peak_activations) < m * vpp
+
+
+def test_gpipe_with_virtual_stages_and_few_microbatches_still_beats_1f1b():
+    # With m < pp the first rank waits for the wrapped-around activation: not the closed form, but better.
+    bubble = run("gpipe", 4, 2, 2).bubble_fraction
+    assert closed_form(4, 2, 2) < bubble < closed_form(4, 2)
+
+
+@pytest.mark.parametrize(("pp", "m"), PP_M)
+def test_gpipe_holds_every_microbatch_on_every_rank(pp, m):
+    assert run("gpipe", pp, m).peak_activations == [m] * pp
+
+
+@pytest.mark.parametrize(("pp", "m"), PP_M)
+def test_1f1b_holds_at_most_pp_minus_rank_activations(pp, m):
+    peaks = run("1f1b", pp, m).peak_activations
+    assert peaks == [min(pp - rank, m) for rank in range(pp)]
+    assert max(peaks) <= pp
+
+
+@pytest.mark.parametrize(("pp", "m", "vpp"), [(2, 4, 2), (4, 8, 2), (4, 16, 3)])
+def test_interleaved_holds_megatron_warmup_plus_one_activations(pp, m, vpp):
+    peaks = run("interleaved-1f1b", pp, m, vpp).peak_activations
+    assert peaks == [min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, m * vpp) for rank in range(pp)]
+
+
+def test_interleaved_with_m_not_a_multiple_of_pp_follows_megatrons_table():
+    # Megatron-LM's documented table for PP2 M5 VP2 with groups of 3 micro-batches (the smallest group size
+    # whose remainder is 0 or at least pp): micro-batch 0 1 2 0 1 2 3 4 3 4, chunk 0 0 0 1 1 1 0 0 1 1.
+    forwards = [(a.microbatch, a.chunk) for a in build_schedule("interleaved-1f1b", 2, 5, 2)[0]
+                if a.kind is ActionKind.FORWARD]
+    assert forwards == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+
+
+def test_interleaved_with_an_awkward_m_needs_a_larger_group_and_more_memory():
+    # pp=4, m=6: no group size in 4..5 leaves a remainder of 0 or >= 4, so the group is all 6 micro-batches
+    # and rank 0 runs every forward before its first backward; the bubble still divides by vpp.
+    result = run("interleaved-1f1b", 4, 6, 2)
+    assert result.peak_activations == [12, 11, 9, 7]
+    assert result.bubble_fraction == pytest.approx(closed_form(4, 6, 2))
+
+
+OFFERED = [  # every combination here must build and pass the simulator, whatever the costs
+    ("gpipe", 1, 1, 1), ("gpipe", 1, 3, 2), ("gpipe", 2, 3, 1), ("gpipe", 3, 5, 1), ("gpipe", 4, 2, 1),
+    ("gpipe", 2, 3, 2), ("gpipe", 4, 6, 3), ("gpipe", 4, 2, 2),
+    ("1f1b", 1, 1, 1), ("1f1b", 1, 4, 1), ("1f1b", 2, 1, 1), ("1f1b", 2, 3, 1), ("1f1b", 3, 5, 1),
+    ("1f1b", 4, 4, 1), ("1f1b", 4, 10, 1), ("1f1b", 5, 3, 1),
+    ("interleaved-1f1b", 2, 2, 2), ("interleaved-1f1b", 2, 3, 2), ("interleaved-1f1b", 2, 5, 3),
+    ("interleaved-1f1b", 3, 4, 2), ("interleaved-1f1b", 3, 5, 3), ("interleaved-1f1b", 4, 6, 2),
+    ("interleaved-1f1b", 4, 7, 2), ("interleaved-1f1b", 4, 13, 4), ("interleaved-1f1b", 5, 12, 2),
+]
+
+
+@pytest.mark.parametrize(("kind", "pp", "m", "vpp"), OFFERED, ids=lambda x: str(x))
+def test_every_offered_combination_passes_the_simulator_under_any_costs(kind, pp, m, vpp):
+    check_schedule_args(kind, pp, m, vpp)
+    stages = build_schedule(kind, pp, m, vpp)
+    assert len(stages) == pp
+    for costs in (Costs(), Costs(1.0, 1.0, 0.0), Costs(2.0, 1.0, 0.5), Costs(0.5, 3.0, 1.0)):
+        result = simulate(stages, m, vpp, costs)
+        assert result.makespan > 0
+        assert len(result.peak_activations) == pp
+    if pp == 1:
+        assert not any(a.is_comm for a in stages[0])  # neighbouring chunks on one rank hand over locally
+
+
+@pytest.mark.parametrize(("kind", "pp", "m", "vpp", "why"), [
+    ("zero-bubble", 2, 4, 1, "unknown schedule 'zero-bubble'; expected one of gpipe, 1f1b, interleaved-1f1b"),
+    ("1f1b", 2, 4, 2, "1f1b needs vpp=1 (got vpp=2); use interleaved-1f1b"),
+    ("interleaved-1f1b", 2, 4, 1, "interleaved-1f1b needs vpp >= 2 (got vpp=1)"),
+    ("interleaved-1f1b", 1, 4, 2, "interleaved-1f1b needs pp >= 2 (got pp=1)"),
+    ("interleaved-1f1b", 4, 3, 2, "interleaved-1f1b needs microbatches >= pp (got microbatches=3, pp=4)"),
+    ("gpipe", 0, 4, 1, "gpipe needs pp >= 1 (got pp=0)"),
+    ("1f1b", 2, 0, 1, "1f1b needs microbatches >= 1 (got microbatches=0)"),
+])
+def test_combinations_a_kind_cannot_run_are_refused_with_the_rule(kind, pp, m, vpp, why):
+    for call in (check_schedule_args, build_schedule):
+        with pytest.raises(ScheduleError) as err:
+            call(kind, pp, m, vpp)
+        assert why in str(err.value)
+
+
+def test_every_kind_is_offered():
+    assert set(SCHEDULE_KINDS) == {kind for kind, *_ in OFFERED}
+
+
+def test_single_rank_is_plain_gradient_accumulation():
+    assert format_actions(build_schedule("1f1b", 1, 3)[0]) == "F0.0 B0.0 F1.0 B1.0 F2.0 B2.0"
+    assert format_actions(build_schedule("gpipe", 1, 3)[0]) == "F0.0 F1.0 F2.0 B0.0 B1.0 B2.0"
+    assert run("1f1b", 1, 3).bubble_fraction == 0.0
+
+
+def test_1f1b_pairs_the_outgoing_activation_with_the_incoming_gradient():
+    rank0, rank1 = (format_actions(actions) for actions in build_schedule("1f1b", 2, 3))
+    assert rank0 == ("F0.0 [sA0.0>1] F1.0 [sA1.0>1 rG0.0<1] B0.0 F2.0 [sA2.0>1 rG1.0<1] B1.0 [rG2.0<1] B2.0")
+    assert rank1 == ("[rA0.0<0] F0.0 [rA1.0<0] B0.0 [sG0.0>0] F1.0 B1.0 [rA2.0<0 sG1.0>0] F2.0 B2.0 "
+                     "[sG2.0>0]")
+
+
+def test_action_labels_name_kind_microbatch_chunk_and_peer():
+    assert str(Action(ActionKind.FORWARD, 3, 1)) == "F3.1"
+    assert str(Action(ActionKind.BACKWARD, 3, 1)) == "B3.1"
+    assert str(Action(ActionKind.SEND_ACT, 3, 1, 2)) == "sA3.1>2"
+    assert str(Action(ActionKind.RECV_GRAD, 3, 1, 2)) == "rG3.1<2"
+    stages = build_schedule("interleaved-1f1b", 2, 4, 2)
+    assert [parse_actions(format_actions(actions)) for actions in stages] == stages
+
+
+def test_communication_cost_lengthens_the_step_and_shows_in_the_timeline():
+    free, costly = run("1f1b", 4, 8), run("1f1b", 4, 8, costs=Costs(comm=0.5))
+    assert costly.makespan > free.makespan
+    assert any(a.is_comm for row in costly.timeline for _, _, a in row)
+    assert not any(a.is_comm for row in free.timeline for _, _, a in row)
+    assert "~" in render_gantt(costly)
+
+
+def test_gantt_has_one_row_per_rank_and_a_legend():
+    chart = render_gantt(run("1f1b", 3, 4), width=60)
+    lines = chart.splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("legend:")
+    rows = [line.split("|")[1] for line in lines[:3]]
+    assert all(len(row) == 60 for row in rows)
+    assert rows[0].startswith("0") and "a" in rows[0] and "." in rows[2]
+
+
+# --- the validator, on hand-written tables ---
+
+GOOD_1F1B = [  # pp=2, m=2, Megatron's pairing of a send with the opposite receive
+    "F0.0 [sA0.0>1] F1.0 [sA1.0>1 rG0.0<1] B0.0 [rG1.0<1] B1.0",
+    "[rA0.0<0] F0.0 B0.0 [sG0.0>0 rA1.0<0] F1.0 B1.0 [sG1.0>0]",
+]
+
+
+def table(*rows: str) -> list[list[Action]]:
+    return [parse_actions(row) for row in rows]
+
+
+def test_hand_written_table_is_a_valid_input():
+    assert simulate(table(*GOOD_1F1B), 2).bubble_fraction == pytest.approx(closed_form(2, 2))
+
+
+def test_validator_rejects_a_missing_backward():
+    rank0 = GOOD_1F1B[0].replace(" B1.0", "")
+    with pytest.raises(ScheduleError, match=r"rank 0, end of list \(position 7\): missing BACKWARD of "
+                                            r"micro-batch 1, chunk 0"):
+        simulate(table(rank0, GOOD_1F1B[1]), 2)
+
+
+def test_validator_rejects_a_duplicated_forward():
+    rank1 = GOOD_1F1B[1].replace("F1.0 B1.0", "F1.0 F1.0 B1.0")
+    with pytest.raises(ScheduleError, match=r"rank 1, position 6 \(F1.0\): duplicated FORWARD of "
+                                            r"micro-batch 1, chunk 0"):
+        simulate(table(GOOD_1F1B[0], rank1), 2)
+
+
+def test_validator_rejects_a_table_where_both_ranks_receive_first():
+    deadlock = table("[rG0.0<1] F0.0 [sA0.0>1] B0.0", "[rA0.0<0] F0.0 B0.0 [sG0.0>0]")
+    with pytest.raises(ScheduleError) as err:
+        simulate(deadlock, 1)
+    assert str(err.value) == (
+        "deadlock: rank 0 waits forever at position 0 (rG0.0<1) for rank 1, whose matching op is at its "
+        "position 3 (sG0.0>0); rank 1 waits forever at position 0 (rA0.0<0) for rank 0, whose matching op "
+        "is at its position 2 (sA0.0>1)")
+
+
+def test_validator_rejects_a_fifo_payload_mismatch():
+    # Rank 1 posts its two receives from rank 0 in the opposite order to rank 0's sends: with no tags, the
+    # first activation sent would land in the second micro-batch's buffer.
+    swapped = table("F0.0 [sA0.0>1] F1.0 [sA1.0>1] [rG0.0<1] B0.0 [rG1.0<1] B1.0",
+                    "[rA1.0<0 rA0.0<0] F0.0 F1.0 B0.0 [sG0.0>0] B1.0 [sG1.0>0]")
+    with pytest.raises(ScheduleError, match=r"FIFO mismatch on channel 0->1: message #0 is sent as sA0.0>1 "
+                                            r"\(rank 0, position 1\) but received as rA1.0<0 \(rank 1, "
+                                            r"position 0\)"):
+        simulate(swapped, 2)
+
+
+@pytest.mark.parametrize(("rows", "why"), [
+    (["F0.0 [sA0.0>0] B0.0", "[rA0.0<0] F0.0 B0.0"],
+     r"rank 0, position 1 \(sA0.0>0\): peer should be rank 1"),
+    (["[sA0.0>1] F0.0 B0.0", "[rA0.0<0] F0.0 B0.0"],
+     r"rank 0, position 0 \(sA0.0>1\): sends before its FORWARD has produced the tensor"),
+    (["F0.0 [sA0.0>1 rG0.0<1] B0.0", "F0.0 B0.0"],
+     r"rank 1, position 0 \(F0.0\): its input is not on hand yet \(needs rA0.0<0 before it\)"),
+    (["F0.0 B0.0 F1.0 B1.0"], r"micro-batch or chunk out of range"),
+])
+def test_validator_names_rank_position_and_action(rows, why):
+    with pytest.raises(ScheduleError, match=why):
+        simulate(table(*rows), 1)
