@@ -11,7 +11,7 @@ step (wall time and its phases, loss, grad norm) to `--out`.
 Gradient sync, `--grad-sync`:
 - `ddp` (the baseline): DDP all-reduces buckets while backward still runs. DDP averages, so the per-rank
   loss is `loss_sum / tokens_per_step * dp`, which makes the averaged gradient the global-batch mean.
-- `after-backward` (a diagnostic): no DDP; trainyard's own `parallel.data_parallel.allreduce_gradients`
+- `after-backward` (a diagnostic): no DDP; trainyard's own `parallel.data_parallel.GradientBuckets`
   (bucketed SUM, after backward) on a loss of `loss_sum / tokens_per_step`, i.e. trainyard's math
   without Ray, so the difference to `ddp` is the value of overlapping the all-reduce with backward.
 
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from api.spec import load_spec_text, parse_spec
 from parallel.config import JobConfig
 from parallel.data import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
-from parallel.data_parallel import allreduce_gradients
+from parallel.data_parallel import GradientBuckets
 from parallel.model import GPTStage, full_model
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
 
@@ -77,6 +77,7 @@ class Trainer:
         self.model = LossModel(full_model(cfg.model, cfg.seed))
         self.params = list(self.model.parameters())
         self.ddp = DistributedDataParallel(self.model) if grad_sync == "ddp" else None
+        self.buckets = GradientBuckets(self.params) if self.ddp is None else None
         self.net: nn.Module = self.ddp if self.ddp is not None else self.model
         self.optimizer = make_optimizer([self.model], cfg.optimizer)
         self.dataset: Dataset = open_dataset(cfg)
@@ -105,8 +106,8 @@ class Trainer:
             forward_s, backward_s = forward_s + t1 - t0, backward_s + t2 - t1
             loss_sum += loss.detach() / self.tokens_per_step
         t0 = time.perf_counter()
-        if self.ddp is None:
-            allreduce_gradients(self.params, dist.group.WORLD)
+        if self.buckets is not None:
+            self.buckets.allreduce(dist.group.WORLD)
         t1 = time.perf_counter()
         grad_norm = clip_grad_norm(self.params, cfg.optimizer.grad_clip, None)
         set_lr(self.optimizer, lr_at(step, cfg.optimizer, cfg.steps))

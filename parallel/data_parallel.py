@@ -6,7 +6,10 @@ Written by hand instead of wrapping stages in DistributedDataParallel because:
 - with pipeline schedules a stage's micro-batch backwards interleave with other micro-batches' forwards,
   and DDP would need `no_sync` around all but the last; one reduction after the schedule composes with
   any schedule and keeps one code path for pp = 1 and pp > 1.
-The cost is no overlap of the reduction with backward; `make bench` compares against torchrun + DDP.
+As DDP's `gradient_as_bucket_view` does, every parameter's `.grad` is a view into a flat bucket kept for
+the whole job, so autograd accumulates straight into the buckets and the all-reduce runs in place with
+no flatten or copy back. The cost is no overlap of the reduction with backward; `make bench` compares
+against torchrun + DDP.
 """
 
 from __future__ import annotations
@@ -14,32 +17,44 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 
 
-@torch.no_grad()
-def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Sum every parameter's gradient across `group` (no-op without a group)."""
-    if group is None:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    for bucket in _buckets(grads):
-        flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
-        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            grad.copy_(synced)
+class GradientBuckets:
+    """Flat gradient buffers for `params`, with each `p.grad` a view into one of them.
+
+    Keep the views: zero gradients with `optimizer.zero_grad(set_to_none=False)`, never set them to None.
+    """
+
+    def __init__(self, params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
+        self.buckets: list[torch.Tensor] = []
+        for group in _group(params, bucket_bytes):
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
+            offset = 0
+            for p in group:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.buckets.append(flat)
+
+    @torch.no_grad()
+    def allreduce(self, group: dist.ProcessGroup | None) -> None:
+        """Sum every gradient across `group` (no-op without a group)."""
+        if group is None:
+            return
+        for flat in self.buckets:
+            dist.all_reduce(flat, group=group)
 
 
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    buckets: list[list[torch.Tensor]] = [[]]
+def _group(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    buckets: list[list[nn.Parameter]] = [[]]
     size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if buckets[-1] and (size + nbytes > BUCKET_BYTES or g.dtype != buckets[-1][0].dtype):
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and (size + nbytes > bucket_bytes or (p.dtype, p.device) != (buckets[-1][0].dtype,
+                                                                                     buckets[-1][0].device)):
             buckets.append([])
             size = 0
-        buckets[-1].append(g)
+        buckets[-1].append(p)
         size += nbytes
     return [b for b in buckets if b]

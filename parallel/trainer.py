@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.data import load_batch, open_dataset
-from parallel.data_parallel import allreduce_gradients
+from parallel.data_parallel import GradientBuckets
 from parallel.distributed import RankGroups
 from parallel.model import GPTStage
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
@@ -60,6 +60,7 @@ class RankTrainer:
             last = v == plan.n_virtual_stages - 1
             self.chunks.append(GPTStage(cfg.model, layers, first=v == 0, last=last, seed=cfg.seed).to(device))
         self.params = [p for chunk in self.chunks for p in chunk.parameters()]
+        self.grad_buckets = GradientBuckets(self.params)
         self.optimizer = make_optimizer(self.chunks, cfg.optimizer)
         self.dataset = open_dataset(cfg)
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
@@ -78,7 +79,7 @@ class RankTrainer:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=False)
         loss_sum, timings = self._forward_backward(microbatch_ids)
-        allreduce_gradients(self.params, self.groups.dp)
+        self.grad_buckets.allreduce(self.groups.dp)
         grad_norm = clip_grad_norm(self.params, self.plan.config.optimizer.grad_clip, self.groups.pp)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)

@@ -67,7 +67,13 @@ class JobManager:
         coordinator = Coordinator.options(name=coordinator_name(job_id)).remote(job_id, plan)
         with self._lock:
             self._coordinators[job_id] = coordinator
-        ray.get(coordinator.start.remote())
+        try:
+            ray.get(coordinator.start.remote())
+        except ray.exceptions.RayError as e:  # e.g. the code does not import on the cluster's workers
+            self.store.update(job_id, status=JobStatus.FAILED, error=f"the job's coordinator did not start: {e}")
+            self._finish(job_id, JobStatus.FAILED)
+            log.error("job %s failed at start: %s", job_id, e)
+            return job_id
         log.info("job %s submitted (%s, world size %d)", job_id, config.name, plan.world_size)
         return job_id
 
