@@ -1,8 +1,7 @@
 """`make bench` (`python -m bench.run [--only SECTION ...]`): run benchmark sections, write bench/results.json.
 
 A section is a function `BenchContext -> list[Row]` registered in SECTIONS; add one there to extend the
-harness (e.g. the pipeline section: step time and simulated makespan per schedule, peak activation memory
-per stage). Re-running some sections with --only replaces their rows in results.json and keeps the others'.
+harness. Re-running some sections with --only replaces their rows in results.json and keeps the others'.
 The machine (cores, CPU model, RAM, torch/ray versions) is read at run time, printed and stored too.
 Never run in CI: the numbers are this machine's.
 """
@@ -16,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import dp
+from bench import dp, pipeline
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -37,6 +36,8 @@ class Section:
 SECTIONS: dict[str, Section] = {
     s.name: s for s in (
         Section("dp", "data parallel dp=2: trainyard service vs torchrun + DDP", dp.run_section),
+        Section("pipeline", "pp=4 executor vs simulated makespan; activation memory GPipe vs 1F1B",
+                pipeline.run_section),
     )
 }
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from service.cli import TERMINAL
 from service.client import ApiError, Client
-from service.demo import _wait_ready as wait_ready  # the demo's own readiness wait
+from service.demo import wait_ready  # the demo's own readiness wait
 
 
 class BenchError(RuntimeError):

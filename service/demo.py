@@ -30,7 +30,7 @@ def main() -> int:
     server = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve",
                                "--port", str(args.port)])
     try:
-        client = _wait_ready(server, state, args.port, args.startup_timeout_s)
+        client = wait_ready(server, state, args.port, args.startup_timeout_s)
         print(f"Ray dashboard: {client.cluster()['dashboard_url']}", flush=True)
         job_id = client.submit(read_spec_file(args.spec))
         print(f"submitted {args.spec} as job {job_id}", flush=True)
@@ -51,7 +51,7 @@ def main() -> int:
         print("service shut down")
 
 
-def _wait_ready(server: subprocess.Popen, state: Path, port: int, timeout_s: float) -> Client:
+def wait_ready(server: subprocess.Popen, state: Path, port: int, timeout_s: float) -> Client:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
