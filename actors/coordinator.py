@@ -3,7 +3,8 @@
 Life of a job, as the coordinator drives it:
   PENDING   reserve one placement group for the whole job (all or nothing) and wait until it is ready
   RUNNING   create one Worker per rank on its bundle, rendezvous, then per step send each worker its
-            micro-batch sample ids (one Ray call per worker per step) and record the step's metrics
+            micro-batch sample ids (one Ray call per worker per step, queued one step ahead) and record the
+            step's metrics
   SUCCEEDED / STOPPED / FAILED   once the workers and the placement group are released
 
 It is an async actor so that `poll` and `stop` are answered while a step runs. A worker that raises, dies
@@ -42,6 +43,14 @@ _GAUGES = {
     "loss": Gauge("trainyard_loss", "Training loss of the last step", tag_keys=("job_id",)),
     "tokens_per_s": Gauge("trainyard_tokens_per_s", "Training throughput", tag_keys=("job_id",)),
     "step_time_s": Gauge("trainyard_step_time_s", "Wall time of the last step", tag_keys=("job_id",)),
+    "bubble_fraction": Gauge("trainyard_bubble_fraction", "Measured pipeline bubble of the last step",
+                             tag_keys=("job_id",)),
+}
+_STAGE_GAUGES = {
+    "stage_forward_s": Gauge("trainyard_stage_forward_s", "Forward time of a pipeline stage in the last step",
+                             tag_keys=("job_id", "stage")),
+    "stage_backward_s": Gauge("trainyard_stage_backward_s", "Backward time of a pipeline stage in the last step",
+                              tag_keys=("job_id", "stage")),
 }
 
 
@@ -122,14 +131,22 @@ class Coordinator:
         cfg, plan = self.plan.config, self.plan
         num_samples = open_dataset(cfg).num_samples
         tokens = cfg.global_batch * cfg.model.seq_len
-        for step in range(cfg.steps):
+
+        def submit(step: int) -> list[ray.ObjectRef]:
             ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
-            start = time.perf_counter()
-            refs = [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches))
+            return [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches))
                     for r, w in enumerate(self.workers)]
+
+        start, refs = time.perf_counter(), submit(0)
+        for step in range(cfg.steps):
+            # Queue step + 1 before waiting for step: a worker runs its calls in order and starts the next
+            # step the moment it finishes this one, so the round trip to the coordinator (results back,
+            # next call out) is off the critical path. At most one step is queued ahead.
+            upcoming = submit(step + 1) if step + 1 < cfg.steps else []
             results = await self._call_all(refs, f"step {step}", cfg.fault.step_timeout_s)
-            elapsed = time.perf_counter() - start
-            self._record(step, results, elapsed, tokens)
+            now = time.perf_counter()
+            self._record(step, results, now - start, tokens)
+            start, refs = now, upcoming
 
     def _record(self, step: int, results: list[dict], elapsed: float, tokens: int) -> None:
         last = next(r for r in results if r["loss"] is not None)
@@ -140,12 +157,16 @@ class Coordinator:
             "grad_norm": last["grad_norm"],
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
+            # Wall time between two steps' results that no rank spent computing.
             "coordinator_overhead_s": max(0.0, elapsed - max(r["compute_s"] for r in results)),
             **pipeline_metrics(results),
         }
         self.metrics.append(row)
         for key, gauge in _GAUGES.items():
             gauge.set(row[key] if key != "step" else step + 1, tags={"job_id": self.job_id})
+        for key, gauge in _STAGE_GAUGES.items():
+            for stage, value in enumerate(row[key]):
+                gauge.set(value, tags={"job_id": self.job_id, "stage": str(stage)})
         if step == 0 or (step + 1) % 10 == 0:
             log.info("job %s step %d/%d loss %.4f", self.job_id, step + 1, self.plan.config.steps, row["loss"])
 

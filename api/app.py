@@ -18,9 +18,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.models import ClusterInfo, JobCreated, JobInfo, MetricsRow, job_info
 from api.spec import describe_error
-from parallel.config import JobConfig
-from parallel.data import DatasetError
-from parallel.plan import PlanError, describe
+from parallel.config import JobConfig, RuleError
+from parallel.plan import describe
 
 if TYPE_CHECKING:
     from service.manager import JobManager
@@ -46,9 +45,8 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None) 
             detail.append({"loc": list(err["loc"]), "field": field, "msg": msg, "type": err["type"]})
         return JSONResponse(status_code=422, content={"detail": detail})
 
-    @app.exception_handler(PlanError)
-    @app.exception_handler(DatasetError)
-    async def _rule_broken(_: Request, exc: PlanError | DatasetError) -> JSONResponse:
+    @app.exception_handler(RuleError)
+    async def _rule_broken(_: Request, exc: RuleError) -> JSONResponse:
         loc = ["body", *exc.field.split(".")]
         detail = [{"loc": loc, "field": exc.field, "msg": exc.message, "type": "rule"}]
         return JSONResponse(status_code=422, content={"detail": detail})

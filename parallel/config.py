@@ -23,6 +23,18 @@ _STRICT = {"extra": "forbid"}  # an unknown field is an error, never silently ig
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 
 
+class RuleError(ValueError):
+    """A JobSpec that breaks a rule. `field` is the dotted path of the field to change."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(field, message)  # both in args, so the error pickles across Ray processes
+        self.field = field
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     __pydantic_config__ = _STRICT

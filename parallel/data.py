@@ -19,18 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from parallel.config import DataConfig, JobConfig
+from parallel.config import DataConfig, JobConfig, RuleError
 from parallel.seeds import derive_seed
 
 
-class DatasetError(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(field, message)  # both in args, so the error pickles across Ray processes
-        self.field = field
-        self.message = message
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+class DatasetError(RuleError):
+    """A dataset that is missing or does not fit the model (e.g. a token id >= vocab_size)."""
 
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}

@@ -14,21 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parallel.config import JobConfig
+from parallel.config import JobConfig, RuleError
 from parallel.schedule_sim import Costs, render_gantt, simulate
 from parallel.schedules import Action, ScheduleError, build_schedule, check_schedule_args, format_actions
 
 
-class PlanError(ValueError):
-    """A JobSpec that breaks a rule. `field` is the dotted path of the field to change."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(field, message)  # both in args, so the error pickles across Ray processes
-        self.field = field
-        self.message = message
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+class PlanError(RuleError):
+    """A JobSpec whose fields do not fit together, or a job the cluster can never hold."""
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,9 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from api.spec import SpecError, parse_spec
-    from parallel.data import DatasetError, open_dataset
-    from parallel.plan import PlanError, describe, make_plan
+    from parallel.config import RuleError
+    from parallel.data import open_dataset
+    from parallel.plan import describe, make_plan
 
     try:
         spec = read_spec_file(args.file)
@@ -130,7 +131,7 @@ def _plan(args: argparse.Namespace) -> int:
     except SpecError as e:
         print("\n".join(f"error: {f}: {m}" for f, m in e.errors), file=sys.stderr)
         return 2
-    except (PlanError, DatasetError) as e:
+    except RuleError as e:  # PlanError, DatasetError
         print(f"error: {e}", file=sys.stderr)
         return 2
     described = describe(plan)

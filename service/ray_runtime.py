@@ -3,6 +3,11 @@
 The embedded cluster advertises more logical CPUs than the machine has cores (at least
 `MIN_EMBEDDED_CPUS`): a laptop can then run a dp=4 CPU job on two cores. Ray CPUs are a scheduling
 token here, not a promise of a free core; each worker still sets its torch thread count from its request.
+
+The embedded cluster also starts its workers at nice 0 (`RAY_worker_niceness`, which Ray Jobs sets for
+its drivers too) instead of Ray's default 15: the workers are the training, and at nice 15 they lose the
+cores to the raylet, GCS, dashboard and API server of the same machine. A cluster that is joined keeps
+its own setting.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, dashboard: 
     if address:
         ctx = ray.init(address=address, namespace=NAMESPACE)
         return RayInfo(address=address, dashboard_url=_url(ctx.dashboard_url), embedded=False)
+    os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet that ray.init starts
     ctx = ray.init(
         num_cpus=num_cpus or max(os.cpu_count() or 1, MIN_EMBEDDED_CPUS),
         namespace=NAMESPACE,

@@ -97,6 +97,10 @@ def test_a_worker_that_raises_fails_the_job_with_its_traceback(client, tmp_path)
     ({"model": {"n_head": 3}}, "model.n_head", "n_head=3 does not divide d_model=32"),
     ({"bogus": 1}, "bogus", "unknown field 'bogus'"),
     ({"steps": 0}, "steps", "greater than 0"),
+    ({"parallel": {"pp": 2, "vpp": 2, "schedule": "1f1b"}, "model": {"n_layer": 4}}, "parallel.schedule",
+     "1f1b needs vpp=1"),
+    ({"parallel": {"pp": 2, "stage_layers": [1, 2]}}, "parallel.stage_layers", "sums to 3 but n_layer=2"),
+    ({"parallel": {"pp": 4}}, "parallel.pp", "n_layer=2 cannot be split into pp x vpp = 4"),
 ])
 def test_invalid_specs_are_422_naming_the_field_and_create_no_job(client, service, overrides, field, text):
     before = len(client.jobs())

@@ -75,3 +75,16 @@ def test_cli_plan_works_without_a_server(capsys, tmp_path):
     bad.write_text("model: {n_layer: 2, n_head: 2, d_model: 32}\nsteps: 1\nmystery: 3\n")
     assert cli(["plan", str(bad)]) == 2
     assert "mystery: unknown field 'mystery'" in capsys.readouterr().err
+
+
+def test_cli_plan_draws_the_schedule_and_takes_simulation_costs(capsys):
+    spec = str(REPO / "examples" / "pipeline.yaml")
+    assert cli(["plan", spec]) == 0
+    out = capsys.readouterr().out
+    gantt = [line for line in out.splitlines() if line.startswith("rank ") and "|" in line]
+    assert len(gantt) == 4 and all(len(line) == len(gantt[0]) for line in gantt)
+    assert "bubble 27.3%, peak activations per stage [4, 3, 2, 1]" in out
+    assert cli(["plan", "--json", "--costs", "1,2,0.5", spec]) == 0
+    schedule = json.loads(capsys.readouterr().out)["schedule"]
+    assert schedule["costs"] == {"forward": 1.0, "backward": 2.0, "comm": 0.5}
+    assert schedule["makespan"] > 33
