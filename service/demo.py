@@ -1,7 +1,8 @@
 """`make demo`: start the service in a subprocess, submit a JobSpec over REST, follow it, shut down.
 
 Exit code 0 only when the job SUCCEEDED. The service gets its own state directory and port, so the demo
-never touches a running `trainyard serve`.
+never touches a running `trainyard serve`; its log (and the Ray workers' output) goes to `serve.log` there,
+so that the progress bar stays readable.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ def main() -> int:
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     args = p.parse_args()
     state = Path(tempfile.mkdtemp(prefix="trainyard-demo-"))
-    print(f"starting trainyard serve (state dir {state}, port {args.port}) ...", flush=True)
+    log_path = state / "serve.log"
+    print(f"starting trainyard serve (state dir {state}, port {args.port}, log {log_path}) ...", flush=True)
+    log = log_path.open("wb")
     server = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve",
-                               "--port", str(args.port)])
+                               "--port", str(args.port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         client = wait_ready(server, state, args.port, args.startup_timeout_s)
         print(f"Ray dashboard: {client.cluster()['dashboard_url']}", flush=True)
@@ -40,7 +43,7 @@ def main() -> int:
             print(f"loss: first step {rows[0]['loss']:.4f} -> last step {rows[-1]['loss']:.4f}")
         return code
     except ApiError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e} (the service's log: {log_path})", file=sys.stderr)
         return 2
     finally:
         server.send_signal(signal.SIGINT)
@@ -48,6 +51,7 @@ def main() -> int:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+        log.close()
         print("service shut down")
 
 
