@@ -84,8 +84,12 @@ class JobStore:
             if value is not None:
                 sets.append(f"{column} = ?")
                 args.append(value)
+        # A terminal status is final: a late report (e.g. a poll answered just before a stop) changes
+        # neither the status nor the error of a job that has ended.
+        terminal = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_terminal)
         with self._lock:
-            self._db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE job_id = ?", (*args, job_id))
+            self._db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE job_id = ?"
+                             + (f" AND status NOT IN ({terminal})" if status or error else ""), (*args, job_id))
 
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: a small JobSpec, and waiting on a condition with a deadline."""
+"""Helpers shared by the tests: a small JobSpec, a dataset with one bad token, and waiting with a deadline."""
 
 from __future__ import annotations
 
@@ -42,3 +42,40 @@ def tiny_spec(**overrides) -> dict:
 def wait_terminal(client, job_id: str, timeout_s: float = 180.0) -> dict:
     return wait_for(lambda: (j := client.job(job_id))["status"] in ("SUCCEEDED", "FAILED", "STOPPED") and j,
                     timeout_s, f"job {job_id} to end")
+
+
+
+def with_one_bad_token(spec: dict, tmp_path: Path, bad_dp_rank: int, bad_microbatch: int) -> tuple[dict, int]:
+    """`spec` reading a tokens file with one out-of-vocabulary id (300), placed in a sample that step 0
+    reads only in micro-batch `bad_microbatch` of data-parallel rank `bad_dp_rank`. Returns (spec, offset).
+    """
+    import numpy as np
+
+    from parallel.data import global_batch_ids, rank_share
+
+    seq_len, length = spec["model"]["seq_len"], 4000
+    par = spec.get("parallel", {})
+    dp, m = par.get("dp", 1), par.get("microbatches", 1)
+    ids = global_batch_ids(spec["seed"], 0, spec["global_batch"], length - seq_len)
+    positions = {(r, mb): {p for i in sample_ids for p in range(i, i + seq_len + 1)}
+                 for r in range(dp) for mb, sample_ids in enumerate(rank_share(ids, r, dp, m))}
+    bad = positions.pop((bad_dp_rank, bad_microbatch))
+    offset = min(bad - set().union(*positions.values()))
+    tokens = np.arange(length, dtype=np.uint16) % 256
+    tokens[offset] = 300
+    path = tmp_path / "tokens.bin"
+    tokens.tofile(path)
+    return {**spec, "data": {"kind": "tokens", "path": str(path)}}, offset
+
+
+def live_actor(name: str) -> bool:
+    """Whether a named actor of the service's namespace is alive."""
+    import ray
+
+    from actors.naming import NAMESPACE
+
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import ray
-from helpers import tiny_spec, wait_for, wait_terminal
+from helpers import live_actor, tiny_spec, wait_for, wait_terminal, with_one_bad_token
 
-from actors.naming import NAMESPACE, coordinator_name, worker_name
-from parallel.data import global_batch_ids, rank_share
+from actors.naming import coordinator_name, worker_name
 from service.client import ApiError, Client
 
 
@@ -41,14 +40,6 @@ def test_job_reports_progress_and_metrics_rows(client):
     assert any(j["job_id"] == job_id for j in client.jobs())
 
 
-def live_actor(name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-        return True
-    except ValueError:
-        return False
-
-
 def placement_group_state(job_id: str) -> str | None:
     states = [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == f"trainyard/{job_id}"]
     return states[-1] if states else None
@@ -69,17 +60,8 @@ def test_stopping_a_running_job_releases_its_actors_and_placement_group(client):
 def test_a_worker_that_raises_fails_the_job_with_its_traceback(client, tmp_path):
     # Corrupt only the samples rank 1 reads in step 0: rank 0 finishes its backward and waits in the
     # gradient all-reduce for a peer that has died. The job must still end, FAILED, with rank 1's error.
-    spec = tiny_spec(parallel={"dp": 2}, model={"vocab_size": 300}, steps=3)
-    seq_len, length = spec["model"]["seq_len"], 4000
-    ids = global_batch_ids(spec["seed"], 0, spec["global_batch"], length - seq_len)
-    covered = [{p for i in mb for p in range(i, i + seq_len + 1)} for r in range(2) for mb in rank_share(ids, r, 2, 1)]
-    bad_offset = min(covered[1] - covered[0])
-    tokens = np.arange(length, dtype=np.uint16) % 256
-    tokens[bad_offset] = 299 + 1
-    path = tmp_path / "tokens.bin"
-    tokens.tofile(path)
-    spec["data"] = {"kind": "tokens", "path": str(path)}
-
+    spec, bad_offset = with_one_bad_token(tiny_spec(parallel={"dp": 2}, model={"vocab_size": 300}, steps=3),
+                                          tmp_path, bad_dp_rank=1, bad_microbatch=0)
     job_id = client.submit(spec)
     job = wait_terminal(client, job_id)
     assert job["status"] == "FAILED"

@@ -20,6 +20,20 @@ def test_store_keeps_jobs_and_metrics_across_reopen(tmp_path):
     assert reopened.get("j1") is None and reopened.metrics("j1") == []
 
 
+def test_a_late_report_never_revives_or_refails_an_ended_job(tmp_path):
+    # The follower thread may apply a poll answered just before a stop, or see the stopped job's
+    # coordinator gone: neither may overwrite the STOPPED the stop wrote.
+    store = JobStore(tmp_path / "jobs.db")
+    store.insert(JobRecord(job_id="j1", name="a", status=JobStatus.RUNNING, spec={}, steps=9))
+    store.update("j1", status=JobStatus.STOPPED, step=3)
+    store.update("j1", status=JobStatus.RUNNING, step=2)
+    store.update("j1", status=JobStatus.FAILED, error="the job's coordinator died")
+    job = store.get("j1")
+    assert job.status is JobStatus.STOPPED and job.step == 3 and job.error is None
+    store.update("j1", actors=["a"])  # fields other than status and error still change
+    assert store.get("j1").actors == ["a"]
+
+
 def test_store_uses_write_ahead_logging(tmp_path):
     store = JobStore(tmp_path / "jobs.db")
     assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
