@@ -16,7 +16,6 @@ Two parts, side by side in one run:
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from torch import nn
 
 from bench.context import BenchContext
 from bench.results import Row, median, ratio
-from bench.service_job import TrainyardService
+from bench.service_job import TrainyardService, free_port
 from parallel.pipeline import PipelineExecutor
 from parallel.schedule_sim import Costs, simulate
 from parallel.schedules import build_schedule
@@ -111,10 +110,7 @@ def _rank_main(rank: int, kind: str, vpp: int, port: int, out_dir: str) -> None:
 
 
 def _schedule_row(ctx: BenchContext, kind: str, vpp: int) -> Row:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(kind, vpp, port, str(ctx.run_dir)), nprocs=PP, start_method="spawn")
+    mp.start_processes(_rank_main, args=(kind, vpp, free_port(), str(ctx.run_dir)), nprocs=PP, start_method="spawn")
     per_rank = [torch.load(ctx.run_dir / f"{kind}-rank{r}.pt") for r in range(PP)]
     step_times = [max(rank_times[step] for rank_times in per_rank) for step in range(WARMUP_STEPS, STEPS)]
     measured = median(step_times)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.model import GPTStage
-from parallel.schedules import COMM_KINDS, Action, ActionKind
+from parallel.schedules import COMM_KINDS, Action, ActionKind, virtual_stage
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch
 
@@ -91,7 +91,7 @@ class PipelineExecutor:
         return loss_sum, timings
 
     def _virtual(self, chunk: int) -> int:
-        return chunk * self.pp + self.pp_rank
+        return virtual_stage(self.pp_rank, chunk, self.pp)
 
     def _forward(self, a: Action, state: _StepState, batch: Callable[[int], Batch]) -> torch.Tensor | None:
         key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)

@@ -25,6 +25,7 @@ from parallel.model import GPTStage
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
 from parallel.pipeline import PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
+from parallel.schedules import virtual_stage
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class RankTrainer:
         self.coords = plan.coords(rank)
         self.chunks = []
         for chunk, layers in enumerate(plan.chunk_layers(self.coords.pp)):
-            v = chunk * plan.pp + self.coords.pp  # virtual stage index
+            v = virtual_stage(self.coords.pp, chunk, plan.pp)
             last = v == plan.n_virtual_stages - 1
             self.chunks.append(GPTStage(cfg.model, layers, first=v == 0, last=last, seed=cfg.seed).to(device))
         self.params = [p for chunk in self.chunks for p in chunk.parameters()]
