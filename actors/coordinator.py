@@ -1,7 +1,8 @@
 """The Coordinator actor: one per job. It owns the job's placement group, workers and step loop.
 
-Life of a job, as the coordinator drives it:
-  PENDING   reserve one placement group for the whole job (all or nothing) and wait until it is ready
+Life of a job, as the coordinator drives it (the service's admission loop has already reserved the job's
+placement group, all or nothing, and hands it over ready; the service removes it when the job ends):
+  PENDING   the coordinator's process is starting
   RUNNING   create one Worker per rank on its bundle, rendezvous, then per step send each worker its
             micro-batch sample ids (one Ray call per worker per step, queued one step ahead) and record the
             step's metrics
@@ -9,7 +10,9 @@ Life of a job, as the coordinator drives it:
 
 It is an async actor so that `poll` and `stop` are answered while a step runs. A worker that raises, dies
 or overruns `fault.step_timeout_s` fails the job with the worker's traceback; every rank is then killed,
-so a peer blocked in a collective cannot hang. State changes happen in `_set_state` only.
+so a peer blocked in a collective cannot hang. When a rank's process dies its peers' collectives fail too,
+often before Ray reports the death: the error names the rank that died, not the first peer that noticed.
+State changes happen in `_set_state` only.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import traceback
 
 import ray
 from ray.util.metrics import Gauge
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.naming import coordinator_name, worker_name
@@ -36,6 +39,11 @@ log = logging.getLogger("trainyard.coordinator")
 
 class StepFailed(RuntimeError):
     pass
+
+
+DEATH_GRACE_S = 5.0
+"""After a rank fails, how long to wait for the other ranks' results of the same call, so that a rank
+whose process died is found among them (Ray reports a death a moment after the peers see broken pipes)."""
 
 
 _GAUGES = {
@@ -56,14 +64,16 @@ _STAGE_GAUGES = {
 
 @ray.remote(num_cpus=0)
 class Coordinator:
-    def __init__(self, job_id: str, plan: Plan):
+    def __init__(self, job_id: str, plan: Plan, pg: PlacementGroup):
+        """`pg` is the job's placement group, already reserved: one bundle per tensor-parallel group."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        self.job_id, self.plan = job_id, plan
+        self.job_id, self.plan, self.pg = job_id, plan, pg
         self.status = JobStatus.PENDING
         self.error: str | None = None
         self.metrics: list[dict] = []
         self.workers: list = []
-        self.pg = None
+        self.ranks: list[dict] = []
+        """Where each rank runs (rank, name, node, pid, device), once the workers are set up."""
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -77,6 +87,7 @@ class Coordinator:
             "step": len(self.metrics),
             "metrics": [row for row in self.metrics if row["step"] >= since],
             "actors": self.actor_names(),
+            "ranks": self.ranks,
         }
 
     async def stop(self) -> dict:
@@ -99,8 +110,6 @@ class Coordinator:
     async def _run(self) -> None:
         outcome = Event.FINISHED
         try:
-            self.pg = placement_group(self.plan.bundles(), strategy="PACK", name=f"trainyard/{self.job_id}")
-            await self.pg.ready()
             self._set_state(Event.RESOURCES_READY)
             await self._start_workers()
             await self._train()
@@ -125,7 +134,8 @@ class Coordinator:
             ).remote(self.job_id, rank, int(plan.cpus_per_worker)))
         timeout = plan.config.fault.step_timeout_s
         addr, port = (await self._call_all([self.workers[0].address.remote()], "rendezvous", timeout))[0]
-        await self._call_all([w.setup.remote(plan, addr, port) for w in self.workers], "setup", timeout)
+        setups = await self._call_all([w.setup.remote(plan, addr, port) for w in self.workers], "setup", timeout)
+        self.ranks = [{**info, "name": plan.worker_name(info["rank"])} for info in setups]
 
     async def _train(self) -> None:
         cfg, plan = self.plan.config, self.plan
@@ -174,26 +184,44 @@ class Coordinator:
         """Await one call per worker; the first failure (or the timeout) raises StepFailed."""
         tasks = {asyncio.ensure_future(ref): rank for rank, ref in enumerate(refs)}
         done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        if any(task.exception() is not None for task in done) and pending:
+            more, pending = await asyncio.wait(pending, timeout=DEATH_GRACE_S)
+            done |= more
         for task in pending:
             task.cancel()
-        for task in done:
-            if task.exception() is not None:
-                rank = tasks[task]
-                raise StepFailed(f"rank {rank} ({self.plan.worker_name(rank)}) failed in {what}:\n"
-                                 f"{_remote_traceback(task.exception())}")
+        failures = {tasks[t]: t.exception() for t in done if t.exception() is not None}
+        if failures:
+            raise StepFailed(self._describe_failure(failures, what))
         if pending:
             late = sorted(tasks[t] for t in pending)
             raise StepFailed(f"{what} timed out after {timeout:g} s (fault.step_timeout_s); ranks still "
                              f"running: {late}")
         return [task.result() for task in tasks]
 
+    def _describe_failure(self, failures: dict[int, BaseException], what: str) -> str:
+        """Blame the ranks whose process died if any did (their peers' errors are consequences), else the
+        lowest rank that raised."""
+        dead = sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError))
+        if dead:
+            lines = [f"rank {r} ({self.plan.worker_name(r)}) died in {what}: its process exited "
+                     f"({_death_cause(failures[r], self._rank_info(r))})" for r in dead]
+            others = sorted(set(failures) - set(dead))
+            if others:
+                lines.append(f"ranks {others} then failed talking to it (not a cause)")
+            return "\n".join(lines)
+        rank = min(failures)
+        return (f"rank {rank} ({self.plan.worker_name(rank)}) failed in {what}:\n"
+                f"{_remote_traceback(failures[rank])}")
+
+    def _rank_info(self, rank: int) -> dict:
+        return self.ranks[rank] if rank < len(self.ranks) else {}
+
     def _release(self) -> None:
+        """Kill every rank (a peer blocked in a collective cannot outlive the job). The service removes the
+        placement group."""
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
 
 
 def pipeline_metrics(results: list[dict]) -> dict:
@@ -211,6 +239,12 @@ def pipeline_metrics(results: list[dict]) -> dict:
         "stage_peak_activations": [r["peak_activations"] for r in stages],
         "stage_peak_activation_mb": [r["peak_activation_bytes"] / 2**20 for r in stages],
     }
+
+
+def _death_cause(error: BaseException, info: dict) -> str:
+    where = f"pid {info['pid']} on node {info['node']}; " if info else ""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{where}Ray: {first_line}"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

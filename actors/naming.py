@@ -10,3 +10,7 @@ def coordinator_name(job_id: str) -> str:
 def worker_name(job_id: str, coords: str) -> str:
     """`coords` is the plan's `pp<i>-tp<j>-dp<k>`."""
     return f"trainyard/{job_id}/{coords}"
+
+
+def placement_group_name(job_id: str) -> str:
+    return f"trainyard/{job_id}"

@@ -9,17 +9,18 @@ torch itself: it calls the manager it is given.
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI, HTTPException, Request, status
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.models import ClusterInfo, JobCreated, JobInfo, MetricsRow, job_info
 from api.spec import describe_error
-from parallel.config import JobConfig, RuleError
+from parallel.config import MAX_STEPS, JobConfig, RuleError
 from parallel.plan import describe
+from service.errors import JobConflict, JobNotFound, QueueFull
 
 if TYPE_CHECKING:
     from service.manager import JobManager
@@ -51,13 +52,19 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None) 
         detail = [{"loc": loc, "field": exc.field, "msg": exc.message, "type": "rule"}]
         return JSONResponse(status_code=422, content={"detail": detail})
 
-    def get_job(job_id: str) -> Any:
-        from service.manager import JobNotFound  # service is importable without Ray starting
+    # The manager's own errors, wherever a handler meets them (a job deleted by a concurrent request is
+    # a 404 at any point of a stop or delete, never a 500).
+    @app.exception_handler(JobNotFound)
+    async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": f"no job {exc.args[0]}"})
 
-        try:
-            return manager.get(job_id)
-        except JobNotFound:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}") from None
+    @app.exception_handler(JobConflict)
+    async def _conflict(_: Request, exc: JobConflict) -> JSONResponse:
+        return JSONResponse(status_code=409, content={"detail": str(exc)})
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(_: Request, exc: QueueFull) -> JSONResponse:
+        return JSONResponse(status_code=429, content={"detail": str(exc)})
 
     guarded = [Depends(authorized)]
 
@@ -65,37 +72,33 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None) 
     def healthz() -> dict:
         return {"ok": True}
 
-    @app.post("/api/jobs", status_code=201, dependencies=guarded)
+    @app.post("/api/jobs", status_code=201, dependencies=guarded,
+              responses={429: {"description": "the queue is full (`trainyard serve --max-queued`)"}})
     def submit(spec: JobConfig) -> JobCreated:
+        """Validate the spec and queue the job (PENDING); it starts when the whole job's resources are free."""
         return JobCreated(job_id=manager.submit(spec))
 
     @app.get("/api/jobs", dependencies=guarded)
     def list_jobs() -> list[JobInfo]:
-        return [job_info(j, manager.dashboard_url, with_spec=False) for j in manager.list()]
+        queue = manager.queue_view()
+        return [job_info(j, manager.dashboard_url, queue, with_spec=False) for j in manager.list()]
 
     @app.get("/api/jobs/{job_id}", dependencies=guarded)
     def job(job_id: str) -> JobInfo:
-        return job_info(get_job(job_id), manager.dashboard_url)
+        return job_info(manager.get(job_id), manager.dashboard_url, manager.queue_view())
 
     @app.get("/api/jobs/{job_id}/metrics", dependencies=guarded)
-    def metrics(job_id: str, since: int = 0) -> list[MetricsRow]:
-        get_job(job_id)
+    def metrics(job_id: str, since: int = Query(0, ge=0, le=MAX_STEPS,
+                                                 description="first step to return")) -> list[MetricsRow]:
         return [MetricsRow(**row) for row in manager.metrics(job_id, since)]
 
     @app.post("/api/jobs/{job_id}/stop", dependencies=guarded)
     def stop(job_id: str) -> JobInfo:
-        get_job(job_id)
-        return job_info(manager.stop(job_id), manager.dashboard_url)
+        return job_info(manager.stop(job_id), manager.dashboard_url, {})
 
     @app.delete("/api/jobs/{job_id}", status_code=204, dependencies=guarded)
     def delete(job_id: str) -> None:
-        from service.manager import JobConflict
-
-        get_job(job_id)
-        try:
-            manager.delete(job_id)
-        except JobConflict as e:
-            raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
+        manager.delete(job_id)
 
     @app.post("/api/plans", dependencies=guarded)
     def plan(spec: JobConfig) -> dict:

@@ -25,8 +25,18 @@ class JobInfo(BaseModel):
     """The failure, with the worker's traceback, when status is FAILED."""
     actors: list[str] = []
     """Ray actor names (coordinator first), as listed in the Ray dashboard."""
+    ranks: list[dict] = []
+    """Where each rank runs (rank, name, node, pid, device), once its workers are set up."""
+    priority: int = 0
+    queue_position: int | None = None
+    """1 for the next job to be admitted; None once the job has left the queue."""
+    waiting_for: dict | None = None
+    """For a waiting job: `needed` and `free` resources (CPU, GPU) and the `reason` it waits."""
     dashboard_url: str | None = None
     created_at: float
+    admitted_at: float | None = None
+    """When the job's resources were reserved (it left the queue)."""
+    ended_at: float | None = None
     updated_at: float
     spec: dict | None = None
 
@@ -49,7 +59,12 @@ class ClusterInfo(BaseModel):
     dashboard_url: str | None
 
 
-def job_info(job: JobRecord, dashboard_url: str | None, with_spec: bool = True) -> JobInfo:
+def job_info(job: JobRecord, dashboard_url: str | None, queue: dict[str, tuple[int, dict]],
+             with_spec: bool = True) -> JobInfo:
+    """`queue` maps each waiting job to (position, what it waits for), as `JobManager.queue_view` gives it."""
+    position, waiting = queue.get(job.job_id, (None, None))
     return JobInfo(job_id=job.job_id, name=job.name, status=job.status.value, step=job.step, steps=job.steps,
-                   error=job.error, actors=job.actors, dashboard_url=dashboard_url, created_at=job.created_at,
+                   error=job.error, actors=job.actors, ranks=job.ranks, priority=job.priority,
+                   queue_position=position, waiting_for=waiting, dashboard_url=dashboard_url,
+                   created_at=job.created_at, admitted_at=job.admitted_at, ended_at=job.ended_at,
                    updated_at=job.updated_at, spec=job.spec if with_spec else None)

@@ -16,9 +16,21 @@ from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 
-Positive = Annotated[int, Gt(0)]
-NonNegative = Annotated[int, Ge(0)]
-_STRICT = {"extra": "forbid"}  # an unknown field is an error, never silently ignored
+# Every number a spec carries is bounded: integers so that sums and products of them stay far inside int64
+# (the store's INTEGER and torch's index type) and every loop a plan runs stays small, floats finite (JSON
+# has no Infinity or NaN). A bound here is generous; the plan's rules (cluster fit, memory) are the real limits.
+MAX_STEPS = 10**9
+"""More steps than any job runs; also bounds warm-up and checkpoint intervals."""
+MAX_DEGREE = 2**16
+"""Any one parallel degree, and the number of workers of a job."""
+MAX_GLOBAL_BATCH = 2**24
+MAX_SEQ_LEN = 2**20
+MAX_PRIORITY = 10**6
+
+Degree = Annotated[int, Gt(0), Le(MAX_DEGREE)]
+Steps = Annotated[int, Ge(0), Le(MAX_STEPS)]
+# an unknown field is an error, never silently ignored; inf and nan are refused like any other bad value
+_STRICT = {"extra": "forbid", "allow_inf_nan": False}
 
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 
@@ -38,32 +50,32 @@ class RuleError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     __pydantic_config__ = _STRICT
-    experts: Positive
+    experts: Degree
     """Experts per MoE layer."""
-    top_k: Positive = 2
+    top_k: Degree = 2
     """Experts each token is routed to."""
-    every: Positive = 2
+    every: Degree = 2
     """Every `every`-th block is an MoE block."""
-    capacity_factor: Annotated[float, Gt(0)] = 1.25
+    capacity_factor: Annotated[float, Gt(0), Le(1e3)] = 1.25
     """Expert capacity as a multiple of the even share of tokens."""
-    aux_loss_coef: Annotated[float, Ge(0)] = 0.01
+    aux_loss_coef: Annotated[float, Ge(0), Le(1e3)] = 0.01
     """Weight of the load-balancing loss."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     __pydantic_config__ = _STRICT
-    n_layer: Positive
+    n_layer: Annotated[int, Gt(0), Le(4096)]
     """Transformer blocks."""
-    n_head: Positive
+    n_head: Annotated[int, Gt(0), Le(4096)]
     """Attention heads per block."""
-    d_model: Positive
+    d_model: Annotated[int, Gt(0), Le(2**17)]
     """Hidden size."""
-    vocab_size: Positive = 256
-    """Token ids are in [0, vocab_size). Byte-level text needs 256."""
-    seq_len: Positive = 64
+    vocab_size: Annotated[int, Gt(0), Le(2**32)] = 256
+    """Token ids are in [0, vocab_size). Byte-level text needs 256; uint32 token files hold up to 2**32."""
+    seq_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN)] = 64
     """Tokens per training sequence."""
-    context_len: Positive | None = None
+    context_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN)] | None = None
     """Positions the model can attend over (position-embedding rows); null means seq_len."""
     tie_embeddings: bool = False
     """Share the token embedding with the output head (nanoGPT style)."""
@@ -80,7 +92,7 @@ class DataConfig:
     __pydantic_config__ = _STRICT
     kind: Literal["synthetic", "text", "tokens"] = "synthetic"
     """synthetic: seeded random tokens; text: a UTF-8 file as bytes; tokens: flat binary of token ids."""
-    path: str | None = None
+    path: Annotated[str, MaxLen(4096)] | None = None
     """File for `text` and `tokens`. A relative path is resolved against the server's working directory."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a `tokens` file (nanoGPT writes uint16)."""
@@ -89,77 +101,77 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     __pydantic_config__ = _STRICT
-    lr: Annotated[float, Gt(0)] = 1e-3
+    lr: Annotated[float, Gt(0), Le(1e3)] = 1e-3
     """Peak learning rate (AdamW)."""
-    weight_decay: Annotated[float, Ge(0)] = 0.1
+    weight_decay: Annotated[float, Ge(0), Le(1e3)] = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms)."""
     beta1: Annotated[float, Ge(0), Le(1)] = 0.9
     beta2: Annotated[float, Ge(0), Le(1)] = 0.95
-    warmup_steps: NonNegative = 10
+    warmup_steps: Steps = 10
     """Linear warm-up from 0 to `lr`; afterwards cosine decay to `min_lr_ratio * lr` at the last step."""
     min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1
-    grad_clip: Annotated[float, Ge(0)] = 1.0
+    grad_clip: Annotated[float, Ge(0), Le(1e9)] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     __pydantic_config__ = _STRICT
-    dp: Positive = 1
+    dp: Degree = 1
     """Data-parallel replicas."""
-    pp: Positive = 1
+    pp: Degree = 1
     """Pipeline stages (pipeline ranks)."""
-    tp: Positive = 1
+    tp: Degree = 1
     """Tensor-parallel shards."""
-    ep: Positive = 1
+    ep: Degree = 1
     """Expert-parallel ranks."""
-    vpp: Positive = 1
+    vpp: Degree = 1
     """Virtual pipeline chunks per pipeline rank (interleaved-1f1b)."""
     sp: bool = False
     """Sequence parallelism (with tp)."""
-    microbatches: Positive = 1
+    microbatches: Annotated[int, Gt(0), Le(MAX_GLOBAL_BATCH)] = 1
     """Micro-batches per step on each data-parallel rank (gradient accumulation, pipeline depth)."""
     schedule: ScheduleKind = "1f1b"
     """Pipeline schedule."""
-    stage_layers: Annotated[list[Positive], MinLen(1)] | None = None
+    stage_layers: Annotated[list[Annotated[int, Gt(0), Le(4096)]], MinLen(1), MaxLen(4096)] | None = None
     """Blocks per virtual stage, in order (pp * vpp entries summing to n_layer); null splits evenly."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     __pydantic_config__ = _STRICT
-    every: NonNegative = 0
+    every: Steps = 0
     """Save every N steps; 0 saves nothing."""
-    keep: Positive = 3
-    path: str | None = None
+    keep: Annotated[int, Gt(0), Le(1000)] = 3
+    path: Annotated[str, MaxLen(4096)] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultConfig:
     __pydantic_config__ = _STRICT
-    max_failures: NonNegative = 0
+    max_failures: Annotated[int, Ge(0), Le(1000)] = 0
     """Restarts from the latest checkpoint before the job fails."""
-    step_timeout_s: Annotated[float, Gt(0)] = 300.0
+    step_timeout_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 300.0
     """A step that takes longer fails the job (a hung collective never hangs the service)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ResourcesConfig:
     __pydantic_config__ = _STRICT
-    gpus_per_worker: Literal["auto"] | Annotated[int, Ge(0)] = "auto"
+    gpus_per_worker: Literal["auto"] | Annotated[int, Ge(0), Le(64)] = "auto"
     """auto: 1 if the cluster has GPUs, else 0."""
-    cpus_per_worker: Annotated[float, Gt(0)] = 1.0
+    cpus_per_worker: Annotated[float, Gt(0), Le(4096)] = 1.0
     """Logical CPUs each rank reserves (also its torch thread count, at least 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class SimCostsConfig:
     __pydantic_config__ = _STRICT
-    forward: Annotated[float, Ge(0)] = 1.0
+    forward: Annotated[float, Ge(0), Le(1e6)] = 1.0
     """Simulated time of one forward of one chunk."""
-    backward: Annotated[float, Ge(0)] = 2.0
+    backward: Annotated[float, Ge(0), Le(1e6)] = 2.0
     """Simulated time of one backward of one chunk."""
-    comm: Annotated[float, Ge(0)] = 0.0
+    comm: Annotated[float, Ge(0), Le(1e6)] = 0.0
     """Simulated time of one communication run (a batch of point-to-point messages sent together)."""
 
 
@@ -169,14 +181,17 @@ class JobConfig:
 
     __pydantic_config__ = _STRICT
     model: ModelConfig
-    steps: Positive
+    steps: Annotated[int, Gt(0), Le(MAX_STEPS)]
     """Optimizer steps to run."""
     name: Annotated[str, MinLen(1), MaxLen(128)] = "job"
-    seed: NonNegative = 0
+    seed: Annotated[int, Ge(0), Le(2**63 - 1)] = 0
     """Seeds parameter init and the data order; results depend on it, never on the layout."""
+    priority: Annotated[int, Ge(-MAX_PRIORITY), Le(MAX_PRIORITY)] = 0
+    """Queue order: a waiting job with a higher priority is admitted first; equal priorities go in
+    submission order."""
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    global_batch: Positive = 8
+    global_batch: Annotated[int, Gt(0), Le(MAX_GLOBAL_BATCH)] = 8
     """Sequences per optimizer step, fixed across layouts."""
     precision: Literal["fp32", "bf16"] = "fp32"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

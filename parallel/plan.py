@@ -27,6 +27,8 @@ class PlanError(RuleError):
 class NodeResources:
     cpus: float
     gpus: float
+    memory: float = 0.0
+    """Bytes of memory Ray may hand to tasks and actors on the node (0: unknown)."""
 
 
 @dataclass(frozen=True)
@@ -104,15 +106,43 @@ class Plan:
         c = self.coords(rank)
         return f"pp{c.pp}-tp{c.tp}-dp{c.dp}"
 
+    @property
+    def gang(self) -> Gang:
+        return Gang.of(self.cpus_per_worker, self.gpus_per_worker, tp=self.tp, groups=self.dp * self.pp)
+
     def bundles(self) -> list[dict[str, float]]:
         """One placement-group bundle per tensor-parallel group (a bundle always lands on one node)."""
-        bundle = {"CPU": self.cpus_per_worker * self.tp}
-        if self.gpus_per_worker:
-            bundle["GPU"] = float(self.gpus_per_worker * self.tp)
-        return [dict(bundle) for _ in self.tp_groups()]
+        return self.gang.bundles()
 
     def resources_needed(self) -> dict[str, float]:
-        return {"CPU": self.cpus_per_worker * self.world_size, "GPU": float(self.gpus_per_worker * self.world_size)}
+        return self.gang.needed()
+
+
+@dataclass(frozen=True)
+class Gang:
+    """What a job needs from the cluster, all at once: `count` identical bundles (one per tp group)."""
+
+    bundle: dict[str, float]
+    count: int
+
+    @staticmethod
+    def of(cpus_per_worker: float, gpus_per_worker: int, *, tp: int, groups: int) -> Gang:
+        bundle = {"CPU": cpus_per_worker * tp}
+        if gpus_per_worker:
+            bundle["GPU"] = float(gpus_per_worker * tp)
+        return Gang(bundle=bundle, count=groups)
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [dict(self.bundle) for _ in range(self.count)]
+
+    def needed(self) -> dict[str, float]:
+        return {"CPU": self.bundle["CPU"] * self.count, "GPU": self.bundle.get("GPU", 0.0) * self.count}
+
+    def placeable(self, nodes: list[dict[str, float]]) -> int:
+        """How many of the bundles fit on nodes with these free (or total) resources; Ray's PACK strategy
+        packs whole bundles onto nodes, so this is the sum over nodes of the copies each can hold."""
+        return sum(min(math.floor(node.get(k, 0.0) / v + 1e-9) for k, v in self.bundle.items() if v > 0)
+                   for node in nodes)
 
 
 # Capabilities later issues add. Each entry: (field, predicate on the config, what is missing).
@@ -127,16 +157,25 @@ _NOT_YET = (
 )
 
 
+MAX_WORKERS = 2**16
+MAX_SCHEDULE_CHUNKS = 2**13
+"""pp x vpp x microbatches: the size of the action lists the plan builds and simulates (about 0.1 ms of
+planning each). Above real jobs (pp=16, vpp=2, m=256 is at the bound)."""
+
+
 def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Plan:
     """Validate `config` against every cross-field rule and lay the job out.
 
-    With `cluster`, also refuse a job that could never be placed on it (resources needed vs available).
+    With `cluster`, also refuse a job that could never be placed on it (resources needed vs available), or
+    whose parameters or one micro-batch could never fit a node's memory. Every rule runs before anything
+    that grows with the job's sizes is built, so any spec is answered in milliseconds.
     """
     for field, unsupported, what in _NOT_YET:
         if unsupported(config):
             raise PlanError(field, f"{what} is not supported yet")
     _check_model(config)
     par = config.parallel
+    _check_sizes(config)
     per_rank, rem = divmod(config.global_batch, par.dp * par.microbatches)
     if rem:
         raise PlanError(
@@ -146,6 +185,10 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
         )
     _check_schedule(config)
     gpus = _gpus_per_worker(config, cluster)
+    if cluster is not None:
+        gang = Gang.of(config.resources.cpus_per_worker, gpus, tp=par.tp, groups=par.dp * par.pp)
+        check_fits(config, gang, cluster)
+        check_memory(config, cluster)
     plan = Plan(
         config=config,
         dp=par.dp,
@@ -161,9 +204,21 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
         gpus_per_worker=gpus,
         cpus_per_worker=config.resources.cpus_per_worker,
     )
-    if cluster is not None:
-        check_fits(plan, cluster)
     return plan
+
+
+def _check_sizes(config: JobConfig) -> None:
+    """Bounds on what the plan would build: the rank grid and the schedule's action lists."""
+    par = config.parallel
+    workers = par.dp * par.pp * par.tp
+    if workers > MAX_WORKERS:
+        raise PlanError("parallel.dp", f"dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {workers} workers; "
+                                       f"at most {MAX_WORKERS}")
+    chunks = par.pp * par.vpp * par.microbatches
+    if chunks > MAX_SCHEDULE_CHUNKS:
+        raise PlanError("parallel.microbatches",
+                        f"pp x vpp x microbatches = {par.pp} x {par.vpp} x {par.microbatches} = {chunks} "
+                        f"chunk forwards per step; at most {MAX_SCHEDULE_CHUNKS}")
 
 
 def _check_model(config: JobConfig) -> None:
@@ -224,26 +279,52 @@ def _gpus_per_worker(config: JobConfig, cluster: ClusterResources | None) -> int
     return asked
 
 
-def check_fits(plan: Plan, cluster: ClusterResources) -> None:
+def check_fits(config: JobConfig, gang: Gang, cluster: ClusterResources) -> None:
     """Refuse a job whose bundles could never all be placed, even on an idle cluster."""
-    bundle = plan.bundles()[0]
-    n_bundles = len(plan.bundles())
-    placeable = sum(_copies_that_fit(bundle, node) for node in cluster.nodes)
-    if placeable >= n_bundles:
+    placeable = gang.placeable([{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes])
+    if placeable >= gang.count:
         return
-    need = plan.resources_needed()
+    par = config.parallel
+    need = gang.needed()
     need_txt = f"{need['CPU']:g} CPU" + (f", {need['GPU']:g} GPU" if need["GPU"] else "")
     have_txt = f"{cluster.cpus:g} CPU, {cluster.gpus:g} GPU on {len(cluster.nodes)} node(s)"
+    workers = par.dp * par.pp * par.tp
     raise PlanError(
         "parallel.dp",
-        f"the job needs {plan.world_size} workers ({need_txt}; dp={plan.dp} x pp={plan.pp} x tp={plan.tp}) "
-        f"but the cluster can ever hold only {placeable} (it has {have_txt})",
+        f"the job needs {workers} workers ({need_txt}; dp={par.dp} x pp={par.pp} x tp={par.tp}) "
+        f"but the cluster can ever hold only {placeable * par.tp} (it has {have_txt})",
     )
 
 
-def _copies_that_fit(bundle: dict[str, float], node: NodeResources) -> int:
-    have = {"CPU": node.cpus, "GPU": node.gpus}
-    return min(math.floor(have[k] / v + 1e-9) for k, v in bundle.items() if v > 0)
+def check_memory(config: JobConfig, cluster: ClusterResources) -> None:
+    """Refuse a job one of whose ranks could never hold its parameters or one micro-batch's activations.
+
+    Lower bounds only (fp32 parameters, and per block one d_model-wide activation per token plus the
+    logits on the last stage), compared with the largest node's memory: a job refused here can never run.
+    The memory plan of a later issue replaces this with a full estimate.
+    """
+    largest = max((n.memory for n in cluster.nodes), default=0.0)
+    if largest <= 0:
+        return
+    m, par = config.model, config.parallel
+    per_block = 12 * m.d_model * m.d_model
+    embeddings = (m.vocab_size + m.context) * m.d_model
+    params = 4 * (per_block * m.n_layer + 2 * embeddings) / (par.pp * par.tp)
+    if params > largest:
+        raise PlanError("model", f"the model's parameters alone need {_gib(params)} per worker (fp32, split over "
+                                 f"pp x tp = {par.pp * par.tp}) but the largest node has {_gib(largest)}")
+    micro_batch = config.global_batch // (par.dp * par.microbatches)
+    tokens = micro_batch * m.seq_len
+    blocks = -(-m.n_layer // (par.pp * par.vpp)) * par.vpp
+    activations = 4 * tokens * (m.d_model * blocks + m.vocab_size / par.tp)
+    if activations > largest:
+        raise PlanError("global_batch", f"one micro-batch of {micro_batch} sequences x {m.seq_len} tokens needs at "
+                                        f"least {_gib(activations)} of activations on one rank but the largest "
+                                        f"node has {_gib(largest)}; lower global_batch or raise dp or microbatches")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
 
 
 def describe(plan: Plan) -> dict:

@@ -21,7 +21,7 @@ TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_attach_values(sys.argv[1:] if argv is None else argv, ("--token",)))
     try:
         return args.func(args)
     except ApiError as e:
@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of embedded Ray (default max(cores, 8))")
+    s.add_argument("--max-queued", type=int, default=1000,
+                   help="most jobs waiting in the queue; a submit beyond it is refused (429)")
     s.set_defaults(func=_serve)
 
     s = sub.add_parser("submit", help="submit a JobSpec file (YAML or JSON)")
@@ -71,6 +73,20 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list jobs").set_defaults(func=_list)
     sub.add_parser("cluster", help="show the Ray cluster").set_defaults(func=_cluster)
     return p
+
+
+def _attach_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`--token VALUE` as `--token=VALUE`: argparse reads a separate value that starts with '-' as an
+    option, and a token may start with '-' (the service never makes one, but a user may bring one)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in options and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -103,9 +119,8 @@ def _costs(text: str) -> dict[str, float]:
 def _serve(args: argparse.Namespace) -> int:
     from service.server import serve
 
-    serve(host=args.host, port=args.port, state_dir=args.state_dir, ray_address=args.ray_address,
-          num_cpus=args.num_cpus)
-    return 0
+    return serve(host=args.host, port=args.port, state_dir=args.state_dir, ray_address=args.ray_address,
+                 num_cpus=args.num_cpus, max_queued=args.max_queued)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -171,11 +186,12 @@ def follow(client: Client, job_id: str, poll_s: float = 0.5) -> int:
             job = client.job(job_id)
             rows = client.metrics(job_id, since=bar.n)
             if rows:
-                last_loss = rows[-1]["loss"]
-                bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}", refresh=False)
+                last_loss = _finite(rows[-1]["loss"])
+                bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{_finite(rows[-1]['tokens_per_s']):.0f}",
+                                refresh=False)
                 bar.update(rows[-1]["step"] + 1 - bar.n)
             elif job["status"] == "PENDING":
-                bar.set_postfix_str("waiting for resources")
+                bar.set_postfix_str(_waiting_text(job), refresh=True)
             if job["status"] in TERMINAL and not rows:
                 break
             time.sleep(poll_s)
@@ -184,6 +200,17 @@ def follow(client: Client, job_id: str, poll_s: float = 0.5) -> int:
     if job["error"]:
         print(job["error"], file=sys.stderr)
     return 0 if job["status"] == "SUCCEEDED" else 1
+
+
+def _finite(value: float | None) -> float:
+    """JSON has no NaN or infinity: a diverged step's loss comes as null; show it as nan."""
+    return float("nan") if value is None else value
+
+
+def _waiting_text(job: dict) -> str:
+    if job.get("queue_position") is None:
+        return "starting"
+    return f"queued #{job['queue_position']}: {job['waiting_for']['reason']}"
 
 
 def _follow_cmd(args: argparse.Namespace) -> int:
@@ -211,6 +238,7 @@ def _metrics(args: argparse.Namespace) -> int:
     rows = _client(args).metrics(args.job_id, since=args.since)
     print(f"{'step':>6} {'loss':>9} {'lr':>10} {'grad_norm':>10} {'tokens/s':>10} {'step_s':>8}")
     for r in rows:
+        r = {k: _finite(v) for k, v in r.items()}
         print(f"{r['step']:>6} {r['loss']:>9.4f} {r['lr']:>10.3e} {r['grad_norm']:>10.4f} "
               f"{r['tokens_per_s']:>10.0f} {r['step_time_s']:>8.3f}")
     return 0
@@ -218,9 +246,10 @@ def _metrics(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     jobs = _client(args).jobs()
-    print(f"{'job_id':<14} {'name':<20} {'status':<10} {'step':>11}")
+    print(f"{'job_id':<14} {'name':<20} {'status':<10} {'step':>11}  queue")
     for j in jobs:
-        print(f"{j['job_id']:<14} {j['name'][:20]:<20} {j['status']:<10} {j['step']:>5}/{j['steps']:<5}")
+        queued = f"#{j['queue_position']}" if j.get("queue_position") else ""
+        print(f"{j['job_id']:<14} {j['name'][:20]:<20} {j['status']:<10} {j['step']:>5}/{j['steps']:<5}  {queued}")
     return 0
 
 

@@ -1,52 +1,75 @@
-"""The job manager: submit, follow, stop and delete jobs; the bridge from the store to the coordinators.
+"""The job manager: submit, queue, admit, follow, stop and delete jobs; the bridge from the store to Ray.
 
-`submit` validates a JobConfig against the live cluster (plan rules, dataset, fit) before anything is
-created, stores the job as PENDING and starts its Coordinator. A follower thread polls every live
-coordinator and writes status, progress, metrics and errors to the store; once a job is terminal its
-coordinator is killed (its workers and placement group are already released). On start-up, jobs the
-store still shows as live belong to a service that is gone: they are marked FAILED.
+- `submit` validates a JobConfig against the cluster (plan rules, dataset, fit), stores the job as PENDING
+  and returns: a waiting job is a row in the store and holds no Ray process.
+- The admission thread takes the head of the queue (`service.queue`) when its whole gang fits the free
+  resources, reserves its placement group (ready at once, or given back and tried again later), and only
+  then starts the job's Coordinator with that placement group.
+- The follower thread polls every live coordinator without waiting on any one of them and writes status,
+  progress, metrics and errors to the store; once a job is terminal its coordinator is killed and its
+  placement group removed.
+- Neither thread dies with one job: an exception in one job's handling is logged and fails that job.
+- On start-up, queued jobs stay queued; jobs the store still shows as running belong to a service that is
+  gone: they are marked FAILED.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+import traceback
 import uuid
 from dataclasses import asdict
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from actors.coordinator import Coordinator
-from actors.naming import coordinator_name
+from actors.naming import coordinator_name, placement_group_name
 from actors.state import JobStatus
-from parallel.config import JobConfig
+from api.spec import parse_spec
+from parallel.config import JobConfig, RuleError
 from parallel.data import open_dataset
 from parallel.plan import ClusterResources, Plan, make_plan
-from service.ray_runtime import cluster_resources
+from service import queue
+from service.errors import JobConflict, JobNotFound, QueueFull
+from service.ray_runtime import cluster_resources, free_resources
 from service.store import JobRecord, JobStore
 
 log = logging.getLogger("trainyard.manager")
 
+__all__ = ["JobConflict", "JobManager", "JobNotFound", "QueueFull"]
 
-class JobNotFound(KeyError):
-    pass
-
-
-class JobConflict(RuntimeError):
-    """The request does not fit the job's state (e.g. deleting a running job)."""
+RESERVE_TIMEOUT_S = 5.0
+"""How long admission waits for a placement group that fitted the free resources (another job may have
+taken them in between); then it is given back and the queue tried again."""
+SHUTDOWN_TIMEOUT_S = 10.0
+"""How long shutdown waits for the live jobs' coordinators to stop cleanly before killing them."""
 
 
 class JobManager:
-    def __init__(self, store: JobStore, dashboard_url: str | None = None, poll_interval_s: float = 0.5):
+    def __init__(self, store: JobStore, dashboard_url: str | None = None, poll_interval_s: float = 0.5,
+                 max_queued: int = 1000, admit: bool = True):
+        """`admit=False` keeps every job waiting (maintenance, and the API fuzz test)."""
         self.store = store
         self.dashboard_url = dashboard_url
         self.poll_interval_s = poll_interval_s
+        self.max_queued = max_queued
+        self.admit = admit
         self._coordinators: dict[str, ray.actor.ActorHandle] = {}
-        self._lock = threading.Lock()
+        self._placement_groups: dict[str, PlacementGroup] = {}
+        self._polls: dict[str, ray.ObjectRef] = {}
+        self._free: list[dict[str, float]] = []
+        self._lock = threading.RLock()
         self._stopping = threading.Event()
+        self._wake = threading.Event()
         self._reconcile()
-        self._follower = threading.Thread(target=self._follow_loop, name="trainyard-follower", daemon=True)
-        self._follower.start()
+        self._threads = [threading.Thread(target=self._loop, args=(body, wake), name=f"trainyard{body.__name__}",
+                                          daemon=True)
+                         for body, wake in ((self._admit_queued, self._wake), (self._follow, threading.Event()))]
+        for thread in self._threads:
+            thread.start()
 
     # --- validation and submission -------------------------------------------------------------
 
@@ -60,21 +83,19 @@ class JobManager:
         return cluster_resources()
 
     def submit(self, config: JobConfig) -> str:
+        """Validate and queue the job; returns at once (the admission thread starts it when it fits)."""
         plan = self.plan(config)
         job_id = uuid.uuid4().hex[:12]
-        self.store.insert(JobRecord(job_id=job_id, name=config.name, status=JobStatus.PENDING,
-                                    spec=asdict(config), steps=config.steps))
-        coordinator = Coordinator.options(name=coordinator_name(job_id)).remote(job_id, plan)
-        with self._lock:
-            self._coordinators[job_id] = coordinator
-        try:
-            ray.get(coordinator.start.remote())
-        except ray.exceptions.RayError as e:  # e.g. the code does not import on the cluster's workers
-            self.store.update(job_id, status=JobStatus.FAILED, error=f"the job's coordinator did not start: {e}")
-            self._finish(job_id, JobStatus.FAILED)
-            log.error("job %s failed at start: %s", job_id, e)
-            return job_id
-        log.info("job %s submitted (%s, world size %d)", job_id, config.name, plan.world_size)
+        with self._lock:  # the count and the insert together, so concurrent submits cannot overshoot
+            if self.store.queued_count() >= self.max_queued:
+                raise QueueFull(f"the queue already holds {self.max_queued} waiting jobs (--max-queued); "
+                                "submit again when some have started, or stop some")
+            self.store.insert(JobRecord(job_id=job_id, name=config.name, status=JobStatus.PENDING,
+                                        spec=asdict(config), steps=config.steps, priority=config.priority,
+                                        needs=asdict(plan.gang)))
+        self._wake.set()
+        log.info("job %s queued (%s, world size %d, priority %d)", job_id, config.name, plan.world_size,
+                 config.priority)
         return job_id
 
     # --- queries and control -------------------------------------------------------------------
@@ -88,21 +109,28 @@ class JobManager:
     def list(self) -> list[JobRecord]:
         return self.store.list()
 
+    def queue_view(self) -> dict[str, tuple[int, dict]]:
+        """job_id -> (queue position from 1, what it waits for) for every waiting job."""
+        waiting, free = self.store.queue(), self._free
+        return {job.job_id: (i, queue.waiting_for(i, job, free)) for i, job in enumerate(waiting, start=1)}
+
     def metrics(self, job_id: str, since: int = 0) -> list[dict]:
         self.get(job_id)
         return self.store.metrics(job_id, since)
 
     def stop(self, job_id: str, timeout_s: float = 60.0) -> JobRecord:
-        job = self.get(job_id)
-        if job.status.is_terminal:
-            return job
         with self._lock:
+            job = self.get(job_id)
+            if job.status.is_terminal:
+                return job
             coordinator = self._coordinators.get(job_id)
-        if coordinator is not None:
-            try:
-                self._apply(job_id, ray.get(coordinator.stop.remote(), timeout=timeout_s))
-            except Exception as e:  # noqa: BLE001 - killing the coordinator below releases everything
-                log.warning("job %s: stop did not finish cleanly (%s); killing its coordinator", job_id, e)
+            if coordinator is None:  # still in the queue: nothing runs and nothing is reserved
+                self.store.update(job_id, status=JobStatus.STOPPED)
+                return self.get(job_id)
+        try:
+            self._apply(job_id, ray.get(coordinator.stop.remote(), timeout=timeout_s))
+        except Exception as e:  # noqa: BLE001 - killing the coordinator below releases everything
+            log.warning("job %s: stop did not finish cleanly (%s); killing its coordinator", job_id, e)
         self._finish(job_id, JobStatus.STOPPED)
         return self.get(job_id)
 
@@ -110,54 +138,133 @@ class JobManager:
         job = self.get(job_id)
         if not job.status.is_terminal:
             raise JobConflict(f"job {job_id} is {job.status}; stop it before deleting it")
-        self.store.delete(job_id)
+        if not self.store.delete(job_id):  # deleted by a concurrent request in between
+            raise JobNotFound(job_id)
 
     def shutdown(self) -> None:
-        """Stop following; live jobs are stopped so that nothing is left holding the cluster."""
+        """Stop admitting and following, and stop every live job within a few seconds. Waiting jobs stay
+        queued in the store for the next start."""
         self._stopping.set()
-        self._follower.join(timeout=10)
-        for job_id in list(self._coordinators):
-            self.stop(job_id)
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout=RESERVE_TIMEOUT_S + 5)
+        with self._lock:
+            live = dict(self._coordinators)
+        stops = {job_id: coordinator.stop.remote() for job_id, coordinator in live.items()}
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        for job_id, ref in stops.items():
+            try:
+                self._apply(job_id, ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
+            except Exception as e:  # noqa: BLE001
+                log.warning("job %s: stop at shutdown did not finish cleanly (%s); killing it", job_id, e)
+            self._finish(job_id, JobStatus.STOPPED)
 
-    # --- following coordinators ----------------------------------------------------------------
+    # --- background threads --------------------------------------------------------------------
 
-    def _follow_loop(self) -> None:
-        while not self._stopping.wait(self.poll_interval_s):
-            with self._lock:
-                live = list(self._coordinators.items())
-            for job_id, coordinator in live:
-                self._poll(job_id, coordinator)
+    def _loop(self, body, wake: threading.Event) -> None:
+        """Run `body` every poll interval (or when woken) until shutdown; an exception never ends the loop."""
+        while not self._stopping.is_set():
+            try:
+                body()
+            except Exception:  # noqa: BLE001 - e.g. the store or Ray answered an error; try again next tick
+                log.exception("%s failed; retrying", body.__name__)
+            wake.wait(self.poll_interval_s)
+            wake.clear()
 
-    def _poll(self, job_id: str, coordinator) -> None:
-        job = self.store.get(job_id)
-        if job is None:
-            return
+    def _admit_queued(self) -> None:
+        """Admit jobs from the head of the queue for as long as the head fits."""
+        while self.admit and not self._stopping.is_set():
+            waiting = self.store.queue()
+            self._free = free_resources() if waiting else self._free
+            head = queue.next_to_admit(waiting, self._free)
+            if head is None or not self._guarded(head.job_id, self._admit, head):
+                return
+
+    def _admit(self, job: JobRecord) -> bool:
+        """Reserve the job's placement group and start its coordinator; False if the resources were taken
+        in the meantime (the job stays queued)."""
         try:
-            self._apply(job_id, ray.get(coordinator.poll.remote(job.step)))
+            plan = make_plan(parse_spec(job.spec), cluster_resources())
+        except RuleError as e:  # e.g. the cluster lost nodes since the job was queued
+            self._finish(job.job_id, JobStatus.FAILED, f"the job can no longer run on this cluster: {e}")
+            return True
+        pg = placement_group(plan.bundles(), strategy="PACK", name=placement_group_name(job.job_id))
+        if not pg.wait(RESERVE_TIMEOUT_S):
+            remove_placement_group(pg)
+            return False
+        with self._lock:
+            if not self.store.claim(job.job_id):  # stopped or deleted while the group was reserved
+                remove_placement_group(pg)
+                return True
+            coordinator = Coordinator.options(name=coordinator_name(job.job_id)).remote(job.job_id, plan, pg)
+            self._coordinators[job.job_id] = coordinator
+            self._placement_groups[job.job_id] = pg
+        coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
+        log.info("job %s admitted (world size %d)", job.job_id, plan.world_size)
+        return True
+
+    def _follow(self) -> None:
+        """Poll every live coordinator; one that has not answered yet (e.g. still starting) is skipped."""
+        with self._lock:
+            for job_id, coordinator in self._coordinators.items():
+                if job_id not in self._polls:
+                    job = self.store.get(job_id)
+                    self._polls[job_id] = coordinator.poll.remote(job.step if job else 0)
+            refs = {ref: job_id for job_id, ref in self._polls.items()}
+        if not refs:
+            return
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.poll_interval_s)
+        for ref in ready:
+            job_id = refs[ref]
+            with self._lock:
+                self._polls.pop(job_id, None)
+            self._guarded(job_id, self._take_report, job_id, ref)
+
+    def _take_report(self, job_id: str, ref: ray.ObjectRef) -> None:
+        try:
+            report = ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            self.store.update(job_id, status=JobStatus.FAILED, error=f"the job's coordinator died: {e}")
-            self._finish(job_id, JobStatus.FAILED)
+            self._finish(job_id, JobStatus.FAILED, f"the job's coordinator died: {e}")
+            return
+        self._apply(job_id, report)
+
+    def _guarded(self, job_id: str, handle, *args) -> object:
+        """Run one job's handling; an exception fails that job (with the traceback) instead of the thread."""
+        try:
+            return handle(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("job %s: %s failed", job_id, handle.__name__)
+            self._finish(job_id, JobStatus.FAILED, f"the service failed handling this job:\n{traceback.format_exc()}")
+            return False
+
+    # --- bookkeeping ---------------------------------------------------------------------------
 
     def _apply(self, job_id: str, report: dict) -> None:
         if report["metrics"]:
             self.store.add_metrics(job_id, report["metrics"])
         status = JobStatus(report["status"])
         self.store.update(job_id, status=status, step=report["step"], error=report["error"],
-                          actors=report["actors"])
+                          actors=report["actors"], ranks=report["ranks"])
         if status.is_terminal:
             self._finish(job_id, status)
 
-    def _finish(self, job_id: str, status: JobStatus) -> None:
+    def _finish(self, job_id: str, status: JobStatus, error: str | None = None) -> None:
+        """Record the job's end (unless it has ended already), then release what it holds in Ray. In that
+        order, a job's `ended_at` comes before the next job can be admitted into its resources."""
+        self.store.update(job_id, status=status, error=error)
         with self._lock:
             coordinator = self._coordinators.pop(job_id, None)
+            pg = self._placement_groups.pop(job_id, None)
+            self._polls.pop(job_id, None)
         if coordinator is not None:
             ray.kill(coordinator, no_restart=True)
-        job = self.store.get(job_id)
-        if job is not None and not job.status.is_terminal:
-            self.store.update(job_id, status=status)
+        if pg is not None:
+            remove_placement_group(pg)
 
     def _reconcile(self) -> None:
         for job in self.store.list():
-            if not job.status.is_terminal:
+            if job.status is JobStatus.PENDING and job.admitted_at is not None:
+                self.store.requeue(job.job_id)  # admitted but never started: its reservation died with Ray
+            elif not job.status.is_terminal and job.status is not JobStatus.PENDING:
                 self.store.update(job.job_id, status=JobStatus.FAILED,
                                   error="the service stopped while this job was live; resubmit it")

@@ -51,13 +51,29 @@ def connect(address: str | None = None, num_cpus: int | None = None, dashboard: 
 
 
 def cluster_resources() -> ClusterResources:
-    """Total CPUs and GPUs of every live node (capacity, not what is free now)."""
+    """Total CPUs, GPUs and memory of every live node (capacity, not what is free now)."""
     nodes = [
-        NodeResources(cpus=n["Resources"].get("CPU", 0.0), gpus=n["Resources"].get("GPU", 0.0))
+        NodeResources(cpus=n["Resources"].get("CPU", 0.0), gpus=n["Resources"].get("GPU", 0.0),
+                      memory=n["Resources"].get("memory", 0.0))
         for n in ray.nodes()
         if n.get("Alive")
     ]
     return ClusterResources(nodes=tuple(nodes))
+
+
+def free_resources() -> list[dict[str, float]]:
+    """What each live node has free right now (CPU, GPU), for the admission loop's fit check.
+
+    Ray has no public per-node view of free resources (`ray.available_resources()` sums the nodes, and a
+    bundle must fit on one node), so this reads the GCS through `ray._private.state`; if that ever moves,
+    the cluster-wide sum stands in as one node: admission then still never over-commits, because the
+    placement group itself is the real reservation and is given up when it is not ready at once.
+    """
+    try:
+        per_node = ray._private.state.available_resources_per_node().values()
+    except Exception:  # noqa: BLE001 - private API: fall back to the public aggregate
+        per_node = [ray.available_resources()]
+    return [{"CPU": r.get("CPU", 0.0), "GPU": r.get("GPU", 0.0)} for r in per_node]
 
 
 def _dashboard_url() -> str | None:

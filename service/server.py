@@ -1,8 +1,18 @@
-"""`trainyard serve`: start (or join) Ray, open the store, and serve the API with uvicorn."""
+"""`trainyard serve`: start (or join) Ray, open the store, and serve the API with uvicorn until a signal.
+
+Shutdown (SIGTERM or SIGINT) takes seconds and exits 0: stop answering requests, stop every live job
+cleanly (waiting jobs stay queued in the store for the next start), then shut the embedded Ray down.
+The signals are ours, not uvicorn's: uvicorn re-raises a caught signal once it has stopped, into the
+handler `ray.init` installed, which kills the embedded cluster and exits 1 before the jobs are stopped
+(their coordinators then cannot answer, and the process hangs on Ray's reconnect timeout).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -16,22 +26,45 @@ from service.store import JobStore
 
 log = logging.getLogger("trainyard.server")
 
+GRACEFUL_HTTP_S = 5
+"""How long in-flight requests may take to finish once a shutdown began."""
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # `serve` handles the signals for the whole shutdown, and never re-raises them
+
 
 def serve(host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | None = None,
-          ray_address: str | None = None, num_cpus: int | None = None) -> None:
+          ray_address: str | None = None, num_cpus: int | None = None, max_queued: int = 1000) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     directory = sd.resolve(state_dir)
     token = sd.load_or_create_token(directory)
     info = connect(address=ray_address, num_cpus=num_cpus)
-    manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url)
+    manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url, max_queued=max_queued)
     app = create_app(manager, token, ray_address=info.address)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                    timeout_graceful_shutdown=GRACEFUL_HTTP_S))
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if server.should_exit:  # a second signal: stop waiting for in-flight requests
+            server.force_exit = True
+        log.info("%s: shutting down", signal.Signals(signum).name)
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     sd.write_server_info(directory, url)
     log.info("trainyard API on %s (state dir %s); Ray dashboard: %s", url, directory, info.dashboard_url)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server.run()
     finally:
         manager.shutdown()
         manager.store.close()
         if info.embedded:
             ray.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("trainyard stopped")
+    return 0

@@ -21,10 +21,17 @@ def load_or_create_token(state_dir: Path) -> str:
     path = state_dir / "token"
     if path.exists():
         return path.read_text().strip()
-    token = secrets.token_urlsafe(32)
+    token = new_token()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
+    return token
+
+
+def new_token() -> str:
+    """32 random bytes, URL-safe, never starting with '-' (a command line would read it as an option)."""
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
     return token
 
 

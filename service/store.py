@@ -1,8 +1,13 @@
 """The job store: SQLite (WAL) in the state directory, the service's only durable state.
 
-It holds each job's spec, status, progress and error, and one metrics row per finished step, so that a
-restarted service still lists every job and its curve. One connection, guarded by a lock, shared by the
-API handlers and the manager's follower thread.
+It holds each job's spec, status, progress and error, one metrics row per finished step, and the queue: a
+waiting job is a PENDING row with no `admitted_at`, ordered by priority (higher first) then submission. A
+restarted service therefore still lists every job and its curve, and its queue. One connection, guarded by
+a lock, shared by the API handlers and the manager's background threads.
+
+Every write that races with another request is a single conditional statement: `claim` admits a job only
+if it is still waiting, `update` never changes a job that has ended, and metrics of a job deleted
+meanwhile are dropped instead of breaking the writer.
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ CREATE TABLE IF NOT EXISTS metrics (
     PRIMARY KEY (job_id, step)
 );
 """
+# Columns added after the first release: a store written by an older service gains them on open.
+_ADDED_COLUMNS = {
+    "priority": "INTEGER NOT NULL DEFAULT 0",
+    "needs": "TEXT NOT NULL DEFAULT '{}'",
+    "admitted_at": "REAL",
+    "ended_at": "REAL",
+    "ranks": "TEXT NOT NULL DEFAULT '[]'",
+}
+_TERMINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_terminal)
+_QUEUED = "status = 'PENDING' AND admitted_at IS NULL"
+_QUEUE_ORDER = "priority DESC, created_at, rowid"
 
 
 @dataclass
@@ -50,6 +66,18 @@ class JobRecord:
     actors: list[str] = field(default_factory=list)
     created_at: float = 0.0
     updated_at: float = 0.0
+    priority: int = 0
+    needs: dict = field(default_factory=dict)
+    """What the job needs from the cluster at once: {"bundle": {...}, "count": n} (see parallel.plan.Gang)."""
+    admitted_at: float | None = None
+    """When the admission loop reserved the job's resources; None while it waits in the queue."""
+    ended_at: float | None = None
+    ranks: list[dict] = field(default_factory=list)
+    """Where each rank runs: rank, name, node, pid, device (once the workers have started)."""
+
+    @property
+    def queued(self) -> bool:
+        return self.status is JobStatus.PENDING and self.admitted_at is None
 
 
 class JobStore:
@@ -61,6 +89,10 @@ class JobStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA)
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            for column, decl in _ADDED_COLUMNS.items():
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -70,26 +102,45 @@ class JobStore:
         now = time.time()
         with self._lock:
             self._db.execute(
-                "INSERT INTO jobs (job_id, name, status, spec, steps, step, error, actors, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO jobs ({_COLUMNS}) VALUES ({', '.join('?' * len(_COLUMN_LIST))})",
                 (job.job_id, job.name, job.status.value, json.dumps(job.spec), job.steps, job.step, job.error,
-                 json.dumps(job.actors), now, now),
+                 json.dumps(job.actors), now, now, job.priority, json.dumps(job.needs), job.admitted_at,
+                 job.ended_at, json.dumps(job.ranks)),
             )
 
     def update(self, job_id: str, *, status: JobStatus | None = None, step: int | None = None,
-               error: str | None = None, actors: list[str] | None = None) -> None:
-        sets, args = ["updated_at = ?"], [time.time()]
+               error: str | None = None, actors: list[str] | None = None, ranks: list[dict] | None = None) -> bool:
+        """Set the given fields; True if the job changed. A terminal status is final: a late report (e.g. a
+        poll answered just before a stop) changes neither the status nor the error of a job that has ended."""
+        now = time.time()
+        sets, args = ["updated_at = ?"], [now]
         for column, value in (("status", status.value if status else None), ("step", step), ("error", error),
-                              ("actors", json.dumps(actors) if actors is not None else None)):
+                              ("actors", json.dumps(actors) if actors is not None else None),
+                              ("ranks", json.dumps(ranks) if ranks is not None else None)):
             if value is not None:
                 sets.append(f"{column} = ?")
                 args.append(value)
-        # A terminal status is final: a late report (e.g. a poll answered just before a stop) changes
-        # neither the status nor the error of a job that has ended.
-        terminal = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_terminal)
+        if status is not None and status.is_terminal:
+            sets.append("ended_at = ?")
+            args.append(now)
+        guard = f" AND status NOT IN ({_TERMINAL})" if status or error else ""
         with self._lock:
-            self._db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE job_id = ?"
-                             + (f" AND status NOT IN ({terminal})" if status or error else ""), (*args, job_id))
+            cursor = self._db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE job_id = ?{guard}", (*args, job_id))
+        return cursor.rowcount > 0
+
+    def claim(self, job_id: str) -> bool:
+        """Take a waiting job out of the queue (admitted now); False if it was stopped or deleted meanwhile."""
+        now = time.time()
+        with self._lock:
+            cursor = self._db.execute(f"UPDATE jobs SET admitted_at = ?, updated_at = ? WHERE job_id = ? AND {_QUEUED}",
+                                      (now, now, job_id))
+        return cursor.rowcount > 0
+
+    def requeue(self, job_id: str) -> None:
+        """Put an admitted job that never started back into the queue (its resources were given back)."""
+        with self._lock:
+            self._db.execute("UPDATE jobs SET admitted_at = NULL, updated_at = ? WHERE job_id = ? AND status = ?",
+                             (time.time(), job_id, JobStatus.PENDING.value))
 
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
@@ -98,18 +149,32 @@ class JobStore:
 
     def list(self) -> list[JobRecord]:
         with self._lock:
-            rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY created_at").fetchall()
+            rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY created_at, rowid").fetchall()
         return [_record(r) for r in rows]
 
-    def delete(self, job_id: str) -> None:
+    def queue(self) -> list[JobRecord]:
+        """The waiting jobs in admission order."""
         with self._lock:
-            self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+            rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE {_QUEUED} ORDER BY {_QUEUE_ORDER}").fetchall()
+        return [_record(r) for r in rows]
+
+    def queued_count(self) -> int:
+        with self._lock:
+            return self._db.execute(f"SELECT COUNT(*) FROM jobs WHERE {_QUEUED}").fetchone()[0]
+
+    def delete(self, job_id: str) -> bool:
+        """Delete an ended job and its metrics; False if there is no such job or it has not ended."""
+        with self._lock:
+            cursor = self._db.execute(f"DELETE FROM jobs WHERE job_id = ? AND status IN ({_TERMINAL})", (job_id,))
+        return cursor.rowcount > 0
 
     def add_metrics(self, job_id: str, rows: list[dict]) -> None:
+        """Store metrics rows; rows of a job that no longer exists (deleted meanwhile) are dropped."""
         with self._lock:
             self._db.executemany(
-                "INSERT OR REPLACE INTO metrics (job_id, step, row) VALUES (?, ?, ?)",
-                [(job_id, r["step"], json.dumps(r)) for r in rows],
+                "INSERT OR REPLACE INTO metrics (job_id, step, row) SELECT ?, ?, ? "
+                "WHERE EXISTS (SELECT 1 FROM jobs WHERE job_id = ?)",
+                [(job_id, r["step"], json.dumps(r), job_id) for r in rows],
             )
 
     def metrics(self, job_id: str, since: int = 0) -> list[dict]:
@@ -120,10 +185,15 @@ class JobStore:
         return [json.loads(r[0]) for r in rows]
 
 
-_COLUMNS = "job_id, name, status, spec, steps, step, error, actors, created_at, updated_at"
+_COLUMN_LIST = ("job_id", "name", "status", "spec", "steps", "step", "error", "actors", "created_at", "updated_at",
+                "priority", "needs", "admitted_at", "ended_at", "ranks")
+_COLUMNS = ", ".join(_COLUMN_LIST)
 
 
 def _record(row: tuple) -> JobRecord:
-    job_id, name, status, spec, steps, step, error, actors, created, updated = row
+    (job_id, name, status, spec, steps, step, error, actors, created, updated, priority, needs, admitted_at,
+     ended_at, ranks) = row
     return JobRecord(job_id=job_id, name=name, status=JobStatus(status), spec=json.loads(spec), steps=steps,
-                     step=step, error=error, actors=json.loads(actors), created_at=created, updated_at=updated)
+                     step=step, error=error, actors=json.loads(actors), created_at=created, updated_at=updated,
+                     priority=priority, needs=json.loads(needs), admitted_at=admitted_at, ended_at=ended_at,
+                     ranks=json.loads(ranks))

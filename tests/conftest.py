@@ -45,8 +45,10 @@ class Service:
         self.manager.store.close()
 
 
-def start_service(state_dir: Path) -> Service:
-    """The real service stack (store, manager, FastAPI app, uvicorn) on a free loopback port."""
+def start_service(state_dir: Path, **manager_options) -> Service:
+    """The real service stack (store, manager, FastAPI app, uvicorn) on a free loopback port.
+
+    `manager_options` go to JobManager (e.g. `admit=False` keeps every job queued, `max_queued`)."""
     import uvicorn
 
     from api.app import create_app
@@ -55,7 +57,7 @@ def start_service(state_dir: Path) -> Service:
     from service.store import JobStore
 
     token = sd.load_or_create_token(sd.resolve(state_dir))
-    manager = JobManager(JobStore(state_dir / "jobs.db"), poll_interval_s=0.1)
+    manager = JobManager(JobStore(state_dir / "jobs.db"), poll_interval_s=0.1, **manager_options)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,0 +1,88 @@
+"""`trainyard serve` as a real process: SIGTERM stops it in seconds, exit code 0, its live jobs STOPPED,
+its waiting jobs still queued, and none of its processes (the embedded Ray included) left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import REPO, tiny_spec, wait_for
+
+from service import state_dir as sd
+from service.client import ApiError, Client
+from service.store import JobStore
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid`, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_serve(state: Path, log: Path) -> tuple[subprocess.Popen, Client]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # tests only: the product keeps Ray's token auth on
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve", "--port",
+                             str(port), "--num-cpus", "3"], cwd=REPO, env=env, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT)
+
+    def ready() -> Client | None:
+        assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        token = sd.read_token(state)
+        if not token:
+            return None
+        client = Client(f"http://127.0.0.1:{port}", token)
+        try:
+            return client if client.healthz() else None
+        except ApiError:
+            return None
+
+    return proc, wait_for(ready, 180, "trainyard serve to answer")
+
+
+def test_sigterm_stops_live_jobs_keeps_waiting_ones_and_leaves_no_process(tmp_path):
+    proc, client = start_serve(tmp_path / "state", tmp_path / "serve.log")
+    try:
+        live = [client.submit(tiny_spec(steps=100_000, name=f"live{i}")) for i in range(2)]
+        waiting = client.submit(tiny_spec(steps=3, name="waiting", resources={"cpus_per_worker": 3}))
+        for job_id in live:
+            wait_for(lambda j=job_id: client.job(j)["step"] >= 1, 180, f"job {job_id} to run")
+        assert client.job(waiting)["queue_position"] == 1
+        ours = descendants(proc.pid)
+        assert len(ours) >= 4  # at least Ray's GCS and raylet, and the jobs' workers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        wait_for(lambda: not any(alive(p) for p in ours), 30, "the service's processes to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    store = JobStore(tmp_path / "state" / "jobs.db")
+    assert [store.get(j).status.value for j in live] == ["STOPPED", "STOPPED"]
+    assert store.get(waiting).queued

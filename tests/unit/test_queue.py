@@ -1,0 +1,117 @@
+"""The queue: admission order, gang fit, what a waiting job waits for, and the store's race-safe writes."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from actors.state import JobStatus
+from parallel.plan import Gang
+from service import queue
+from service.cli import _attach_values
+from service.state_dir import new_token
+from service.store import JobRecord, JobStore
+
+
+def add(store: JobStore, job_id: str, priority: int = 0, cpus: float = 1.0, count: int = 1) -> None:
+    needs = {"bundle": {"CPU": cpus}, "count": count}
+    store.insert(JobRecord(job_id=job_id, name=job_id, status=JobStatus.PENDING, spec={}, steps=1,
+                           priority=priority, needs=needs))
+
+
+@pytest.fixture()
+def store(tmp_path) -> JobStore:
+    return JobStore(tmp_path / "jobs.db")
+
+
+def test_queue_orders_by_priority_then_submission(store):
+    for job_id, priority in (("a", 0), ("b", 5), ("c", 0), ("d", 5), ("e", -1)):
+        add(store, job_id, priority)
+    assert [j.job_id for j in store.queue()] == ["b", "d", "a", "c", "e"]
+
+
+def test_the_head_is_admitted_only_when_its_whole_gang_fits_one_bundle_per_node(store):
+    add(store, "big", cpus=2, count=3)
+    waiting = store.queue()
+    assert queue.next_to_admit(waiting, [{"CPU": 5.0}]) is None  # room for 2 bundles, not 3
+    assert queue.next_to_admit(waiting, [{"CPU": 3.0}, {"CPU": 3.0}]) is None  # 6 CPUs, but one bundle per node
+    assert queue.next_to_admit(waiting, [{"CPU": 4.0}, {"CPU": 3.0}]).job_id == "big"
+
+
+def test_nothing_behind_a_head_that_does_not_fit_is_admitted(store):
+    add(store, "big", priority=1, cpus=8)
+    add(store, "small", cpus=1)
+    assert queue.next_to_admit(store.queue(), [{"CPU": 4.0}]) is None
+
+
+def test_a_waiting_job_says_what_it_waits_for(store):
+    add(store, "big", cpus=2, count=3)
+    add(store, "next")
+    waiting = store.queue()
+    free = [{"CPU": 3.0, "GPU": 0.0}]
+    head = queue.waiting_for(1, waiting[0], free)
+    assert head["needed"] == {"CPU": 6.0, "GPU": 0.0} and head["free"] == {"CPU": 3.0, "GPU": 0.0}
+    assert "3 bundle(s) of {2 CPU} at once" in head["reason"] and "hold 1 now" in head["reason"]
+    assert queue.waiting_for(2, waiting[1], free)["reason"].startswith("behind 1 earlier job(s)")
+
+
+def test_gang_counts_whole_bundles_per_node():
+    gang = Gang(bundle={"CPU": 1.0, "GPU": 1.0}, count=4)
+    assert gang.placeable([{"CPU": 8.0, "GPU": 2.0}, {"CPU": 1.5, "GPU": 4.0}]) == 3
+    assert gang.needed() == {"CPU": 4.0, "GPU": 4.0}
+
+
+def test_a_claimed_job_leaves_the_queue_and_cannot_be_claimed_twice(store):
+    add(store, "a")
+    assert store.claim("a") and not store.claim("a")
+    assert store.queue() == [] and store.get("a").admitted_at is not None
+    store.requeue("a")
+    assert [j.job_id for j in store.queue()] == ["a"]
+
+
+def test_a_stopped_or_deleted_job_cannot_be_claimed(store):
+    add(store, "a")
+    store.update("a", status=JobStatus.STOPPED)
+    assert not store.claim("a")
+    assert store.delete("a") and not store.claim("a")
+
+
+def test_only_ended_jobs_are_deleted(store):
+    add(store, "a")
+    assert not store.delete("a") and store.get("a") is not None
+    store.update("a", status=JobStatus.FAILED, error="x")
+    assert store.get("a").ended_at is not None
+    assert store.delete("a") and not store.delete("a")
+
+
+def test_metrics_of_a_job_deleted_meanwhile_are_dropped_not_an_error(store):
+    # The follower may hold a report of a job a client deletes before the report is written.
+    add(store, "a")
+    store.update("a", status=JobStatus.STOPPED)
+    store.delete("a")
+    store.add_metrics("a", [{"step": 0, "loss": 1.0}])
+    assert store.metrics("a") == []
+
+
+def test_a_store_written_by_an_older_service_gains_the_new_columns(tmp_path):
+    db = sqlite3.connect(tmp_path / "jobs.db")
+    db.executescript("""CREATE TABLE jobs (job_id TEXT PRIMARY KEY, name TEXT NOT NULL, status TEXT NOT NULL,
+        spec TEXT NOT NULL, steps INTEGER NOT NULL, step INTEGER NOT NULL DEFAULT 0, error TEXT,
+        actors TEXT NOT NULL DEFAULT '[]', created_at REAL NOT NULL, updated_at REAL NOT NULL);
+        INSERT INTO jobs VALUES ('old', 'x', 'SUCCEEDED', '{}', 3, 3, NULL, '[]', 1.0, 2.0);""")
+    db.commit()
+    db.close()
+    job = JobStore(tmp_path / "jobs.db").get("old")
+    assert job.status is JobStatus.SUCCEEDED and job.priority == 0 and job.ranks == [] and job.admitted_at is None
+
+
+def test_service_tokens_never_start_with_a_dash(monkeypatch):
+    drawn = iter(["-starts-with-dash", "-again", "fine-token"])
+    monkeypatch.setattr("service.state_dir.secrets.token_urlsafe", lambda n: next(drawn))
+    assert new_token() == "fine-token"
+
+
+def test_cli_takes_a_token_that_starts_with_a_dash():
+    assert _attach_values(["--token", "-abc", "list"], ("--token",)) == ["--token=-abc", "list"]
+    assert _attach_values(["--token=x", "list", "--token"], ("--token",)) == ["--token=x", "list", "--token"]
