@@ -61,7 +61,7 @@ class TrainyardService:
                  tb: TracebackType | None) -> None:
         if self.client is not None:
             self.client.close()
-        if self._server is not None:
+        if self._server is not None and self._server.poll() is None:
             self._server.send_signal(signal.SIGINT)
             try:
                 self._server.wait(timeout=60)
@@ -70,6 +70,18 @@ class TrainyardService:
                 self._server.wait()
         if self._log is not None:
             self._log.close()
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = 120.0) -> tuple[float, int]:
+        """Send `sig` to the server and wait for it to exit: (seconds until it exited, its exit code)."""
+        assert self._server is not None
+        start = time.perf_counter()
+        self._server.send_signal(sig)
+        try:
+            code = self._server.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._server.kill()
+            raise BenchError(f"trainyard serve did not exit within {timeout_s:g} s of signal {sig}") from None
+        return time.perf_counter() - start, code
 
     def run_job(self, spec: dict[str, Any], timeout_s: float = 600.0, poll_s: float = 1.0) -> list[dict[str, Any]]:
         """Submit `spec`, wait until it ends, and return its metrics rows; raises BenchError unless SUCCEEDED."""

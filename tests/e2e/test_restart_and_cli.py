@@ -88,3 +88,14 @@ def test_cli_plan_draws_the_schedule_and_takes_simulation_costs(capsys):
     schedule = json.loads(capsys.readouterr().out)["schedule"]
     assert schedule["costs"] == {"forward": 1.0, "backward": 2.0, "comm": 0.5}
     assert schedule["makespan"] > 33
+
+
+def test_cli_takes_a_token_that_starts_with_a_dash(ray_session, tmp_path, capsys):
+    (tmp_path / "token").write_text("-a-token-a-user-brought\n")  # the service never makes one; a user may
+    svc = start_service(tmp_path)
+    try:
+        assert svc.token == "-a-token-a-user-brought"
+        assert cli(["--url", svc.url, "--token", svc.token, "list"]) == 0
+        assert "job_id" in capsys.readouterr().out
+    finally:
+        svc.shutdown()

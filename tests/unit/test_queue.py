@@ -115,3 +115,11 @@ def test_service_tokens_never_start_with_a_dash(monkeypatch):
 def test_cli_takes_a_token_that_starts_with_a_dash():
     assert _attach_values(["--token", "-abc", "list"], ("--token",)) == ["--token=-abc", "list"]
     assert _attach_values(["--token=x", "list", "--token"], ("--token",)) == ["--token=x", "list", "--token"]
+
+
+def test_the_progress_bar_shows_the_queue_position_and_the_reason():
+    from service.cli import _waiting_text
+
+    job = {"queue_position": 3, "waiting_for": {"reason": "behind 2 earlier job(s) in the queue"}}
+    assert _waiting_text(job) == "queued #3: behind 2 earlier job(s) in the queue"
+    assert _waiting_text({"queue_position": None, "waiting_for": None}) == "starting"
