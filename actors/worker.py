@@ -39,7 +39,8 @@ class Worker:
         groups = init_distributed(plan, self.rank, master_addr, master_port, device,
                                   timeout_s=plan.config.fault.step_timeout_s)
         self.trainer = RankTrainer(plan, self.rank, groups, device)
-        return {"rank": self.rank, "device": str(device), "node": ray.util.get_node_ip_address(), "pid": os.getpid()}
+        return {"rank": self.rank, "device": str(device), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def run_step(self, step: int, microbatch_ids: list[list[int]]) -> dict:
         assert self.trainer is not None, "setup() must run before run_step()"
