@@ -125,7 +125,7 @@ class Coordinator:
     async def _start_workers(self) -> None:
         plan = self.plan
         for rank in range(plan.world_size):
-            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank // plan.tp)
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=plan.bundle_of(rank))
             self.workers.append(Worker.options(
                 name=worker_name(self.job_id, plan.worker_name(rank)),
                 num_cpus=plan.cpus_per_worker,

@@ -102,6 +102,11 @@ class Plan:
         """The blocks of each chunk a pipeline rank holds, chunk 0 first."""
         return [self.stage_layers[c * self.pp + pp_rank] for c in range(self.vpp)]
 
+    def bundle_of(self, rank: int) -> int:
+        """The placement-group bundle a rank is placed in: its tensor-parallel group's, so the ranks of one
+        tp group always share a node."""
+        return rank // self.tp
+
     def worker_name(self, rank: int) -> str:
         c = self.coords(rank)
         return f"pp{c.pp}-tp{c.tp}-dp{c.dp}"
@@ -334,8 +339,8 @@ def describe(plan: Plan) -> dict:
         "degrees": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "vpp": plan.vpp},
         "microbatches": plan.microbatches,
         "micro_batch_size": plan.micro_batch_size,
-        "ranks": [{"rank": c.rank, "pp": c.pp, "tp": c.tp, "dp": c.dp, "name": plan.worker_name(c.rank)}
-                  for c in plan.ranks],
+        "ranks": [{"rank": c.rank, "pp": c.pp, "tp": c.tp, "dp": c.dp, "name": plan.worker_name(c.rank),
+                   "bundle": plan.bundle_of(c.rank)} for c in plan.ranks],
         "groups": {"dp": plan.dp_groups(), "pp": plan.pp_groups(), "tp": plan.tp_groups()},
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),

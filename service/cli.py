@@ -162,7 +162,10 @@ def format_plan(d: dict) -> str:
         f"resources needed: {d['resources']['needed']}  (per worker {d['resources']['per_worker']})",
         "ranks:",
     ]
-    lines += [f"  rank {r['rank']:>3}  {r['name']}" for r in d["ranks"]]
+    lines += [f"  rank {r['rank']:>3}  {r['name']}  bundle {r['bundle']}" for r in d["ranks"]]
+    if deg["tp"] > 1:
+        lines.append("tensor-parallel groups (each one placement-group bundle, so one node): "
+                     + "  ".join(str(g) for g in d["groups"]["tp"]))
     lines.append("stage layers: " + "  ".join(f"v{v}={layers}" for v, layers in enumerate(d["stage_layers"])))
     s, c = d["schedule"], d["schedule"]["costs"]
     lines += [

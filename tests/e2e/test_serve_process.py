@@ -44,14 +44,15 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start_serve(state: Path, log: Path) -> tuple[subprocess.Popen, Client]:
+def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple[subprocess.Popen, Client]:
+    """`trainyard serve` in a subprocess on a free port: an embedded Ray (3 CPUs), or joining `ray_address`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # tests only: the product keeps Ray's token auth on
+    where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", "3"]
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve", "--port",
-                             str(port), "--num-cpus", "3"], cwd=REPO, env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT)
+                             str(port), *where], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
     def ready() -> Client | None:
         assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
