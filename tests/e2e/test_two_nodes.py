@@ -31,7 +31,8 @@ def test_a_job_is_placed_across_two_nodes_with_each_tp_group_on_one(two_node_clu
     try:
         cluster = client.cluster()
         assert cluster["nodes"] == 2 and cluster["gpus"] == 8
-        spec = tiny_spec(steps=2, model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "tp": 1, "microbatches": 2}, resources={"cpus_per_worker": 2})
+        spec = tiny_spec(steps=2, model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "tp": 1, "microbatches": 2},
+                         resources={"cpus_per_worker": 2})
         plan = client.plan(spec)
         assert plan["resources"]["bundles"] == [{"CPU": 2.0, "GPU": 1.0}] * 4
         job = wait_terminal(client, client.submit(spec), timeout_s=300)
