@@ -38,6 +38,7 @@ class GradientBuckets:
     zero them either once DTensor and plain gradients mix: its foreach kernel refuses the mixed list.)
     """
 
+    @torch.no_grad()
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
         self.buckets: list[torch.Tensor] = []
         for group in _group(params, bucket_bytes):
@@ -73,14 +74,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _group(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     buckets: list[list[nn.Parameter]] = [[]]
-    size = 0
+    size, kind = 0, None
     for p in params:
         shard = _local(p)
         nbytes = shard.numel() * shard.element_size()
-        if buckets[-1] and (size + nbytes > bucket_bytes or (shard.dtype, shard.device) != (
-                _local(buckets[-1][0]).dtype, _local(buckets[-1][0]).device)):
+        if buckets[-1] and (size + nbytes > bucket_bytes or (shard.dtype, shard.device) != kind):
             buckets.append([])
             size = 0
+        kind = (shard.dtype, shard.device)
         buckets[-1].append(p)
         size += nbytes
     return [b for b in buckets if b]
