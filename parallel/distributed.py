@@ -1,7 +1,10 @@
-"""Process-group setup for one rank: the default group plus the plan's dp and pp subgroups.
+"""Process-group setup for one rank: the default group plus one DeviceMesh whose dimensions are the plan's axes.
 
-Every rank must call `new_group` for every group, in the same order, even groups it is not in; that is
-why all groups are created here in one loop over the plan's group lists.
+The mesh is the world laid out as (pp, dp, tp), the plan's rank order (tp fastest), so `mesh["tp"]` is this
+rank's tensor-parallel group for DTensor and `mesh.get_group("dp")` / `mesh.get_group("pp")` are its data-
+and pipeline-parallel groups: one source for every group, created collectively by the mesh (every rank
+must create every group, in the same order). A later axis (experts carved out of dp) is one more mesh
+dimension.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.plan import Plan
+
+MESH_DIMS = ("pp", "dp", "tp")
 
 
 @dataclass
@@ -24,6 +30,9 @@ class RankGroups:
     pp: dist.ProcessGroup | None
     pp_ranks: list[int]
     """Global ranks of this rank's pipeline, in stage order (index = pp coordinate)."""
+    tp: dist.ProcessGroup | None = None
+    tp_mesh: DeviceMesh | None = None
+    """The 1-D tensor-parallel mesh DTensor shards over; None when tp = 1."""
 
 
 def pick_device(gpus_per_worker: int) -> torch.device:
@@ -33,6 +42,9 @@ def pick_device(gpus_per_worker: int) -> torch.device:
 def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, device: torch.device,
                      timeout_s: float) -> RankGroups:
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type != "cpu":
+        # Before the mesh: it would otherwise guess the device from the rank.
+        torch.accelerator.set_device_index(device.index or 0)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{master_addr}:{master_port}",
@@ -40,16 +52,16 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
         world_size=plan.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    mine: dict[str, dist.ProcessGroup | None] = {"dp": None, "pp": None}
-    pp_ranks = [rank]
-    for kind, groups in (("dp", plan.dp_groups()), ("pp", plan.pp_groups())):
-        for ranks in groups:
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank in ranks:
-                mine[kind] = group
-                if kind == "pp":
-                    pp_ranks = ranks
-    return RankGroups(rank=rank, dp=mine["dp"], pp=mine["pp"], pp_ranks=pp_ranks)
+    world = torch.arange(plan.world_size).reshape(plan.pp, plan.dp, plan.tp)
+    mesh = DeviceMesh(device.type, world, mesh_dim_names=MESH_DIMS)
+    coords = plan.coords(rank)
+    assert mesh.get_coordinate() == (coords.pp, coords.dp, coords.tp), "the mesh must follow the plan's rank map"
+
+    def group(dim: str) -> dist.ProcessGroup | None:
+        return mesh.get_group(dim) if mesh[dim].size() > 1 else None
+
+    return RankGroups(rank=rank, dp=group("dp"), pp=group("pp"), pp_ranks=mesh["pp"].mesh.tolist(),
+                      tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None)
 
 
 def shutdown_distributed() -> None:

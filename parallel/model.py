@@ -17,24 +17,32 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from parallel.config import ModelConfig
 from parallel.seeds import derive_seed
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q, k and v projections.
+
+    Separate (not one fused 3 x d_model) projections so tensor parallelism can split each by heads with a
+    plain column split; the forward therefore counts heads from its input (-1), never from the config.
+    """
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t = x.shape[:2]
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -82,16 +90,26 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) -> hidden states."""
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.wte(x) + self.wpe(pos)
+            x = self.embed(x)
         for block in self.blocks.values():
             x = block(x)
         return x
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token plus learned position embeddings of (batch, seq) token ids."""
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.wte(tokens) + self.wpe(pos)
+
     def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed (not averaged) cross-entropy: the caller divides by the global token count."""
+        """Summed (not averaged) cross-entropy: the caller divides by the global token count.
+
+        With tensor parallelism the logits are a DTensor sharded over the vocabulary and the caller runs this
+        and its backward under `loss_parallel`; the loss is then a replicated DTensor, returned as its local
+        value, which is the whole loss.
+        """
         logits = self.lm_head(self.ln_f(hidden))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def full_model(cfg: ModelConfig, seed: int) -> GPTStage:

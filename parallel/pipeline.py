@@ -6,6 +6,11 @@ consecutive communication actions is posted together as one `batch_isend_irecv` 
 which is the semantics the schedule simulator proves deadlock-free. Activations and their gradients move
 with torch.distributed point-to-point (gloo or NCCL), so the CPU tests run the GPU code path.
 
+With tensor parallelism every tp rank of a stage runs the same actions and talks to the same tp rank of
+the neighbouring stage (a pipeline group is one (dp, tp) coordinate), sending what it holds: the whole
+activation, or with sequence parallelism its sequence slice (`activation_shape`). The last stage's loss
+and its backward run under `loss_context`, which is `loss_parallel` when the head is vocabulary-parallel.
+
 Written by hand rather than with `torch.distributed.pipelining` because the schedule is computed and
 simulated by the coordinator as plain data (shown to users before a job runs), and the executor must run
 exactly that list; the torch schedules generate and run their own order internally.
@@ -15,10 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from parallel.model import GPTStage
 from parallel.schedules import COMM_KINDS, Action, ActionKind, virtual_stage
@@ -52,10 +59,14 @@ class _StepState:
 
 class PipelineExecutor:
     def __init__(self, chunks: list[GPTStage], pp_rank: int, pp: int, pp_ranks: list[int],
-                 activation_shape: tuple[int, ...], device: torch.device, loss_scale: float):
+                 activation_shape: tuple[int, ...], device: torch.device, loss_scale: float,
+                 loss_context: Callable[[], AbstractContextManager] = nullcontext):
+        """`activation_shape` is what this rank holds between stages (its sequence slice under sp);
+        `loss_context` wraps the last stage's loss and its backward (`loss_parallel` with tp)."""
         self.chunks, self.pp_rank, self.pp, self.pp_ranks = chunks, pp_rank, pp, pp_ranks
         self.n_virtual = pp * len(chunks)
         self.activation_shape, self.device, self.loss_scale = activation_shape, device, loss_scale
+        self.loss_context = loss_context
 
     def run(self, actions: list[Action], batch: Callable[[int], Batch]) -> tuple[torch.Tensor, PipelineTimings]:
         """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings."""
@@ -106,7 +117,8 @@ class PipelineExecutor:
         state.live += 1
         if v == self.n_virtual - 1:
             targets = batch(a.microbatch)[1].to(self.device)
-            out = self.chunks[a.chunk].loss_sum(out, targets) * self.loss_scale
+            with self.loss_context():
+                out = self.chunks[a.chunk].loss_sum(out, targets) * self.loss_scale
             state.outputs[key] = out
             return out
         state.outputs[key] = out
@@ -116,7 +128,8 @@ class PipelineExecutor:
         key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)
         out = state.outputs.pop(key)
         if v == self.n_virtual - 1:
-            out.backward()
+            with self.loss_context():
+                out.backward()
         else:
             out.backward(state.grads_out.pop(key))
         x = state.inputs.pop(key)
@@ -152,15 +165,16 @@ class _SavedTensorMeter:
     """Counts the bytes autograd keeps for backward, live at once, via saved-tensor hooks.
 
     Tensors that share storage with a parameter are skipped: they are held anyway, whatever the schedule.
+    A DTensor counts what this rank really holds, its local shard.
     """
 
     def __init__(self, params: list[torch.Tensor]):
-        self.param_storage = {p.untyped_storage().data_ptr() for p in params}
+        self.param_storage = {_local(p).untyped_storage().data_ptr() for p in params}
         self.live = 0
         self.peak = 0
 
     def pack(self, t: torch.Tensor) -> object:
-        if t.untyped_storage().data_ptr() in self.param_storage:
+        if _local(t).untyped_storage().data_ptr() in self.param_storage:
             return t
         return _Counted(t, self)
 
@@ -172,9 +186,15 @@ class _Counted:
     __slots__ = ("tensor", "meter", "nbytes")
 
     def __init__(self, tensor: torch.Tensor, meter: _SavedTensorMeter):
-        self.tensor, self.meter, self.nbytes = tensor, meter, tensor.numel() * tensor.element_size()
+        local = _local(tensor)
+        self.tensor, self.meter, self.nbytes = tensor, meter, local.numel() * local.element_size()
         meter.live += self.nbytes
         meter.peak = max(meter.peak, meter.live)
 
     def __del__(self):
         self.meter.live -= self.nbytes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # The attribute, not `to_local()`: a saved-tensor hook must not record autograd operations.
+    return t._local_tensor if isinstance(t, DTensor) else t

@@ -152,9 +152,7 @@ class Gang:
 
 # Capabilities later issues add. Each entry: (field, predicate on the config, what is missing).
 _NOT_YET = (
-    ("parallel.tp", lambda c: c.parallel.tp > 1, "tensor parallelism (tp > 1)"),
     ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism (ep > 1)"),
-    ("parallel.sp", lambda c: c.parallel.sp, "sequence parallelism"),
     ("model.moe", lambda c: c.model.moe is not None, "mixture-of-experts layers"),
     ("precision", lambda c: c.precision != "fp32", "bf16 training"),
     ("checkpoint.every", lambda c: c.checkpoint.every > 0, "checkpointing"),
@@ -179,6 +177,7 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
         if unsupported(config):
             raise PlanError(field, f"{what} is not supported yet")
     _check_model(config)
+    _check_tensor_parallel(config)
     par = config.parallel
     _check_sizes(config)
     per_rank, rem = divmod(config.global_batch, par.dp * par.microbatches)
@@ -240,6 +239,23 @@ def _check_model(config: JobConfig) -> None:
     if m.tie_embeddings and config.parallel.pp > 1:
         raise PlanError("model.tie_embeddings", "tied embeddings need pp=1 (the embedding and the head "
                                                 "live on different pipeline stages)")
+
+
+def _check_tensor_parallel(config: JobConfig) -> None:
+    """tp splits heads, the vocabulary (embedding and head) and, with sp, the sequence: each must divide evenly."""
+    m, tp, sp = config.model, config.parallel.tp, config.parallel.sp
+    if m.n_head % tp:
+        raise PlanError("parallel.tp", f"tp={tp} does not divide n_head={m.n_head} (attention heads are split "
+                                       "across tensor-parallel ranks)")
+    if m.vocab_size % tp:
+        raise PlanError("parallel.tp", f"tp={tp} does not divide vocab_size={m.vocab_size} (the embedding and the "
+                                       "output head are split over the vocabulary)")
+    if sp and tp == 1:
+        raise PlanError("parallel.sp", "sp=true needs tp > 1 (sequence parallelism shards over the tensor-parallel "
+                                       "ranks)")
+    if sp and m.seq_len % tp:
+        raise PlanError("parallel.sp", f"sp=true splits the sequence over tp: tp={tp} does not divide "
+                                       f"seq_len={m.seq_len}")
 
 
 def _check_schedule(config: JobConfig) -> None:

@@ -3,8 +3,9 @@
 This is everything a worker does, expressed with torch.distributed alone (no Ray), so it runs under
 spawned processes in tests and under Ray actors in the service. A step: run this rank's pipeline actions
 (forward and backward of each micro-batch through its chunks, activations exchanged with neighbouring
-stages; with pp = 1 this is plain gradient accumulation), sum gradients across data-parallel replicas,
-clip the global norm (summed across the pipeline), set the learning rate and take an AdamW step.
+stages; with pp = 1 this is plain gradient accumulation; the tensor-parallel collectives run inside the
+layers), sum gradients across data-parallel replicas, clip the global norm (summed across tp shards and the
+pipeline), set the learning rate and take an AdamW step.
 
 The loss of every micro-batch is divided by the global batch's token count before backward, so summed
 gradients equal the gradient of the global mean loss whatever the layout.
@@ -26,6 +27,7 @@ from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
 from parallel.pipeline import PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
 from parallel.schedules import virtual_stage
+from parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class StepStats:
     """Time this rank spent inside train_step."""
     pp_rank: int
     dp_rank: int
+    tp_rank: int
     forward_s: float
     backward_s: float
     comm_s: float
@@ -55,11 +58,7 @@ class RankTrainer:
         cfg = plan.config
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         self.coords = plan.coords(rank)
-        self.chunks = []
-        for chunk, layers in enumerate(plan.chunk_layers(self.coords.pp)):
-            v = virtual_stage(self.coords.pp, chunk, plan.pp)
-            last = v == plan.n_virtual_stages - 1
-            self.chunks.append(GPTStage(cfg.model, layers, first=v == 0, last=last, seed=cfg.seed).to(device))
+        self.chunks = [self._build_chunk(c, layers) for c, layers in enumerate(plan.chunk_layers(self.coords.pp))]
         self.params = [p for chunk in self.chunks for p in chunk.parameters()]
         self.grad_buckets = GradientBuckets(self.params)
         self.optimizer = make_optimizer(self.chunks, cfg.optimizer)
@@ -67,10 +66,20 @@ class RankTrainer:
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
         self.actions = list(plan.schedule[self.coords.pp])
         self.executor = PipelineExecutor(
-            self.chunks, self.coords.pp, plan.pp, groups.pp_ranks,
-            activation_shape=(plan.micro_batch_size, cfg.model.seq_len, cfg.model.d_model),
-            device=device, loss_scale=1.0 / tokens_per_step,
+            self.chunks, self.coords.pp, plan.pp, groups.pp_ranks, activation_shape=activation_shape(plan),
+            device=device, loss_scale=1.0 / tokens_per_step, loss_context=loss_context(plan),
         )
+
+    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> GPTStage:
+        """One model chunk: built whole from the seed (so every layout starts from the same weights), then
+        sharded over tp. Gradient buckets and the optimizer come after, as they need the final parameters."""
+        v = virtual_stage(self.coords.pp, chunk, self.plan.pp)
+        cfg = self.plan.config
+        stage = GPTStage(cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed)
+        stage = stage.to(self.device)
+        if self.groups.tp_mesh is not None:
+            apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.parallel.sp)
+        return stage
 
     @property
     def is_last_stage(self) -> bool:
@@ -78,10 +87,10 @@ class RankTrainer:
 
     def train_step(self, step: int, microbatch_ids: list[list[int]]) -> StepStats:
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=False)
+        self.grad_buckets.zero()
         loss_sum, timings = self._forward_backward(microbatch_ids)
         self.grad_buckets.allreduce(self.groups.dp)
-        grad_norm = clip_grad_norm(self.params, self.plan.config.optimizer.grad_clip, self.groups.pp)
+        grad_norm = clip_grad_norm(self.params, self.plan.config.optimizer.grad_clip, self.groups.pp, self.groups.tp)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
@@ -91,7 +100,7 @@ class RankTrainer:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
             loss = float(loss_sum)
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
-                         pp_rank=self.coords.pp, dp_rank=self.coords.dp, **asdict(timings))
+                         pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp, **asdict(timings))
 
     def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
         """Run this rank's schedule; micro-batches are read lazily, once, and only where a stage needs them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from parallel.plan import Plan
 from parallel.trainer import RankTrainer
 
 
-def _rank_main(rank: int, plan: Plan, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, port: int, plan: Plan, out_dir: str) -> None:
     torch.set_num_threads(1)
     groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=120)
     trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
@@ -29,12 +30,17 @@ def _rank_main(rank: int, plan: Plan, port: int, out_dir: str) -> None:
     shutdown_distributed()
 
 
-def run_ranks(plan: Plan, out_dir: Path) -> list[list[dict]]:
-    """Every rank's StepStats dicts, indexed [rank][step]."""
+def spawn(fn: Callable[..., None], nprocs: int, *args: object) -> None:
+    """Run fn(rank, port, *args) in `nprocs` spawned processes; `port` is a free one for the rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(plan, port, str(out_dir)), nprocs=plan.world_size, start_method="spawn")
+    mp.start_processes(fn, args=(port, *args), nprocs=nprocs, start_method="spawn")
+
+
+def run_ranks(plan: Plan, out_dir: Path) -> list[list[dict]]:
+    """Every rank's StepStats dicts, indexed [rank][step]."""
+    spawn(_rank_main, plan.world_size, plan, str(out_dir))
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(plan.world_size)]
 
 

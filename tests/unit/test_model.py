@@ -22,7 +22,7 @@ def test_stage_parameters_equal_the_full_models_of_the_same_name():
 
 def test_init_depends_on_the_seed():
     a, b = full_model(CFG, seed=1), full_model(CFG, seed=2)
-    assert not torch.equal(a.blocks["0"].attn.qkv.weight, b.blocks["0"].attn.qkv.weight)
+    assert not torch.equal(a.blocks["0"].attn.q.weight, b.blocks["0"].attn.q.weight)
 
 
 def test_chained_stages_compute_the_full_models_loss():

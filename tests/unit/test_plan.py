@@ -4,11 +4,21 @@ import pytest
 from helpers import tiny_spec
 
 from api.spec import parse_spec
-from parallel.plan import Plan, PlanError, RankCoords, _rank_grid, describe, make_plan, split_layers
+from parallel.plan import (
+    ClusterResources,
+    NodeResources,
+    Plan,
+    PlanError,
+    RankCoords,
+    _rank_grid,
+    describe,
+    make_plan,
+    split_layers,
+)
 
 
 def grid_plan(dp: int, pp: int, tp: int) -> Plan:
-    """A plan with arbitrary degrees (make_plan still refuses tp > 1), to test the general rank map."""
+    """A plan with arbitrary degrees, to test the general rank map apart from make_plan's rules."""
     plan = make_plan(parse_spec(tiny_spec()))
     return Plan(**{**plan.__dict__, "dp": dp, "pp": pp, "tp": tp, "ranks": _rank_grid(pp, tp, dp)})
 
@@ -121,3 +131,53 @@ def test_tied_embeddings_across_stages_are_refused():
     with pytest.raises(PlanError, match="tied embeddings need pp=1") as err:
         make_plan(parse_spec(tiny_spec(model={"tie_embeddings": True}, parallel={"pp": 2})))
     assert err.value.field == "model.tie_embeddings"
+
+
+def tp_plan(cluster: ClusterResources | None = None, model: dict | None = None, **parallel) -> Plan:
+    spec = tiny_spec(model={"n_head": 4, "d_model": 32, "vocab_size": 256, "seq_len": 16, **(model or {})},
+                     parallel=parallel)
+    return make_plan(parse_spec(spec), cluster)
+
+
+def test_tensor_and_sequence_parallel_plans_are_accepted_and_describe_their_tp_groups():
+    plan = tp_plan(dp=2, pp=2, tp=2, sp=True, microbatches=2)
+    assert plan.world_size == 8 and plan.tp == 2
+    assert describe(plan)["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert describe(plan)["degrees"]["tp"] == 2
+
+
+def plan_error(model: dict | None = None, cluster: ClusterResources | None = None, **parallel) -> PlanError:
+    with pytest.raises(PlanError) as err:
+        tp_plan(cluster, model, **parallel)
+    return err.value
+
+
+def test_plan_rejects_tp_not_dividing_heads():
+    err = plan_error(tp=3)
+    assert err.field == "parallel.tp" and "tp=3 does not divide n_head=4" in err.message
+
+
+def test_plan_rejects_tp_not_dividing_the_vocabulary():
+    err = plan_error({"n_head": 6, "d_model": 48, "vocab_size": 257}, tp=3)
+    assert err.field == "parallel.tp" and "tp=3 does not divide vocab_size=257" in err.message
+
+
+def test_plan_rejects_sp_without_tp():
+    err = plan_error(sp=True)
+    assert err.field == "parallel.sp" and "sp=true needs tp > 1" in err.message
+
+
+def test_plan_rejects_sp_when_tp_does_not_divide_seq_len():
+    err = plan_error({"n_head": 6, "d_model": 48, "vocab_size": 258}, tp=3, sp=True)
+    assert err.field == "parallel.sp" and "tp=3 does not divide seq_len=16" in err.message
+    assert tp_plan(model={"n_head": 6, "d_model": 48, "vocab_size": 258, "seq_len": 18}, tp=3, sp=True).tp == 3
+
+
+def test_plan_counts_dp_x_pp_x_tp_workers_against_the_cluster():
+    two_nodes = ClusterResources(nodes=(NodeResources(cpus=2, gpus=0), NodeResources(cpus=2, gpus=0)))
+    assert tp_plan(two_nodes, dp=2, tp=2).world_size == 4
+    err = plan_error(None, two_nodes, dp=2, pp=2, tp=2)
+    assert "needs 8 workers" in err.message and "dp=2 x pp=2 x tp=2" in err.message
+    # A tensor-parallel group is one bundle, on one node: tp=4 needs a node with 4 CPUs.
+    err = plan_error(None, two_nodes, tp=4)
+    assert "can ever hold only 0" in err.message

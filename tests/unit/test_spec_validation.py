@@ -88,9 +88,7 @@ def test_heads_must_divide_model_width():
 
 
 @pytest.mark.parametrize("field,overrides", [
-    ("parallel.tp", {"parallel": {"tp": 2}}),
     ("parallel.ep", {"parallel": {"ep": 2}}),
-    ("parallel.sp", {"parallel": {"sp": True}}),
     ("model.moe", {"model": {"moe": {"experts": 4}}}),
     ("precision", {"precision": "bf16"}),
     ("checkpoint.every", {"checkpoint": {"every": 10}}),
