@@ -225,11 +225,12 @@ class Coordinator:
 
 
 def pipeline_metrics(results: list[dict]) -> dict:
-    """Per-stage timings of the first data-parallel replica's pipeline, and its measured bubble fraction.
+    """Per-stage timings of the first pipeline (data-parallel and tensor-parallel rank 0), and its measured
+    bubble fraction.
 
     bubble = 1 - (time the stages spent computing) / (pp x the longest stage's schedule wall time).
     """
-    stages = sorted((r for r in results if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+    stages = sorted((r for r in results if r["dp_rank"] == 0 and r["tp_rank"] == 0), key=lambda r: r["pp_rank"])
     busy = sum(r["forward_s"] + r["backward_s"] for r in stages)
     span = max(r["schedule_s"] for r in stages)
     return {

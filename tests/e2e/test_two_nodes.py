@@ -31,14 +31,13 @@ def test_a_job_is_placed_across_two_nodes_with_each_tp_group_on_one(two_node_clu
     try:
         cluster = client.cluster()
         assert cluster["nodes"] == 2 and cluster["gpus"] == 8
-        spec = tiny_spec(steps=2, model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "tp": 1, "microbatches": 2},
-                         resources={"cpus_per_worker": 2})
+        spec = tiny_spec(steps=2, model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2})
         plan = client.plan(spec)
-        assert plan["resources"]["bundles"] == [{"CPU": 2.0, "GPU": 1.0}] * 4
+        assert plan["resources"]["bundles"] == [{"CPU": 2.0, "GPU": 2.0}] * 4
         job = wait_terminal(client, client.submit(spec), timeout_s=300)
         assert job["status"] == "SUCCEEDED", job["error"]
         node_of = {r["rank"]: r["node_id"] for r in job["ranks"]}
-        assert len(node_of) == 4 and len(set(node_of.values())) == 2
+        assert len(node_of) == 8 and len(set(node_of.values())) == 2
         for group in plan["groups"]["tp"]:
             assert len({node_of[r] for r in group}) == 1, f"tp group {group} spans nodes"
         assert all(r["device"] == "cpu" for r in job["ranks"])  # fake GPUs: gloo on CPU, the GPU code path
