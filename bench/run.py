@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import dp, pipeline, service_ops
+from bench import dp, pipeline, service_ops, tp_memory
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -38,6 +38,7 @@ SECTIONS: dict[str, Section] = {
         Section("dp", "data parallel dp=2: trainyard service vs torchrun + DDP", dp.run_section),
         Section("pipeline", "pp=4 executor vs simulated makespan; activation memory GPipe vs 1F1B",
                 pipeline.run_section),
+        Section("tensor", "last-stage (logits) activation memory at tp=2 vs tp=1", tp_memory.run_section),
         Section("service", "submit latency under a burst of 200; exit time on SIGTERM", service_ops.run_section),
     )
 }

@@ -1,6 +1,7 @@
 """The last pipeline stage's peak activation memory at tp=1 vs tp=2, for a model whose logits dominate.
 
-Run: `python -m bench.tp_memory` (spawned gloo ranks on this machine, no Ray; about a minute on 2 cores).
+Run: `python -m bench.tp_memory`, or as the section `tensor` of `make bench` (`python -m bench.run --only
+tensor`); spawned gloo ranks on this machine, no Ray; about a minute on 2 cores.
 
 A GPT with a large vocabulary and a short, narrow trunk (vocab 8192, seq_len 128, d_model 64, two blocks)
 trains one step with pp=2 (1f1b, two micro-batches) at tp=1, tp=2 and tp=2 with sp. Each rank's
@@ -20,6 +21,8 @@ import torch
 import torch.multiprocessing as mp
 
 from api.spec import parse_spec
+from bench.context import BenchContext
+from bench.results import Row, ratio
 from bench.service_job import free_port
 from parallel.data import global_batch_ids, open_dataset, rank_share
 from parallel.distributed import init_distributed, shutdown_distributed
@@ -58,6 +61,20 @@ def stage_peaks_mb(parallel: dict) -> list[float]:
         stats = [torch.load(Path(out) / f"rank{r}.pt") for r in range(plan.world_size)]
     by_stage = sorted((s for s in stats if s["dp_rank"] == 0 and s["tp_rank"] == 0), key=lambda s: s["pp_rank"])
     return [s["peak_activation_bytes"] / 2**20 for s in by_stage]
+
+
+def run_section(ctx: BenchContext) -> list[Row]:
+    peaks = {name: stage_peaks_mb(parallel) for name, parallel in LAYOUTS.items()}
+    base = peaks["tp=1"]
+    for name, per_stage in peaks.items():
+        ctx.log(f"{name}: peak saved activations per stage {[round(mb, 2) for mb in per_stage]} MB")
+    m = SPEC["model"]
+    note = (f"GPT vocab {m['vocab_size']}, seq_len {m['seq_len']}, d_model {m['d_model']}, {m['n_layer']} blocks, "
+            f"pp=2 1f1b, 2 micro-batches of 4; baseline tp=1")
+    return [Row(f"last-stage peak activation memory, {name} vs tp=1 (MB)", peaks[name][-1], base[-1],
+                ratio(peaks[name][-1], base[-1]), "MB", note) for name in ("tp=2", "tp=2 sp")] + [
+            Row(f"first-stage peak activation memory, {name} vs tp=1 (MB)", peaks[name][0], base[0],
+                ratio(peaks[name][0], base[0]), "MB", note) for name in ("tp=2", "tp=2 sp")]
 
 
 def main() -> None:
