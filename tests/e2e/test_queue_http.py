@@ -19,7 +19,7 @@ from actors.state import JobStatus
 from api.spec import parse_spec
 from service.client import ApiError
 from service.manager import JobManager
-from service.store import JobStore
+from service.store import JobRecord, JobStore
 
 
 class HoldTheCluster:
@@ -188,3 +188,30 @@ def test_the_follower_survives_an_error_in_one_job_and_fails_only_that_job(ray_s
     finally:
         manager.shutdown()
         store.close()
+
+
+def test_a_stop_racing_admission_never_leaks_a_coordinator_or_a_placement_group(client):
+    ids = []
+    for i in range(20):
+        job_id = client.submit(tiny_spec(steps=100_000, name=f"race-{i}"))
+        ids.append(job_id)
+        assert client.stop(job_id)["status"] == "STOPPED"  # while queued, being admitted, or just started
+    assert {client.job(j)["status"] for j in ids} == {"STOPPED"}
+    wait_for(lambda: not any(name.split("/")[1] in ids for name in coordinator_names()), 60, "coordinators to go")
+    groups = [pg for pg in ray.util.placement_group_table().values() if pg["name"].split("/")[-1] in ids]
+    wait_for(lambda: all(ray.util.placement_group_table()[pg["placement_group_id"]]["state"] == "REMOVED"
+                         for pg in groups), 60, "placement groups to be removed")
+
+
+def test_a_job_admitted_but_never_started_is_queued_again_after_a_restart(ray_session, tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    store.insert(JobRecord(job_id="admitted", name="x", status=JobStatus.PENDING, spec=tiny_spec(steps=2), steps=2,
+                           needs={"bundle": {"CPU": 1.0}, "count": 1}))
+    assert store.claim("admitted")  # the service died between reserving its resources and starting it
+    store.close()
+    svc = start_service(tmp_path)
+    try:
+        job = wait_terminal(svc.client(), "admitted")
+        assert job["status"] == "SUCCEEDED"
+    finally:
+        svc.shutdown()
