@@ -45,6 +45,17 @@ def wait_terminal(client, job_id: str, timeout_s: float = 180.0) -> dict:
 
 
 
+def run_all(client, specs: dict[str, dict], timeout_s: float = 600.0) -> dict[str, tuple[dict, list[dict]]]:
+    """Submit every spec at once (they queue for resources), wait for each to succeed; key -> (job, metrics)."""
+    job_ids = {key: client.submit(spec) for key, spec in specs.items()}
+    out = {}
+    for key, job_id in job_ids.items():
+        job = wait_terminal(client, job_id, timeout_s=timeout_s)
+        assert job["status"] == "SUCCEEDED", f"{key}: {job['error']}"
+        out[key] = (job, client.metrics(job_id))
+    return out
+
+
 def with_one_bad_token(spec: dict, tmp_path: Path, bad_dp_rank: int, bad_microbatch: int) -> tuple[dict, int]:
     """`spec` reading a tokens file with one out-of-vocabulary id (300), placed in a sample that step 0
     reads only in micro-batch `bad_microbatch` of data-parallel rank `bad_dp_rank`. Returns (spec, offset).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import live_actor, tiny_spec, wait_for, wait_terminal, with_one_bad_token
+from helpers import live_actor, run_all, tiny_spec, wait_for, wait_terminal, with_one_bad_token
 
 from actors.naming import worker_name
 
@@ -27,13 +27,7 @@ def pipeline_spec(**parallel) -> dict:
 def finished(service) -> dict[str, tuple[dict, list[dict]]]:
     """Submit the reference and every layout at once (they queue for resources), then collect them."""
     client = service.client()
-    specs = {"reference": pipeline_spec(dp=1, pp=1)} | {_id(p): pipeline_spec(**p) for p in LAYOUTS}
-    job_ids = {key: client.submit(spec) for key, spec in specs.items()}
-    out = {}
-    for key, job_id in job_ids.items():
-        job = wait_terminal(client, job_id, timeout_s=600)
-        assert job["status"] == "SUCCEEDED", f"{key}: {job['error']}"
-        out[key] = (job, client.metrics(job_id))
+    out = run_all(client, {"reference": pipeline_spec(dp=1, pp=1)} | {_id(p): pipeline_spec(**p) for p in LAYOUTS})
     client.close()
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import tiny_spec, wait_terminal
+from helpers import run_all, tiny_spec
 
 LAYOUTS = [
     {"tp": 2},
@@ -27,13 +27,7 @@ def _id(parallel: dict) -> str:
 def finished(service) -> dict[str, tuple[dict, list[dict]]]:
     """Submit the reference and every layout at once (they queue for resources), then collect them."""
     client = service.client()
-    specs = {"reference": tp_spec()} | {_id(p): tp_spec(**p) for p in LAYOUTS}
-    job_ids = {key: client.submit(spec) for key, spec in specs.items()}
-    out = {}
-    for key, job_id in job_ids.items():
-        job = wait_terminal(client, job_id, timeout_s=600)
-        assert job["status"] == "SUCCEEDED", f"{key}: {job['error']}"
-        out[key] = (job, client.metrics(job_id))
+    out = run_all(client, {"reference": tp_spec()} | {_id(p): tp_spec(**p) for p in LAYOUTS})
     client.close()
     return out
 
