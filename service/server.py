@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,21 @@ GRACEFUL_HTTP_S = 5
 """How long in-flight requests may take to finish once a shutdown began."""
 
 
+class PortInUse(SystemExit):
+    pass
+
+
+def _check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUse(f"trainyard serve: cannot listen on {host}:{port} ({e.strerror}); is another "
+                            "trainyard serve running? Choose another port with --port") from None
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -39,6 +55,7 @@ class _Server(uvicorn.Server):
 def serve(host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | None = None,
           ray_address: str | None = None, num_cpus: int | None = None, max_queued: int = 1000) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _check_port_free(host, port)  # before Ray starts: a taken port is an error in milliseconds, not seconds
     directory = sd.resolve(state_dir)
     token = sd.load_or_create_token(directory)
     info = connect(address=ray_address, num_cpus=num_cpus)

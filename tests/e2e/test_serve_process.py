@@ -87,3 +87,15 @@ def test_sigterm_stops_live_jobs_keeps_waiting_ones_and_leaves_no_process(tmp_pa
     store = JobStore(tmp_path / "state" / "jobs.db")
     assert [store.get(j).status.value for j in live] == ["STOPPED", "STOPPED"]
     assert store.get(waiting).queued
+
+
+def test_serve_on_a_taken_port_fails_at_once_saying_so(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "service.cli", "--state-dir", str(tmp_path), "serve", "--port",
+                                 str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
+    assert not (tmp_path / "server.json").exists()  # nothing started, nothing advertised
