@@ -164,35 +164,53 @@ class PipelineExecutor:
 class _SavedTensorMeter:
     """Counts the bytes autograd keeps for backward, live at once, via saved-tensor hooks.
 
-    Tensors that share storage with a parameter are skipped: they are held anyway, whatever the schedule.
-    A DTensor counts what this rank really holds, its local shard.
+    Bytes are counted per storage, once however many saved tensors refer to it (q, k and v each save the
+    same input; a view keeps its whole storage alive). Storages of parameters are skipped: they are held
+    anyway, whatever the schedule. A DTensor counts what this rank really holds, its local shard.
     """
 
     def __init__(self, params: list[torch.Tensor]):
         self.param_storage = {_local(p).untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, list[int]] = {}
+        """Address of each storage held -> [saved tensors referring to it, its bytes]."""
         self.live = 0
         self.peak = 0
 
     def pack(self, t: torch.Tensor) -> object:
-        if _local(t).untyped_storage().data_ptr() in self.param_storage:
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() in self.param_storage:
             return t
-        return _Counted(t, self)
+        return _Counted(t, storage.data_ptr(), storage.nbytes(), self)
 
     def unpack(self, packed: object) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Counted) else packed
 
+    def hold(self, key: int, nbytes: int) -> None:
+        entry = self.storages.setdefault(key, [0, nbytes])
+        entry[0] += 1
+        if entry[0] == 1:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def release(self, key: int) -> None:
+        entry = self.storages[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.storages[key]
+            self.live -= entry[1]
+
 
 class _Counted:
-    __slots__ = ("tensor", "meter", "nbytes")
+    """A saved tensor the meter counts while autograd keeps it (a live one keeps its storage's address)."""
 
-    def __init__(self, tensor: torch.Tensor, meter: _SavedTensorMeter):
-        local = _local(tensor)
-        self.tensor, self.meter, self.nbytes = tensor, meter, local.numel() * local.element_size()
-        meter.live += self.nbytes
-        meter.peak = max(meter.peak, meter.live)
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, key: int, nbytes: int, meter: _SavedTensorMeter):
+        self.tensor, self.meter, self.key = tensor, meter, key
+        meter.hold(key, nbytes)
 
     def __del__(self):
-        self.meter.live -= self.nbytes
+        self.meter.release(self.key)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

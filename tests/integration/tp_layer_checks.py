@@ -26,6 +26,7 @@ from parallel.tensor_parallel import apply_tensor_parallel
 
 TP = 2
 CFG = ModelConfig(n_layer=2, n_head=4, d_model=32, vocab_size=256, seq_len=16)
+LOSS_CFG = ModelConfig(**{**CFG.__dict__, "vocab_size": 1024})
 SEED = 11
 MAX_NORM = 0.05  # far below the gradient norm, so clipping scales every gradient
 Results = dict[str, dict[str, float]]
@@ -77,8 +78,8 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _tokens(batch: int, seed: int) -> torch.Tensor:
-    return torch.randint(CFG.vocab_size, (batch, CFG.seq_len + 1), generator=torch.Generator().manual_seed(seed))
+def _tokens(batch: int, seed: int, cfg: ModelConfig = CFG) -> torch.Tensor:
+    return torch.randint(cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(seed))
 
 
 def _param_grads(sharded: torch.nn.Module, whole: torch.nn.Module) -> dict[str, float]:
@@ -122,9 +123,10 @@ def _check_embedding(mesh: DeviceMesh, sp: bool) -> dict[str, float]:
 
 
 def _check_loss(mesh: DeviceMesh, sp: bool) -> dict[str, float]:
-    """The final norm, the vocabulary-parallel head and the cross-entropy under loss_parallel."""
-    whole, sharded = _pair(mesh, [], first=False, last=True, sp=sp)
-    hidden, targets = _randn(2, CFG.seq_len, CFG.d_model, seed=5), _tokens(2, seed=6)[:, 1:]
+    """The final norm, the vocabulary-parallel head and the cross-entropy under loss_parallel, on a head whose
+    logits dominate what backward keeps (as a real vocabulary's do), so the saving tp brings shows."""
+    whole, sharded = _pair(mesh, [], first=False, last=True, sp=sp, cfg=LOSS_CFG)
+    hidden, targets = _randn(2, CFG.seq_len, CFG.d_model, seed=5), _tokens(2, seed=6, cfg=LOSS_CFG)[:, 1:]
     h_whole, h_sharded = hidden.clone().requires_grad_(), _seq(hidden, sp).clone().requires_grad_()
     meter_whole, meter_sharded = (_SavedTensorMeter(list(m.parameters())) for m in (whole, sharded))
     with torch.autograd.graph.saved_tensors_hooks(meter_whole.pack, meter_whole.unpack):

@@ -39,3 +39,19 @@ def test_tied_embeddings_share_one_tensor():
     cfg = parse_spec(tiny_spec(model={"tie_embeddings": True})).model
     model = full_model(cfg, seed=0)
     assert model.lm_head.weight is model.wte.weight
+
+
+def test_the_activation_meter_counts_a_storage_once_however_many_layers_save_it():
+    from torch import nn
+
+    from parallel.pipeline import _SavedTensorMeter
+
+    layers = [nn.Linear(8, 8) for _ in range(3)]  # like q, k and v: each saves the same input
+    meter = _SavedTensorMeter([p for layer in layers for p in layer.parameters()])
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        outs = [layer(x) for layer in layers]
+    assert meter.peak == meter.live == x.numel() * x.element_size()  # weights are parameters: not counted
+    sum(o.sum() for o in outs).backward()
+    del outs
+    assert meter.live == 0
