@@ -12,8 +12,8 @@ from pathlib import Path
 
 from helpers import REPO, tiny_spec, wait_for
 
-from service import state_dir as sd
 from service.client import ApiError, Client
+from service.demo import wait_ready
 from service.store import JobStore
 
 
@@ -54,18 +54,11 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve", "--port",
                              str(port), *where], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
-    def ready() -> Client | None:
-        assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        token = sd.read_token(state)
-        if not token:
-            return None
-        client = Client(f"http://127.0.0.1:{port}", token)
-        try:
-            return client if client.healthz() else None
-        except ApiError:
-            return None
-
-    return proc, wait_for(ready, 180, "trainyard serve to answer")
+    try:
+        return proc, wait_ready(proc, state, port, timeout_s=180)  # the demo's own readiness wait
+    except ApiError as e:
+        proc.kill()
+        raise AssertionError(f"{e}:\n{log.read_text()[-3000:]}") from None
 
 
 def test_sigterm_stops_live_jobs_keeps_waiting_ones_and_leaves_no_process(tmp_path):
