@@ -50,16 +50,20 @@ class RuleError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     __pydantic_config__ = _STRICT
-    experts: Degree
+    experts: Annotated[int, Gt(0), Le(4096)]
     """Experts per MoE layer."""
-    top_k: Degree = 2
-    """Experts each token is routed to."""
-    every: Degree = 2
-    """Every `every`-th block is an MoE block."""
-    capacity_factor: Annotated[float, Gt(0), Le(1e3)] = 1.25
-    """Expert capacity as a multiple of the even share of tokens."""
+    top_k: Annotated[int, Gt(0), Le(4096)] = 2
+    """Experts each token is routed to; their gate weights are renormalised to sum to 1."""
+    every: Annotated[int, Gt(0), Le(4096)] = 2
+    """Every `every`-th block is an MoE block (blocks every-1, 2*every-1, ...; 1: all of them)."""
+    capacity_factor: Annotated[float, Gt(0), Le(1e3)] | None = None
+    """null: dropless (every token reaches its experts). A number caps each expert's tokens per sequence at
+    ceil(capacity_factor x seq_len x top_k / experts), earlier positions first; a token over the cap skips
+    that expert and keeps its residual."""
     aux_loss_coef: Annotated[float, Ge(0), Le(1e3)] = 0.01
-    """Weight of the load-balancing loss."""
+    """Weight of the Switch/GShard load-balancing loss."""
+    z_loss_coef: Annotated[float, Ge(0), Le(1e3)] = 0.001
+    """Weight of the router z-loss (ST-MoE): the squared log-sum-exp of the router logits."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +89,14 @@ class ModelConfig:
     @property
     def context(self) -> int:
         return self.context_len if self.context_len is not None else self.seq_len
+
+    def is_moe_block(self, block: int) -> bool:
+        """Whether global block `block` is a mixture-of-experts block: every `moe.every`-th one."""
+        return self.moe is not None and (block + 1) % self.moe.every == 0
+
+    @property
+    def moe_blocks(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.is_moe_block(i)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +136,7 @@ class ParallelConfig:
     tp: Degree = 1
     """Tensor-parallel shards."""
     ep: Degree = 1
-    """Expert-parallel ranks."""
+    """Expert-parallel ranks, carved out of dp: each hosts experts / ep experts of every MoE layer."""
     vpp: Degree = 1
     """Virtual pipeline chunks per pipeline rank (interleaved-1f1b)."""
     sp: bool = False

@@ -3,8 +3,12 @@
 The mesh is the world laid out as (pp, dp, tp), the plan's rank order (tp fastest), so `mesh["tp"]` is this
 rank's tensor-parallel group for DTensor and `mesh.get_group("dp")` / `mesh.get_group("pp")` are its data-
 and pipeline-parallel groups: one source for every group, created collectively by the mesh (every rank
-must create every group, in the same order). A later axis (experts carved out of dp) is one more mesh
-dimension.
+must create every group, in the same order).
+
+Mixture-of-experts jobs add three groups the mesh does not hold as dimensions, created with `new_subgroups_
+by_enumeration` from the plan's lists: the expert-parallel group (dp ranks that exchange tokens), the
+group of ranks holding the same experts (they sum expert gradients: dp replicas and tp ranks), and the
+whole stage (router gradients and MoE statistics). Dense jobs create none of them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ class RankGroups:
     tp: dist.ProcessGroup | None = None
     tp_mesh: DeviceMesh | None = None
     """The 1-D tensor-parallel mesh DTensor shards over; None when tp = 1."""
+    ep: dist.ProcessGroup | None = None
+    """Expert parallelism: the ranks whose experts this rank's tokens may go to."""
+    experts: dist.ProcessGroup | None = None
+    """The ranks holding this rank's experts (MoE jobs only)."""
+    stage: dist.ProcessGroup | None = None
+    """Every rank of this rank's pipeline stage (MoE jobs only)."""
 
 
 def pick_device(gpus_per_worker: int) -> torch.device:
@@ -60,8 +70,21 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
     def group(dim: str) -> dist.ProcessGroup | None:
         return mesh.get_group(dim) if mesh[dim].size() > 1 else None
 
-    return RankGroups(rank=rank, dp=group("dp"), pp=group("pp"), pp_ranks=mesh["pp"].mesh.tolist(),
-                      tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None)
+    groups = RankGroups(rank=rank, dp=group("dp"), pp=group("pp"), pp_ranks=mesh["pp"].mesh.tolist(),
+                        tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None)
+    if plan.config.model.moe is not None:
+        groups.ep = _subgroup(plan.ep_groups())
+        groups.experts = _subgroup(plan.expert_groups())
+        groups.stage = _subgroup(plan.stage_groups())
+    return groups
+
+
+def _subgroup(ranks: list[list[int]]) -> dist.ProcessGroup | None:
+    """This rank's group among `ranks` (every rank creates all of them); None when it is alone in it."""
+    if len(ranks[0]) == 1:
+        return None
+    mine, _ = dist.new_subgroups_by_enumeration(ranks)
+    return mine
 
 
 def shutdown_distributed() -> None:

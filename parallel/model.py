@@ -12,7 +12,7 @@ parameter draws from its own generator seeded by (seed, name).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,66 +20,43 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallel.config import ModelConfig
+from parallel.layers import MLP, CausalSelfAttention
+from parallel.moe import MoELayer
 from parallel.seeds import derive_seed
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with separate q, k and v projections.
-
-    Separate (not one fused 3 x d_model) projections so tensor parallelism can split each by heads with a
-    plain column split; the forward therefore counts heads from its input (-1), never from the config.
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_head
-        self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t = x.shape[:2]
-        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+    """Pre-LayerNorm transformer block; its feed-forward part is an MLP, or an MoE layer hosting `experts`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, experts: Iterable[int] | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        if experts is None:
+            self.mlp = MLP(cfg)
+        else:
+            self.moe = MoELayer(cfg, experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        return x + ffn(self.ln_2(x))
 
 
 class GPTStage(nn.Module):
     """A contiguous run of blocks, plus the embedding on the first stage and the head on the last."""
 
-    def __init__(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int):
+    def __init__(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
+                 experts: Iterable[int] | None = None):
+        """`experts`: the global indices of the experts this stage's MoE blocks host (default: all)."""
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         if first:
             self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.wpe = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        hosted = list(range(cfg.moe.experts) if experts is None else experts) if cfg.moe else []
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, hosted if cfg.is_moe_block(i) else None) for i in layers})
         if last:
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -53,26 +53,33 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 @torch.no_grad()
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
-                   tp_group: dist.ProcessGroup | None = None) -> float:
+                   tp_group: dist.ProcessGroup | None = None, *, experts: list[nn.Parameter] | None = None,
+                   ep_group: dist.ProcessGroup | None = None) -> float:
     """Global gradient norm over every stage's parameters; scales grads if above max_norm.
 
     A tensor-parallel parameter sharded over tp contributes the squares of its local shard, summed over
     `tp_group`; a replicated one (a plain tensor, or a DTensor replicated over tp) is counted once, since
-    every tp rank holds the same whole gradient. Then the stages' sums add up over `pp_group`. Data-parallel
-    replicas hold equal gradients after their all-reduce, so dp needs no reduction here.
+    every tp rank holds the same whole gradient. The `experts` an expert-parallel rank hosts are its own, so
+    their squares are summed over `ep_group` (its tp peers hold the same experts and are not counted again).
+    Then the stages' sums add up over `pp_group`. Data-parallel replicas hold equal gradients after their
+    reduction, so dp needs no reduction here.
     """
     grads = [(g.to_local(), _is_sharded(g)) if isinstance(g, DTensor) else (g, False)
              for g in (p.grad for p in params) if g is not None]
+    expert_grads = [p.grad for p in experts or [] if p.grad is not None]
     device = grads[0][0].device if grads else "cpu"
     sharded, replicated = (_sum_of_squares([g for g, s in grads if s == want], device) for want in (True, False))
+    hosted = _sum_of_squares(expert_grads, device)
     if tp_group is not None:
         dist.all_reduce(sharded, group=tp_group)
-    sq = sharded + replicated
+    if ep_group is not None:
+        dist.all_reduce(hosted, group=ep_group)
+    sq = sharded + replicated + hosted
     if pp_group is not None:
         dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()
-    if max_norm > 0 and grads:
-        torch._foreach_mul_([g for g, _ in grads], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    if max_norm > 0 and (grads or expert_grads):
+        torch._foreach_mul_([g for g, _ in grads] + expert_grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return float(norm)
 
 

@@ -98,6 +98,34 @@ class Plan:
     def tp_groups(self) -> list[list[int]]:
         return [[self.rank_of(p, t, d) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
 
+    def ep_rank(self, rank: int) -> int:
+        """A rank's place in its expert-parallel group: ep groups are runs of `ep` consecutive dp ranks."""
+        return self.coords(rank).dp % self.ep
+
+    def ep_groups(self) -> list[list[int]]:
+        """Ranks that exchange tokens: same pp and tp, dp ranks g*ep .. g*ep + ep - 1."""
+        return [[self.rank_of(p, t, g * self.ep + j) for j in range(self.ep)]
+                for p in range(self.pp) for t in range(self.tp) for g in range(self.dp // self.ep)]
+
+    def expert_groups(self) -> list[list[int]]:
+        """Ranks that hold the same experts and sum their gradients: one stage, one ep index, every tp rank
+        (each computed its own slice of the tokens) and every dp replica."""
+        return [[self.rank_of(p, t, d) for d in range(j, self.dp, self.ep) for t in range(self.tp)]
+                for p in range(self.pp) for j in range(self.ep)]
+
+    def stage_groups(self) -> list[list[int]]:
+        """Every rank of one pipeline stage: they sum the router's gradients and the MoE statistics."""
+        return [[self.rank_of(p, t, d) for d in range(self.dp) for t in range(self.tp)] for p in range(self.pp)]
+
+    def experts_of(self, rank: int) -> range:
+        """Global indices of the experts a rank hosts in each of its MoE blocks (empty for a dense model)."""
+        moe = self.config.model.moe
+        if moe is None:
+            return range(0)
+        per_rank = moe.experts // self.ep
+        start = self.ep_rank(rank) * per_rank
+        return range(start, start + per_rank)
+
     def chunk_layers(self, pp_rank: int) -> list[tuple[int, ...]]:
         """The blocks of each chunk a pipeline rank holds, chunk 0 first."""
         return [self.stage_layers[c * self.pp + pp_rank] for c in range(self.vpp)]
@@ -108,8 +136,13 @@ class Plan:
         return rank // self.tp
 
     def worker_name(self, rank: int) -> str:
+        """`pp0-tp1-dp2`, and with expert parallelism the experts it hosts: `pp0-tp1-dp2-experts4-7`."""
         c = self.coords(rank)
-        return f"pp{c.pp}-tp{c.tp}-dp{c.dp}"
+        name = f"pp{c.pp}-tp{c.tp}-dp{c.dp}"
+        if self.ep > 1:
+            experts = self.experts_of(rank)
+            name += f"-experts{experts[0]}-{experts[-1]}"
+        return name
 
     @property
     def gang(self) -> Gang:
@@ -152,8 +185,6 @@ class Gang:
 
 # Capabilities later issues add. Each entry: (field, predicate on the config, what is missing).
 _NOT_YET = (
-    ("parallel.ep", lambda c: c.parallel.ep > 1, "expert parallelism (ep > 1)"),
-    ("model.moe", lambda c: c.model.moe is not None, "mixture-of-experts layers"),
     ("precision", lambda c: c.precision != "fp32", "bf16 training"),
     ("checkpoint.every", lambda c: c.checkpoint.every > 0, "checkpointing"),
     ("fault.max_failures", lambda c: c.fault.max_failures > 0, "restarting after a failure"),
@@ -177,6 +208,7 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
         if unsupported(config):
             raise PlanError(field, f"{what} is not supported yet")
     _check_model(config)
+    _check_experts(config)
     _check_tensor_parallel(config)
     par = config.parallel
     _check_sizes(config)
@@ -239,6 +271,30 @@ def _check_model(config: JobConfig) -> None:
     if m.tie_embeddings and config.parallel.pp > 1:
         raise PlanError("model.tie_embeddings", "tied embeddings need pp=1 (the embedding and the head "
                                                 "live on different pipeline stages)")
+
+
+def _check_experts(config: JobConfig) -> None:
+    moe, ep, dp = config.model.moe, config.parallel.ep, config.parallel.dp
+    if moe is None:
+        if ep > 1:
+            raise PlanError("parallel.ep", f"ep={ep} needs mixture-of-experts layers (model.moe)")
+        return
+    if moe.top_k > moe.experts:
+        raise PlanError("model.moe.top_k", f"top_k={moe.top_k} exceeds experts={moe.experts} (a token is routed to "
+                                           "top_k different experts)")
+    if moe.every > config.model.n_layer:
+        raise PlanError("model.moe.every", f"every={moe.every} exceeds n_layer={config.model.n_layer}: no block "
+                                           "would be a mixture-of-experts block")
+    if dp % ep:
+        raise PlanError("parallel.ep", f"ep={ep} does not divide dp={dp} (expert-parallel groups are carved out of "
+                                       "the data-parallel ranks)")
+    if moe.experts % ep:
+        raise PlanError("parallel.ep", f"ep={ep} does not divide experts={moe.experts} (each expert-parallel rank "
+                                       "hosts experts / ep experts)")
+    tp = config.parallel.tp
+    if tp > 1 and config.model.seq_len % tp:
+        raise PlanError("parallel.tp", f"tp={tp} does not divide seq_len={config.model.seq_len} (each "
+                                       "tensor-parallel rank routes one slice of every sequence to the experts)")
 
 
 def _check_tensor_parallel(config: JobConfig) -> None:
@@ -331,6 +387,8 @@ def check_memory(config: JobConfig, cluster: ClusterResources) -> None:
     per_block = 12 * m.d_model * m.d_model
     embeddings = (m.vocab_size + m.context) * m.d_model
     params = 4 * (per_block * m.n_layer + 2 * embeddings) / (par.pp * par.tp)
+    if m.moe is not None:  # each MoE block holds experts / ep MLPs (8 d^2 each) on every tp rank
+        params += 4 * len(m.moe_blocks) * (m.moe.experts // par.ep - 1) * 8 * m.d_model * m.d_model / par.pp
     if params > largest:
         raise PlanError("model", f"the model's parameters alone need {_gib(params)} per worker (fp32, split over "
                                  f"pp x tp = {par.pp * par.tp}) but the largest node has {_gib(largest)}")
@@ -355,9 +413,12 @@ def describe(plan: Plan) -> dict:
         "degrees": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "vpp": plan.vpp},
         "microbatches": plan.microbatches,
         "micro_batch_size": plan.micro_batch_size,
-        "ranks": [{"rank": c.rank, "pp": c.pp, "tp": c.tp, "dp": c.dp, "name": plan.worker_name(c.rank),
-                   "bundle": plan.bundle_of(c.rank)} for c in plan.ranks],
-        "groups": {"dp": plan.dp_groups(), "pp": plan.pp_groups(), "tp": plan.tp_groups()},
+        "ranks": [{"rank": c.rank, "pp": c.pp, "tp": c.tp, "dp": c.dp, "ep": plan.ep_rank(c.rank),
+                   "name": plan.worker_name(c.rank), "bundle": plan.bundle_of(c.rank),
+                   "experts": list(plan.experts_of(c.rank))} for c in plan.ranks],
+        "groups": {"dp": plan.dp_groups(), "pp": plan.pp_groups(), "tp": plan.tp_groups(), "ep": plan.ep_groups(),
+                   "experts": plan.expert_groups() if plan.config.model.moe else []},
+        "moe_blocks": plan.config.model.moe_blocks,
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),
         "resources": {

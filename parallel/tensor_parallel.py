@@ -13,6 +13,10 @@ tensor-parallel mesh with `parallelize_module` (Megatron's layout, as torchtitan
   A stage's input and output are then this rank's (micro_batch, seq_len / tp, d_model) slice, which is
   what the pipeline sends (`activation_shape`).
 
+A mixture-of-experts block's feed-forward part is not sharded: its layer takes this rank's slice of every
+sequence and returns the same slice (`parallel.moe` says why and how the routing is shared), so only its
+input and output layouts are declared.
+
 The residual stream between the parallel regions is a plain local tensor, as in torchtitan: the styles
 hand DTensors only to the layers that need them, so the model's forward stays ordinary torch code.
 
@@ -49,6 +53,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -70,8 +75,8 @@ def apply_tensor_parallel(stage: GPTStage, tp_mesh: DeviceMesh, *, sequence_para
         if sequence_parallel:
             # wpe(positions) is (seq_len, d_model): the sequence is its dim 0.
             layers["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-    for i in stage.blocks:
-        layers |= _block_plan(f"blocks.{i}", stream, sequence_parallel)
+    for i, block in stage.blocks.items():
+        layers |= _block_plan(f"blocks.{i}", stream, sequence_parallel, moe=hasattr(block, "moe"))
     if stage.last:
         if sequence_parallel:
             layers["ln_f"] = SequenceParallel()
@@ -83,9 +88,19 @@ def apply_tensor_parallel(stage: GPTStage, tp_mesh: DeviceMesh, *, sequence_para
     return stage
 
 
-def _block_plan(block: str, stream: Shard | Replicate, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _block_plan(block: str, stream: Shard | Replicate, sequence_parallel: bool, *,
+                moe: bool) -> dict[str, ParallelStyle]:
     layers: dict[str, ParallelStyle] = {}
-    for norm, region, column, row in (("ln_1", "attn", ("q", "k", "v"), "proj"), ("ln_2", "mlp", ("fc",), "proj")):
+    if moe:
+        # The MoE layer is plain torch code on this rank's slice of each sequence (see parallel.moe): hand it
+        # the slice, and give the stream back its layout (without sp: an all-gather, whose backward slices).
+        if sequence_parallel:
+            layers[f"{block}.ln_2"] = SequenceParallel()
+        layers[f"{block}.moe"] = PrepareModuleInputOutput(
+            input_layouts=(stream,), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(stream,), use_local_output=True)
+    regions = (("ln_1", "attn", ("q", "k", "v"), "proj"),) + ((("ln_2", "mlp", ("fc",), "proj"),) if not moe else ())
+    for norm, region, column, row in regions:
         if sequence_parallel:
             layers[f"{block}.{norm}"] = SequenceParallel()
         # One DTensor input shared by the region's column-parallel layers: their input gradients add up as

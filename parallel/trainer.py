@@ -23,6 +23,7 @@ from parallel.data import load_batch, open_dataset
 from parallel.data_parallel import GradientBuckets
 from parallel.distributed import RankGroups
 from parallel.model import GPTStage
+from parallel.moe import MoEContext, moe_layers
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
 from parallel.pipeline import PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
@@ -48,6 +49,9 @@ class StepStats:
     schedule_s: float
     peak_activations: int
     peak_activation_bytes: int
+    moe: dict[str, dict]
+    """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
+    routed to each expert), summed over the stage's ranks. Empty for a dense model."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,8 +63,15 @@ class RankTrainer:
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         self.coords = plan.coords(rank)
         self.chunks = [self._build_chunk(c, layers) for c, layers in enumerate(plan.chunk_layers(self.coords.pp))]
-        self.params = [p for chunk in self.chunks for p in chunk.parameters()]
-        self.grad_buckets = GradientBuckets(self.params)
+        self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
+        named = [(name, p) for chunk in self.chunks for name, p in chunk.named_parameters()]
+        self.params = [p for name, p in named if ".moe.experts." not in name]
+        self.expert_params = [p for name, p in named if ".moe.experts." in name]
+        router = [p for name, p in named if ".moe.router." in name]
+        dense = [p for name, p in named if ".moe." not in name]
+        # Each set of gradients is summed over the ranks that computed parts of it (see parallel.moe).
+        self.reductions = [(GradientBuckets(ps), group) for ps, group in
+                           ((dense, groups.dp), (router, groups.stage), (self.expert_params, groups.experts)) if ps]
         self.optimizer = make_optimizer(self.chunks, cfg.optimizer)
         self.dataset = open_dataset(cfg)
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
@@ -75,10 +86,13 @@ class RankTrainer:
         sharded over tp. Gradient buckets and the optimizer come after, as they need the final parameters."""
         v = virtual_stage(self.coords.pp, chunk, self.plan.pp)
         cfg = self.plan.config
-        stage = GPTStage(cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed)
-        stage = stage.to(self.device)
+        stage = GPTStage(cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
+                         experts=self.plan.experts_of(self.rank)).to(self.device)
         if self.groups.tp_mesh is not None:
             apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.parallel.sp)
+        for _, layer in moe_layers(stage):
+            layer.context = MoEContext(sequences_per_step=cfg.global_batch, tp_group=self.groups.tp,
+                                       ep_group=self.groups.ep)
         return stage
 
     @property
@@ -87,10 +101,15 @@ class RankTrainer:
 
     def train_step(self, step: int, microbatch_ids: list[list[int]]) -> StepStats:
         start = time.perf_counter()
-        self.grad_buckets.zero()
+        for buckets, _ in self.reductions:
+            buckets.zero()
+        for _, layer in self.moe_layers:
+            layer.stats.zero_()
         loss_sum, timings = self._forward_backward(microbatch_ids)
-        self.grad_buckets.allreduce(self.groups.dp)
-        grad_norm = clip_grad_norm(self.params, self.plan.config.optimizer.grad_clip, self.groups.pp, self.groups.tp)
+        for buckets, group in self.reductions:
+            buckets.allreduce(group)
+        grad_norm = clip_grad_norm(self.params, self.plan.config.optimizer.grad_clip, self.groups.pp, self.groups.tp,
+                                   experts=self.expert_params, ep_group=self.groups.ep)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
@@ -100,7 +119,19 @@ class RankTrainer:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
             loss = float(loss_sum)
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
-                         pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp, **asdict(timings))
+                         pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,
+                         moe=self._moe_stats(), **asdict(timings))
+
+    def _moe_stats(self) -> dict[str, dict]:
+        """This step's MoE statistics of each block of the stage, summed over the stage's ranks."""
+        if not self.moe_layers:
+            return {}
+        stats = torch.stack([layer.stats for _, layer in self.moe_layers])
+        if self.groups.stage is not None:
+            dist.all_reduce(stats, group=self.groups.stage)
+        sequences = self.plan.config.global_batch
+        return {block: layer.summarize(row, sequences) for (block, layer), row in zip(self.moe_layers, stats,
+                                                                                       strict=True)}
 
     def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
         """Run this rank's schedule; micro-batches are read lazily, once, and only where a stage needs them."""
