@@ -181,3 +181,24 @@ def test_plan_counts_dp_x_pp_x_tp_workers_against_the_cluster():
     # A tensor-parallel group is one bundle, on one node: tp=4 needs a node with 4 CPUs.
     err = plan_error(None, two_nodes, tp=4)
     assert "can ever hold only 0" in err.message
+
+
+def test_expert_parallel_groups_are_carved_out_of_dp_and_ranks_name_their_experts():
+    spec = tiny_spec(model={"n_layer": 2, "moe": {"experts": 8, "every": 1}}, global_batch=8,
+                     parallel={"dp": 4, "ep": 2, "tp": 2, "pp": 1})
+    plan = make_plan(parse_spec({**spec, "model": {**spec["model"], "n_head": 2}}))
+    # dp coordinate d has ep index d % 2: ranks (tp=0, dp=0..3) are 0, 2, 4, 6
+    assert plan.ep_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert list(plan.experts_of(2)) == [4, 5, 6, 7] and list(plan.experts_of(4)) == [0, 1, 2, 3]
+    # the same experts: every dp replica and both tp ranks
+    assert plan.expert_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert plan.stage_groups() == [list(range(8))]
+    assert plan.worker_name(3) == "pp0-tp1-dp1-experts4-7"
+    described = describe(plan)
+    assert described["ranks"][3]["experts"] == [4, 5, 6, 7] and described["ranks"][3]["ep"] == 1
+    assert described["moe_blocks"] == [0, 1]
+
+
+def test_dense_and_ep1_worker_names_are_unchanged():
+    plan = make_plan(parse_spec(tiny_spec(model={"moe": {"experts": 4}}, parallel={"dp": 2})))
+    assert plan.worker_name(1) == "pp0-tp0-dp1" and list(plan.experts_of(1)) == [0, 1, 2, 3]

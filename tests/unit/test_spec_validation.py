@@ -87,9 +87,25 @@ def test_heads_must_divide_model_width():
     assert err.field == "model.n_head" and "n_head=3 does not divide d_model=32" in err.message
 
 
+MOE = {"experts": 4, "top_k": 2, "every": 2}
+
+
+@pytest.mark.parametrize("field,overrides,message", [
+    ("model.moe.top_k", {"model": {"moe": {**MOE, "top_k": 5}}}, "top_k=5 exceeds experts=4"),
+    ("model.moe.every", {"model": {"moe": {**MOE, "every": 3}}}, "every=3 exceeds n_layer=2"),
+    ("parallel.ep", {"model": {"moe": MOE}, "parallel": {"dp": 3, "ep": 2}}, "ep=2 does not divide dp=3"),
+    ("parallel.ep", {"model": {"moe": {**MOE, "experts": 6}}, "parallel": {"dp": 4, "ep": 4}},
+     "ep=4 does not divide experts=6"),
+    ("parallel.ep", {"parallel": {"dp": 2, "ep": 2}}, "ep=2 needs mixture-of-experts layers"),
+    ("parallel.tp", {"model": {"moe": MOE, "seq_len": 15, "n_head": 4}, "parallel": {"tp": 2}},
+     "tp=2 does not divide seq_len=15"),
+])
+def test_mixture_of_experts_rules_name_the_field(field, overrides, message):
+    err = plan_error(tiny_spec(**overrides))
+    assert err.field == field and message in err.message
+
+
 @pytest.mark.parametrize("field,overrides", [
-    ("parallel.ep", {"parallel": {"ep": 2}}),
-    ("model.moe", {"model": {"moe": {"experts": 4}}}),
     ("precision", {"precision": "bf16"}),
     ("checkpoint.every", {"checkpoint": {"every": 10}}),
     ("fault.max_failures", {"fault": {"max_failures": 1}}),
