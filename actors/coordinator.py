@@ -60,6 +60,17 @@ _STAGE_GAUGES = {
     "stage_backward_s": Gauge("trainyard_stage_backward_s", "Backward time of a pipeline stage in the last step",
                               tag_keys=("job_id", "stage")),
 }
+_MOE_GAUGES = {
+    "aux_loss": Gauge("trainyard_moe_aux_loss", "Load-balancing loss of an MoE layer in the last step (1: balanced)",
+                      tag_keys=("job_id", "layer")),
+    "z_loss": Gauge("trainyard_moe_z_loss", "Router z-loss of an MoE layer in the last step",
+                    tag_keys=("job_id", "layer")),
+    "dropped_fraction": Gauge("trainyard_moe_dropped_fraction",
+                              "Fraction of an MoE layer's token assignments over capacity in the last step",
+                              tag_keys=("job_id", "layer")),
+}
+_EXPERT_LOAD = Gauge("trainyard_moe_expert_load", "Tokens routed to an expert of an MoE layer in the last step",
+                     tag_keys=("job_id", "layer", "expert"))
 
 
 @ray.remote(num_cpus=0)
@@ -171,12 +182,21 @@ class Coordinator:
             "coordinator_overhead_s": max(0.0, elapsed - max(r["compute_s"] for r in results)),
             **pipeline_metrics(results),
         }
+        moe = moe_metrics(results)
+        if moe:
+            row["moe"] = moe
         self.metrics.append(row)
         for key, gauge in _GAUGES.items():
             gauge.set(row[key] if key != "step" else step + 1, tags={"job_id": self.job_id})
         for key, gauge in _STAGE_GAUGES.items():
             for stage, value in enumerate(row[key]):
                 gauge.set(value, tags={"job_id": self.job_id, "stage": str(stage)})
+        for layer, values in moe.items():
+            tags = {"job_id": self.job_id, "layer": layer}
+            for key, gauge in _MOE_GAUGES.items():
+                gauge.set(values[key], tags=tags)
+            for expert, load in enumerate(values["load"]):
+                _EXPERT_LOAD.set(load, tags={**tags, "expert": str(expert)})
         if step == 0 or (step + 1) % 10 == 0:
             log.info("job %s step %d/%d loss %.4f", self.job_id, step + 1, self.plan.config.steps, row["loss"])
 
@@ -240,6 +260,14 @@ def pipeline_metrics(results: list[dict]) -> dict:
         "stage_peak_activations": [r["peak_activations"] for r in stages],
         "stage_peak_activation_mb": [r["peak_activation_bytes"] / 2**20 for r in stages],
     }
+
+
+def moe_metrics(results: list[dict]) -> dict[str, dict]:
+    """Each MoE layer's statistics, keyed by its block index; every rank of a stage holds the stage's sums, so
+    the first pipeline's ranks have them all."""
+    stages = (r for r in results if r["dp_rank"] == 0 and r["tp_rank"] == 0)
+    layers = {layer: values for r in stages for layer, values in r["moe"].items()}
+    return dict(sorted(layers.items(), key=lambda item: int(item[0])))
 
 
 def _death_cause(error: BaseException, info: dict) -> str:

@@ -41,14 +41,27 @@ class JobInfo(BaseModel):
     spec: dict | None = None
 
 
+class MoELayerMetrics(BaseModel):
+    aux_loss: float
+    """Load-balancing loss (Switch/GShard), mean over the step's sequences: 1 when perfectly balanced."""
+    z_loss: float
+    """Router z-loss: squared log-sum-exp of the router logits, mean over the step's tokens."""
+    dropped_fraction: float
+    """Token assignments over capacity (0 when dropless)."""
+    load: list[int]
+    """Tokens routed to each expert (before capacity); they sum to the step's tokens x top_k."""
+
+
 class MetricsRow(BaseModel):
-    model_config = ConfigDict(extra="allow")  # later issues add per-stage timings, bubble fraction, ...
+    model_config = ConfigDict(extra="allow")  # per-stage timings, bubble fraction, ...
     step: int
     loss: float
     lr: float
     grad_norm: float
     tokens_per_s: float
     step_time_s: float
+    moe: dict[str, MoELayerMetrics] | None = None
+    """Per MoE layer (keyed by block index) for a mixture-of-experts model."""
 
 
 class ClusterInfo(BaseModel):

@@ -10,7 +10,7 @@ from helpers import tiny_spec
 from api.spec import parse_spec
 from parallel.config import ModelConfig, MoEConfig
 from parallel.model import GPTStage, full_model
-from parallel.moe import N_STAT_SLOTS, MoELayer, capacity
+from parallel.moe import MoELayer, capacity
 
 E, D, T = 4, 4, 8
 
