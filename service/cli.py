@@ -154,6 +154,10 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _span(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
 def format_plan(d: dict) -> str:
     deg = d["degrees"]
     lines = [
@@ -163,6 +167,11 @@ def format_plan(d: dict) -> str:
         "ranks:",
     ]
     lines += [f"  rank {r['rank']:>3}  {r['name']}  bundle {r['bundle']}" for r in d["ranks"]]
+    if d["moe_blocks"]:
+        lines.append(f"mixture-of-experts blocks {d['moe_blocks']}; experts hosted per rank: "
+                     + "  ".join(f"{r['rank']}:{_span(r['experts'])}" for r in d["ranks"]))
+        if deg["ep"] > 1:
+            lines.append("expert-parallel groups (exchange tokens): " + "  ".join(str(g) for g in d["groups"]["ep"]))
     if deg["tp"] > 1:
         lines.append("tensor-parallel groups (each one placement-group bundle, so one node): "
                      + "  ".join(str(g) for g in d["groups"]["tp"]))
