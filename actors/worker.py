@@ -47,8 +47,11 @@ class Worker:
                                       timeout_s=plan.config.fault.step_timeout_s)
             self.trainer = RankTrainer(plan, self.rank, groups, device)
         context = ray.get_runtime_context()
-        return {"rank": self.rank, "device": str(device), "node": ray.util.get_node_ip_address(),
+        info = {"rank": self.rank, "device": str(device), "node": ray.util.get_node_ip_address(),
                 "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}
+        print(f"job {self.job_id} rank {self.rank} ({plan.worker_name(self.rank)}) of {plan.world_size} ready on "
+              f"{info['node']} (pid {info['pid']}, {info['device']})", file=sys.stderr, flush=True)
+        return info
 
     def run_step(self, step: int, microbatch_ids: list[list[int]]) -> dict:
         assert self.trainer is not None, "setup() must run before run_step()"

@@ -59,6 +59,16 @@ def two_rank_job(service) -> str:
     return job_id
 
 
+def test_an_ended_jobs_rank_logs_say_where_each_rank_ran(client, two_rank_job):
+    ranks = client.job(two_rank_job)["ranks"]
+    logs = client.logs(two_rank_job)["ranks"]
+    assert [r["rank"] for r in logs] == [0, 1]
+    for where, log in zip(ranks, logs, strict=True):
+        assert log["pid"] == where["pid"] and log["error"] is None
+        assert (f"job {two_rank_job} rank {where['rank']} ({where['name']}) of 2 ready on {where['node']} "
+                f"(pid {where['pid']}, cpu)") in log["lines"]
+
+
 @pytest.mark.parametrize("params,status,text", [
     ({"rank": 2}, 404, "has no rank 2; its ranks are 0 to 1"),
     ({"since": 3}, 422, "give `rank` too"),
