@@ -47,4 +47,7 @@ def _read(rank: dict, suffix: str) -> list[str]:
              else {"pid": rank["pid"], "node_id": rank["node_id"]})
     chunks = get_log(**where, suffix=suffix, tail=-1, timeout=READ_TIMEOUT_S, errors="replace",
                      filter_ansi_code=True)
-    return [line for line in "".join(chunks).splitlines() if not _RAY_MARKER.match(line)]
+    text = "".join(chunks)
+    # Only whole lines: a line still being written would be counted now and again once it is complete.
+    text = text[:text.rfind("\n") + 1]
+    return [line for line in text.splitlines() if not _RAY_MARKER.match(line)]

@@ -14,6 +14,7 @@ from helpers import tiny_spec, wait_for, wait_terminal, with_one_bad_token
 
 from service.cli import main as cli
 from service.client import ApiError
+from service.logs import read_rank_log
 
 TRACEBACK = "Traceback (most recent call last):"
 
@@ -67,6 +68,17 @@ def test_an_ended_jobs_rank_logs_say_where_each_rank_ran(client, two_rank_job):
         assert log["pid"] == where["pid"] and log["error"] is None
         assert (f"job {two_rank_job} rank {where['rank']} ({where['name']}) of 2 ready on {where['node']} "
                 f"(pid {where['pid']}, cpu)") in log["lines"]
+
+
+
+def test_a_rank_log_is_found_by_pid_without_an_actor_id_and_a_lost_one_says_why(client, two_rank_job):
+    where = client.job(two_rank_job)["ranks"][1]
+    by_actor = read_rank_log(where)
+    assert by_actor["lines"] and by_actor["error"] is None
+    without_id = {key: value for key, value in where.items() if key != "actor_id"}  # ranks stored before actor_id
+    assert read_rank_log(without_id)["lines"] == by_actor["lines"]
+    lost = read_rank_log({**where, "actor_id": "ab" * 16})  # e.g. a job of an earlier Ray session
+    assert lost["lines"] == [] and lost["next"] == 0 and "Ray does not hold this rank's stderr" in lost["error"]
 
 
 @pytest.mark.parametrize("params,status,text", [
