@@ -3,13 +3,19 @@
 The coordinator creates one per rank, pinned to the job's placement group, and calls it once to
 rendezvous (`address`, then `setup` on all ranks at once) and once per step (`run_step`). Exceptions
 propagate to the coordinator with their traceback; the coordinator then kills every rank, so a peer
-blocked in a collective never hangs the job.
+blocked in a collective never hangs the job. A failing `setup` or `run_step` also prints its traceback to
+the rank's stderr (Ray returns an actor method's exception to the caller and logs it nowhere), so that
+`GET /api/jobs/{id}/logs?rank=R` shows it in the rank's own log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
+import traceback
+from collections.abc import Iterator
 
 import ray
 import torch
@@ -35,16 +41,30 @@ class Worker:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, plan: Plan, master_addr: str, master_port: int) -> dict:
-        device = pick_device(plan.gpus_per_worker)
-        groups = init_distributed(plan, self.rank, master_addr, master_port, device,
-                                  timeout_s=plan.config.fault.step_timeout_s)
-        self.trainer = RankTrainer(plan, self.rank, groups, device)
-        return {"rank": self.rank, "device": str(device), "node": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        with self._traceback_to_stderr("setup"):
+            device = pick_device(plan.gpus_per_worker)
+            groups = init_distributed(plan, self.rank, master_addr, master_port, device,
+                                      timeout_s=plan.config.fault.step_timeout_s)
+            self.trainer = RankTrainer(plan, self.rank, groups, device)
+        context = ray.get_runtime_context()
+        info = {"rank": self.rank, "device": str(device), "node": ray.util.get_node_ip_address(),
+                "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}
+        print(f"job {self.job_id} rank {self.rank} ({plan.worker_name(self.rank)}) of {plan.world_size} ready on "
+              f"{info['node']} (pid {info['pid']}, {info['device']})", file=sys.stderr, flush=True)
+        return info
 
     def run_step(self, step: int, microbatch_ids: list[list[int]]) -> dict:
         assert self.trainer is not None, "setup() must run before run_step()"
-        return self.trainer.train_step(step, microbatch_ids).to_dict()
+        with self._traceback_to_stderr(f"step {step}"):
+            return self.trainer.train_step(step, microbatch_ids).to_dict()
+
+    @contextlib.contextmanager
+    def _traceback_to_stderr(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception:
+            print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise
 
     def shutdown(self) -> None:
         self.trainer = None

@@ -9,23 +9,25 @@ torch itself: it calls the manager it is given.
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.models import ClusterInfo, JobCreated, JobInfo, MetricsRow, job_info
+from api.models import ClusterInfo, JobCreated, JobInfo, JobLogs, MetricsRow, job_info
 from api.spec import describe_error
-from parallel.config import MAX_STEPS, JobConfig, RuleError
+from parallel.config import MAX_DEGREE, MAX_STEPS, JobConfig, RuleError
 from parallel.plan import describe
-from service.errors import JobConflict, JobNotFound, QueueFull
+from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
 
 if TYPE_CHECKING:
     from service.manager import JobManager
 
 _bearer = HTTPBearer(auto_error=False)
+MAX_LOG_TAIL = 100_000
+"""Most lines per rank one logs request returns."""
 
 
 def create_app(manager: JobManager, token: str, ray_address: str | None = None) -> FastAPI:
@@ -57,6 +59,10 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None) 
     @app.exception_handler(JobNotFound)
     async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:
         return JSONResponse(status_code=404, content={"detail": f"no job {exc.args[0]}"})
+
+    @app.exception_handler(RankNotFound)
+    async def _no_rank(_: Request, exc: RankNotFound) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": str(exc)})
 
     @app.exception_handler(JobConflict)
     async def _conflict(_: Request, exc: JobConflict) -> JSONResponse:
@@ -91,6 +97,23 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None) 
     def metrics(job_id: str, since: int = Query(0, ge=0, le=MAX_STEPS,
                                                  description="first step to return")) -> list[MetricsRow]:
         return [MetricsRow(**row) for row in manager.metrics(job_id, since)]
+
+    @app.get("/api/jobs/{job_id}/logs", dependencies=guarded,
+             responses={404: {"description": "no such job, or no such rank in it"},
+                        409: {"description": "the job has not started its workers (it has no ranks yet)"}})
+    def logs(job_id: str,
+             rank: int | None = Query(None, ge=0, le=MAX_DEGREE**3, description="one rank (default: every rank)"),
+             tail: int = Query(1000, ge=1, le=MAX_LOG_TAIL, description="at most this many lines per rank, the last"),
+             since: int | None = Query(None, ge=0, le=2**53,
+                                       description="only lines from this line on: a previous answer's `next` "
+                                                   "(needs `rank`)"),
+             stream: Literal["stderr", "stdout"] = Query("stderr", description="the ranks' stderr or stdout"),
+             ) -> JobLogs:
+        """Each rank's log, read from Ray (also after the job ended, while Ray still holds it)."""
+        if since is not None and rank is None:
+            raise RequestValidationError([{"loc": ("query", "since"), "type": "value_error",
+                                           "msg": "since counts the lines of one rank's log: give `rank` too"}])
+        return JobLogs(**manager.logs(job_id, rank, stream, tail, since))
 
     @app.post("/api/jobs/{job_id}/stop", dependencies=guarded)
     def stop(job_id: str) -> JobInfo:

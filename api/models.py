@@ -64,6 +64,29 @@ class MetricsRow(BaseModel):
     """Per MoE layer (keyed by block index) for a mixture-of-experts model."""
 
 
+class RankLog(BaseModel):
+    rank: int
+    name: str | None = None
+    """The rank's coordinates, `pp<i>-tp<j>-dp<k>`."""
+    node: str | None = None
+    pid: int | None = None
+    lines: list[str]
+    """The log's last `tail` lines (of those from line `since` on, when asked)."""
+    start: int
+    """Index in the log of the first line returned."""
+    next: int
+    """Lines in the log so far: pass it as `since` to get only the lines written after this answer."""
+    error: str | None = None
+    """Why there are no lines, when Ray no longer holds the log (e.g. Ray was restarted since)."""
+
+
+class JobLogs(BaseModel):
+    job_id: str
+    status: str
+    stream: str
+    ranks: list[RankLog]
+
+
 class ClusterInfo(BaseModel):
     nodes: int
     cpus: float

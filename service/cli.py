@@ -2,7 +2,9 @@
 
 Client commands find the server and its token in the state directory that `serve` wrote
 (`--state-dir`, default ~/.trainyard), or take `--url` / `--token` (or TRAINYARD_URL / TRAINYARD_TOKEN).
-`plan` needs no server: it validates the file and prints the plan locally.
+`plan` needs no server: it validates the file and prints the plan locally. `logs` reads the ranks' logs
+(which the service reads from Ray) and `logs --follow` polls them; `metrics --plot` draws the rows with
+matplotlib (`service.plot`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from service import state_dir as sd
 from service.client import ApiError, Client
 
 TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
+MAX_LOG_TAIL = 100_000
+"""The API's bound on lines per rank in one logs answer."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("metrics", help="print a job's per-step metrics")
     s.add_argument("job_id")
     s.add_argument("--since", type=int, default=0)
+    s.add_argument("--plot", metavar="FILE.png", help="draw loss, tokens/s (and a pipeline's bubble) into a PNG")
     s.set_defaults(func=_metrics)
+    s = sub.add_parser("logs", help="print the ranks' logs (stderr by default), read from Ray")
+    s.add_argument("job_id")
+    s.add_argument("--rank", type=int, default=None, help="one rank (default: every rank, each line prefixed)")
+    s.add_argument("--tail", type=int, default=1000, help="the last N lines of each rank (default 1000)")
+    s.add_argument("--stdout", action="store_true", help="the ranks' stdout instead of their stderr")
+    s.add_argument("--follow", "-f", action="store_true", help="then print new lines as they come, until the job ends")
+    s.set_defaults(func=_logs)
     sub.add_parser("list", help="list jobs").set_defaults(func=_list)
     sub.add_parser("cluster", help="show the Ray cluster").set_defaults(func=_cluster)
     return p
@@ -188,14 +200,19 @@ def format_plan(d: dict) -> str:
 
 
 def follow(client: Client, job_id: str, poll_s: float = 0.5) -> int:
-    """Live progress bar (step/total, loss, tokens/s, ETA) until the job ends; exit code 0 iff it succeeded."""
+    """Live progress bar (step/total, loss, tokens/s, ETA) until the job ends, and a line for each change of the
+    job's state; exit code 0 iff it succeeded."""
     from tqdm import tqdm
 
     job = client.job(job_id)
-    last_loss = None
+    last_loss, status = None, None
     with tqdm(total=job["steps"], desc=f"{job['name']} {job_id}", unit="step", dynamic_ncols=True) as bar:
         while True:
             job = client.job(job_id)
+            if job["status"] != status:  # every change, whatever the state (RECOVERING, RESIZING, ...)
+                change = f"{status} -> {job['status']}" if status else job["status"]
+                bar.write(f"job {job_id} {change} at {time.strftime('%H:%M:%S')}")
+                status = job["status"]
             rows = client.metrics(job_id, since=bar.n)
             if rows:
                 last_loss = _finite(rows[-1]["loss"])
@@ -247,13 +264,78 @@ def _delete(args: argparse.Namespace) -> int:
 
 
 def _metrics(args: argparse.Namespace) -> int:
-    rows = _client(args).metrics(args.job_id, since=args.since)
+    client = _client(args)
+    rows = client.metrics(args.job_id, since=args.since)
+    if args.plot:
+        return _plot(client.job(args.job_id), rows, args.plot)
     print(f"{'step':>6} {'loss':>9} {'lr':>10} {'grad_norm':>10} {'tokens/s':>10} {'step_s':>8}")
     for r in rows:
         r = {k: _finite(v) for k, v in r.items()}
         print(f"{r['step']:>6} {r['loss']:>9.4f} {r['lr']:>10.3e} {r['grad_norm']:>10.4f} "
               f"{r['tokens_per_s']:>10.0f} {r['step_time_s']:>8.3f}")
     return 0
+
+
+def _plot(job: dict, rows: list[dict], path: str) -> int:
+    from service.plot import plot_metrics
+
+    if not rows:
+        print(f"error: job {job['job_id']} ({job['status']}) has no metrics rows to draw yet", file=sys.stderr)
+        return 1
+    titles = plot_metrics(rows, path, title=f"{job['name']} ({job['job_id']}, {job['status']})")
+    print(f"wrote {path}: {', '.join(titles)} over steps {rows[0]['step']}-{rows[-1]['step']}")
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    stream = "stdout" if args.stdout else "stderr"
+    if args.follow:
+        return follow_logs(client, args.job_id, args.rank, args.tail, stream)
+    for part in client.logs(args.job_id, rank=args.rank, tail=args.tail, stream=stream)["ranks"]:
+        _print_log(part, prefixed=args.rank is None)
+    return 0
+
+
+def follow_logs(client: Client, job_id: str, rank: int | None, tail: int, stream: str, poll_s: float = 1.0) -> int:
+    """The last `tail` lines of each rank's log, then every new line once as it comes, until the job ends.
+
+    Each rank's lines are counted by the service (`next`), and each poll asks only for the lines after the
+    ones printed (`since`). The job is read before its logs, so the last poll, which sees the job ended,
+    still reads every line the ranks wrote."""
+    printed: dict[tuple[int, int], int] = {}  # (rank, pid) -> lines printed; a rank in a new process starts at 0
+    waiting = False
+    while True:
+        job = client.job(job_id)
+        if not job["ranks"] and job["status"] in TERMINAL:
+            print(f"job {job_id} {job['status']} without starting its workers: it has no logs", file=sys.stderr)
+            return 1
+        if not job["ranks"] and not waiting:
+            print(f"waiting for job {job_id}'s workers to start ({job['status']})", file=sys.stderr)
+            waiting = True
+        ranks = [r for r in job["ranks"] if rank is None or r["rank"] == rank]
+        if job["ranks"] and not ranks:  # no such rank: the API's 404 names the job's ranks
+            ranks = [{"rank": rank, "pid": None}]
+        for r in ranks:
+            key = (r["rank"], r["pid"])
+            since = printed.get(key)
+            part = client.logs(job_id, rank=r["rank"], stream=stream, since=since,
+                               tail=tail if since is None else MAX_LOG_TAIL)["ranks"][0]
+            if since is not None and part["start"] > since:
+                print(f"[{part['start'] - since} lines skipped]")
+            _print_log(part, prefixed=rank is None, with_error=since is None)
+            printed[key] = part["next"]
+        if job["status"] in TERMINAL:
+            return 0
+        time.sleep(poll_s)
+
+
+def _print_log(part: dict, prefixed: bool, with_error: bool = True) -> None:
+    prefix = f"[rank {part['rank']} {part['name']}] " if prefixed else ""
+    if part["error"] and with_error:
+        print(f"{prefix}{part['error']}", file=sys.stderr)
+    for line in part["lines"]:
+        print(prefix + line, flush=True)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -51,6 +51,12 @@ class Client:
     def metrics(self, job_id: str, since: int = 0) -> list[dict]:
         return self._call("GET", f"/api/jobs/{job_id}/metrics", params={"since": since})
 
+    def logs(self, job_id: str, rank: int | None = None, tail: int = 1000, since: int | None = None,
+             stream: str = "stderr") -> dict:
+        params = {"tail": tail, "stream": stream, "rank": rank, "since": since}
+        params = {key: value for key, value in params.items() if value is not None}
+        return self._call("GET", f"/api/jobs/{job_id}/logs", params=params)
+
     def stop(self, job_id: str) -> dict:
         return self._call("POST", f"/api/jobs/{job_id}/stop")
 

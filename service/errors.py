@@ -6,6 +6,10 @@ class JobNotFound(KeyError):
     """No job with this id (never submitted, or deleted)."""
 
 
+class RankNotFound(LookupError):
+    """The job has no rank with this number."""
+
+
 class JobConflict(RuntimeError):
     """The request does not fit the job's state (e.g. deleting a running job)."""
 

@@ -9,6 +9,7 @@
   progress, metrics and errors to the store; once a job is terminal its coordinator is killed and its
   placement group removed.
 - Neither thread dies with one job: an exception in one job's handling is logged and fails that job.
+- `logs` reads a rank's log through Ray's log API (`service.logs`), also after the job ended.
 - On start-up, queued jobs stay queued; jobs the store still shows as running belong to a service that is
   gone: they are marked FAILED.
 """
@@ -33,13 +34,14 @@ from parallel.config import JobConfig, RuleError
 from parallel.data import open_dataset
 from parallel.plan import ClusterResources, Plan, make_plan
 from service import queue
-from service.errors import JobConflict, JobNotFound, QueueFull
+from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
+from service.logs import read_rank_log
 from service.ray_runtime import cluster_resources, free_resources
 from service.store import JobRecord, JobStore
 
 log = logging.getLogger("trainyard.manager")
 
-__all__ = ["JobConflict", "JobManager", "JobNotFound", "QueueFull"]
+__all__ = ["JobConflict", "JobManager", "JobNotFound", "QueueFull", "RankNotFound"]
 
 RESERVE_TIMEOUT_S = 5.0
 """How long admission waits for a placement group that fitted the free resources (another job may have
@@ -117,6 +119,19 @@ class JobManager:
     def metrics(self, job_id: str, since: int = 0) -> list[dict]:
         self.get(job_id)
         return self.store.metrics(job_id, since)
+
+    def logs(self, job_id: str, rank: int | None = None, stream: str = "stderr", tail: int = 1000,
+             since: int | None = None) -> dict:
+        """The log of one rank, or of every rank, read from Ray (see `service.logs.read_rank_log`)."""
+        job = self.get(job_id)
+        if not job.ranks:
+            state = "has not started its workers yet" if not job.status.is_terminal else "never started its workers"
+            raise JobConflict(f"job {job_id} is {job.status} and {state}, so it has no rank logs")
+        chosen = [r for r in job.ranks if rank is None or r["rank"] == rank]
+        if not chosen:
+            raise RankNotFound(f"job {job_id} has no rank {rank}; its ranks are 0 to {len(job.ranks) - 1}")
+        return {"job_id": job_id, "status": job.status.value, "stream": stream,
+                "ranks": [read_rank_log(r, stream, tail, since) for r in chosen]}
 
     def stop(self, job_id: str, timeout_s: float = 60.0) -> JobRecord:
         with self._lock:

@@ -18,7 +18,8 @@ def ray_session() -> Iterator[None]:
     import ray
 
     os.environ["RAY_AUTH_MODE"] = "disabled"  # tests only: the product keeps Ray's token auth on
-    ray.init(num_cpus=8, object_store_memory=100 * 1024 * 1024, include_dashboard=False, namespace="trainyard",
+    # The dashboard serves Ray's log API, which the logs endpoint reads, as in the product's embedded Ray.
+    ray.init(num_cpus=8, object_store_memory=100 * 1024 * 1024, include_dashboard=True, namespace="trainyard",
              log_to_driver=False)
     yield
     ray.shutdown()

@@ -53,10 +53,14 @@ def test_cli_submits_follows_lists_and_prints_metrics(service, tmp_path, capsys)
     out = capsys.readouterr().out
     job_id = out.splitlines()[0].strip()
     assert f"job {job_id} SUCCEEDED after 3/3 steps; final loss" in out
+    assert f"job {job_id} PENDING -> RUNNING at " in out and f"job {job_id} RUNNING -> SUCCEEDED at " in out
     assert run_cli(service, "list") == 0
     assert job_id in capsys.readouterr().out
     assert run_cli(service, "metrics", job_id) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 1 + 3
+    assert run_cli(service, "metrics", job_id, "--plot", str(tmp_path / "curve.png")) == 0
+    assert "loss, tokens/s over steps 0-2" in capsys.readouterr().out
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_shows_api_errors_as_the_api_phrased_them(service, tmp_path, capsys):
