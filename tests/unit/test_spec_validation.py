@@ -157,3 +157,11 @@ def test_text_data_needs_byte_vocabulary():
 def test_demo_spec_is_valid():
     config = parse_spec(load_spec_text((REPO / "examples" / "demo.yaml").read_text()))
     assert make_plan(config).dp == 2
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_spec_plans(path):
+    spec = load_spec_text(path.read_text())
+    spec["data"] = {**spec["data"], "path": str(REPO / spec["data"]["path"])}
+    plan = make_plan(parse_spec(spec))
+    assert plan.world_size == plan.dp * plan.pp * plan.tp >= 1
