@@ -147,6 +147,11 @@ class ParallelConfig:
     """Pipeline schedule."""
     stage_layers: Annotated[list[Annotated[int, Gt(0), Le(4096)]], MinLen(1), MaxLen(4096)] | None = None
     """Blocks per virtual stage, in order (pp * vpp entries summing to n_layer); null splits evenly."""
+    zero: Literal[0, 1] = 0
+    """1: ZeRO-1, each data-parallel rank keeps the optimizer state of its shard of the parameters only
+    (gradients reduce-scattered, parameters all-gathered after the step)."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Type of the gradients on the wire between data-parallel ranks; bf16 halves the traffic."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +211,10 @@ class JobConfig:
     global_batch: Annotated[int, Gt(0), Le(MAX_GLOBAL_BATCH)] = 8
     """Sequences per optimizer step, fixed across layouts."""
     precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: matmuls under bf16 autocast; parameters, gradients and optimizer state stay fp32."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them: `full` recomputes each block, `selective`
+    only the attention core and the MLP's activation (Megatron's choice)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
