@@ -10,19 +10,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_bench_tiny_cpu_mode_reports_both_sides_and_matching_losses(tmp_path):
+def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path):
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu", "--warmup", "1", "--steps", "2",
-           "--rounds", "2", "--peak-tflops", "1", "--out", str(out)]
+           "--rounds", "2", "--diagnose", "--peak-tflops", "1", "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ratio trainyard / plain" in done.stdout
     result = json.loads(out.read_text())
-    for side in ("trainyard", "plain"):
-        assert result[side]["tokens_per_s"] > 0
-        assert result[side]["mfu"] > 0
-        assert len(result[side]["tokens_per_s_per_round"]) == 2
-    assert result["ratio"] > 0
+    assert set(result["sides"]) == {"trainyard", "plain", "plain+buckets", "plain+sync"}
+    for side in result["sides"].values():
+        assert side["tokens_per_s"] > 0 and side["mfu"] > 0 and side["ratio_to_plain"] > 0
+        assert len(side["tokens_per_s_per_round"]) == 2
+    assert result["ratio"] == result["sides"]["trainyard"]["ratio_to_plain"]
     assert result["params"]["matmul"] > 0 and result["flops_per_token"] > 6 * result["params"]["matmul"]
-    # Same init, samples, optimizer and schedule in fp32: both sides compute the same losses.
+    # Same init, samples, optimizer and schedule in fp32: every side computes the same losses.
     assert result["loss_max_rel_diff"] < 1e-4
