@@ -2,6 +2,14 @@
 
 Shared by the dense block (`parallel.model`) and the mixture-of-experts layer (`parallel.moe`), whose
 experts are this same MLP.
+
+Selective activation checkpointing (`recompute = True`, set by `GPTStage.set_activation_checkpointing`)
+recomputes in backward what is large to keep and cheap to compute again, with torch's non-reentrant
+`checkpoint`: the attention core (what scaled_dot_product_attention keeps for its backward beyond q, k and
+v: the attention matrix on its math path, the log-sum-exp on the flash path), and the MLP's activation. The
+activation's output is what the output projection keeps for its backward (4 x d_model per token, the
+largest activation of a block), so the checkpointed region is the activation with that projection: its
+matmul runs twice, the price of not keeping the activation.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parallel.config import ModelConfig
 
@@ -27,12 +36,20 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(cfg.d_model, cfg.d_model)
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.recompute = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.recompute:
+            y = checkpoint(_causal_attention, q, k, v, use_reentrant=False)
+        else:
+            y = _causal_attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -40,6 +57,11 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.recompute = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        h = self.fc(x)
+        return checkpoint(self._activate, h, use_reentrant=False) if self.recompute else self._activate(h)
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(h))

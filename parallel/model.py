@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from parallel.config import ModelConfig
 from parallel.layers import MLP, CausalSelfAttention
@@ -63,13 +64,22 @@ class GPTStage(nn.Module):
             if cfg.tie_embeddings and first:
                 self.lm_head.weight = self.wte.weight
         init_parameters(self, seed=seed, n_layer=cfg.n_layer)
+        self.recompute_blocks = False
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """none, full (recompute each block in backward: only block inputs are kept) or selective (see
+        `parallel.layers`: the attention core and the MLP activations, the experts' included)."""
+        self.recompute_blocks = mode == "full"
+        for module in self.modules():
+            if isinstance(module, CausalSelfAttention | MLP):
+                module.recompute = mode == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) -> hidden states."""
         if self.first:
             x = self.embed(x)
         for block in self.blocks.values():
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute_blocks else block(x)
         return x
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

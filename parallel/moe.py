@@ -112,12 +112,13 @@ class MoELayer(nn.Module):
         loss = moe.aux_loss_coef * aux / sequences + moe.z_loss_coef * z / (sequences * seq_len)
 
         y = self._route(x.reshape(b * t, d), chosen.reshape(-1), weights.reshape(-1), keep.reshape(-1))
-        with torch.no_grad():
-            self.stats[0] += aux.double()
-            self.stats[1] += z.double()
-            self.stats[2] += (~keep).sum()
-            self.stats[3] += keep.numel()
-            self.stats[N_STAT_SLOTS:] += counts.sum(0)
+        if torch._C._current_graph_task_id() == -1:  # not again when activation checkpointing recomputes it
+            with torch.no_grad():
+                self.stats[0] += aux.double()
+                self.stats[1] += z.double()
+                self.stats[2] += (~keep).sum()
+                self.stats[3] += keep.numel()
+                self.stats[N_STAT_SLOTS:] += counts.sum(0)
         return _AddLoss.apply(y.view(b, t, d).to(x.dtype), loss)
 
     def _sequence_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +148,8 @@ class MoELayer(nn.Module):
         token, expert, weight = token[kept][order], expert[kept][order], weight[kept][order]
         counts = torch.bincount(expert, minlength=self.n_experts)
         out = self._experts(x[token], counts)
-        return torch.zeros_like(x, dtype=out.dtype).index_add(0, token, out * weight.unsqueeze(1).to(out.dtype))
+        # Summed in the stream's type (fp32), also when the experts ran under bf16 autocast.
+        return torch.zeros_like(x).index_add(0, token, out.to(x.dtype) * weight.unsqueeze(1).to(x.dtype))
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (`counts` of each) -> each row through its expert, same order."""

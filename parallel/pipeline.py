@@ -60,13 +60,15 @@ class _StepState:
 class PipelineExecutor:
     def __init__(self, chunks: list[GPTStage], pp_rank: int, pp: int, pp_ranks: list[int],
                  activation_shape: tuple[int, ...], device: torch.device, loss_scale: float,
-                 loss_context: Callable[[], AbstractContextManager] = nullcontext):
+                 loss_context: Callable[[], AbstractContextManager] = nullcontext,
+                 autocast: Callable[[], AbstractContextManager] = nullcontext):
         """`activation_shape` is what this rank holds between stages (its sequence slice under sp);
-        `loss_context` wraps the last stage's loss and its backward (`loss_parallel` with tp)."""
+        `loss_context` wraps the last stage's loss and its backward (`loss_parallel` with tp); `autocast`
+        wraps every forward and loss (bf16 autocast for `precision: bf16`)."""
         self.chunks, self.pp_rank, self.pp, self.pp_ranks = chunks, pp_rank, pp, pp_ranks
         self.n_virtual = pp * len(chunks)
         self.activation_shape, self.device, self.loss_scale = activation_shape, device, loss_scale
-        self.loss_context = loss_context
+        self.loss_context, self.autocast = loss_context, autocast
 
     def run(self, actions: list[Action], batch: Callable[[int], Batch]) -> tuple[torch.Tensor, PipelineTimings]:
         """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings."""
@@ -113,11 +115,12 @@ class PipelineExecutor:
         else:
             x = state.inputs[key]
         state.inputs[key] = x
-        out = self.chunks[a.chunk](x)
+        with self.autocast():
+            out = self.chunks[a.chunk](x)
         state.live += 1
         if v == self.n_virtual - 1:
             targets = batch(a.microbatch)[1].to(self.device)
-            with self.loss_context():
+            with self.loss_context(), self.autocast():
                 out = self.chunks[a.chunk].loss_sum(out, targets) * self.loss_scale
             state.outputs[key] = out
             return out

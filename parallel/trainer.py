@@ -13,7 +13,11 @@ gradients equal the gradient of the global mean loss whatever the layout.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -57,6 +61,14 @@ class StepStats:
         return asdict(self)
 
 
+def autocast_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """bf16: matmuls in bf16 under autocast (CUDA and CPU); parameters, gradients, optimizer state and the
+    loss stay fp32."""
+    if precision == "bf16":
+        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 class RankTrainer:
     def __init__(self, plan: Plan, rank: int, groups: RankGroups, device: torch.device):
         cfg = plan.config
@@ -79,6 +91,7 @@ class RankTrainer:
         self.executor = PipelineExecutor(
             self.chunks, self.coords.pp, plan.pp, groups.pp_ranks, activation_shape=activation_shape(plan),
             device=device, loss_scale=1.0 / tokens_per_step, loss_context=loss_context(plan),
+            autocast=autocast_context(cfg.precision, device),
         )
 
     def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> GPTStage:
@@ -90,6 +103,7 @@ class RankTrainer:
                          experts=self.plan.experts_of(self.rank)).to(self.device)
         if self.groups.tp_mesh is not None:
             apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.parallel.sp)
+        stage.set_activation_checkpointing(cfg.activation_checkpointing)
         for _, layer in moe_layers(stage):
             layer.context = MoEContext(sequences_per_step=cfg.global_batch, tp_group=self.groups.tp,
                                        ep_group=self.groups.ep)
