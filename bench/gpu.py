@@ -143,6 +143,7 @@ def _plan(args: argparse.Namespace, device: torch.device, precision: str) -> Pla
     cfg = JobConfig(
         name="bench-gpu", model=ModelConfig(**shape), steps=args.warmup + args.rounds * args.steps,
         data=DataConfig(kind="synthetic"), global_batch=batch, precision=precision,
+        activation_checkpointing=args.activation_checkpointing,
         parallel=ParallelConfig(microbatches=args.microbatches),
         resources=ResourcesConfig(gpus_per_worker=1 if device.type == "cuda" else 0),
     )
@@ -177,6 +178,7 @@ def _plain_side(cfg: JobConfig, device: torch.device, precision: str, batches: B
                 variant: PlainVariant) -> Side:
     """The textbook loop (with `variant`'s habit of the trainer's, if any) on batches already on the device."""
     model = full_model(cfg.model, cfg.seed).to(device)
+    model.set_activation_checkpointing(cfg.activation_checkpointing)  # the model's own recompute, as the trainer's
     params = list(model.parameters())
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
@@ -296,6 +298,7 @@ def _header(cfg: JobConfig, plan: Plan, device: torch.device, precision: str, co
             flops_per_token: float, peak: float | None, args: argparse.Namespace) -> str:
     m = cfg.model
     amp = "bf16 autocast, fp32 weights, gradients and AdamW state" if precision == "bf16" else "fp32"
+    recompute = cfg.activation_checkpointing
     peak_text = f"{peak:g} TFLOP/s (bf16 dense)" if peak else "unknown (MFU not computed; --peak-tflops sets it)"
     return "\n".join([
         f"device: {_device_name(device)}; torch {torch.__version__}; peak {peak_text}",
@@ -304,7 +307,8 @@ def _header(cfg: JobConfig, plan: Plan, device: torch.device, precision: str, co
         f"wte/wpe embedding tables",
         f"step: {cfg.global_batch} sequences ({cfg.global_batch * m.seq_len} tokens) in {plan.microbatches} "
         f"micro-batch(es); {amp}; AdamW foreach on every side; warm-up + cosine lr; clip {cfg.optimizer.grad_clip}"
-        f"{'; blocks torch.compile-d on every side' if args.compile else ''}",
+        f"{'; blocks torch.compile-d on every side' if args.compile else ''}"
+        f"{f'; activation checkpointing {recompute}' if recompute != 'none' else ''}",
         f"FLOPs/token = 6 N + 12 L d T = 6 x {counts['matmul']:,} + 12 x {m.n_layer} x {m.d_model} x {m.seq_len} "
         f"= {flops_per_token / 1e9:.4g} GFLOP",
         f"{args.warmup} warm-up steps per side, then {args.rounds} rounds of {args.steps} steps per side, rotating",
@@ -327,6 +331,7 @@ def _result(cfg: JobConfig, plan: Plan, device: torch.device, precision: str, ar
     diffs = [abs(a - b) / abs(b) for name in losses for a, b in zip(losses[name], losses["plain"], strict=True)]
     return {
         "device": _device_name(device), "torch": torch.__version__, "precision": precision, "compile": args.compile,
+        "activation_checkpointing": cfg.activation_checkpointing,
         "model": {"n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head, "d_model": cfg.model.d_model,
                   "vocab_size": cfg.model.vocab_size, "seq_len": cfg.model.seq_len},
         "params": counts, "flops_per_token": flops_per_token, "flops_formula": "6 N + 12 L d T, N = params - wte - wpe",
@@ -373,6 +378,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per side first (default 5)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per side per round (default 20)")
     p.add_argument("--rounds", type=int, default=6, help="rounds, the sides' order rotating (default 6)")
+    p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
+                   help="recompute activations in backward, on every side (MFU still counts model FLOPs only)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block, on every side")
     p.add_argument("--diagnose", action="store_true",
                    help="also time plain+buckets and plain+sync: what the trainer's gradient buckets and per-step "

@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(precision, tmp_path):
     out = tmp_path / "gpu.json"
-    cmd = [sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu", "--warmup", "1", "--steps", "2",
-           "--rounds", "2", "--diagnose", "--peak-tflops", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu", "--precision", precision, "--warmup", "1",
+           "--steps", "2", "--rounds", "2", "--diagnose", "--peak-tflops", "1", "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ratio trainyard / plain" in done.stdout
@@ -24,5 +27,6 @@ def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path
         assert len(side["tokens_per_s_per_round"]) == 2
     assert result["ratio"] == result["sides"]["trainyard"]["ratio_to_plain"]
     assert result["params"]["matmul"] > 0 and result["flops_per_token"] > 6 * result["params"]["matmul"]
-    # Same init, samples, optimizer and schedule in fp32: every side computes the same losses.
+    # Same init, samples, optimizer, schedule and autocast: every side computes the same losses (to rounding).
+    assert result["precision"] == precision
     assert result["loss_max_rel_diff"] < 1e-4
