@@ -150,8 +150,7 @@ def _plan(args: argparse.Namespace, device: torch.device, precision: str) -> Pla
     try:
         return make_plan(cfg)
     except PlanError as e:
-        hint = " (until bf16 lands in the trainer, run with --precision fp32)" if e.field == "precision" else ""
-        raise SystemExit(f"trainyard's plan refuses this job: {e}{hint}") from e
+        raise SystemExit(f"trainyard's plan refuses this job: {e}") from e
 
 
 def _shares(plan: Plan) -> Shares:
