@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, ResourcesConfig
 from parallel.data import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
-from parallel.data_parallel import GradientBuckets
+from parallel.data_parallel import GradientReducer
 from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.model import GPTStage, full_model
 from parallel.optim import lr_at
@@ -89,7 +89,8 @@ class PlainVariant:
     name: str
     buckets: bool = False
     """Gradients as views into flat buckets kept for the whole run and zeroed every step (the trainer's
-    `GradientBuckets`: backward then adds into them), instead of set to None and allocated by backward."""
+    `GradientReducer`, with no group: backward adds into them, and each parameter's post-accumulate hook
+    counts down its bucket), instead of set to None and allocated by backward."""
     sync: bool = False
     """Read the gradient norm (before AdamW) and the loss as Python floats every step, as the trainer does."""
 
@@ -183,7 +184,7 @@ def _plain_side(cfg: JobConfig, device: torch.device, precision: str, batches: B
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=opt.lr, betas=(opt.beta1, opt.beta2), foreach=True)
-    buckets = GradientBuckets(params) if variant.buckets else None
+    buckets = GradientReducer([params], None) if variant.buckets else None
     pending: list[torch.Tensor | float] = []
 
     def autocast() -> contextlib.AbstractContextManager:
@@ -193,16 +194,20 @@ def _plain_side(cfg: JobConfig, device: torch.device, precision: str, batches: B
         for group in optimizer.param_groups:
             group["lr"] = lr_at(i, opt, cfg.steps)
         if buckets is not None:
-            buckets.zero()
+            buckets.zero_grad()
         else:
             optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=device)
-        for inputs, targets in batches[i]:
+        for mb, (inputs, targets) in enumerate(batches[i]):
             with autocast():
                 logits = model.lm_head(model.ln_f(model(inputs)))
                 loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / len(batches[i])
+            if buckets is not None and mb == len(batches[i]) - 1:
+                buckets.arm(0)  # as the trainer does before a chunk's last backward of the step
             loss.backward()
             total += loss.detach()
+        if buckets is not None:
+            buckets.finish()
         if opt.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, opt.grad_clip, foreach=True)
             if variant.sync:
