@@ -86,14 +86,14 @@ class GradientReducer:
                 p.register_post_accumulate_grad_hook(lambda p, b=b: self._accumulated(b))
 
     def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> _Bucket:
-        sizes = [_local(p).numel() for p in params]
+        sizes = [local_part(p).numel() for p in params]
         total = -(-sum(sizes) // self.size) * self.size  # padded so it splits into equal slices
-        first = _local(params[0])
+        first = local_part(params[0])
         flat = torch.zeros(total, dtype=first.dtype, device=first.device)
         offsets, offset = [], 0
         for p, n in zip(params, sizes, strict=True):
-            view = flat[offset:offset + n].view_as(_local(p))
-            p.grad = view if not isinstance(p, DTensor) else DTensor.from_local(
+            view = flat[offset:offset + n].view_as(local_part(p))
+            p.grad = view if not isinstance(p, DTensor) else DTensor.fromlocal_part(
                 view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
             offsets.append(offset)
             offset += n
@@ -164,7 +164,7 @@ class GradientReducer:
         """The reduced gradients this rank holds after `finish`, each with its parameter: every gradient, or
         with ZeRO-1 the pieces in this rank's slices."""
         if not self.zero:
-            return [(_local(p.grad), p) for b in self.buckets for p in b.params]
+            return [(local_part(p.grad), p) for b in self.buckets for p in b.params]
         return [(b.shard[s:s + n], p) for b in self.buckets for p, _, s, n in b.slices]
 
     def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
@@ -175,7 +175,7 @@ class GradientReducer:
         pieces = []
         for b in self.buckets:
             for p, a, s, n in b.slices:
-                piece = _local(p).detach().view(-1)[a:a + n]
+                piece = local_part(p).detach().view(-1)[a:a + n]
                 piece.grad = b.shard[s:s + n]
                 pieces.append((piece, p))
         return pieces
@@ -188,24 +188,24 @@ class GradientReducer:
         for b in self.buckets:
             mine = b.flat.new_empty(b.flat.numel() // self.size)
             for p, a, s, n in b.slices:
-                mine[s:s + n] = _local(p).view(-1)[a:a + n]
+                mine[s:s + n] = local_part(p).view(-1)[a:a + n]
             everything = torch.empty_like(b.flat)
             dist.all_gather_into_tensor(everything, mine, group=self.group)
             for p, a in zip(b.params, b.offsets, strict=True):
-                local = _local(p)
+                local = local_part(p)
                 local.view(-1).copy_(everything[a:a + local.numel()])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.tolocal_part() if isinstance(t, DTensor) else t
 
 
 def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     buckets: list[list[nn.Parameter]] = [[]]
     size, kind = 0, None
     for p in params:
-        shard = _local(p)
+        shard = local_part(p)
         nbytes = shard.numel() * shard.element_size()
         if buckets[-1] and (size + nbytes > bucket_bytes or (shard.dtype, shard.device) != kind):
             buckets.append([])

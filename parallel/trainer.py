@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.data import load_batch, open_dataset
-from parallel.data_parallel import GradientReducer
+from parallel.data_parallel import GradientReducer, local_part
 from parallel.distributed import RankGroups
 from parallel.model import GPTStage
 from parallel.moe import MoEContext, moe_layers
@@ -53,6 +53,8 @@ class StepStats:
     schedule_s: float
     peak_activations: int
     peak_activation_bytes: int
+    optimizer_bytes: int
+    """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
     moe: dict[str, dict]
     """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
     routed to each expert), summed over the stage's ranks. Empty for a dense model."""
@@ -145,7 +147,11 @@ class RankTrainer:
             loss = float(loss_sum)
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
                          pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,
-                         moe=self._moe_stats(), **asdict(timings))
+                         optimizer_bytes=self._optimizer_bytes(), moe=self._moe_stats(), **asdict(timings))
+
+    def _optimizer_bytes(self) -> int:
+        return sum(local_part(t).numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
 
     def _arm_reduction(self, action: Action) -> None:
         """Before a chunk's last backward of the step: its gradients' reduction may start during it."""
