@@ -81,6 +81,8 @@ class GradientReducer:
                         for params in _split(list(reversed(params)), bucket_bytes)]
         self.next_to_start = 0
         self.armed: set[int] = set()
+        self.started_early = 0
+        """Buckets whose reduction started during backward in the last step (before `finish`)."""
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(lambda p, b=b: self._accumulated(b))
@@ -93,7 +95,7 @@ class GradientReducer:
         offsets, offset = [], 0
         for p, n in zip(params, sizes, strict=True):
             view = flat[offset:offset + n].view_as(local_part(p))
-            p.grad = view if not isinstance(p, DTensor) else DTensor.fromlocal_part(
+            p.grad = view if not isinstance(p, DTensor) else DTensor.from_local(
                 view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
             offsets.append(offset)
             offset += n
@@ -150,6 +152,7 @@ class GradientReducer:
     @torch.no_grad()
     def finish(self) -> None:
         """Start every reduction not started yet (in order) and wait for all of them."""
+        self.started_early = self.next_to_start if self.group is not None else 0
         self._start_ready(everything=True)
         for b in self.buckets:
             if b.work is not None:
@@ -198,7 +201,7 @@ class GradientReducer:
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.tolocal_part() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
