@@ -148,7 +148,8 @@ class RankTrainer:
         if self.is_last_stage:
             if self.groups.dp is not None:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
-            loss = float(loss_sum)
+            loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
+        grad_norm = float(grad_norm)
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
                          pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,
                          optimizer_bytes=self._optimizer_bytes(),
