@@ -65,6 +65,8 @@ class _Bucket:
     """The reduced-precision copy on the wire (reduce_dtype bf16), written back to fp32 after the wait."""
     slices: list[tuple[nn.Parameter, int, int, int]] = field(default_factory=list)
     """ZeRO-1: (parameter, start in the parameter, start in the shard, length) of each piece in the shard."""
+    pieces: list[torch.Tensor] = field(default_factory=list)
+    """ZeRO-1: each slice as a view of its parameter's data, the tensors the optimizer updates."""
 
 
 class GradientReducer:
@@ -108,6 +110,9 @@ class GradientReducer:
                 lo, hi = max(a, start), min(a + n, end)
                 if lo < hi:
                     bucket.slices.append((p, lo - a, lo - start, hi - lo))
+                    piece = local_part(p).detach().view(-1)[lo - a:hi - a]
+                    piece.grad = bucket.shard[lo - start:hi - start]
+                    bucket.pieces.append(piece)
         return bucket
 
     @torch.no_grad()
@@ -175,13 +180,34 @@ class GradientReducer:
         with ZeRO-1 views of their pieces in this rank's slices, whose `.grad` is the reduced slice."""
         if not self.zero:
             return [(p, p) for b in self.buckets for p in b.params]
-        pieces = []
+        return [(piece, p) for b in self.buckets for piece, (p, *_) in zip(b.pieces, b.slices, strict=True)]
+
+    @torch.no_grad()
+    def moments(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
+        """Each parameter's optimizer state `keys`, shaped like the parameter (for a checkpoint). With ZeRO-1
+        the slices are gathered over the group first: a new tensor per parameter."""
+        if not self.zero:
+            return {p: {k: optimizer.state[p][k] for k in keys} for b in self.buckets for p in b.params}
+        out: dict[nn.Parameter, dict] = {p: {} for b in self.buckets for p in b.params}
         for b in self.buckets:
-            for p, a, s, n in b.slices:
-                piece = local_part(p).detach().view(-1)[a:a + n]
-                piece.grad = b.shard[s:s + n]
-                pieces.append((piece, p))
-        return pieces
+            for key in keys:
+                flat = torch.zeros_like(b.flat)
+                for piece, (_, _, s, n) in zip(b.pieces, b.slices, strict=True):
+                    flat[self.rank * b.shard.numel() + s:][:n] = optimizer.state[piece][key]
+                dist.all_reduce(flat, group=self.group)  # each slice is non-zero on one rank only
+                for p, a in zip(b.params, b.offsets, strict=True):
+                    out[p][key] = _like(p, flat[a:a + local_part(p).numel()].view_as(local_part(p)))
+        return out
+
+    @torch.no_grad()
+    def load_moments(self, optimizer: torch.optim.Optimizer, moments: dict[nn.Parameter, dict]) -> None:
+        """After `moments`' tensors were filled from a checkpoint: with ZeRO-1, keep this rank's slices."""
+        if not self.zero:
+            return
+        for b in self.buckets:
+            for piece, (p, a, _, n) in zip(b.pieces, b.slices, strict=True):
+                for key, full in moments[p].items():
+                    optimizer.state[piece][key].copy_(local_part(full).reshape(-1)[a:a + n])
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -197,6 +223,13 @@ class GradientReducer:
             for p, a in zip(b.params, b.offsets, strict=True):
                 local = local_part(p)
                 local.view(-1).copy_(everything[a:a + local.numel()])
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a tensor laid out like parameter `p`: a DTensor with its placements when p is one."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,9 @@ class RankGroups:
     """The ranks holding this rank's experts (MoE jobs only)."""
     stage: dist.ProcessGroup | None = None
     """Every rank of this rank's pipeline stage (MoE jobs only)."""
+    checkpoint: dist.ProcessGroup | None = None
+    """All ranks, on gloo, for checkpoints only: an async save's collectives run in a background thread and
+    must not share a group with the step's."""
 
 
 def pick_device(gpus_per_worker: int) -> torch.device:
@@ -71,7 +74,8 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
         return mesh.get_group(dim) if mesh[dim].size() > 1 else None
 
     groups = RankGroups(rank=rank, dp=group("dp"), pp=group("pp"), pp_ranks=mesh["pp"].mesh.tolist(),
-                        tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None)
+                        tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None,
+                        checkpoint=dist.new_group(backend="gloo"))
     if plan.config.model.moe is not None:
         groups.ep = _subgroup(plan.ep_groups())
         groups.experts = _subgroup(plan.expert_groups())

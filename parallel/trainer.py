@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from parallel import checkpoint
 from parallel.data import load_batch, open_dataset
 from parallel.data_parallel import GradientReducer, local_part
 from parallel.distributed import RankGroups
@@ -75,6 +77,10 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], Abstr
     return contextlib.nullcontext
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's state per parameter, besides its step count."""
+
+
 class RankTrainer:
     def __init__(self, plan: Plan, rank: int, groups: RankGroups, device: torch.device):
         cfg = plan.config
@@ -97,6 +103,7 @@ class RankTrainer:
         self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer)
         self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
+        self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
         # Where each chunk's gradients become final: its last backward in this rank's schedule.
         self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
                               if a.kind is ActionKind.BACKWARD}
@@ -156,6 +163,60 @@ class RankTrainer:
                          early_reductions=sum(r.started_early for r in self.reducers.values()),
                          buckets=sum(len(r.buckets) for r in self.reducers.values()),
                          moe=self._moe_stats(), **asdict(timings))
+
+    def checkpoint_state(self) -> dict:
+        """This rank's part of a checkpoint (see parallel.checkpoint): its parameters and their AdamW moments,
+        under the unsharded model's names and in the parameters' shapes."""
+        self._init_optimizer_state()
+        names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
+        moments = {p: m for r in self.reducers.values() for p, m in r.moments(self.optimizer, MOMENTS).items()}
+        return {"model": {name: p for p, name in names.items()},
+                "optim": {names[p]: m for p, m in moments.items()}}
+
+    def save_checkpoint(self, root: Path, step: int, info: dict, *, background: bool = False) -> None:
+        """Write the state after `step` steps as checkpoint `step` under root (collective). In the background,
+        the state is staged first and written by a thread: `finish_checkpoint` (called by the next save, and
+        by the caller before the job ends) waits for the write and commits."""
+        self.finish_checkpoint()
+        state, writer = self.checkpoint_state(), self.rank == 0
+        if background:
+            finish = checkpoint.start_async_save(state, root, step, self.groups.checkpoint, writer)
+            self._pending_checkpoint = (functools.partial(finish, info), root)
+        else:
+            checkpoint.save(state, root, step, info, self.groups.checkpoint, writer)
+            self._committed(root)
+
+    def finish_checkpoint(self) -> None:
+        """Wait for a checkpoint being written in the background, and commit it."""
+        if self._pending_checkpoint is not None:
+            finish, root = self._pending_checkpoint
+            self._pending_checkpoint = None
+            finish()
+            self._committed(root)
+
+    def _committed(self, root: Path) -> None:
+        if self.rank == 0:
+            checkpoint.prune(root, self.plan.config.checkpoint.keep)
+
+    @torch.no_grad()
+    def load_checkpoint(self, directory: Path, step: int) -> None:
+        """Take parameters and optimizer state from the checkpoint of `step`, whatever layout wrote it."""
+        state = self.checkpoint_state()
+        checkpoint.load(state, directory, self.groups.checkpoint)
+        names = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
+        moments = {names[name]: m for name, m in state["optim"].items()}
+        for reducer in self.reducers.values():
+            reducer.load_moments(self.optimizer, moments)
+        for tensor_state in self.optimizer.state.values():
+            tensor_state["step"].fill_(step)
+
+    def _init_optimizer_state(self) -> None:
+        """AdamW creates its state at the first step; a checkpoint before it (or a load) needs it now."""
+        for group in self.optimizer.param_groups:
+            for t in group["params"]:
+                if not self.optimizer.state[t]:
+                    self.optimizer.state[t] = {"step": torch.tensor(0.0), **{
+                        k: torch.zeros_like(t, memory_format=torch.preserve_format) for k in MOMENTS}}
 
     def _optimizer_bytes(self) -> int:
         return sum(local_part(t).numel() * t.element_size() for state in self.optimizer.state.values()

@@ -15,17 +15,24 @@ from parallel.plan import Plan
 from parallel.trainer import RankTrainer
 
 
-def _rank_main(rank: int, port: int, plan: Plan, out_dir: str) -> None:
+def _rank_main(rank: int, port: int, plan: Plan, out_dir: str, checkpoints: dict) -> None:
     torch.set_num_threads(1)
     groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=120)
     trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
     cfg = plan.config
+    start = 0
+    if checkpoints.get("resume"):
+        directory, start = checkpoints["resume"]
+        trainer.load_checkpoint(Path(directory), start)
     num_samples = open_dataset(cfg).num_samples
     stats = []
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
         share = rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches)
         stats.append(trainer.train_step(step, share).to_dict())
+        if step + 1 in checkpoints.get("save", ()):
+            trainer.save_checkpoint(Path(checkpoints["root"]), step + 1, {}, background=checkpoints.get("background", False))
+    trainer.finish_checkpoint()
     torch.save(stats, Path(out_dir) / f"rank{rank}.pt")
     shutdown_distributed()
 
@@ -38,9 +45,10 @@ def spawn(fn: Callable[..., None], nprocs: int, *args: object) -> None:
     mp.start_processes(fn, args=(port, *args), nprocs=nprocs, start_method="spawn")
 
 
-def run_ranks(plan: Plan, out_dir: Path) -> list[list[dict]]:
-    """Every rank's StepStats dicts, indexed [rank][step]."""
-    spawn(_rank_main, plan.world_size, plan, str(out_dir))
+def run_ranks(plan: Plan, out_dir: Path, **checkpoints) -> list[list[dict]]:
+    """Every rank's StepStats dicts, indexed [rank][step]. `checkpoints`: root and save (steps after which to
+    save a checkpoint under root, in the background if background=True), or resume=(directory, step)."""
+    spawn(_rank_main, plan.world_size, plan, str(out_dir), checkpoints)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(plan.world_size)]
 
 

@@ -1,0 +1,176 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): where they live, how they become visible,
+how a damaged one is found, and saving and loading one rank's state.
+
+A checkpoint is a directory `<root>/step_<N>` holding the state after N steps: DCP's files (each rank
+writes its own shards; DCP keeps one copy of what several ranks hold) and `trainyard.json`, written last,
+naming every file with its size and SHA-256 plus the step and the model and optimizer config. It is
+written under a temporary name and renamed once complete, so a directory without the temporary suffix is
+a whole checkpoint, and `latest_valid` skips any whose files do not match their manifest (truncated,
+corrupted, missing) in favour of the one before.
+
+What is saved: every parameter under its unsharded model's name (`blocks.3.attn.q.weight`, experts by
+their global index), tensor-parallel ones as DTensors, and each parameter's AdamW moments under the same
+name in the parameter's shape. DCP reshards on load: a checkpoint written at (dp=2, tp=2) loads at
+(pp=2) or any other layout, since every layout names and shapes its parameters the same way. The step
+count is all the trainer state the next step depends on: the data order and the learning rate are
+functions of (seed, step), and nothing else is random.
+
+Written around DCP rather than through `get_state_dict`/`set_state_dict` because a rank's model is several
+pipeline chunks and, with ZeRO-1, its optimizer holds pieces of parameters (see `parallel.trainer`'s
+`checkpoint_state`), neither of which those functions take.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+MANIFEST = "trainyard.json"
+_PREFIX = "step_"
+_TMP = ".tmp"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{_PREFIX}{step:09d}"
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps of the complete (renamed) checkpoints under root, oldest first."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        name = d.name
+        if d.is_dir() and name.startswith(_PREFIX) and not name.endswith(_TMP) and name[len(_PREFIX):].isdigit():
+            steps.append(int(name[len(_PREFIX):]))
+    return sorted(steps)
+
+
+def verify(directory: Path) -> str | None:
+    """None if every file the manifest names is there with its size and hash; else what is wrong."""
+    manifest = directory / MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"no readable manifest ({type(e).__name__}: {e})"
+    for name, (size, digest) in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if _sha256(path) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+@dataclass(frozen=True)
+class Found:
+    step: int
+    directory: Path
+    skipped: tuple[str, ...]
+    """Later checkpoints passed over, each with what was wrong with it."""
+
+
+def latest_valid(root: Path, at_most: int | None = None) -> Found | None:
+    """The newest complete, intact checkpoint with step <= at_most (any step when None)."""
+    skipped = []
+    for step in reversed(committed_steps(root)):
+        if at_most is not None and step > at_most:
+            continue
+        problem = verify(step_dir(root, step))
+        if problem is None:
+            return Found(step=step, directory=step_dir(root, step), skipped=tuple(skipped))
+        skipped.append(f"step {step}: {problem}")
+    return None
+
+
+def read_manifest(directory: Path) -> dict:
+    return json.loads((directory / MANIFEST).read_text())
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, and the temporary directories of older saves (left by a
+    crash); called by the writer right after a commit, when no other save is under way."""
+    steps = committed_steps(root)
+    for step in steps[:-keep]:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+    for d in root.glob(f"{_PREFIX}*{_TMP}"):
+        if steps and d.name[len(_PREFIX):-len(_TMP)].isdigit() and int(d.name[len(_PREFIX):-len(_TMP)]) < steps[-1]:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def save(state: dict, root: Path, step: int, info: dict, group: dist.ProcessGroup | None,
+         is_writer: bool) -> None:
+    """Write `state` (this rank's part) as checkpoint `step` and, on the writer rank, commit it.
+
+    Collective over `group`. `info` goes into the manifest (config, anything a resuming job checks)."""
+    tmp = step_dir(root, step).with_name(step_dir(root, step).name + _TMP)
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if group is not None:
+        dist.barrier(group=group)
+    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    if is_writer:
+        commit(tmp, step_dir(root, step), {**info, "step": step})
+
+
+def start_async_save(state: dict, root: Path, step: int, group: dist.ProcessGroup | None,
+                     is_writer: bool) -> Callable[[dict], None]:
+    """Begin saving `state` in the background (DCP async save: the state is staged, then written by a
+    thread); returns `finish(info)`, which waits for the write and commits. Collective over `group`."""
+    tmp = step_dir(root, step).with_name(step_dir(root, step).name + _TMP)
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if group is not None:
+        dist.barrier(group=group)
+    pending = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+    future = getattr(pending, "upload_completion", pending)  # a Future, or newer torch's AsyncSaveResponse
+
+    def finish(info: dict) -> None:
+        future.result()
+        if is_writer:
+            commit(tmp, step_dir(root, step), {**info, "step": step})
+
+    return finish
+
+
+def load(state: dict, directory: Path, group: dist.ProcessGroup | None) -> None:
+    """Fill `state`'s tensors in place from the checkpoint, resharding to this layout. Collective."""
+    dcp.load(state, checkpoint_id=directory, process_group=group)
+
+
+def commit(tmp: Path, final: Path, info: dict) -> None:
+    """Write the manifest (every file's size and hash), then make the checkpoint visible by renaming it."""
+    files = {p.name: [p.stat().st_size, _sha256(p)] for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({**info, "files": files}, indent=1))
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)  # a retried save of the same step
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
