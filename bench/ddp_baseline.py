@@ -11,7 +11,7 @@ step (wall time and its phases, loss, grad norm) to `--out`.
 Gradient sync, `--grad-sync`:
 - `ddp` (the baseline): DDP all-reduces buckets while backward still runs. DDP averages, so the per-rank
   loss is `loss_sum / tokens_per_step * dp`, which makes the averaged gradient the global-batch mean.
-- `after-backward` (a diagnostic): no DDP; trainyard's own `parallel.data_parallel.GradientBuckets`
+- `after-backward` (a diagnostic): no DDP; trainyard's own `parallel.data_parallel.GradientReducer`
   (bucketed SUM, after backward) on a loss of `loss_sum / tokens_per_step`, i.e. trainyard's math
   without Ray, so the difference to `ddp` is the value of overlapping the all-reduce with backward.
 
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from api.spec import load_spec_text, parse_spec
 from parallel.config import JobConfig
 from parallel.data import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
-from parallel.data_parallel import GradientBuckets
+from parallel.data_parallel import GradientReducer
 from parallel.model import GPTStage, full_model
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
 
@@ -77,9 +77,9 @@ class Trainer:
         self.model = LossModel(full_model(cfg.model, cfg.seed))
         self.params = list(self.model.parameters())
         self.ddp = DistributedDataParallel(self.model) if grad_sync == "ddp" else None
-        self.buckets = GradientBuckets(self.params) if self.ddp is None else None
+        self.buckets = GradientReducer([self.params], dist.group.WORLD) if self.ddp is None else None
         self.net: nn.Module = self.ddp if self.ddp is not None else self.model
-        self.optimizer = make_optimizer([self.model], cfg.optimizer)
+        self.optimizer = make_optimizer([(p, p) for p in self.params], cfg.optimizer)
         self.dataset: Dataset = open_dataset(cfg)
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
         # DDP averages gradients over ranks: scale by dp so the average is the global-batch mean gradient.
@@ -107,9 +107,9 @@ class Trainer:
             loss_sum += loss.detach() / self.tokens_per_step
         t0 = time.perf_counter()
         if self.buckets is not None:
-            self.buckets.allreduce(dist.group.WORLD)
+            self.buckets.finish()
         t1 = time.perf_counter()
-        grad_norm = clip_grad_norm(self.params, cfg.optimizer.grad_clip, None)
+        grad_norm = clip_grad_norm([(p.grad, 1.0) for p in self.params], cfg.optimizer.grad_clip)
         set_lr(self.optimizer, lr_at(step, cfg.optimizer, cfg.steps))
         self.optimizer.step()
         dist.all_reduce(loss_sum)

@@ -150,6 +150,8 @@ class ParallelConfig:
     zero: Literal[0, 1] = 0
     """1: ZeRO-1, each data-parallel rank keeps the optimizer state of its shard of the parameters only
     (gradients reduce-scattered, parameters all-gathered after the step)."""
+    overlap_reduce: bool = True
+    """Start each gradient bucket's reduction during backward, as soon as its gradients are final."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Type of the gradients on the wire between data-parallel ranks; bf16 halves the traffic."""
 

@@ -1,27 +1,44 @@
-"""Data-parallel gradient synchronisation: a bucketed all-reduce (SUM) run once per step.
+"""Gradient reduction across the ranks that hold the same parameters: bucketed, overlapped with backward,
+and optionally sharding the optimizer state (ZeRO-1).
 
-Written by hand instead of wrapping stages in DistributedDataParallel because:
-- the loss is already normalised by the global token count, so a SUM of gradients is the exact
-  gradient of the global batch (DDP averages, which would need the loss rescaled by dp);
-- with pipeline schedules a stage's micro-batch backwards interleave with other micro-batches' forwards,
-  and DDP would need `no_sync` around all but the last; one reduction after the schedule composes with
-  any schedule and keeps one code path for pp = 1 and pp > 1.
+A `GradientReducer` owns one set of parameters and the group that sums their gradients (dense parameters:
+the data-parallel group; MoE routers and experts: see `parallel.moe`). Written by hand instead of wrapping
+stages in DistributedDataParallel (or FSDP2's `fully_shard`) because:
+- the loss is already normalised by the global token count, so a SUM of gradients is the exact gradient
+  of the global batch (DDP averages, which would need the loss rescaled by dp);
+- with pipeline schedules a chunk's micro-batch backwards interleave with other micro-batches' forwards,
+  and a chunk's gradients are final only at its last backward in the schedule, which the schedule knows
+  (`arm`), not autograd; DDP would need `no_sync` around all the others and knows nothing of chunks;
+- one reducer serves every set (dense, router, experts), each over its own group, whatever the layout.
+
 As DDP's `gradient_as_bucket_view` does, every parameter's `.grad` is a view into a flat bucket kept for
-the whole job, so autograd accumulates straight into the buckets and the all-reduce runs in place with
-no flatten or copy back. The cost is no overlap of the reduction with backward; `make bench` compares
-against torchrun + DDP.
+the whole job, so autograd accumulates straight into the buckets and the reduction runs in place.
+Buckets hold one chunk's parameters in reverse order, the order their gradients become final.
+
+Overlap: `arm(chunk)` before the chunk's last backward turns on its parameters' post-accumulate hooks; a
+bucket whose parameters have all accumulated starts its reduction at once (asynchronously), in bucket order
+(every rank of the group must issue the same collectives in the same order), so the reduction of the last
+layers runs while backward computes the first. `finish()` starts what is left (a parameter that got no
+gradient in that backward, e.g. an expert no token reached) and waits for what is in flight.
+
+ZeRO-1 (`zero=True`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
+the summed gradients of its 1/N slice of the bucket; the optimizer holds the parameters' pieces in that
+slice (views into the parameters, `optimizer_params`), so AdamW's state exists for 1/N of them; after the
+step `gather_params` all-gathers the slices and writes every parameter back whole. (FSDP2 would shard the
+parameters and gradients too, but it owns its own reduction and would not follow the pipeline's schedule.)
 
 Tensor-parallel parameters are DTensors: a bucket holds each one's local shard, and its `.grad` is a
 DTensor with the parameter's placements over that view. Autograd accumulates a DTensor gradient in place
 (`grad += new`), and DTensor first brings `new` to the gradient's placements: a vocabulary-parallel
 embedding's gradient (computed whole, DTensor has no row-sharded embedding backward) is sliced to this
 rank's rows, and a sequence-parallel norm's gradient (a partial sum over this rank's tokens) is
-all-reduced over tp. So after the schedule every local gradient is complete over tp, and the data-parallel
-all-reduce sums shards that line up, since dp peers hold the same tp coordinate. (Megatron defers the
-norms' tp all-reduce to one per step; here it is one small all-reduce per norm parameter and micro-batch.)
+all-reduced over tp. So every local gradient is complete over tp when its hook fires, and the reduction
+sums shards that line up, since the group's ranks hold the same tp coordinate (or all of them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,54 +46,166 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class GradientBuckets:
-    """Flat gradient buffers for `params`, with each `p.grad` a view into one of them.
+@dataclass
+class _Bucket:
+    chunk: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    """Every parameter's gradient, back to back (padded to a multiple of the group size)."""
+    offsets: list[int]
+    shard: torch.Tensor | None = None
+    """ZeRO-1: the summed gradients of this rank's slice of `flat`."""
+    pending: int = 0
+    """Parameters whose final gradient has not arrived yet in the armed backward."""
+    work: dist.Work | None = None
+    wire: torch.Tensor | None = None
+    """The reduced-precision copy on the wire (reduce_dtype bf16), written back to fp32 after the wait."""
+    slices: list[tuple[nn.Parameter, int, int, int]] = field(default_factory=list)
+    """ZeRO-1: (parameter, start in the parameter, start in the shard, length) of each piece in the shard."""
 
-    Keep the views: zero gradients with `zero()`, never set them to None. (`optimizer.zero_grad` cannot
-    zero them either once DTensor and plain gradients mix: its foreach kernel refuses the mixed list.)
-    """
 
-    @torch.no_grad()
-    def __init__(self, params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES):
-        self.buckets: list[torch.Tensor] = []
-        for group in _group(params, bucket_bytes):
-            first = _local(group[0])
-            flat = torch.zeros(sum(_local(p).numel() for p in group), dtype=first.dtype, device=first.device)
-            offset = 0
-            for p in group:
-                shard = _local(p)
-                view = flat[offset:offset + shard.numel()].view_as(shard)
-                p.grad = view if not isinstance(p, DTensor) else DTensor.from_local(
-                    view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
-                offset += shard.numel()
-            self.buckets.append(flat)
-
-    @torch.no_grad()
-    def zero(self) -> None:
-        for flat in self.buckets:
-            flat.zero_()
+class GradientReducer:
+    """The gradients of `params` (parameters of `chunks`), summed over `group` (None: no other rank)."""
 
     @torch.no_grad()
-    def allreduce(self, group: dist.ProcessGroup | None) -> None:
-        """Sum every gradient across `group` (no-op without a group)."""
-        if group is None:
+    def __init__(self, chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, *,
+                 zero: bool = False, reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES):
+        self.group, self.reduce_dtype = group, WIRE_DTYPES[reduce_dtype]
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.zero = zero and self.size > 1
+        self.buckets = [self._make_bucket(chunk, params) for chunk, params in enumerate(chunk_params)
+                        for params in _split(list(reversed(params)), bucket_bytes)]
+        self.next_to_start = 0
+        self.armed: set[int] = set()
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(lambda p, b=b: self._accumulated(b))
+
+    def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> _Bucket:
+        sizes = [local_part(p).numel() for p in params]
+        total = -(-sum(sizes) // self.size) * self.size  # padded so it splits into equal slices
+        first = local_part(params[0])
+        flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+        offsets, offset = [], 0
+        for p, n in zip(params, sizes, strict=True):
+            view = flat[offset:offset + n].view_as(local_part(p))
+            p.grad = view if not isinstance(p, DTensor) else DTensor.fromlocal_part(
+                view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+            offsets.append(offset)
+            offset += n
+        bucket = _Bucket(chunk=chunk, params=params, flat=flat, offsets=offsets)
+        if self.zero:
+            per_rank = total // self.size
+            start, end = self.rank * per_rank, (self.rank + 1) * per_rank
+            bucket.shard = torch.zeros(per_rank, dtype=flat.dtype, device=flat.device)
+            for p, a, n in zip(params, offsets, sizes, strict=True):
+                lo, hi = max(a, start), min(a + n, end)
+                if lo < hi:
+                    bucket.slices.append((p, lo - a, lo - start, hi - lo))
+        return bucket
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+
+    def arm(self, chunk: int) -> None:
+        """The next backward of `chunk` is its last in this step: start each bucket once it is complete."""
+        self.armed.add(chunk)
+        for b in self.buckets:
+            if b.chunk == chunk:
+                b.pending = len(b.params)
+
+    def _accumulated(self, bucket: _Bucket) -> None:
+        if bucket.chunk not in self.armed or bucket.pending == 0:
             return
-        for flat in self.buckets:
-            dist.all_reduce(flat, group=group)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._start_ready()
+
+    def _start_ready(self, everything: bool = False) -> None:
+        while self.next_to_start < len(self.buckets):
+            b = self.buckets[self.next_to_start]
+            if not everything and (b.chunk not in self.armed or b.pending > 0):
+                return
+            self._start(b)
+            self.next_to_start += 1
+
+    @torch.no_grad()
+    def _start(self, b: _Bucket) -> None:
+        if self.group is None:
+            return
+        send = b.flat if self.reduce_dtype == b.flat.dtype else b.flat.to(self.reduce_dtype)
+        if self.zero:
+            b.wire = b.shard if send is b.flat else torch.empty_like(b.shard, dtype=self.reduce_dtype)
+            b.work = dist.reduce_scatter_tensor(b.wire, send, group=self.group, async_op=True)
+        else:
+            b.wire = send
+            b.work = dist.all_reduce(send, group=self.group, async_op=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Start every reduction not started yet (in order) and wait for all of them."""
+        self._start_ready(everything=True)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                target = b.shard if self.zero else b.flat
+                if b.wire is not target:
+                    target.copy_(b.wire)
+            b.work = b.wire = None
+        self.next_to_start, self.armed = 0, set()
+
+    def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """The reduced gradients this rank holds after `finish`, each with its parameter: every gradient, or
+        with ZeRO-1 the pieces in this rank's slices."""
+        if not self.zero:
+            return [(local_part(p.grad), p) for b in self.buckets for p in b.params]
+        return [(b.shard[s:s + n], p) for b in self.buckets for p, _, s, n in b.slices]
+
+    def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """What the optimizer updates, each with the parameter it belongs to: the parameters themselves, or
+        with ZeRO-1 views of their pieces in this rank's slices, whose `.grad` is the reduced slice."""
+        if not self.zero:
+            return [(p, p) for b in self.buckets for p in b.params]
+        pieces = []
+        for b in self.buckets:
+            for p, a, s, n in b.slices:
+                piece = local_part(p).detach().view(-1)[a:a + n]
+                piece.grad = b.shard[s:s + n]
+                pieces.append((piece, p))
+        return pieces
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """ZeRO-1, after the optimizer step: every rank gets every slice and writes its parameters whole."""
+        if not self.zero:
+            return
+        for b in self.buckets:
+            mine = b.flat.new_empty(b.flat.numel() // self.size)
+            for p, a, s, n in b.slices:
+                mine[s:s + n] = local_part(p).view(-1)[a:a + n]
+            everything = torch.empty_like(b.flat)
+            dist.all_gather_into_tensor(everything, mine, group=self.group)
+            for p, a in zip(b.params, b.offsets, strict=True):
+                local = local_part(p)
+                local.view(-1).copy_(everything[a:a + local.numel()])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.tolocal_part() if isinstance(t, DTensor) else t
 
 
-def _group(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     buckets: list[list[nn.Parameter]] = [[]]
     size, kind = 0, None
     for p in params:
-        shard = _local(p)
+        shard = local_part(p)
         nbytes = shard.numel() * shard.element_size()
         if buckets[-1] and (size + nbytes > bucket_bytes or (shard.dtype, shard.device) != kind):
             buckets.append([])

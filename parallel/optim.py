@@ -1,9 +1,9 @@
 """AdamW, the learning-rate schedule and global-norm gradient clipping.
 
-Clipping is written here rather than taken from `torch.nn.utils.clip_grad_norm_` because with pipeline
-parallelism each rank holds only its stage's parameters: the squared norm must be summed across the
-pipeline group before the clip coefficient is known. With tensor parallelism it works on local shards and
-sums them over the tp group itself: a tensor-parallel stage mixes DTensor and plain gradients, which torch's
+Clipping is written here rather than taken from `torch.nn.utils.clip_grad_norm_` because each rank holds
+only part of the gradients (its pipeline stage, its tp shards, its experts, its ZeRO-1 slice), some of
+them also held by other ranks: the squared norm is a weighted sum over every rank (see `clip_grad_norm`).
+It works on plain local tensors: a tensor-parallel stage mixes DTensor and plain gradients, which torch's
 foreach kernels refuse in one list.
 """
 
@@ -20,17 +20,19 @@ from torch.distributed.tensor import DTensor
 from parallel.config import OptimizerConfig
 
 
-def make_optimizer(modules: Iterable[nn.Module], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only (not on biases and norm gains).
+def make_optimizer(params: Iterable[tuple[torch.Tensor, nn.Parameter]], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over (tensor to update, the parameter it belongs to) pairs: the parameters themselves, or with
+    ZeRO-1 this rank's pieces of them. Weight decay on matrices and embeddings only (not on biases and norm
+    gains), as the owning parameter's shape says.
 
-    Tensor-parallel (DTensor) and plain parameters go in separate groups: the foreach kernels refuse a list
-    that mixes the two, and a tensor-parallel stage keeps some plain ones (wpe, and the norms without sp).
+    Tensor-parallel (DTensor) and plain tensors go in separate groups: the foreach kernels refuse a list that
+    mixes the two, and a tensor-parallel stage keeps some plain ones (wpe, and the norms without sp).
     """
-    params = [p for m in modules for p in m.parameters()]
+    params = list(params)
     groups = []
     for decay in (True, False):
         for sharded in (False, True):
-            chosen = [p for p in params if (p.dim() >= 2) == decay and isinstance(p, DTensor) == sharded]
+            chosen = [t for t, p in params if (p.dim() >= 2) == decay and isinstance(t, DTensor) == sharded]
             if chosen:
                 groups.append({"params": chosen, "weight_decay": cfg.weight_decay if decay else 0.0})
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
@@ -52,35 +54,31 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
-                   tp_group: dist.ProcessGroup | None = None, *, experts: list[nn.Parameter] | None = None,
-                   ep_group: dist.ProcessGroup | None = None) -> float:
-    """Global gradient norm over every stage's parameters; scales grads if above max_norm.
+def clip_grad_norm(grads: list[tuple[torch.Tensor, float]], max_norm: float,
+                   group: dist.ProcessGroup | None = None) -> float:
+    """The global norm of gradients spread over the ranks of `group`; scales them all if it is above max_norm.
 
-    A tensor-parallel parameter sharded over tp contributes the squares of its local shard, summed over
-    `tp_group`; a replicated one (a plain tensor, or a DTensor replicated over tp) is counted once, since
-    every tp rank holds the same whole gradient. The `experts` an expert-parallel rank hosts are its own, so
-    their squares are summed over `ep_group` (its tp peers hold the same experts and are not counted again).
-    Then the stages' sums add up over `pp_group`. Data-parallel replicas hold equal gradients after their
-    reduction, so dp needs no reduction here.
+    Each entry is a plain tensor of this rank's gradients and its weight, 1 / (the number of ranks of the
+    group that hold an identical copy of it): a tensor-parallel shard is held once, a replicated parameter
+    by every tp rank, a data-parallel gradient by every dp replica unless ZeRO-1 split it. The weighted sums
+    of squares add up over `group` (None: this rank holds everything) to every distinct gradient counted
+    once, whatever the layout.
     """
-    grads = [(g.to_local(), _is_sharded(g)) if isinstance(g, DTensor) else (g, False)
-             for g in (p.grad for p in params) if g is not None]
-    expert_grads = [p.grad for p in experts or [] if p.grad is not None]
     device = grads[0][0].device if grads else "cpu"
-    sharded, replicated = (_sum_of_squares([g for g, s in grads if s == want], device) for want in (True, False))
-    hosted = _sum_of_squares(expert_grads, device)
-    if tp_group is not None:
-        dist.all_reduce(sharded, group=tp_group)
-    if ep_group is not None:
-        dist.all_reduce(hosted, group=ep_group)
-    sq = sharded + replicated + hosted
-    if pp_group is not None:
-        dist.all_reduce(sq, group=pp_group)
+    sq = torch.zeros((), device=device)
+    for weight in sorted({w for _, w in grads}):
+        sq += weight * _sum_of_squares([g for g, w in grads if w == weight], device)
+    if group is not None:
+        dist.all_reduce(sq, group=group)
     norm = sq.sqrt()
-    if max_norm > 0 and (grads or expert_grads):
-        torch._foreach_mul_([g for g, _ in grads] + expert_grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    if max_norm > 0 and grads:
+        torch._foreach_mul_([g for g, _ in grads], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return float(norm)
+
+
+def tp_copies(p: torch.Tensor, tp: int) -> int:
+    """How many tp ranks hold an identical copy of a parameter's local gradient: 1 if it is sharded over tp."""
+    return 1 if isinstance(p, DTensor) and _is_sharded(p) else tp
 
 
 def _is_sharded(t: DTensor) -> bool:

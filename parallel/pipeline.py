@@ -61,14 +61,16 @@ class PipelineExecutor:
     def __init__(self, chunks: list[GPTStage], pp_rank: int, pp: int, pp_ranks: list[int],
                  activation_shape: tuple[int, ...], device: torch.device, loss_scale: float,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
-                 autocast: Callable[[], AbstractContextManager] = nullcontext):
+                 autocast: Callable[[], AbstractContextManager] = nullcontext,
+                 before_backward: Callable[[Action], None] | None = None):
         """`activation_shape` is what this rank holds between stages (its sequence slice under sp);
         `loss_context` wraps the last stage's loss and its backward (`loss_parallel` with tp); `autocast`
-        wraps every forward and loss (bf16 autocast for `precision: bf16`)."""
+        wraps every forward and loss (bf16 autocast for `precision: bf16`); `before_backward` is called
+        before each backward (the trainer arms the gradient reduction before a chunk's last one)."""
         self.chunks, self.pp_rank, self.pp, self.pp_ranks = chunks, pp_rank, pp, pp_ranks
         self.n_virtual = pp * len(chunks)
         self.activation_shape, self.device, self.loss_scale = activation_shape, device, loss_scale
-        self.loss_context, self.autocast = loss_context, autocast
+        self.loss_context, self.autocast, self.before_backward = loss_context, autocast, before_backward
 
     def run(self, actions: list[Action], batch: Callable[[int], Batch]) -> tuple[torch.Tensor, PipelineTimings]:
         """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings."""
@@ -128,6 +130,8 @@ class PipelineExecutor:
         return None
 
     def _backward(self, a: Action, state: _StepState) -> None:
+        if self.before_backward is not None:
+            self.before_backward(a)
         key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)
         out = state.outputs.pop(key)
         if v == self.n_virtual - 1:

@@ -189,8 +189,6 @@ class Gang:
 
 # Capabilities later issues add. Each entry: (field, predicate on the config, what is missing).
 _NOT_YET = (
-    ("parallel.zero", lambda c: c.parallel.zero != 0, "sharded optimizer state"),
-    ("parallel.reduce_dtype", lambda c: c.parallel.reduce_dtype != "fp32", "bf16 gradient reduction"),
     ("checkpoint.every", lambda c: c.checkpoint.every > 0, "checkpointing"),
     ("fault.max_failures", lambda c: c.fault.max_failures > 0, "restarting after a failure"),
 )

@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 
 from parallel.data import load_batch, open_dataset
-from parallel.data_parallel import GradientBuckets
+from parallel.data_parallel import GradientReducer, local_part
 from parallel.distributed import RankGroups
 from parallel.model import GPTStage
 from parallel.moe import MoEContext, moe_layers
-from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
+from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr, tp_copies
 from parallel.pipeline import PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
-from parallel.schedules import virtual_stage
+from parallel.schedules import Action, ActionKind, virtual_stage
 from parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 
 
@@ -53,6 +53,8 @@ class StepStats:
     schedule_s: float
     peak_activations: int
     peak_activation_bytes: int
+    optimizer_bytes: int
+    """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
     moe: dict[str, dict]
     """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
     routed to each expert), summed over the stage's ranks. Empty for a dense model."""
@@ -76,15 +78,24 @@ class RankTrainer:
         self.coords = plan.coords(rank)
         self.chunks = [self._build_chunk(c, layers) for c, layers in enumerate(plan.chunk_layers(self.coords.pp))]
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
-        named = [(name, p) for chunk in self.chunks for name, p in chunk.named_parameters()]
-        self.params = [p for name, p in named if ".moe.experts." not in name]
-        self.expert_params = [p for name, p in named if ".moe.experts." in name]
-        router = [p for name, p in named if ".moe.router." in name]
-        dense = [p for name, p in named if ".moe." not in name]
-        # Each set of gradients is summed over the ranks that computed parts of it (see parallel.moe).
-        self.reductions = [(GradientBuckets(ps), group) for ps, group in
-                           ((dense, groups.dp), (router, groups.stage), (self.expert_params, groups.experts)) if ps]
-        self.optimizer = make_optimizer(self.chunks, cfg.optimizer)
+        # Each set of gradients is summed over the ranks that computed parts of it (see parallel.moe): dense
+        # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
+        par = cfg.parallel
+        sets = {"dense": (groups.dp, lambda n: ".moe." not in n),
+                "router": (groups.stage, lambda n: ".moe.router." in n),
+                "experts": (groups.experts, lambda n: ".moe.experts." in n)}
+        self.reducers: dict[str, GradientReducer] = {}
+        for kind, (group, member) in sets.items():
+            per_chunk = [[p for n, p in chunk.named_parameters() if member(n)] for chunk in self.chunks]
+            if any(per_chunk):
+                self.reducers[kind] = GradientReducer(per_chunk, group, zero=par.zero == 1,
+                                                      reduce_dtype=par.reduce_dtype)
+        self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
+                                        cfg.optimizer)
+        self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
+        # Where each chunk's gradients become final: its last backward in this rank's schedule.
+        self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
+                              if a.kind is ActionKind.BACKWARD}
         self.dataset = open_dataset(cfg)
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
         self.actions = list(plan.schedule[self.coords.pp])
@@ -92,6 +103,7 @@ class RankTrainer:
             self.chunks, self.coords.pp, plan.pp, groups.pp_ranks, activation_shape=activation_shape(plan),
             device=device, loss_scale=1.0 / tokens_per_step, loss_context=loss_context(plan),
             autocast=autocast_context(cfg.precision, device),
+            before_backward=self._arm_reduction if par.overlap_reduce else None,
         )
 
     def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> GPTStage:
@@ -115,18 +127,19 @@ class RankTrainer:
 
     def train_step(self, step: int, microbatch_ids: list[list[int]]) -> StepStats:
         start = time.perf_counter()
-        for buckets, _ in self.reductions:
-            buckets.zero()
+        for reducer in self.reducers.values():
+            reducer.zero_grad()
         for _, layer in self.moe_layers:
             layer.stats.zero_()
         loss_sum, timings = self._forward_backward(microbatch_ids)
-        for buckets, group in self.reductions:
-            buckets.allreduce(group)
-        grad_norm = clip_grad_norm(self.params, self.plan.config.optimizer.grad_clip, self.groups.pp, self.groups.tp,
-                                   experts=self.expert_params, ep_group=self.groups.ep)
+        for reducer in self.reducers.values():
+            reducer.finish()
+        grad_norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        for reducer in self.reducers.values():
+            reducer.gather_params()
         loss = None
         if self.is_last_stage:
             if self.groups.dp is not None:
@@ -134,7 +147,30 @@ class RankTrainer:
             loss = float(loss_sum)
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
                          pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,
-                         moe=self._moe_stats(), **asdict(timings))
+                         optimizer_bytes=self._optimizer_bytes(), moe=self._moe_stats(), **asdict(timings))
+
+    def _optimizer_bytes(self) -> int:
+        return sum(local_part(t).numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+    def _arm_reduction(self, action: Action) -> None:
+        """Before a chunk's last backward of the step: its gradients' reduction may start during it."""
+        if self.last_backward[action.chunk] == action.microbatch:
+            for reducer in self.reducers.values():
+                reducer.arm(action.chunk)
+
+    def _weighted_grads(self) -> list[tuple[torch.Tensor, float]]:
+        """Every gradient this rank holds, weighted by 1 / the ranks holding the same one (see clip_grad_norm):
+        the reduction group's ranks all hold it unless ZeRO-1 split it, and a dense parameter replicated over
+        tp is also held by every tp rank (routers and experts are reduced over tp already)."""
+        tp = self.plan.tp
+        weighted = []
+        for kind, reducer in self.reducers.items():
+            replicas = 1 if reducer.zero else reducer.size
+            for grad, p in reducer.held_grads():
+                copies = replicas * (tp_copies(p, tp) if kind == "dense" else 1)
+                weighted.append((grad, 1.0 / copies))
+        return weighted
 
     def _moe_stats(self) -> dict[str, dict]:
         """This step's MoE statistics of each block of the stage, summed over the stage's ranks."""

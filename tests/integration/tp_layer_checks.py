@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel.config import ModelConfig
-from parallel.data_parallel import GradientBuckets
+from parallel.data_parallel import GradientReducer
 from parallel.model import GPTStage, full_model
-from parallel.optim import clip_grad_norm
+from parallel.optim import clip_grad_norm, tp_copies
 from parallel.pipeline import _SavedTensorMeter
 from parallel.tensor_parallel import apply_tensor_parallel
 
@@ -160,7 +160,7 @@ def _check_model_step(mesh: DeviceMesh, sp: bool, tie: bool) -> dict[str, float]
     out: dict[str, float] = {}
     if tie:
         out["tied"] = float(sharded.lm_head.weight is sharded.wte.weight)
-    buckets = GradientBuckets(list(sharded.parameters()))
+    buckets = GradientReducer([list(sharded.parameters())], None)
     for mb in range(2):
         tokens = _tokens(2, seed=10 + mb)
         loss_whole = whole.loss_sum(whole(tokens[:, :-1]), tokens[:, 1:])
@@ -170,9 +170,11 @@ def _check_model_step(mesh: DeviceMesh, sp: bool, tie: bool) -> dict[str, float]
             loss_sharded.backward()
         out[f"loss {mb}"] = rel_err(loss_sharded, loss_whole)
     # Autograd must have accumulated into the buckets, not replaced the views.
-    out["grads in buckets"] = float(all(_in(p.grad, buckets.buckets) for p in sharded.parameters()))
-    norm_whole = clip_grad_norm(list(whole.parameters()), MAX_NORM, None)
-    norm_sharded = clip_grad_norm(list(sharded.parameters()), MAX_NORM, None, mesh.get_group())
+    out["grads in buckets"] = float(all(_in(p.grad, [b.flat for b in buckets.buckets]) for p in sharded.parameters()))
+    norm_whole = clip_grad_norm([(p.grad, 1.0) for p in whole.parameters()], MAX_NORM)
+    sharded_grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, 1 / tp_copies(p, TP))
+                     for p in sharded.parameters()]
+    norm_sharded = clip_grad_norm(sharded_grads, MAX_NORM, mesh.get_group())
     out |= {"norm": abs(norm_sharded - norm_whole) / norm_whole, "unclipped norm": norm_whole}
     return out | {f"clipped {k}": v for k, v in _param_grads(sharded, whole).items()}
 

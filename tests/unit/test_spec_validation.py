@@ -106,7 +106,6 @@ def test_mixture_of_experts_rules_name_the_field(field, overrides, message):
 
 
 @pytest.mark.parametrize("field,overrides", [
-    ("parallel.zero", {"parallel": {"zero": 1}}),
     ("checkpoint.every", {"checkpoint": {"every": 10}}),
     ("fault.max_failures", {"fault": {"max_failures": 1}}),
 ])

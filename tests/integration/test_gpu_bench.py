@@ -1,0 +1,42 @@
+"""bench/gpu.py's tiny CPU mode: the GPU benchmark's code path runs and reports its numbers (no timing claims)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(precision, tmp_path):
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu", "--precision", precision, "--warmup", "1",
+           "--steps", "2", "--rounds", "2", "--diagnose", "--peak-tflops", "1", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ratio trainyard / plain" in done.stdout
+    result = json.loads(out.read_text())
+    assert set(result["sides"]) == {"trainyard", "plain", "plain+buckets", "plain+sync"}
+    for side in result["sides"].values():
+        assert side["tokens_per_s"] > 0 and side["mfu"] > 0 and side["ratio_to_plain"] > 0
+        assert len(side["tokens_per_s_per_round"]) == 2
+    assert result["ratio"] == result["sides"]["trainyard"]["ratio_to_plain"]
+    assert result["params"]["matmul"] > 0 and result["flops_per_token"] > 6 * result["params"]["matmul"]
+    # Same init, samples, optimizer, schedule and autocast: every side computes the same losses (to rounding).
+    assert result["precision"] == precision
+    assert result["loss_max_rel_diff"] < 1e-4
+
+
+def test_gpu_bench_imports_neither_ray_nor_the_service():
+    # It runs on GPU machines that hold torch and little else (numpy, and annotated_types for parallel.config).
+    code = "import sys, bench.gpu; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          check=True)
+    loaded = set(done.stdout.split())
+    assert "parallel" in loaded
+    assert not loaded & {"ray", "pydantic", "fastapi", "uvicorn", "yaml", "httpx", "api", "service", "actors"}
