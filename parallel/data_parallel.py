@@ -93,7 +93,7 @@ class GradientReducer:
         offsets, offset = [], 0
         for p, n in zip(params, sizes, strict=True):
             view = flat[offset:offset + n].view_as(local_part(p))
-            p.grad = view if not isinstance(p, DTensor) else DTensor.fromlocal_part(
+            p.grad = view if not isinstance(p, DTensor) else DTensor.from_local(
                 view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
             offsets.append(offset)
             offset += n
@@ -198,7 +198,7 @@ class GradientReducer:
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.tolocal_part() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
