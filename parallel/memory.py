@@ -6,10 +6,11 @@ schedule before anything runs; `parallel.plan.check_memory` refuses a job whose 
 
 Model state (exact, counted from the shapes as `parallel.model` builds them and `parallel.tensor_parallel`
 shards them): parameters are fp32 (4 B) whatever the precision; gradients live in fp32 flat buckets that
-hold every local parameter (4 B each, also under ZeRO-1, which keeps whole gradients); AdamW keeps two fp32
-states per parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N of the parameters,
-N the size of the group that reduces them: dense parameters over dp, the MoE router over the stage's dp x tp
-ranks, experts over the ranks holding the same experts (dp / ep x tp).
+hold every local parameter (4 B each, also under ZeRO-1, which keeps whole gradients and adds the reduced
+1/N slice; see `parallel.data_parallel`); AdamW keeps two fp32 states per parameter (8 B), and with
+`parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size of the group that reduces
+them: dense parameters over dp, the MoE router over the stage's dp x tp ranks, experts over the ranks holding
+the same experts (dp / ep x tp).
 
 Activations are what autograd keeps for backward (the pipeline's `_SavedTensorMeter` measures the same
 thing, each storage once, parameters excluded). Per micro-batch and chunk the bytes follow from the
@@ -19,9 +20,10 @@ at its backward, which with unit weights is the simulator's `peak_activations`. 
 keeps less but recomputes one region at a time in backward: that transient (`recompute`, which the meter
 does not see, checkpoint's recomputation saves its tensors through its own hooks) is added to the total.
 
-Not counted: the process's own memory (CUDA context, allocator caches and fragmentation, communication
-buffers, the data batches), transients of the forward and backward kernels, and the attention matrix of
-scaled_dot_product_attention's math path (the flash and memory-efficient paths keep only a log-sum-exp).
+Not counted: the process's own memory (CUDA context, allocator caches and fragmentation, the data batches,
+the one bucket ZeRO-1 gathers at a time after the step), transients of the forward and backward kernels,
+and the attention matrix of scaled_dot_product_attention's math path, taken where no fused kernel applies
+(the flash and memory-efficient paths, which CPU and CUDA take here, keep only a log-sum-exp).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
     chunks = [_chunk_activations(plan, pp_rank=plan.coords(rank).pp, chunk=c) for c in range(plan.vpp)]
     return RankMemory(
         params=FP32 * counts.total,
-        grads=FP32 * counts.total,
+        grads=gradient_bytes(plan, counts),
         optimizer=optimizer_bytes(plan, counts),
         activations=peak_activation_bytes(plan, plan.coords(rank).pp, [kept for kept, _ in chunks]),
         recompute=max(transient for _, transient in chunks),
@@ -124,14 +126,28 @@ def param_counts(plan: Plan, pp_rank: int) -> ParamCounts:
     return ParamCounts(dense=dense, router=router, experts=experts)
 
 
+def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
+    """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
+    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts."""
+    return [(counts.dense, plan.dp), (counts.router, plan.dp * plan.tp),
+            (counts.experts, plan.dp // plan.ep * plan.tp)]
+
+
+def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
+    """fp32 buckets holding every local gradient; with ZeRO-1 also the reduced 1/N slice of them; with
+    `reduce_dtype: bf16` the bf16 copies on the wire (every bucket's at once at worst, as the reduction
+    overlaps backward). A set reduced by no other rank (N = 1) is neither sharded nor sent."""
+    par, bytes_ = plan.config.parallel, 0
+    for n, size in _reduced_sets(plan, counts):
+        held = n + (math.ceil(n / size) if par.zero == 1 and size > 1 else 0)
+        bytes_ += FP32 * held + (BF16 * held if par.reduce_dtype == "bf16" and size > 1 else 0)
+    return bytes_
+
+
 def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
     """AdamW's exp_avg and exp_avg_sq (fp32); ZeRO-1 keeps them for 1/N of each set, N its reducing group."""
-    per_param = 2 * FP32
-    if plan.config.parallel.zero == 0:
-        return per_param * counts.total
-    groups = ((counts.dense, plan.dp), (counts.router, plan.dp * plan.tp),
-              (counts.experts, plan.dp // plan.ep * plan.tp))
-    return per_param * sum(math.ceil(n / size) for n, size in groups)
+    zero = plan.config.parallel.zero == 1
+    return 2 * FP32 * sum(math.ceil(n / size) if zero else n for n, size in _reduced_sets(plan, counts))
 
 
 def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> int:

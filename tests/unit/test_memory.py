@@ -1,8 +1,6 @@
 """The memory plan: exact parameter counts, the optimizer under ZeRO-1, activations under checkpointing and
 the schedule, and the refusal of a job whose ranks cannot fit."""
 
-import dataclasses
-
 import pytest
 from helpers import tiny_spec
 
@@ -61,19 +59,24 @@ def test_tensor_parallel_shards_the_dense_layers_but_not_the_experts():
 
 def test_zero1_keeps_the_optimizer_state_of_half_the_parameters_at_dp2():
     plan = plan_for(model={"moe": MOE}, parallel={"dp": 2, "ep": 2})
-    zero = dataclasses.replace(plan, config=dataclasses.replace(
-        plan.config, parallel=dataclasses.replace(plan.config.parallel, zero=1)))  # ZeRO-1 is refused until built
+    zero = plan_for(model={"moe": MOE}, parallel={"dp": 2, "ep": 2, "zero": 1})
     counts = param_counts(plan, 0)
     before, after = estimate(plan)[0], estimate(zero)[0]
     assert before.optimizer == 8 * counts.total
     # dense parameters over dp=2, the router over the stage's 2 ranks, experts over dp / ep = 1 rank
     assert after.optimizer == 8 * (counts.dense // 2 + counts.router // 2 + counts.experts)
-    assert (after.params, after.grads, after.activations) == (before.params, before.grads, before.activations)
+    assert (after.params, after.activations) == (before.params, before.activations)
+    assert after.grads == before.grads + 4 * (counts.dense // 2 + counts.router // 2)  # the reduced slices
 
-    dense = plan_for(parallel={"dp": 2})
-    dense_zero = dataclasses.replace(dense, config=dataclasses.replace(
-        dense.config, parallel=dataclasses.replace(dense.config.parallel, zero=1)))
+    dense, dense_zero = plan_for(parallel={"dp": 2}), plan_for(parallel={"dp": 2, "zero": 1})
     assert estimate(dense_zero)[0].optimizer * 2 == pytest.approx(estimate(dense)[0].optimizer, abs=16)
+
+
+def test_a_bf16_reduction_adds_its_wire_copies_to_the_gradients():
+    fp32, bf16 = plan_for(parallel={"dp": 2}), plan_for(parallel={"dp": 2, "reduce_dtype": "bf16"})
+    assert estimate(bf16)[0].grads == estimate(fp32)[0].grads * 3 // 2
+    alone = plan_for(parallel={"reduce_dtype": "bf16"})
+    assert estimate(alone)[0].grads == estimate(plan_for())[0].grads  # dp=1: nothing goes on the wire
 
 
 @pytest.mark.parametrize("overrides", [{}, {"precision": "bf16"}, {"model": {"moe": MOE}}], ids=["fp32", "bf16", "moe"])
