@@ -188,6 +188,7 @@ def format_plan(d: dict) -> str:
         lines.append("tensor-parallel groups (each one placement-group bundle, so one node): "
                      + "  ".join(str(g) for g in d["groups"]["tp"]))
     lines.append("stage layers: " + "  ".join(f"v{v}={layers}" for v, layers in enumerate(d["stage_layers"])))
+    lines += format_memory(d["memory"])
     s, c = d["schedule"], d["schedule"]["costs"]
     lines += [
         f"schedule {s['kind']}  (pp={s['pp']} vpp={s['vpp']} microbatches={s['microbatches']}; simulated with "
@@ -196,7 +197,6 @@ def format_plan(d: dict) -> str:
         f"{s['peak_activations']}",
         s["gantt"],
     ]
-    lines += format_memory(d["memory"])
     return "\n".join(lines)
 
 
