@@ -29,7 +29,7 @@ and the attention matrix of scaled_dot_product_attention's math path, taken wher
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from parallel.schedules import ActionKind, virtual_stage
@@ -60,7 +60,8 @@ class RankMemory:
         return self.params + self.grads + self.optimizer + self.activations + self.recompute
 
     def to_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "recompute": self.recompute, "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -77,16 +78,10 @@ class ParamCounts:
 
 
 def estimate(plan: Plan) -> list[RankMemory]:
-    """Every rank's memory, index = rank. Ranks of one stage with the same experts are alike (tp shards are
-    equal), so each distinct (pp, ep) rank is computed once."""
-    kinds: dict[tuple[int, int], RankMemory] = {}
-    out = []
-    for c in plan.ranks:
-        key = (c.pp, plan.ep_rank(c.rank))
-        if key not in kinds:
-            kinds[key] = rank_memory(plan, c.rank)
-        out.append(kinds[key])
-    return out
+    """Every rank's memory, index = rank. The ranks of one pipeline stage are alike (tp shards are equal and
+    every ep rank hosts experts / ep experts), so each stage is computed once: any spec is answered at once."""
+    stages = [rank_memory(plan, plan.rank_of(pp, 0, 0)) for pp in range(plan.pp)]
+    return [stages[c.pp] for c in plan.ranks]
 
 
 def rank_memory(plan: Plan, rank: int) -> RankMemory:

@@ -472,7 +472,9 @@ def describe(plan: Plan) -> dict:
 def describe_memory(plan: Plan) -> dict:
     """The memory plan (`parallel.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
     activations and recompute transient, their total, and the rank with the largest total."""
-    per_rank = [{"rank": r, **m.to_dict()} for r, m in enumerate(estimate(plan))]
+    ranks = estimate(plan)
+    stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
+    per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
     return {"per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
 
 

@@ -1,6 +1,8 @@
 """The memory plan: exact parameter counts, the optimizer under ZeRO-1, activations under checkpointing and
 the schedule, and the refusal of a job whose ranks cannot fit."""
 
+import time
+
 import pytest
 from helpers import tiny_spec
 
@@ -173,7 +175,12 @@ def test_gpu_memory_is_read_off_rays_accelerator_type():
     assert gpu_memory({"CPU": 8}) == 0
 
 
-def test_the_estimate_is_computed_once_per_kind_of_rank():
-    plan = plan_for(parallel={"dp": 4, "tp": 2}, global_batch=8)
+def test_the_estimate_is_computed_once_per_stage_and_answers_a_large_layout_at_once():
+    plan = plan_for(model={"moe": MOE}, parallel={"dp": 4, "ep": 2, "tp": 2, "pp": 2, "microbatches": 2})
     ranks = estimate(plan)
-    assert len(ranks) == 8 and len({id(r) for r in ranks}) == 1
+    assert len(ranks) == 16 and len({id(r) for r in ranks}) == 2
+    spec = parse_spec(tiny_spec(model={"n_layer": 4096, "moe": {"experts": 4096, "every": 1}},
+                                parallel={"dp": 4096, "ep": 4096, "pp": 16}, global_batch=4096))
+    start = time.perf_counter()
+    assert len(describe(make_plan(spec))["memory"]["per_rank"]) == 4096 * 16
+    assert time.perf_counter() - start < 2
