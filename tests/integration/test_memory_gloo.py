@@ -53,9 +53,9 @@ LAYOUTS = {
                                                     "schedule": "interleaved-1f1b"}},
     "tp2-sp-bf16-selective": {"precision": "bf16", "activation_checkpointing": "selective",
                               "parallel": {"tp": 2, "sp": True, "microbatches": 2}},
-    "moe-dp2-ep2-zero1-gpipe": {"model": {"moe": MOE}, "parallel": {"dp": 2, "ep": 2, "zero": 1, "microbatches": 2,
-                                                                   "schedule": "gpipe"}},
-    "moe-tp2-selective": {"model": {"moe": MOE}, "activation_checkpointing": "selective", "parallel": {"tp": 2}},
+    "moe-dp2-ep2-zero1-gpipe-selective": {"model": {"moe": MOE}, "activation_checkpointing": "selective",
+                                          "parallel": {"dp": 2, "ep": 2, "zero": 1, "microbatches": 2,
+                                                       "schedule": "gpipe"}},
 }
 
 
