@@ -109,7 +109,7 @@ class Trainer:
         if self.buckets is not None:
             self.buckets.finish()
         t1 = time.perf_counter()
-        grad_norm = clip_grad_norm([(p.grad, 1.0) for p in self.params], cfg.optimizer.grad_clip)
+        grad_norm = float(clip_grad_norm([(p.grad, 1.0) for p in self.params], cfg.optimizer.grad_clip))
         set_lr(self.optimizer, lr_at(step, cfg.optimizer, cfg.steps))
         self.optimizer.step()
         dist.all_reduce(loss_sum)

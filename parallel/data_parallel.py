@@ -81,6 +81,8 @@ class GradientReducer:
                         for params in _split(list(reversed(params)), bucket_bytes)]
         self.next_to_start = 0
         self.armed: set[int] = set()
+        self.started_early = 0
+        """Buckets whose reduction started during backward in the last step (before `finish`)."""
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(lambda p, b=b: self._accumulated(b))
@@ -150,6 +152,7 @@ class GradientReducer:
     @torch.no_grad()
     def finish(self) -> None:
         """Start every reduction not started yet (in order) and wait for all of them."""
+        self.started_early = self.next_to_start if self.group is not None else 0
         self._start_ready(everything=True)
         for b in self.buckets:
             if b.work is not None:

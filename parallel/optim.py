@@ -55,14 +55,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 @torch.no_grad()
 def clip_grad_norm(grads: list[tuple[torch.Tensor, float]], max_norm: float,
-                   group: dist.ProcessGroup | None = None) -> float:
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The global norm of gradients spread over the ranks of `group`; scales them all if it is above max_norm.
 
     Each entry is a plain tensor of this rank's gradients and its weight, 1 / (the number of ranks of the
     group that hold an identical copy of it): a tensor-parallel shard is held once, a replicated parameter
     by every tp rank, a data-parallel gradient by every dp replica unless ZeRO-1 split it. The weighted sums
     of squares add up over `group` (None: this rank holds everything) to every distinct gradient counted
-    once, whatever the layout.
+    once, whatever the layout. Returns the norm as a tensor: reading it waits for the device, which the
+    caller does once the step's work is queued.
     """
     device = grads[0][0].device if grads else "cpu"
     sq = torch.zeros((), device=device)
@@ -73,7 +74,7 @@ def clip_grad_norm(grads: list[tuple[torch.Tensor, float]], max_norm: float,
     norm = sq.sqrt()
     if max_norm > 0 and grads:
         torch._foreach_mul_([g for g, _ in grads], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return float(norm)
+    return norm
 
 
 def tp_copies(p: torch.Tensor, tp: int) -> int:

@@ -55,6 +55,10 @@ class StepStats:
     peak_activation_bytes: int
     optimizer_bytes: int
     """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
+    early_reductions: int
+    """Gradient buckets whose reduction started during backward (overlapped), of `buckets`."""
+    buckets: int
+    """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
     moe: dict[str, dict]
     """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
     routed to each expert), summed over the stage's ranks. Empty for a dense model."""
@@ -144,10 +148,14 @@ class RankTrainer:
         if self.is_last_stage:
             if self.groups.dp is not None:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
-            loss = float(loss_sum)
+            loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
+        grad_norm = float(grad_norm)
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
                          pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,
-                         optimizer_bytes=self._optimizer_bytes(), moe=self._moe_stats(), **asdict(timings))
+                         optimizer_bytes=self._optimizer_bytes(),
+                         early_reductions=sum(r.started_early for r in self.reducers.values()),
+                         buckets=sum(len(r.buckets) for r in self.reducers.values()),
+                         moe=self._moe_stats(), **asdict(timings))
 
     def _optimizer_bytes(self) -> int:
         return sum(local_part(t).numel() * t.element_size() for state in self.optimizer.state.values()

@@ -171,10 +171,10 @@ def _check_model_step(mesh: DeviceMesh, sp: bool, tie: bool) -> dict[str, float]
         out[f"loss {mb}"] = rel_err(loss_sharded, loss_whole)
     # Autograd must have accumulated into the buckets, not replaced the views.
     out["grads in buckets"] = float(all(_in(p.grad, [b.flat for b in buckets.buckets]) for p in sharded.parameters()))
-    norm_whole = clip_grad_norm([(p.grad, 1.0) for p in whole.parameters()], MAX_NORM)
+    norm_whole = float(clip_grad_norm([(p.grad, 1.0) for p in whole.parameters()], MAX_NORM))
     sharded_grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, 1 / tp_copies(p, TP))
                      for p in sharded.parameters()]
-    norm_sharded = clip_grad_norm(sharded_grads, MAX_NORM, mesh.get_group())
+    norm_sharded = float(clip_grad_norm(sharded_grads, MAX_NORM, mesh.get_group()))
     out |= {"norm": abs(norm_sharded - norm_whole) / norm_whole, "unclipped norm": norm_whole}
     return out | {f"clipped {k}": v for k, v in _param_grads(sharded, whole).items()}
 
