@@ -426,7 +426,8 @@ def _memory_advice(plan: Plan, need: RankMemory) -> str:
         if plan.dp > 1 and not plan.gpus_per_worker:
             options.append("lower dp (each replica holds the whole model state)")
     else:
-        options.append("lower global_batch or raise microbatches (smaller micro-batches)")
+        more = "dp or microbatches" if plan.gpus_per_worker else "microbatches"
+        options.append(f"lower global_batch or raise {more} (smaller micro-batches)")
         if cfg.activation_checkpointing != "full":
             options.append("set activation_checkpointing: full")
     return "; ".join(options)
