@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from parallel.config import JobConfig, RuleError
+from parallel.memory import RankMemory, estimate
 from parallel.schedule_sim import Costs, render_gantt, simulate
 from parallel.schedules import Action, ScheduleError, build_schedule, check_schedule_args, format_actions
 
@@ -29,6 +30,9 @@ class NodeResources:
     gpus: float
     memory: float = 0.0
     """Bytes of memory Ray may hand to tasks and actors on the node (0: unknown)."""
+    gpu_memory: float = 0.0
+    """Bytes of memory of each of the node's GPUs (0: unknown). Ray does not report it: the service reads it
+    off the node's `accelerator_type` (see `service.ray_runtime`)."""
 
 
 @dataclass(frozen=True)
@@ -200,8 +204,9 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     """Validate `config` against every cross-field rule and lay the job out.
 
     With `cluster`, also refuse a job that could never be placed on it (resources needed vs available), or
-    whose parameters or one micro-batch could never fit a node's memory. Every rule runs before anything
-    that grows with the job's sizes is built, so any spec is answered in milliseconds.
+    one of whose ranks would not fit the memory it gets (`check_memory`). Every rule runs before anything
+    that grows with the job's sizes is built (the plan itself is bounded by MAX_WORKERS and
+    MAX_SCHEDULE_CHUNKS), so any spec is answered in milliseconds.
     """
     for field, unsupported, what in _NOT_YET:
         if unsupported(config):
@@ -223,7 +228,6 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     if cluster is not None:
         gang = Gang.of(config.resources.cpus_per_worker, gpus, tp=par.tp, groups=par.dp * par.pp)
         check_fits(config, gang, cluster)
-        check_memory(config, cluster)
     plan = Plan(
         config=config,
         dp=par.dp,
@@ -239,6 +243,8 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
         gpus_per_worker=gpus,
         cpus_per_worker=config.resources.cpus_per_worker,
     )
+    if cluster is not None:
+        check_memory(plan, cluster)
     return plan
 
 
@@ -372,37 +378,72 @@ def check_fits(config: JobConfig, gang: Gang, cluster: ClusterResources) -> None
     )
 
 
-def check_memory(config: JobConfig, cluster: ClusterResources) -> None:
-    """Refuse a job one of whose ranks could never hold its parameters or one micro-batch's activations.
+def check_memory(plan: Plan, cluster: ClusterResources) -> None:
+    """Refuse a job one of whose ranks cannot fit the memory it would get, by the plan's estimate
+    (`parallel.memory`: parameters, gradients, optimizer state and peak activations).
 
-    Lower bounds only (fp32 parameters, and per block one d_model-wide activation per token plus the
-    logits on the last stage), compared with the largest node's memory: a job refused here can never run.
-    The memory plan of a later issue replaces this with a full estimate.
+    A rank with GPUs keeps all of it in its GPU: it must fit one GPU (the largest the cluster has; skipped when
+    no node's GPU memory is known). A CPU rank shares its node's memory (Ray's `memory` resource) with the job's
+    other ranks there, and Ray packs a job's bundles onto as few nodes as it can: a node holding k of the job's
+    tp groups (as many as its CPUs and GPUs allow) gives each of its k x tp ranks 1/(k x tp) of its memory. The
+    largest rank must fit the best such share any node offers.
     """
-    largest = max((n.memory for n in cluster.nodes), default=0.0)
-    if largest <= 0:
+    ranks = estimate(plan)
+    worst = max(range(plan.world_size), key=lambda r: ranks[r].total)
+    need = ranks[worst]
+    if plan.gpus_per_worker:
+        have = max((n.gpu_memory for n in cluster.nodes if n.gpus > 0), default=0.0)
+        where = f"a GPU has {_gib(have)}"
+    else:
+        gang = plan.gang
+        shares = [(n.memory / (plan.tp * held), n.memory, plan.tp * held) for n in cluster.nodes
+                  if n.memory > 0 and (held := min(gang.count, gang.placeable([{"CPU": n.cpus, "GPU": n.gpus}])))]
+        have, node_memory, sharing = max(shares, default=(0.0, 0.0, 0))
+        where = (f"a rank gets at most {_gib(have)} of a node's memory (Ray's `memory` resource: {_gib(node_memory)} "
+                 f"on a node that would hold {sharing} of the job's ranks)")
+    if have <= 0 or need.total <= have:
         return
-    m, par = config.model, config.parallel
-    per_block = 12 * m.d_model * m.d_model
-    embeddings = (m.vocab_size + m.context) * m.d_model
-    params = 4 * (per_block * m.n_layer + 2 * embeddings) / (par.pp * par.tp)
-    if m.moe is not None:  # each MoE block holds experts / ep MLPs (8 d^2 each) on every tp rank
-        params += 4 * len(m.moe_blocks) * (m.moe.experts // par.ep - 1) * 8 * m.d_model * m.d_model / par.pp
-    if params > largest:
-        raise PlanError("model", f"the model's parameters alone need {_gib(params)} per worker (fp32, split over "
-                                 f"pp x tp = {par.pp * par.tp}) but the largest node has {_gib(largest)}")
-    micro_batch = config.global_batch // (par.dp * par.microbatches)
-    tokens = micro_batch * m.seq_len
-    blocks = -(-m.n_layer // (par.pp * par.vpp)) * par.vpp
-    activations = 4 * tokens * (m.d_model * blocks + m.vocab_size / par.tp)
-    if activations > largest:
-        raise PlanError("global_batch", f"one micro-batch of {micro_batch} sequences x {m.seq_len} tokens needs at "
-                                        f"least {_gib(activations)} of activations on one rank but the largest "
-                                        f"node has {_gib(largest)}; lower global_batch or raise dp or microbatches")
+    div, unit = _unit(need.total)
+    parts = ", ".join(f"{name} {getattr(need, name) / div:,.1f}" for name in _MEMORY_PARTS
+                      if getattr(need, name) >= div / 20)  # the parts that show
+    state = need.params + need.grads + need.optimizer
+    field = "model" if state >= need.activations + need.recompute else "global_batch"
+    raise PlanError(field, f"rank {worst} ({plan.worker_name(worst)}) needs {need.total / div:,.1f} {unit} "
+                           f"({parts}) but {where}; {_memory_advice(plan, need)}")
+
+
+_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "recompute")
+
+
+def _memory_advice(plan: Plan, need: RankMemory) -> str:
+    """What would shrink the largest part of the rank's memory. On GPUs each rank has its own memory, so
+    spreading the model over more ranks helps; CPU ranks share their node's, so only holding less does."""
+    cfg, options = plan.config, []
+    if need.params + need.grads + need.optimizer >= need.activations + need.recompute:
+        options.append("raise pp or tp" if plan.gpus_per_worker else "use a node with more memory")
+        if plan.dp > 1 and cfg.parallel.zero == 0:
+            options.append("set parallel.zero: 1")
+        if plan.dp > 1 and not plan.gpus_per_worker:
+            options.append("lower dp (each replica holds the whole model state)")
+    else:
+        more = "dp or microbatches" if plan.gpus_per_worker else "microbatches"
+        options.append(f"lower global_batch or raise {more} (smaller micro-batches)")
+        if cfg.activation_checkpointing != "full":
+            options.append("set activation_checkpointing: full")
+    return "; ".join(options)
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.3g} GiB"
+    div, unit = _unit(nbytes)
+    return f"{nbytes / div:,.3g} {unit}" if nbytes < 1000 * div else f"{nbytes / div:,.0f} {unit}"
+
+
+def _unit(nbytes: float) -> tuple[int, str]:
+    """The binary unit a byte count reads best in (GiB from 1 GiB up, MiB below, KiB under a MiB)."""
+    for div, unit in ((2**30, "GiB"), (2**20, "MiB")):
+        if nbytes >= div:
+            return div, unit
+    return 2**10, "KiB"
 
 
 def describe(plan: Plan) -> dict:
@@ -420,12 +461,22 @@ def describe(plan: Plan) -> dict:
         "moe_blocks": plan.config.model.moe_blocks,
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),
+        "memory": describe_memory(plan),
         "resources": {
             "per_worker": {"CPU": plan.cpus_per_worker, "GPU": plan.gpus_per_worker},
             "bundles": plan.bundles(),
             "needed": plan.resources_needed(),
         },
     }
+
+
+def describe_memory(plan: Plan) -> dict:
+    """The memory plan (`parallel.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
+    activations and recompute transient, their total, and the rank with the largest total."""
+    ranks = estimate(plan)
+    stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
+    per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
+    return {"per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
 
 
 def describe_schedule(plan: Plan) -> dict:

@@ -188,6 +188,7 @@ def format_plan(d: dict) -> str:
         lines.append("tensor-parallel groups (each one placement-group bundle, so one node): "
                      + "  ".join(str(g) for g in d["groups"]["tp"]))
     lines.append("stage layers: " + "  ".join(f"v{v}={layers}" for v, layers in enumerate(d["stage_layers"])))
+    lines += format_memory(d["memory"])
     s, c = d["schedule"], d["schedule"]["costs"]
     lines += [
         f"schedule {s['kind']}  (pp={s['pp']} vpp={s['vpp']} microbatches={s['microbatches']}; simulated with "
@@ -197,6 +198,41 @@ def format_plan(d: dict) -> str:
         s["gantt"],
     ]
     return "\n".join(lines)
+
+
+_MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "total")
+
+
+def format_memory(memory: dict) -> list[str]:
+    """The memory plan as a table, one row per set of ranks with the same numbers."""
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for r in memory["per_rank"]:
+        rows.setdefault(tuple(r[c] for c in _MEMORY_COLUMNS), []).append(r["rank"])
+    width = max(12, *(len(_ranks_text(ranks)) + 6 for ranks in rows.values()))
+    lines = ["memory per rank (estimated: what a rank holds at its peak, see the README's memory plan):",
+             f"  {'':<{width}}" + "".join(f"{c:>13}" for c in _MEMORY_COLUMNS)]
+    for values, ranks in rows.items():
+        label = f"{'ranks' if len(ranks) > 1 else 'rank'} {_ranks_text(ranks)}"
+        lines.append(f"  {label:<{width}}" + "".join(f"{_bytes_text(v):>13}" for v in values))
+    return lines
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """0-3,8-11: runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(_span(run) for run in runs)
+
+
+def _bytes_text(n: float) -> str:
+    for div, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:g} B"
 
 
 def follow(client: Client, job_id: str, poll_s: float = 0.5) -> int:

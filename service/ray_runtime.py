@@ -22,6 +22,15 @@ from parallel.plan import ClusterResources, NodeResources
 
 MIN_EMBEDDED_CPUS = 8
 
+GPU_MEMORY_GIB = {
+    "A100": 80, "A100-40G": 40, "A100-80G": 80, "H100": 94, "H200": 141, "H20": 96, "B200": 192, "B300": 288,
+    "GB200": 192, "GB300": 288, "L4": 24, "L40S": 48, "A10G": 24, "T4": 16, "V100": 32, "P100": 16, "P4": 8,
+    "K80": 12, "RTX-PRO-6000": 96,
+}
+"""Memory of one GPU by the name Ray gives it in the node resource `accelerator_type:<name>` (Ray reports no
+GPU memory). Where one name covers several sizes (an A100 has 40 or 80 GiB, an H100 80 or 94) the table holds
+the largest, so the memory check refuses only jobs that fit none of them; an unknown name counts as unknown."""
+
 
 @dataclass(frozen=True)
 class RayInfo:
@@ -54,11 +63,18 @@ def cluster_resources() -> ClusterResources:
     """Total CPUs, GPUs and memory of every live node (capacity, not what is free now)."""
     nodes = [
         NodeResources(cpus=n["Resources"].get("CPU", 0.0), gpus=n["Resources"].get("GPU", 0.0),
-                      memory=n["Resources"].get("memory", 0.0))
+                      memory=n["Resources"].get("memory", 0.0), gpu_memory=gpu_memory(n["Resources"]))
         for n in ray.nodes()
         if n.get("Alive")
     ]
     return ClusterResources(nodes=tuple(nodes))
+
+
+def gpu_memory(resources: dict[str, float]) -> float:
+    """Bytes of one of the node's GPUs, from its `accelerator_type:<name>` resource (0: no GPU or unknown)."""
+    prefix = "accelerator_type:"
+    sizes = [GPU_MEMORY_GIB.get(key[len(prefix):], 0) for key in resources if key.startswith(prefix)]
+    return float(max(sizes, default=0) * 2**30) if resources.get("GPU", 0) > 0 else 0.0
 
 
 def free_resources() -> list[dict[str, float]]:

@@ -83,6 +83,8 @@ def test_a_worker_that_raises_fails_the_job_with_its_traceback(client, tmp_path)
      "1f1b needs vpp=1"),
     ({"parallel": {"pp": 2, "stage_layers": [1, 2]}}, "parallel.stage_layers", "sums to 3 but n_layer=2"),
     ({"parallel": {"pp": 4}}, "parallel.pp", "n_layer=2 cannot be split into pp x vpp = 4"),
+    # about 1.5 TiB of parameters, gradients and AdamW state on one rank: more than any node's memory
+    ({"model": {"d_model": 65536, "n_head": 2}}, "model", "rank 0 (pp0-tp0-dp0) needs 1,537.6 GiB (params 384.1"),
 ])
 def test_invalid_specs_are_422_naming_the_field_and_create_no_job(client, service, overrides, field, text):
     before = len(client.jobs())
@@ -98,6 +100,8 @@ def test_plan_endpoint_returns_the_plan_with_resources_and_creates_nothing(clien
     plan = client.plan(tiny_spec(parallel={"dp": 2}))
     assert plan["world_size"] == 2
     assert plan["resources"]["needed"]["CPU"] == 2 and plan["resources"]["available"]["CPU"] == 8
+    memory = plan["memory"]["per_rank"]
+    assert [m["rank"] for m in memory] == [0, 1] and memory[0]["total"] == memory[1]["total"] > 0
     assert len(client.jobs()) == before
 
 

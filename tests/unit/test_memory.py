@@ -1,0 +1,186 @@
+"""The memory plan: exact parameter counts, the optimizer under ZeRO-1, activations under checkpointing and
+the schedule, and the refusal of a job whose ranks cannot fit."""
+
+import time
+
+import pytest
+from helpers import tiny_spec
+
+from api.spec import parse_spec
+from parallel.memory import estimate, param_counts, peak_activation_bytes
+from parallel.model import GPTStage
+from parallel.plan import ClusterResources, NodeResources, PlanError, describe, make_plan
+from service.cli import format_plan
+from service.ray_runtime import gpu_memory
+
+MOE = {"experts": 4, "top_k": 2, "every": 2}
+GIB = 2**30
+
+
+def plan_for(**overrides):
+    model = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, **overrides.pop("model", {})}
+    return make_plan(parse_spec(tiny_spec(**{"model": model, "global_batch": 8, **overrides})))
+
+
+def real_numel(plan, rank: int) -> int:
+    """Parameters of the GPTStages the rank builds (tp = 1: the whole tensors), tied ones once."""
+    pp = plan.coords(rank).pp
+    params = {}
+    for c, layers in enumerate(plan.chunk_layers(pp)):
+        v = c * plan.pp + pp
+        stage = GPTStage(plan.config.model, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, seed=0,
+                         experts=plan.experts_of(rank))
+        params |= {id(p): p.numel() for p in stage.parameters()}
+    return sum(params.values())
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"model": {"tie_embeddings": True, "context_len": 48}},
+    {"parallel": {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "interleaved-1f1b"}},
+    {"model": {"moe": MOE}, "parallel": {"dp": 2, "ep": 2, "pp": 2}},
+    {"model": {"moe": {**MOE, "every": 1}}},
+], ids=["dense", "tied", "pp2-vpp2", "moe-ep2-pp2", "moe-every-block"])
+def test_parameter_counts_equal_the_real_stages(overrides):
+    plan = plan_for(**overrides)
+    for rank in range(plan.world_size):
+        assert param_counts(plan, plan.coords(rank).pp).total == real_numel(plan, rank), rank
+
+
+def test_tensor_parallel_shards_the_dense_layers_but_not_the_experts():
+    one, two = plan_for(model={"moe": MOE}), plan_for(model={"moe": MOE}, parallel={"tp": 2})
+    a, b = param_counts(one, 0), param_counts(two, 0)
+    assert (b.router, b.experts) == (a.router, a.experts)
+    d, vocab, context = 64, 256, 32
+    # replicated: wpe, the norms (two per block, ln_f) and the row-parallel layers' biases (attn.proj of the 4
+    # blocks, mlp.proj of the 2 dense ones)
+    replicated = context * d + (4 * 2 + 1) * 2 * d + (4 + 2) * d
+    assert a.dense - replicated == 2 * (b.dense - replicated)
+    assert a.dense > 2 * vocab * d  # the embedding and the head are part of what is split
+
+
+def test_zero1_keeps_the_optimizer_state_of_half_the_parameters_at_dp2():
+    plan = plan_for(model={"moe": MOE}, parallel={"dp": 2, "ep": 2})
+    zero = plan_for(model={"moe": MOE}, parallel={"dp": 2, "ep": 2, "zero": 1})
+    counts = param_counts(plan, 0)
+    before, after = estimate(plan)[0], estimate(zero)[0]
+    assert before.optimizer == 8 * counts.total
+    # dense parameters over dp=2, the router over the stage's 2 ranks, experts over dp / ep = 1 rank
+    assert after.optimizer == 8 * (counts.dense // 2 + counts.router // 2 + counts.experts)
+    assert (after.params, after.activations) == (before.params, before.activations)
+    assert after.grads == before.grads + 4 * (counts.dense // 2 + counts.router // 2)  # the reduced slices
+
+    dense, dense_zero = plan_for(parallel={"dp": 2}), plan_for(parallel={"dp": 2, "zero": 1})
+    assert estimate(dense_zero)[0].optimizer * 2 == pytest.approx(estimate(dense)[0].optimizer, abs=16)
+
+
+def test_a_bf16_reduction_adds_its_wire_copies_to_the_gradients():
+    fp32, bf16 = plan_for(parallel={"dp": 2}), plan_for(parallel={"dp": 2, "reduce_dtype": "bf16"})
+    assert estimate(bf16)[0].grads == estimate(fp32)[0].grads * 3 // 2
+    alone = plan_for(parallel={"reduce_dtype": "bf16"})
+    assert estimate(alone)[0].grads == estimate(plan_for())[0].grads  # dp=1: nothing goes on the wire
+
+
+@pytest.mark.parametrize("overrides", [{}, {"precision": "bf16"}, {"model": {"moe": MOE}}], ids=["fp32", "bf16", "moe"])
+def test_activation_checkpointing_lowers_the_activation_estimate(overrides):
+    by_mode = {mode: estimate(plan_for(activation_checkpointing=mode, **overrides))[0]
+               for mode in ("none", "selective", "full")}
+    assert by_mode["full"].activations < by_mode["selective"].activations < by_mode["none"].activations
+    assert by_mode["none"].recompute == 0 < by_mode["selective"].recompute < by_mode["full"].recompute
+    assert by_mode["full"].total < by_mode["none"].total
+
+
+def test_the_activation_peak_follows_the_schedule():
+    gpipe = plan_for(parallel={"pp": 2, "microbatches": 4, "schedule": "gpipe"})
+    one_f_one_b = plan_for(parallel={"pp": 2, "microbatches": 4, "schedule": "1f1b"})
+    for plan in (gpipe, one_f_one_b):  # with one byte per chunk the walk is the simulator's count
+        peaks = describe(plan)["schedule"]["peak_activations"]
+        assert [peak_activation_bytes(plan, p, [1] * plan.vpp) for p in range(plan.pp)] == peaks
+    # GPipe holds all 4 micro-batches on the first stage, 1F1B two
+    assert estimate(gpipe)[0].activations == 2 * estimate(one_f_one_b)[0].activations
+
+
+def test_activations_scale_with_the_micro_batch_and_shrink_with_sequence_parallelism():
+    small, large = plan_for(global_batch=4), plan_for(global_batch=8)
+    assert 1.9 < estimate(large)[0].activations / estimate(small)[0].activations < 2.0  # positions are per sequence
+    tp, sp = plan_for(parallel={"tp": 2}), plan_for(parallel={"tp": 2, "sp": True})
+    assert estimate(sp)[0].activations < estimate(tp)[0].activations < estimate(plan_for())[0].activations
+
+
+def test_the_plan_describes_the_memory_of_every_rank_and_the_cli_shows_it():
+    plan = plan_for(parallel={"pp": 2, "dp": 2, "microbatches": 2})
+    memory = describe(plan)["memory"]
+    assert [r["rank"] for r in memory["per_rank"]] == [0, 1, 2, 3]
+    first = memory["per_rank"][0]
+    assert first["total"] == sum(first[k] for k in ("params", "grads", "optimizer", "activations", "recompute"))
+    assert memory["largest"]["total"] == max(r["total"] for r in memory["per_rank"])
+    text = format_plan(describe(plan))
+    assert "ranks 0-1" in text and "ranks 2-3" in text and "activations" in text
+
+
+def huge_model(**overrides):
+    return parse_spec(tiny_spec(model={"n_layer": 8, "d_model": 4096, "n_head": 32, "vocab_size": 65536,
+                                       "seq_len": 256}, global_batch=8, **overrides))
+
+
+def test_a_job_too_big_for_its_gpus_is_refused_naming_the_rank_and_the_numbers():
+    gpus = ClusterResources(nodes=(NodeResources(cpus=64, gpus=8, memory=512 * GIB, gpu_memory=16 * GIB),))
+    with pytest.raises(PlanError) as info:
+        make_plan(huge_model(), gpus)
+    message = info.value.message
+    assert info.value.field == "model"
+    assert message.startswith("rank 0 (pp0-tp0-dp0) needs ") and "but a GPU has 16 GiB" in message
+    need = estimate(make_plan(huge_model()))[0]
+    assert f"params {need.params / GIB:,.1f}, grads {need.grads / GIB:,.1f}, optimizer {need.optimizer / GIB:,.1f}" \
+        in message
+    assert "raise pp or tp" in message
+    # split over pp=2 x tp=4 it fits
+    assert make_plan(huge_model(parallel={"pp": 2, "tp": 4}), gpus).world_size == 8
+
+
+def test_gpu_memory_unknown_skips_the_gpu_check():
+    unknown = ClusterResources(nodes=(NodeResources(cpus=64, gpus=8, memory=1 * GIB),))
+    assert make_plan(huge_model(), unknown).gpus_per_worker == 1
+
+
+def test_cpu_ranks_share_their_nodes_memory():
+    spec = parse_spec(tiny_spec(model={"n_layer": 4, "d_model": 512, "n_head": 8, "vocab_size": 4096},
+                                parallel={"dp": 4}, global_batch=8))
+    need = estimate(make_plan(spec))[0].total
+    # one node that fits one rank but not the four the job packs onto it
+    node = ClusterResources(nodes=(NodeResources(cpus=8, gpus=0, memory=2 * need),))
+    with pytest.raises(PlanError) as info:
+        make_plan(spec, node)
+    assert "on a node that would hold 4 of the job's ranks" in info.value.message
+    assert "set parallel.zero: 1" in info.value.message
+    assert make_plan(spec, ClusterResources(nodes=(NodeResources(cpus=8, gpus=0, memory=4 * need),))).dp == 4
+    # two CPUs per node: a node holds two ranks, so each gets half of its memory
+    two = ClusterResources(nodes=tuple(NodeResources(cpus=2, gpus=0, memory=2 * need) for _ in range(2)))
+    assert make_plan(spec, two).dp == 4
+
+
+def test_activations_too_large_name_the_global_batch():
+    spec = parse_spec(tiny_spec(model={"seq_len": 4096, "d_model": 256, "n_head": 4}, global_batch=512))
+    node = ClusterResources(nodes=(NodeResources(cpus=8, gpus=0, memory=16 * GIB),))
+    with pytest.raises(PlanError) as info:
+        make_plan(spec, node)
+    assert info.value.field == "global_batch" and "activations" in info.value.message
+    assert "set activation_checkpointing: full" in info.value.message
+
+
+def test_gpu_memory_is_read_off_rays_accelerator_type():
+    assert gpu_memory({"GPU": 8, "accelerator_type:H100": 1}) == 94 * GIB
+    assert gpu_memory({"GPU": 4, "accelerator_type:A10G": 1}) == 24 * GIB
+    assert gpu_memory({"GPU": 1, "accelerator_type:Unknown-9000": 1}) == 0
+    assert gpu_memory({"CPU": 8}) == 0
+
+
+def test_the_estimate_is_computed_once_per_stage_and_answers_a_large_layout_at_once():
+    plan = plan_for(model={"moe": MOE}, parallel={"dp": 4, "ep": 2, "tp": 2, "pp": 2, "microbatches": 2})
+    ranks = estimate(plan)
+    assert len(ranks) == 16 and len({id(r) for r in ranks}) == 2
+    spec = parse_spec(tiny_spec(model={"n_layer": 4096, "moe": {"experts": 4096, "every": 1}},
+                                parallel={"dp": 4096, "ep": 4096, "pp": 16}, global_batch=4096))
+    start = time.perf_counter()
+    assert len(describe(make_plan(spec))["memory"]["per_rank"]) == 4096 * 16
+    assert time.perf_counter() - start < 2
