@@ -31,7 +31,8 @@ def _rank_main(rank: int, port: int, plan: Plan, out_dir: str, checkpoints: dict
         share = rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches)
         stats.append(trainer.train_step(step, share).to_dict())
         if step + 1 in checkpoints.get("save", ()):
-            trainer.save_checkpoint(Path(checkpoints["root"]), step + 1, {}, background=checkpoints.get("background", False))
+            background = checkpoints.get("background", False)
+            trainer.save_checkpoint(Path(checkpoints["root"]), step + 1, {}, background=background)
     trainer.finish_checkpoint()
     torch.save(stats, Path(out_dir) / f"rank{rank}.pt")
     shutdown_distributed()
