@@ -22,6 +22,8 @@ import logging
 import re
 import time
 import traceback
+from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from ray.util.metrics import Gauge
@@ -31,7 +33,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.naming import coordinator_name, worker_name
 from actors.state import Event, JobStatus, next_state
 from actors.worker import Worker
+from api.spec import spec_to_dict
+from parallel import checkpoint
+from parallel.config import JobConfig
 from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.export import export_model
 from parallel.plan import Plan
 
 log = logging.getLogger("trainyard.coordinator")
@@ -41,6 +47,25 @@ class StepFailed(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class JobStorage:
+    """Where a job's checkpoints and trained model are written (the service decides), and what it resumes."""
+
+    checkpoint_root: str
+    model_path: str
+    resume: tuple[str, int] | None = None
+    """(checkpoint directory, its step) to start from."""
+
+
+def checkpoint_info(config: JobConfig) -> dict:
+    """What a checkpoint's manifest records of the job: what a job resuming from it must match."""
+    spec = spec_to_dict(config)
+    return {"model": spec["model"], "optimizer": spec["optimizer"], "seed": config.seed}
+
+
+STOP_GRACE_S = 8.0
+"""How long a stop waits for the step under way, the final checkpoint and the export before it cancels
+(within the service's 10 s shutdown bound)."""
 DEATH_GRACE_S = 5.0
 """After a rank fails, how long to wait for the other ranks' results of the same call, so that a rank
 whose process died is found among them (Ray reports a death a moment after the peers see broken pipes)."""
@@ -75,10 +100,15 @@ _EXPERT_LOAD = Gauge("trainyard_moe_expert_load", "Tokens routed to an expert of
 
 @ray.remote(num_cpus=0)
 class Coordinator:
-    def __init__(self, job_id: str, plan: Plan, pg: PlacementGroup):
-        """`pg` is the job's placement group, already reserved: one bundle per tensor-parallel group."""
+    def __init__(self, job_id: str, plan: Plan, pg: PlacementGroup, storage: JobStorage):
+        """`pg` is the job's placement group, already reserved: one bundle per tensor-parallel group;
+        `storage` says where checkpoints and the trained model go, and which checkpoint to start from."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        self.job_id, self.plan, self.pg = job_id, plan, pg
+        self.job_id, self.plan, self.pg, self.storage = job_id, plan, pg, storage
+        self.start_step = storage.resume[1] if storage.resume else 0
+        self.model: dict | None = None
+        """The exported model (path, step) once written."""
+        self._stop_requested = False
         self.status = JobStatus.PENDING
         self.error: str | None = None
         self.metrics: list[dict] = []
@@ -95,18 +125,23 @@ class Coordinator:
         return {
             "status": self.status.value,
             "error": self.error,
-            "step": len(self.metrics),
+            "step": self.metrics[-1]["step"] + 1 if self.metrics else self.start_step,
+            "model": self.model,
             "metrics": [row for row in self.metrics if row["step"] >= since],
             "actors": self.actor_names(),
             "ranks": self.ranks,
         }
 
-    async def stop(self) -> dict:
-        """Cancel the run, release workers and placement group, and return the final poll."""
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> dict:
+        """End the run at the next step boundary, with a final checkpoint and the model exported; if that
+        takes longer than `grace_s` (a hung step), cancel it. Returns the final poll."""
         if self._task is not None and not self._task.done():
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        return await self.poll(len(self.metrics))
+            self._stop_requested = True
+            done, _ = await asyncio.wait({self._task}, timeout=grace_s)
+            if not done:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+        return await self.poll(self.start_step)
 
     def actor_names(self) -> list[str]:
         return [coordinator_name(self.job_id)] + [
@@ -124,6 +159,8 @@ class Coordinator:
             self._set_state(Event.RESOURCES_READY)
             await self._start_workers()
             await self._train()
+            if self._stop_requested:
+                outcome = Event.STOP_REQUESTED
         except asyncio.CancelledError:
             outcome = Event.STOP_REQUESTED
         except Exception as e:  # noqa: BLE001 - any failure ends the job with its traceback
@@ -147,27 +184,56 @@ class Coordinator:
         addr, port = (await self._call_all([self.workers[0].address.remote()], "rendezvous", timeout))[0]
         setups = await self._call_all([w.setup.remote(plan, addr, port) for w in self.workers], "setup", timeout)
         self.ranks = [{**info, "name": plan.worker_name(info["rank"])} for info in setups]
+        if self.storage.resume:
+            directory, step = self.storage.resume
+            await self._call_all([w.load_checkpoint.remote(directory, step) for w in self.workers],
+                                 f"loading the checkpoint of step {step}", timeout)
 
     async def _train(self) -> None:
         cfg, plan = self.plan.config, self.plan
         num_samples = open_dataset(cfg).num_samples
         tokens = cfg.global_batch * cfg.model.seq_len
+        root, info = self.storage.checkpoint_root, checkpoint_info(cfg)
+
+        def saves_after(step: int) -> bool:
+            every = cfg.checkpoint.every
+            return every > 0 and (step + 1) % every == 0 and step + 1 < cfg.steps
 
         def submit(step: int) -> list[ray.ObjectRef]:
             ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
-            return [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches))
+            evaluate = cfg.eval.every > 0 and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps)
+            save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(step) else None
+            return [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches),
+                                      evaluate, save)
                     for r, w in enumerate(self.workers)]
 
-        start, refs = time.perf_counter(), submit(0)
-        for step in range(cfg.steps):
+        done = self.start_step
+        if done >= cfg.steps or self._stop_requested:
+            return
+        start, refs = time.perf_counter(), submit(done)
+        for step in range(self.start_step, cfg.steps):
             # Queue step + 1 before waiting for step: a worker runs its calls in order and starts the next
             # step the moment it finishes this one, so the round trip to the coordinator (results back,
-            # next call out) is off the critical path. At most one step is queued ahead.
-            upcoming = submit(step + 1) if step + 1 < cfg.steps else []
+            # next call out) is off the critical path. At most one step is queued ahead; a stop request
+            # lets it finish, so the final checkpoint holds exactly the steps recorded.
+            upcoming = submit(step + 1) if step + 1 < cfg.steps and not self._stop_requested else []
             results = await self._call_all(refs, f"step {step}", cfg.fault.step_timeout_s)
             now = time.perf_counter()
             self._record(step, results, now - start, tokens)
-            start, refs = now, upcoming
+            start, refs, done = now, upcoming, step + 1
+            if not refs:
+                break
+        await self._finish_training(done, saved=saves_after(done - 1))
+
+    async def _finish_training(self, steps_done: int, saved: bool) -> None:
+        """The final checkpoint, then the model consolidated from it into one safetensors file."""
+        root, cfg = self.storage.checkpoint_root, self.plan.config
+        await self._call_all([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved)
+                              for w in self.workers], "the final checkpoint", cfg.fault.step_timeout_s)
+        directory = checkpoint.step_dir(Path(root), steps_done)
+        path = await asyncio.to_thread(export_model, cfg, directory, steps_done, Path(self.storage.model_path))
+        self.model = {"path": str(path), "step": steps_done}
+        log.info("job %s: model after step %d exported to %s", self.job_id, steps_done, path)
 
     def _record(self, step: int, results: list[dict], elapsed: float, tokens: int) -> None:
         last = next(r for r in results if r["loss"] is not None)
@@ -185,6 +251,12 @@ class Coordinator:
         moe = moe_metrics(results)
         if moe:
             row["moe"] = moe
+        val = [r["val_loss"] for r in results if r.get("val_loss") is not None]
+        if val:
+            row["val_loss"] = val[0]
+        blocked = [r["checkpoint_blocked_s"] for r in results if "checkpoint_blocked_s" in r]
+        if blocked:
+            row["checkpoint_blocked_s"] = max(blocked)  # the step waited for its slowest rank's save
         self.metrics.append(row)
         for key, gauge in _GAUGES.items():
             gauge.set(row[key] if key != "step" else step + 1, tags={"job_id": self.job_id})

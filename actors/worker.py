@@ -14,8 +14,10 @@ import contextlib
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 
 import ray
 import torch
@@ -53,10 +55,36 @@ class Worker:
               f"{info['node']} (pid {info['pid']}, {info['device']})", file=sys.stderr, flush=True)
         return info
 
-    def run_step(self, step: int, microbatch_ids: list[list[int]]) -> dict:
+    def load_checkpoint(self, directory: str, step: int) -> None:
+        assert self.trainer is not None, "setup() must run before load_checkpoint()"
+        with self._traceback_to_stderr(f"loading the checkpoint of step {step}"):
+            self.trainer.load_checkpoint(Path(directory), step)
+
+    def run_step(self, step: int, microbatch_ids: list[list[int]], evaluate: bool = False,
+                 save: dict | None = None) -> dict:
+        """One training step; then, if asked, the validation loss and a checkpoint of the state after it
+        (`save`: root, info, background). The row says how long the checkpoint blocked the step."""
         assert self.trainer is not None, "setup() must run before run_step()"
         with self._traceback_to_stderr(f"step {step}"):
-            return self.trainer.train_step(step, microbatch_ids).to_dict()
+            stats = self.trainer.train_step(step, microbatch_ids).to_dict()
+            if evaluate:
+                stats["val_loss"] = self.trainer.evaluate()
+            if save is not None:
+                start = time.perf_counter()
+                self.trainer.save_checkpoint(Path(save["root"]), step + 1, save["info"], background=save["background"])
+                stats["checkpoint_blocked_s"] = time.perf_counter() - start
+            return stats
+
+    def final_checkpoint(self, root: str, steps_done: int, info: dict, saved: bool) -> float:
+        """The state at the job's end as a checkpoint (unless the last step just saved it), every save
+        finished and committed; returns the seconds it took."""
+        assert self.trainer is not None
+        start = time.perf_counter()
+        with self._traceback_to_stderr("the final checkpoint"):
+            if not saved:
+                self.trainer.save_checkpoint(Path(root), steps_done, info)
+            self.trainer.finish_checkpoint()
+        return time.perf_counter() - start
 
     @contextlib.contextmanager
     def _traceback_to_stderr(self, what: str) -> Iterator[None]:

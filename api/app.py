@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.models import ClusterInfo, JobCreated, JobInfo, JobLogs, MetricsRow, job_info
@@ -114,6 +114,16 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None) 
             raise RequestValidationError([{"loc": ("query", "since"), "type": "value_error",
                                            "msg": "since counts the lines of one rank's log: give `rank` too"}])
         return JobLogs(**manager.logs(job_id, rank, stream, tail, since))
+
+    @app.get("/api/jobs/{job_id}/model", dependencies=guarded, response_class=FileResponse,
+             responses={200: {"content": {"application/octet-stream": {}},
+                              "description": "the final weights as one safetensors file; `__metadata__` holds "
+                                             "`config` (the model config, JSON) and `step`"},
+                        409: {"description": "the job has not ended SUCCEEDED or STOPPED, or wrote no model"}})
+    def model(job_id: str) -> FileResponse:
+        """The trained model of an ended job, consolidated from its final checkpoint whatever its layout."""
+        return FileResponse(manager.model_file(job_id), media_type="application/octet-stream",
+                            filename=f"{job_id}.safetensors")
 
     @app.post("/api/jobs/{job_id}/stop", dependencies=guarded)
     def stop(job_id: str) -> JobInfo:

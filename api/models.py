@@ -62,6 +62,10 @@ class MetricsRow(BaseModel):
     step_time_s: float
     moe: dict[str, MoELayerMetrics] | None = None
     """Per MoE layer (keyed by block index) for a mixture-of-experts model."""
+    val_loss: float | None = None
+    """Mean token loss on the validation data, on the steps `eval.every` picks and the last."""
+    checkpoint_blocked_s: float | None = None
+    """On a step that saved a checkpoint: how long the save held the step up (with async, the staging)."""
 
 
 class RankLog(BaseModel):

@@ -39,6 +39,11 @@ def parse_spec(obj: Any) -> JobConfig:
         raise SpecError([describe_error(err) for err in e.errors()]) from None
 
 
+def spec_to_dict(config: JobConfig) -> dict:
+    """The JobSpec as plain JSON data, with fields under the names a spec uses (`checkpoint.async`)."""
+    return SPEC_ADAPTER.dump_python(config, mode="json")
+
+
 def load_spec_text(text: str) -> dict:
     """YAML (a superset of JSON) to a dict; a file that is not a mapping is an error."""
     try:

@@ -6,7 +6,8 @@ receives them frozen. Rules that relate several fields (divisibility, capabiliti
 `parallel.plan`, which names the rule it enforces.
 
 Plain dataclasses (not pydantic models) so that `parallel/` stays free of web types; pydantic reads the
-`Annotated` constraints and `__pydantic_config__` when it validates.
+`Annotated` constraints and `__pydantic_config__` when it validates (one `pydantic.Field` gives the field
+`async_` its spec name, `async`, a Python keyword).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
+from pydantic import Field
 
 # Every number a spec carries is bounded: integers so that sums and products of them stay far inside int64
 # (the store's INTEGER and torch's index type) and every loop a plan runs stays small, floats finite (JSON
@@ -108,6 +110,8 @@ class DataConfig:
     """File for `text` and `tokens`. A relative path is resolved against the server's working directory."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a `tokens` file (nanoGPT writes uint16)."""
+    val_path: Annotated[str, MaxLen(4096)] | None = None
+    """Validation data of the same kind; null: with eval on, the last 5% of `path` (not trained on)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,11 +162,34 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
+    # `async` is a Python keyword: the field is `async_`, read and written as `async`.
+    __pydantic_config__ = {**_STRICT, "validate_by_name": True, "validate_by_alias": True, "serialize_by_alias": True}
+    every: Steps = 0
+    """Save every N steps (0: only the final state, when the job ends)."""
+    keep: Annotated[int, Gt(0), Le(1000)] = 3
+    """Checkpoints kept, the newest."""
+    path: Annotated[str, MaxLen(4096)] | None = None
+    """Directory holding a folder per job; null: `checkpoints/` in the service's state directory."""
+    async_: Annotated[bool, Field(alias="async")] = False
+    """Save without blocking the step loop (DCP async save): only staging the state blocks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeConfig:
+    __pydantic_config__ = _STRICT
+    job_id: Annotated[str, MinLen(1), MaxLen(64)]
+    """The job whose checkpoint to start from; its model and optimizer must equal this spec's."""
+    step: Steps | None = None
+    """Its checkpoint of this step; null: its latest."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
     __pydantic_config__ = _STRICT
     every: Steps = 0
-    """Save every N steps; 0 saves nothing."""
-    keep: Annotated[int, Gt(0), Le(1000)] = 3
-    path: Annotated[str, MaxLen(4096)] | None = None
+    """Compute val_loss every N steps and at the last; 0: never."""
+    batches: Annotated[int, Gt(0), Le(10_000)] = 4
+    """Batches of global_batch validation sequences per evaluation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +246,9 @@ class JobConfig:
     only the attention core and the MLP's activation (Megatron's choice)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume_from: ResumeConfig | None = None
+    """Start from another job's checkpoint (at any layout) and continue after its step."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     sim_costs: SimCostsConfig = field(default_factory=SimCostsConfig)

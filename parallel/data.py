@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from parallel.config import DataConfig, JobConfig, RuleError
+from parallel.config import JobConfig, RuleError
 from parallel.seeds import derive_seed
 
 
@@ -67,32 +67,56 @@ class SyntheticDataset:
 Dataset = TokenDataset | SyntheticDataset
 
 
-def resolve_path(data: DataConfig) -> Path:
-    assert data.path is not None
-    return Path(os.path.expanduser(data.path)).resolve()
+VAL_FRACTION = 0.05
+"""With eval on and no `data.val_path`, the last 5% of a text or tokens file is held out for validation."""
 
 
-def open_dataset(config: JobConfig) -> Dataset:
-    """Open (memory-map) the job's dataset; raises DatasetError naming the field when it is unusable."""
+def resolve_path(path: str) -> Path:
+    return Path(os.path.expanduser(path)).resolve()
+
+
+def open_dataset(config: JobConfig, split: str = "train") -> Dataset:
+    """Open (memory-map) the job's training or validation data; raises DatasetError naming the field when it
+    is unusable. Validation data is `data.val_path`, else (with eval on) the tail the training split leaves
+    out; synthetic data draws validation sequences from their own seed stream."""
     data, seq_len, vocab = config.data, config.model.seq_len, config.model.vocab_size
     if data.kind == "synthetic":
-        return SyntheticDataset(seed=config.seed, seq_len=seq_len, vocab_size=vocab)
-    path = resolve_path(data)
-    if not path.is_file():
-        raise DatasetError("data.path", f"file not found: {path}")
-    if data.kind == "text":
-        tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-    else:
-        itemsize = np.dtype(_DTYPES[data.dtype]).itemsize
-        if path.stat().st_size % itemsize:
-            raise DatasetError("data.dtype", f"{path} is {path.stat().st_size} bytes, not a whole number of "
-                                             f"{data.dtype} token ids")
-        tokens = np.memmap(path, dtype=_DTYPES[data.dtype], mode="r")
+        return SyntheticDataset(seed=derive_seed(config.seed, "validation") if split == "val" else config.seed,
+                                seq_len=seq_len, vocab_size=vocab)
+    field, path = ("data.val_path", data.val_path) if split == "val" and data.val_path else ("data.path", data.path)
+    assert path is not None
+    tokens = _read_tokens(config, field, resolve_path(path))
+    if not data.val_path and config.eval.every > 0:
+        cut = int(len(tokens) * (1 - VAL_FRACTION))
+        tokens = tokens[cut:] if split == "val" else tokens[:cut]
     ds = TokenDataset(tokens=tokens, seq_len=seq_len, vocab_size=vocab, source=str(path))
     if ds.num_samples < 1:
-        raise DatasetError("data.path", f"{path} holds {len(tokens)} tokens; seq_len={seq_len} needs at least "
-                                        f"{seq_len + 1}")
+        what = f"its {split} split holds" if not data.val_path and config.eval.every > 0 else "holds"
+        raise DatasetError(field, f"{path} {what} {len(tokens)} tokens; seq_len={seq_len} needs at least "
+                                  f"{seq_len + 1}")
     return ds
+
+
+def _read_tokens(config: JobConfig, field: str, path: Path) -> np.ndarray:
+    data = config.data
+    if not path.is_file():
+        raise DatasetError(field, f"file not found: {path}")
+    if data.kind == "text":
+        return np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    itemsize = np.dtype(_DTYPES[data.dtype]).itemsize
+    if path.stat().st_size % itemsize:
+        raise DatasetError("data.dtype", f"{path} is {path.stat().st_size} bytes, not a whole number of "
+                                         f"{data.dtype} token ids")
+    return np.memmap(path, dtype=_DTYPES[data.dtype], mode="r")
+
+
+def validation_batches(config: JobConfig, num_samples: int) -> list[list[int]]:
+    """The sample ids of each validation batch (`eval.batches` of global_batch sequences): spread evenly over
+    the validation data and the same at every evaluation, so val_loss is comparable across steps."""
+    count = config.eval.batches * config.global_batch
+    ids = [i * num_samples // count for i in range(count)] if num_samples >= count else \
+        [i % num_samples for i in range(count)]
+    return [ids[b * config.global_batch:(b + 1) * config.global_batch] for b in range(config.eval.batches)]
 
 
 def global_batch_ids(seed: int, step: int, global_batch: int, num_samples: int) -> list[int]:

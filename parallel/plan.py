@@ -189,7 +189,6 @@ class Gang:
 
 # Capabilities later issues add. Each entry: (field, predicate on the config, what is missing).
 _NOT_YET = (
-    ("checkpoint.every", lambda c: c.checkpoint.every > 0, "checkpointing"),
     ("fault.max_failures", lambda c: c.fault.max_failures > 0, "restarting after a failure"),
 )
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import checkpoint
-from parallel.data import load_batch, open_dataset
+from parallel.data import load_batch, open_dataset, rank_share, validation_batches
 from parallel.data_parallel import GradientReducer, local_part
 from parallel.distributed import RankGroups
 from parallel.model import GPTStage
@@ -77,6 +77,8 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], Abstr
     return contextlib.nullcontext
 
 
+FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
+"""A pipeline schedule's actions that evaluation runs: forwards and the activations between stages."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW's state per parameter, besides its step count."""
 
@@ -108,6 +110,8 @@ class RankTrainer:
         self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
                               if a.kind is ActionKind.BACKWARD}
         self.dataset = open_dataset(cfg)
+        self.val_dataset = open_dataset(cfg, "val") if cfg.eval.every > 0 else None
+        self.forward_actions = [a for a in plan.schedule[self.coords.pp] if a.kind in FORWARD_KINDS]
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
         self.actions = list(plan.schedule[self.coords.pp])
         self.executor = PipelineExecutor(
@@ -163,6 +167,29 @@ class RankTrainer:
                          early_reductions=sum(r.started_early for r in self.reducers.values()),
                          buckets=sum(len(r.buckets) for r in self.reducers.values()),
                          moe=self._moe_stats(), **asdict(timings))
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean token loss on the validation batches (forward only, through the pipeline); the last stage's
+        ranks return it, the others None."""
+        assert self.val_dataset is not None
+        cfg = self.plan.config
+        total = torch.zeros((), device=self.device)
+        for ids in validation_batches(cfg, self.val_dataset.num_samples):
+            share = rank_share(ids, self.coords.dp, self.plan.dp, self.plan.microbatches)
+            loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+            def batch(mb: int, share=share, loaded=loaded) -> tuple[torch.Tensor, torch.Tensor]:
+                if mb not in loaded:
+                    loaded[mb] = load_batch(self.val_dataset, share[mb])
+                return loaded[mb]
+
+            total += self.executor.run(self.forward_actions, batch)[0]
+        if not self.is_last_stage:
+            return None
+        if self.groups.dp is not None:
+            dist.all_reduce(total, group=self.groups.dp)
+        return float(total) / cfg.eval.batches
 
     def checkpoint_state(self) -> dict:
         """This rank's part of a checkpoint (see parallel.checkpoint): its parameters and their AdamW moments,

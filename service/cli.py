@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--since", type=int, default=0)
     s.add_argument("--plot", metavar="FILE.png", help="draw loss, tokens/s (and a pipeline's bubble) into a PNG")
     s.set_defaults(func=_metrics)
+    s = sub.add_parser("export", help="download a finished job's trained model: DIR/model.safetensors and "
+                                      "DIR/config.json")
+    s.add_argument("job_id")
+    s.add_argument("-o", "--output", required=True, metavar="DIR")
+    s.set_defaults(func=_export)
     s = sub.add_parser("logs", help="print the ranks' logs (stderr by default), read from Ray")
     s.add_argument("job_id")
     s.add_argument("--rank", type=int, default=None, help="one rank (default: every rank, each line prefixed)")
@@ -108,13 +113,14 @@ def _client(args: argparse.Namespace) -> Client:
 
 
 def read_spec_file(path: str) -> dict:
-    """The spec as a dict, with a relative data path made absolute (the server may run elsewhere)."""
+    """The spec as a dict, with relative data paths made absolute (the server may run elsewhere)."""
     from api.spec import load_spec_text
 
     spec = load_spec_text(Path(path).read_text())
-    data = spec.get("data")
-    if isinstance(data, dict) and isinstance(data.get("path"), str) and not os.path.isabs(data["path"]):
-        data["path"] = str(Path(data["path"]).expanduser().resolve())
+    for section, key in (("data", "path"), ("data", "val_path"), ("checkpoint", "path")):
+        part = spec.get(section)
+        if isinstance(part, dict) and isinstance(part.get(key), str) and not os.path.isabs(part[key]):
+            part[key] = str(Path(part[key]).expanduser().resolve())
     return spec
 
 
@@ -296,6 +302,20 @@ def _stop(args: argparse.Namespace) -> int:
 def _delete(args: argparse.Namespace) -> int:
     _client(args).delete(args.job_id)
     print(f"deleted {args.job_id}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from safetensors import safe_open
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    path = _client(args).download_model(args.job_id, out / "model.safetensors")
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    (out / "config.json").write_text(json.dumps(json.loads(metadata["config"]), indent=2) + "\n")
+    print(f"{path} (after step {metadata['step']}) and {out / 'config.json'}; load it with "
+          "parallel.model.full_model(ModelConfig(**config), seed).load_state_dict(safetensors.torch.load_file(path))")
     return 0
 
 

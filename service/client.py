@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -56,6 +57,22 @@ class Client:
         params = {"tail": tail, "stream": stream, "rank": rank, "since": since}
         params = {key: value for key, value in params.items() if value is not None}
         return self._call("GET", f"/api/jobs/{job_id}/logs", params=params)
+
+    def download_model(self, job_id: str, path: Path) -> Path:
+        """Stream the job's trained model (safetensors) to `path` (written whole, then renamed)."""
+        tmp = path.with_name(path.name + ".part")
+        try:
+            with self._http.stream("GET", f"/api/jobs/{job_id}/model") as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise ApiError(response.status_code, _error_text(response))
+                with tmp.open("wb") as f:
+                    for chunk in response.iter_bytes(1 << 20):
+                        f.write(chunk)
+        except httpx.TransportError as e:
+            raise ApiError(0, f"cannot reach the trainyard API at {self._http.base_url} ({e})") from None
+        tmp.replace(path)
+        return path
 
     def stop(self, job_id: str) -> dict:
         return self._call("POST", f"/api/jobs/{job_id}/stop")

@@ -22,17 +22,20 @@ import time
 import traceback
 import uuid
 from dataclasses import asdict
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from actors.coordinator import Coordinator
+from actors.coordinator import Coordinator, JobStorage
 from actors.naming import coordinator_name, placement_group_name
 from actors.state import JobStatus
-from api.spec import parse_spec
+from api.spec import parse_spec, spec_to_dict
+from parallel import checkpoint
 from parallel.config import JobConfig, RuleError
 from parallel.data import open_dataset
-from parallel.plan import ClusterResources, Plan, make_plan
+from parallel.export import MODEL_FILE
+from parallel.plan import ClusterResources, Plan, PlanError, make_plan
 from service import queue
 from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
 from service.logs import read_rank_log
@@ -52,9 +55,11 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 class JobManager:
     def __init__(self, store: JobStore, dashboard_url: str | None = None, poll_interval_s: float = 0.5,
-                 max_queued: int = 1000, admit: bool = True):
-        """`admit=False` keeps every job waiting (maintenance, and the API fuzz test)."""
+                 max_queued: int = 1000, admit: bool = True, data_dir: Path | None = None):
+        """`admit=False` keeps every job waiting (maintenance, and the API fuzz test). `data_dir` holds the
+        jobs' checkpoints and trained models (default: beside the store)."""
         self.store = store
+        self.data_dir = data_dir or store.path.parent
         self.dashboard_url = dashboard_url
         self.poll_interval_s = poll_interval_s
         self.max_queued = max_queued
@@ -79,7 +84,50 @@ class JobManager:
         """All submit-time checks; raises PlanError (or DatasetError) naming the field and the rule."""
         plan = make_plan(config, cluster_resources())
         open_dataset(config)
+        if config.eval.every > 0:
+            open_dataset(config, "val")
+        self.resume_point(config)
         return plan
+
+    # --- where a job's files live ---------------------------------------------------------------
+
+    def checkpoint_root(self, job_id: str, config: JobConfig) -> Path:
+        base = Path(config.checkpoint.path).expanduser() if config.checkpoint.path else self.data_dir / "checkpoints"
+        return base / job_id
+
+    def model_path(self, job_id: str) -> Path:
+        return self.data_dir / "models" / job_id / MODEL_FILE
+
+    def resume_point(self, config: JobConfig) -> tuple[str, int] | None:
+        """The checkpoint (directory, step) `resume_from` names, checked: the job exists, its model and
+        optimizer equal this spec's, the checkpoint is whole, and steps are left to train."""
+        wanted = config.resume_from
+        if wanted is None:
+            return None
+        source = self.store.get(wanted.job_id)
+        if source is None:
+            raise PlanError("resume_from.job_id", f"no job {wanted.job_id}")
+        source_config = parse_spec(source.spec)
+        differences = _differences(spec_to_dict(source_config), spec_to_dict(config), ("model", "optimizer"))
+        if differences:
+            raise PlanError("resume_from", f"job {wanted.job_id} trained a different model or optimizer: "
+                                           + "; ".join(differences))
+        root = self.checkpoint_root(source.job_id, source_config)
+        if wanted.step is None:
+            found = checkpoint.latest_valid(root)
+            if found is None:
+                raise PlanError("resume_from.job_id", f"job {wanted.job_id} has no intact checkpoint (yet)")
+            step, directory = found.step, found.directory
+        else:
+            step, directory = wanted.step, checkpoint.step_dir(root, wanted.step)
+            problem = "it was never written" if not directory.is_dir() else checkpoint.verify(directory)
+            if problem:
+                raise PlanError("resume_from.step", f"job {wanted.job_id} has no intact checkpoint of step {step} "
+                                                    f"({problem}); it has steps {checkpoint.committed_steps(root)}")
+        if step >= config.steps:
+            raise PlanError("steps", f"steps={config.steps}, but the checkpoint is after step {step}: nothing "
+                                     "left to train")
+        return str(directory), step
 
     def cluster(self) -> ClusterResources:
         return cluster_resources()
@@ -93,7 +141,7 @@ class JobManager:
                 raise QueueFull(f"the queue already holds {self.max_queued} waiting jobs (--max-queued); "
                                 "submit again when some have started, or stop some")
             self.store.insert(JobRecord(job_id=job_id, name=config.name, status=JobStatus.PENDING,
-                                        spec=asdict(config), steps=config.steps, priority=config.priority,
+                                        spec=spec_to_dict(config), steps=config.steps, priority=config.priority,
                                         needs=asdict(plan.gang)))
         self._wake.set()
         log.info("job %s queued (%s, world size %d, priority %d)", job_id, config.name, plan.world_size,
@@ -149,6 +197,18 @@ class JobManager:
         self._finish(job_id, JobStatus.STOPPED)
         return self.get(job_id)
 
+    def model_file(self, job_id: str) -> Path:
+        """The trained model of an ended job (SUCCEEDED or STOPPED after at least one step)."""
+        job = self.get(job_id)
+        if job.status not in (JobStatus.SUCCEEDED, JobStatus.STOPPED):
+            raise JobConflict(f"job {job_id} is {job.status}; its model is written when it ends SUCCEEDED or "
+                              "STOPPED")
+        path = self.model_path(job_id)
+        if not path.is_file():
+            raise JobConflict(f"job {job_id} ended without a model (it stopped before finishing a step, or was "
+                              "stopped while a step hung)")
+        return path
+
     def delete(self, job_id: str) -> None:
         job = self.get(job_id)
         if not job.status.is_terminal:
@@ -199,7 +259,10 @@ class JobManager:
         """Reserve the job's placement group and start its coordinator; False if the resources were taken
         in the meantime (the job stays queued)."""
         try:
-            plan = make_plan(parse_spec(job.spec), cluster_resources())
+            config = parse_spec(job.spec)
+            plan = make_plan(config, cluster_resources())
+            storage = JobStorage(checkpoint_root=str(self.checkpoint_root(job.job_id, config)),
+                                 model_path=str(self.model_path(job.job_id)), resume=self.resume_point(config))
         except RuleError as e:  # e.g. the cluster lost nodes since the job was queued
             self._finish(job.job_id, JobStatus.FAILED, f"the job can no longer run on this cluster: {e}")
             return True
@@ -211,7 +274,7 @@ class JobManager:
             if not self.store.claim(job.job_id):  # stopped or deleted while the group was reserved
                 remove_placement_group(pg)
                 return True
-            coordinator = Coordinator.options(name=coordinator_name(job.job_id)).remote(job.job_id, plan, pg)
+            coordinator = Coordinator.options(name=coordinator_name(job.job_id)).remote(job.job_id, plan, pg, storage)
             self._coordinators[job.job_id] = coordinator
             self._placement_groups[job.job_id] = pg
         coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
@@ -283,3 +346,13 @@ class JobManager:
             elif not job.status.is_terminal and job.status is not JobStatus.PENDING:
                 self.store.update(job.job_id, status=JobStatus.FAILED,
                                   error="the service stopped while this job was live; resubmit it")
+
+
+def _differences(a: dict, b: dict, sections: tuple[str, ...]) -> list[str]:
+    """`section.field: X there, Y here` for each field that differs between two specs' sections."""
+    out = []
+    for section in sections:
+        for key in sorted(set(a[section]) | set(b[section])):
+            if a[section].get(key) != b[section].get(key):
+                out.append(f"{section}.{key}: {a[section].get(key)!r} there, {b[section].get(key)!r} here")
+    return out

@@ -106,7 +106,6 @@ def test_mixture_of_experts_rules_name_the_field(field, overrides, message):
 
 
 @pytest.mark.parametrize("field,overrides", [
-    ("checkpoint.every", {"checkpoint": {"every": 10}}),
     ("fault.max_failures", {"fault": {"max_failures": 1}}),
 ])
 def test_capabilities_not_built_yet_are_refused(field, overrides):
