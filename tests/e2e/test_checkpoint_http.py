@@ -1,0 +1,126 @@
+"""What a job leaves behind, through the real service (uvicorn, Ray, gloo): sharded checkpoints (async
+too), resuming at another layout (dense and MoE) on the same loss curve, and at the same layout
+bit-identically, the trained model as one safetensors file that loads into `full_model` and reproduces the
+job's final validation loss, and the rules a resume must follow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import run_all, tiny_spec
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from api.spec import parse_spec
+from parallel.data import load_batch, open_dataset, validation_batches
+from parallel.export import MODEL_FILE
+from parallel.model import full_model
+from service.client import ApiError
+
+STEPS = 6
+MOE = {"experts": 4, "top_k": 2, "every": 2}
+
+
+def spec(parallel: dict, moe: bool = False, **top) -> dict:
+    model = {"n_layer": 4, **({"moe": MOE} if moe else {})}
+    return tiny_spec(model=model, global_batch=8, steps=STEPS, parallel=parallel,
+                     eval={"every": 3, "batches": 2}, **top)
+
+
+@pytest.fixture(scope="module")
+def originals(service) -> dict[str, tuple[dict, list[dict]]]:
+    client = service.client()
+    out = run_all(client, {
+        "dense": spec({"dp": 2, "tp": 2}, checkpoint={"every": 3, "async": True}),
+        "moe": spec({"dp": 2, "ep": 2}, moe=True, checkpoint={"every": 3}),
+    })
+    client.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(service, originals) -> dict[str, tuple[dict, list[dict]]]:
+    client = service.client()
+    dense, moe = originals["dense"][0]["job_id"], originals["moe"][0]["job_id"]
+    out = run_all(client, {
+        "dense-pp2": spec({"pp": 2, "microbatches": 2}, resume_from={"job_id": dense, "step": 3}),
+        "dense-same": spec({"dp": 2, "tp": 2}, resume_from={"job_id": dense, "step": 3}),
+        "moe-step3": spec({}, moe=True, resume_from={"job_id": moe, "step": 3}),
+    })
+    client.close()
+    return out
+
+
+def losses(rows: list[dict]) -> list[float]:
+    return [r["loss"] for r in rows]
+
+
+def test_checkpoints_are_written_every_n_steps_and_at_the_end(originals, service):
+    for key in ("dense", "moe"):
+        job, rows = originals[key]
+        root = service.manager.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
+        assert sorted(p.name for p in root.iterdir()) == ["step_000000003", "step_000000006"]
+        assert [r["step"] for r in rows if r["checkpoint_blocked_s"] is not None] == [2]  # the final save is no step's
+        assert all(r.get("val_loss") is not None for r in rows if r["step"] in (2, 5))
+
+
+def test_a_job_resumed_at_another_layout_follows_the_original_curve(originals, resumed):
+    original = losses(originals["dense"][1])
+    rows = resumed["dense-pp2"][1]
+    assert [r["step"] for r in rows] == [3, 4, 5]
+    np.testing.assert_allclose(losses(rows), original[3:], rtol=1e-4)
+    np.testing.assert_allclose(losses(resumed["moe-step3"][1]), losses(originals["moe"][1])[3:], rtol=1e-4)
+
+
+def test_a_job_resumed_at_its_own_layout_is_bit_identical(originals, resumed):
+    assert losses(resumed["dense-same"][1]) == losses(originals["dense"][1])[3:]
+    assert [r["val_loss"] for r in resumed["dense-same"][1] if r["val_loss"] is not None] == \
+        [r["val_loss"] for r in originals["dense"][1][3:] if r["val_loss"] is not None]
+
+
+def test_the_exported_model_loads_into_full_model_and_gives_the_final_val_loss(originals, client, tmp_path):
+    job, rows = originals["dense"]
+    path = client.download_model(job["job_id"], tmp_path / MODEL_FILE)
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    config = parse_spec(job["spec"])
+    assert metadata["step"] == str(STEPS)
+    model = full_model(config.model, seed=12345)  # another seed: every weight must come from the file
+    model.load_state_dict(load_file(str(path)), strict=True)
+    val = open_dataset(config, "val")
+    with torch.no_grad():
+        total = 0.0
+        for ids in validation_batches(config, val.num_samples):
+            inputs, targets = load_batch(val, ids)
+            total += float(model.loss_sum(model(inputs), targets)) / targets.numel()
+    assert total / config.eval.batches == pytest.approx(rows[-1]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("resume,field,text", [
+    ({"job_id": "nosuchjob"}, "resume_from.job_id", "no job nosuchjob"),
+    ({"job_id": "@dense", "step": 4}, "resume_from.step", "no intact checkpoint of step 4"),
+    ({"job_id": "@dense"}, "steps", "nothing left to train"),
+])
+def test_resume_rules_are_422_naming_the_field(originals, client, resume, field, text):
+    resume = {**resume, "job_id": originals["dense"][0]["job_id"] if resume["job_id"] == "@dense"
+              else resume["job_id"]}
+    response = client._http.post("/api/jobs", json=spec({"dp": 2, "tp": 2}, resume_from=resume))
+    assert response.status_code == 422
+    assert any(d["field"] == field and text in d["msg"] for d in response.json()["detail"]), response.json()
+
+
+def test_a_different_model_cannot_resume(originals, client):
+    other = spec({}, resume_from={"job_id": originals["dense"][0]["job_id"], "step": 3})
+    other["model"] = {**other["model"], "d_model": 64}
+    response = client._http.post("/api/jobs", json=other)
+    assert response.status_code == 422
+    assert "model.d_model: 32 there, 64 here" in response.json()["detail"][0]["msg"]
+
+
+def test_the_model_of_a_job_that_has_not_ended_is_a_409(client):
+    job_id = client.submit(tiny_spec(steps=100_000))
+    with pytest.raises(ApiError) as info:
+        client.download_model(job_id, __import__("pathlib").Path("/nonexistent/model"))
+    assert info.value.status_code == 409
+    client.stop(job_id)

@@ -1,0 +1,83 @@
+"""Checkpoint directories: a checkpoint is visible only once committed, a damaged or half-written one is
+found and the one before it used, and only the newest `keep` stay. Real DCP files, written by one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from parallel import checkpoint
+
+
+def write(root: Path, step: int) -> Path:
+    """A committed checkpoint of step `step` holding one tensor filled with the step."""
+    tmp = checkpoint.step_dir(root, step).with_name(checkpoint.step_dir(root, step).name + ".tmp")
+    tmp.mkdir(parents=True)
+    dcp.save({"w": torch.full((64,), float(step))}, checkpoint_id=tmp, no_dist=True)
+    checkpoint.commit(tmp, checkpoint.step_dir(root, step), {"step": step})
+    return checkpoint.step_dir(root, step)
+
+
+def read(directory: Path) -> float:
+    state = {"w": torch.zeros(64)}
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    return float(state["w"][0])
+
+
+def test_the_latest_intact_checkpoint_is_found_and_loads(tmp_path):
+    for step in (2, 4):
+        write(tmp_path, step)
+    found = checkpoint.latest_valid(tmp_path)
+    assert (found.step, found.skipped) == (4, ())
+    assert read(found.directory) == 4.0
+    assert checkpoint.read_manifest(found.directory)["step"] == 4
+
+
+def test_a_half_written_checkpoint_is_not_visible(tmp_path):
+    write(tmp_path, 2)
+    half = checkpoint.step_dir(tmp_path, 4).with_name("step_000000004.tmp")  # a save cut off before its commit
+    half.mkdir()
+    dcp.save({"w": torch.full((64,), 4.0)}, checkpoint_id=half, no_dist=True)
+    assert checkpoint.committed_steps(tmp_path) == [2]
+    assert checkpoint.latest_valid(tmp_path).step == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-manifest"])
+def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, damage):
+    write(tmp_path, 2)
+    latest = write(tmp_path, 4)
+    data = next(p for p in latest.iterdir() if p.suffix == ".distcp")
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-10])
+    elif damage == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif damage == "delete":
+        data.unlink()
+    else:
+        (latest / checkpoint.MANIFEST).unlink()
+    assert checkpoint.verify(latest) is not None
+    found = checkpoint.latest_valid(tmp_path)
+    assert found.step == 2 and found.skipped and found.skipped[0].startswith("step 4:")
+    assert read(found.directory) == 2.0
+
+
+def test_prune_keeps_the_newest_and_clears_stale_temporaries(tmp_path):
+    for step in (1, 2, 3, 4):
+        write(tmp_path, step)
+    stale = tmp_path / "step_000000002.tmp"
+    stale.mkdir()
+    checkpoint.prune(tmp_path, keep=2)
+    assert checkpoint.committed_steps(tmp_path) == [3, 4]
+    assert not stale.exists()
+
+
+def test_latest_valid_at_most_a_step(tmp_path):
+    for step in (3, 6):
+        write(tmp_path, step)
+    assert checkpoint.latest_valid(tmp_path, at_most=5).step == 3
+    assert checkpoint.latest_valid(tmp_path / "none") is None
