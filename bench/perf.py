@@ -6,8 +6,9 @@ minute on 2 cores.
 Two ranks (dp=2, one torch thread each) build one `RankTrainer` per variant of the same JobSpec, all on the
 same process groups, and train them side by side: each round is one step of every variant, one after the
 other, in an order that rotates from round to round, so drift of the machine (other tenants' load) hits
-every variant alike. Every step starts after a barrier; a step's time is the slower rank's `compute_s`
-(the time inside `train_step`). The first WARMUP_STEPS steps of each variant are not measured.
+every variant alike; a time ratio is the median of the per-round ratios. Every step starts after a
+barrier; a step's time is the slower rank's `compute_s` (the time inside `train_step`). The first
+WARMUP_STEPS steps of each variant are not measured.
 
 The variants differ in one field each from `base` (overlap_reduce true, zero 0, no checkpointing):
 - `no-overlap`: `parallel.overlap_reduce: false`, every bucket all-reduced after backward;
@@ -21,9 +22,11 @@ step's loss of every variant equals `base`'s within LOSS_RTOL.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,7 @@ SPEC: dict[str, Any] = {
     "seed": 1234,
     "model": MODEL,
     "data": {"kind": "synthetic"},
-    "global_batch": 8,
+    "global_batch": 4,  # few tokens per rank, so the 44 MB gradient all-reduce is a visible share of a step
     "parallel": {"dp": 2, "overlap_reduce": True, "zero": 0},
     "activation_checkpointing": "none",
     "resources": {"gpus_per_worker": 0},
@@ -60,7 +63,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full": {"activation_checkpointing": "full"},
     "selective": {"activation_checkpointing": "selective"},
 }
-ROUNDS = 10
+ROUNDS = 20
+COLLECTIVE_ROUNDS = 5
 WARMUP_STEPS = 1
 LOSS_RTOL = 1e-5
 RANK_TIMEOUT_S = 300
@@ -88,6 +92,12 @@ def step_times(stats: Stats, warmup: int) -> list[float]:
     return [max(rank[step]["compute_s"] for rank in stats) for step in range(warmup, len(stats[0]))]
 
 
+def paired_ratio(times: Sequence[float], versus: Sequence[float]) -> float:
+    """The median over rounds of times[i] / versus[i]: both ran within seconds of each other in round i, so
+    the machine's drift (others' load comes and goes over tens of seconds) cancels out of each ratio."""
+    return statistics.median(t / v for t, v in zip(times, versus, strict=True))
+
+
 def loss_mismatch(losses: dict[str, list[float]], reference: str) -> float:
     """The largest relative difference of any variant's loss from the reference's at the same step."""
     ref = losses[reference]
@@ -113,20 +123,48 @@ def _rank_main(rank: int, plans: dict[str, Plan], port: int, out_dir: str) -> No
         for name in rotated(list(plans), step):
             dist.barrier()
             stats[name].append(trainers[name].train_step(step, share).to_dict())
-    torch.save({"setup_s": setup_s, "stats": stats}, Path(out_dir) / f"perf-rank{rank}.pt")
+    numel = sum(p.numel() for p in trainers["base"].chunks[0].parameters())
+    collectives = _collective_times(numel, rounds=COLLECTIVE_ROUNDS)
+    torch.save({"setup_s": setup_s, "stats": stats, "collectives": collectives},
+               Path(out_dir) / f"perf-rank{rank}.pt")
     shutdown_distributed()
 
 
-def run_variants(ctx: BenchContext, rounds: int) -> dict[str, Stats]:
-    """Train every variant for WARMUP_STEPS + rounds steps side by side; each variant's stats [rank][step]."""
+def _collective_times(numel: int, rounds: int) -> dict[str, float]:
+    """Median seconds of each collective the two reductions use, on one flat fp32 tensor of `numel`
+    elements (the whole model's gradients in one bucket), each after a barrier."""
+    grads, shard, whole = torch.ones(numel), torch.empty(numel // 2), torch.empty(numel // 2 * 2)
+    ops = {"all_reduce": lambda: dist.all_reduce(grads),
+           "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, grads[:shard.numel() * 2]),
+           "all_gather": lambda: dist.all_gather_into_tensor(whole, shard)}
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@dataclass(frozen=True)
+class Measured:
+    runs: dict[str, Stats]
+    """Each variant's StepStats dicts, [rank][step]."""
+    collectives: dict[str, float]
+    """Rank 0's median seconds of each collective on all the gradients at once (see _collective_times)."""
+    setup_s: float
+    """The slower rank's start-up: imports, rendezvous, building the trainers."""
+
+
+def run_variants(run_dir: Path, rounds: int) -> Measured:
+    """Train every variant for WARMUP_STEPS + rounds steps side by side, then time the collectives."""
     plans = {name: make_plan(parse_spec(variant_spec(name, WARMUP_STEPS + rounds))) for name in VARIANTS}
     world = plans["base"].world_size
-    start = time.perf_counter()
-    mp.start_processes(_rank_main, args=(plans, free_port(), str(ctx.run_dir)), nprocs=world, start_method="spawn")
-    per_rank = [torch.load(ctx.run_dir / f"perf-rank{r}.pt") for r in range(world)]
-    ctx.log(f"ranks done in {time.perf_counter() - start:.0f} s, of which start-up (import, rendezvous, "
-            f"{len(plans)} trainers) {max(r['setup_s'] for r in per_rank):.0f} s")
-    return {name: [per_rank[r]["stats"][name] for r in range(world)] for name in plans}
+    mp.start_processes(_rank_main, args=(plans, free_port(), str(run_dir)), nprocs=world, start_method="spawn")
+    per_rank = [torch.load(run_dir / f"perf-rank{r}.pt") for r in range(world)]
+    return Measured(runs={name: [per_rank[r]["stats"][name] for r in range(world)] for name in plans},
+                    collectives=per_rank[0]["collectives"], setup_s=max(r["setup_s"] for r in per_rank))
 
 
 def run_section(ctx: BenchContext) -> list[Row]:
@@ -137,19 +175,34 @@ def run_section(ctx: BenchContext) -> list[Row]:
             f"dp=2; variants {', '.join(VARIANTS)}; {WARMUP_STEPS} warm-up + {rounds} measured steps each")
     busy = busy_fraction() or 0.0
     ctx.log(f"machine {100 * busy:.0f}% busy before the run (others' load; high means noisy timings)")
-    runs = run_variants(ctx, rounds)
+    start = time.perf_counter()
+    measured = run_variants(ctx.run_dir, rounds)
+    runs = measured.runs
+    ctx.log(f"ranks done in {time.perf_counter() - start:.0f} s (start-up {measured.setup_s:.0f} s)")
     losses = {name: [s["loss"] for s in stats[0]] for name, stats in runs.items()}  # dp rank 0: the global loss
+    (ctx.run_dir / "perf.json").write_text(json.dumps({"runs": runs, "collectives": measured.collectives}))
     mismatch = loss_mismatch(losses, "base")
     if mismatch > LOSS_RTOL:
         raise BenchError(f"perf: the variants' losses differ from base's by {mismatch:.1e} relative "
                          f"(> {LOSS_RTOL:g}): {losses}")
     times = {name: step_times(stats, WARMUP_STEPS) for name, stats in runs.items()}
     for name, stats in runs.items():
-        ctx.log(f"{name:<10} median step {statistics.median(times[name]):.4f} s, optimizer state "
-                f"{_mb(stats, 'optimizer_bytes')} MB, peak activations {_mb(stats, 'peak_activation_bytes')} MB "
-                f"per rank")
+        ctx.log(f"{name:<10} median step {statistics.median(times[name]):.4f} s ({_parts(stats)}), optimizer "
+                f"state {_mb(stats, 'optimizer_bytes')} MB, peak activations {_mb(stats, 'peak_activation_bytes')} "
+                f"MB per rank")
+    ctx.log("gloo on all the gradients at once: " + ", ".join(f"{name} {t:.4f} s"
+                                                              for name, t in measured.collectives.items()))
     ctx.log(f"losses of all variants equal base's within {mismatch:.1e} relative")
-    return _rows(runs, times, mismatch, params, busy)
+    return _rows(runs, times, mismatch, params, busy) + [_collective_row(measured.collectives, params)]
+
+
+def _collective_row(times: dict[str, float], params: int) -> Row:
+    zero = times["reduce_scatter"] + times["all_gather"]
+    return Row("dp2 gloo collectives on all gradients, ZeRO-1's reduce-scatter + all-gather vs all-reduce "
+               "(median s)", zero, times["all_reduce"], ratio(zero, times["all_reduce"]), "s",
+               f"one flat fp32 tensor of {params / 1e6:.1f}M elements ({4 * params / MB:.0f} MB), "
+               f"{COLLECTIVE_ROUNDS} times each after a barrier, after the steps: reduce-scatter "
+               f"{times['reduce_scatter']:.4f} s, all-gather {times['all_gather']:.4f} s")
 
 
 def _rows(runs: dict[str, Stats], times: dict[str, list[float]], mismatch: float, params: int,
@@ -161,8 +214,9 @@ def _rows(runs: dict[str, Stats], times: dict[str, list[float]], mismatch: float
               f"{mismatch:.1e} rel.")
 
     def time_row(title: str, name: str, versus: str) -> Row:
-        return Row(f"{title} (median s)", med[name], med[versus], ratio(med[name], med[versus]), "s",
-                   f"{common}; per-step s {name} {_list(times[name])}, {versus} {_list(times[versus])}; machine "
+        return Row(f"{title} (median s)", med[name], med[versus], paired_ratio(times[name], times[versus]), "s",
+                   f"ratio: median of the {n} per-round ratios (of the medians: {ratio(med[name], med[versus]):.3f})"
+                   f"; {common}; per-step s {name} {_list(times[name])}, {versus} {_list(times[versus])}; machine "
                    f"{100 * busy:.0f}% busy before the run")
 
     def bytes_row(title: str, name: str, versus: str, key: str) -> Row:
@@ -197,6 +251,16 @@ def _rank_max(stats: Stats, rank: int, key: str) -> int:
 
 def _mb(stats: Stats, key: str) -> str:
     return "/".join(f"{_rank_max(stats, r, key) / MB:.2f}" for r in range(len(stats)))
+
+
+def _parts(stats: Stats) -> str:
+    """Rank 0's median forward, backward and the rest of its steps (reduction wait, clipping, AdamW, ZeRO's
+    all-gather, the loss all-reduce)."""
+    measured = stats[0][WARMUP_STEPS:]
+    forward = statistics.median(s["forward_s"] for s in measured)
+    backward = statistics.median(s["backward_s"] for s in measured)
+    rest = statistics.median(s["compute_s"] - s["forward_s"] - s["backward_s"] for s in measured)
+    return f"rank 0: forward {forward:.3f}, backward {backward:.3f}, after backward {rest:.3f} s"
 
 
 def _list(values: list[float]) -> str:

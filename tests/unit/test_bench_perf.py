@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api.spec import parse_spec
-from bench.perf import VARIANTS, loss_mismatch, rotated, step_times, variant_spec
+from bench.perf import VARIANTS, loss_mismatch, paired_ratio, rotated, step_times, variant_spec
 
 
 def test_each_variant_changes_only_its_own_field():
@@ -34,3 +34,9 @@ def test_step_time_is_the_slower_rank_and_skips_warm_up():
 def test_loss_mismatch_is_the_largest_relative_difference():
     losses = {"base": [2.0, 4.0], "x": [2.0, 4.0004], "y": [1.999, 4.0]}
     assert loss_mismatch(losses, "base") == pytest.approx(5e-4)
+
+
+def test_paired_ratio_cancels_drift_that_hits_both_sides():
+    versus = [1.0, 2.0, 4.0]  # the machine slows down over the rounds
+    times = [1.1, 2.2, 4.4]
+    assert paired_ratio(times, versus) == pytest.approx(1.1)
