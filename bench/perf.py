@@ -187,7 +187,7 @@ def run_section(ctx: BenchContext) -> list[Row]:
                          f"(> {LOSS_RTOL:g}): {losses}")
     times = {name: step_times(stats, WARMUP_STEPS) for name, stats in runs.items()}
     for name, stats in runs.items():
-        ctx.log(f"{name:<10} median step {statistics.median(times[name]):.4f} s ({_parts(stats)}), optimizer "
+        ctx.log(f"{name:<10} median step {statistics.median(times[name]):.4f} s (rank 0: {_parts(stats)}), optimizer "
                 f"state {_mb(stats, 'optimizer_bytes')} MB, peak activations {_mb(stats, 'peak_activation_bytes')} "
                 f"MB per rank")
     ctx.log("gloo on all the gradients at once: " + ", ".join(f"{name} {t:.4f} s"
@@ -209,23 +209,25 @@ def _rows(runs: dict[str, Stats], times: dict[str, list[float]], mismatch: float
           busy: float) -> list[Row]:
     med = {name: statistics.median(t) for name, t in times.items()}
     n = len(times["base"])
-    common = (f"GPT {_model_text()} ({params / 1e6:.1f}M params), dp=2 gloo, 1 thread per rank, global_batch "
-              f"{SPEC['global_batch']}; side by side, {n} steps each, order rotating; losses equal base's within "
-              f"{mismatch:.1e} rel.")
+    first = (f"GPT {_model_text()} ({params / 1e6:.1f}M params), dp=2 gloo, 1 thread per rank, global_batch "
+             f"{SPEC['global_batch']}; the 5 variants side by side, {n} measured steps each, order rotating; losses "
+             f"equal base's within {mismatch:.1e} rel.; machine {100 * busy:.0f}% busy before the run")
 
-    def time_row(title: str, name: str, versus: str) -> Row:
+    def time_row(title: str, name: str, versus: str, note: str = "same run") -> Row:
+        per_round = [t / v for t, v in zip(times[name], times[versus], strict=True)]
+        q1, _, q3 = statistics.quantiles(per_round, n=4)
         return Row(f"{title} (median s)", med[name], med[versus], paired_ratio(times[name], times[versus]), "s",
-                   f"ratio: median of the {n} per-round ratios (of the medians: {ratio(med[name], med[versus]):.3f})"
-                   f"; {common}; per-step s {name} {_list(times[name])}, {versus} {_list(times[versus])}; machine "
-                   f"{100 * busy:.0f}% busy before the run")
+                   f"ratio: median of the {n} per-round ratios, middle half {q1:.3f}-{q3:.3f} (ratio of the "
+                   f"medians {ratio(med[name], med[versus]):.3f}); {note}")
 
     def bytes_row(title: str, name: str, versus: str, key: str) -> Row:
         ours, base = _rank_max(runs[name], 0, key) / MB, _rank_max(runs[versus], 0, key) / MB
         rank1 = f"{_rank_max(runs[name], 1, key) / MB:.3f} vs {_rank_max(runs[versus], 1, key) / MB:.3f}"
-        return Row(f"{title} (MB)", ours, base, ratio(ours, base), "MB", f"rank 0 (rank 1: {rank1}); {common}")
+        return Row(f"{title} (MB)", ours, base, ratio(ours, base), "MB", f"rank 0 (rank 1: {rank1}); same run")
 
     return [
-        time_row("dp2 step time, overlap_reduce true vs false", "base", "no-overlap"),
+        time_row("dp2 step time, overlap_reduce true vs false", "base", "no-overlap",
+                 f"rank 0 with vs without overlap: {_parts(runs['base'])} vs {_parts(runs['no-overlap'])}; {first}"),
         bytes_row("dp2 AdamW state per rank, zero=1 vs zero=0", "zero1", "base", "optimizer_bytes"),
         time_row("dp2 step time, zero=1 vs zero=0", "zero1", "base"),
         bytes_row("peak activation memory per rank, checkpointing full vs none", "full", "base",
@@ -260,8 +262,4 @@ def _parts(stats: Stats) -> str:
     forward = statistics.median(s["forward_s"] for s in measured)
     backward = statistics.median(s["backward_s"] for s in measured)
     rest = statistics.median(s["compute_s"] - s["forward_s"] - s["backward_s"] for s in measured)
-    return f"rank 0: forward {forward:.3f}, backward {backward:.3f}, after backward {rest:.3f} s"
-
-
-def _list(values: list[float]) -> str:
-    return "/".join(f"{v:.3f}" for v in values)
+    return f"forward {forward:.3f}, backward {backward:.3f}, after backward {rest:.3f} s"
