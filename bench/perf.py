@@ -51,7 +51,7 @@ SPEC: dict[str, Any] = {
     "seed": 1234,
     "model": MODEL,
     "data": {"kind": "synthetic"},
-    "global_batch": 4,  # few tokens per rank, so the 44 MB gradient all-reduce is a visible share of a step
+    "global_batch": 4,  # few tokens per rank, so the 42 MiB gradient all-reduce is a visible share of a step
     "parallel": {"dp": 2, "overlap_reduce": True, "zero": 0},
     "activation_checkpointing": "none",
     "resources": {"gpus_per_worker": 0},
