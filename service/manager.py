@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 import traceback
@@ -215,6 +216,10 @@ class JobManager:
             raise JobConflict(f"job {job_id} is {job.status}; stop it before deleting it")
         if not self.store.delete(job_id):  # deleted by a concurrent request in between
             raise JobNotFound(job_id)
+        # Its files in the state directory go with it; checkpoints under a `checkpoint.path` of the user's stay.
+        shutil.rmtree(self.model_path(job_id).parent, ignore_errors=True)
+        if not parse_spec(job.spec).checkpoint.path:
+            shutil.rmtree(self.checkpoint_root(job_id, parse_spec(job.spec)), ignore_errors=True)
 
     def shutdown(self) -> None:
         """Stop admitting and following, and stop every live job within a few seconds. Waiting jobs stay

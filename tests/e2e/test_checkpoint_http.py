@@ -124,3 +124,12 @@ def test_the_model_of_a_job_that_has_not_ended_is_a_409(client):
         client.download_model(job_id, __import__("pathlib").Path("/nonexistent/model"))
     assert info.value.status_code == 409
     client.stop(job_id)
+
+
+def test_deleting_a_job_removes_its_model_and_checkpoints(service, originals, resumed, client):
+    job = originals["moe"][0]
+    root = service.manager.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
+    model = service.manager.model_path(job["job_id"])
+    assert root.is_dir() and model.is_file()
+    client.delete(job["job_id"])
+    assert not root.exists() and not model.exists()
