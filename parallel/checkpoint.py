@@ -113,12 +113,7 @@ def save(state: dict, root: Path, step: int, info: dict, group: dist.ProcessGrou
     """Write `state` (this rank's part) as checkpoint `step` and, on the writer rank, commit it.
 
     Collective over `group`. `info` goes into the manifest (config, anything a resuming job checks)."""
-    tmp = step_dir(root, step).with_name(step_dir(root, step).name + _TMP)
-    if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if group is not None:
-        dist.barrier(group=group)
+    tmp = _fresh_tmp(root, step, group, is_writer)
     dcp.save(state, checkpoint_id=tmp, process_group=group)
     if is_writer:
         commit(tmp, step_dir(root, step), {**info, "step": step})
@@ -128,12 +123,7 @@ def start_async_save(state: dict, root: Path, step: int, group: dist.ProcessGrou
                      is_writer: bool) -> Callable[[dict], None]:
     """Begin saving `state` in the background (DCP async save: the state is staged, then written by a
     thread); returns `finish(info)`, which waits for the write and commits. Collective over `group`."""
-    tmp = step_dir(root, step).with_name(step_dir(root, step).name + _TMP)
-    if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if group is not None:
-        dist.barrier(group=group)
+    tmp = _fresh_tmp(root, step, group, is_writer)
     pending = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
     future = getattr(pending, "upload_completion", pending)  # a Future, or newer torch's AsyncSaveResponse
 
@@ -143,6 +133,17 @@ def start_async_save(state: dict, root: Path, step: int, group: dist.ProcessGrou
             commit(tmp, step_dir(root, step), {**info, "step": step})
 
     return finish
+
+
+def _fresh_tmp(root: Path, step: int, group: dist.ProcessGroup | None, is_writer: bool) -> Path:
+    """The empty temporary directory a save writes into (made by the writer while the others wait)."""
+    tmp = step_dir(root, step).with_name(step_dir(root, step).name + _TMP)
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if group is not None:
+        dist.barrier(group=group)
+    return tmp
 
 
 def load(state: dict, directory: Path, group: dist.ProcessGroup | None) -> None:
