@@ -6,8 +6,8 @@ receives them frozen. Rules that relate several fields (divisibility, capabiliti
 `parallel.plan`, which names the rule it enforces.
 
 Plain dataclasses (not pydantic models) so that `parallel/` stays free of web types; pydantic reads the
-`Annotated` constraints and `__pydantic_config__` when it validates (one `pydantic.Field` gives the field
-`async_` its spec name, `async`, a Python keyword).
+`Annotated` constraints and `__pydantic_config__` when it validates (the checkpoint's config gives the
+field `async_` its spec name, `async`, a Python keyword).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
-from pydantic import Field
 
 # Every number a spec carries is bounded: integers so that sums and products of them stay far inside int64
 # (the store's INTEGER and torch's index type) and every loop a plan runs stays small, floats finite (JSON
@@ -163,14 +162,15 @@ class ParallelConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     # `async` is a Python keyword: the field is `async_`, read and written as `async`.
-    __pydantic_config__ = {**_STRICT, "validate_by_name": True, "validate_by_alias": True, "serialize_by_alias": True}
+    __pydantic_config__ = {**_STRICT, "alias_generator": lambda name: name.rstrip("_"), "validate_by_name": True,
+                           "validate_by_alias": True, "serialize_by_alias": True}
     every: Steps = 0
     """Save every N steps (0: only the final state, when the job ends)."""
     keep: Annotated[int, Gt(0), Le(1000)] = 3
     """Checkpoints kept, the newest."""
     path: Annotated[str, MaxLen(4096)] | None = None
     """Directory holding a folder per job; null: `checkpoints/` in the service's state directory."""
-    async_: Annotated[bool, Field(alias="async")] = False
+    async_: bool = False
     """Save without blocking the step loop (DCP async save): only staging the state blocks."""
 
 
