@@ -17,9 +17,9 @@ LAYOUTS = {
 }
 
 
-def moe_spec(capacity_factor: float | None = None, **parallel) -> dict:
+def moe_spec(capacity_factor: float | None = None, top: dict | None = None, **parallel) -> dict:
     moe = {"experts": 4, "top_k": 2, "every": 2, "capacity_factor": capacity_factor}
-    return tiny_spec(model={"n_layer": 4, "moe": moe}, global_batch=8, steps=4, parallel=parallel)
+    return tiny_spec(model={"n_layer": 4, "moe": moe}, global_batch=8, steps=4, parallel=parallel, **(top or {}))
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,7 @@ def finished(service) -> dict[str, tuple[dict, list[dict]]]:
     client = service.client()
     specs = {"reference": moe_spec(), "reference-cap1": moe_spec(1.0), "dp2-ep2-cap1": moe_spec(1.0, dp=2, ep=2)}
     specs |= {key: moe_spec(**parallel) for key, parallel in LAYOUTS.items()}
+    specs["recompute"] = moe_spec(top={"activation_checkpointing": "full"}, dp=2, ep=2)
     out = run_all(client, specs)
     client.close()
     return out
@@ -64,6 +65,12 @@ def test_metrics_give_every_moe_layers_load_summing_to_the_tokens_routed(key, fi
     for layer in ("1", "3"):  # the same routing in the first step, whatever the layout
         assert first[layer]["load"] == reference[layer]["load"]
         assert first[layer]["aux_loss"] == pytest.approx(reference[layer]["aux_loss"], rel=1e-4)
+
+
+def test_recomputed_moe_blocks_keep_the_numbers_and_are_not_counted_twice(finished):
+    rows, reference = finished["recompute"][1], finished["reference"][1]
+    np.testing.assert_allclose(losses(rows), losses(reference), rtol=1e-5)
+    assert [r["moe"]["3"]["load"] for r in rows] == [r["moe"]["3"]["load"] for r in reference]
 
 
 def test_workers_are_named_by_the_experts_they_host(finished):
