@@ -38,4 +38,4 @@ def test_filesystem_is_read_from_the_last_line_of_df():
     out = ("Filesystem     Type 1K-blocks     Used Available Use% Mounted on\n"
            "/dev/vda       ext4 264212084 26034592  80356320  25% /\n")
     assert parse_df(out) == "ext4 on /dev/vda (mounted at /)"
-    assert parse_df("garbage") == "unknown"
+    assert parse_df("garbage") == parse_df("") == "unknown"
