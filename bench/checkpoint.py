@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import time
@@ -217,14 +218,19 @@ def run_section(ctx: BenchContext) -> list[Row]:
                        nprocs=plan.world_size, start_method="spawn")
     records = [torch.load(ctx.run_dir / f"checkpoint-rank{r}.pt") for r in range(plan.world_size)]
     ctx.log(f"ranks done in {time.perf_counter() - start:.0f} s")
-    (ctx.run_dir / "checkpoint.json").write_text(json.dumps(records))
+    last = step_dir(root / "sync", records[0][-1]["sync_step"])
+    files = {p.name: p.stat().st_size for p in sorted(last.iterdir())}
+    (ctx.run_dir / "checkpoint.json").write_text(json.dumps({"records": records, "files": files}))
+    shutil.rmtree(root)  # 7 checkpoints of 88 MB: scratch, not worth keeping under bench/.runs
+    ctx.log(f"the last sync checkpoint's files: {_files_text(files)}")
     sizes = [rec["bytes"] for rank in records for rec in rank]
     if max(sizes) - min(sizes) > 4096:  # the manifest's text may differ by a few bytes (the step's digits)
         raise BenchError(f"checkpoint: the committed checkpoints differ in size: {sorted(set(sizes))}")
-    return _rows(records, max(sizes), params, fs, busy)
+    return _rows(records, max(sizes), params, fs, busy, files)
 
 
-def _rows(records: list[list[Record]], size: int, params: int, fs: str, busy: float) -> list[Row]:
+def _rows(records: list[list[Record]], size: int, params: int, fs: str, busy: float,
+          files: dict[str, int]) -> list[Row]:
     med = {key: statistics.median(slower(records, key)) for key in (
         "sync_s", "verify_s", "async_block_s", "async_finish_s", "overlap_block_s", "overlap_finish_s",
         "load_warm_s", "load_cold_s")}
@@ -252,7 +258,8 @@ def _rows(records: list[list[Record]], size: int, params: int, fs: str, busy: fl
             "s", f"finish_checkpoint() right after the async save: {med['async_finish_s']:.4f} s (the write and "
                  "the commit, nothing else running)"),
         Row("checkpoint save throughput, sync (MB/s)", mb / med["sync_s"], None, None, "MB/s",
-            f"{mb:.1f} MB / the median sync save; DCP fsyncs every file; includes the commit"),
+            f"{mb:.1f} MB / the median sync save; DCP fsyncs every file; includes the commit; files "
+            f"{_files_text(files)}"),
         Row("checkpoint commit hashing: verify (SHA-256 of every file) vs sync save (median s)", med["verify_s"],
             med["sync_s"], ratio(med["verify_s"], med["sync_s"]), "s",
             f"rank 0 re-hashes the committed files as commit did (page cache warm): {mb / med['verify_s']:.0f} MB/s; "
@@ -274,6 +281,10 @@ def _rows(records: list[list[Record]], size: int, params: int, fs: str, busy: fl
             f"sync: save + {STEPS_IN_FLIGHT} steps with nothing in flight; ratio: median of the {n} per-round "
             "ratios"),
     ]
+
+
+def _files_text(files: dict[str, int]) -> str:
+    return ", ".join(f"{name} {size / MB:.2f} MB" for name, size in files.items())
 
 
 def _model_text() -> str:
