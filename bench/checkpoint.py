@@ -13,8 +13,8 @@ from round to round (so drift of the machine hits every part alike), each after 
 - `overlap`: the same async save, then STEPS_IN_FLIGHT training steps while it is written, then
   `finish_checkpoint()` (what is left of the write);
 - `plain`: STEPS_IN_FLIGHT training steps with nothing in flight (the step times `overlap` is read against);
-and then, on the same trainers, `load_checkpoint` of the round's sync checkpoint twice: `warm` (its files
-in the page cache, as written) and `cold` (each file dropped from the page cache first with
+and then, on the same trainers, `load_checkpoint` of the round's sync checkpoint twice, in alternating order:
+`warm` (its files in the page cache) and `cold` (each file dropped from the page cache first with
 POSIX_FADV_DONTNEED, which works on clean pages without root).
 
 A save is collective and rank 0 also commits (hashes every file, writes the manifest, renames), so the step
@@ -130,8 +130,8 @@ class _Rank:
             else:
                 record["plain_steps_s"] = self.train(STEPS_IN_FLIGHT)
         directory = step_dir(self.root / "sync", record["sync_step"])
-        record["load_warm_s"] = self.load(directory, record["sync_step"], cold=False)
-        record["load_cold_s"] = self.load(directory, record["sync_step"], cold=True)
+        for cache in rotated(("warm", "cold"), round_no):  # a cold load leaves the files in the page cache again
+            record[f"load_{cache}_s"] = self.load(directory, record["sync_step"], cold=cache == "cold")
         record["bytes"] = dir_bytes(directory)
         return record
 
