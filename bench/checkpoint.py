@@ -1,7 +1,7 @@
 """Section "checkpoint": how long a checkpoint save blocks the step loop, sync vs async, and save/load speed.
 
 Run: `python -m bench.run --only checkpoint`; spawned gloo ranks on this machine (torch alone, no Ray); about
-a minute on 2 cores.
+30 s on 2 idle cores.
 
 Two ranks (dp=2, one torch thread each) train one `RankTrainer` on synthetic data; after WARMUP_STEPS steps
 (so AdamW's moments exist) and one discarded save of each kind, every round does, in an order that rotates
