@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import dp, perf, pipeline, service_ops, tp_memory
+from bench import checkpoint, dp, perf, pipeline, service_ops, tp_memory
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -41,6 +41,8 @@ SECTIONS: dict[str, Section] = {
         Section("tensor", "last-stage (logits) activation memory at tp=2 vs tp=1", tp_memory.run_section),
         Section("perf", "overlapped reduction, ZeRO-1 and activation checkpointing, each on vs off (dp=2)",
                 perf.run_section),
+        Section("checkpoint", "checkpoint save blocking time sync vs async, save/load throughput (dp=2)",
+                checkpoint.run_section),
         Section("service", "submit latency under a burst of 200; exit time on SIGTERM", service_ops.run_section),
     )
 }
