@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,18 +120,32 @@ def save(state: dict, root: Path, step: int, info: dict, group: dist.ProcessGrou
         commit(tmp, step_dir(root, step), {**info, "step": step})
 
 
-def start_async_save(state: dict, root: Path, step: int, group: dist.ProcessGroup | None,
-                     is_writer: bool) -> Callable[[dict], None]:
+def start_async_save(state: dict, root: Path, step: int, info: dict, group: dist.ProcessGroup | None,
+                     is_writer: bool) -> Callable[[], None]:
     """Begin saving `state` in the background (DCP async save: the state is staged, then written by a
-    thread); returns `finish(info)`, which waits for the write and commits. Collective over `group`."""
+    thread, which also commits it); returns `finish()`, which waits until it is committed and raises what
+    went wrong. Collective over `group`."""
     tmp = _fresh_tmp(root, step, group, is_writer)
     pending = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
     future = getattr(pending, "upload_completion", pending)  # a Future, or newer torch's AsyncSaveResponse
+    done, errors = threading.Event(), []
 
-    def finish(info: dict) -> None:
-        future.result()
-        if is_writer:
-            commit(tmp, step_dir(root, step), {**info, "step": step})
+    def commit_when_written(written) -> None:
+        try:
+            written.result()
+            if is_writer:
+                commit(tmp, step_dir(root, step), {**info, "step": step})
+        except BaseException as e:  # noqa: BLE001 - handed to finish(), in the step loop's thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    future.add_done_callback(commit_when_written)
+
+    def finish() -> None:
+        done.wait()
+        if errors:
+            raise errors[0]
 
     return finish
 

@@ -207,8 +207,8 @@ class RankTrainer:
         self.finish_checkpoint()
         state, writer = self.checkpoint_state(), self.rank == 0
         if background:
-            finish = checkpoint.start_async_save(state, root, step, self.groups.checkpoint, writer)
-            self._pending_checkpoint = (functools.partial(finish, info), root)
+            finish = checkpoint.start_async_save(state, root, step, info, self.groups.checkpoint, writer)
+            self._pending_checkpoint = (finish, root)
         else:
             checkpoint.save(state, root, step, info, self.groups.checkpoint, writer)
             self._committed(root)
