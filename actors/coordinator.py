@@ -6,12 +6,18 @@ placement group, all or nothing, and hands it over ready; the service removes it
   RUNNING   create one Worker per rank on its bundle, rendezvous, then per step send each worker its
             micro-batch sample ids (one Ray call per worker per step, queued one step ahead) and record the
             step's metrics
+  RECOVERING  a step failed: the ranks are brought back from the latest checkpoint (then RUNNING again)
   SUCCEEDED / STOPPED / FAILED   once the workers and the placement group are released
 
-It is an async actor so that `poll` and `stop` are answered while a step runs. A worker that raises, dies
-or overruns `fault.step_timeout_s` fails the job with the worker's traceback; every rank is then killed,
-so a peer blocked in a collective cannot hang. When a rank's process dies its peers' collectives fail too,
-often before Ray reports the death: the error names the rank that died, not the first peer that noticed.
+It is an async actor so that `poll` and `stop` are answered while a step runs. A step fails when a worker
+raises, dies, or hangs: no answer within `fault.hang_factor` x the median of the recent steps (at least
+`fault.hang_floor_s`; `fault.step_timeout_s` always). Up to `fault.max_failures` times the job then
+RECOVERS (RUNNING -> RECOVERING -> RUNNING, `_recover`): ranks that raised are reset and reused, the others
+killed and replaced on their bundle, and every rank restarts from the latest checkpoint, so the run goes on
+exactly as it would have. The next failure fails the job with every cause, and every rank is killed, so a
+peer blocked in a collective cannot hang. Each failure, recovery (with its time) and checkpoint is an
+event. When a rank's process dies its peers' collectives fail too, often before Ray reports the death: the
+error names the rank that died, not the first peer that noticed.
 State changes happen in `_set_state` only.
 """
 
@@ -44,7 +50,12 @@ log = logging.getLogger("trainyard.coordinator")
 
 
 class StepFailed(RuntimeError):
-    pass
+    """A call that failed on some ranks: which ones died, raised, or never answered (hung or blocked)."""
+
+    def __init__(self, message: str, *, dead: tuple[int, ...] = (), raised: tuple[int, ...] = (),
+                 pending: tuple[int, ...] = (), blamed: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.dead, self.raised, self.pending, self.blamed = dead, raised, pending, blamed
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,11 @@ def checkpoint_info(config: JobConfig) -> dict:
 STOP_GRACE_S = 8.0
 """How long a stop waits for the step under way, the final checkpoint and the export before it cancels
 (within the service's 10 s shutdown bound)."""
+RESET_TIMEOUT_S = 10.0
+"""How long a rank that raised may take to leave its process groups before it is replaced instead."""
+HANG_WINDOW = 20
+HANG_MIN_STEPS = 3
+"""Steps recorded before the hang detector trusts their median (the first steps include warm-up)."""
 DEATH_GRACE_S = 5.0
 """After a rank fails, how long to wait for the other ranks' results of the same call, so that a rank
 whose process died is found among them (Ray reports a death a moment after the peers see broken pipes)."""
@@ -109,6 +125,13 @@ class Coordinator:
         self.model: dict | None = None
         """The exported model (path, step) once written."""
         self._stop_requested = False
+        self.events: list[dict] = []
+        """Failures, recoveries and checkpoints, oldest first (GET /api/jobs/{id}/events)."""
+        self.causes: list[str] = []
+        self.drills: list[dict] = []
+        """Fault drills still to run: kind, rank, at_step."""
+        self._failed_at: float | None = None
+        self._upcoming: list[ray.ObjectRef] = []
         self.status = JobStatus.PENDING
         self.error: str | None = None
         self.metrics: list[dict] = []
@@ -127,6 +150,7 @@ class Coordinator:
             "error": self.error,
             "step": self.metrics[-1]["step"] + 1 if self.metrics else self.start_step,
             "model": self.model,
+            "events": self.events,
             "metrics": [row for row in self.metrics if row["step"] >= since],
             "actors": self.actor_names(),
             "ranks": self.ranks,
@@ -143,6 +167,10 @@ class Coordinator:
                 await asyncio.gather(self._task, return_exceptions=True)
         return await self.poll(self.start_step)
 
+    async def inject(self, kind: str, rank: int, at_step: int) -> None:
+        """A fault drill: `kind` happens to `rank` when it starts step `at_step` (or the first step after)."""
+        self.drills.append({"kind": kind, "rank": rank, "at_step": at_step})
+
     def actor_names(self) -> list[str]:
         return [coordinator_name(self.job_id)] + [
             worker_name(self.job_id, self.plan.worker_name(r)) for r in range(self.plan.world_size)
@@ -158,7 +186,16 @@ class Coordinator:
         try:
             self._set_state(Event.RESOURCES_READY)
             await self._start_workers()
-            await self._train()
+            await self._load(self.storage.resume)
+            while True:
+                try:
+                    await self._train()
+                    break
+                except StepFailed as failure:
+                    self.causes.append(str(failure))
+                    if len(self.causes) > self.plan.config.fault.max_failures or self._stop_requested:
+                        raise StepFailed(self._all_causes(), blamed=failure.blamed) from None
+                    await self._recover(failure)
             if self._stop_requested:
                 outcome = Event.STOP_REQUESTED
         except asyncio.CancelledError:
@@ -170,24 +207,79 @@ class Coordinator:
             self._release()
             self._set_state(outcome)
 
-    async def _start_workers(self) -> None:
+    def _new_worker(self, rank: int):
         plan = self.plan
-        for rank in range(plan.world_size):
-            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=plan.bundle_of(rank))
-            self.workers.append(Worker.options(
-                name=worker_name(self.job_id, plan.worker_name(rank)),
-                num_cpus=plan.cpus_per_worker,
-                num_gpus=plan.gpus_per_worker,
-                scheduling_strategy=strategy,
-            ).remote(self.job_id, rank, int(plan.cpus_per_worker)))
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=plan.bundle_of(rank))
+        return Worker.options(
+            name=worker_name(self.job_id, plan.worker_name(rank)),
+            num_cpus=plan.cpus_per_worker,
+            num_gpus=plan.gpus_per_worker,
+            scheduling_strategy=strategy,
+        ).remote(self.job_id, rank, int(plan.cpus_per_worker))
+
+    async def _start_workers(self) -> None:
+        """Create a worker for every rank that has none, then rendezvous and set every rank up."""
+        plan = self.plan
+        self.workers = [self.workers[r] if r < len(self.workers) and self.workers[r] is not None
+                        else self._new_worker(r) for r in range(plan.world_size)]
         timeout = plan.config.fault.step_timeout_s
         addr, port = (await self._call_all([self.workers[0].address.remote()], "rendezvous", timeout))[0]
         setups = await self._call_all([w.setup.remote(plan, addr, port) for w in self.workers], "setup", timeout)
         self.ranks = [{**info, "name": plan.worker_name(info["rank"])} for info in setups]
-        if self.storage.resume:
-            directory, step = self.storage.resume
-            await self._call_all([w.load_checkpoint.remote(directory, step) for w in self.workers],
-                                 f"loading the checkpoint of step {step}", timeout)
+
+    async def _load(self, point: tuple[str, int] | None) -> None:
+        if point is None:
+            return
+        directory, step = point
+        await self._call_all([w.load_checkpoint.remote(directory, step) for w in self.workers],
+                             f"loading the checkpoint of step {step}", self.plan.config.fault.step_timeout_s)
+
+    async def _recover(self, failure: StepFailed) -> None:
+        """Bring the job back after a failed step: ranks that raised are reset and reused, ranks that died
+        or never answered (hung, or blocked on a dead peer) are replaced on their bundle; then every rank
+        rendezvous anew and loads the latest checkpoint (else the resume point, else the initial weights),
+        and training goes on after it."""
+        self._set_state(Event.FAILURE)
+        self._failed_at = time.time()
+        found = checkpoint.latest_valid(Path(self.storage.checkpoint_root))
+        restore = (str(found.directory), found.step) if found else self.storage.resume
+        restore_step = restore[1] if restore else 0
+        done = self.metrics[-1]["step"] + 1 if self.metrics else self.start_step
+        blamed = list(failure.blamed)
+        self.events.append({
+            "time": self._failed_at, "kind": "failure", "cause": str(failure), "ranks": blamed,
+            "nodes": sorted({self._rank_info(r).get("node", "") for r in blamed}), "step": done,
+            "steps_lost": max(0, done - restore_step), "restore_step": restore_step, "failure": len(self.causes),
+        })
+        log.warning("job %s: failure %d (%s); recovering from step %d", self.job_id, len(self.causes),
+                    str(failure).splitlines()[0], restore_step)
+        for ref in self._upcoming:  # the step queued ahead: not to run on the ranks kept
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - already run or gone
+                pass
+        reusable = set(failure.raised) - set(failure.dead) - set(failure.pending)
+        for rank, worker in enumerate(self.workers):  # first, so that no kept rank waits on them
+            if rank not in reusable:
+                ray.kill(worker, no_restart=True)
+                self.workers[rank] = None
+        resets = {r: self.workers[r].reset.remote() for r in reusable}
+        for rank, ref in resets.items():
+            try:
+                await asyncio.wait_for(asyncio.ensure_future(ref), RESET_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a rank that cannot even reset is replaced
+                ray.kill(self.workers[rank], no_restart=True)
+                self.workers[rank] = None
+        await self._start_workers()
+        await self._load(restore)
+        self.metrics = [row for row in self.metrics if row["step"] < restore_step]
+        self.start_step = restore_step
+        self._set_state(Event.RECOVERED)
+
+    def _all_causes(self) -> str:
+        if len(self.causes) == 1:
+            return self.causes[0]
+        return "\n".join(f"failure {i} of {len(self.causes)}: {cause}" for i, cause in enumerate(self.causes, 1))
 
     async def _train(self) -> None:
         cfg, plan = self.plan.config, self.plan
@@ -203,8 +295,9 @@ class Coordinator:
             ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
             evaluate = cfg.eval.every > 0 and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps)
             save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(step) else None
+            drills = self._drills_at(step)
             return [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches),
-                                      evaluate, save)
+                                      evaluate, save, drills.get(r))
                     for r, w in enumerate(self.workers)]
 
         done = self.start_step
@@ -217,13 +310,29 @@ class Coordinator:
             # next call out) is off the critical path. At most one step is queued ahead; a stop request
             # lets it finish, so the final checkpoint holds exactly the steps recorded.
             upcoming = submit(step + 1) if step + 1 < cfg.steps and not self._stop_requested else []
-            results = await self._call_all(refs, f"step {step}", cfg.fault.step_timeout_s)
+            self._upcoming = upcoming
+            results = await self._call_all(refs, f"step {step}", self._step_deadline(), hang=True)
             now = time.perf_counter()
             self._record(step, results, now - start, tokens)
             start, refs, done = now, upcoming, step + 1
             if not refs:
                 break
         await self._finish_training(done, saved=saves_after(done - 1))
+
+    def _drills_at(self, step: int) -> dict[int, str]:
+        """The drills due at `step`, by rank; each runs once."""
+        due = [d for d in self.drills if d["at_step"] <= step]
+        self.drills = [d for d in self.drills if d["at_step"] > step]
+        return {d["rank"]: d["kind"] for d in due}
+
+    def _step_deadline(self) -> float:
+        """How long a step may take before it counts as hung: hang_factor x the median of the recent steps
+        (with a floor), once there are a few; never more than step_timeout_s."""
+        fault = self.plan.config.fault
+        recent = sorted(row["step_time_s"] for row in self.metrics[-HANG_WINDOW:])
+        if len(recent) < HANG_MIN_STEPS:
+            return fault.step_timeout_s
+        return min(fault.step_timeout_s, max(fault.hang_floor_s, fault.hang_factor * recent[len(recent) // 2]))
 
     async def _finish_training(self, steps_done: int, saved: bool) -> None:
         """The final checkpoint, then the model consolidated from it into one safetensors file."""
@@ -257,6 +366,13 @@ class Coordinator:
         blocked = [r["checkpoint_blocked_s"] for r in results if "checkpoint_blocked_s" in r]
         if blocked:
             row["checkpoint_blocked_s"] = max(blocked)  # the step waited for its slowest rank's save
+            self.events.append({"time": time.time(), "kind": "checkpoint", "step": step + 1,
+                                "blocked_s": row["checkpoint_blocked_s"]})
+        if self._failed_at is not None:
+            now = time.time()
+            self.events.append({"time": now, "kind": "recovered", "step": step + 1,
+                                "recovery_s": now - self._failed_at, "failure": len(self.causes)})
+            self._failed_at = None
         self.metrics.append(row)
         for key, gauge in _GAUGES.items():
             gauge.set(row[key] if key != "step" else step + 1, tags={"job_id": self.job_id})
@@ -272,8 +388,9 @@ class Coordinator:
         if step == 0 or (step + 1) % 10 == 0:
             log.info("job %s step %d/%d loss %.4f", self.job_id, step + 1, self.plan.config.steps, row["loss"])
 
-    async def _call_all(self, refs: list, what: str, timeout: float) -> list:
-        """Await one call per worker; the first failure (or the timeout) raises StepFailed."""
+    async def _call_all(self, refs: list, what: str, timeout: float, hang: bool = False) -> list:
+        """Await one call per worker; the first failure (or the timeout) raises StepFailed. `hang`: the
+        timeout is the hang detector's (see `_step_deadline`), and the message says so."""
         tasks = {asyncio.ensure_future(ref): rank for rank, ref in enumerate(refs)}
         done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
         if any(task.exception() is not None for task in done) and pending:
@@ -282,12 +399,17 @@ class Coordinator:
         for task in pending:
             task.cancel()
         failures = {tasks[t]: t.exception() for t in done if t.exception() is not None}
+        late = tuple(sorted(tasks[t] for t in pending))
         if failures:
-            raise StepFailed(self._describe_failure(failures, what))
+            dead = tuple(sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)))
+            raised = tuple(sorted(set(failures) - set(dead)))
+            raise StepFailed(self._describe_failure(failures, what), dead=dead, raised=raised, pending=late,
+                             blamed=dead or raised[:1])
         if pending:
-            late = sorted(tasks[t] for t in pending)
-            raise StepFailed(f"{what} timed out after {timeout:g} s (fault.step_timeout_s); ranks still "
-                             f"running: {late}")
+            rule = ("fault.hang_factor x the median recent step, at least fault.hang_floor_s" if hang and
+                    timeout < self.plan.config.fault.step_timeout_s else "fault.step_timeout_s")
+            raise StepFailed(f"{what} hung: no answer after {timeout:.3g} s ({rule}); ranks still running: "
+                             f"{list(late)}", pending=late, blamed=late)
         return [task.result() for task in tasks]
 
     def _describe_failure(self, failures: dict[int, BaseException], what: str) -> str:

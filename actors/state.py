@@ -1,7 +1,8 @@
 """Job states and the coordinator's pure transition rule.
 
-The names are Ray Jobs' five plus RECOVERING (used once restarts land). `next_state` maps the current
-state and what just happened to the next state; the coordinator applies it in one place (`_set_state`).
+The names are Ray Jobs' five plus RECOVERING (a failed step being recovered from the latest checkpoint).
+`next_state` maps the current state and what just happened to the next state; the coordinator applies it
+in one place (`_set_state`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ class Event(StrEnum):
     FINISHED = "finished"
     STOP_REQUESTED = "stop_requested"
     ERROR = "error"
+    FAILURE = "failure"
+    """A step failed and the job recovers (its `fault.max_failures` allow it)."""
+    RECOVERED = "recovered"
 
 
 _TRANSITIONS: dict[tuple[JobStatus, Event], JobStatus] = {
     (JobStatus.PENDING, Event.RESOURCES_READY): JobStatus.RUNNING,
     (JobStatus.RUNNING, Event.FINISHED): JobStatus.SUCCEEDED,
+    (JobStatus.RUNNING, Event.FAILURE): JobStatus.RECOVERING,
+    (JobStatus.RECOVERING, Event.RECOVERED): JobStatus.RUNNING,
 }
 
 

@@ -61,10 +61,13 @@ class Worker:
             self.trainer.load_checkpoint(Path(directory), step)
 
     def run_step(self, step: int, microbatch_ids: list[list[int]], evaluate: bool = False,
-                 save: dict | None = None) -> dict:
+                 save: dict | None = None, drill: str | None = None) -> dict:
         """One training step; then, if asked, the validation loss and a checkpoint of the state after it
-        (`save`: root, info, background). The row says how long the checkpoint blocked the step."""
+        (`save`: root, info, background). The row says how long the checkpoint blocked the step. `drill` is a
+        fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns)."""
         assert self.trainer is not None, "setup() must run before run_step()"
+        if drill is not None:
+            _run_drill(drill, self.rank, step)
         with self._traceback_to_stderr(f"step {step}"):
             stats = self.trainer.train_step(step, microbatch_ids).to_dict()
             if evaluate:
@@ -94,6 +97,21 @@ class Worker:
             print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
 
-    def shutdown(self) -> None:
+    def reset(self) -> None:
+        """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into
+        a new rendezvous (recovery reuses the ranks that are alive and answering)."""
         self.trainer = None
         shutdown_distributed()
+
+    def shutdown(self) -> None:
+        self.reset()
+
+
+def _run_drill(drill: str, rank: int, step: int) -> None:
+    print(f"rank {rank}: fault drill {drill} at step {step}", file=sys.stderr, flush=True)
+    if drill == "kill_worker":
+        os._exit(17)
+    if drill == "hang_worker":
+        while True:  # a rank stuck forever: only the coordinator's hang detection ends it
+            time.sleep(3600)
+    raise ValueError(f"unknown drill {drill}")

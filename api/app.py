@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.models import ClusterInfo, JobCreated, JobInfo, JobLogs, MetricsRow, job_info
+from api.models import ClusterInfo, FaultDrill, JobCreated, JobInfo, JobLogs, MetricsRow, job_info
 from api.spec import describe_error
 from parallel.config import MAX_DEGREE, MAX_STEPS, JobConfig, RuleError
 from parallel.plan import describe
@@ -30,7 +30,8 @@ MAX_LOG_TAIL = 100_000
 """Most lines per rank one logs request returns."""
 
 
-def create_app(manager: JobManager, token: str, ray_address: str | None = None) -> FastAPI:
+def create_app(manager: JobManager, token: str, ray_address: str | None = None,
+               allow_fault_injection: bool = False) -> FastAPI:
     app = FastAPI(title="trainyard", version="0.1.0",
                   description="Submit GPT training jobs and follow them as they train on Ray.")
 
@@ -124,6 +125,22 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None) 
         """The trained model of an ended job, consolidated from its final checkpoint whatever its layout."""
         return FileResponse(manager.model_file(job_id), media_type="application/octet-stream",
                             filename=f"{job_id}.safetensors")
+
+    @app.get("/api/jobs/{job_id}/events", dependencies=guarded)
+    def events(job_id: str) -> list[dict]:
+        """What happened to the job as it ran, oldest first: `failure` (cause, ranks, nodes, step, steps_lost,
+        restore_step), `recovered` (recovery_s: from the failure to the next finished step), `checkpoint`."""
+        return manager.events(job_id)
+
+    @app.post("/api/jobs/{job_id}/faults", dependencies=guarded, status_code=202,
+              responses={403: {"description": "fault drills are off (`trainyard serve --allow-fault-injection`)"},
+                         409: {"description": "the job is not RUNNING"}})
+    def fault(job_id: str, drill: FaultDrill) -> dict:
+        """Schedule a fault drill in a running job."""
+        if not allow_fault_injection:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "fault drills are off; start the service with "
+                                                           "`trainyard serve --allow-fault-injection`")
+        return manager.inject_fault(job_id, drill.kind, drill.rank, drill.at_step)
 
     @app.post("/api/jobs/{job_id}/stop", dependencies=guarded)
     def stop(job_id: str) -> JobInfo:

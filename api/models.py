@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from parallel.config import MAX_DEGREE, MAX_STEPS
 
 if TYPE_CHECKING:
     from service.store import JobRecord
@@ -89,6 +91,17 @@ class JobLogs(BaseModel):
     status: str
     stream: str
     ranks: list[RankLog]
+
+
+class FaultDrill(BaseModel):
+    """A fault to inject into a running job (`trainyard serve --allow-fault-injection` only)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["kill_worker", "hang_worker", "kill_coordinator"]
+    """kill_worker: the rank's process exits; hang_worker: the rank's step never returns."""
+    rank: int = Field(ge=0, le=MAX_DEGREE)
+    at_step: int = Field(0, ge=0, le=MAX_STEPS)
+    """The step at which (or the first step after which) it happens."""
 
 
 class ClusterInfo(BaseModel):

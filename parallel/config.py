@@ -196,9 +196,14 @@ class EvalConfig:
 class FaultConfig:
     __pydantic_config__ = _STRICT
     max_failures: Annotated[int, Ge(0), Le(1000)] = 0
-    """Restarts from the latest checkpoint before the job fails."""
+    """Failures (a rank that raises, dies or hangs) the job recovers from, each from its latest checkpoint;
+    the next one fails the job."""
     step_timeout_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 300.0
-    """A step that takes longer fails the job (a hung collective never hangs the service)."""
+    """A step that takes longer has hung, whatever its history (a hung collective never hangs the service)."""
+    hang_factor: Annotated[float, Gt(1), Le(1e4)] = 10.0
+    """After a few steps, a step longer than hang_factor x the median of the recent ones has hung..."""
+    hang_floor_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 5.0
+    """...and longer than this: short steps vary too much for a ratio alone."""
 
 
 @dataclass(frozen=True, kw_only=True)

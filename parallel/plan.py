@@ -187,12 +187,6 @@ class Gang:
                    for node in nodes)
 
 
-# Capabilities later issues add. Each entry: (field, predicate on the config, what is missing).
-_NOT_YET = (
-    ("fault.max_failures", lambda c: c.fault.max_failures > 0, "restarting after a failure"),
-)
-
-
 MAX_WORKERS = 2**16
 MAX_SCHEDULE_CHUNKS = 2**13
 """pp x vpp x microbatches: the size of the action lists the plan builds and simulates (about 0.1 ms of
@@ -207,9 +201,6 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     that grows with the job's sizes is built (the plan itself is bounded by MAX_WORKERS and
     MAX_SCHEDULE_CHUNKS), so any spec is answered in milliseconds.
     """
-    for field, unsupported, what in _NOT_YET:
-        if unsupported(config):
-            raise PlanError(field, f"{what} is not supported yet")
     _check_model(config)
     _check_experts(config)
     _check_tensor_parallel(config)

@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of embedded Ray (default max(cores, 8))")
+    s.add_argument("--allow-fault-injection", action="store_true",
+                   help="accept fault drills (POST /api/jobs/{id}/faults: kill or hang a rank); off by default")
     s.add_argument("--max-queued", type=int, default=1000,
                    help="most jobs waiting in the queue; a submit beyond it is refused (429)")
     s.set_defaults(func=_serve)
@@ -75,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--since", type=int, default=0)
     s.add_argument("--plot", metavar="FILE.png", help="draw loss, tokens/s (and a pipeline's bubble) into a PNG")
     s.set_defaults(func=_metrics)
+    s = sub.add_parser("events", help="what happened to a job: failures, recoveries (with their time), checkpoints")
+    s.add_argument("job_id")
+    s.set_defaults(func=_events)
     s = sub.add_parser("export", help="download a finished job's trained model: DIR/model.safetensors and "
                                       "DIR/config.json")
     s.add_argument("job_id")
@@ -138,7 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
     from service.server import serve
 
     return serve(host=args.host, port=args.port, state_dir=args.state_dir, ray_address=args.ray_address,
-                 num_cpus=args.num_cpus, max_queued=args.max_queued)
+                 num_cpus=args.num_cpus, max_queued=args.max_queued,
+                 allow_fault_injection=args.allow_fault_injection)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -302,6 +308,21 @@ def _stop(args: argparse.Namespace) -> int:
 def _delete(args: argparse.Namespace) -> int:
     _client(args).delete(args.job_id)
     print(f"deleted {args.job_id}")
+    return 0
+
+
+def _events(args: argparse.Namespace) -> int:
+    for e in _client(args).events(args.job_id):
+        when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+        if e["kind"] == "failure":
+            print(f"{when} failure {e['failure']} at step {e['step']}: ranks {e['ranks']} on {e['nodes']}, back to "
+                  f"step {e['restore_step']} ({e['steps_lost']} steps lost)\n    {e['cause'].splitlines()[0]}")
+        elif e["kind"] == "recovered":
+            print(f"{when} recovered: step {e['step']} done {e['recovery_s']:.1f} s after failure {e['failure']}")
+        elif e["kind"] == "checkpoint":
+            print(f"{when} checkpoint after step {e['step']} (the step was held up {e['blocked_s']:.3f} s)")
+        else:
+            print(when, json.dumps(e))
     return 0
 
 

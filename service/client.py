@@ -74,6 +74,9 @@ class Client:
         tmp.replace(path)
         return path
 
+    def events(self, job_id: str) -> list[dict]:
+        return self._call("GET", f"/api/jobs/{job_id}/events")
+
     def stop(self, job_id: str) -> dict:
         return self._call("POST", f"/api/jobs/{job_id}/stop")
 

@@ -210,6 +210,25 @@ class JobManager:
                               "stopped while a step hung)")
         return path
 
+    def events(self, job_id: str) -> list[dict]:
+        return self.get(job_id).events
+
+    def inject_fault(self, job_id: str, kind: str, rank: int, at_step: int) -> dict:
+        """Schedule a fault drill in a running job (the API allows it only under --allow-fault-injection)."""
+        job = self.get(job_id)
+        with self._lock:
+            coordinator = self._coordinators.get(job_id)
+        if job.status is not JobStatus.RUNNING or coordinator is None:
+            raise JobConflict(f"job {job_id} is {job.status}; a drill needs a RUNNING job")
+        world = parse_spec(job.spec).parallel
+        workers = world.dp * world.pp * world.tp
+        if rank >= workers:
+            raise RankNotFound(f"job {job_id} has no rank {rank}; its ranks are 0 to {workers - 1}")
+        if kind == "kill_coordinator":
+            raise JobConflict("kill_coordinator drills come with coordinator restarts, which are not built yet")
+        ray.get(coordinator.inject.remote(kind, rank, at_step), timeout=30)
+        return {"job_id": job_id, "kind": kind, "rank": rank, "at_step": at_step}
+
     def delete(self, job_id: str) -> None:
         job = self.get(job_id)
         if not job.status.is_terminal:
@@ -327,7 +346,7 @@ class JobManager:
             self.store.add_metrics(job_id, report["metrics"])
         status = JobStatus(report["status"])
         self.store.update(job_id, status=status, step=report["step"], error=report["error"],
-                          actors=report["actors"], ranks=report["ranks"])
+                          actors=report["actors"], ranks=report["ranks"], events=report["events"])
         if status.is_terminal:
             self._finish(job_id, status)
 

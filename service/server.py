@@ -53,14 +53,15 @@ class _Server(uvicorn.Server):
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | None = None,
-          ray_address: str | None = None, num_cpus: int | None = None, max_queued: int = 1000) -> int:
+          ray_address: str | None = None, num_cpus: int | None = None, max_queued: int = 1000,
+          allow_fault_injection: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _check_port_free(host, port)  # before Ray starts: a taken port is an error in milliseconds, not seconds
     directory = sd.resolve(state_dir)
     token = sd.load_or_create_token(directory)
     info = connect(address=ray_address, num_cpus=num_cpus)
     manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url, max_queued=max_queued)
-    app = create_app(manager, token, ray_address=info.address)
+    app = create_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=GRACEFUL_HTTP_S))
 

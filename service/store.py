@@ -48,6 +48,7 @@ _ADDED_COLUMNS = {
     "admitted_at": "REAL",
     "ended_at": "REAL",
     "ranks": "TEXT NOT NULL DEFAULT '[]'",
+    "events": "TEXT NOT NULL DEFAULT '[]'",
 }
 _TERMINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_terminal)
 _QUEUED = "status = 'PENDING' AND admitted_at IS NULL"
@@ -74,6 +75,8 @@ class JobRecord:
     ended_at: float | None = None
     ranks: list[dict] = field(default_factory=list)
     """Where each rank runs: rank, name, node, pid, device (once the workers have started)."""
+    events: list[dict] = field(default_factory=list)
+    """What happened to the job as it ran: failures, recoveries, checkpoints (see actors.coordinator)."""
 
     @property
     def queued(self) -> bool:
@@ -106,18 +109,20 @@ class JobStore:
                 f"INSERT INTO jobs ({_COLUMNS}) VALUES ({', '.join('?' * len(_COLUMN_LIST))})",
                 (job.job_id, job.name, job.status.value, json.dumps(job.spec), job.steps, job.step, job.error,
                  json.dumps(job.actors), now, now, job.priority, json.dumps(job.needs), job.admitted_at,
-                 job.ended_at, json.dumps(job.ranks)),
+                 job.ended_at, json.dumps(job.ranks), json.dumps(job.events)),
             )
 
     def update(self, job_id: str, *, status: JobStatus | None = None, step: int | None = None,
-               error: str | None = None, actors: list[str] | None = None, ranks: list[dict] | None = None) -> bool:
+               error: str | None = None, actors: list[str] | None = None, ranks: list[dict] | None = None,
+               events: list[dict] | None = None) -> bool:
         """Set the given fields; True if the job changed. A terminal status is final: a late report (e.g. a
         poll answered just before a stop) changes neither the status nor the error of a job that has ended."""
         now = time.time()
         sets, args = ["updated_at = ?"], [now]
         for column, value in (("status", status.value if status else None), ("step", step), ("error", error),
                               ("actors", json.dumps(actors) if actors is not None else None),
-                              ("ranks", json.dumps(ranks) if ranks is not None else None)):
+                              ("ranks", json.dumps(ranks) if ranks is not None else None),
+                              ("events", json.dumps(events) if events is not None else None)):
             if value is not None:
                 sets.append(f"{column} = ?")
                 args.append(value)
@@ -187,14 +192,14 @@ class JobStore:
 
 
 _COLUMN_LIST = ("job_id", "name", "status", "spec", "steps", "step", "error", "actors", "created_at", "updated_at",
-                "priority", "needs", "admitted_at", "ended_at", "ranks")
+                "priority", "needs", "admitted_at", "ended_at", "ranks", "events")
 _COLUMNS = ", ".join(_COLUMN_LIST)
 
 
 def _record(row: tuple) -> JobRecord:
     (job_id, name, status, spec, steps, step, error, actors, created, updated, priority, needs, admitted_at,
-     ended_at, ranks) = row
+     ended_at, ranks, events) = row
     return JobRecord(job_id=job_id, name=name, status=JobStatus(status), spec=json.loads(spec), steps=steps,
                      step=step, error=error, actors=json.loads(actors), created_at=created, updated_at=updated,
                      priority=priority, needs=json.loads(needs), admitted_at=admitted_at, ended_at=ended_at,
-                     ranks=json.loads(ranks))
+                     ranks=json.loads(ranks), events=json.loads(events))

@@ -46,10 +46,11 @@ class Service:
         self.manager.store.close()
 
 
-def start_service(state_dir: Path, **manager_options) -> Service:
+def start_service(state_dir: Path, allow_fault_injection: bool = True, **manager_options) -> Service:
     """The real service stack (store, manager, FastAPI app, uvicorn) on a free loopback port.
 
-    `manager_options` go to JobManager (e.g. `admit=False` keeps every job queued, `max_queued`)."""
+    `manager_options` go to JobManager (e.g. `admit=False` keeps every job queued, `max_queued`). Fault
+    drills are on, as under `trainyard serve --allow-fault-injection`, unless `allow_fault_injection=False`."""
     import uvicorn
 
     from api.app import create_app
@@ -62,8 +63,8 @@ def start_service(state_dir: Path, **manager_options) -> Service:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(manager, token), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    app = create_app(manager, token, allow_fault_injection=allow_fault_injection)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 30, "uvicorn to start")

@@ -24,7 +24,7 @@ EXAMPLES = 100
 
 @pytest.fixture(scope="module")
 def fuzzed_service(ray_session, tmp_path_factory):
-    svc = start_service(tmp_path_factory.mktemp("fuzz"), admit=False)
+    svc = start_service(tmp_path_factory.mktemp("fuzz"), admit=False, allow_fault_injection=False)
     yield svc
     svc.shutdown()
 

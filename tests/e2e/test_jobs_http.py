@@ -75,7 +75,6 @@ def test_a_worker_that_raises_fails_the_job_with_its_traceback(client, tmp_path)
     ({"parallel": {"dp": 64}, "global_batch": 64}, "parallel.dp", "can ever hold only 8"),
     ({"global_batch": 6, "parallel": {"dp": 4}}, "global_batch", "not divisible by dp x microbatches"),
     ({"data": {"kind": "text", "path": "/nonexistent/corpus.txt"}}, "data.path", "file not found"),
-    ({"fault": {"max_failures": 1}}, "fault.max_failures", "not supported yet"),
     ({"model": {"n_head": 3}}, "model.n_head", "n_head=3 does not divide d_model=32"),
     ({"bogus": 1}, "bogus", "unknown field 'bogus'"),
     ({"steps": 0}, "steps", "greater than 0"),

@@ -105,14 +105,6 @@ def test_mixture_of_experts_rules_name_the_field(field, overrides, message):
     assert err.field == field and message in err.message
 
 
-@pytest.mark.parametrize("field,overrides", [
-    ("fault.max_failures", {"fault": {"max_failures": 1}}),
-])
-def test_capabilities_not_built_yet_are_refused(field, overrides):
-    err = plan_error(tiny_spec(**overrides))
-    assert err.field == field and err.message.endswith("is not supported yet")
-
-
 def test_dp_larger_than_the_cluster_can_ever_hold_is_refused_with_needed_vs_available():
     cluster = ClusterResources(nodes=(NodeResources(cpus=2, gpus=0), NodeResources(cpus=2, gpus=0)))
     err = plan_error(tiny_spec(parallel={"dp": 8}), cluster)
