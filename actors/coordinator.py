@@ -291,9 +291,12 @@ class Coordinator:
             every = cfg.checkpoint.every
             return every > 0 and (step + 1) % every == 0 and step + 1 < cfg.steps
 
+        def evaluates(step: int) -> bool:
+            return cfg.eval.every > 0 and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps)
+
         def submit(step: int) -> list[ray.ObjectRef]:
             ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
-            evaluate = cfg.eval.every > 0 and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps)
+            evaluate = evaluates(step)
             save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(step) else None
             drills = self._drills_at(step)
             return [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches),
@@ -311,7 +314,10 @@ class Coordinator:
             # lets it finish, so the final checkpoint holds exactly the steps recorded.
             upcoming = submit(step + 1) if step + 1 < cfg.steps and not self._stop_requested else []
             self._upcoming = upcoming
-            results = await self._call_all(refs, f"step {step}", self._step_deadline(), hang=True)
+            # A step that also saves or evaluates is not held to the hang detector's measure of plain steps.
+            plain = not (saves_after(step) or evaluates(step))
+            deadline = self._step_deadline() if plain else cfg.fault.step_timeout_s
+            results = await self._call_all(refs, f"step {step}", deadline, hang=plain)
             now = time.perf_counter()
             self._record(step, results, now - start, tokens)
             start, refs, done = now, upcoming, step + 1

@@ -15,7 +15,7 @@ from parallel.export import MODEL_FILE
 from service.client import ApiError
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 2},
-                 parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 2})
+                 parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 3})
 DRILLS = {"kill": ("kill_worker", 1), "hang": ("hang_worker", 2)}
 
 
