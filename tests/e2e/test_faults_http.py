@@ -1,5 +1,5 @@
 """Lose a worker, lose nothing, through the real service (uvicorn, Ray, gloo): fault drills kill or hang a
-rank of a (dp=2, pp=2) job that checkpoints every two steps; the job recovers from its latest checkpoint
+rank of a (dp=2, pp=2) job that checkpoints every three steps; the job recovers from its latest checkpoint
 and ends SUCCEEDED with losses and final weights bit-identical to an uninterrupted run, and its events list
 the failure and the recovery time."""
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from parallel.export import MODEL_FILE
 from service.client import ApiError
 
-SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 2},
+SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3},
                  parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 3})
 DRILLS = {"kill": ("kill_worker", 1), "hang": ("hang_worker", 2)}
 
@@ -23,7 +23,7 @@ def _run(client, drill: tuple[str, int] | None) -> tuple[dict, list[dict]]:
     job_id = client.submit(SPEC)
     if drill is not None:
         wait_for(lambda: client.job(job_id)["status"] == "RUNNING", 120, "the job to run")
-        client._call("POST", f"/api/jobs/{job_id}/faults", json={"kind": drill[0], "rank": drill[1], "at_step": 5})
+        client._call("POST", f"/api/jobs/{job_id}/faults", json={"kind": drill[0], "rank": drill[1], "at_step": 4})
     job = wait_terminal(client, job_id, timeout_s=300)
     assert job["status"] == "SUCCEEDED", job["error"]
     return job, client.metrics(job_id)
@@ -58,10 +58,10 @@ def test_events_list_the_failure_and_the_recovery_time(runs, drill, client):
     failure = failures[0]
     assert failure["ranks"] == [DRILLS[drill][1]] or drill == "hang"  # a hang also stalls the ranks waiting on it
     assert DRILLS[drill][1] in failure["ranks"]
-    assert failure["restore_step"] == 4 and failure["steps_lost"] == failure["step"] - 4 >= 1
+    assert failure["restore_step"] == 3 and failure["steps_lost"] == failure["step"] - 3 >= 1
     assert ("died" if drill == "kill" else "hung") in failure["cause"]
     assert 0 < recovered[0]["recovery_s"] < 120
-    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [2, 4, 6]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3, 6]
 
 
 def test_drills_are_refused_unless_the_service_allows_them(ray_session, tmp_path):
