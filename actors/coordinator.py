@@ -132,6 +132,8 @@ class Coordinator:
         """Fault drills still to run: kind, rank, at_step."""
         self._failed_at: float | None = None
         self._upcoming: list[ray.ObjectRef] = []
+        self._step_started = time.time()
+        """When the step being waited for became the one waited for (the last step's results came back)."""
         self.status = JobStatus.PENDING
         self.error: str | None = None
         self.metrics: list[dict] = []
@@ -248,6 +250,7 @@ class Coordinator:
         blamed = list(failure.blamed)
         self.events.append({
             "time": self._failed_at, "kind": "failure", "cause": str(failure), "ranks": blamed,
+            "waited_s": self._failed_at - self._step_started,
             "nodes": sorted({self._rank_info(r).get("node", "") for r in blamed}), "step": done,
             "steps_lost": max(0, done - restore_step), "restore_step": restore_step, "failure": len(self.causes),
         })
@@ -307,6 +310,7 @@ class Coordinator:
         if done >= cfg.steps or self._stop_requested:
             return
         start, refs = time.perf_counter(), submit(done)
+        self._step_started = time.time()
         for step in range(self.start_step, cfg.steps):
             # Queue step + 1 before waiting for step: a worker runs its calls in order and starts the next
             # step the moment it finishes this one, so the round trip to the coordinator (results back,
@@ -321,6 +325,7 @@ class Coordinator:
             now = time.perf_counter()
             self._record(step, results, now - start, tokens)
             start, refs, done = now, upcoming, step + 1
+            self._step_started = time.time()
             if not refs:
                 break
         await self._finish_training(done, saved=saves_after(done - 1))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import checkpoint, dp, perf, pipeline, service_ops, tp_memory
+from bench import checkpoint, dp, faults, perf, pipeline, service_ops, tp_memory
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -43,6 +43,8 @@ SECTIONS: dict[str, Section] = {
                 perf.run_section),
         Section("checkpoint", "checkpoint save blocking time sync vs async, save/load throughput (dp=2)",
                 checkpoint.run_section),
+        Section("faults", "recovery from fault drills (kill, hang a rank) and hang detection, through the service",
+                faults.run_section),
         Section("service", "submit latency under a burst of 200; exit time on SIGTERM", service_ops.run_section),
     )
 }

@@ -36,8 +36,8 @@ def free_port() -> int:
 class TrainyardService:
     """A `trainyard serve` subprocess with its own state directory and port, as a context manager."""
 
-    def __init__(self, state_dir: Path, startup_timeout_s: float = 180.0):
-        self.state_dir, self.startup_timeout_s = state_dir, startup_timeout_s
+    def __init__(self, state_dir: Path, startup_timeout_s: float = 180.0, serve_args: tuple[str, ...] = ()):
+        self.state_dir, self.startup_timeout_s, self.serve_args = state_dir, startup_timeout_s, serve_args
         self.port = free_port()
         self.log_path = state_dir / "serve.log"
         self._server: subprocess.Popen | None = None
@@ -48,7 +48,7 @@ class TrainyardService:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
         cmd = [sys.executable, "-m", "service.cli", "--state-dir", str(self.state_dir),
-               "serve", "--port", str(self.port)]
+               "serve", "--port", str(self.port), *self.serve_args]
         self._server = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self.client = wait_ready(self._server, self.state_dir, self.port, self.startup_timeout_s)
