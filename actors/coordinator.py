@@ -321,7 +321,7 @@ class Coordinator:
             # A step that also saves or evaluates is not held to the hang detector's measure of plain steps.
             plain = not (saves_after(step) or evaluates(step))
             deadline = self._step_deadline() if plain else cfg.fault.step_timeout_s
-            results = await self._call_all(refs, f"step {step}", deadline, hang=plain)
+            results = await self._call_all(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
             now = time.perf_counter()
             self._record(step, results, now - start, tokens)
             start, refs, done = now, upcoming, step + 1
@@ -399,17 +399,35 @@ class Coordinator:
         if step == 0 or (step + 1) % 10 == 0:
             log.info("job %s step %d/%d loss %.4f", self.job_id, step + 1, self.plan.config.steps, row["loss"])
 
-    async def _call_all(self, refs: list, what: str, timeout: float, hang: bool = False) -> list:
+    async def _call_all(self, refs: list, what: str, timeout: float, hang: bool = False,
+                        next_calls: list | None = None) -> list:
         """Await one call per worker; the first failure (or the timeout) raises StepFailed. `hang`: the
-        timeout is the hang detector's (see `_step_deadline`), and the message says so."""
+        timeout is the hang detector's (see `_step_deadline`), and the message says so. `next_calls`: the
+        calls queued after these; a rank that answered and then died (its peers failing on it while they
+        finish) shows as their failure, and is blamed."""
         tasks = {asyncio.ensure_future(ref): rank for rank, ref in enumerate(refs)}
         done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-        if any(task.exception() is not None for task in done) and pending:
-            more, pending = await asyncio.wait(pending, timeout=DEATH_GRACE_S)
+        # After a first failure, wait a moment for a rank's death to be reported (its peers' errors often
+        # come first), but no longer once a death is known: the ranks still running are then blocked on it.
+        grace_end = time.monotonic() + DEATH_GRACE_S
+        while pending and any(t.exception() is not None for t in done) and not any(
+                isinstance(t.exception(), ray.exceptions.RayActorError) for t in done):
+            more, pending = await asyncio.wait(pending, timeout=max(0.0, grace_end - time.monotonic()),
+                                               return_when=asyncio.FIRST_EXCEPTION)
             done |= more
+            if not more:
+                break
         for task in pending:
             task.cancel()
         failures = {tasks[t]: t.exception() for t in done if t.exception() is not None}
+        if failures and next_calls and not any(isinstance(e, ray.exceptions.RayActorError) for e in failures.values()):
+            later = {asyncio.ensure_future(ref): rank for rank, ref in enumerate(next_calls)}
+            finished, unfinished = await asyncio.wait(later, timeout=max(0.0, grace_end - time.monotonic()),
+                                                      return_when=asyncio.FIRST_EXCEPTION)
+            for task in unfinished:
+                task.cancel()
+            failures |= {later[t]: t.exception() for t in finished
+                         if isinstance(t.exception(), ray.exceptions.RayActorError)}
         late = tuple(sorted(tasks[t] for t in pending))
         if failures:
             dead = tuple(sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)))

@@ -30,7 +30,7 @@ AT_STEP = 7  # 7 + 1 is no multiple of 3: the step saves nothing
 
 
 def run_section(ctx: BenchContext) -> list[Row]:
-    rounds = max(1, min(3, ctx.rounds))
+    rounds = min(3, ctx.rounds or 3)
     with TrainyardService(ctx.run_dir / "serve", serve_args=("--allow-fault-injection",)) as svc:
         reference = [r["loss"] for r in svc.run_job(SPEC)]
         rows = []

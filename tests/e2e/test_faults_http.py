@@ -58,7 +58,9 @@ def test_events_list_the_failure_and_the_recovery_time(runs, drill, client):
     failure = failures[0]
     assert failure["ranks"] == [DRILLS[drill][1]] or drill == "hang"  # a hang also stalls the ranks waiting on it
     assert DRILLS[drill][1] in failure["ranks"]
-    assert failure["restore_step"] == 3 and failure["steps_lost"] == failure["step"] - 3 >= 1
+    # The rank fails as it starts step 4; its peers may notice while they finish step 3 (then no step is lost).
+    assert failure["restore_step"] == 3 and failure["step"] in (3, 4)
+    assert failure["steps_lost"] == failure["step"] - 3
     assert ("died" if drill == "kill" else "hung") in failure["cause"]
     assert 0 < recovered[0]["recovery_s"] < 120
     assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3, 6]
