@@ -66,6 +66,8 @@ class JobStorage:
     model_path: str
     resume: tuple[str, int] | None = None
     """(checkpoint directory, its step) to start from."""
+    events: tuple[dict, ...] = ()
+    """The job's events so far (a job relaunched after the service came back keeps its history)."""
 
 
 def checkpoint_info(config: JobConfig) -> dict:
@@ -124,8 +126,8 @@ class Coordinator:
         self.start_step = storage.resume[1] if storage.resume else 0
         self.model: dict | None = None
         """The exported model (path, step) once written."""
-        self._stop_requested = False
-        self.events: list[dict] = []
+        self._stop_requested = self._suspend = False
+        self.events: list[dict] = list(storage.events)
         """Failures, recoveries and checkpoints, oldest first (GET /api/jobs/{id}/events)."""
         self.causes: list[str] = []
         self.drills: list[dict] = []
@@ -158,11 +160,12 @@ class Coordinator:
             "ranks": self.ranks,
         }
 
-    async def stop(self, grace_s: float = STOP_GRACE_S) -> dict:
+    async def stop(self, grace_s: float = STOP_GRACE_S, suspend: bool = False) -> dict:
         """End the run at the next step boundary, with a final checkpoint and the model exported; if that
-        takes longer than `grace_s` (a hung step), cancel it. Returns the final poll."""
+        takes longer than `grace_s` (a hung step), cancel it. Returns the final poll. `suspend`: the service is
+        going down, the job is not over: the final checkpoint is what it goes on from later; no model."""
         if self._task is not None and not self._task.done():
-            self._stop_requested = True
+            self._stop_requested, self._suspend = True, suspend
             done, _ = await asyncio.wait({self._task}, timeout=grace_s)
             if not done:
                 self._task.cancel()
@@ -350,6 +353,8 @@ class Coordinator:
         root, cfg = self.storage.checkpoint_root, self.plan.config
         await self._call_all([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved)
                               for w in self.workers], "the final checkpoint", cfg.fault.step_timeout_s)
+        if self._suspend:
+            return
         directory = checkpoint.step_dir(Path(root), steps_done)
         path = await asyncio.to_thread(export_model, cfg, directory, steps_done, Path(self.storage.model_path))
         self.model = {"path": str(path), "step": steps_done}

@@ -249,14 +249,21 @@ class JobManager:
             thread.join(timeout=RESERVE_TIMEOUT_S + 5)
         with self._lock:
             live = dict(self._coordinators)
-        stops = {job_id: coordinator.stop.remote() for job_id, coordinator in live.items()}
+        # The jobs are not over: each writes a final checkpoint and goes back into the queue, to go on from it
+        # when the service comes back.
+        stops = {job_id: coordinator.stop.remote(suspend=True) for job_id, coordinator in live.items()}
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for job_id, ref in stops.items():
             try:
-                self._apply(job_id, ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
+                report = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                if report["metrics"]:
+                    self.store.add_metrics(job_id, report["metrics"])
+                self.store.update(job_id, events=report["events"])
             except Exception as e:  # noqa: BLE001
-                log.warning("job %s: stop at shutdown did not finish cleanly (%s); killing it", job_id, e)
-            self._finish(job_id, JobStatus.STOPPED)
+                log.warning("job %s: no final checkpoint at shutdown (%s); it goes on from its latest", job_id, e)
+            self.store.interrupt(job_id, {"time": time.time(), "kind": "interrupted",
+                                          "cause": "the service shut down; the job goes on when it is back"})
+            self._release(job_id)
 
     # --- background threads --------------------------------------------------------------------
 
@@ -285,8 +292,11 @@ class JobManager:
         try:
             config = parse_spec(job.spec)
             plan = make_plan(config, cluster_resources())
-            storage = JobStorage(checkpoint_root=str(self.checkpoint_root(job.job_id, config)),
-                                 model_path=str(self.model_path(job.job_id)), resume=self.resume_point(config))
+            root = self.checkpoint_root(job.job_id, config)
+            own = checkpoint.latest_valid(root)  # a job the service's restart interrupted goes on from its own
+            resume = (str(own.directory), own.step) if own else self.resume_point(config)
+            storage = JobStorage(checkpoint_root=str(root), model_path=str(self.model_path(job.job_id)),
+                                 resume=resume, events=tuple(job.events))
         except RuleError as e:  # e.g. the cluster lost nodes since the job was queued
             self._finish(job.job_id, JobStatus.FAILED, f"the job can no longer run on this cluster: {e}")
             return True
@@ -354,6 +364,9 @@ class JobManager:
         """Record the job's end (unless it has ended already), then release what it holds in Ray. In that
         order, a job's `ended_at` comes before the next job can be admitted into its resources."""
         self.store.update(job_id, status=status, error=error)
+        self._release(job_id)
+
+    def _release(self, job_id: str) -> None:
         with self._lock:
             coordinator = self._coordinators.pop(job_id, None)
             pg = self._placement_groups.pop(job_id, None)
@@ -368,8 +381,10 @@ class JobManager:
             if job.status is JobStatus.PENDING and job.admitted_at is not None:
                 self.store.requeue(job.job_id)  # admitted but never started: its reservation died with Ray
             elif not job.status.is_terminal and job.status is not JobStatus.PENDING:
-                self.store.update(job.job_id, status=JobStatus.FAILED,
-                                  error="the service stopped while this job was live; resubmit it")
+                # The service went down without stopping it (killed): it goes on from its latest checkpoint.
+                self.store.interrupt(job.job_id, {"time": time.time(), "kind": "interrupted",
+                                                  "cause": "the service stopped while the job ran; it goes on "
+                                                           "from its latest checkpoint"})
 
 
 def _differences(a: dict, b: dict, sections: tuple[str, ...]) -> list[str]:

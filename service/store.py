@@ -142,6 +142,17 @@ class JobStore:
                                       (now, now, job_id))
         return cursor.rowcount > 0
 
+    def interrupt(self, job_id: str, event: dict) -> None:
+        """Put a job that was running when the service went down back into the queue, to go on from its latest
+        checkpoint, and add `event` to its history. A job that has ended is left alone."""
+        job = self.get(job_id)
+        if job is None or job.status.is_terminal:
+            return
+        with self._lock:
+            self._db.execute("UPDATE jobs SET status = ?, admitted_at = NULL, error = NULL, events = ?, "
+                             f"updated_at = ? WHERE job_id = ? AND status NOT IN ({_TERMINAL})",
+                             (JobStatus.PENDING.value, json.dumps([*job.events, event]), time.time(), job_id))
+
     def requeue(self, job_id: str) -> None:
         """Put an admitted job that never started back into the queue (its resources were given back)."""
         with self._lock:
