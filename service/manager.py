@@ -11,7 +11,8 @@
 - Neither thread dies with one job: an exception in one job's handling is logged and fails that job.
 - `logs` reads a rank's log through Ray's log API (`service.logs`), also after the job ended.
 - On start-up, queued jobs stay queued; jobs the store still shows as running belong to a service that is
-  gone: they are marked FAILED.
+  gone (killed): they are queued again and go on from their latest checkpoint. At shutdown, live jobs write
+  a final checkpoint and are queued again the same way.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`trainyard serve`: start (or join) Ray, open the store, and serve the API with uvicorn until a signal.
 
-Shutdown (SIGTERM or SIGINT) takes seconds and exits 0: stop answering requests, stop every live job
-cleanly (waiting jobs stay queued in the store for the next start), then shut the embedded Ray down.
+Shutdown (SIGTERM or SIGINT) takes seconds and exits 0: stop answering requests, checkpoint every live job
+and queue it again (with the waiting jobs, for the next start), then shut the embedded Ray down.
 The signals are ours, not uvicorn's: uvicorn re-raises a caught signal once it has stopped, into the
 handler `ray.init` installed, which kills the embedded cluster and exits 1 before the jobs are stopped
 (their coordinators then cannot answer, and the process hangs on Ray's reconnect timeout).

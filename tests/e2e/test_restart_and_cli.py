@@ -30,14 +30,16 @@ def test_jobs_and_metrics_survive_a_service_restart(ray_session, tmp_path):
         second.shutdown()
 
 
-def test_jobs_live_when_the_service_died_are_marked_failed_on_start(ray_session, tmp_path):
+def test_jobs_live_when_the_service_died_are_queued_again_on_start(ray_session, tmp_path):
     store = JobStore(tmp_path / "jobs.db")
-    store.insert(JobRecord(job_id="orphan", name="x", status=JobStatus.RUNNING, spec={}, steps=10))
+    store.insert(JobRecord(job_id="orphan", name="x", status=JobStatus.RUNNING, spec=tiny_spec(), steps=4,
+                           needs={"bundle": {"CPU": 1.0}, "count": 1}))
     store.close()
-    svc = start_service(tmp_path)
+    svc = start_service(tmp_path, admit=False)  # keep it queued, to look at it
     try:
         job = svc.client().job("orphan")
-        assert job["status"] == "FAILED" and "service stopped while this job was live" in job["error"]
+        assert job["status"] == "PENDING" and job["queue_position"] == 1 and job["error"] is None
+        assert svc.manager.events("orphan")[-1]["kind"] == "interrupted"
     finally:
         svc.shutdown()
 
