@@ -45,7 +45,7 @@ from bench.perf import paired_ratio, rotated
 from bench.results import Row, ratio
 from bench.service_job import BenchError, free_port
 from parallel.checkpoint import step_dir, verify
-from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.data import open_dataset, step_microbatches
 from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.model import full_model
 from parallel.plan import Plan, make_plan
@@ -85,10 +85,9 @@ class _Rank:
 
     def train(self, steps: int) -> list[float]:
         """`steps` training steps, each after a barrier; this rank's time inside each."""
-        cfg, times = self.plan.config, []
+        times = []
         for _ in range(steps):
-            share = rank_share(global_batch_ids(cfg.seed, self.step, cfg.global_batch, self.num_samples),
-                               self.plan.coords(self.rank).dp, self.plan.dp, self.plan.microbatches)
+            share = step_microbatches(self.plan, self.rank, self.step, self.num_samples)
             dist.barrier()
             times.append(self.trainer.train_step(self.step, share).compute_s)
             self.step += 1

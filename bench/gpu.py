@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, ResourcesConfig
-from parallel.data import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
+from parallel.data import Dataset, load_batch, open_dataset, step_microbatches
 from parallel.data_parallel import GradientReducer
 from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.model import GPTStage, full_model
@@ -158,8 +158,7 @@ def _shares(plan: Plan) -> Shares:
     """The sample ids of each step's micro-batches, computed up front: a worker gets them from the coordinator."""
     cfg = plan.config
     num_samples = open_dataset(cfg).num_samples
-    return [rank_share(global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples), 0, 1, plan.microbatches)
-            for step in range(cfg.steps)]
+    return [step_microbatches(plan, 0, step, num_samples) for step in range(cfg.steps)]
 
 
 def _trainyard_side(plan: Plan, device: torch.device, shares: Shares) -> Side:

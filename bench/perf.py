@@ -39,7 +39,7 @@ from bench.context import BenchContext
 from bench.machine import busy_fraction
 from bench.results import Row, ratio
 from bench.service_job import BenchError, free_port
-from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.data import open_dataset, step_microbatches
 from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.model import full_model
 from parallel.plan import Plan, make_plan
@@ -118,8 +118,7 @@ def _rank_main(rank: int, plans: dict[str, Plan], port: int, out_dir: str) -> No
     stats: dict[str, list[dict]] = {name: [] for name in plans}
     setup_s = time.perf_counter() - start
     for step in range(cfg.steps):
-        share = rank_share(global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples),
-                           base.coords(rank).dp, base.dp, base.microbatches)
+        share = step_microbatches(base, rank, step, num_samples)
         for name in rotated(list(plans), step):
             dist.barrier()
             stats[name].append(trainers[name].train_step(step, share).to_dict())

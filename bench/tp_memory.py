@@ -24,7 +24,7 @@ from api.spec import parse_spec
 from bench.context import BenchContext
 from bench.results import Row, ratio
 from bench.service_job import free_port
-from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.data import open_dataset, step_microbatches
 from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.plan import Plan, make_plan
 from parallel.trainer import RankTrainer
@@ -47,8 +47,7 @@ def _rank_main(rank: int, plan: Plan, port: int, out_dir: str) -> None:
     groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=300)
     trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
     cfg = plan.config
-    ids = global_batch_ids(cfg.seed, 0, cfg.global_batch, open_dataset(cfg).num_samples)
-    stats = trainer.train_step(0, rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches))
+    stats = trainer.train_step(0, step_microbatches(plan, rank, 0, open_dataset(cfg).num_samples))
     torch.save(stats.to_dict(), Path(out_dir) / f"rank{rank}.pt")
     shutdown_distributed()
 

@@ -105,7 +105,8 @@ def prune(root: Path, keep: int) -> None:
     for step in steps[:-keep]:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)
     for d in root.glob(f"{_PREFIX}*{_TMP}"):
-        if steps and d.name[len(_PREFIX):-len(_TMP)].isdigit() and int(d.name[len(_PREFIX):-len(_TMP)]) < steps[-1]:
+        step = d.name[len(_PREFIX):-len(_TMP)]
+        if steps and step.isdigit() and int(step) < steps[-1]:
             shutil.rmtree(d, ignore_errors=True)
 
 

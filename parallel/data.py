@@ -15,12 +15,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from parallel.config import JobConfig, RuleError
 from parallel.seeds import derive_seed
+
+if TYPE_CHECKING:
+    from parallel.plan import Plan
 
 
 class DatasetError(RuleError):
@@ -123,6 +127,14 @@ def global_batch_ids(seed: int, step: int, global_batch: int, num_samples: int) 
     """Sample ids of step `step`'s global batch: a function of (seed, step) only."""
     gen = torch.Generator().manual_seed(derive_seed(seed, "batch", step))
     return torch.randint(num_samples, (global_batch,), generator=gen).tolist()
+
+
+def step_microbatches(plan: Plan, rank: int, step: int, num_samples: int) -> list[list[int]]:
+    """The sample ids of `rank`'s micro-batches in step `step`: its data-parallel share of the global batch
+    (what the coordinator sends the rank; it computes the global batch once for all ranks)."""
+    cfg = plan.config
+    ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
+    return rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches)
 
 
 def rank_share(ids: list[int], dp_rank: int, dp: int, microbatches: int) -> list[list[int]]:

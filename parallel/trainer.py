@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 
 from parallel import checkpoint
-from parallel.data import load_batch, open_dataset, rank_share, validation_batches
+from parallel.data import Dataset, load_batch, open_dataset, rank_share, validation_batches
 from parallel.data_parallel import GradientReducer, local_part
 from parallel.distributed import RankGroups
 from parallel.model import GPTStage
 from parallel.moe import MoEContext, moe_layers
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr, tp_copies
-from parallel.pipeline import PipelineExecutor, PipelineTimings
+from parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
 from parallel.schedules import Action, ActionKind, virtual_stage
 from parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
@@ -177,14 +177,7 @@ class RankTrainer:
         total = torch.zeros((), device=self.device)
         for ids in validation_batches(cfg, self.val_dataset.num_samples):
             share = rank_share(ids, self.coords.dp, self.plan.dp, self.plan.microbatches)
-            loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-            def batch(mb: int, share=share, loaded=loaded) -> tuple[torch.Tensor, torch.Tensor]:
-                if mb not in loaded:
-                    loaded[mb] = load_batch(self.val_dataset, share[mb])
-                return loaded[mb]
-
-            total += self.executor.run(self.forward_actions, batch)[0]
+            total += self.executor.run(self.forward_actions, _lazy_batches(self.val_dataset, share))[0]
         if not self.is_last_stage:
             return None
         if self.groups.dp is not None:
@@ -280,12 +273,16 @@ class RankTrainer:
                                                                                        strict=True)}
 
     def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
-        """Run this rank's schedule; micro-batches are read lazily, once, and only where a stage needs them."""
-        loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        return self.executor.run(self.actions, _lazy_batches(self.dataset, microbatch_ids))
 
-        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if mb not in loaded:
-                loaded[mb] = load_batch(self.dataset, microbatch_ids[mb])
-            return loaded[mb]
 
-        return self.executor.run(self.actions, batch)
+def _lazy_batches(dataset: Dataset, microbatch_ids: list[list[int]]) -> Callable[[int], Batch]:
+    """`batch(mb)` for the executor: micro-batches are read lazily, once, and only where a stage needs them."""
+    loaded: dict[int, Batch] = {}
+
+    def batch(mb: int) -> Batch:
+        if mb not in loaded:
+            loaded[mb] = load_batch(dataset, microbatch_ids[mb])
+        return loaded[mb]
+
+    return batch

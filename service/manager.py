@@ -238,8 +238,9 @@ class JobManager:
             raise JobNotFound(job_id)
         # Its files in the state directory go with it; checkpoints under a `checkpoint.path` of the user's stay.
         shutil.rmtree(self.model_path(job_id).parent, ignore_errors=True)
-        if not parse_spec(job.spec).checkpoint.path:
-            shutil.rmtree(self.checkpoint_root(job_id, parse_spec(job.spec)), ignore_errors=True)
+        config = parse_spec(job.spec)
+        if not config.checkpoint.path:
+            shutil.rmtree(self.checkpoint_root(job_id, config), ignore_errors=True)
 
     def shutdown(self) -> None:
         """Stop admitting and following, and stop every live job within a few seconds. Waiting jobs stay

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.data import open_dataset, step_microbatches
 from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.plan import Plan
 from parallel.trainer import RankTrainer
@@ -27,9 +27,7 @@ def _rank_main(rank: int, port: int, plan: Plan, out_dir: str, checkpoints: dict
     num_samples = open_dataset(cfg).num_samples
     stats = []
     for step in range(start, cfg.steps):
-        ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
-        share = rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches)
-        stats.append(trainer.train_step(step, share).to_dict())
+        stats.append(trainer.train_step(step, step_microbatches(plan, rank, step, num_samples)).to_dict())
         if step + 1 in checkpoints.get("save", ()):
             background = checkpoints.get("background", False)
             trainer.save_checkpoint(Path(checkpoints["root"]), step + 1, {}, background=background)

@@ -16,7 +16,7 @@ from gloo_ranks import spawn
 from helpers import tiny_spec
 
 from api.spec import parse_spec
-from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.data import open_dataset, step_microbatches
 from parallel.data_parallel import local_part
 from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.memory import estimate
@@ -31,8 +31,7 @@ def _measure_rank(rank: int, port: int, plan: Plan, out_dir: str) -> None:
     groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=120)
     trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
     cfg = plan.config
-    ids = global_batch_ids(cfg.seed, 0, cfg.global_batch, open_dataset(cfg).num_samples)
-    stats = trainer.train_step(0, rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches))
+    stats = trainer.train_step(0, step_microbatches(plan, rank, 0, open_dataset(cfg).num_samples))
     params = {id(p): local_part(p) for chunk in trainer.chunks for p in chunk.parameters()}
     buckets = [t for reducer in trainer.reducers.values() for b in reducer.buckets for t in (b.flat, b.shard)
                if t is not None]
