@@ -18,16 +18,27 @@ exactly as it would have. The next failure fails the job with every cause, and e
 peer blocked in a collective cannot hang. Each failure, recovery (with its time) and checkpoint is an
 event. When a rank's process dies its peers' collectives fail too, often before Ray reports the death: the
 error names the rank that died, not the first peer that noticed.
+
+The coordinator's own death is a failure too: the service creates it with Ray `max_restarts =
+fault.max_failures`, its workers die with it (Ray fate-shares actors with their owner), and Ray starts it
+again with the same arguments. The new incarnation reads what its predecessor wrote beside the checkpoints
+(`coordinator.json`: events and causes, rewritten when they change; `metrics.jsonl`: a row appended per
+step, so that no step's row is lost between two polls of the service), records the failure, and recovers
+like any other: new workers on the same placement group, the latest checkpoint, on. It starts on the service's
+next poll, since nobody calls `start` again.
 State changes happen in `_set_state` only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import re
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +95,8 @@ RESET_TIMEOUT_S = 10.0
 HANG_WINDOW = 20
 HANG_MIN_STEPS = 3
 """Steps recorded before the hang detector trusts their median (the first steps include warm-up)."""
+JOURNAL, METRICS_LOG = "coordinator.json", "metrics.jsonl"
+"""The coordinator's state that outlives its process, in the job's checkpoint directory."""
 DEATH_GRACE_S = 5.0
 """After a rank fails, how long to wait for the other ranks' results of the same call, so that a rank
 whose process died is found among them (Ray reports a death a moment after the peers see broken pipes)."""
@@ -130,6 +143,16 @@ class Coordinator:
         self.events: list[dict] = list(storage.events)
         """Failures, recoveries and checkpoints, oldest first (GET /api/jobs/{id}/events)."""
         self.causes: list[str] = []
+        self.restarted = _was_restarted()
+        """Ray restarted this actor after its process died: the job recovers from its journal."""
+        self.metrics: list[dict] = []
+        if self.restarted:
+            root = Path(storage.checkpoint_root)
+            journal = read_journal(root)
+            self.events, self.causes = journal.get("events", self.events), journal.get("causes", [])
+            self.metrics = read_metrics_log(root)
+            self._last_step = self.metrics[-1]["step"] + 1 if self.metrics else self.start_step
+            self._last_alive = _mtime(root / METRICS_LOG) or time.time()
         self.drills: list[dict] = []
         """Fault drills still to run: kind, rank, at_step."""
         self._failed_at: float | None = None
@@ -138,17 +161,22 @@ class Coordinator:
         """When the step being waited for became the one waited for (the last step's results came back)."""
         self.status = JobStatus.PENDING
         self.error: str | None = None
-        self.metrics: list[dict] = []
         self.workers: list = []
         self.ranks: list[dict] = []
         """Where each rank runs (rank, name, node, pid, device), once the workers are set up."""
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def poll(self, since: int = 0) -> dict:
-        """Status, error and the metrics rows of steps >= `since`."""
+        """Status, error and the metrics rows of steps >= `since`. A restarted coordinator starts here."""
+        if self.restarted:
+            await self.start()
+        return self._report(since)
+
+    def _report(self, since: int) -> dict:
         return {
             "status": self.status.value,
             "error": self.error,
@@ -170,7 +198,7 @@ class Coordinator:
             if not done:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
-        return await self.poll(self.start_step)
+        return self._report(self.start_step)
 
     async def inject(self, kind: str, rank: int, at_step: int) -> None:
         """A fault drill: `kind` happens to `rank` when it starts step `at_step` (or the first step after)."""
@@ -190,8 +218,11 @@ class Coordinator:
         outcome = Event.FINISHED
         try:
             self._set_state(Event.RESOURCES_READY)
-            await self._start_workers()
-            await self._load(self.storage.resume)
+            if self.restarted:
+                await self._recover_from_own_death()
+            else:
+                await self._start_workers()
+                await self._load(self.storage.resume)
             while True:
                 try:
                     await self._train()
@@ -245,20 +276,10 @@ class Coordinator:
         rendezvous anew and loads the latest checkpoint (else the resume point, else the initial weights),
         and training goes on after it."""
         self._set_state(Event.FAILURE)
-        self._failed_at = time.time()
-        found = checkpoint.latest_valid(Path(self.storage.checkpoint_root))
-        restore = (str(found.directory), found.step) if found else self.storage.resume
-        restore_step = restore[1] if restore else 0
-        done = self.metrics[-1]["step"] + 1 if self.metrics else self.start_step
         blamed = list(failure.blamed)
-        self.events.append({
-            "time": self._failed_at, "kind": "failure", "cause": str(failure), "ranks": blamed,
-            "waited_s": self._failed_at - self._step_started,
-            "nodes": sorted({self._rank_info(r).get("node", "") for r in blamed}), "step": done,
-            "steps_lost": max(0, done - restore_step), "restore_step": restore_step, "failure": len(self.causes),
-        })
-        log.warning("job %s: failure %d (%s); recovering from step %d", self.job_id, len(self.causes),
-                    str(failure).splitlines()[0], restore_step)
+        restore = self._failure_event(str(failure), time.time(), time.time() - self._step_started, blamed,
+                                      sorted({self._rank_info(r).get("node", "") for r in blamed}),
+                                      self.metrics[-1]["step"] + 1 if self.metrics else self.start_step)
         for ref in self._upcoming:  # the step queued ahead: not to run on the ranks kept
             try:
                 ray.cancel(ref)
@@ -278,9 +299,45 @@ class Coordinator:
                 self.workers[rank] = None
         await self._start_workers()
         await self._load(restore)
-        self.metrics = [row for row in self.metrics if row["step"] < restore_step]
-        self.start_step = restore_step
+        self.metrics = [row for row in self.metrics if row["step"] < self.start_step]
         self._set_state(Event.RECOVERED)
+
+    async def _recover_from_own_death(self) -> None:
+        """The first thing a restarted coordinator does: its workers died with its old process (their owner),
+        so every rank is new; the latest checkpoint is where it goes on from."""
+        self._set_state(Event.FAILURE)
+        cause = (f"the coordinator died (its process exited after step {self._last_step}; Ray restarted it, "
+                 f"restart {len(self.causes) + 1} of fault.max_failures={self.plan.config.fault.max_failures})")
+        self.causes.append(cause)
+        if len(self.causes) > self.plan.config.fault.max_failures:
+            raise StepFailed(self._all_causes())
+        restore = self._failure_event(cause, self._last_alive, time.time() - self._last_alive, [], [],
+                                      self._last_step)
+        self.metrics = [row for row in self.metrics if row["step"] < self.start_step]
+        await self._start_workers()
+        await self._load(restore)
+        self._set_state(Event.RECOVERED)
+
+    def _failure_event(self, cause: str, failed_at: float, waited_s: float, ranks: list[int], nodes: list[str],
+                       step: int) -> tuple[str, int] | None:
+        """Record a failure at `step` and choose where to go on from: the latest valid checkpoint, else the
+        resume point, else the start. Recovery time counts from `failed_at`."""
+        found = checkpoint.latest_valid(Path(self.storage.checkpoint_root))
+        restore = (str(found.directory), found.step) if found else self.storage.resume
+        restore_step = restore[1] if restore else 0
+        self._failed_at, self.start_step = failed_at, restore_step
+        self.events.append({
+            "time": failed_at, "kind": "failure", "cause": cause, "ranks": ranks, "waited_s": waited_s,
+            "nodes": nodes, "step": step, "steps_lost": max(0, step - restore_step), "restore_step": restore_step,
+            "failure": len(self.causes),
+        })
+        self._write_journal()
+        log.warning("job %s: failure %d (%s); recovering from step %d", self.job_id, len(self.causes),
+                    cause.splitlines()[0], restore_step)
+        return restore
+
+    def _write_journal(self) -> None:
+        write_journal(Path(self.storage.checkpoint_root), {"events": self.events, "causes": self.causes})
 
     def _all_causes(self) -> str:
         if len(self.causes) == 1:
@@ -315,6 +372,9 @@ class Coordinator:
         start, refs = time.perf_counter(), submit(done)
         self._step_started = time.time()
         for step in range(self.start_step, cfg.steps):
+            if self._drill_kills_coordinator(step):
+                log.warning("job %s: fault drill kill_coordinator at step %d", self.job_id, step)
+                os._exit(17)
             # Queue step + 1 before waiting for step: a worker runs its calls in order and starts the next
             # step the moment it finishes this one, so the round trip to the coordinator (results back,
             # next call out) is off the critical path. At most one step is queued ahead; a stop request
@@ -334,10 +394,14 @@ class Coordinator:
         await self._finish_training(done, saved=saves_after(done - 1))
 
     def _drills_at(self, step: int) -> dict[int, str]:
-        """The drills due at `step`, by rank; each runs once."""
-        due = [d for d in self.drills if d["at_step"] <= step]
-        self.drills = [d for d in self.drills if d["at_step"] > step]
+        """The workers' drills due at `step`, by rank; each runs once."""
+        due = [d for d in self.drills if d["at_step"] <= step and d["kind"] != "kill_coordinator"]
+        self.drills = [d for d in self.drills if d not in due]
         return {d["rank"]: d["kind"] for d in due}
+
+    def _drill_kills_coordinator(self, step: int) -> bool:
+        """A kill_coordinator drill is due as the coordinator waits for `step` (its restart has no drills)."""
+        return any(d["kind"] == "kill_coordinator" and d["at_step"] <= step for d in self.drills)
 
     def _step_deadline(self) -> float:
         """How long a step may take before it counts as hung: hang_factor x the median of the recent steps
@@ -361,6 +425,7 @@ class Coordinator:
         log.info("job %s: model after step %d exported to %s", self.job_id, steps_done, path)
 
     def _record(self, step: int, results: list[dict], elapsed: float, tokens: int) -> None:
+        events_before = len(self.events)
         last = next(r for r in results if r["loss"] is not None)
         row = {
             "step": step,
@@ -390,6 +455,9 @@ class Coordinator:
                                 "recovery_s": now - self._failed_at, "failure": len(self.causes)})
             self._failed_at = None
         self.metrics.append(row)
+        append_metrics_log(Path(self.storage.checkpoint_root), row)
+        if len(self.events) != events_before:
+            self._write_journal()
         for key, gauge in _GAUGES.items():
             gauge.set(row[key] if key != "step" else step + 1, tags={"job_id": self.job_id})
         for key, gauge in _STAGE_GAUGES.items():
@@ -470,6 +538,57 @@ class Coordinator:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
+
+
+def _was_restarted() -> bool:
+    with warnings.catch_warnings():  # Ray marks the property deprecated but offers no replacement for it
+        warnings.simplefilter("ignore")
+        return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def read_journal(root: Path) -> dict:
+    try:
+        return json.loads((root / JOURNAL).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_journal(root: Path, state: dict) -> None:
+    """Replace the journal atomically (a crash mid-write leaves the previous one)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{JOURNAL}.tmp"
+    tmp.write_text(json.dumps(state))
+    tmp.replace(root / JOURNAL)
+
+
+def append_metrics_log(root: Path, row: dict) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / METRICS_LOG).open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_metrics_log(root: Path) -> list[dict]:
+    """The last row written for each step, in step order (a step run again after a recovery wrote it again;
+    a line cut short by a crash is skipped)."""
+    rows: dict[int, dict] = {}
+    try:
+        lines = (root / METRICS_LOG).read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        rows[row["step"]] = row
+    return [rows[step] for step in sorted(rows)]
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
 
 
 def pipeline_metrics(results: list[dict]) -> dict:

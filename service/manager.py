@@ -225,8 +225,6 @@ class JobManager:
         workers = world.dp * world.pp * world.tp
         if rank >= workers:
             raise RankNotFound(f"job {job_id} has no rank {rank}; its ranks are 0 to {workers - 1}")
-        if kind == "kill_coordinator":
-            raise JobConflict("kill_coordinator drills come with coordinator restarts, which are not built yet")
         ray.get(coordinator.inject.remote(kind, rank, at_step), timeout=30)
         return {"job_id": job_id, "kind": kind, "rank": rank, "at_step": at_step}
 
@@ -310,7 +308,10 @@ class JobManager:
             if not self.store.claim(job.job_id):  # stopped or deleted while the group was reserved
                 remove_placement_group(pg)
                 return True
-            coordinator = Coordinator.options(name=coordinator_name(job.job_id)).remote(job.job_id, plan, pg, storage)
+            # Ray restarts a coordinator whose process dies, as often as the job may fail (see actors.coordinator).
+            coordinator = Coordinator.options(name=coordinator_name(job.job_id),
+                                              max_restarts=config.fault.max_failures).remote(
+                job.job_id, plan, pg, storage)
             self._coordinators[job.job_id] = coordinator
             self._placement_groups[job.job_id] = pg
         coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
@@ -337,6 +338,9 @@ class JobManager:
     def _take_report(self, job_id: str, ref: ray.ObjectRef) -> None:
         try:
             report = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:  # its process died and Ray is starting it again
+            self.store.update(job_id, status=JobStatus.RECOVERING)
+            return
         except ray.exceptions.RayActorError as e:
             self._finish(job_id, JobStatus.FAILED, f"the job's coordinator died: {e}")
             return

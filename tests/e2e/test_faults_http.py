@@ -1,7 +1,7 @@
 """Lose a worker, lose nothing, through the real service (uvicorn, Ray, gloo): fault drills kill or hang a
-rank of a (dp=2, pp=2) job that checkpoints every three steps; the job recovers from its latest checkpoint
-and ends SUCCEEDED with losses and final weights bit-identical to an uninterrupted run, and its events list
-the failure and the recovery time."""
+rank of a (dp=2, pp=2) job that checkpoints every three steps, or kill its coordinator; the job recovers from
+its latest checkpoint and ends SUCCEEDED with losses and final weights bit-identical to an uninterrupted
+run, and its events list the failure and the recovery time."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from service.client import ApiError
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3},
                  parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 3})
-DRILLS = {"kill": ("kill_worker", 1), "hang": ("hang_worker", 2)}
+DRILLS = {"kill": ("kill_worker", 1), "hang": ("hang_worker", 2), "coordinator": ("kill_coordinator", 0)}
 
 
 def _run(client, drill: tuple[str, int] | None) -> tuple[dict, list[dict]]:
@@ -56,12 +56,15 @@ def test_events_list_the_failure_and_the_recovery_time(runs, drill, client):
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert len(failures) == 1 and len(recovered) == 1
     failure = failures[0]
-    assert failure["ranks"] == [DRILLS[drill][1]] or drill == "hang"  # a hang also stalls the ranks waiting on it
-    assert DRILLS[drill][1] in failure["ranks"]
+    if drill == "coordinator":  # no rank failed; all died with the coordinator that owned them
+        assert failure["ranks"] == [] and "the coordinator died" in failure["cause"]
+    else:
+        assert failure["ranks"] == [DRILLS[drill][1]] or drill == "hang"  # a hang also stalls the ranks on it
+        assert DRILLS[drill][1] in failure["ranks"]
     # The rank fails as it starts step 4; its peers may notice while they finish step 3 (then no step is lost).
     assert failure["restore_step"] == 3 and failure["step"] in (3, 4)
     assert failure["steps_lost"] == failure["step"] - 3
-    assert ("died" if drill == "kill" else "hung") in failure["cause"]
+    assert ("hung" if drill == "hang" else "died") in failure["cause"]
     assert 0 < recovered[0]["recovery_s"] < 120
     assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3, 6]
 
