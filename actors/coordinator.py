@@ -145,14 +145,17 @@ class Coordinator:
         self.causes: list[str] = []
         self.restarted = _was_restarted()
         """Ray restarted this actor after its process died: the job recovers from its journal."""
-        self.metrics: list[dict] = []
+        # What an earlier coordinator of this job recorded that the service may not have seen: the rows of the
+        # steps before the one this starts from, and events (e.g. checkpoints written after the last poll).
+        root = Path(storage.checkpoint_root)
+        journal, self.metrics = read_journal(root), read_metrics_log(root)
+        self.events = merge_events(self.events, journal.get("events", []))
         if self.restarted:
-            root = Path(storage.checkpoint_root)
-            journal = read_journal(root)
-            self.events, self.causes = journal.get("events", self.events), journal.get("causes", [])
-            self.metrics = read_metrics_log(root)
+            self.causes = journal.get("causes", [])
             self._last_step = self.metrics[-1]["step"] + 1 if self.metrics else self.start_step
             self._last_alive = _mtime(root / METRICS_LOG) or time.time()
+        else:
+            self.metrics = [row for row in self.metrics if row["step"] < self.start_step]
         self.drills: list[dict] = []
         """Fault drills still to run: kind, rank, at_step."""
         self._failed_at: float | None = None
@@ -203,6 +206,11 @@ class Coordinator:
     async def inject(self, kind: str, rank: int, at_step: int) -> None:
         """A fault drill: `kind` happens to `rank` when it starts step `at_step` (or the first step after)."""
         self.drills.append({"kind": kind, "rank": rank, "at_step": at_step})
+
+    async def add_event(self, event: dict) -> None:
+        """An event the service saw (e.g. it reattached to this job after a restart)."""
+        self.events.append(event)
+        self._write_journal()
 
     def actor_names(self) -> list[str]:
         return [coordinator_name(self.job_id)] + [
@@ -559,6 +567,12 @@ def write_journal(root: Path, state: dict) -> None:
     tmp = root / f"{JOURNAL}.tmp"
     tmp.write_text(json.dumps(state))
     tmp.replace(root / JOURNAL)
+
+
+def merge_events(*lists: list[dict]) -> list[dict]:
+    """The events of every list, each once, oldest first."""
+    unique = {(e["time"], e["kind"]): e for events in lists for e in events}
+    return [unique[key] for key in sorted(unique)]
 
 
 def append_metrics_log(root: Path, row: dict) -> None:

@@ -10,13 +10,16 @@
   placement group removed.
 - Neither thread dies with one job: an exception in one job's handling is logged and fails that job.
 - `logs` reads a rank's log through Ray's log API (`service.logs`), also after the job ended.
-- On start-up, queued jobs stay queued; jobs the store still shows as running belong to a service that is
-  gone (killed): they are queued again and go on from their latest checkpoint. At shutdown, live jobs write
-  a final checkpoint and are queued again the same way.
+- Jobs outlive the service. On a cluster the service joined (`detach_jobs`), coordinators and placement
+  groups are detached Ray objects: shutdown leaves them running, and the next start reattaches to every
+  coordinator still alive. On the embedded cluster, which goes down with the service, shutdown has live
+  jobs write a final checkpoint and queues them again; jobs the store shows as running with no coordinator
+  left (the service was killed) are queued again too; each goes on from its latest checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
@@ -57,10 +60,13 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 class JobManager:
     def __init__(self, store: JobStore, dashboard_url: str | None = None, poll_interval_s: float = 0.5,
-                 max_queued: int = 1000, admit: bool = True, data_dir: Path | None = None):
+                 max_queued: int = 1000, admit: bool = True, data_dir: Path | None = None,
+                 detach_jobs: bool = False):
         """`admit=False` keeps every job waiting (maintenance, and the API fuzz test). `data_dir` holds the
-        jobs' checkpoints and trained models (default: beside the store)."""
+        jobs' checkpoints and trained models (default: beside the store). `detach_jobs`: the cluster outlives
+        the service, and so do its jobs (see the module docstring)."""
         self.store = store
+        self.detach_jobs = detach_jobs
         self.data_dir = data_dir or store.path.parent
         self.dashboard_url = dashboard_url
         self.poll_interval_s = poll_interval_s
@@ -241,14 +247,17 @@ class JobManager:
             shutil.rmtree(self.checkpoint_root(job_id, config), ignore_errors=True)
 
     def shutdown(self) -> None:
-        """Stop admitting and following, and stop every live job within a few seconds. Waiting jobs stay
-        queued in the store for the next start."""
+        """Stop admitting and following. Live jobs go on (detached), or checkpoint and are queued again within
+        a few seconds. Waiting jobs stay queued in the store for the next start."""
         self._stopping.set()
         self._wake.set()
         for thread in self._threads:
             thread.join(timeout=RESERVE_TIMEOUT_S + 5)
         with self._lock:
             live = dict(self._coordinators)
+        if self.detach_jobs:
+            log.info("%d live jobs go on without the service; the next start reattaches to them", len(live))
+            return
         # The jobs are not over: each writes a final checkpoint and goes back into the queue, to go on from it
         # when the service comes back.
         stops = {job_id: coordinator.stop.remote(suspend=True) for job_id, coordinator in live.items()}
@@ -300,7 +309,9 @@ class JobManager:
         except RuleError as e:  # e.g. the cluster lost nodes since the job was queued
             self._finish(job.job_id, JobStatus.FAILED, f"the job can no longer run on this cluster: {e}")
             return True
-        pg = placement_group(plan.bundles(), strategy="PACK", name=placement_group_name(job.job_id))
+        lifetime = "detached" if self.detach_jobs else None
+        pg = placement_group(plan.bundles(), strategy="PACK", name=placement_group_name(job.job_id),
+                             lifetime=lifetime)
         if not pg.wait(RESERVE_TIMEOUT_S):
             remove_placement_group(pg)
             return False
@@ -309,7 +320,7 @@ class JobManager:
                 remove_placement_group(pg)
                 return True
             # Ray restarts a coordinator whose process dies, as often as the job may fail (see actors.coordinator).
-            coordinator = Coordinator.options(name=coordinator_name(job.job_id),
+            coordinator = Coordinator.options(name=coordinator_name(job.job_id), lifetime=lifetime,
                                               max_restarts=config.fault.max_failures).remote(
                 job.job_id, plan, pg, storage)
             self._coordinators[job.job_id] = coordinator
@@ -385,12 +396,30 @@ class JobManager:
     def _reconcile(self) -> None:
         for job in self.store.list():
             if job.status is JobStatus.PENDING and job.admitted_at is not None:
-                self.store.requeue(job.job_id)  # admitted but never started: its reservation died with Ray
-            elif not job.status.is_terminal and job.status is not JobStatus.PENDING:
+                # Admitted but never started: its reservation died with Ray, or (detached) is given back here.
+                with contextlib.suppress(Exception):
+                    remove_placement_group(ray.util.get_placement_group(placement_group_name(job.job_id)))
+                self.store.requeue(job.job_id)
+            elif not job.status.is_terminal and job.status is not JobStatus.PENDING and not self._reattach(job):
                 # The service went down without stopping it (killed): it goes on from its latest checkpoint.
                 self.store.interrupt(job.job_id, {"time": time.time(), "kind": "interrupted",
                                                   "cause": "the service stopped while the job ran; it goes on "
                                                            "from its latest checkpoint"})
+
+
+    def _reattach(self, job: JobRecord) -> bool:
+        """Follow a job whose coordinator outlived the previous service (a joined cluster); False if none."""
+        try:
+            coordinator = ray.get_actor(coordinator_name(job.job_id))
+            pg = ray.util.get_placement_group(placement_group_name(job.job_id))
+            ray.get(coordinator.add_event.remote({"time": time.time(), "kind": "reattached",
+                                                  "cause": "the service came back and follows the job again"}),
+                    timeout=30)
+        except Exception:  # noqa: BLE001 - gone (ValueError), or dead: the job is relaunched instead
+            return False
+        self._coordinators[job.job_id], self._placement_groups[job.job_id] = coordinator, pg
+        log.info("job %s: reattached to its running coordinator", job.job_id)
+        return True
 
 
 def _differences(a: dict, b: dict, sections: tuple[str, ...]) -> list[str]:

@@ -4,6 +4,12 @@ The embedded cluster advertises more logical CPUs than the machine has cores (at
 `MIN_EMBEDDED_CPUS`): a laptop can then run a dp=4 CPU job on two cores. Ray CPUs are a scheduling
 token here, not a promise of a free core; each worker still sets its torch thread count from its request.
 
+A service that is killed (SIGKILL, OOM) leaves its embedded Ray's daemons (GCS, raylet, dashboard, and the
+workers under them) behind as orphans that hold memory and ports. So the service records their process ids
+in its state directory once Ray is up (`record_embedded_processes`), and the next start kills whatever of
+them still runs (`remove_orphans`) before it starts a new cluster. Processes are read from /proc (Linux);
+elsewhere this is skipped. Each is known by pid and start time, so a reused pid is never killed.
+
 The embedded cluster also starts its workers at nice 0 (`RAY_worker_niceness`, which Ray Jobs sets for
 its drivers too) instead of Ray's default 15: the workers are the training, and at nice 15 they lose the
 cores to the raylet, GCS, dashboard and API server of the same machine. A cluster that is joined keeps
@@ -12,13 +18,19 @@ its own setting.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
 from actors.naming import NAMESPACE
 from parallel.plan import ClusterResources, NodeResources
+
+log = logging.getLogger("trainyard.ray")
 
 MIN_EMBEDDED_CPUS = 8
 
@@ -103,3 +115,62 @@ def _url(address: str | None) -> str | None:
     if not address:
         return None
     return address if address.startswith("http") else f"http://{address}"
+
+
+def record_embedded_processes(path: Path) -> None:
+    """Write this process's id and its descendants' (the embedded Ray) to `path`, each with its start time."""
+    me = os.getpid()
+    processes = [(pid, _start_time(pid)) for pid in [me, *descendants(me)]]
+    path.write_text(json.dumps({"owner": processes[0], "processes": processes[1:]}))
+
+
+def remove_orphans(path: Path) -> list[int]:
+    """Kill the processes (and their descendants) that a service which died without cleaning up recorded in
+    `path`; nothing if that service still runs. Returns the pids killed."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    owner, created = recorded["owner"]
+    if _start_time(owner) == created:
+        return []  # the service that wrote it still runs: not orphans
+    victims = {pid for pid, started in recorded["processes"] if _start_time(pid) == started}
+    victims |= {child for pid in victims for child in descendants(pid)}
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    path.unlink(missing_ok=True)
+    if victims:
+        log.warning("killed %d processes left behind by a service that was killed (its embedded Ray)", len(victims))
+    return sorted(victims)
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (/proc/PID/stat field 22), None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]) if fields[0] != "Z" else None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found

@@ -1,7 +1,8 @@
 """`trainyard serve`: start (or join) Ray, open the store, and serve the API with uvicorn until a signal.
 
-Shutdown (SIGTERM or SIGINT) takes seconds and exits 0: stop answering requests, checkpoint every live job
-and queue it again (with the waiting jobs, for the next start), then shut the embedded Ray down.
+Shutdown (SIGTERM or SIGINT) takes seconds and exits 0: stop answering requests; on the embedded cluster,
+checkpoint every live job and queue it again (with the waiting jobs, for the next start), then shut Ray
+down; on a joined cluster, leave the live jobs running for the next start to reattach to.
 The signals are ours, not uvicorn's: uvicorn re-raises a caught signal once it has stopped, into the
 handler `ray.init` installed, which kills the embedded cluster and exits 1 before the jobs are stopped
 (their coordinators then cannot answer, and the process hangs on Ray's reconnect timeout).
@@ -22,7 +23,7 @@ import uvicorn
 from api.app import create_app
 from service import state_dir as sd
 from service.manager import JobManager
-from service.ray_runtime import connect
+from service.ray_runtime import connect, record_embedded_processes, remove_orphans
 from service.store import JobStore
 
 log = logging.getLogger("trainyard.server")
@@ -59,8 +60,14 @@ def serve(host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | Non
     _check_port_free(host, port)  # before Ray starts: a taken port is an error in milliseconds, not seconds
     directory = sd.resolve(state_dir)
     token = sd.load_or_create_token(directory)
+    processes = directory / "ray-processes.json"
+    if not ray_address:
+        remove_orphans(processes)  # what a killed service's embedded Ray left behind
     info = connect(address=ray_address, num_cpus=num_cpus)
-    manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url, max_queued=max_queued)
+    if info.embedded:
+        record_embedded_processes(processes)
+    manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url, max_queued=max_queued,
+                         detach_jobs=not info.embedded)
     app = create_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=GRACEFUL_HTTP_S))
@@ -82,6 +89,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | Non
         manager.store.close()
         if info.embedded:
             ray.shutdown()
+            processes.unlink(missing_ok=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         log.info("trainyard stopped")

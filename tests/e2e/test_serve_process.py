@@ -1,7 +1,8 @@
 """`trainyard serve` as a real process: SIGTERM stops it in seconds, exit code 0, its live jobs checkpointed
 and queued again (with its waiting jobs), and none of its processes (the embedded Ray included) left behind.
 Jobs outlive their service: after SIGTERM or SIGKILL and a new start, a job goes on from its latest
-checkpoint and ends with the losses of a run that was never interrupted."""
+checkpoint (embedded Ray) or is reattached to (a joined cluster), and ends with the losses and weights of a
+run that was never interrupted."""
 
 from __future__ import annotations
 
@@ -12,30 +13,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ray
+import torch
 from helpers import REPO, tiny_spec, wait_for
+from safetensors.torch import load_file
 
+from parallel.export import MODEL_FILE
 from service.client import ApiError, Client
 from service.demo import wait_ready
+from service.ray_runtime import descendants
 from service.store import JobStore
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid`, from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -47,12 +34,12 @@ def alive(pid: int) -> bool:
 
 
 def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple[subprocess.Popen, Client]:
-    """`trainyard serve` in a subprocess on a free port: an embedded Ray (3 CPUs), or joining `ray_address`."""
+    """`trainyard serve` in a subprocess on a free port: an embedded Ray (4 CPUs), or joining `ray_address`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # tests only: the product keeps Ray's token auth on
-    where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", "3"]
+    where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", "4"]
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve", "--port",
                              str(port), *where], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -85,11 +72,36 @@ def test_sigterm_queues_live_jobs_again_keeps_waiting_ones_and_leaves_no_process
     assert store.get(waiting).queued
 
 
-SURVIVOR = tiny_spec(model={"n_layer": 4}, steps=150, checkpoint={"every": 10}, name="survivor")
+SURVIVOR = tiny_spec(model={"n_layer": 4}, steps=120, checkpoint={"every": 10}, name="survivor",
+                     parallel={"dp": 2, "pp": 2, "microbatches": 2})
 
 
 def _losses(client: Client, job_id: str) -> list[float]:
     return [r["loss"] for r in client.metrics(job_id)]
+
+
+def _weights(client: Client, job_id: str, where: Path) -> dict:
+    return load_file(str(client.download_model(job_id, where / f"{job_id}-{MODEL_FILE}")))
+
+
+def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, client: Client,
+                   ray_address: str | None = None) -> tuple[subprocess.Popen, Client, dict]:
+    """SIGTERM the service once the job made 15 more steps, start it again, SIGKILL it 15 steps later, start it
+    again; returns the new service and the job once it ended."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        running, past = client, client.job(job_id)["step"] + 15
+        wait_for(lambda c=running, p=past: c.job(job_id)["step"] >= p, 300, f"the job to pass step {past}")
+        ours = descendants(proc.pid)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+        running.close()
+        # After SIGKILL, the embedded Ray's daemons are orphans until the next start removes them.
+        proc, client = start_serve(state, log, ray_address)
+        wait_for(lambda o=ours: not any(alive(p) for p in o), 60, "the old service's processes to exit")
+    job = wait_for(lambda: (j := client.job(job_id))["status"] in ("SUCCEEDED", "FAILED") and j, 300,
+                   "the job to finish after two restarts")
+    assert job["status"] == "SUCCEEDED", job["error"]
+    return proc, client, job
 
 
 def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
@@ -99,28 +111,34 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
         reference = client.submit(SURVIVOR)
         wait_for(lambda: client.job(reference)["status"] == "SUCCEEDED", 300, "the uninterrupted run")
         job_id = client.submit(SURVIVOR)
-        for sig, past in ((signal.SIGTERM, 25), (signal.SIGKILL, 60)):  # each well before the end
-            running = client
-            wait_for(lambda c=running, p=past: c.job(job_id)["step"] >= p, 300, f"the job to pass step {past}")
-            ours = descendants(proc.pid)
-            proc.send_signal(sig)
-            proc.wait(timeout=120)
-            running.close()
-            if sig == signal.SIGKILL:
-                # No cleanup ran: the job's coordinator and workers die with their owner, but the embedded Ray's
-                # own daemons stay behind as orphans. A real crash leaves them too; here they go, as an operator
-                # (or the node's reboot) would remove them. TODO(issue 22): the service removes them at start.
-                for pid in ours:
-                    if alive(pid):
-                        os.kill(pid, signal.SIGKILL)
-            wait_for(lambda o=ours: not any(alive(p) for p in o), 60, "the old service's processes to exit")
-            proc, client = start_serve(state, log)
-        job = wait_for(lambda: (j := client.job(job_id))["status"] in ("SUCCEEDED", "FAILED") and j, 300,
-                       "the job to finish after two restarts")
-        assert job["status"] == "SUCCEEDED", job["error"]
+        proc, client, job = _restart_twice(state, log, job_id, proc, client)
         assert _losses(client, job_id) == _losses(client, reference)
+        ours, theirs = _weights(client, job_id, tmp_path), _weights(client, reference, tmp_path)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
         kinds = [e["kind"] for e in client._call("GET", f"/api/jobs/{job_id}/events")]
         assert kinds.count("interrupted") == 2, client._call("GET", f"/api/jobs/{job_id}/events")
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+
+
+def test_on_a_joined_cluster_the_service_reattaches_to_the_running_job(ray_session, tmp_path):
+    """The cluster outlives the service: through SIGTERM and SIGKILL the same workers train on, and the
+    service that comes back follows them again (every step's row kept, the one run's losses)."""
+    state, log = tmp_path / "state", tmp_path / "serve.log"
+    proc, client = start_serve(state, log, ray.get_runtime_context().gcs_address)
+    spec = {**SURVIVOR, "steps": 400}  # it trains on while the service restarts: it must not end before
+    try:
+        job_id = client.submit(spec)
+        wait_for(lambda: client.job(job_id)["ranks"], 120, "the job's workers")
+        workers = [r["actor_id"] for r in client.job(job_id)["ranks"]]
+        proc, client, job = _restart_twice(state, log, job_id, proc, client, ray.get_runtime_context().gcs_address)
+        assert [r["actor_id"] for r in job["ranks"]] == workers  # the same actors all along
+        assert [r["step"] for r in client.metrics(job_id)] == list(range(spec["steps"]))
+        kinds = [e["kind"] for e in client._call("GET", f"/api/jobs/{job_id}/events")]
+        assert kinds.count("reattached") == 2 and "interrupted" not in kinds and "failure" not in kinds
     finally:
         client.close()
         if proc.poll() is None:
