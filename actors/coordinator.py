@@ -44,10 +44,10 @@ from pathlib import Path
 
 import ray
 from ray.util.metrics import Gauge
-from ray.util.placement_group import PlacementGroup
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.naming import coordinator_name, worker_name
+from actors.naming import coordinator_name, placement_group_name, worker_name
 from actors.state import Event, JobStatus, next_state
 from actors.worker import Worker
 from api.spec import spec_to_dict
@@ -55,7 +55,7 @@ from parallel import checkpoint
 from parallel.config import JobConfig
 from parallel.data import global_batch_ids, open_dataset, rank_share
 from parallel.export import export_model
-from parallel.plan import Plan
+from parallel.plan import Plan, can_move_in_memory, make_plan, resized
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -97,6 +97,8 @@ HANG_MIN_STEPS = 3
 """Steps recorded before the hang detector trusts their median (the first steps include warm-up)."""
 JOURNAL, METRICS_LOG = "coordinator.json", "metrics.jsonl"
 """The coordinator's state that outlives its process, in the job's checkpoint directory."""
+GROW_RESERVE_S = 10.0
+"""How long a resize that adds ranks waits for their resources before it is refused."""
 DEATH_GRACE_S = 5.0
 """After a rank fails, how long to wait for the other ranks' results of the same call, so that a rank
 whose process died is found among them (Ray reports a death a moment after the peers see broken pipes)."""
@@ -168,6 +170,15 @@ class Coordinator:
         self.ranks: list[dict] = []
         """Where each rank runs (rank, name, node, pid, device), once the workers are set up."""
         self._task: asyncio.Task | None = None
+        self.slots: dict[tuple[int, int], tuple[PlacementGroup, int]] = {
+            (plan.coords(r).pp, plan.coords(r).dp): (pg, plan.bundle_of(r)) for r in range(plan.world_size)}
+        """Where each tensor-parallel group (pp, dp) runs: a placement group and its bundle."""
+        self.spare: list[tuple[PlacementGroup, int]] = []
+        """Reserved bundles no rank uses (after a shrink, or reserved for a growth under way)."""
+        self.grown: list[PlacementGroup] = []
+        """Placement groups this coordinator reserved to grow (the admitted one is the service's)."""
+        self._resize_to: tuple[Plan, str, float] | None = None
+        """A resize to do at the next step boundary: the new plan, why, when it was asked for."""
 
     async def start(self) -> None:
         if self._task is None:
@@ -203,6 +214,22 @@ class Coordinator:
                 await asyncio.gather(self._task, return_exceptions=True)
         return self._report(self.start_step)
 
+    async def scale(self, dp: int, reason: str = "request") -> dict:
+        """Go to `dp` data-parallel replicas at the next step boundary (see `_resize`); the resources of added
+        ranks are reserved first. Returns the new layout, or why the resize is refused now."""
+        if self.status is not JobStatus.RUNNING or self._resize_to is not None:
+            state = "resizing already" if self._resize_to is not None else str(self.status)
+            return {"refused": f"job {self.job_id} is {state}; only a RUNNING job can be resized"}
+        new = make_plan(resized(self.plan.config, dp))
+        layout = {"dp": new.dp, "microbatches": new.microbatches, "world_size": new.world_size}
+        if dp == self.plan.dp:
+            return layout
+        problem = await self._reserve(sum(1 for key in self._keys(new) if key not in self.slots))
+        if problem:
+            return {"refused": problem}
+        self._resize_to = (new, reason, time.time())
+        return layout
+
     async def inject(self, kind: str, rank: int, at_step: int) -> None:
         """A fault drill: `kind` happens to `rank` when it starts step `at_step` (or the first step after)."""
         self.drills.append({"kind": kind, "rank": rank, "at_step": at_step})
@@ -234,7 +261,9 @@ class Coordinator:
             while True:
                 try:
                     await self._train()
-                    break
+                    if self._resize_to is None or self.start_step >= self.plan.config.steps or self._stop_requested:
+                        break
+                    await self._resize()
                 except StepFailed as failure:
                     self.causes.append(str(failure))
                     if len(self.causes) > self.plan.config.fault.max_failures or self._stop_requested:
@@ -251,25 +280,116 @@ class Coordinator:
             self._release()
             self._set_state(outcome)
 
-    def _new_worker(self, rank: int):
+    async def _new_worker(self, rank: int):
         plan = self.plan
-        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=plan.bundle_of(rank))
-        return Worker.options(
-            name=worker_name(self.job_id, plan.worker_name(rank)),
-            num_cpus=plan.cpus_per_worker,
-            num_gpus=plan.gpus_per_worker,
-            scheduling_strategy=strategy,
-        ).remote(self.job_id, rank, int(plan.cpus_per_worker))
+        c = plan.coords(rank)
+        pg, bundle = self.slots[(c.pp, c.dp)]
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+        options = {"name": worker_name(self.job_id, plan.worker_name(rank)), "num_cpus": plan.cpus_per_worker,
+                   "num_gpus": plan.gpus_per_worker, "scheduling_strategy": strategy}
+        for _ in range(50):  # the name of a rank just killed (a shrink, a recovery) is free a moment later
+            try:
+                return Worker.options(**options).remote(self.job_id, rank, int(plan.cpus_per_worker))
+            except ValueError:
+                await asyncio.sleep(0.1)
+        return Worker.options(**options).remote(self.job_id, rank, int(plan.cpus_per_worker))
 
     async def _start_workers(self) -> None:
         """Create a worker for every rank that has none, then rendezvous and set every rank up."""
         plan = self.plan
         self.workers = [self.workers[r] if r < len(self.workers) and self.workers[r] is not None
-                        else self._new_worker(r) for r in range(plan.world_size)]
+                        else await self._new_worker(r) for r in range(plan.world_size)]
         timeout = plan.config.fault.step_timeout_s
         addr, port = (await self._call_all([self.workers[0].address.remote()], "rendezvous", timeout))[0]
-        setups = await self._call_all([w.setup.remote(plan, addr, port) for w in self.workers], "setup", timeout)
+        setups = await self._call_all([w.setup.remote(plan, addr, port, r) for r, w in enumerate(self.workers)],
+                                      "setup", timeout)
         self.ranks = [{**info, "name": plan.worker_name(info["rank"])} for info in setups]
+
+    @staticmethod
+    def _keys(plan: Plan) -> set[tuple[int, int]]:
+        return {(plan.coords(r).pp, plan.coords(r).dp) for r in range(plan.world_size)}
+
+    async def _reserve(self, count: int) -> str | None:
+        """Make sure `count` spare bundles exist, reserving a placement group for the missing ones; None when
+        they do, else why not."""
+        missing = count - len(self.spare)
+        if missing <= 0:
+            return None
+        pg = placement_group([dict(self.plan.gang.bundle) for _ in range(missing)], strategy="PACK",
+                             name=f"{placement_group_name(self.job_id)}-grow{len(self.grown)}", lifetime="detached")
+        try:
+            await asyncio.wait_for(pg.ready(), GROW_RESERVE_S)
+        except (TimeoutError, ray.exceptions.RayError):
+            remove_placement_group(pg)
+            return (f"the cluster has no free resources for {missing} more groups of {self.plan.gang.bundle} "
+                    f"(waited {GROW_RESERVE_S:.0f} s)")
+        self.grown.append(pg)
+        self.spare += [(pg, i) for i in range(missing)]
+        return None
+
+    def _move_slots(self, new: Plan) -> None:
+        """Give the slots of the tensor-parallel groups `new` drops back, and take spare ones for those it adds;
+        a grown placement group none of whose bundles is in use any more is given back to Ray."""
+        keys = self._keys(new)
+        self.spare += [slot for key, slot in self.slots.items() if key not in keys]
+        self.slots = {key: slot for key, slot in self.slots.items() if key in keys}
+        for key in sorted(keys - set(self.slots)):
+            self.slots[key] = self.spare.pop(0)
+        for pg in list(self.grown):
+            if all(p is not pg for p, _ in self.slots.values()):
+                self.spare = [slot for slot in self.spare if slot[0] is not pg]
+                self.grown.remove(pg)
+                remove_placement_group(pg)
+
+    async def _resize(self) -> None:
+        """Go to the layout `scale` asked for, between two steps: ranks whose (pp, tp, dp) coordinates remain
+        keep their actor (and, when `can_move_in_memory`, their state: new ranks get it by broadcast from
+        data-parallel rank 0), removed ranks are killed, added ones created on their reserved bundles; every
+        rank joins new process groups. Otherwise the state goes through a checkpoint of this step."""
+        new, reason, asked = self._resize_to
+        self._resize_to = None
+        old, step, cfg = self.plan, self.start_step, self.plan.config
+        self._set_state(Event.RESIZE)
+        began, timeout = time.time(), cfg.fault.step_timeout_s
+        in_memory = can_move_in_memory(old, new)
+        kept = {r: new.rank_of(c.pp, c.tp, c.dp) for r in range(old.world_size) if (c := old.coords(r)).dp < new.dp}
+        if in_memory:
+            await self._call_all([self.workers[r].keep_state.remote() for r in kept], "keeping the state", timeout)
+        else:
+            root = self.storage.checkpoint_root
+            await self._call_all([w.final_checkpoint.remote(root, step, checkpoint_info(cfg), self._saved_at(step))
+                                  for w in self.workers], f"the checkpoint of step {step} for a resize", timeout)
+            await self._call_all([self.workers[r].reset.remote() for r in kept], "leaving the process groups",
+                                 timeout)
+        for rank, worker in enumerate(self.workers):
+            if rank not in kept:
+                ray.kill(worker, no_restart=True)
+        workers = [None] * new.world_size
+        for rank, new_rank in kept.items():
+            workers[new_rank] = self.workers[rank]
+        self.plan, self.workers = new, workers
+        self._move_slots(new)
+        await self._start_workers()
+        if in_memory:
+            grew = new.dp > old.dp
+            await self._call_all([w.adopt_state.remote(step, new.rank_of(new.coords(r).pp, new.coords(r).tp, 0)
+                                                       if grew else None) for r, w in enumerate(self.workers)],
+                                 "moving the state", timeout)
+        else:
+            await self._load((str(checkpoint.step_dir(Path(self.storage.checkpoint_root), step)), step))
+        layout = lambda p: {"dp": p.dp, "microbatches": p.microbatches, "world_size": p.world_size}  # noqa: E731
+        self.events.append({"time": began, "kind": "resize", "reason": reason, "step": step, "from": layout(old),
+                            "to": layout(new), "moved": "memory" if in_memory else "checkpoint",
+                            "paused_s": time.time() - began, "waited_s": began - asked})
+        self._write_journal()
+        log.info("job %s: resized dp %d -> %d at step %d (%s, state moved through %s)", self.job_id, old.dp,
+                 new.dp, step, reason, "memory" if in_memory else "a checkpoint")
+        self._set_state(Event.RESIZED)
+
+    def _saved_at(self, step: int) -> bool:
+        """Whether the step before `step` wrote the checkpoint of `step` already."""
+        cfg = self.plan.config
+        return cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0 and step < cfg.steps
 
     async def _load(self, point: tuple[str, int] | None) -> None:
         if point is None:
@@ -387,7 +507,8 @@ class Coordinator:
             # step the moment it finishes this one, so the round trip to the coordinator (results back,
             # next call out) is off the critical path. At most one step is queued ahead; a stop request
             # lets it finish, so the final checkpoint holds exactly the steps recorded.
-            upcoming = submit(step + 1) if step + 1 < cfg.steps and not self._stop_requested else []
+            ahead = step + 1 < cfg.steps and not self._stop_requested and self._resize_to is None
+            upcoming = submit(step + 1) if ahead else []
             self._upcoming = upcoming
             # A step that also saves or evaluates is not held to the hang detector's measure of plain steps.
             plain = not (saves_after(step) or evaluates(step))
@@ -399,6 +520,9 @@ class Coordinator:
             self._step_started = time.time()
             if not refs:
                 break
+        self.start_step = done
+        if self._resize_to is not None and done < cfg.steps and not self._stop_requested:
+            return  # to `_resize`, then back here with the new layout
         await self._finish_training(done, saved=saves_after(done - 1))
 
     def _drills_at(self, step: int) -> dict[int, str]:
@@ -541,11 +665,15 @@ class Coordinator:
         return self.ranks[rank] if rank < len(self.ranks) else {}
 
     def _release(self) -> None:
-        """Kill every rank (a peer blocked in a collective cannot outlive the job). The service removes the
-        placement group."""
+        """Kill every rank (a peer blocked in a collective cannot outlive the job) and give back the placement
+        groups reserved to grow. The service removes the admitted one."""
         for worker in self.workers:
-            ray.kill(worker, no_restart=True)
+            if worker is not None:
+                ray.kill(worker, no_restart=True)
         self.workers = []
+        for pg in self.grown:
+            remove_placement_group(pg)
+        self.grown, self.spare = [], []
 
 
 def _was_restarted() -> bool:

@@ -1,6 +1,7 @@
 """Job states and the coordinator's pure transition rule.
 
-The names are Ray Jobs' five plus RECOVERING (a failed step being recovered from the latest checkpoint).
+The names are Ray Jobs' five plus RECOVERING (a failed step being recovered from the latest checkpoint) and
+RESIZING (the job moving to another data-parallel size between two steps).
 `next_state` maps the current state and what just happened to the next state; the coordinator applies it
 in one place (`_set_state`).
 """
@@ -15,6 +16,7 @@ class JobStatus(StrEnum):
     """Waiting for the whole job's placement group (gang admission)."""
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"
+    RESIZING = "RESIZING"
     STOPPED = "STOPPED"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
@@ -32,6 +34,9 @@ class Event(StrEnum):
     FAILURE = "failure"
     """A step failed and the job recovers (its `fault.max_failures` allow it)."""
     RECOVERED = "recovered"
+    RESIZE = "resize"
+    """The job changes its data-parallel size at a step boundary."""
+    RESIZED = "resized"
 
 
 _TRANSITIONS: dict[tuple[JobStatus, Event], JobStatus] = {
@@ -39,6 +44,9 @@ _TRANSITIONS: dict[tuple[JobStatus, Event], JobStatus] = {
     (JobStatus.RUNNING, Event.FINISHED): JobStatus.SUCCEEDED,
     (JobStatus.RUNNING, Event.FAILURE): JobStatus.RECOVERING,
     (JobStatus.RECOVERING, Event.RECOVERED): JobStatus.RUNNING,
+    (JobStatus.RUNNING, Event.RESIZE): JobStatus.RESIZING,
+    (JobStatus.RESIZING, Event.RESIZED): JobStatus.RUNNING,
+    (JobStatus.RESIZING, Event.FAILURE): JobStatus.RECOVERING,
 }
 
 

@@ -34,6 +34,7 @@ class Worker:
         # Ray sets OMP_NUM_THREADS from the CPU request; a fractional request would give 0 or 1 anyway.
         torch.set_num_threads(max(1, threads))
         self.trainer: RankTrainer | None = None
+        self._kept: dict | None = None
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process-group store."""
@@ -42,7 +43,10 @@ class Worker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, plan: Plan, master_addr: str, master_port: int) -> dict:
+    def setup(self, plan: Plan, master_addr: str, master_port: int, rank: int | None = None) -> dict:
+        """Join the job's process groups as `rank` (its rank so far when None; a resize may renumber it) and
+        build this rank's trainer."""
+        self.rank = self.rank if rank is None else rank
         with self._traceback_to_stderr("setup"):
             device = pick_device(plan.gpus_per_worker)
             groups = init_distributed(plan, self.rank, master_addr, master_port, device,
@@ -96,6 +100,20 @@ class Worker:
         except Exception:
             print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
+
+    def keep_state(self) -> None:
+        """Before an in-memory resize: hold this rank's parameters and optimizer state, then leave the process
+        groups (`adopt_state` takes them into the trainer of the new layout)."""
+        assert self.trainer is not None
+        with self._traceback_to_stderr("keeping the state for a resize"):
+            self._kept = self.trainer.local_state()
+        self.reset()
+
+    def adopt_state(self, step: int, source: int | None) -> None:
+        assert self.trainer is not None
+        with self._traceback_to_stderr("taking the state after a resize"):
+            self.trainer.adopt_state(self._kept, step, source)
+        self._kept = None
 
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into

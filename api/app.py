@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.models import ClusterInfo, FaultDrill, JobCreated, JobInfo, JobLogs, MetricsRow, job_info
+from api.models import ClusterInfo, FaultDrill, JobCreated, JobInfo, JobLogs, MetricsRow, ScaleRequest, job_info
 from api.spec import describe_error
 from parallel.config import MAX_DEGREE, MAX_STEPS, JobConfig, RuleError
 from parallel.plan import describe
@@ -131,6 +131,13 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         """What happened to the job as it ran, oldest first: `failure` (cause, ranks, nodes, step, steps_lost,
         restore_step), `recovered` (recovery_s: from the failure to the next finished step), `checkpoint`."""
         return manager.events(job_id)
+
+    @app.post("/api/jobs/{job_id}/scale", dependencies=guarded, status_code=202,
+              responses={409: {"description": "the job is not RUNNING, or the resources for more ranks are not free"},
+                         422: {"description": "a size the job cannot take (range, global batch, cluster)"}})
+    def scale(job_id: str, request: ScaleRequest) -> dict:
+        """Resize a running job's data parallelism at its next step boundary (the job is RESIZING meanwhile)."""
+        return manager.scale(job_id, request.dp)
 
     @app.post("/api/jobs/{job_id}/faults", dependencies=guarded, status_code=202,
               responses={403: {"description": "fault drills are off (`trainyard serve --allow-fault-injection`)"},

@@ -93,6 +93,13 @@ class JobLogs(BaseModel):
     ranks: list[RankLog]
 
 
+class ScaleRequest(BaseModel):
+    """A new data-parallel size for a running job (the global batch stays; micro-batches per rank follow)."""
+
+    model_config = ConfigDict(extra="forbid")
+    dp: int = Field(ge=1, le=MAX_DEGREE)
+
+
 class FaultDrill(BaseModel):
     """A fault to inject into a running job (`trainyard serve --allow-fault-injection` only)."""
 

@@ -12,7 +12,7 @@ consecutive ranks, so it fits in one placement-group bundle and therefore on one
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.config import JobConfig, RuleError
 from parallel.memory import RankMemory, estimate
@@ -191,6 +191,29 @@ MAX_WORKERS = 2**16
 MAX_SCHEDULE_CHUNKS = 2**13
 """pp x vpp x microbatches: the size of the action lists the plan builds and simulates (about 0.1 ms of
 planning each). Above real jobs (pp=16, vpp=2, m=256 is at the bound)."""
+
+
+def resized(config: JobConfig, dp: int) -> JobConfig:
+    """The job at `dp` data-parallel replicas: the same global batch in micro-batches of the same size, so
+    only the micro-batches per rank change (and the loss curve does not). Raises PlanError naming the rule
+    when the global batch cannot be split that way; `make_plan` checks the rest."""
+    par = config.parallel
+    size = config.global_batch // (par.dp * par.microbatches)
+    microbatches, rem = divmod(config.global_batch, dp * size)
+    if dp < 1 or rem or microbatches < 1:
+        raise PlanError("dp", f"dp={dp}: global_batch={config.global_batch} in micro-batches of {size} sequences "
+                              f"cannot be split evenly over {dp} data-parallel ranks ({config.global_batch} is not "
+                              f"a multiple of dp x micro-batch size = {dp} x {size})")
+    return replace(config, parallel=replace(par, dp=dp, microbatches=microbatches))
+
+
+def can_move_in_memory(old: Plan, new: Plan) -> bool:
+    """Whether a resize can keep the state in the surviving ranks' memory: every rank of one (pp, tp) shard
+    holds the same parameters and optimizer state (no ZeRO slices, no expert parallelism), and only dp
+    changes. Otherwise the state moves through a checkpoint."""
+    same = (old.pp, old.tp, old.vpp, old.config.parallel.stage_layers) == (new.pp, new.tp, new.vpp,
+                                                                            new.config.parallel.stage_layers)
+    return same and old.config.parallel.zero == 0 and old.ep == 1 and new.ep == 1
 
 
 def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Plan:

@@ -230,6 +230,35 @@ class RankTrainer:
         for tensor_state in self.optimizer.state.values():
             tensor_state["step"].fill_(step)
 
+    def local_state(self) -> dict:
+        """This rank's parameters and AdamW moments as plain local tensors (not copies), to outlive the trainer
+        and its process groups across an in-memory resize (`adopt_state`)."""
+        self.finish_checkpoint()
+        state = self.checkpoint_state()
+        return {"model": {k: local_part(t).detach() for k, t in state["model"].items()},
+                "optim": {k: {m: local_part(t) for m, t in v.items()} for k, v in state["optim"].items()}}
+
+    def adopt_state(self, kept: dict | None, step: int, source: int | None) -> None:
+        """Take parameters and moments after `step` steps from `kept` (this rank's own, from `local_state` in
+        the layout before a resize), then, when `source` is set, from that global rank of this rank's
+        data-parallel group (a broadcast, so new ranks get the state of a surviving replica)."""
+        state = self.checkpoint_state()
+        tensors = [(("model", k), local_part(t)) for k, t in sorted(state["model"].items())]
+        tensors += [(("optim", k, m), local_part(t)) for k, v in sorted(state["optim"].items())
+                    for m, t in sorted(v.items())]
+        with torch.no_grad():
+            for key, mine in tensors:
+                if kept is not None:
+                    mine.copy_(kept["model"][key[1]] if key[0] == "model" else kept["optim"][key[1]][key[2]])
+                if source is not None and self.groups.dp is not None:
+                    dist.broadcast(mine, src=source, group=self.groups.dp)
+        names = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
+        moments = {names[name]: m for name, m in state["optim"].items()}
+        for reducer in self.reducers.values():
+            reducer.load_moments(self.optimizer, moments)
+        for tensor_state in self.optimizer.state.values():
+            tensor_state["step"].fill_(step)
+
     def _init_optimizer_state(self) -> None:
         """AdamW creates its state at the first step; a checkpoint before it (or a load) needs it now."""
         for group in self.optimizer.param_groups:

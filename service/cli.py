@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--since", type=int, default=0)
     s.add_argument("--plot", metavar="FILE.png", help="draw loss, tokens/s (and a pipeline's bubble) into a PNG")
     s.set_defaults(func=_metrics)
+    s = sub.add_parser("scale", help="resize a running job's data parallelism (at its next step)")
+    s.add_argument("job_id")
+    s.add_argument("--dp", type=int, required=True, help="the new number of data-parallel replicas")
+    s.set_defaults(func=_scale)
     s = sub.add_parser("events", help="what happened to a job: failures, recoveries (with their time), checkpoints")
     s.add_argument("job_id")
     s.set_defaults(func=_events)
@@ -311,6 +315,13 @@ def _delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    layout = _client(args).scale(args.job_id, args.dp)
+    print(f"job {args.job_id} goes to dp={layout['dp']} ({layout['microbatches']} micro-batches per rank, "
+          f"{layout['world_size']} workers) at its next step")
+    return 0
+
+
 def _events(args: argparse.Namespace) -> int:
     for e in _client(args).events(args.job_id):
         when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
@@ -319,6 +330,9 @@ def _events(args: argparse.Namespace) -> int:
                   f"step {e['restore_step']} ({e['steps_lost']} steps lost)\n    {e['cause'].splitlines()[0]}")
         elif e["kind"] == "recovered":
             print(f"{when} recovered: step {e['step']} done {e['recovery_s']:.1f} s after failure {e['failure']}")
+        elif e["kind"] == "resize":
+            print(f"{when} resize at step {e['step']} ({e['reason']}): dp {e['from']['dp']} -> {e['to']['dp']}, "
+                  f"paused {e['paused_s']:.1f} s, state moved through {e['moved']}")
         elif e["kind"] == "checkpoint":
             print(f"{when} checkpoint after step {e['step']} (the step was held up {e['blocked_s']:.3f} s)")
         else:

@@ -77,6 +77,9 @@ class Client:
     def events(self, job_id: str) -> list[dict]:
         return self._call("GET", f"/api/jobs/{job_id}/events")
 
+    def scale(self, job_id: str, dp: int) -> dict:
+        return self._call("POST", f"/api/jobs/{job_id}/scale", json={"dp": dp})
+
     def stop(self, job_id: str) -> dict:
         return self._call("POST", f"/api/jobs/{job_id}/stop")
 

@@ -40,7 +40,7 @@ from parallel import checkpoint
 from parallel.config import JobConfig, RuleError
 from parallel.data import open_dataset
 from parallel.export import MODEL_FILE
-from parallel.plan import ClusterResources, Plan, PlanError, make_plan
+from parallel.plan import ClusterResources, Plan, PlanError, make_plan, resized
 from service import queue
 from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
 from service.logs import read_rank_log
@@ -234,6 +234,21 @@ class JobManager:
         ray.get(coordinator.inject.remote(kind, rank, at_step), timeout=30)
         return {"job_id": job_id, "kind": kind, "rank": rank, "at_step": at_step}
 
+    def scale(self, job_id: str, dp: int) -> dict:
+        """Resize a running job to `dp` data-parallel replicas at its next step boundary. PlanError (422) when
+        the job cannot take that size on this cluster; JobConflict (409) when it is not RUNNING or the added
+        ranks' resources are not free."""
+        job = self.get(job_id)
+        make_plan(resized(parse_spec(job.spec), dp), cluster_resources())
+        with self._lock:
+            coordinator = self._coordinators.get(job_id)
+        if job.status is not JobStatus.RUNNING or coordinator is None:
+            raise JobConflict(f"job {job_id} is {job.status}; only a RUNNING job can be resized")
+        answer = ray.get(coordinator.scale.remote(dp, "request"), timeout=60)
+        if "refused" in answer:
+            raise JobConflict(answer["refused"])
+        return {"job_id": job_id, **answer}
+
     def delete(self, job_id: str) -> None:
         job = self.get(job_id)
         if not job.status.is_terminal:
@@ -392,6 +407,7 @@ class JobManager:
             ray.kill(coordinator, no_restart=True)
         if pg is not None:
             remove_placement_group(pg)
+        _remove_grown_placement_groups(job_id)
 
     def _reconcile(self) -> None:
         for job in self.store.list():
@@ -420,6 +436,16 @@ class JobManager:
         self._coordinators[job.job_id], self._placement_groups[job.job_id] = coordinator, pg
         log.info("job %s: reattached to its running coordinator", job.job_id)
         return True
+
+
+def _remove_grown_placement_groups(job_id: str) -> None:
+    """The placement groups the job's coordinator reserved to grow (`<name>-growN`), should it have died
+    before giving them back."""
+    prefix = placement_group_name(job_id) + "-grow"
+    for entry in ray.util.placement_group_table().values():
+        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(ray.util.get_placement_group(entry["name"]))
 
 
 def _differences(a: dict, b: dict, sections: tuple[str, ...]) -> list[str]:

@@ -1,0 +1,83 @@
+"""Resize a running job through the real service: dp 2 -> 4 -> 1 with the state moved in memory, and a
+(pp=2, dp=2) ZeRO-1 job to dp=1 through a checkpoint. Each follows the loss curve of its fixed-size run
+within 1e-4 per step and ends SUCCEEDED; the ranks that remain keep their actors (same actor ids); every
+resize is an event; a bad size is a 422 and a job that is not running a 409."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import tiny_spec, wait_for, wait_terminal
+
+from service.client import ApiError
+
+STEPS = 60
+DP = tiny_spec(steps=STEPS, global_batch=8, parallel={"dp": 2, "microbatches": 2}, name="elastic-dp")
+PIPE = tiny_spec(model={"n_layer": 4}, steps=STEPS, global_batch=8, name="elastic-pp",
+                 parallel={"dp": 2, "pp": 2, "microbatches": 2, "zero": 1})
+
+
+def _actors(client, job_id: str) -> dict[str, str]:
+    """Actor id of each rank, by its (pp, tp, dp) name."""
+    return {r["name"]: r["actor_id"] for r in client.job(job_id)["ranks"]}
+
+
+def _resize(client, job_id: str, dp: int) -> dict:
+    """Ask for `dp` a couple of steps from now and wait until the job runs at that size."""
+    step = client.job(job_id)["step"]
+    wait_for(lambda: client.job(job_id)["step"] >= step + 2, 120, "two more steps")
+    client.scale(job_id, dp)
+    wait_for(lambda: any(e["kind"] == "resize" and e["to"]["dp"] == dp for e in client.events(job_id))
+             and client.job(job_id)["status"] == "RUNNING", 120, f"the job to run at dp={dp}")
+    return _actors(client, job_id)
+
+
+@pytest.fixture(scope="module")
+def runs(service):
+    client = service.client()
+    out = {}
+    for name, spec, sizes in (("dp", DP, (4, 1)), ("pp", PIPE, (1,))):
+        reference = client.submit(spec)
+        job_id = client.submit(spec)
+        wait_for(lambda j=job_id: client.job(j)["ranks"] and client.job(j)["step"] >= 1, 120, "the job to run")
+        actors = [_actors(client, job_id)] + [_resize(client, job_id, dp) for dp in sizes]
+        for j in (reference, job_id):
+            assert wait_terminal(client, j, 300)["status"] == "SUCCEEDED", client.job(j)["error"]
+        out[name] = (client.metrics(reference), client.metrics(job_id), actors, client.events(job_id), job_id)
+    client.close()
+    return out
+
+
+@pytest.mark.parametrize("name", ["dp", "pp"])
+def test_a_resized_job_follows_the_fixed_size_loss_curve(runs, name):
+    reference, resized, _, _, _ = runs[name]
+    assert [r["step"] for r in resized] == list(range(STEPS))
+    for ref, row in zip(reference, resized, strict=True):
+        assert row["loss"] == pytest.approx(ref["loss"], rel=1e-4), row["step"]
+
+
+def test_ranks_that_remain_keep_their_actors(runs):
+    _, _, (at2, at4, at1), _, _ = runs["dp"]
+    assert set(at2) == {"pp0-tp0-dp0", "pp0-tp0-dp1"} and len(at4) == 4 and set(at1) == {"pp0-tp0-dp0"}
+    assert {k: at4[k] for k in at2} == at2  # growing added two actors and kept both
+    assert at1["pp0-tp0-dp0"] == at2["pp0-tp0-dp0"]  # shrinking kept the first
+    assert len(set(at4.values())) == 4
+
+
+@pytest.mark.parametrize(("name", "moves"), [("dp", [(2, 4, "memory"), (4, 1, "memory")]),
+                                             ("pp", [(2, 1, "checkpoint")])])
+def test_every_resize_is_an_event(runs, name, moves):
+    events = [e for e in runs[name][3] if e["kind"] == "resize"]
+    assert [(e["from"]["dp"], e["to"]["dp"], e["moved"]) for e in events] == moves
+    assert all(e["reason"] == "request" and e["paused_s"] > 0 for e in events)
+    if name == "dp":
+        assert [e["to"]["microbatches"] for e in events] == [1, 4]  # the global batch of 8 stays
+
+
+def test_bad_sizes_are_422_and_a_job_that_does_not_run_is_409(runs, client):
+    job_id = runs["dp"][4]  # ended
+    with pytest.raises(ApiError) as info:
+        client.scale(job_id, 3)
+    assert info.value.status_code == 422 and "dp=3" in str(info.value) and "global_batch=8" in str(info.value)
+    with pytest.raises(ApiError) as info:
+        client.scale(job_id, 1)
+    assert info.value.status_code == 409 and "only a RUNNING job can be resized" in str(info.value)
