@@ -39,7 +39,7 @@ import re
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -55,7 +55,7 @@ from parallel import checkpoint
 from parallel.config import JobConfig
 from parallel.data import global_batch_ids, open_dataset, rank_share
 from parallel.export import export_model
-from parallel.plan import Plan, can_move_in_memory, make_plan, resized
+from parallel.plan import Plan, PlanError, can_move_in_memory, make_plan, resized
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -220,7 +220,11 @@ class Coordinator:
         if self.status is not JobStatus.RUNNING or self._resize_to is not None:
             state = "resizing already" if self._resize_to is not None else str(self.status)
             return {"refused": f"job {self.job_id} is {state}; only a RUNNING job can be resized"}
-        new = make_plan(resized(self.plan.config, dp))
+        limits = self.plan.dp_range
+        if limits is not None and not limits[0] <= dp <= limits[1]:
+            raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
+                                  f"max: {limits[1]}}}")
+        new = replace(make_plan(resized(self.plan.config, dp)), dp_range=limits)
         layout = {"dp": new.dp, "microbatches": new.microbatches, "world_size": new.world_size}
         if dp == self.plan.dp:
             return layout
@@ -250,7 +254,7 @@ class Coordinator:
         self.status = new
 
     async def _run(self) -> None:
-        outcome = Event.FINISHED
+        outcome, grower = Event.FINISHED, None
         try:
             self._set_state(Event.RESOURCES_READY)
             if self.restarted:
@@ -258,6 +262,8 @@ class Coordinator:
             else:
                 await self._start_workers()
                 await self._load(self.storage.resume)
+            if self.plan.dp_range is not None:
+                grower = asyncio.get_running_loop().create_task(self._grow_when_possible())
             while True:
                 try:
                     await self._train()
@@ -265,6 +271,9 @@ class Coordinator:
                         break
                     await self._resize()
                 except StepFailed as failure:
+                    if self.plan.dp_range is not None and not self._stop_requested and await self._node_lost(failure):
+                        await self._ride_node_loss(failure)
+                        continue
                     self.causes.append(str(failure))
                     if len(self.causes) > self.plan.config.fault.max_failures or self._stop_requested:
                         raise StepFailed(self._all_causes(), blamed=failure.blamed) from None
@@ -277,6 +286,8 @@ class Coordinator:
             outcome = Event.ERROR
             self.error = str(e) if isinstance(e, StepFailed) else traceback.format_exc()
         finally:
+            if grower is not None:
+                grower.cancel()
             self._release()
             self._set_state(outcome)
 
@@ -312,7 +323,7 @@ class Coordinator:
     async def _reserve(self, count: int) -> str | None:
         """Make sure `count` spare bundles exist, reserving a placement group for the missing ones; None when
         they do, else why not."""
-        missing = count - len(self.spare)
+        missing = count - sum(1 for slot in self.spare if _placed(slot))
         if missing <= 0:
             return None
         pg = placement_group([dict(self.plan.gang.bundle) for _ in range(missing)], strategy="PACK",
@@ -333,6 +344,7 @@ class Coordinator:
         keys = self._keys(new)
         self.spare += [slot for key, slot in self.slots.items() if key not in keys]
         self.slots = {key: slot for key, slot in self.slots.items() if key in keys}
+        self.spare.sort(key=lambda slot: not _placed(slot))  # the bundles Ray has placed first
         for key in sorted(keys - set(self.slots)):
             self.slots[key] = self.spare.pop(0)
         for pg in list(self.grown):
@@ -377,14 +389,17 @@ class Coordinator:
                                  "moving the state", timeout)
         else:
             await self._load((str(checkpoint.step_dir(Path(self.storage.checkpoint_root), step)), step))
+        self._resize_event(old, new, reason, asked, began, "memory" if in_memory else "checkpoint")
+        self._set_state(Event.RESIZED)
+
+    def _resize_event(self, old: Plan, new: Plan, reason: str, asked: float, began: float, moved: str) -> None:
         layout = lambda p: {"dp": p.dp, "microbatches": p.microbatches, "world_size": p.world_size}  # noqa: E731
-        self.events.append({"time": began, "kind": "resize", "reason": reason, "step": step, "from": layout(old),
-                            "to": layout(new), "moved": "memory" if in_memory else "checkpoint",
+        self.events.append({"time": began, "kind": "resize", "reason": reason, "step": self.start_step,
+                            "from": layout(old), "to": layout(new), "moved": moved,
                             "paused_s": time.time() - began, "waited_s": began - asked})
         self._write_journal()
         log.info("job %s: resized dp %d -> %d at step %d (%s, state moved through %s)", self.job_id, old.dp,
-                 new.dp, step, reason, "memory" if in_memory else "a checkpoint")
-        self._set_state(Event.RESIZED)
+                 new.dp, self.start_step, reason, moved)
 
     def _saved_at(self, step: int) -> bool:
         """Whether the step before `step` wrote the checkpoint of `step` already."""
@@ -404,10 +419,21 @@ class Coordinator:
         rendezvous anew and loads the latest checkpoint (else the resume point, else the initial weights),
         and training goes on after it."""
         self._set_state(Event.FAILURE)
+        restore = self._record_failure(failure)
+        await self._tear_down(failure)
+        await self._start_workers()
+        await self._load(restore)
+        self.metrics = [row for row in self.metrics if row["step"] < self.start_step]
+        self._set_state(Event.RECOVERED)
+
+    def _record_failure(self, failure: StepFailed) -> tuple[str, int] | None:
         blamed = list(failure.blamed)
-        restore = self._failure_event(str(failure), time.time(), time.time() - self._step_started, blamed,
-                                      sorted({self._rank_info(r).get("node", "") for r in blamed}),
-                                      self.metrics[-1]["step"] + 1 if self.metrics else self.start_step)
+        return self._failure_event(str(failure), time.time(), time.time() - self._step_started, blamed,
+                                   sorted({self._rank_info(r).get("node", "") for r in blamed}),
+                                   self.metrics[-1]["step"] + 1 if self.metrics else self.start_step)
+
+    async def _tear_down(self, failure: StepFailed) -> None:
+        """After a failed step: ranks that raised are reset (and kept), every other rank is killed."""
         for ref in self._upcoming:  # the step queued ahead: not to run on the ranks kept
             try:
                 ray.cancel(ref)
@@ -415,7 +441,7 @@ class Coordinator:
                 pass
         reusable = set(failure.raised) - set(failure.dead) - set(failure.pending)
         for rank, worker in enumerate(self.workers):  # first, so that no kept rank waits on them
-            if rank not in reusable:
+            if rank not in reusable and worker is not None:
                 ray.kill(worker, no_restart=True)
                 self.workers[rank] = None
         resets = {r: self.workers[r].reset.remote() for r in reusable}
@@ -425,10 +451,91 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - a rank that cannot even reset is replaced
                 ray.kill(self.workers[rank], no_restart=True)
                 self.workers[rank] = None
+
+    # --- elasticity (parallel.dp: {min, max}) ----------------------------------------------------
+
+    async def _node_lost(self, failure: StepFailed) -> bool:
+        """Whether a rank that died was on a node Ray has lost (it may take Ray a moment to say so)."""
+        nodes = {self._rank_info(r).get("node_id") for r in failure.dead} - {None}
+        for _ in range(10):
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if nodes - alive:
+                return True
+            await asyncio.sleep(0.3)
+        return False
+
+    async def _ride_node_loss(self, failure: StepFailed) -> None:
+        """An elastic job lost a node: wait up to fault.node_grace_s for Ray to place its bundles elsewhere
+        (then recover as usual), else shrink to the replicas whose bundles are all placed, from the latest
+        checkpoint. Not counted against fault.max_failures: riding node churn is what elastic jobs are for."""
+        self._set_state(Event.FAILURE)
+        restore = self._record_failure(failure)
+        began, old = time.time(), self.plan
+        await self._tear_down(failure)
+        deadline = time.monotonic() + old.config.fault.node_grace_s
+        while time.monotonic() < deadline and not all(_placed(slot) for slot in self.slots.values()):
+            await asyncio.sleep(0.5)
+        lost = {dp for (_, dp), slot in self.slots.items() if not _placed(slot)}
+        if lost:
+            kept = [d for d in range(old.dp) if d not in lost]
+            size = self._largest_size(len(kept))
+            if size is None:
+                raise StepFailed(f"{failure}\nA node was lost and its resources did not come back within "
+                                 f"fault.node_grace_s={old.config.fault.node_grace_s:g} s; the {len(kept)} replicas "
+                                 f"left are fewer than parallel.dp.min={old.dp_range[0]}")
+            self._regroup(kept[:size])
         await self._start_workers()
         await self._load(restore)
         self.metrics = [row for row in self.metrics if row["step"] < self.start_step]
+        if lost:
+            self._resize_event(old, self.plan, "node lost", began, began, "checkpoint")
         self._set_state(Event.RECOVERED)
+
+    def _largest_size(self, at_most: int) -> int | None:
+        """The largest data-parallel size <= at_most within the job's range that the global batch allows."""
+        for size in range(min(at_most, self.plan.dp_range[1]), self.plan.dp_range[0] - 1, -1):
+            try:
+                make_plan(resized(self.plan.config, size))  # every rule, e.g. ep must divide dp
+                return size
+            except PlanError:
+                continue
+        return None
+
+    def _regroup(self, replicas: list[int]) -> None:
+        """Go on with these data-parallel replicas (renumbered 0, 1, ...), their workers and bundles; the rest
+        are killed and their bundles kept spare (Ray places them again if their node comes back)."""
+        old = self.plan
+        new = replace(make_plan(resized(old.config, len(replicas))), dp_range=old.dp_range)
+        workers: list = [None] * new.world_size
+        slots = {}
+        for i, d in enumerate(replicas):
+            for p in range(old.pp):
+                slots[(p, i)] = self.slots.pop((p, d))
+                for t in range(old.tp):
+                    workers[new.rank_of(p, t, i)] = self.workers[old.rank_of(p, t, d)]
+                    self.workers[old.rank_of(p, t, d)] = None
+        for worker in self.workers:
+            if worker is not None:
+                ray.kill(worker, no_restart=True)
+        self.spare += list(self.slots.values())
+        self.plan, self.workers, self.slots = new, workers, slots
+
+    async def _grow_when_possible(self) -> None:
+        """Elastic jobs below their max: every fault.grow_interval_s, grow into the resources that are free
+        (bundles of a lost node that Ray placed again count too)."""
+        while True:
+            await asyncio.sleep(self.plan.config.fault.grow_interval_s)
+            if self.status is not JobStatus.RUNNING or self._resize_to is not None:
+                continue
+            free = ray.available_resources()
+            bundle, per_replica = self.plan.gang.bundle, self.plan.pp
+            fits = min(int(free.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0)
+            groups = fits + sum(1 for slot in self.spare if _placed(slot))
+            size = self._largest_size(self.plan.dp + groups // per_replica)
+            if size is not None and size > self.plan.dp:
+                answer = await self.scale(size, "resources appeared")
+                if "refused" in answer:
+                    log.info("job %s: no growth to dp=%d now: %s", self.job_id, size, answer["refused"])
 
     async def _recover_from_own_death(self) -> None:
         """The first thing a restarted coordinator does: its workers died with its old process (their owner),
@@ -511,7 +618,8 @@ class Coordinator:
             upcoming = submit(step + 1) if ahead else []
             self._upcoming = upcoming
             # A step that also saves or evaluates is not held to the hang detector's measure of plain steps.
-            plain = not (saves_after(step) or evaluates(step))
+            # Nor is the first step after a (re)start, a recovery or a resize: it includes the ranks' warm-up.
+            plain = not (saves_after(step) or evaluates(step)) and step > self.start_step
             deadline = self._step_deadline() if plain else cfg.fault.step_timeout_s
             results = await self._call_all(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
             now = time.perf_counter()
@@ -674,6 +782,14 @@ class Coordinator:
         for pg in self.grown:
             remove_placement_group(pg)
         self.grown, self.spare = [], []
+
+
+def _placed(slot: tuple[PlacementGroup, int]) -> bool:
+    """Whether Ray has the bundle on a live node now (not while it re-places the bundles of a lost node)."""
+    try:
+        return bool(ray.util.placement_group_table(slot[0])["bundles_to_node_id"].get(slot[1]))
+    except Exception:  # noqa: BLE001 - a group removed meanwhile
+        return False
 
 
 def _was_restarted() -> bool:

@@ -130,10 +130,21 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DpRange:
+    """An elastic data-parallel size: the job starts once `min` replicas fit, grows (up to `max`) when free
+    resources appear and shrinks (down to `min`) when a node is lost."""
+
+    __pydantic_config__ = _STRICT
+    min: Degree
+    max: Degree
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     __pydantic_config__ = _STRICT
-    dp: Degree = 1
-    """Data-parallel replicas."""
+    dp: Degree | DpRange = 1
+    """Data-parallel replicas, or a range {min, max} to scale within (`microbatches` is then per rank at
+    `min`; the global batch stays the same at every size)."""
     pp: Degree = 1
     """Pipeline stages (pipeline ranks)."""
     tp: Degree = 1
@@ -204,6 +215,10 @@ class FaultConfig:
     """After a few steps, a step longer than hang_factor x the median of the recent ones has hung..."""
     hang_floor_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 5.0
     """...and longer than this: short steps vary too much for a ratio alone."""
+    node_grace_s: Annotated[float, Ge(0), Le(7 * 24 * 3600)] = 30.0
+    """Elastic jobs: how long the resources of a lost node may take to come back before the job shrinks."""
+    grow_interval_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 10.0
+    """Elastic jobs below their max: how often to look for free resources to grow into."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from parallel.config import JobConfig, RuleError
+from parallel.config import DpRange, JobConfig, RuleError
 from parallel.memory import RankMemory, estimate
 from parallel.schedule_sim import Costs, render_gantt, simulate
 from parallel.schedules import Action, ScheduleError, build_schedule, check_schedule_args, format_actions
@@ -76,6 +76,8 @@ class Plan:
     """The action list each pipeline rank runs every step (index = pp rank); see parallel.schedules."""
     gpus_per_worker: int
     cpus_per_worker: float
+    dp_range: tuple[int, int] | None = None
+    """An elastic job's (min, max) data-parallel size; `config` and `dp` are its current size."""
 
     @property
     def world_size(self) -> int:
@@ -193,17 +195,28 @@ MAX_SCHEDULE_CHUNKS = 2**13
 planning each). Above real jobs (pp=16, vpp=2, m=256 is at the bound)."""
 
 
+def dp_range(config: JobConfig) -> tuple[int, int] | None:
+    """(min, max) of an elastic job, None for a fixed size."""
+    dp = config.parallel.dp
+    return (dp.min, dp.max) if isinstance(dp, DpRange) else None
+
+
 def resized(config: JobConfig, dp: int) -> JobConfig:
     """The job at `dp` data-parallel replicas: the same global batch in micro-batches of the same size, so
     only the micro-batches per rank change (and the loss curve does not). Raises PlanError naming the rule
-    when the global batch cannot be split that way; `make_plan` checks the rest."""
-    par = config.parallel
-    size = config.global_batch // (par.dp * par.microbatches)
-    microbatches, rem = divmod(config.global_batch, dp * size)
+    when the global batch cannot be split that way, or `dp` is outside an elastic job's range; `make_plan`
+    checks the rest. The result has a fixed dp (an elastic plan keeps its range in `Plan.dp_range`)."""
+    par, limits = config.parallel, dp_range(config)
+    if limits is not None and not limits[0] <= dp <= limits[1]:
+        raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
+                              f"max: {limits[1]}}}")
+    size = config.global_batch // ((par.dp if limits is None else limits[0]) * par.microbatches)
+    microbatches, rem = divmod(config.global_batch, dp * size) if size else (0, 1)
     if dp < 1 or rem or microbatches < 1:
-        raise PlanError("dp", f"dp={dp}: global_batch={config.global_batch} in micro-batches of {size} sequences "
-                              f"cannot be split evenly over {dp} data-parallel ranks ({config.global_batch} is not "
-                              f"a multiple of dp x micro-batch size = {dp} x {size})")
+        raise PlanError("parallel.dp", f"dp={dp}: global_batch={config.global_batch} in micro-batches of {size} "
+                                       f"sequences cannot be split evenly over {dp} data-parallel ranks "
+                                       f"({config.global_batch} is not a multiple of dp x micro-batch size = "
+                                       f"{dp} x {size})")
     return replace(config, parallel=replace(par, dp=dp, microbatches=microbatches))
 
 
@@ -224,6 +237,11 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     that grows with the job's sizes is built (the plan itself is bounded by MAX_WORKERS and
     MAX_SCHEDULE_CHUNKS), so any spec is answered in milliseconds.
     """
+    limits = dp_range(config)
+    if limits is not None:  # laid out at its smallest size, which is what must fit to start
+        if limits[0] > limits[1]:
+            raise PlanError("parallel.dp", f"min={limits[0]} is more than max={limits[1]}")
+        return replace(make_plan(resized(config, limits[0]), cluster), dp_range=limits)
     _check_model(config)
     _check_experts(config)
     _check_tensor_parallel(config)

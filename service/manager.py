@@ -31,6 +31,7 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.coordinator import Coordinator, JobStorage
 from actors.naming import coordinator_name, placement_group_name
@@ -227,8 +228,7 @@ class JobManager:
             coordinator = self._coordinators.get(job_id)
         if job.status is not JobStatus.RUNNING or coordinator is None:
             raise JobConflict(f"job {job_id} is {job.status}; a drill needs a RUNNING job")
-        world = parse_spec(job.spec).parallel
-        workers = world.dp * world.pp * world.tp
+        workers = len(job.ranks) or make_plan(parse_spec(job.spec)).world_size
         if rank >= workers:
             raise RankNotFound(f"job {job_id} has no rank {rank}; its ranks are 0 to {workers - 1}")
         ray.get(coordinator.inject.remote(kind, rank, at_step), timeout=30)
@@ -335,8 +335,11 @@ class JobManager:
                 remove_placement_group(pg)
                 return True
             # Ray restarts a coordinator whose process dies, as often as the job may fail (see actors.coordinator).
+            # On the service's own node: the node the user keeps up (a worker node may come and go).
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
             coordinator = Coordinator.options(name=coordinator_name(job.job_id), lifetime=lifetime,
-                                              max_restarts=config.fault.max_failures).remote(
+                                              max_restarts=config.fault.max_failures,
+                                              scheduling_strategy=here).remote(
                 job.job_id, plan, pg, storage)
             self._coordinators[job.job_id] = coordinator
             self._placement_groups[job.job_id] = pg
