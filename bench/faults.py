@@ -1,19 +1,27 @@
-"""Section `faults`: how long a job takes to recover from each fault drill, and to notice a hang.
+"""Section `faults`: how long a job takes to recover from each fault drill, to notice a hang, and to go on
+after its service restarts.
 
 A (dp=2, pp=2, m=2) job checkpointing every 3 steps runs through a real `trainyard serve
---allow-fault-injection` subprocess; a drill kills or hangs one rank at a step that neither saves nor
-evaluates. From the job's events: `recovery_s`, the seconds from the failure being noticed to the next
-finished step (the ranks torn down and brought back, the checkpoint loaded, the lost step run again), and
-`waited_s`, the seconds from the failed step's start until the failure was noticed: for a kill, Ray's
-report plus the grace the coordinator gives the other ranks; for a hang, the hang detector's deadline
-(fault.hang_factor x the median step, at least fault.hang_floor_s). Each drill runs `ctx.rounds` times
-(at most 3); the rows are medians, and every run must end SUCCEEDED with the uninterrupted run's losses.
+--allow-fault-injection` subprocess; a drill kills or hangs one rank, or kills the job's coordinator, at a
+step that neither saves nor evaluates. From the job's events: `recovery_s`, the seconds from the failure
+being noticed to the next finished step (the ranks torn down and brought back, the checkpoint loaded, the
+lost step run again), and `waited_s`, the seconds from the failed step's start until the failure was
+noticed: for a kill, Ray's report plus the grace the coordinator gives the other ranks; for a hang, the hang
+detector's deadline (fault.hang_factor x the median step, at least fault.hang_floor_s). A coordinator's
+death counts from its last recorded step instead: `waited_s` until Ray restarted it, `recovery_s` until the
+next finished step (its whole restart included). Each drill runs `ctx.rounds` times (at most 3); the rows
+are medians, and every run must end SUCCEEDED with the uninterrupted run's losses.
+
+Then the service itself is restarted under a longer job, by SIGTERM and by SIGKILL (`bench.restarts`): the
+seconds SIGTERM takes to end the process, and from launching the new process to the job's next finished step.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
+from bench import restarts
 from bench.context import BenchContext
 from bench.results import Row, median
 from bench.service_job import BenchError, TrainyardService
@@ -25,8 +33,15 @@ SPEC = {
     "parallel": {"dp": 2, "pp": 2, "microbatches": 2},
     "fault": {"max_failures": 1},  # the default floor: fault.hang_floor_s = 5 s
 }
-DRILLS = (("kill_worker", 1), ("hang_worker", 2))
+RESTART_SPEC = {**SPEC, "name": "restart", "steps": 300, "checkpoint": {"every": 10}}
+"""Long enough to be running through both restarts (each 20 steps or more after the job went on)."""
+DRILLS = (("kill_worker", 1), ("hang_worker", 2), ("kill_coordinator", 0))  # the coordinator drill ignores rank
 AT_STEP = 7  # 7 + 1 is no multiple of 3: the step saves nothing
+WHAT = {  # kind -> (what waited_s measures, what recovery_s measures)
+    "kill_coordinator": ("last recorded step to coordinator restarted", "last recorded step to next finished step "
+                                                                         "(recovery)"),
+}
+DEFAULT_WHAT = ("failed step's start to failure noticed", "failure to next finished step (recovery)")
 
 
 def run_section(ctx: BenchContext) -> list[Row]:
@@ -35,23 +50,52 @@ def run_section(ctx: BenchContext) -> list[Row]:
         reference = [r["loss"] for r in svc.run_job(SPEC)]
         rows = []
         for kind, rank in DRILLS:
-            recovery, waited = [], []
-            for i in range(rounds):
-                events, losses = _drill(svc, kind, rank)
-                if losses != reference:
-                    raise BenchError(f"{kind} round {i}: the losses differ from the uninterrupted run's")
-                failure = next(e for e in events if e["kind"] == "failure")
-                recovery.append(next(e for e in events if e["kind"] == "recovered")["recovery_s"])
-                waited.append(failure["waited_s"])
-                ctx.log(f"{kind} round {i}: noticed after {failure['waited_s']:.2f} s, recovered in "
-                        f"{recovery[-1]:.2f} s ({failure['steps_lost']} step lost)")
-            rows += [
-                Row(f"{kind}: failure to next finished step (recovery)", median(recovery), None, None, "s",
-                    f"median of {rounds}: {', '.join(f'{v:.2f}' for v in recovery)}; target <= 10 s"),
-                Row(f"{kind}: failed step's start to failure noticed", median(waited), None, None, "s",
-                    f"median of {rounds}: {', '.join(f'{v:.2f}' for v in waited)}"),
-            ]
+            rows += _drill_rows(ctx, svc, kind, rank, rounds, reference)
+        restart_reference = [r["loss"] for r in svc.run_job(RESTART_SPEC)]
+    measured = [m for i in range(rounds)
+                for m in restarts.run_round(ctx, ctx.run_dir / f"restart-{i}", RESTART_SPEC, restart_reference)]
+    return rows + _restart_rows(measured, rounds)
+
+
+def _drill_rows(ctx: BenchContext, svc: TrainyardService, kind: str, rank: int, rounds: int,
+                reference: list[float]) -> list[Row]:
+    recovery, waited = [], []
+    for i in range(rounds):
+        events, losses = _drill(svc, kind, rank)
+        if losses != reference:
+            raise BenchError(f"{kind} round {i}: the losses differ from the uninterrupted run's")
+        failure = next(e for e in events if e["kind"] == "failure")
+        if kind == "kill_coordinator" and failure["ranks"]:
+            raise BenchError(f"{kind} round {i}: the failure names ranks {failure['ranks']}, not the coordinator")
+        recovery.append(next(e for e in events if e["kind"] == "recovered")["recovery_s"])
+        waited.append(failure["waited_s"])
+        ctx.log(f"{kind} round {i}: noticed after {failure['waited_s']:.2f} s, recovered in "
+                f"{recovery[-1]:.2f} s ({failure['steps_lost']} step lost)")
+    waited_what, recovery_what = WHAT.get(kind, DEFAULT_WHAT)
+    return [
+        Row(f"{kind}: {recovery_what}", median(recovery), None, None, "s",
+            f"median of {rounds}: {_values(recovery)}; target <= 10 s"),
+        Row(f"{kind}: {waited_what}", median(waited), None, None, "s", f"median of {rounds}: {_values(waited)}"),
+    ]
+
+
+def _restart_rows(measured: list[restarts.Restart], rounds: int) -> list[Row]:
+    term = [m for m in measured if m.signal == "SIGTERM"]
+    rows = [Row("service SIGTERM with a running job: signal to process exit", median(m.exit_s for m in term),
+                None, None, "s", f"median of {rounds}: {_values(m.exit_s for m in term)}; exit code 0, the job "
+                                 "checkpointed and queued again")]
+    for sig in ("SIGTERM", "SIGKILL"):
+        of = [m for m in measured if m.signal == sig]
+        rows.append(Row(f"service restart after {sig}: launch to the job's next finished step",
+                        median(m.next_step_s for m in of), None, None, "s",
+                        f"median of {rounds}: {_values(m.next_step_s for m in of)}; of which launch to API ready "
+                        f"{_values(m.ready_s for m in of)}; went on from the checkpoints of steps "
+                        f"{', '.join(str(m.resumed_from) for m in of)}"))
     return rows
+
+
+def _values(values: Iterable[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
 
 
 def _drill(svc: TrainyardService, kind: str, rank: int) -> tuple[list[dict], list[float]]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import checkpoint, dp, faults, perf, pipeline, service_ops, tp_memory
+from bench import checkpoint, dp, elastic, faults, perf, pipeline, service_ops, tp_memory
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -43,8 +43,10 @@ SECTIONS: dict[str, Section] = {
                 perf.run_section),
         Section("checkpoint", "checkpoint save blocking time sync vs async, save/load throughput (dp=2)",
                 checkpoint.run_section),
-        Section("faults", "recovery from fault drills (kill, hang a rank) and hang detection, through the service",
-                faults.run_section),
+        Section("faults", "recovery from fault drills (kill, hang a rank, kill the coordinator), hang detection and "
+                          "service restarts (SIGTERM, SIGKILL), through the service", faults.run_section),
+        Section("elastic", "the pause of a resize dp 2 <-> 4, state moved in memory vs through a checkpoint",
+                elastic.run_section),
         Section("service", "submit latency under a burst of 200; exit time on SIGTERM", service_ops.run_section),
     )
 }

@@ -1,10 +1,11 @@
 """Running one JobSpec through the real trainyard service, the way a user would, and fetching its metrics.
 
 `TrainyardService` starts `python -m service.cli --state-dir <dir> serve --port <free port>` in a
-subprocess as service/demo.py does (the server's output goes to `<dir>/serve.log`), waits for /healthz
-with the demo's own wait, and shuts the server down with SIGINT on exit. `run_job` submits a spec over
-REST with `service.client.Client`, waits for SUCCEEDED and returns the job's per-step metrics rows
-(`GET /api/jobs/{id}/metrics`).
+subprocess as service/demo.py does (the server's output goes to `<dir>/serve.log`, or another name so that
+a restart on the same directory keeps both), waits for /healthz with the demo's own wait, and shuts the
+server down with SIGINT on exit. `run_job` submits a spec over REST with `service.client.Client`, waits
+for SUCCEEDED and returns the job's per-step metrics rows (`GET /api/jobs/{id}/metrics`); `wait_job` polls
+a job until a condition on it holds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -33,13 +35,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_job(client: Client, job_id: str, until: Callable[[dict[str, Any]], bool], what: str,
+             timeout_s: float = 300.0, poll_s: float = 0.2) -> dict[str, Any]:
+    """Poll `GET /api/jobs/{id}` until `until(job)` holds and return that job; BenchError after `timeout_s`, or
+    when the job ends first (unless `until` accepts the ended job)."""
+    deadline = time.monotonic() + timeout_s
+    while not until(job := client.job(job_id)):
+        if job["status"] in TERMINAL:
+            raise BenchError(f"job {job_id} ended {job['status']} before {what}: {job.get('error')}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"job {job_id}: no {what} within {timeout_s:g} s (status {job['status']}, "
+                             f"step {job['step']})")
+        time.sleep(poll_s)
+    return job
+
+
 class TrainyardService:
     """A `trainyard serve` subprocess with its own state directory and port, as a context manager."""
 
-    def __init__(self, state_dir: Path, startup_timeout_s: float = 180.0, serve_args: tuple[str, ...] = ()):
+    def __init__(self, state_dir: Path, startup_timeout_s: float = 180.0, serve_args: tuple[str, ...] = (),
+                 log_name: str = "serve.log"):
+        """`log_name`: the server's output file in `state_dir` (a restart on the same directory keeps both)."""
         self.state_dir, self.startup_timeout_s, self.serve_args = state_dir, startup_timeout_s, serve_args
         self.port = free_port()
-        self.log_path = state_dir / "serve.log"
+        self.log_path = state_dir / log_name
         self._server: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
         self.client: Client | None = None
