@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# The minutes-long tests `make test` leaves out (elasticity on a two-node cluster).
+test-slow: $(STAMP)
+	TRAINYARD_SLOW_TESTS=1 $(BIN)/python -m pytest -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
