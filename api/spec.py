@@ -24,9 +24,14 @@ class SpecError(ValueError):
         self.errors = errors
 
 
+_UNION_MEMBERS = {"constrained-int", "int", "DpRange"}
+"""The names pydantic puts into an error's location for the member of a union it tried (`parallel.dp` is a
+number or {min, max}): not fields, so left out of the dotted path."""
+
+
 def describe_error(error: dict) -> tuple[str, str]:
     """(dotted field, message) from one pydantic error, with unknown fields said plainly."""
-    loc = [str(p) for p in error["loc"] if p != "body"]
+    loc = [str(p) for p in error["loc"] if p != "body" and p not in _UNION_MEMBERS]
     if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         return ".".join(loc), f"unknown field '{loc[-1]}'"
     return ".".join(loc), error["msg"]

@@ -226,7 +226,7 @@ class ResourcesConfig:
     __pydantic_config__ = _STRICT
     gpus_per_worker: Literal["auto"] | Annotated[int, Ge(0), Le(64)] = "auto"
     """auto: 1 if the cluster has GPUs, else 0."""
-    cpus_per_worker: Annotated[float, Gt(0), Le(4096)] = 1.0
+    cpus_per_worker: Annotated[float, Ge(0.0001), Le(4096)] = 1.0  # Ray counts resources in 0.0001 units
     """Logical CPUs each rank reserves (also its torch thread count, at least 1)."""
 
 
