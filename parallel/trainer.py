@@ -223,12 +223,7 @@ class RankTrainer:
         """Take parameters and optimizer state from the checkpoint of `step`, whatever layout wrote it."""
         state = self.checkpoint_state()
         checkpoint.load(state, directory, self.groups.checkpoint)
-        names = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
-        moments = {names[name]: m for name, m in state["optim"].items()}
-        for reducer in self.reducers.values():
-            reducer.load_moments(self.optimizer, moments)
-        for tensor_state in self.optimizer.state.values():
-            tensor_state["step"].fill_(step)
+        self._took_state(state, step)
 
     def local_state(self) -> dict:
         """This rank's parameters and AdamW moments as plain local tensors (not copies), to outlive the trainer
@@ -252,6 +247,11 @@ class RankTrainer:
                     mine.copy_(kept["model"][key[1]] if key[0] == "model" else kept["optim"][key[1]][key[2]])
                 if source is not None and self.groups.dp is not None:
                     dist.broadcast(mine, src=source, group=self.groups.dp)
+        self._took_state(state, step)
+
+    def _took_state(self, state: dict, step: int) -> None:
+        """After `checkpoint_state()`'s tensors were filled (from a checkpoint, or in memory by a resize): the
+        moments into the optimizer (with ZeRO-1, this rank's slices) and its step counter set to `step`."""
         names = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
         moments = {names[name]: m for name, m in state["optim"].items()}
         for reducer in self.reducers.values():
