@@ -17,8 +17,8 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.models import ClusterInfo, FaultDrill, JobCreated, JobInfo, JobLogs, MetricsRow, ScaleRequest, job_info
-from api.spec import describe_error
-from parallel.config import MAX_DEGREE, MAX_STEPS, JobConfig, RuleError
+from api.spec import SubmittedSpec, describe_error
+from parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
 from parallel.plan import describe
 from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
 
@@ -46,7 +46,8 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         detail = []
         for err in exc.errors():
             field, msg = describe_error(err)
-            detail.append({"loc": list(err["loc"]), "field": field, "msg": msg, "type": err["type"]})
+            loc = ["body", *field.split(".")] if err["type"] == "rule" else list(err["loc"])
+            detail.append({"loc": loc, "field": field, "msg": msg, "type": err["type"]})
         return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.exception_handler(RuleError)
@@ -81,7 +82,7 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
 
     @app.post("/api/jobs", status_code=201, dependencies=guarded,
               responses={429: {"description": "the queue is full (`trainyard serve --max-queued`)"}})
-    def submit(spec: JobConfig) -> JobCreated:
+    def submit(spec: SubmittedSpec) -> JobCreated:
         """Validate the spec and queue the job (PENDING); it starts when the whole job's resources are free."""
         return JobCreated(job_id=manager.submit(spec))
 
@@ -158,7 +159,7 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         manager.delete(job_id)
 
     @app.post("/api/plans", dependencies=guarded)
-    def plan(spec: JobConfig) -> dict:
+    def plan(spec: SubmittedSpec) -> dict:
         """Validate a spec and return its plan with the resources it needs vs the cluster's; creates nothing."""
         described = describe(manager.plan(spec))
         cluster = manager.cluster()

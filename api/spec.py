@@ -6,12 +6,13 @@ CLI, so both report a broken field the same way: its dotted path and the rule it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BeforeValidator, TypeAdapter, ValidationError
+from pydantic_core import PydanticCustomError
 
-from parallel.config import JobConfig
+from parallel.config import JobConfig, RuleError
 
 SPEC_ADAPTER = TypeAdapter(JobConfig)
 
@@ -31,6 +32,8 @@ number or {min, max}): not fields, so left out of the dotted path."""
 
 def describe_error(error: dict) -> tuple[str, str]:
     """(dotted field, message) from one pydantic error, with unknown fields said plainly."""
+    if error["type"] == "rule":  # a RuleError raised while the spec was read (see `SubmittedSpec`)
+        return error["ctx"]["field"], error["ctx"]["message"]
     loc = [str(p) for p in error["loc"] if p != "body" and p not in _UNION_MEMBERS]
     if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         return ".".join(loc), f"unknown field '{loc[-1]}'"
@@ -42,6 +45,36 @@ def parse_spec(obj: Any) -> JobConfig:
         return SPEC_ADAPTER.validate_python(obj)
     except ValidationError as e:
         raise SpecError([describe_error(err) for err in e.errors()]) from None
+
+
+def parse_submitted_spec(obj: Any) -> JobConfig:
+    """A spec as a user submits it: `init_from.hf` fills in the model's architecture from its config.json
+    (`parallel.hf_spec`), then the spec is validated. A stored spec has it filled in already: `parse_spec`."""
+    try:
+        resolved = resolve_submitted(obj)
+    except RuleError as e:
+        raise SpecError([(e.field, e.message)]) from None
+    return parse_spec(resolved)
+
+
+def resolve_submitted(obj: Any) -> Any:
+    """The spec with what a submit adds to it (the architecture of `init_from.hf`); raises RuleError."""
+    if isinstance(obj, dict) and obj.get("init_from") is not None:
+        from parallel.hf_spec import resolve_init_from  # reads config.json only, no tensor
+
+        return resolve_init_from(obj)
+    return obj
+
+
+def _resolve_or_rule_error(obj: Any) -> Any:
+    try:
+        return resolve_submitted(obj)
+    except RuleError as e:
+        raise PydanticCustomError("rule", "{field}: {message}", {"field": e.field, "message": e.message}) from None
+
+
+SubmittedSpec = Annotated[JobConfig, BeforeValidator(_resolve_or_rule_error)]
+"""The REST body of a submit or a plan: a JobConfig, read as `parse_submitted_spec` reads it."""
 
 
 def spec_to_dict(config: JobConfig) -> dict:

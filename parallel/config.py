@@ -195,6 +195,15 @@ class ResumeConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class InitFromConfig:
+    __pydantic_config__ = _STRICT
+    hf: Annotated[str, MinLen(1), MaxLen(4096)]
+    """A local Hugging Face checkpoint directory (config.json and model.safetensors, or shards with
+    model.safetensors.index.json) of GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM. The model's
+    architecture comes from its config.json (`model` may leave it out); training starts from its weights."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     __pydantic_config__ = _STRICT
     every: Steps = 0
@@ -268,6 +277,8 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume_from: ResumeConfig | None = None
     """Start from another job's checkpoint (at any layout) and continue after its step."""
+    init_from: InitFromConfig | None = None
+    """Start from a Hugging Face checkpoint's weights (step 0; a resume or a recovery uses its checkpoint)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)

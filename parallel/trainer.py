@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel import checkpoint
+from parallel import checkpoint, hf_checkpoint
 from parallel.data import Dataset, load_batch, open_dataset, rank_share, validation_batches
 from parallel.data_parallel import GradientReducer, local_part
 from parallel.distributed import RankGroups
@@ -89,6 +89,8 @@ class RankTrainer:
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         self.coords = plan.coords(rank)
         self.chunks = [self._build_chunk(c, layers) for c, layers in enumerate(plan.chunk_layers(self.coords.pp))]
+        if cfg.init_from is not None:  # the start's weights; a checkpoint loaded later replaces them
+            hf_checkpoint.load_into(self.chunks, cfg.model, Path(cfg.init_from.hf))
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
         # Each set of gradients is summed over the ranks that computed parts of it (see parallel.moe): dense
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.

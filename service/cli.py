@@ -126,7 +126,7 @@ def read_spec_file(path: str) -> dict:
     from api.spec import load_spec_text
 
     spec = load_spec_text(Path(path).read_text())
-    for section, key in (("data", "path"), ("data", "val_path"), ("checkpoint", "path")):
+    for section, key in (("data", "path"), ("data", "val_path"), ("checkpoint", "path"), ("init_from", "hf")):
         part = spec.get(section)
         if isinstance(part, dict) and isinstance(part.get(key), str) and not os.path.isabs(part[key]):
             part[key] = str(Path(part[key]).expanduser().resolve())
@@ -159,7 +159,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from api.spec import SpecError, parse_spec
+    from api.spec import SpecError, parse_submitted_spec
     from parallel.config import RuleError
     from parallel.data import open_dataset
     from parallel.plan import describe, make_plan
@@ -168,7 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
         spec = read_spec_file(args.file)
         if args.costs:
             spec["sim_costs"] = {**spec.get("sim_costs", {}), **args.costs}
-        config = parse_spec(spec)
+        config = parse_submitted_spec(spec)
         plan = make_plan(config)
         open_dataset(config)
     except SpecError as e:

@@ -1,0 +1,126 @@
+"""`init_from: {hf: DIR}` at submit: the model's architecture read from DIR/config.json into the JobSpec.
+
+Pure JSON (no torch, no tensor read): the service and the CLI's `plan` call `resolve_init_from` on the spec
+as submitted, before it is validated. The architecture fields come from config.json through the family's
+`config_from_hf` (`parallel/models/<family>/hf.py`, found by the config's `architectures`); the spec's
+`model` may leave them out or repeat them, and each one it gives with another value is named in the error,
+as `resume_from` does. Fields config.json does not fix (seq_len, the MoE capacity and loss weights) stay the
+spec's. A missing directory or file, an unsupported architecture or a config.json field trainyard cannot
+honour is a RuleError naming `init_from.hf` and the config.json field.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+
+from parallel.config import ModelConfig, RuleError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FIELD = "init_from.hf"
+IMPLIED = {"family": "gpt2", "norm_eps": 1e-5, "activation": "gelu", "n_kv_head": None, "ffn_hidden": None,
+           "rope_scaling": None}
+"""What a model computes for a field its ModelConfig does not have (a trainyard without that field): config.json
+may give exactly that value, any other is refused."""
+
+
+def adapter_for_family(family: str) -> ModuleType:
+    """The family's HF mapping module, `parallel.models.<family>.hf` (see `parallel.hf_mapping.HFAdapter`)."""
+    return importlib.import_module(f"parallel.models.{family}.hf")
+
+
+def families() -> list[str]:
+    """Every model family folder that has an `hf.py`: a new family is found by its folder alone."""
+    import parallel.models
+
+    return sorted({d.name for root in parallel.models.__path__ for d in Path(root).iterdir()
+                   if (d / "hf.py").is_file()})
+
+
+def adapter_for_architecture(architecture: str) -> ModuleType | None:
+    for family in families():
+        adapter = adapter_for_family(family)
+        if architecture in adapter.ARCHITECTURES:
+            return adapter
+    return None
+
+
+def read_hf_config(directory: str | Path) -> dict:
+    """DIR/config.json, after checking DIR holds weights too; RuleError(init_from.hf) for what is missing."""
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise RuleError(FIELD, f"{path} is not a directory")
+    if not (path / WEIGHTS_FILE).is_file() and not (path / INDEX_FILE).is_file():
+        raise RuleError(FIELD, f"{path} holds neither {WEIGHTS_FILE} nor {INDEX_FILE} (safetensors weights)")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise RuleError(FIELD, f"{path} has no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as e:
+        raise RuleError(FIELD, f"{path / CONFIG_FILE} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise RuleError(FIELD, f"{path / CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def model_fields(directory: str | Path) -> dict:
+    """The ModelConfig fields DIR/config.json fixes (the architecture, with `family`)."""
+    config = read_hf_config(directory)
+    architectures = config.get("architectures") or []
+    adapter = adapter_for_architecture(architectures[0]) if len(architectures) == 1 else None
+    if adapter is None:
+        supported = sorted(a for f in families() for a in adapter_for_family(f).ARCHITECTURES)
+        raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported "
+                               f"(supported: {', '.join(supported)})")
+    try:
+        return _fit(adapter.config_from_hf(config))
+    except RuleError as e:
+        raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
+    except (KeyError, TypeError) as e:
+        raise RuleError(FIELD, f"{CONFIG_FILE} lacks or garbles field {e}") from None
+
+
+def _fit(fields: dict) -> dict:
+    """`fields` without those ModelConfig lacks, each only when config.json asks for what is computed anyway."""
+    known = set(ModelConfig.__dataclass_fields__)
+    for name, value in fields.items():
+        if name not in known and value != IMPLIED.get(name, object()) and not (
+                name == "ffn_hidden" and value == 4 * fields["d_model"]) and not (
+                name == "n_kv_head" and value == fields["n_head"]):
+            raise RuleError(name, f"{value!r}: this trainyard has no model.{name}")
+    return {k: v for k, v in fields.items() if k in known}
+
+
+def resolve_init_from(spec: Mapping) -> Mapping:
+    """The spec with `model`'s architecture filled in from init_from.hf's config.json (the spec unchanged
+    without init_from). RuleError naming `model` lists every architecture field the spec gives otherwise."""
+    init = spec.get("init_from") if isinstance(spec, Mapping) else None
+    if not isinstance(init, Mapping) or not isinstance(init.get("hf"), str):
+        return spec  # no init_from, or a malformed one that validation reports
+    fields = model_fields(init["hf"])
+    given = spec.get("model")
+    given = dict(given) if isinstance(given, Mapping) else {}
+    differences = []
+    for name, value in fields.items():
+        if name == "moe" or name not in given or given[name] == value:
+            continue
+        differences.append(f"model.{name}: {given[name]!r} (config.json: {value!r})")
+    moe = given.get("moe")
+    if "moe" in fields:
+        mine = dict(moe) if isinstance(moe, Mapping) else {}
+        differences += [f"model.moe.{k}: {mine[k]!r} (config.json: {v!r})" for k, v in fields["moe"].items()
+                        if k in mine and mine[k] != v]
+        if "moe" in given and moe is None:
+            differences.append(f"model.moe: null (config.json: {fields['moe']!r})")
+        fields = {**fields, "moe": {**mine, **fields["moe"]}}
+    elif moe is not None:
+        differences.append(f"model.moe: {moe!r} (config.json: a dense model)")
+    if differences:
+        raise RuleError("model", f"differs from {init['hf']}/{CONFIG_FILE} (init_from.hf): "
+                                 + "; ".join(differences))
+    return {**spec, "model": {**given, **fields}}

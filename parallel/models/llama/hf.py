@@ -1,0 +1,134 @@
+"""The llama family <-> Hugging Face `LlamaForCausalLM` and `MixtralForCausalLM`: config.json and names.
+
+Dense: names map one to one (trainyard's rotary embedding follows HF's rotate_half convention, so q and k
+need no permutation). Grouped-query attention is `num_key_value_heads` -> `n_kv_head`; rope is
+`rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling`, of type default or llama3.
+
+MoE (Mixtral: every block's feed-forward is top-k routed SwiGLU experts, softmax over all experts and the
+top k renormalised, as trainyard's router does): `block_sparse_moe.gate` is the router and experts
+`w1`/`w3`/`w2` are gate/up/down. That per-expert spelling is what checkpoints hold on disk (transformers
+5 fuses the experts in memory, as `mlp.experts.gate_up_proj` [E, 2 ffn, d] with gate first, and
+`down_proj` [E, d, ffn], but `save_pretrained` writes them back per expert); a file holding the fused
+tensors is read too.
+
+A config.json field trainyard cannot honour is refused by name (RuleError): biases, another activation, a
+sliding window, a head_dim other than d_model / n_head, another rope type, router jitter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from parallel.config import ModelConfig, RuleError
+from parallel.hf_mapping import Source
+
+FAMILY = "llama"
+ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
+ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def config_from_hf(hf: Mapping) -> dict:
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field):
+            raise RuleError(field, "is true; trainyard's llama has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise RuleError("hidden_act", f"{hf['hidden_act']!r} is not supported (trainyard's llama: silu)")
+    if hf.get("sliding_window") is not None or hf.get("use_sliding_window"):
+        raise RuleError("sliding_window", f"is {hf.get('sliding_window')!r}; trainyard attends over the whole "
+                                          "causal context (no sliding-window attention)")
+    if hf.get("router_jitter_noise"):
+        raise RuleError("router_jitter_noise", "trainyard's router adds no jitter noise")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if d % heads or hf.get("head_dim") not in (None, d // heads):
+        raise RuleError("head_dim", f"is {hf.get('head_dim')}; trainyard's heads are hidden_size / "
+                                    f"num_attention_heads = {d}/{heads}")
+    theta, scaling = _rope(hf)
+    fields = {"family": FAMILY, "n_layer": hf["num_hidden_layers"], "n_head": heads, "d_model": d,
+              "n_kv_head": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
+              "vocab_size": hf["vocab_size"], "context_len": hf.get("max_position_embeddings"),
+              "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+              "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": theta, "rope_scaling": scaling}
+    if "num_local_experts" in hf:
+        fields["moe"] = {"experts": hf["num_local_experts"], "top_k": hf.get("num_experts_per_tok", 2), "every": 1}
+    return fields
+
+
+def _rope(hf: Mapping) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either spelling; an unknown rope type is refused."""
+    params = hf.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+        field = "rope_scaling"
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(params.get("rope_theta", 10000.0)), None
+    if kind != "llama3":
+        raise RuleError(f"{field}.rope_type", f"{kind!r} is not supported (supported: default, llama3)")
+    missing = [f for f in ROPE_SCALING_FIELDS if f not in params]
+    if missing:
+        raise RuleError(field, f"llama3 rope scaling without {', '.join(missing)}")
+    return float(params.get("rope_theta", 10000.0)), {f: params[f] for f in ROPE_SCALING_FIELDS}
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    moe = cfg.moe
+    if moe is not None and moe.every != 1:
+        raise RuleError("model.moe.every", f"is {moe.every}; MixtralForCausalLM has experts in every block "
+                                           "(every: 1), so this model has no Hugging Face form")
+    out = {"architectures": [ARCHITECTURES[1] if moe else ARCHITECTURES[0]],
+           "model_type": "mixtral" if moe else "llama", "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.d_model, "intermediate_size": _ffn(cfg), "num_hidden_layers": cfg.n_layer,
+           "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head or cfg.n_head,
+           "head_dim": cfg.d_model // cfg.n_head, "hidden_act": "silu", "max_position_embeddings": cfg.context,
+           "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+           "rope_theta": cfg.rope_theta, "attention_dropout": 0.0, "dtype": "float32"}
+    if cfg.rope_scaling is not None:
+        scaling = cfg.rope_scaling if isinstance(cfg.rope_scaling, Mapping) else vars(cfg.rope_scaling)
+        out["rope_scaling"] = {"rope_type": "llama3", **{f: scaling[f] for f in ROPE_SCALING_FIELDS}}
+    if moe is None:
+        out |= {"attention_bias": False, "mlp_bias": False}
+    else:
+        out |= {"num_local_experts": moe.experts, "num_experts_per_tok": moe.top_k, "sliding_window": None,
+                "router_jitter_noise": 0.0, "router_aux_loss_coef": moe.aux_loss_coef}
+    return out
+
+
+def _ffn(cfg: ModelConfig) -> int:
+    if cfg.ffn_hidden is not None:
+        return cfg.ffn_hidden
+    return -(-int(8 * cfg.d_model / 3) // 256) * 256
+
+
+def sources(cfg: ModelConfig, hf_keys: Collection[str] | None = None) -> dict[str, Source]:
+    out = {"wte.weight": Source("model.embed_tokens.weight"), "ln_f.weight": Source("model.norm.weight"),
+           "lm_head.weight": Source("model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight")}
+    fused = hf_keys is not None and any(k.endswith(".mlp.experts.gate_up_proj") for k in hf_keys)
+    ffn = _ffn(cfg)
+    for i in range(cfg.n_layer):
+        b, h = f"blocks.{i}", f"model.layers.{i}"
+        out[f"{b}.ln_1.weight"] = Source(f"{h}.input_layernorm.weight")
+        out[f"{b}.ln_2.weight"] = Source(f"{h}.post_attention_layernorm.weight")
+        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("proj", "o_proj")):
+            out[f"{b}.attn.{ours}.weight"] = Source(f"{h}.self_attn.{theirs}.weight")
+        if not cfg.is_moe_block(i):
+            out |= {f"{b}.mlp.{n}.weight": Source(f"{h}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")}
+        elif fused:
+            out[f"{b}.moe.router.weight"] = Source(f"{h}.mlp.gate.weight")
+            for e in range(cfg.moe.experts):
+                x = f"{b}.moe.experts.{e}"
+                out[f"{x}.gate.weight"] = Source(f"{h}.mlp.experts.gate_up_proj", expert=e)
+                out[f"{x}.up.weight"] = Source(f"{h}.mlp.experts.gate_up_proj", expert=e, start=ffn)
+                out[f"{x}.down.weight"] = Source(f"{h}.mlp.experts.down_proj", expert=e)
+        else:
+            out[f"{b}.moe.router.weight"] = Source(f"{h}.block_sparse_moe.gate.weight")
+            for e in range(cfg.moe.experts):
+                x, y = f"{b}.moe.experts.{e}", f"{h}.block_sparse_moe.experts.{e}"
+                out |= {f"{x}.{ours}.weight": Source(f"{y}.{theirs}.weight")
+                        for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
+    return out
+
+
+def ignored(key: str) -> bool:
+    # Older checkpoints store each block's rotary frequencies, which trainyard computes.
+    return key.endswith(".rotary_emb.inv_freq")
