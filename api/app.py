@@ -118,14 +118,24 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         return JobLogs(**manager.logs(job_id, rank, stream, tail, since))
 
     @app.get("/api/jobs/{job_id}/model", dependencies=guarded, response_class=FileResponse,
-             responses={200: {"content": {"application/octet-stream": {}},
-                              "description": "the final weights as one safetensors file; `__metadata__` holds "
-                                             "`config` (the model config, JSON) and `step`"},
-                        409: {"description": "the job has not ended SUCCEEDED or STOPPED, or wrote no model"}})
-    def model(job_id: str) -> FileResponse:
+             responses={200: {"content": {"application/octet-stream": {}, "application/x-tar": {}},
+                              "description": "format=trainyard: the final weights as one safetensors file; "
+                                             "`__metadata__` holds `config` (the model config, JSON) and `step`. "
+                                             "format=hf: a tar of a Hugging Face directory (config.json, "
+                                             "safetensors, generation_config.json, the tokenizer)"},
+                        409: {"description": "the job has not ended SUCCEEDED or STOPPED, or wrote no model"},
+                        422: {"description": "format=hf: a model Hugging Face has no form for"}})
+    def model(job_id: str, format: Literal["trainyard", "hf"] = Query(  # noqa: A002 - the query's name
+            "trainyard", description="trainyard: one safetensors file; hf: a Hugging Face directory as a tar")
+              ) -> FileResponse:
         """The trained model of an ended job, consolidated from its final checkpoint whatever its layout."""
-        return FileResponse(manager.model_file(job_id), media_type="application/octet-stream",
-                            filename=f"{job_id}.safetensors")
+        path = manager.model_file(job_id)
+        if format == "hf":
+            from service.hf_export import hf_archive  # torch: only when asked for
+
+            return FileResponse(hf_archive(path, manager.get(job_id).spec), media_type="application/x-tar",
+                                filename=f"{job_id}-hf.tar")
+        return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}.safetensors")
 
     @app.get("/api/jobs/{job_id}/events", dependencies=guarded)
     def events(job_id: str) -> list[dict]:

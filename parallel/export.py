@@ -3,8 +3,11 @@ model, whatever layout trained it.
 
 The file holds every tensor of `full_model(cfg, seed).state_dict()` under its name (a tied head and
 embedding as two equal tensors, since safetensors stores no shared storage), and `__metadata__` holds
-`config` (the model config as JSON) and `step`. So `full_model(cfg, seed).load_state_dict(file, strict=True)`
-loads it. Consolidation runs in one process, with DCP reading the checkpoint without a process group.
+`config` (the model config as JSON) and `step`. `load_exported(file)` builds the model from that config and
+loads it (strict). Consolidation runs in one process, with DCP reading the checkpoint without a process group.
+
+`export_hf` turns such a file into a Hugging Face directory with the model family's mapping
+(`parallel.hf_checkpoint.write_hf_dir`), for `trainyard export --format hf`.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
+from pydantic import TypeAdapter
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
 
-from parallel.config import JobConfig
+from parallel.config import JobConfig, ModelConfig
+from parallel.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, write_hf_dir
 from parallel.model import full_model
 
 MODEL_FILE = "model.safetensors"
@@ -34,3 +41,27 @@ def export_model(config: JobConfig, checkpoint_dir: Path, step: int, out: Path) 
     save_file(tensors, str(tmp), metadata={"config": json.dumps(asdict(config.model)), "step": str(step)})
     os.replace(tmp, out)
     return out
+
+
+def exported_config(path: Path) -> tuple[ModelConfig, int]:
+    """The model config and step an exported file records in its metadata."""
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    return TypeAdapter(ModelConfig).validate_python(json.loads(metadata["config"])), int(metadata["step"])
+
+
+def load_exported(path: str | Path) -> nn.Module:
+    """The trained model of an exported file, for any model the file's config describes (MoE included)."""
+    cfg, _ = exported_config(Path(path))
+    model = full_model(cfg, 0)
+    model.load_state_dict(load_file(str(path)), strict=True)
+    return model
+
+
+def export_hf(path: Path, out: Path, *, tokenizer_from: Path | None = None,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """An exported file as a Hugging Face directory `out` (see parallel.hf_checkpoint.write_hf_dir); raises
+    RuleError naming the model field Hugging Face has no form for."""
+    cfg, _ = exported_config(path)
+    return write_hf_dir(out, cfg, load_file(str(path)), max_shard_bytes=max_shard_bytes,
+                        tokenizer_from=tokenizer_from)

@@ -85,9 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("job_id")
     s.set_defaults(func=_events)
     s = sub.add_parser("export", help="download a finished job's trained model: DIR/model.safetensors and "
-                                      "DIR/config.json")
+                                      "DIR/config.json, or a Hugging Face directory (--format hf)")
     s.add_argument("job_id")
     s.add_argument("-o", "--output", required=True, metavar="DIR")
+    s.add_argument("--format", choices=("trainyard", "hf"), default="trainyard",
+                   help="trainyard (default): one safetensors file; hf: config.json, safetensors, "
+                        "generation_config.json and the tokenizer, for transformers.from_pretrained")
     s.set_defaults(func=_export)
     s = sub.add_parser("logs", help="print the ranks' logs (stderr by default), read from Ray")
     s.add_argument("job_id")
@@ -341,16 +344,33 @@ def _events(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from safetensors import safe_open
-
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    if args.format == "hf":
+        return _export_hf(args, out)
+    from safetensors import safe_open
+
     path = _client(args).download_model(args.job_id, out / "model.safetensors")
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()
     (out / "config.json").write_text(json.dumps(json.loads(metadata["config"]), indent=2) + "\n")
     print(f"{path} (after step {metadata['step']}) and {out / 'config.json'}; load it with "
-          "parallel.model.full_model(ModelConfig(**config), seed).load_state_dict(safetensors.torch.load_file(path))")
+          f"parallel.export.load_exported({str(path)!r})")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace, out: Path) -> int:
+    import tarfile
+
+    archive = _client(args).download_model(args.job_id, out / ".hf.tar", format="hf")
+    try:
+        with tarfile.open(archive) as tar:
+            names = tar.getnames()
+            tar.extractall(out, filter="data")
+    finally:
+        archive.unlink()
+    print(f"{out}: {', '.join(sorted(names))}; load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

@@ -58,11 +58,12 @@ class Client:
         params = {key: value for key, value in params.items() if value is not None}
         return self._call("GET", f"/api/jobs/{job_id}/logs", params=params)
 
-    def download_model(self, job_id: str, path: Path) -> Path:
-        """Stream the job's trained model (safetensors) to `path` (written whole, then renamed)."""
+    def download_model(self, job_id: str, path: Path, format: str = "trainyard") -> Path:  # noqa: A002
+        """Stream the job's trained model (safetensors; a tar of an HF directory with format="hf") to `path`
+        (written whole, then renamed)."""
         tmp = path.with_name(path.name + ".part")
         try:
-            with self._http.stream("GET", f"/api/jobs/{job_id}/model") as response:
+            with self._http.stream("GET", f"/api/jobs/{job_id}/model", params={"format": format}) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise ApiError(response.status_code, _error_text(response))

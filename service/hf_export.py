@@ -1,0 +1,35 @@
+"""A job's trained model as a Hugging Face directory, packed as one tar for `GET /api/jobs/{id}/model?format=hf`.
+
+Converted from the consolidated safetensors file the job's end wrote (`parallel.export.export_hf`), once,
+beside it (`hf/` and `hf.tar`); a later request serves the same tar. The tokenizer of the job's prepared
+dataset directory (`data.path` holding a manifest) goes into the directory with the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import threading
+from pathlib import Path
+
+from parallel.export import export_hf
+
+_lock = threading.Lock()
+ARCHIVE = "hf.tar"
+
+
+def hf_archive(model_file: Path, spec: dict) -> Path:
+    """The tar of the HF directory of `model_file` (made on first use); RuleError when HF has no such model."""
+    archive = model_file.parent / ARCHIVE
+    with _lock:  # two requests at once convert once
+        if archive.is_file() and archive.stat().st_mtime >= model_file.stat().st_mtime:
+            return archive
+        data_path = (spec.get("data") or {}).get("path")
+        directory = export_hf(model_file, model_file.parent / "hf",
+                              tokenizer_from=Path(data_path) if data_path else None)
+        tmp = archive.with_name(ARCHIVE + ".tmp")
+        with tarfile.open(tmp, "w") as tar:
+            for path in sorted(directory.iterdir()):
+                tar.add(path, arcname=path.name)
+        os.replace(tmp, archive)
+        return archive
