@@ -68,6 +68,24 @@ class MoEConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RopeScalingConfig:
+    """Llama 3's rotary-frequency scaling (transformers' `rope_type: llama3`): low frequencies are divided by
+    `factor`, high ones kept, the band between interpolated smoothly."""
+
+    __pydantic_config__ = _STRICT
+    rope_type: Literal["llama3"] = "llama3"
+    """The only scaling trainyard implements; any other type is refused."""
+    factor: Annotated[float, Ge(1), Le(1e6)] = 8.0
+    """How much longer the extended context is than the original one."""
+    low_freq_factor: Annotated[float, Gt(0), Le(1e6)] = 1.0
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are divided by `factor`."""
+    high_freq_factor: Annotated[float, Gt(0), Le(1e6)] = 4.0
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept as they are."""
+    original_max_position_embeddings: Annotated[int, Gt(0), Le(MAX_SEQ_LEN)] = 8192
+    """The context the frequencies were trained for before scaling."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     __pydantic_config__ = _STRICT
     n_layer: Annotated[int, Gt(0), Le(4096)]
@@ -86,6 +104,23 @@ class ModelConfig:
     """Share the token embedding with the output head (nanoGPT style)."""
     moe: MoEConfig | None = None
     """Mixture-of-experts blocks; null for a dense model."""
+    family: Literal["gpt2", "llama"] = "gpt2"
+    """The model family (`parallel.models`): gpt2 (LayerNorm, GELU, learned positions, biases) or llama
+    (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases)."""
+    n_kv_head: Annotated[int, Gt(0), Le(4096)] | None = None
+    """Key/value heads (grouped-query attention, llama); null: n_head. Must divide n_head."""
+    ffn_hidden: Annotated[int, Gt(0), Le(2**20)] | None = None
+    """Hidden size of the feed-forward part (and of each expert); null: 4 x d_model for gpt2, Llama's rule
+    for llama (8 x d_model / 3 rounded up to a multiple of 256)."""
+    rope_theta: Annotated[float, Gt(0), Le(1e12)] = 10000.0
+    """Base of the rotary embedding's frequencies (llama)."""
+    norm_eps: Annotated[float, Gt(0), Le(1)] = 1e-5
+    """Epsilon of every norm: gpt2's LayerNorms, llama's RMSNorms."""
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    """gpt2's MLP activation: exact GELU, or the tanh approximation (Hugging Face GPT-2's `gelu_new`). llama
+    always uses SwiGLU, and refuses gelu_tanh."""
+    rope_scaling: RopeScalingConfig | None = None
+    """Llama 3 rope scaling (llama); null: none."""
 
     @property
     def context(self) -> int:

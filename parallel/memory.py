@@ -4,17 +4,18 @@
 schedule before anything runs; `parallel.plan.check_memory` refuses a job whose ranks cannot fit, and
 `describe` shows it. Pure arithmetic: no torch (the plan is pure).
 
-Model state (exact, counted from the shapes as `parallel.model` builds them and `parallel.tensor_parallel`
-shards them): parameters are fp32 (4 B) whatever the precision; gradients live in fp32 flat buckets that
-hold every local parameter (4 B each, also under ZeRO-1, which keeps whole gradients and adds the reduced
-1/N slice; see `parallel.data_parallel`); AdamW keeps two fp32 states per parameter (8 B), and with
-`parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size of the group that reduces
-them: dense parameters over dp, the MoE router over the stage's dp x tp ranks, experts over the ranks holding
-the same experts (dp / ep x tp).
+Model state (exact, counted by the model's family, `ModelFamily.param_counts`, from the shapes its stages
+have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever the precision; gradients live
+in fp32 flat buckets that hold every local parameter (4 B each, also under ZeRO-1, which keeps whole
+gradients and adds the reduced 1/N slice; see `parallel.data_parallel`); AdamW keeps two fp32 states per
+parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size
+of the group that reduces them: dense parameters over dp, the MoE router over the stage's dp x tp ranks,
+experts over the ranks holding the same experts (dp / ep x tp).
 
 Activations are what autograd keeps for backward (the pipeline's `_SavedTensorMeter` measures the same
 thing, each storage once, parameters excluded). Per micro-batch and chunk the bytes follow from the
-tensors each op saves, read off the meter on CPU (torch 2.13) and written out term by term below; the
+tensors each op saves, read off the meter on CPU (torch 2.13) and written out term by term by the model's
+family (`parallel.models.<family>.counts`: embedding, each block, the head); the
 rank's peak walks its action list (`plan.schedule`) adding a chunk's bytes at its forward and removing them
 at its backward, which with unit weights is the simulator's `peak_activations`. Activation checkpointing
 keeps less but recomputes one region at a time in backward: that transient (`recompute`, which the meter
@@ -32,15 +33,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from parallel.models import family_of
+from parallel.models.counting import BF16, FP32, ParamCounts, Shapes
 from parallel.schedules import ActionKind, virtual_stage
 
 if TYPE_CHECKING:
     from parallel.plan import Plan
-
-FP32 = 4
-BF16 = 2
-INDEX = 8  # int64: token ids, positions, the indices index and topk ops keep
-LN_STATS = 2 * FP32  # LayerNorm keeps a mean and a reciprocal std per token
 
 
 @dataclass(frozen=True)
@@ -64,19 +62,6 @@ class RankMemory:
                 "activations": self.activations, "recompute": self.recompute, "total": self.total}
 
 
-@dataclass(frozen=True)
-class ParamCounts:
-    """Local parameter elements of a rank, by the group that reduces their gradients."""
-
-    dense: int
-    router: int
-    experts: int
-
-    @property
-    def total(self) -> int:
-        return self.dense + self.router + self.experts
-
-
 def estimate(plan: Plan) -> list[RankMemory]:
     """Every rank's memory, index = rank. The ranks of one pipeline stage are alike (tp shards are equal and
     every ep rank hosts experts / ep experts), so each stage is computed once: any spec is answered at once."""
@@ -97,28 +82,14 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
 
 
 def param_counts(plan: Plan, pp_rank: int) -> ParamCounts:
-    """Exact local parameter counts of a rank's chunks (tied embeddings counted once)."""
-    m, tp = plan.config.model, plan.tp
-    d, vocab = m.d_model, m.vocab_size
-    local_experts = m.moe.experts // plan.ep if m.moe else 0
-    dense = router = experts = 0
+    """Exact local parameter counts of a rank's chunks (tied embeddings counted once), by the model's family."""
+    m, family = plan.config.model, family_of(plan.config.model)
+    total = ParamCounts(dense=0, router=0, experts=0)
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
         v = virtual_stage(pp_rank, c, plan.pp)
-        first, last = v == 0, v == plan.n_virtual_stages - 1
-        if first:
-            dense += vocab * d // tp + m.context * d  # wte split over the vocabulary, wpe replicated
-        for block in layers:
-            # two LayerNorms (4d); q, k, v column-parallel (weight and bias / tp); attn.proj row-parallel (bias
-            # replicated)
-            dense += 4 * d + 3 * (d * d + d) // tp + d * d // tp + d
-            if m.is_moe_block(block):
-                router += d * m.moe.experts  # no bias, not sharded
-                experts += local_experts * (4 * d * d + 4 * d + 4 * d * d + d)  # whole experts on every tp rank
-            else:
-                dense += (4 * d * d + 4 * d) // tp + 4 * d * d // tp + d  # fc column-, proj row-parallel
-        if last:
-            dense += 2 * d + (0 if m.tie_embeddings and first else vocab * d // tp)
-    return ParamCounts(dense=dense, router=router, experts=experts)
+        total += family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
+                                     ep=plan.ep)
+    return total
 
 
 def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
@@ -157,47 +128,24 @@ def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> i
     return peak
 
 
-@dataclass(frozen=True)
-class _Shapes:
-    """One micro-batch on one rank: sizes the activation terms are written in."""
-
-    d: int
-    heads: int
-    """Attention heads on this rank (n_head / tp)."""
-    tokens: int
-    """Tokens of the micro-batch (micro_batch_size x seq_len): what the tensor-parallel regions take in."""
-    stream: int
-    """Tokens of the residual stream this rank holds: tokens / tp with sp, else tokens."""
-    tp: int
-    bf16: bool
-
-    @property
-    def act(self) -> int:
-        """Bytes of an element a matmul keeps: its bf16 copy under autocast, else fp32."""
-        return BF16 if self.bf16 else FP32
-
-
-def _shapes(plan: Plan) -> _Shapes:
+def _shapes(plan: Plan) -> Shapes:
     m, par = plan.config.model, plan.config.parallel
     tokens = plan.micro_batch_size * m.seq_len
-    return _Shapes(d=m.d_model, heads=m.n_head // plan.tp, tokens=tokens,
-                   stream=tokens // plan.tp if par.sp else tokens, tp=plan.tp,
-                   bf16=plan.config.precision == "bf16")
+    return Shapes(d=m.d_model, heads=m.n_head // plan.tp, tokens=tokens,
+                  stream=tokens // plan.tp if par.sp else tokens, tp=plan.tp,
+                  bf16=plan.config.precision == "bf16", seq_len=m.seq_len, ep=plan.ep)
 
 
 def _chunk_activations(plan: Plan, pp_rank: int, chunk: int) -> tuple[int, int]:
     """(bytes kept for backward by one micro-batch through this chunk, transient bytes of recomputation)."""
     m, mode = plan.config.model, plan.config.activation_checkpointing
-    s = _shapes(plan)
+    family, s = family_of(m), _shapes(plan)
     v = virtual_stage(pp_rank, chunk, plan.pp)
     kept = transient = 0
     if v == 0:
-        kept += INDEX * s.tokens + INDEX * m.seq_len  # wte keeps the token ids, wpe the positions
+        kept += family.embed_activations(m, s)
     for block in plan.stage_layers[v]:
-        if m.is_moe_block(block):
-            full, selective_saving, region = _moe_block(plan, s)
-        else:
-            full, selective_saving, region = _dense_block(s)
+        full, selective_saving, region = family.block_activations(m, block, s)
         if mode == "full":
             kept += FP32 * s.d * s.stream  # only the block's input: checkpoint keeps it to recompute the block
             transient = max(transient, full)
@@ -207,80 +155,5 @@ def _chunk_activations(plan: Plan, pp_rank: int, chunk: int) -> tuple[int, int]:
         else:
             kept += full
     if v == plan.n_virtual_stages - 1:
-        kept += _head(plan, s)
+        kept += family.head_activations(m, s)
     return kept, transient
-
-
-def _attention(s: _Shapes) -> int:
-    """ln_1 and the attention of one block."""
-    d = s.d
-    ln = s.stream * (FP32 * d + LN_STATS)  # ln_1's input
-    # The region's input (ln_1's output, all-gathered over tp under sp), kept by q, k and v: one fp32 tensor,
-    # or under autocast one bf16 copy each.
-    region_input = s.tokens * (3 * BF16 * d if s.bf16 else FP32 * d)
-    # q, k, v and the attention output (which attn.proj keeps as its input too), d / tp wide each, and the
-    # log-sum-exp of every head (fp32).
-    core = s.tokens * (s.act * 4 * d // s.tp + FP32 * s.heads)
-    weights = BF16 * 4 * d * d // s.tp if s.bf16 else 0  # autocast's bf16 copies of q, k, v, proj weights
-    return ln + region_input + core + weights
-
-
-def _dense_block(s: _Shapes) -> tuple[int, int, int]:
-    """(bytes kept with no checkpointing, bytes selective checkpointing saves, its recomputed region's bytes)."""
-    d = s.d
-    ln_2 = s.stream * (FP32 * d + LN_STATS)
-    mlp_input = s.tokens * s.act * d  # ln_2's output (its bf16 copy under autocast), kept by fc
-    hidden = s.tokens * s.act * 4 * d // s.tp  # fc's output (kept by GELU) and GELU's (kept by proj) each
-    weights = BF16 * 8 * d * d // s.tp if s.bf16 else 0
-    full = _attention(s) + ln_2 + mlp_input + 2 * hidden + weights
-    # selective: GELU with proj is recomputed (GELU's output and, under autocast, proj's bf16 weight are not
-    # kept), and so is the attention core (its log-sum-exp; q, k, v and the output are kept anyway)
-    proj_weight = BF16 * 4 * d * d // s.tp if s.bf16 else 0
-    saving = hidden + proj_weight + s.tokens * FP32 * s.heads
-    return full, saving, hidden + proj_weight
-
-
-def _moe_block(plan: Plan, s: _Shapes) -> tuple[int, int, int]:
-    """As `_dense_block`, for a mixture-of-experts block: attention, ln_2, router and this rank's experts."""
-    m = plan.config.model
-    moe, d = m.moe, s.d
-    n_local = moe.experts // plan.ep
-    routed = s.tokens // s.tp  # each tp rank routes its slice of every sequence
-    rows = math.ceil(routed * moe.top_k * _kept_fraction(plan))  # (token, expert) pairs, balanced over ep
-    ln_2 = s.stream * (FP32 * d + LN_STATS)
-    # Per routed token: the router's input (ln_2's output slice, or its bf16 copy), its fp32 logits (kept by
-    # the z-loss) and probabilities, the top-k values and indices, and the gate sums and log-sum-exp.
-    router = routed * (s.act * d + 2 * FP32 * moe.experts + moe.top_k * (INDEX + FP32) + 2 * FP32)
-    # Per routed row: the row going into its expert (a bf16 copy under autocast), the expert's hidden before
-    # and after GELU (4d each), its output and the gate-weighted output (fp32), and the row's gate weight and
-    # indices (which rows were kept, their order, their token; with ep also their order on arrival).
-    hidden = rows * s.act * 4 * d
-    per_row = s.act * d + 2 * FP32 * d + FP32 + 3 * INDEX + (INDEX if plan.ep > 1 else 0)
-    weights = BF16 * (d * moe.experts + n_local * 8 * d * d) if s.bf16 else 0
-    full = _attention(s) + ln_2 + router + rows * per_row + 2 * hidden + weights
-    proj_weights = BF16 * n_local * 4 * d * d if s.bf16 else 0
-    saving = hidden + proj_weights + s.tokens * FP32 * s.heads
-    region = math.ceil(hidden / max(n_local, 1)) + (BF16 * 4 * d * d if s.bf16 else 0)  # one expert's GELU
-    return full, saving, region
-
-
-def _kept_fraction(plan: Plan) -> float:
-    """Fraction of (token, expert) choices the experts keep: 1 dropless, at most capacity x experts of a
-    sequence's seq_len x top_k choices with a capacity factor."""
-    m = plan.config.model
-    if m.moe.capacity_factor is None:
-        return 1.0
-    cap = math.ceil(m.moe.capacity_factor * m.seq_len * m.moe.top_k / m.moe.experts)
-    return min(1.0, cap * m.moe.experts / (m.seq_len * m.moe.top_k))
-
-
-def _head(plan: Plan, s: _Shapes) -> int:
-    """ln_f, the output head and the loss of one micro-batch."""
-    m = plan.config.model
-    d, vocab = s.d, m.vocab_size
-    ln_f = s.stream * (FP32 * d + LN_STATS)
-    head_input = s.tokens * s.act * d  # ln_f's output (all-gathered under sp), kept by lm_head
-    weight = BF16 * vocab * d // s.tp if s.bf16 else 0
-    # cross_entropy keeps its fp32 log-softmax, vocab / tp wide (loss_parallel), and the targets
-    loss = s.tokens * (FP32 * vocab // s.tp + INDEX) + FP32
-    return ln_f + head_input + weight + loss

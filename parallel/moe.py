@@ -2,9 +2,9 @@
 
 `MoELayer` takes the place of the MLP in every `moe.every`-th block. A bias-free router scores the
 experts of each token; the token goes to its `top_k` best, and their softmax probabilities, renormalised
-over the chosen k, weigh the experts' outputs. Experts are the dense block's GELU MLP, held in a ModuleDict
-keyed by their *global* index, so a parameter is named `blocks.3.moe.experts.5.fc.weight` on every layout
-and a rank holds only the experts it hosts.
+over the chosen k, weigh the experts' outputs. Experts are the model family's expert module (`family.expert`:
+gpt2's GELU MLP, llama's SwiGLU), held in a ModuleDict keyed by their *global* index, so a parameter is named
+`blocks.3.moe.experts.5.fc.weight` on every layout and a rank holds only the experts it hosts.
 
 Layout independence. Which tokens an expert keeps is decided within a routing group that is the same in
 every layout: one sequence. With `capacity_factor` set, expert e keeps at most
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.config import ModelConfig
-from parallel.layers import MLP
+from parallel.models import family_of
 
 N_STAT_SLOTS = 4
 """Per-layer statistics before the per-expert loads: aux sum, z sum, dropped and all assignments."""
@@ -85,7 +85,8 @@ class MoELayer(nn.Module):
         self.cfg = cfg
         self.n_experts, self.top_k = cfg.moe.experts, cfg.moe.top_k
         self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in sorted(experts)})
+        expert = family_of(cfg).expert
+        self.experts = nn.ModuleDict({str(e): expert(cfg) for e in sorted(experts)})
         self.context = MoEContext()
         # Sums over a step's calls (see `summarize`), zeroed by the trainer at each step's start. A buffer so
         # it moves with the module; not persistent: it is no part of the model.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from parallel.config import DpRange, JobConfig, RuleError
 from parallel.memory import RankMemory, estimate
+from parallel.models import family_of
 from parallel.schedule_sim import Costs, render_gantt, simulate
 from parallel.schedules import Action, ScheduleError, build_schedule, check_schedule_args, format_actions
 
@@ -307,6 +308,8 @@ def _check_model(config: JobConfig) -> None:
     if m.tie_embeddings and config.parallel.pp > 1:
         raise PlanError("model.tie_embeddings", "tied embeddings need pp=1 (the embedding and the head "
                                                 "live on different pipeline stages)")
+    for error in family_of(m).check(config):  # the family's own rules (parallel.models)
+        raise PlanError(error.field, error.message)
 
 
 def _check_experts(config: JobConfig) -> None:

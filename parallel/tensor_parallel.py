@@ -1,7 +1,9 @@
-"""Tensor and sequence parallelism of a GPT stage with torch's DTensor.
+"""Tensor and sequence parallelism of a model stage with torch's DTensor.
 
-`apply_tensor_parallel(stage, tp_mesh, sequence_parallel=...)` shards a `GPTStage` in place over the 1-D
-tensor-parallel mesh with `parallelize_module` (Megatron's layout, as torchtitan writes it):
+`apply_tensor_parallel(stage, tp_mesh, sequence_parallel=...)` shards a stage in place over the 1-D
+tensor-parallel mesh with `parallelize_module`, by the plan its model family gives
+(`ModelFamily.tensor_parallel_plan`, built from `parallel.models.tp_styles`; Megatron's layout, as
+torchtitan writes it). For gpt2 (llama alike, see its family):
 - attention: q, k and v each `ColwiseParallel` (a rank keeps n_head / tp whole heads of each), the output
   projection `RowwiseParallel`; the MLP's `fc` column-parallel, its `proj` row-parallel;
 - vocabulary-parallel embedding and head: `wte` `RowwiseParallel` (rows = vocabulary), `lm_head`
@@ -20,7 +22,7 @@ input and output layouts are declared.
 The residual stream between the parallel regions is a plain local tensor, as in torchtitan: the styles
 hand DTensors only to the layers that need them, so the model's forward stays ordinary torch code.
 
-The learned position embedding `wpe` (torchtitan's models have none) is the one piece the styles do not
+gpt2's learned position embedding `wpe` (torchtitan's models have none) is the one piece the styles do not
 cover directly. Without sequence parallelism it stays a plain replicated module. With it, `wpe` computes
 every position on every rank and `PrepareModuleOutput` turns that replicated output into this rank's
 sequence slice (a local slice, no communication); the slice's backward is an all-gather, so every rank
@@ -47,69 +49,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from parallel.model import GPTStage
+from parallel.models import family_of
 from parallel.plan import Plan
 
 
-def apply_tensor_parallel(stage: GPTStage, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> GPTStage:
-    """Shard `stage`'s parameters over `tp_mesh` and set up the collectives of its forward and backward."""
-    # The layout of the residual stream between the parallel regions: sequence-sharded or replicated.
-    stream = Shard(1) if sequence_parallel else Replicate()
-    layers: dict[str, ParallelStyle] = {}
-    if stage.first:
-        layers["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-        if sequence_parallel:
-            # wpe(positions) is (seq_len, d_model): the sequence is its dim 0.
-            layers["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-    for i, block in stage.blocks.items():
-        layers |= _block_plan(f"blocks.{i}", stream, sequence_parallel, moe=hasattr(block, "moe"))
-    if stage.last:
-        if sequence_parallel:
-            layers["ln_f"] = SequenceParallel()
-        layers["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
-    parallelize_module(stage, tp_mesh, layers, src_data_rank=None)
+def apply_tensor_parallel(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+    """Shard `stage`'s parameters over `tp_mesh` and set up the collectives of its forward and backward, by its
+    family's plan (`ModelFamily.tensor_parallel_plan`)."""
+    plan = family_of(stage.cfg).tensor_parallel_plan(stage, sequence_parallel=sequence_parallel)
+    parallelize_module(stage, tp_mesh, plan, src_data_rank=None)
     if stage.last and stage.first and stage.cfg.tie_embeddings:
         # Both are sharded over the vocabulary on dim 0; re-tie the head to the embedding's new DTensor.
         stage.lm_head.weight = stage.wte.weight
     return stage
-
-
-def _block_plan(block: str, stream: Shard | Replicate, sequence_parallel: bool, *,
-                moe: bool) -> dict[str, ParallelStyle]:
-    layers: dict[str, ParallelStyle] = {}
-    if moe:
-        # The MoE layer is plain torch code on this rank's slice of each sequence (see parallel.moe): hand it
-        # the slice, and give the stream back its layout (without sp: an all-gather, whose backward slices).
-        if sequence_parallel:
-            layers[f"{block}.ln_2"] = SequenceParallel()
-        layers[f"{block}.moe"] = PrepareModuleInputOutput(
-            input_layouts=(stream,), desired_input_layouts=(Shard(1),), use_local_input=True,
-            output_layouts=(Shard(1),), desired_output_layouts=(stream,), use_local_output=True)
-    regions = (("ln_1", "attn", ("q", "k", "v"), "proj"),) + ((("ln_2", "mlp", ("fc",), "proj"),) if not moe else ())
-    for norm, region, column, row in regions:
-        if sequence_parallel:
-            layers[f"{block}.{norm}"] = SequenceParallel()
-        # One DTensor input shared by the region's column-parallel layers: their input gradients add up as
-        # partial sums and are reduced once (all-reduce, or reduce-scatter with sp), not once per layer.
-        layers[f"{block}.{region}"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
-        for name in column:
-            layers[f"{block}.{region}.{name}"] = ColwiseParallel()
-        layers[f"{block}.{region}.{row}"] = RowwiseParallel(output_layouts=stream)
-    return layers
 
 
 def activation_shape(plan: Plan) -> tuple[int, int, int]:

@@ -28,7 +28,7 @@ from parallel import checkpoint, hf_checkpoint
 from parallel.data import Dataset, load_batch, open_dataset, rank_share, validation_batches
 from parallel.data_parallel import GradientReducer, local_part
 from parallel.distributed import RankGroups
-from parallel.model import GPTStage
+from parallel.models import family_of
 from parallel.moe import MoEContext, moe_layers
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr, tp_copies
 from parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
@@ -95,12 +95,12 @@ class RankTrainer:
         # Each set of gradients is summed over the ranks that computed parts of it (see parallel.moe): dense
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
         par = cfg.parallel
-        sets = {"dense": (groups.dp, lambda n: ".moe." not in n),
-                "router": (groups.stage, lambda n: ".moe.router." in n),
-                "experts": (groups.experts, lambda n: ".moe.experts." in n)}
+        sets = {"dense": groups.dp, "router": groups.stage, "experts": groups.experts}
+        family = family_of(cfg.model)
         self.reducers: dict[str, GradientReducer] = {}
-        for kind, (group, member) in sets.items():
-            per_chunk = [[p for n, p in chunk.named_parameters() if member(n)] for chunk in self.chunks]
+        for kind, group in sets.items():
+            per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
+                         for chunk in self.chunks]
             if any(per_chunk):
                 self.reducers[kind] = GradientReducer(per_chunk, group, zero=par.zero == 1,
                                                       reduce_dtype=par.reduce_dtype)
@@ -123,13 +123,14 @@ class RankTrainer:
             before_backward=self._arm_reduction if par.overlap_reduce else None,
         )
 
-    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> GPTStage:
+    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> torch.nn.Module:
         """One model chunk: built whole from the seed (so every layout starts from the same weights), then
         sharded over tp. Gradient buckets and the optimizer come after, as they need the final parameters."""
         v = virtual_stage(self.coords.pp, chunk, self.plan.pp)
         cfg = self.plan.config
-        stage = GPTStage(cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
-                         experts=self.plan.experts_of(self.rank)).to(self.device)
+        stage = family_of(cfg.model).build_stage(
+            cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
+            experts=self.plan.experts_of(self.rank)).to(self.device)
         if self.groups.tp_mesh is not None:
             apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.parallel.sp)
         stage.set_activation_checkpointing(cfg.activation_checkpointing)

@@ -1,0 +1,26 @@
+"""Model families: the registry `FAMILIES` and `family_of(cfg)`, the one way the rest of `parallel/` reaches
+a model (see `parallel.models.base` for the interface, ARCHITECTURE.md "A model family is one unit").
+
+A family is a folder `parallel/models/<name>/` whose `__init__.py` defines its `ModelFamily`; adding one is
+that folder, a line below and its name in `ModelConfig.family`.
+"""
+
+from __future__ import annotations
+
+from parallel.config import ModelConfig
+from parallel.models.base import ModelFamily
+from parallel.models.gpt2 import GPT2
+from parallel.models.llama import Llama
+
+FAMILIES: dict[str, ModelFamily] = {
+    "gpt2": GPT2(),
+    "llama": Llama(),
+}
+
+
+def family_of(cfg: ModelConfig) -> ModelFamily:
+    """The family `cfg.family` names."""
+    return FAMILIES[cfg.family]
+
+
+__all__ = ["FAMILIES", "ModelFamily", "family_of"]

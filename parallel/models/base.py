@@ -1,0 +1,112 @@
+"""The model-family interface: everything the rest of `parallel/` may ask of a model.
+
+A family (torchtitan's TrainSpec / ModelSpec) is one object registered in `parallel.models.FAMILIES`. The
+trainer, the plan, the memory plan and tensor parallelism ask it; they never name a module of one:
+
+- rules: `check(config)` returns the family's own RuleErrors (the plan raises the first; the API: 422);
+- modules: `build_stage(cfg, layers, first=, last=, seed=, experts=)` builds one pipeline stage (see
+  `parallel.models.decoder.DecoderStage` for what a stage offers), `feed_forward(cfg)` and `expert(cfg)`
+  its dense feed-forward module and one MoE expert (`parallel.moe` builds its experts with it);
+- tensor parallelism: `tensor_parallel_plan(stage, sequence_parallel=)` returns the `parallelize_module`
+  plan (which projections are column- or row-parallel, which norms sequence-parallel);
+- counting (pure arithmetic, for `parallel.memory` and MFU): `param_counts`, `embed_activations`,
+  `block_activations`, `head_activations`, `flops_per_token`; `ffn_hidden(cfg)` the feed-forward width;
+- gradients: `reduction_set(name)` says which group sums a parameter's gradient (dense, router, experts);
+- Hugging Face: `hf` is the family's `parallel/models/<family>/hf.py` module, imported on first use.
+
+A family object imports torch only inside the methods that build modules, so `parallel.plan` and
+`parallel.memory` stay free of torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal
+
+from parallel.config import JobConfig, ModelConfig, RuleError
+from parallel.models.counting import ParamCounts, Shapes
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+ReductionSet = Literal["dense", "router", "experts"]
+
+
+class ModelFamily(ABC):
+    name: str
+    """The value of `model.family` that selects this family (also its folder under `parallel/models/`)."""
+
+    @property
+    def hf(self) -> ModuleType:
+        """The family's Hugging Face mapping, `parallel/models/<name>/hf.py`, imported on first use."""
+        return importlib.import_module(f"parallel.models.{self.name}.hf")
+
+    @abstractmethod
+    def check(self, config: JobConfig) -> list[RuleError]:
+        """The family's own rules on a job (fields it cannot honour, divisibility its layers need)."""
+
+    @abstractmethod
+    def ffn_hidden(self, cfg: ModelConfig) -> int:
+        """Width of the feed-forward hidden layer (and of each expert's)."""
+
+    @abstractmethod
+    def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
+                    experts: Iterable[int] | None = None) -> nn.Module:
+        """The blocks `layers` (global indices), the embedding if `first`, the final norm and head if `last`,
+        initialised from (seed, parameter name); `experts`: the experts its MoE blocks host (default all)."""
+
+    @abstractmethod
+    def feed_forward(self, cfg: ModelConfig) -> nn.Module:
+        """A dense block's feed-forward module."""
+
+    def expert(self, cfg: ModelConfig) -> nn.Module:
+        """One expert of an MoE block: the dense feed-forward module, unless a family says otherwise."""
+        return self.feed_forward(cfg)
+
+    @abstractmethod
+    def tensor_parallel_plan(self, stage: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """`parallelize_module`'s plan for one stage: module path -> style."""
+
+    @abstractmethod
+    def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
+                     ep: int) -> ParamCounts:
+        """Exact local parameter elements of one stage at tensor-parallel degree tp (tied embeddings once)."""
+
+    @abstractmethod
+    def embed_activations(self, cfg: ModelConfig, s: Shapes) -> int:
+        """Bytes the first stage's embedding keeps for backward, per micro-batch."""
+
+    @abstractmethod
+    def block_activations(self, cfg: ModelConfig, block: int, s: Shapes) -> tuple[int, int, int]:
+        """Block `block` per micro-batch: (bytes kept with no checkpointing, bytes selective checkpointing
+        saves, bytes of the region selective checkpointing recomputes at once)."""
+
+    @abstractmethod
+    def head_activations(self, cfg: ModelConfig, s: Shapes) -> int:
+        """Bytes the final norm, the head and the loss keep, per micro-batch."""
+
+    @abstractmethod
+    def embedding_params(self, cfg: ModelConfig) -> int:
+        """Parameters of the lookups (no matmul): the token embedding, and learned positions if any."""
+
+    def flops_per_token(self, cfg: ModelConfig) -> float:
+        """Training FLOPs per token: 6 N + 12 L d T (PaLM's appendix B), N the parameters a token meets in
+        matmuls (all but the embedding lookups; of an MoE block's experts only top_k)."""
+        counts = self.param_counts(cfg, range(cfg.n_layer), first=True, last=True, tp=1, ep=1)
+        active = counts.dense + counts.router - self.embedding_params(cfg)
+        if cfg.moe is not None:
+            active += counts.experts * cfg.moe.top_k / cfg.moe.experts
+        return 6 * active + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+    def reduction_set(self, name: str) -> ReductionSet:
+        """Which ranks sum a parameter's gradient (see `parallel.moe`): dense parameters over dp, an MoE
+        router over its whole stage, experts over the ranks holding the same experts."""
+        if ".moe.router." in name:
+            return "router"
+        if ".moe.experts." in name:
+            return "experts"
+        return "dense"

@@ -1,0 +1,66 @@
+"""The vocabulary the families count their memory in: byte sizes, parameter counts, one micro-batch's shapes.
+
+Shared by `parallel.memory` (which walks a rank's chunks and schedule) and each family's own counting
+(`parallel.models.<family>.counts`, which knows what its modules hold and save). Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from parallel.config import ModelConfig
+
+FP32 = 4
+BF16 = 2
+INDEX = 8  # int64: token ids, positions, the indices index and topk ops keep
+LN_STATS = 2 * FP32  # LayerNorm keeps a mean and a reciprocal std per token
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Local parameter elements of a rank, by the group that reduces their gradients."""
+
+    dense: int
+    router: int
+    experts: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.router + self.experts
+
+    def __add__(self, other: ParamCounts) -> ParamCounts:
+        return ParamCounts(self.dense + other.dense, self.router + other.router, self.experts + other.experts)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """One micro-batch on one rank: sizes the activation terms are written in."""
+
+    d: int
+    heads: int
+    """Attention heads on this rank (n_head / tp)."""
+    tokens: int
+    """Tokens of the micro-batch (micro_batch_size x seq_len): what the tensor-parallel regions take in."""
+    stream: int
+    """Tokens of the residual stream this rank holds: tokens / tp with sp, else tokens."""
+    tp: int
+    bf16: bool
+    seq_len: int = 0
+    """Tokens of one sequence."""
+    ep: int = 1
+    """Expert-parallel ranks (the experts this rank hosts: experts / ep)."""
+
+    @property
+    def act(self) -> int:
+        """Bytes of an element a matmul keeps: its bf16 copy under autocast, else fp32."""
+        return BF16 if self.bf16 else FP32
+
+
+def kept_fraction(m: ModelConfig) -> float:
+    """Fraction of (token, expert) choices the experts keep: 1 dropless, at most capacity x experts of a
+    sequence's seq_len x top_k choices with a capacity factor."""
+    if m.moe.capacity_factor is None:
+        return 1.0
+    cap = math.ceil(m.moe.capacity_factor * m.seq_len * m.moe.top_k / m.moe.experts)
+    return min(1.0, cap * m.moe.experts / (m.seq_len * m.moe.top_k))

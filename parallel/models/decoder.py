@@ -1,0 +1,139 @@
+"""The decoder stage both families share: pre-norm blocks keyed by global index, embedding first, head last.
+
+`DecoderStage(cfg, layers, first=, last=, seed=)` holds the embedding when it is the first stage, the blocks
+whose *global* indices are in `layers` (a ModuleDict keyed by that index, so a parameter has the same name
+on every layout and checkpoints can be resharded), and the final norm and head when it is the last stage.
+The whole model is the stage that is both first and last. A family subclasses it and supplies its parts:
+`norm`, `attention`, `feed_forward`, its embeddings (`build_embeddings`, `embed`) and which projections
+feed the residual stream (`RESIDUAL`, scaled down at init).
+
+What a stage offers the pipeline and the trainer: `forward(x)` (token ids on the first stage, hidden states
+elsewhere), `loss_sum(hidden, targets)` (summed cross-entropy, ignore_index -100), `set_activation_
+checkpointing(mode)`, and `cfg`, `first`, `last`, `blocks`.
+
+Initialisation depends only on the job seed and each parameter's name, never on the layout: every
+parameter draws from its own generator seeded by (seed, name).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from parallel.config import ModelConfig
+from parallel.moe import MoELayer
+from parallel.seeds import derive_seed
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; its feed-forward part is the family's MLP, or an MoE layer hosting
+    `experts`."""
+
+    def __init__(self, stage: type[DecoderStage], cfg: ModelConfig, experts: Iterable[int] | None = None):
+        super().__init__()
+        self.ln_1 = stage.norm(cfg)
+        self.attn = stage.attention(cfg)
+        self.ln_2 = stage.norm(cfg)
+        if experts is None:
+            self.mlp = stage.feed_forward(cfg)
+        else:
+            self.moe = MoELayer(cfg, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        return x + ffn(self.ln_2(x))
+
+
+class DecoderStage(nn.Module):
+    """A contiguous run of blocks, plus the embedding on the first stage and the head on the last."""
+
+    RESIDUAL: ClassVar[tuple[str, ...]] = ("proj.weight",)
+    """Name endings of the projections that write into the residual stream (init scaled by depth)."""
+
+    @staticmethod
+    def norm(cfg: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+    @staticmethod
+    def attention(cfg: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+    @staticmethod
+    def feed_forward(cfg: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+    def build_embeddings(self, cfg: ModelConfig) -> None:
+        raise NotImplementedError
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __init__(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
+                 experts: Iterable[int] | None = None):
+        """`experts`: the global indices of the experts this stage's MoE blocks host (default: all)."""
+        super().__init__()
+        self.cfg, self.first, self.last = cfg, first, last
+        if first:
+            self.build_embeddings(cfg)
+        hosted = list(range(cfg.moe.experts) if experts is None else experts) if cfg.moe else []
+        self.blocks = nn.ModuleDict({str(i): Block(type(self), cfg, hosted if cfg.is_moe_block(i) else None)
+                                     for i in layers})
+        if last:
+            self.ln_f = self.norm(cfg)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            if cfg.tie_embeddings and first:
+                self.lm_head.weight = self.wte.weight
+        init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL)
+        self.recompute_blocks = False
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """none, full (recompute each block in backward: only block inputs are kept) or selective (each
+        family's attention core and MLP activation, the experts' included: modules with a `recompute` flag)."""
+        self.recompute_blocks = mode == "full"
+        for module in self.modules():
+            if hasattr(module, "recompute"):
+                module.recompute = mode == "selective"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) -> hidden states."""
+        if self.first:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute_blocks else block(x)
+        return x
+
+    def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed (not averaged) cross-entropy: the caller divides by the global token count. Targets of -100
+        count nothing.
+
+        With tensor parallelism the logits are a DTensor sharded over the vocabulary and the caller runs this
+        and its backward under `loss_parallel`; the loss is then a replicated DTensor, returned as its local
+        value, which is the whole loss.
+        """
+        logits = self.lm_head(self.ln_f(hidden))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, *, seed: int, n_layer: int, residual: tuple[str, ...] = ("proj.weight",)) \
+        -> None:
+    """GPT-2 init, each parameter from its own (seed, name) generator so the layout cannot matter."""
+    for name, p in module.named_parameters():
+        gen = torch.Generator().manual_seed(derive_seed(seed, "param", name))
+        if name.endswith("bias"):
+            p.zero_()
+        elif ".ln_" in name or name.startswith("ln_f"):
+            p.fill_(1.0)
+        else:
+            # Residual projections are scaled down by depth (GPT-2), keeping the residual stream's variance flat.
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(residual) else 0.02
+            p.copy_(torch.randn(p.shape, generator=gen) * std)

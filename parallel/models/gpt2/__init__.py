@@ -1,0 +1,94 @@
+"""The gpt2 family: LayerNorm, learned positions, GELU MLP (exact or tanh-approximated), biases.
+
+Its modules are in `model.py` and `layers.py` (imported when a stage is built), its memory counting in
+`counts.py`, its Hugging Face mapping in `hf.py` (`GPT2.hf`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from parallel.config import JobConfig, ModelConfig, RuleError
+from parallel.models.base import ModelFamily
+from parallel.models.counting import ParamCounts, Shapes
+from parallel.models.gpt2 import counts
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class GPT2(ModelFamily):
+    name = "gpt2"
+
+    def check(self, config: JobConfig) -> list[RuleError]:
+        m, errors = config.model, []
+        if m.n_kv_head is not None and m.n_kv_head != m.n_head:
+            errors.append(RuleError("model.n_kv_head", f"family gpt2 has no grouped-query attention: n_kv_head "
+                                                       f"must be null or n_head={m.n_head} (got {m.n_kv_head})"))
+        if m.rope_scaling is not None:
+            errors.append(RuleError("model.rope_scaling", "family gpt2 has learned positions, no rotary embedding "
+                                                          "to scale (use family: llama)"))
+        if m.rope_theta != 10000.0:
+            errors.append(RuleError("model.rope_theta", "family gpt2 has learned positions, no rotary embedding "
+                                                        "(use family: llama)"))
+        return errors
+
+    def ffn_hidden(self, cfg: ModelConfig) -> int:
+        return counts.ffn_hidden(cfg)
+
+    def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
+                    experts: Iterable[int] | None = None) -> nn.Module:
+        from parallel.models.gpt2.model import GPTStage
+
+        return GPTStage(cfg, layers, first=first, last=last, seed=seed, experts=experts)
+
+    def feed_forward(self, cfg: ModelConfig) -> nn.Module:
+        from parallel.models.gpt2.layers import MLP
+
+        return MLP(cfg, self.ffn_hidden(cfg))
+
+    def tensor_parallel_plan(self, stage: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """q, k and v column-parallel (n_head / tp whole heads each), attn.proj row-parallel; the MLP's fc
+        column-, proj row-parallel; LayerNorms sequence-parallel with sp; embedding and head over the
+        vocabulary. The learned positions: `wpe` stays replicated; with sp its (seq_len, d_model) output is
+        sliced to this rank's positions (a local slice whose backward all-gathers, so every rank gets the
+        whole gradient of `wpe` and its weight needs no reduction of ours)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+        from parallel.models import tp_styles as tp
+
+        stream = tp.stream_layout(sequence_parallel)
+        layers: dict[str, ParallelStyle] = {}
+        if stage.first:
+            layers |= tp.vocab_embedding("wte", stream)
+            if sequence_parallel:
+                layers["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+        for i in stage.blocks:
+            block = f"blocks.{i}"
+            if stage.cfg.is_moe_block(int(i)):
+                layers |= tp.moe_region(block, stream, sequence_parallel)
+            layers |= tp.region(f"{block}.attn", "ln_1", ("q", "k", "v"), "proj", stream, sequence_parallel)
+            if not stage.cfg.is_moe_block(int(i)):
+                layers |= tp.region(f"{block}.mlp", "ln_2", ("fc",), "proj", stream, sequence_parallel)
+        if stage.last:
+            layers |= tp.head(stream, sequence_parallel)
+        return layers
+
+    def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
+                     ep: int) -> ParamCounts:
+        return counts.param_counts(cfg, layers, first=first, last=last, tp=tp, ep=ep)
+
+    def embedding_params(self, cfg: ModelConfig) -> int:
+        return cfg.vocab_size * cfg.d_model + cfg.context * cfg.d_model
+
+    def embed_activations(self, cfg: ModelConfig, s: Shapes) -> int:
+        return counts.embed_activations(cfg, s)
+
+    def block_activations(self, cfg: ModelConfig, block: int, s: Shapes) -> tuple[int, int, int]:
+        return counts.block_activations(cfg, block, s)
+
+    def head_activations(self, cfg: ModelConfig, s: Shapes) -> int:
+        return counts.head_activations(cfg, s)

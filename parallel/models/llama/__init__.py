@@ -1,0 +1,100 @@
+"""The llama family: RMSNorm, rotary positions (Llama 3's rope scaling too), SwiGLU, grouped-query attention,
+no biases, optionally tied embeddings; MoE blocks with SwiGLU experts (Mixtral's shape).
+
+Its modules are in `model.py` and `layers.py` (imported when a stage is built), its memory counting in
+`counts.py`, its Hugging Face mapping in `hf.py` (`Llama.hf`).
+
+Rules of its own (`check`): n_kv_head divides n_head, tp divides n_kv_head (each tensor-parallel rank keeps
+whole kv heads), the head size is even (rotary embeddings turn pairs of dimensions), and `activation`
+(gpt2's GELU variant) is refused rather than ignored: llama's MLP is SwiGLU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from parallel.config import JobConfig, ModelConfig, RuleError
+from parallel.models.base import ModelFamily
+from parallel.models.counting import ParamCounts, Shapes
+from parallel.models.llama import counts
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class Llama(ModelFamily):
+    name = "llama"
+
+    def check(self, config: JobConfig) -> list[RuleError]:
+        m, tp, errors = config.model, config.parallel.tp, []
+        kv = m.n_kv_head or m.n_head
+        if m.n_head % kv:
+            errors.append(RuleError("model.n_kv_head", f"n_kv_head={kv} does not divide n_head={m.n_head} (each "
+                                                       "key/value head serves n_head / n_kv_head query heads)"))
+        elif kv % tp:
+            errors.append(RuleError("model.n_kv_head", f"tp={tp} does not divide n_kv_head={kv} (key/value heads "
+                                                       "are split across tensor-parallel ranks)"))
+        if m.d_model % m.n_head == 0 and (m.d_model // m.n_head) % 2:
+            errors.append(RuleError("model.n_head", f"the head size d_model / n_head = {m.d_model // m.n_head} is "
+                                                    "odd; rotary embeddings need it even"))
+        if m.activation != "gelu":
+            errors.append(RuleError("model.activation", f"activation={m.activation} is gpt2's; llama's MLP is "
+                                                        "SwiGLU (leave activation out)"))
+        scaling = m.rope_scaling
+        if scaling is not None and scaling.high_freq_factor <= scaling.low_freq_factor:
+            errors.append(RuleError("model.rope_scaling.high_freq_factor",
+                                    f"high_freq_factor={scaling.high_freq_factor} must exceed "
+                                    f"low_freq_factor={scaling.low_freq_factor}"))
+        return errors
+
+    def ffn_hidden(self, cfg: ModelConfig) -> int:
+        return counts.ffn_hidden(cfg)
+
+    def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
+                    experts: Iterable[int] | None = None) -> nn.Module:
+        from parallel.models.llama.model import LlamaStage
+
+        return LlamaStage(cfg, layers, first=first, last=last, seed=seed, experts=experts)
+
+    def feed_forward(self, cfg: ModelConfig) -> nn.Module:
+        from parallel.models.llama.layers import SwiGLU
+
+        return SwiGLU(cfg, self.ffn_hidden(cfg))
+
+    def tensor_parallel_plan(self, stage: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """q column-parallel (n_head / tp heads), k and v column-parallel (n_kv_head / tp heads each), attn.proj
+        row-parallel; the MLP's gate and up column-, down row-parallel; RMSNorms sequence-parallel with sp
+        (the attention's input is all-gathered before q, k and v, so rotary embeddings see every position);
+        embedding and head split over the vocabulary."""
+        from parallel.models import tp_styles as tp
+
+        stream = tp.stream_layout(sequence_parallel)
+        layers: dict[str, ParallelStyle] = tp.vocab_embedding("wte", stream) if stage.first else {}
+        for i in stage.blocks:
+            block = f"blocks.{i}"
+            if stage.cfg.is_moe_block(int(i)):
+                layers |= tp.moe_region(block, stream, sequence_parallel)
+            layers |= tp.region(f"{block}.attn", "ln_1", ("q", "k", "v"), "proj", stream, sequence_parallel)
+            if not stage.cfg.is_moe_block(int(i)):
+                layers |= tp.region(f"{block}.mlp", "ln_2", ("gate", "up"), "down", stream, sequence_parallel)
+        if stage.last:
+            layers |= tp.head(stream, sequence_parallel)
+        return layers
+
+    def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
+                     ep: int) -> ParamCounts:
+        return counts.param_counts(cfg, layers, first=first, last=last, tp=tp, ep=ep)
+
+    def embedding_params(self, cfg: ModelConfig) -> int:
+        return cfg.vocab_size * cfg.d_model
+
+    def embed_activations(self, cfg: ModelConfig, s: Shapes) -> int:
+        return counts.embed_activations(cfg, s)
+
+    def block_activations(self, cfg: ModelConfig, block: int, s: Shapes) -> tuple[int, int, int]:
+        return counts.block_activations(cfg, block, s)
+
+    def head_activations(self, cfg: ModelConfig, s: Shapes) -> int:
+        return counts.head_activations(cfg, s)

@@ -1,0 +1,101 @@
+"""Llama's building blocks: rotary embeddings, grouped-query attention and the SwiGLU MLP; no biases.
+
+Rotary embeddings follow Hugging Face's Llama convention (`rotate_half` on the two halves of each head, not
+interleaved pairs), so its q and k weights map without permutation. cos and sin are computed in fp32 from the
+positions of the whole sequence: with sequence parallelism the attention's input is all-gathered before q,
+k and v, so every tensor-parallel rank holds every position of its heads. Llama 3's rope scaling reshapes
+the frequencies once, at construction.
+
+Grouped-query attention: k and v have n_kv_head heads, each shared by n_head / n_kv_head query heads (query
+head h reads kv head h // (n_head / n_kv_head), as transformers' `repeat_kv`); tensor parallelism keeps
+n_head / tp query and n_kv_head / tp kv heads per rank, which pair up the same way.
+
+Selective activation checkpointing (`recompute`) recomputes the attention core and the SwiGLU product with
+the down projection, as gpt2's layers do (see `parallel.models.gpt2.layers`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallel.config import ModelConfig, RopeScalingConfig
+from parallel.models.gpt2.layers import causal_attention
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None) -> torch.Tensor:
+    """The inverse frequencies of each pair of a head's dimensions (fp32, as transformers computes them)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # transformers' _compute_llama3_parameters
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Causal self-attention with rotary positions and n_kv_head key/value heads; no biases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_head
+        kv = (cfg.n_kv_head or cfg.n_head) * self.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k = nn.Linear(cfg.d_model, kv, bias=False)
+        self.v = nn.Linear(cfg.d_model, kv, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        # Not a parameter, and not persistent: no part of a checkpoint; derived from the config alone.
+        self.register_buffer("inv_freq", rope_frequencies(self.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                             persistent=False)
+        self.recompute = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape[:2]
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        cos, sin = (c.to(q.dtype) for c in self._rotation(t, x.device))  # bf16 under autocast, as q is
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if self.recompute:
+            y = checkpoint(causal_attention, q, k, v, use_reentrant=False)
+        else:
+            y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _rotation(self, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position's angles, (t, head_dim), fp32 also under autocast."""
+        with torch.autocast(device.type, enabled=False):
+            freqs = torch.outer(torch.arange(t, device=device, dtype=torch.float32), self.inv_freq.float())
+            angles = torch.cat((freqs, freqs), dim=-1)
+            return angles.cos(), angles.sin()
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); no biases. Also each expert of an MoE block (Mixtral's shape)."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.recompute = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate(x), self.up(x)
+        return checkpoint(self._activate, g, u, use_reentrant=False) if self.recompute else self._activate(g, u)
+
+    def _activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(g) * u)
