@@ -82,7 +82,7 @@ def load_into(modules: Iterable[nn.Module], cfg: ModelConfig, directory: Path) -
     """Copy each parameter of `modules` (this rank's chunks, possibly tensor-parallel) from the HF checkpoint in
     `directory`, reading only this rank's blocks. Returns the files, whose `reads` log what was read."""
     files = HFFiles(directory)
-    adapter = adapter_for_family(getattr(cfg, "family", "gpt2"))
+    adapter = adapter_for_family(cfg.family)
     sources = adapter.sources(cfg, files.file_of.keys())
     _check_names(adapter, sources, files, directory)
     for module in modules:
@@ -112,7 +112,7 @@ def write_hf_dir(out: Path, cfg: ModelConfig, state: Mapping[str, torch.Tensor],
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_from: Path | None = None) -> Path:
     """Write the whole model `state` (trainyard names, e.g. an export's safetensors file) as an HF directory
     `out`: written under a temporary name and renamed, so `out` appears complete or not at all."""
-    adapter = adapter_for_family(getattr(cfg, "family", "gpt2"))
+    adapter = adapter_for_family(cfg.family)
     hf_config = adapter.config_to_hf(cfg) | {"bos_token_id": None, "eos_token_id": None}  # unless a tokenizer says
     tensors = to_hf(state, adapter.sources(cfg))
     tmp = out.with_name(out.name + ".tmp")

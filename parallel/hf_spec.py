@@ -11,35 +11,30 @@ honour is a RuleError naming `init_from.hf` and the config.json field.
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
-from parallel.config import ModelConfig, RuleError
+from parallel.config import RuleError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FIELD = "init_from.hf"
-IMPLIED = {"family": "gpt2", "norm_eps": 1e-5, "activation": "gelu", "n_kv_head": None, "ffn_hidden": None,
-           "rope_scaling": None}
-"""What a model computes for a field its ModelConfig does not have (a trainyard without that field): config.json
-may give exactly that value, any other is refused."""
 
 
 def adapter_for_family(family: str) -> ModuleType:
-    """The family's HF mapping module, `parallel.models.<family>.hf` (see `parallel.hf_mapping.HFAdapter`)."""
-    return importlib.import_module(f"parallel.models.{family}.hf")
+    """The family's HF mapping module, `parallel/models/<family>/hf.py` (see `parallel.hf_mapping.HFAdapter`)."""
+    from parallel.models import FAMILIES
+
+    return FAMILIES[family].hf
 
 
 def families() -> list[str]:
-    """Every model family folder that has an `hf.py`: a new family is found by its folder alone."""
-    import parallel.models
+    from parallel.models import FAMILIES
 
-    return sorted({d.name for root in parallel.models.__path__ for d in Path(root).iterdir()
-                   if (d / "hf.py").is_file()})
+    return list(FAMILIES)
 
 
 def adapter_for_architecture(architecture: str) -> ModuleType | None:
@@ -78,22 +73,11 @@ def model_fields(directory: str | Path) -> dict:
         raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported "
                                f"(supported: {', '.join(supported)})")
     try:
-        return _fit(adapter.config_from_hf(config))
+        return adapter.config_from_hf(config)
     except RuleError as e:
         raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
     except (KeyError, TypeError) as e:
         raise RuleError(FIELD, f"{CONFIG_FILE} lacks or garbles field {e}") from None
-
-
-def _fit(fields: dict) -> dict:
-    """`fields` without those ModelConfig lacks, each only when config.json asks for what is computed anyway."""
-    known = set(ModelConfig.__dataclass_fields__)
-    for name, value in fields.items():
-        if name not in known and value != IMPLIED.get(name, object()) and not (
-                name == "ffn_hidden" and value == 4 * fields["d_model"]) and not (
-                name == "n_kv_head" and value == fields["n_head"]):
-            raise RuleError(name, f"{value!r}: this trainyard has no model.{name}")
-    return {k: v for k, v in fields.items() if k in known}
 
 
 def resolve_init_from(spec: Mapping) -> Mapping:

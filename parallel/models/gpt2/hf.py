@@ -36,26 +36,23 @@ def config_from_hf(hf: Mapping) -> dict:
     d = hf["n_embd"]
     if d % hf["n_head"]:
         raise RuleError("n_head", f"n_embd={d} is not divisible by n_head={hf['n_head']}")
-    fields = {"family": FAMILY, "n_layer": hf["n_layer"], "n_head": hf["n_head"], "d_model": d,
+    return {"family": FAMILY, "n_layer": hf["n_layer"], "n_head": hf["n_head"], "d_model": d,
               "vocab_size": hf["vocab_size"], "context_len": hf["n_positions"],
               "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
-              "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)), "activation": ACTIVATIONS[act]}
-    if hf.get("n_inner") is not None:
-        fields["ffn_hidden"] = hf["n_inner"]
-    return fields
+              "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)), "activation": ACTIVATIONS[act],
+              "ffn_hidden": hf.get("n_inner")}  # null: 4 x n_embd, as trainyard's null
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.moe is not None:
         raise RuleError("model.moe", "GPT2LMHeadModel has no mixture-of-experts blocks: a gpt2 MoE model "
                                      "cannot be written as a Hugging Face checkpoint")
-    activation = getattr(cfg, "activation", "gelu")
-    ffn = getattr(cfg, "ffn_hidden", None)
+    activation, ffn = cfg.activation, cfg.ffn_hidden
     return {"architectures": list(ARCHITECTURES[:1]), "model_type": "gpt2", "vocab_size": cfg.vocab_size,
             "n_positions": cfg.context, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
             "n_inner": ffn if ffn not in (None, 4 * cfg.d_model) else None,
             "activation_function": "gelu_new" if activation == "gelu_tanh" else "gelu",
-            "layer_norm_epsilon": getattr(cfg, "norm_eps", 1e-5), "tie_word_embeddings": cfg.tie_embeddings,
+            "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "dtype": "float32"}
 

@@ -68,7 +68,8 @@ def _rope(hf: Mapping) -> tuple[float, dict | None]:
     missing = [f for f in ROPE_SCALING_FIELDS if f not in params]
     if missing:
         raise RuleError(field, f"llama3 rope scaling without {', '.join(missing)}")
-    return float(params.get("rope_theta", 10000.0)), {f: params[f] for f in ROPE_SCALING_FIELDS}
+    scaling = {"rope_type": "llama3"} | {f: params[f] for f in ROPE_SCALING_FIELDS}
+    return float(params.get("rope_theta", 10000.0)), scaling
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -84,8 +85,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
            "rope_theta": cfg.rope_theta, "attention_dropout": 0.0, "dtype": "float32"}
     if cfg.rope_scaling is not None:
-        scaling = cfg.rope_scaling if isinstance(cfg.rope_scaling, Mapping) else vars(cfg.rope_scaling)
-        out["rope_scaling"] = {"rope_type": "llama3", **{f: scaling[f] for f in ROPE_SCALING_FIELDS}}
+        out["rope_scaling"] = {"rope_type": "llama3"} | {f: getattr(cfg.rope_scaling, f) for f in ROPE_SCALING_FIELDS}
     if moe is None:
         out |= {"attention_bias": False, "mlp_bias": False}
     else:
@@ -95,9 +95,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def _ffn(cfg: ModelConfig) -> int:
-    if cfg.ffn_hidden is not None:
-        return cfg.ffn_hidden
-    return -(-int(8 * cfg.d_model / 3) // 256) * 256
+    from parallel.models import family_of
+
+    return family_of(cfg).ffn_hidden(cfg)
 
 
 def sources(cfg: ModelConfig, hf_keys: Collection[str] | None = None) -> dict[str, Source]:

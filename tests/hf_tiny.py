@@ -1,0 +1,52 @@
+"""Tiny Hugging Face models, built from configs with transformers and saved with `save_pretrained` (nothing
+is downloaded), for the Hugging Face checkpoint tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 256  # byte-level: the text data of examples/ trains them as they are
+
+
+def tiny_gpt2(directory: Path, *, tied: bool = True, seed: int = 0, **overrides):
+    """A GPT2LMHeadModel as published: gelu_new (tanh GELU), tied embeddings unless `tied=False`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=32, tie_word_embeddings=tied,
+                        bos_token_id=0, eos_token_id=0, **overrides)
+    return _saved(GPT2LMHeadModel(config), directory)
+
+
+def tiny_llama(directory: Path, *, tied: bool = False, seed: int = 0, **overrides):
+    """A LlamaForCausalLM with grouped-query attention (4 query heads, 2 key/value heads), untied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, **overrides)
+    return _saved(LlamaForCausalLM(config), directory)
+
+
+def tiny_mixtral(directory: Path, *, seed: int = 0, **overrides):
+    """A MixtralForCausalLM: every block's feed-forward is 4 SwiGLU experts, top 2."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64, bos_token_id=0, eos_token_id=0, **overrides)
+    return _saved(MixtralForCausalLM(config), directory)
+
+
+def _saved(model, directory: Path):
+    with torch.no_grad():  # norms start at 1 and biases at 0: make them tell the tensors apart
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(directory)
+    return model

@@ -1,0 +1,162 @@
+"""Hugging Face checkpoints in process: the families' mappings both ways, trainyard's model loaded from an HF
+directory against transformers' logits, the export direction, and the config.json fields refused by name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+from hf_tiny import tiny_gpt2, tiny_llama, tiny_mixtral
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from api.spec import parse_spec, parse_submitted_spec
+from parallel import hf_checkpoint, hf_mapping
+from parallel.config import RuleError
+from parallel.export import export_hf, load_exported
+from parallel.hf_spec import adapter_for_family, model_fields
+from parallel.model import full_model
+
+BUILDERS = {"gpt2-tied": lambda d: tiny_gpt2(d), "gpt2-untied": lambda d: tiny_gpt2(d, tied=False),
+            "llama-gqa-untied": lambda d: tiny_llama(d), "llama-tied": lambda d: tiny_llama(d, tied=True),
+            "mixtral": lambda d: tiny_mixtral(d)}
+
+
+def model_config(directory, **model):
+    return parse_submitted_spec({"init_from": {"hf": str(directory)}, "model": {"seq_len": 16, **model},
+                                 "steps": 1}).model
+
+
+def disk_state(directory) -> dict[str, torch.Tensor]:
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_hf_to_trainyard_to_hf_keeps_every_name_shape_and_value(kind, tmp_path):
+    BUILDERS[kind](tmp_path)
+    cfg = model_config(tmp_path)
+    adapter = adapter_for_family(cfg.family)
+    hf = disk_state(tmp_path)
+    ours = hf_mapping.from_hf(hf, adapter.sources(cfg, hf.keys()))
+    assert set(ours) == set(full_model(cfg, 0).state_dict())  # every trainyard tensor, a tied head too
+    back = hf_mapping.to_hf(ours, adapter.sources(cfg, hf.keys()))
+    assert back.keys() == hf.keys()
+    for key, tensor in hf.items():
+        assert torch.equal(back[key], tensor), key
+
+
+def test_fused_mixtral_experts_in_memory_map_like_the_per_expert_files(tmp_path):
+    model = tiny_mixtral(tmp_path)
+    cfg = model_config(tmp_path)
+    fused = model.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused  # transformers 5 fuses them in memory
+    adapter = adapter_for_family("llama")
+    from_fused = hf_mapping.from_hf(fused, adapter.sources(cfg, fused.keys()))
+    from_disk = hf_mapping.from_hf(disk_state(tmp_path), adapter.sources(cfg, disk_state(tmp_path).keys()))
+    assert from_fused.keys() == from_disk.keys()
+    assert all(torch.equal(from_fused[k], from_disk[k]) for k in from_disk)
+
+
+@pytest.mark.parametrize("kind", ["gpt2-tied", "llama-gqa-untied", "mixtral"])
+def test_trainyard_model_loaded_from_hf_gives_transformers_logits(kind, tmp_path):
+    theirs = BUILDERS[kind](tmp_path)
+    cfg = model_config(tmp_path)
+    ours = full_model(cfg, seed=3)
+    hf_checkpoint.load_into([ours], cfg, tmp_path)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "mixtral"])
+def test_exported_model_loads_in_transformers_with_equal_logits(kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    BUILDERS[kind](tmp_path / "src")
+    cfg = model_config(tmp_path / "src")
+    ours = full_model(cfg, seed=5)  # trainyard's own weights, not the source's
+    exported = tmp_path / "model.safetensors"
+    save_exported(ours, cfg, exported)
+    out = export_hf(exported, tmp_path / "hf", max_shard_bytes=40_000)  # forces several shards
+    assert (out / "model.safetensors.index.json").is_file() and (out / "generation_config.json").is_file()
+    theirs, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(tokens).logits, ours.lm_head(ours.ln_f(ours(tokens))),
+                                   rtol=0, atol=1e-5)
+
+
+def save_exported(model, cfg, path) -> None:
+    """`model` as trainyard's export writes it (parallel.export.export_model)."""
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(path),
+              metadata={"config": json.dumps(asdict(cfg)), "step": "1"})
+
+
+def test_the_export_hint_loads_a_moe_model(tmp_path):
+    tiny_mixtral(tmp_path / "src")
+    cfg = model_config(tmp_path / "src")
+    ours = full_model(cfg, seed=5)
+    path = tmp_path / "model.safetensors"
+    save_exported(ours, cfg, path)
+    loaded = load_exported(path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.state_dict().items())
+
+
+def test_export_copies_the_tokenizer_of_a_prepared_dataset(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    tokenizer = Tokenizer(models.WordLevel({"<eos>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(data / "tokenizer.json"))
+    (data / "manifest.json").write_text(json.dumps({"eos_id": 0, "tokenizer": {"eos_token": "<eos>"}}))
+    tiny_llama(tmp_path / "src")
+    cfg = model_config(tmp_path / "src")
+    path = tmp_path / "model.safetensors"
+    save_exported(full_model(cfg, 0), cfg, path)
+    out = export_hf(path, tmp_path / "hf", tokenizer_from=data)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0
+    assert AutoTokenizer.from_pretrained(out)("a b a")["input_ids"] == [1, 2, 1]
+
+
+def test_export_refuses_a_model_hugging_face_has_no_form_for(tmp_path):
+    cfg = parse_spec({"model": {"n_layer": 2, "n_head": 2, "d_model": 16, "moe": {"experts": 2}}, "steps": 1}).model
+    with pytest.raises(RuleError) as info:
+        hf_checkpoint.write_hf_dir(tmp_path / "hf", cfg, full_model(cfg, 0).state_dict())
+    assert info.value.field == "model.moe"
+
+
+@pytest.mark.parametrize("build,field", [
+    (lambda d: tiny_llama(d, attention_bias=True), "attention_bias"),
+    (lambda d: tiny_llama(d, mlp_bias=True), "mlp_bias"),
+    (lambda d: tiny_llama(d, hidden_act="gelu"), "hidden_act"),
+    (lambda d: tiny_mixtral(d, sliding_window=16), "sliding_window"),
+    (lambda d: tiny_llama(d, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_parameters.rope_type"),
+    (lambda d: tiny_gpt2(d, scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    (lambda d: tiny_gpt2(d, activation_function="relu"), "activation_function"),
+])
+def test_config_fields_trainyard_cannot_honour_are_refused_by_name(build, field, tmp_path):
+    build(tmp_path)
+    with pytest.raises(RuleError) as info:
+        model_fields(tmp_path)
+    assert info.value.field == "init_from.hf" and f"field {field}:" in info.value.message
+
+
+def test_legacy_rope_scaling_spelling_reads_like_rope_parameters(tmp_path):
+    tiny_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    config |= {"rope_theta": 500000.0, "rope_scaling": scaling}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = model_config(tmp_path)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.factor == 8.0
+    assert load_file(str(tmp_path / "model.safetensors"))  # the weights are untouched
