@@ -1,0 +1,150 @@
+"""Hugging Face checkpoints at a 3D layout (dp2 x pp2 x tp2 = 8 gloo ranks, one spawned world for both
+families): a tiny LlamaForCausalLM (GQA, untied) and a tiny GPT2LMHeadModel loaded with `init_from` give
+transformers' first-step loss; each rank reads only its own blocks of the checkpoint; the state trained at
+that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and gives
+trainyard's logits and the layout's next loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gloo_ranks import spawn
+from helpers import tiny_spec
+from hf_tiny import tiny_gpt2, tiny_llama
+
+from api.spec import parse_submitted_spec
+from parallel import checkpoint
+from parallel.data import global_batch_ids, load_batch, open_dataset
+from parallel.plan import make_plan
+
+LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2}
+ATOL = 1e-5
+
+
+class _CountingOpen:
+    """safe_open whose slices count the elements they return: what a rank really read from the files."""
+
+    read: list[tuple[str, int]] = []
+
+    def __init__(self, *args, **kwargs):
+        from safetensors import safe_open
+
+        self._f = safe_open(*args, **kwargs)
+
+    def get_slice(self, key):
+        sliced, read = self._f.get_slice(key), self.read
+
+        class Counted:
+            def __getitem__(self, index):
+                t = sliced[index]
+                read.append((key, t.numel()))
+                return t
+
+            def get_shape(self):
+                return sliced.get_shape()
+
+        return Counted()
+
+    def keys(self):
+        return self._f.keys()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _rank_main(rank: int, port: int, plans: dict, out_dir: str) -> None:
+    from parallel import hf_checkpoint
+    from parallel.data_parallel import local_part
+    from parallel.distributed import init_distributed, shutdown_distributed
+    from parallel.trainer import RankTrainer
+
+    torch.set_num_threads(1)
+    hf_checkpoint.safe_open = _CountingOpen
+    cpu = torch.device("cpu")
+    groups = init_distributed(next(iter(plans.values())), rank, "127.0.0.1", port, cpu, timeout_s=120)
+    results = {}
+    for name, plan in plans.items():
+        _CountingOpen.read.clear()
+        trainer = RankTrainer(plan, rank, groups, cpu)  # reads init_from.hf
+        read = sum(n for _, n in _CountingOpen.read)
+        held = sum(local_part(p).numel() for chunk in trainer.chunks for p in chunk.parameters())
+        samples = open_dataset(plan.config).num_samples
+        from parallel.data import step_microbatches
+
+        first = trainer.train_step(0, step_microbatches(plan, rank, 0, samples))
+        trainer.save_checkpoint(Path(out_dir) / name, 1, {})
+        second = trainer.train_step(1, step_microbatches(plan, rank, 1, samples))
+        results[name] = {"read": read, "held": held, "losses": (first.loss, second.loss)}
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    shutdown_distributed()
+
+
+def _hf_loss(model, config, step: int) -> float:
+    ids = global_batch_ids(config.seed, step, config.global_batch, open_dataset(config).num_samples)
+    inputs, targets = load_batch(open_dataset(config), ids)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+def _spec(directory: Path) -> dict:
+    spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=LAYOUT,
+                     optimizer={"lr": 1e-2, "warmup_steps": 0})
+    spec["model"] = {"seq_len": 16}  # the architecture comes from config.json
+    return spec
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Both families trained two steps at the 3D layout: (HF models, configs, per-rank results, out dir)."""
+    root = tmp_path_factory.mktemp("hf3d")
+    models = {"llama": tiny_llama(root / "llama-src"), "gpt2": tiny_gpt2(root / "gpt2-src", tied=False)}
+    configs = {name: parse_submitted_spec(_spec(root / f"{name}-src")) for name in models}
+    plans = {name: make_plan(cfg) for name, cfg in configs.items()}
+    spawn(_rank_main, 8, plans, str(root))
+    per_rank = [torch.load(root / f"rank{r}.pt") for r in range(8)]
+    return models, configs, per_rank, root
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_init_from_gives_transformers_first_step_loss_at_3d(world, name):
+    models, configs, per_rank, _ = world
+    losses = {r[name]["losses"][0] for r in per_rank if r[name]["losses"][0] is not None}
+    assert len(losses) == 1
+    assert abs(losses.pop() - _hf_loss(models[name], configs[name], 0)) < ATOL
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_each_rank_reads_only_its_own_blocks(world, name):
+    models, _, per_rank, _ = world
+    whole = sum(p.numel() for p in models[name].parameters())
+    for r in per_rank:
+        assert r[name]["read"] == r[name]["held"]  # exactly its local shards, nothing more
+        assert r[name]["read"] < whole / 2  # a pipeline stage's tensor-parallel half of it
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_state_trained_at_3d_exports_to_transformers(world, name):
+    from transformers import AutoModelForCausalLM
+
+    from parallel.export import export_hf, export_model, load_exported
+
+    _, configs, per_rank, root = world
+    cfg = configs[name]
+    exported = export_model(cfg, checkpoint.step_dir(root / name, 1), 1, root / f"{name}.safetensors")
+    out = export_hf(exported, root / f"{name}-hf", max_shard_bytes=50_000)
+    theirs, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    theirs.eval()
+    ours = load_exported(exported)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours.lm_head(ours.ln_f(ours(tokens))), rtol=0, atol=ATOL)
+    second = {r[name]["losses"][1] for r in per_rank if r[name]["losses"][1] is not None}
+    assert abs(second.pop() - _hf_loss(theirs, cfg, 1)) < ATOL  # the layout's own forward, after its step
