@@ -64,3 +64,15 @@ def kept_fraction(m: ModelConfig) -> float:
         return 1.0
     cap = math.ceil(m.moe.capacity_factor * m.seq_len * m.moe.top_k / m.moe.experts)
     return min(1.0, cap * m.moe.experts / (m.seq_len * m.moe.top_k))
+
+
+def moe_routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
+    """(routed (token, expert) rows on this rank, bytes the router keeps); the same in every family
+    (`parallel.moe` routes alike whatever the experts are)."""
+    moe = m.moe
+    routed = s.tokens // s.tp  # each tp rank routes its slice of every sequence
+    rows = math.ceil(routed * moe.top_k * kept_fraction(m))  # (token, expert) pairs, balanced over ep
+    # Per routed token: the router's input (ln_2's output slice, or its bf16 copy), its fp32 logits (kept by
+    # the z-loss) and probabilities, the top-k values and indices, and the gate sums and log-sum-exp.
+    router = routed * (s.act * s.d + 2 * FP32 * moe.experts + moe.top_k * (INDEX + FP32) + 2 * FP32)
+    return rows, router

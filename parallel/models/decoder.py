@@ -123,6 +123,11 @@ class DecoderStage(nn.Module):
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, seq, head_dim) each; k and v may have fewer heads than q (grouped-query attention)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 @torch.no_grad()
 def init_parameters(module: nn.Module, *, seed: int, n_layer: int, residual: tuple[str, ...] = ("proj.weight",)) \
         -> None:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from parallel.config import ModelConfig
-from parallel.models.counting import BF16, FP32, INDEX, LN_STATS, ParamCounts, Shapes, kept_fraction
+from parallel.models.counting import BF16, FP32, INDEX, LN_STATS, ParamCounts, Shapes, moe_routing
 
 
 def ffn_hidden(m: ModelConfig) -> int:
@@ -84,7 +84,7 @@ def moe_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
     # Per routed row: the row going into its expert (a bf16 copy under autocast), the expert's hidden before
     # and after GELU (ffn_hidden each), its output and the gate-weighted output (fp32), and the row's gate
     # weight and indices (which rows were kept, their order, their token; with ep also their order on arrival).
-    rows, router = routing(m, s)
+    rows, router = moe_routing(m, s)
     hidden = rows * s.act * f
     per_row = s.act * d + 2 * FP32 * d + FP32 + 3 * INDEX + (INDEX if s.ep > 1 else 0)
     weights = BF16 * (d * moe.experts + n_local * 2 * d * f) if s.bf16 else 0
@@ -93,17 +93,6 @@ def moe_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
     saving = hidden + proj_weights + s.tokens * FP32 * s.heads
     region = math.ceil(hidden / max(n_local, 1)) + (BF16 * d * f if s.bf16 else 0)  # one expert's GELU
     return full, saving, region
-
-
-def routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
-    """(routed (token, expert) rows on this rank, bytes the router keeps); the same in every family."""
-    moe = m.moe
-    routed = s.tokens // s.tp  # each tp rank routes its slice of every sequence
-    rows = math.ceil(routed * moe.top_k * kept_fraction(m))  # (token, expert) pairs, balanced over ep
-    # Per routed token: the router's input (ln_2's output slice, or its bf16 copy), its fp32 logits (kept by
-    # the z-loss) and probabilities, the top-k values and indices, and the gate sums and log-sum-exp.
-    router = routed * (s.act * s.d + 2 * FP32 * moe.experts + moe.top_k * (INDEX + FP32) + 2 * FP32)
-    return rows, router
 
 
 def head_activations(m: ModelConfig, s: Shapes) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel.config import ModelConfig
+from parallel.models.decoder import causal_attention
 
 
 class CausalSelfAttention(nn.Module):
@@ -45,11 +46,6 @@ class CausalSelfAttention(nn.Module):
         else:
             y = causal_attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, seq, head_dim) each; k and v may have fewer heads than q (grouped-query attention)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):

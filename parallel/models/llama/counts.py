@@ -12,10 +12,13 @@ import math
 from collections.abc import Sequence
 
 from parallel.config import ModelConfig
-from parallel.models.counting import BF16, FP32, INDEX, ParamCounts, Shapes
-from parallel.models.gpt2.counts import routing
+from parallel.models.counting import BF16, FP32, INDEX, ParamCounts, Shapes, moe_routing
 
-RMS_STATS = FP32  # RMSNorm keeps one reciprocal root-mean-square per token
+
+def rms_norm(s: Shapes) -> int:
+    """What an RMSNorm keeps per micro-batch (torch 2.13's nn.RMSNorm on CPU, measured): its input, the
+    normalised input (kept by the weight's multiply) and one reciprocal root-mean-square per token."""
+    return s.stream * (2 * FP32 * s.d + FP32)
 
 
 def ffn_hidden(m: ModelConfig) -> int:
@@ -55,7 +58,7 @@ def embed_activations(m: ModelConfig, s: Shapes) -> int:
 def attention(m: ModelConfig, s: Shapes) -> int:
     """ln_1 and the attention of one block."""
     d, kv = s.d, kv_width(m)
-    ln = s.stream * (FP32 * d + RMS_STATS)  # ln_1's input
+    ln = rms_norm(s)  # ln_1
     # the region's input (ln_1's output, all-gathered under sp), kept by q, k and v: one fp32 tensor, or under
     # autocast one bf16 copy each
     region_input = s.tokens * (3 * BF16 * d if s.bf16 else FP32 * d)
@@ -74,7 +77,7 @@ def block_activations(m: ModelConfig, block: int, s: Shapes) -> tuple[int, int, 
 
 def dense_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
     d, f = s.d, ffn_hidden(m)
-    ln_2 = s.stream * (FP32 * d + RMS_STATS)
+    ln_2 = rms_norm(s)
     mlp_input = s.tokens * (2 * BF16 * d if s.bf16 else FP32 * d)  # ln_2's output, kept by gate and up
     hidden = s.tokens * s.act * f // s.tp  # gate's and up's outputs, silu's and the product each
     weights = BF16 * 3 * d * f // s.tp if s.bf16 else 0
@@ -90,8 +93,8 @@ def moe_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
     """As `dense_block`, for a mixture-of-experts block: attention, ln_2, router and this rank's experts."""
     moe, d, f = m.moe, s.d, ffn_hidden(m)
     n_local = moe.experts // s.ep
-    ln_2 = s.stream * (FP32 * d + RMS_STATS)
-    rows, router = routing(m, s)
+    ln_2 = rms_norm(s)
+    rows, router = moe_routing(m, s)
     hidden = rows * s.act * f  # per routed row: gate's, up's, silu's outputs and the product, each
     # per row: the row into its expert (bf16 copies for gate and up under autocast), its output and the
     # gate-weighted output (fp32), the row's gate weight and indices
@@ -107,7 +110,7 @@ def moe_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
 def head_activations(m: ModelConfig, s: Shapes) -> int:
     """ln_f, the output head and the loss of one micro-batch."""
     d, vocab = s.d, m.vocab_size
-    ln_f = s.stream * (FP32 * d + RMS_STATS)
+    ln_f = rms_norm(s)
     head_input = s.tokens * s.act * d  # ln_f's output (all-gathered under sp), kept by lm_head
     weight = BF16 * vocab * d // s.tp if s.bf16 else 0
     loss = s.tokens * (FP32 * vocab // s.tp + INDEX) + FP32  # fp32 log-softmax (vocab / tp wide), targets

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel.config import ModelConfig, RopeScalingConfig
-from parallel.models.gpt2.layers import causal_attention
+from parallel.models.decoder import causal_attention
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None) -> torch.Tensor:
