@@ -1,0 +1,47 @@
+"""The flagship of Hugging Face checkpoints through the real service (uvicorn, Ray, gloo): a job started from
+a GPT2LMHeadModel directory with `init_from`, trained a few steps, exported with `trainyard export --format hf`
+(the REST path), loads in transformers with no missing or unexpected keys and gives the logits of trainyard's
+own export; its first loss is transformers' loss on the same batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from helpers import tiny_spec, wait_terminal
+from hf_tiny import tiny_gpt2
+
+from api.spec import parse_submitted_spec
+from parallel.data import global_batch_ids, load_batch, open_dataset
+from parallel.export import load_exported
+from service.cli import main as cli
+
+
+def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_gpt2(tmp_path / "src")  # tied embeddings and gelu_new, as published
+    spec = tiny_spec(init_from={"hf": str(tmp_path / "src")}, steps=3, global_batch=4, parallel={"dp": 2})
+    spec["model"] = {"seq_len": 16}
+    job_id = client.submit(spec)
+    job = wait_terminal(client, job_id)
+    assert job["status"] == "SUCCEEDED", job["error"]
+    assert job["spec"]["model"]["activation"] == "gelu_tanh" and job["spec"]["model"]["tie_embeddings"]
+
+    config = parse_submitted_spec(spec)
+    inputs, targets = load_batch(open_dataset(config), global_batch_ids(config.seed, 0, 4,
+                                                                        open_dataset(config).num_samples))
+    with torch.no_grad():
+        expected = float(F.cross_entropy(source(inputs).logits.flatten(0, 1), targets.flatten()))
+    assert abs(client.metrics(job_id)[0]["loss"] - expected) < 1e-5
+
+    auth = ["--url", service.url, "--token", service.token]
+    assert cli([*auth, "export", job_id, "--format", "hf", "-o", str(tmp_path / "hf")]) == 0
+    assert "AutoModelForCausalLM.from_pretrained" in capsys.readouterr().out
+    assert cli([*auth, "export", job_id, "-o", str(tmp_path / "ty")]) == 0
+    theirs, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ours = load_exported(tmp_path / "ty" / "model.safetensors")  # the hint `trainyard export` prints
+    assert not torch.equal(ours.state_dict()["wte.weight"], source.state_dict()["transformer.wte.weight"])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(inputs).logits, ours.lm_head(ours.ln_f(ours(inputs))),
+                                   rtol=0, atol=1e-5)
