@@ -47,10 +47,15 @@ def adapter_for_architecture(architecture: str) -> ModuleType | None:
 
 def read_hf_config(directory: str | Path) -> dict:
     """DIR/config.json, after checking DIR holds weights too; RuleError(init_from.hf) for what is missing."""
-    path = Path(directory).expanduser()
-    if not path.is_dir():
+    try:
+        path = Path(directory).expanduser()
+        is_dir = path.is_dir()
+        has_weights = is_dir and ((path / WEIGHTS_FILE).is_file() or (path / INDEX_FILE).is_file())
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission
+        raise RuleError(FIELD, f"cannot read {directory!r}: {e}") from None
+    if not is_dir:
         raise RuleError(FIELD, f"{path} is not a directory")
-    if not (path / WEIGHTS_FILE).is_file() and not (path / INDEX_FILE).is_file():
+    if not has_weights:
         raise RuleError(FIELD, f"{path} holds neither {WEIGHTS_FILE} nor {INDEX_FILE} (safetensors weights)")
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
