@@ -91,15 +91,19 @@ def resolve_init_from(spec: Mapping) -> Mapping:
     init = spec.get("init_from") if isinstance(spec, Mapping) else None
     if not isinstance(init, Mapping) or not isinstance(init.get("hf"), str):
         return spec  # no init_from, or a malformed one that validation reports
-    fields = model_fields(init["hf"])
     given = spec.get("model")
-    given = dict(given) if isinstance(given, Mapping) else {}
+    if given is not None and not isinstance(given, Mapping):
+        return spec  # a malformed model: validation names it
+    given = dict(given or {})
+    moe = given.get("moe")
+    if moe is not None and not isinstance(moe, Mapping):
+        return spec
+    fields = model_fields(init["hf"])
     differences = []
     for name, value in fields.items():
         if name == "moe" or name not in given or given[name] == value:
             continue
         differences.append(f"model.{name}: {given[name]!r} (config.json: {value!r})")
-    moe = given.get("moe")
     if "moe" in fields:
         mine = dict(moe) if isinstance(moe, Mapping) else {}
         differences += [f"model.moe.{k}: {mine[k]!r} (config.json: {v!r})" for k, v in fields["moe"].items()
