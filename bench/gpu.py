@@ -55,6 +55,7 @@ from parallel.data import Dataset, load_batch, open_dataset, step_microbatches
 from parallel.data_parallel import GradientReducer
 from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.model import GPTStage, full_model
+from parallel.models import family_of
 from parallel.optim import lr_at
 from parallel.plan import Plan, PlanError, make_plan
 from parallel.trainer import RankTrainer
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         sides = [_trainyard_side(plan, device, shares)]
         counts = _param_counts(sides[0].model)
-        flops_per_token = 6 * counts["matmul"] + 12 * cfg.model.n_layer * cfg.model.d_model * cfg.model.seq_len
+        flops_per_token = family_of(cfg.model).flops_per_token(cfg.model)  # 6 N + 12 L d T
         peak = args.peak_tflops if args.peak_tflops is not None else _peak_tflops(device)
         print(_header(cfg, plan, device, precision, counts, flops_per_token, peak, args), flush=True)
         dataset = open_dataset(cfg)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from parallel.model import GPTStage
@@ -222,4 +223,7 @@ class _Counted:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     # The attribute, not `to_local()`: a saved-tensor hook must not record autograd operations.
-    return t._local_tensor if isinstance(t, DTensor) else t
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    # A collective's lazily waited output (e.g. the vocabulary-parallel embedding's reduce-scatter that a
+    # sequence-parallel norm takes as is) holds its data in `elem`; the wrapper has no storage of its own.
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else t
