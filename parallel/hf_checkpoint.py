@@ -62,12 +62,6 @@ class HFFiles:
         self.reads.append((key, block))
         return self._open[name].get_slice(key)[tuple(slice(a, b) for a, b in block)]
 
-    def shape(self, key: str) -> list[int]:
-        name = self.file_of[key]
-        if name not in self._open:
-            self._open[name] = safe_open(self.directory / name, framework="pt")
-        return self._open[name].get_slice(key).get_shape()
-
 
 def local_block(p: torch.Tensor) -> Block:
     """The block of the whole tensor this rank holds: a DTensor's local shard, else everything."""

@@ -163,3 +163,18 @@ def test_legacy_rope_scaling_spelling_reads_like_rope_parameters(tmp_path):
     cfg = model_config(tmp_path)
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.factor == 8.0
     assert load_file(str(tmp_path / "model.safetensors"))  # the weights are untouched
+
+
+def test_an_expert_parallel_stage_reads_only_the_experts_it_hosts(tmp_path):
+    from parallel.models import family_of
+
+    theirs = tiny_mixtral(tmp_path)
+    cfg = model_config(tmp_path)
+    stage = family_of(cfg).build_stage(cfg, [1], first=False, last=True, seed=0, experts=[2, 3])
+    files = hf_checkpoint.load_into([stage], cfg, tmp_path)
+    read = {key for key, _ in files.reads}
+    assert {k for k in read if ".experts." in k} == {f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"
+                                                     for e in (2, 3) for w in ("w1", "w2", "w3")}
+    assert not any(k.startswith("model.layers.0.") or k == "model.embed_tokens.weight" for k in read)
+    fused = theirs.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
+    torch.testing.assert_close(stage.blocks["1"].moe.experts["3"].up.weight, fused[3, 48:], rtol=0, atol=0)
