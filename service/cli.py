@@ -150,6 +150,10 @@ def read_spec_file(path: str) -> dict:
         part = spec.get(section)
         if isinstance(part, dict) and isinstance(part.get(key), str) and not os.path.isabs(part[key]):
             part[key] = str(Path(part[key]).expanduser().resolve())
+    data = spec.get("data")
+    for source in (data.get("sources") if isinstance(data, dict) else None) or []:  # a mixture's paths, alike
+        if isinstance(source, dict) and isinstance(source.get("path"), str) and not os.path.isabs(source["path"]):
+            source["path"] = str(Path(source["path"]).expanduser().resolve())
     return spec
 
 
