@@ -2,9 +2,10 @@
 
 - chat data: the masked loss of step 0 equals transformers' `GPT2LMHeadModel` loss on the same global batch
   with the prompt labels at -100 (trainyard's gpt2 weights copied in by a small map); the losses of two steps
-  and the val_loss are the same at dp=1 and at dp=2 with two micro-batches per rank;
+  and the val_loss are the same at dp=1, at dp=2 with two micro-batches per rank, and at tp=2 (the
+  vocabulary-parallel loss ignores -100 too);
 - a batch whose targets are all masked has loss 0 and gradient 0 (no division by zero);
-- training on a prepared pretraining directory makes val_loss fall.
+- training on a directory prepared from Parquet makes val_loss fall.
 """
 
 from __future__ import annotations
@@ -67,11 +68,17 @@ def runs(tmp_path_factory):
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "completion": ""}) + "\n"
                                                 for r in records if "prompt" in r))
     prepare([root / "prompts.jsonl"], root / "prompts", tok, PrepareOptions(chat=True), progress=False)
-    prepare([REPO / "examples" / "corpus.txt"], root / "corpus", tok, progress=False)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paragraphs = (REPO / "examples" / "corpus.txt").read_text().split("\n\n")
+    pq.write_table(pa.table({"text": paragraphs}), root / "corpus.parquet")
+    prepare([root / "corpus.parquet"], root / "corpus", tok, progress=False)
     chat = spec(root / "chat", eval={"every": 2, "batches": 2})
     plans = {
         "chat_dp2": make_plan(parse_spec({**chat, "parallel": {"dp": 2, "microbatches": 2}})),
         "chat_dp1": make_plan(parse_spec(chat)),
+        "chat_tp2": make_plan(parse_spec({**chat, "parallel": {"tp": 2}})),  # vocabulary-parallel loss, -100
         "masked": make_plan(parse_spec({**spec(root / "prompts", steps=1), "parallel": {"dp": 2}})),
         "corpus": make_plan(parse_spec({**spec(root / "corpus", steps=30, eval={"every": 10, "batches": 2}),
                                         "parallel": {"dp": 2}})),
@@ -130,13 +137,14 @@ def test_masked_loss_equals_transformers_loss_with_prompt_labels_ignored(runs):
     assert rows["chat_dp2"][0]["loss"] == pytest.approx(expected, abs=1e-5)
 
 
-def test_masked_loss_and_val_loss_are_the_same_at_dp1_and_dp2(runs):
+@pytest.mark.parametrize("layout", ["chat_dp2", "chat_tp2"])
+def test_masked_loss_and_val_loss_are_the_same_at_dp1_dp2_and_tp2(runs, layout):
     _, rows = runs
-    for one, two in zip(rows["chat_dp1"], rows["chat_dp2"], strict=True):
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    for one, other in zip(rows["chat_dp1"], rows[layout], strict=True):
+        assert other["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert other["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
     assert rows["chat_dp1"][-1]["val_loss"] is not None
-    assert rows["chat_dp2"][-1]["val_loss"] == pytest.approx(rows["chat_dp1"][-1]["val_loss"], rel=1e-5)
+    assert rows[layout][-1]["val_loss"] == pytest.approx(rows["chat_dp1"][-1]["val_loss"], rel=1e-5)
 
 
 def test_a_batch_with_every_target_masked_has_zero_loss_and_gradient(runs):
