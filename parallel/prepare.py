@@ -36,6 +36,7 @@ from parallel.token_dir import (
     TOKENIZER_CONFIG,
     VERSION,
     Manifest,
+    check_directory,
     dtype_for,
     file_sha256,
     is_prepared,
@@ -309,11 +310,8 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
         print_(f"note: {source.config_file} has no chat_template: only prompt/completion records will work")
     fp = fingerprint(inputs_meta, source, options)
     if is_prepared(out):
-        try:
-            old = Manifest.read(out)
-        except ValueError:
-            old = None
-        if old is not None and old.fingerprint == fp:
+        old = check_directory(out)  # a shard deleted or cut short since: prepare again
+        if isinstance(old, Manifest) and old.fingerprint == fp:
             return PrepareResult(old, skipped=True, seconds=time.perf_counter() - start)
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PrepareError(f"-o: {out} exists and is not a prepared dataset directory; refusing to overwrite it")

@@ -82,6 +82,8 @@ def test_a_second_prepare_is_a_noop_and_a_changed_input_prepares_again(tmp_path,
     assert main(args) == 0
     assert "up to date" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing rewritten
+    (out / "tokens-00000.bin").write_bytes(b"")  # damaged since: prepared again
+    assert not prepare([src], out, tokenizer, progress=False).skipped
     write_jsonl(src, DOCS + ["A new document."])
     result = prepare([src], out, tokenizer, progress=False)
     assert not result.skipped and result.manifest.documents == 4
