@@ -136,16 +136,31 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataSource:
+    __pydantic_config__ = _STRICT
+    path: Annotated[str, MinLen(1), MaxLen(4096)]
+    """A tokens file or a `trainyard prepare` directory."""
+    weight: Annotated[float, Gt(0), Le(1e9)] = 1.0
+    """Relative share of the samples drawn from this source (weights need not sum to 1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     __pydantic_config__ = _STRICT
     kind: Literal["synthetic", "text", "tokens"] = "synthetic"
-    """synthetic: seeded random tokens; text: a UTF-8 file as bytes; tokens: flat binary of token ids."""
+    """synthetic: seeded random tokens; text: a UTF-8 file as bytes; tokens: flat binary of token ids, or a
+    `trainyard prepare` directory."""
     path: Annotated[str, MaxLen(4096)] | None = None
-    """File for `text` and `tokens`. A relative path is resolved against the server's working directory."""
+    """File for `text` and `tokens` (or a prepared directory for `tokens`). A relative path is resolved against
+    the server's working directory."""
     dtype: Literal["uint16", "uint32"] = "uint16"
-    """Element type of a `tokens` file (nanoGPT writes uint16)."""
+    """Element type of a flat `tokens` file (nanoGPT writes uint16); a prepared directory's manifest says its own."""
     val_path: Annotated[str, MaxLen(4096)] | None = None
-    """Validation data of the same kind; null: with eval on, the last 5% of `path` (not trained on)."""
+    """Validation data of the same kind; null: with eval on, the last 5% of `path` (not trained on), or of
+    each source of a mixture."""
+    sources: Annotated[list[DataSource], MinLen(1), MaxLen(1024)] | None = None
+    """`tokens` only, instead of `path`: datasets mixed by weight. The sample at each position of a step's
+    global batch is a function of (seed, step, position) alone, as for one dataset."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,13 +7,29 @@ and a worker reads only the samples it is given.
 
 - synthetic: seeded random tokens, one generator per sample id (for benchmarks; nothing to learn).
 - text: a UTF-8 file read as bytes (byte-level tokens, vocab 256); sample id = start offset.
-- tokens: a flat binary of uint16/uint32 token ids (nanoGPT's train.bin), memory-mapped.
+- tokens: a flat binary of uint16/uint32 token ids (nanoGPT's train.bin), memory-mapped, or a directory
+  `trainyard prepare` wrote (`parallel.token_dir`: its shards read as one stream, dtype and vocabulary from
+  its manifest, and for chat data a loss mask).
+- a mixture (`data.sources`): the sample id space [0, MIXTURE_SPACE) is cut into one range per source,
+  sized by weight; id u falls in source k's range and picks the sample at the same relative place in
+  source k. The sampler is unchanged (uniform ids from (seed, step)), so a mixture's samples are as
+  layout-independent as one dataset's, and source k is drawn with probability weight_k / sum of weights.
+
+Loss mask: a chat dataset's target at a masked position (a prompt or user token) is -100, which the
+stages' summed cross-entropy ignores; `counted_targets` is the number of targets that count in a set of
+samples, which the trainer divides the loss by (the global batch's, derived from its sample ids: the same
+number on every rank and layout, with no communication).
+
+Validation: `data.val_path` when given (a file or directory; a mixture then validates on it alone); else,
+with eval on, the last VAL_FRACTION of the tokens of `path`, or of each source of a mixture (the same mixture
+over the held-out tails), none of which is trained on.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +38,7 @@ import torch
 
 from parallel.config import JobConfig, RuleError
 from parallel.seeds import derive_seed
+from parallel.token_dir import DTYPES, Manifest, Segments, check_directory, open_streams
 
 if TYPE_CHECKING:
     from parallel.plan import Plan
@@ -31,17 +48,27 @@ class DatasetError(RuleError):
     """A dataset that is missing or does not fit the model (e.g. a token id >= vocab_size)."""
 
 
-_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+IGNORE = -100
+"""The target of a position the loss does not count (torch's cross_entropy ignore_index)."""
+MIXTURE_SPACE = 2**48
+"""Sample ids of a mixture: far more than any source's samples, so each source's range maps onto its samples
+evenly (a sample is drawn at most one id more often than another, in ranges of ~2**48 ids)."""
 
 
 @dataclass
 class TokenDataset:
     """Sample i is tokens[i : i + seq_len + 1] of one flat array (a memory map for files)."""
 
-    tokens: np.ndarray
+    tokens: np.ndarray | Segments
     seq_len: int
     vocab_size: int
     source: str
+    mask: np.ndarray | Segments | None = None
+    """Chat data: 1 where a token counts in the loss (as a target), 0 where it does not."""
+    field: str = "data.path"
+    """The spec field naming this data, for errors."""
+    manifest: Manifest | None = None
+    """A prepared directory's manifest."""
 
     @property
     def num_samples(self) -> int:
@@ -51,9 +78,15 @@ class TokenDataset:
         window = torch.from_numpy(np.asarray(self.tokens[i : i + self.seq_len + 1], dtype=np.int64))
         bad = window >= self.vocab_size
         if bad.any():
-            raise DatasetError("data.path", f"{self.source} holds token id {int(window[bad][0])} at offset "
-                                            f"{i + int(bad.nonzero()[0, 0])}, outside vocab_size={self.vocab_size}")
+            raise DatasetError(self.field, f"{self.source} holds token id {int(window[bad][0])} at offset "
+                                           f"{i + int(bad.nonzero()[0, 0])}, outside vocab_size={self.vocab_size}")
         return window
+
+    def target_mask(self, i: int) -> torch.Tensor | None:
+        """Which of sample i's seq_len targets count in the loss (None: all of them)."""
+        if self.mask is None:
+            return None
+        return torch.from_numpy(np.asarray(self.mask[i + 1 : i + self.seq_len + 1], dtype=np.bool_))
 
 
 @dataclass
@@ -67,12 +100,52 @@ class SyntheticDataset:
         gen = torch.Generator().manual_seed(derive_seed(self.seed, "synthetic", i))
         return torch.randint(self.vocab_size, (self.seq_len + 1,), generator=gen)
 
+    def target_mask(self, i: int) -> None:
+        return None
 
-Dataset = TokenDataset | SyntheticDataset
+
+@dataclass
+class MixtureDataset:
+    """Several token datasets drawn from by weight (see the module docstring)."""
+
+    parts: list[TokenDataset]
+    weights: list[float]
+    bounds: list[int] = field(init=False)
+    """Source k's ids are [bounds[k], bounds[k + 1])."""
+    num_samples: int = MIXTURE_SPACE
+
+    def __post_init__(self) -> None:
+        total, running, self.bounds = sum(self.weights), 0.0, [0]
+        for w in self.weights:
+            running += w
+            self.bounds.append(round(MIXTURE_SPACE * running / total))
+        self.bounds[-1] = MIXTURE_SPACE
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(source, sample id in it) of mixture sample id i."""
+        k = bisect.bisect_right(self.bounds, i) - 1
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        return k, (i - lo) * self.parts[k].num_samples // (hi - lo)
+
+    def sample(self, i: int) -> torch.Tensor:
+        k, j = self.locate(i)
+        return self.parts[k].sample(j)
+
+    def target_mask(self, i: int) -> torch.Tensor | None:
+        k, j = self.locate(i)
+        return self.parts[k].target_mask(j)
+
+    @property
+    def has_mask(self) -> bool:
+        return any(p.mask is not None for p in self.parts)
+
+
+Dataset = TokenDataset | SyntheticDataset | MixtureDataset
 
 
 VAL_FRACTION = 0.05
-"""With eval on and no `data.val_path`, the last 5% of a text or tokens file is held out for validation."""
+"""With eval on and no `data.val_path`, the last 5% of a text or tokens file (or directory, or each source of a
+mixture) is held out for validation."""
 
 
 def resolve_path(path: str) -> Path:
@@ -87,31 +160,100 @@ def open_dataset(config: JobConfig, split: str = "train") -> Dataset:
     if data.kind == "synthetic":
         return SyntheticDataset(seed=derive_seed(config.seed, "validation") if split == "val" else config.seed,
                                 seq_len=seq_len, vocab_size=vocab)
-    field, path = ("data.val_path", data.val_path) if split == "val" and data.val_path else ("data.path", data.path)
-    assert path is not None
-    tokens = _read_tokens(config, field, resolve_path(path))
-    if not data.val_path and config.eval.every > 0:
+    if data.sources is not None and data.path is not None:
+        raise DatasetError("data.sources", "give data.path or data.sources, not both")
+    if data.sources is not None and data.kind != "tokens":
+        raise DatasetError("data.sources", f"a mixture of sources is for data.kind=tokens, not {data.kind}")
+    held_out = not data.val_path and config.eval.every > 0
+    if split == "val" and data.val_path:
+        return _open_one(config, "data.val_path", data.val_path, None)
+    if data.sources is None:
+        assert data.path is not None
+        return _open_one(config, "data.path", data.path, split if held_out else None)
+    parts = [_open_one(config, f"data.sources.{k}.path", s.path, split if held_out else None)
+             for k, s in enumerate(data.sources)]
+    _same_tokenizer(parts)
+    return MixtureDataset(parts, [s.weight for s in data.sources])
+
+
+def _open_one(config: JobConfig, field: str, path_text: str, split: str | None) -> TokenDataset:
+    """One file or directory; `split` (train or val) cuts off or keeps the held-out tail, None keeps all."""
+    path, seq_len = resolve_path(path_text), config.model.seq_len
+    tokens, mask, manifest = _read_tokens(config, field, path)
+    if split is not None:
         cut = int(len(tokens) * (1 - VAL_FRACTION))
-        tokens = tokens[cut:] if split == "val" else tokens[:cut]
-    ds = TokenDataset(tokens=tokens, seq_len=seq_len, vocab_size=vocab, source=str(path))
+        a, b = (cut, len(tokens)) if split == "val" else (0, cut)
+        tokens, mask = _part(tokens, a, b), (_part(mask, a, b) if mask is not None else None)
+    ds = TokenDataset(tokens=tokens, seq_len=seq_len, vocab_size=config.model.vocab_size, source=str(path),
+                      mask=mask, field=field, manifest=manifest)
     if ds.num_samples < 1:
-        what = f"its {split} split holds" if not data.val_path and config.eval.every > 0 else "holds"
+        what = f"its {split} split holds" if split is not None else "holds"
         raise DatasetError(field, f"{path} {what} {len(tokens)} tokens; seq_len={seq_len} needs at least "
                                   f"{seq_len + 1}")
     return ds
 
 
-def _read_tokens(config: JobConfig, field: str, path: Path) -> np.ndarray:
+def _part(array: np.ndarray | Segments, a: int, b: int) -> np.ndarray | Segments:
+    return array.sub(a, b) if isinstance(array, Segments) else array[a:b]
+
+
+def _read_tokens(config: JobConfig, field: str, path: Path
+                 ) -> tuple[np.ndarray | Segments, Segments | None, Manifest | None]:
     data = config.data
+    if path.is_dir() and data.kind == "tokens":
+        return _read_directory(config, field, path)
     if not path.is_file():
         raise DatasetError(field, f"file not found: {path}")
     if data.kind == "text":
-        return np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-    itemsize = np.dtype(_DTYPES[data.dtype]).itemsize
+        return (np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)), None, None
+    itemsize = np.dtype(DTYPES[data.dtype]).itemsize
     if path.stat().st_size % itemsize:
         raise DatasetError("data.dtype", f"{path} is {path.stat().st_size} bytes, not a whole number of "
                                          f"{data.dtype} token ids")
-    return np.memmap(path, dtype=_DTYPES[data.dtype], mode="r")
+    return np.memmap(path, dtype=DTYPES[data.dtype], mode="r"), None, None
+
+
+def _read_directory(config: JobConfig, field: str, path: Path) -> tuple[Segments, Segments | None, Manifest]:
+    """A `trainyard prepare` directory, checked against the model: its files are there and its vocabulary fits."""
+    found = check_directory(path)
+    if isinstance(found, str):
+        raise DatasetError(field, found)
+    vocab = config.model.vocab_size
+    if found.vocab_size > vocab:
+        raise DatasetError(field, f"{path} was tokenized with a vocabulary of {found.vocab_size} ids, more than "
+                                  f"model.vocab_size={vocab}: set model.vocab_size >= {found.vocab_size}")
+    tokens, mask = open_streams(path, found)
+    return tokens, mask, found
+
+
+def _same_tokenizer(parts: list[TokenDataset]) -> None:
+    """The sources of a mixture that are prepared directories come from one tokenizer (ids mean the same)."""
+    prepared = [p for p in parts if p.manifest is not None]
+    for p in prepared[1:]:
+        if p.manifest.tokenizer["sha256"] != prepared[0].manifest.tokenizer["sha256"]:
+            raise DatasetError(p.field, f"{p.source} was tokenized with another tokenizer than {prepared[0].source} "
+                                        f"({prepared[0].field}): their token ids do not mean the same")
+
+
+def has_loss_mask(ds: Dataset) -> bool:
+    return (isinstance(ds, MixtureDataset) and ds.has_mask) or (isinstance(ds, TokenDataset) and ds.mask is not None)
+
+
+def counted_targets(ds: Dataset, ids: list[int]) -> int:
+    """How many targets of these samples count in the loss (all seq_len of each without a loss mask)."""
+    seq_len = ds.parts[0].seq_len if isinstance(ds, MixtureDataset) else ds.seq_len
+    if not has_loss_mask(ds):
+        return len(ids) * seq_len
+    total = 0
+    for i in ids:
+        m = ds.target_mask(i)
+        total += seq_len if m is None else int(m.sum())
+    return total
+
+
+def step_counted_targets(config: JobConfig, ds: Dataset, step: int) -> int:
+    """The targets that count in step `step`'s global batch: what every rank divides its loss by."""
+    return counted_targets(ds, global_batch_ids(config.seed, step, config.global_batch, ds.num_samples))
 
 
 def validation_batches(config: JobConfig, num_samples: int) -> list[list[int]]:
@@ -146,6 +288,11 @@ def rank_share(ids: list[int], dp_rank: int, dp: int, microbatches: int) -> list
 
 
 def load_batch(ds: Dataset, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), each (len(ids), seq_len) int64."""
+    """(inputs, targets), each (len(ids), seq_len) int64; targets the loss does not count are IGNORE."""
     seqs = torch.stack([ds.sample(i) for i in ids])
-    return seqs[:, :-1], seqs[:, 1:]
+    inputs, targets = seqs[:, :-1], seqs[:, 1:]
+    if has_loss_mask(ds):
+        masks = [ds.target_mask(i) for i in ids]
+        counted = torch.stack([torch.ones(targets.shape[1], dtype=torch.bool) if m is None else m for m in masks])
+        targets = targets.masked_fill(~counted, IGNORE)
+    return inputs, targets

@@ -303,8 +303,8 @@ def _check_model(config: JobConfig) -> None:
     if config.data.kind == "text" and m.vocab_size < 256:
         raise PlanError("model.vocab_size", f"data.kind=text uses byte tokens and needs vocab_size >= 256 "
                                             f"(got {m.vocab_size})")
-    if config.data.kind in ("text", "tokens") and not config.data.path:
-        raise PlanError("data.path", f"data.kind={config.data.kind} needs a path")
+    if config.data.kind in ("text", "tokens") and not config.data.path and not config.data.sources:
+        raise PlanError("data.path", f"data.kind={config.data.kind} needs a path (or, for tokens, sources)")
     if m.tie_embeddings and config.parallel.pp > 1:
         raise PlanError("model.tie_embeddings", "tied embeddings need pp=1 (the embedding and the head "
                                                 "live on different pipeline stages)")

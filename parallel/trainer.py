@@ -7,8 +7,10 @@ stages; with pp = 1 this is plain gradient accumulation; the tensor-parallel col
 layers), sum gradients across data-parallel replicas, clip the global norm (summed across tp shards and the
 pipeline), set the learning rate and take an AdamW step.
 
-The loss of every micro-batch is divided by the global batch's token count before backward, so summed
-gradients equal the gradient of the global mean loss whatever the layout.
+The loss of every micro-batch is divided by the global batch's count of targets that count (all of its
+tokens; with a loss mask, the assistant/completion ones: `parallel.data.step_counted_targets`, worked out on
+every rank from the step's sample ids) before backward, so summed gradients equal the gradient of the
+global mean loss whatever the layout.
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ import torch
 import torch.distributed as dist
 
 from parallel import checkpoint, hf_checkpoint
-from parallel.data import Dataset, load_batch, open_dataset, rank_share, validation_batches
+from parallel.data import (
+    Dataset,
+    counted_targets,
+    has_loss_mask,
+    load_batch,
+    open_dataset,
+    rank_share,
+    step_counted_targets,
+    validation_batches,
+)
 from parallel.data_parallel import GradientReducer, local_part
 from parallel.distributed import RankGroups
 from parallel.models import family_of
@@ -149,6 +160,7 @@ class RankTrainer:
             reducer.zero_grad()
         for _, layer in self.moe_layers:
             layer.stats.zero_()
+        self.executor.loss_scale = self._loss_scale(step)
         loss_sum, timings = self._forward_backward(microbatch_ids)
         for reducer in self.reducers.values():
             reducer.finish()
@@ -178,14 +190,17 @@ class RankTrainer:
         assert self.val_dataset is not None
         cfg = self.plan.config
         total = torch.zeros((), device=self.device)
-        for ids in validation_batches(cfg, self.val_dataset.num_samples):
+        batches = validation_batches(cfg, self.val_dataset.num_samples)
+        # One mean over every counted target of every batch (a batch with few counted targets weighs little)
+        self.executor.loss_scale = 1.0 / max(1, sum(counted_targets(self.val_dataset, ids) for ids in batches))
+        for ids in batches:
             share = rank_share(ids, self.coords.dp, self.plan.dp, self.plan.microbatches)
             total += self.executor.run(self.forward_actions, _lazy_batches(self.val_dataset, share))[0]
         if not self.is_last_stage:
             return None
         if self.groups.dp is not None:
             dist.all_reduce(total, group=self.groups.dp)
-        return float(total) / cfg.eval.batches
+        return float(total)
 
     def checkpoint_state(self) -> dict:
         """This rank's part of a checkpoint (see parallel.checkpoint): its parameters and their AdamW moments,
@@ -303,6 +318,13 @@ class RankTrainer:
         sequences = self.plan.config.global_batch
         return {block: layer.summarize(row, sequences) for (block, layer), row in zip(self.moe_layers, stats,
                                                                                        strict=True)}
+
+    def _loss_scale(self, step: int) -> float:
+        """1 / the step's global count of targets that count (at least 1: a batch of masked targets only
+        has loss 0)."""
+        if not has_loss_mask(self.dataset):
+            return 1.0 / (self.plan.config.global_batch * self.plan.config.model.seq_len)
+        return 1.0 / max(1, step_counted_targets(self.plan.config, self.dataset, step))
 
     def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
         return self.executor.run(self.actions, _lazy_batches(self.dataset, microbatch_ids))

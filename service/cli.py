@@ -99,9 +99,29 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--stdout", action="store_true", help="the ranks' stdout instead of their stderr")
     s.add_argument("--follow", "-f", action="store_true", help="then print new lines as they come, until the job ends")
     s.set_defaults(func=_logs)
+    _add_prepare(sub)
     sub.add_parser("list", help="list jobs").set_defaults(func=_list)
     sub.add_parser("cluster", help="show the Ray cluster").set_defaults(func=_cluster)
     return p
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    from parallel.prepare import PrepareOptions, default_workers
+
+    s = sub.add_parser("prepare", help="tokenize text, JSONL or Parquet into a dataset directory (no server needed)")
+    s.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (a document each), .jsonl, .parquet, or "
+                                                                "directories of them")
+    s.add_argument("-o", "--output", required=True, metavar="DIR", help="the dataset directory to write")
+    s.add_argument("--tokenizer", required=True, metavar="PATH", help="a tokenizer.json or a directory holding one")
+    s.add_argument("--field", default=PrepareOptions.field, help="JSONL: the field holding the text (default text)")
+    s.add_argument("--column", default=PrepareOptions.column, help="Parquet: the text column (default text)")
+    s.add_argument("--chat", action="store_true", help="JSONL of {messages} or {prompt, completion} records; stores "
+                                                       "a loss mask (only assistant/completion tokens count)")
+    s.add_argument("--eos", default=None, help="the EOS token (default: tokenizer_config.json's eos_token)")
+    s.add_argument("--shard-tokens", type=int, default=PrepareOptions.shard_tokens, help="tokens per shard file")
+    s.add_argument("--workers", type=int, default=default_workers(),
+                   help=f"tokenizing processes (default {default_workers()}, this machine's cores)")
+    s.set_defaults(func=_prepare)
 
 
 def _attach_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
@@ -133,6 +153,10 @@ def read_spec_file(path: str) -> dict:
         part = spec.get(section)
         if isinstance(part, dict) and isinstance(part.get(key), str) and not os.path.isabs(part[key]):
             part[key] = str(Path(part[key]).expanduser().resolve())
+    data = spec.get("data")
+    for source in (data.get("sources") if isinstance(data, dict) else None) or []:  # a mixture's paths, alike
+        if isinstance(source, dict) and isinstance(source.get("path"), str) and not os.path.isabs(source["path"]):
+            source["path"] = str(Path(source["path"]).expanduser().resolve())
     return spec
 
 
@@ -182,6 +206,30 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     described = describe(plan)
     print(json.dumps(described, indent=2) if args.json else format_plan(described))
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from parallel.prepare import PrepareError, PrepareOptions, prepare
+
+    if args.shard_tokens < 1 or args.workers < 1:
+        print("error: --shard-tokens and --workers must be at least 1", file=sys.stderr)
+        return 2
+    options = PrepareOptions(field=args.field, column=args.column, chat=args.chat, eos=args.eos,
+                             shard_tokens=args.shard_tokens)
+    try:
+        result = prepare([Path(p) for p in args.inputs], Path(args.output), Path(args.tokenizer), options,
+                         workers=args.workers)
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    m = result.manifest
+    if result.skipped:
+        print(f"{args.output} is up to date (same inputs, tokenizer and options): nothing to do")
+        return 0
+    counted = f", {m.counted_tokens} counted in the loss" if m.counted_tokens is not None else ""
+    print(f"{args.output}: {m.documents} documents, {m.tokens} tokens{counted} ({m.dtype}, vocab {m.vocab_size}, "
+          f"eos {m.eos_id}) in {len(m.shards)} shard(s); {m.tokens / max(result.seconds, 1e-9):.0f} tokens/s")
     return 0
 
 

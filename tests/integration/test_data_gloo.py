@@ -1,0 +1,158 @@
+"""Prepared data trained by real gloo ranks (no Ray), several plans in one spawned world of two processes:
+
+- chat data: the masked loss of step 0 equals transformers' `GPT2LMHeadModel` loss on the same global batch
+  with the prompt labels at -100 (trainyard's gpt2 weights copied in by a small map); the losses of two steps
+  and the val_loss are the same at dp=1, at dp=2 with two micro-batches per rank, and at tp=2 (the
+  vocabulary-parallel loss ignores -100 too);
+- a batch whose targets are all masked has loss 0 and gradient 0 (no division by zero);
+- training on a directory prepared from Parquet makes val_loss fall.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from data_helpers import bpe_tokenizer
+from gloo_ranks import spawn
+from helpers import REPO, tiny_spec
+
+from api.spec import parse_spec
+from parallel.data import global_batch_ids, open_dataset, step_microbatches
+from parallel.distributed import init_distributed, shutdown_distributed
+from parallel.model import full_model
+from parallel.plan import Plan, make_plan
+from parallel.prepare import PrepareOptions, prepare
+from parallel.trainer import RankTrainer
+
+
+def _run_plans(rank: int, port: int, jobs: list[tuple[str, Plan]], ports: list[int], out_dir: str) -> None:
+    """Each plan in turn on its own rendezvous port (the ranks it does not use skip it): its steps, and
+    val_loss where eval is due; rank r's rows go to out_dir/<name>-rank<r>.pt."""
+    torch.set_num_threads(1)
+    for (name, plan), port_ in zip(jobs, [port, *ports], strict=True):
+        if rank >= plan.world_size:
+            continue
+        groups = init_distributed(plan, rank, "127.0.0.1", port_, torch.device("cpu"), timeout_s=120)
+        trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
+        cfg, rows = plan.config, []
+        num_samples = open_dataset(cfg).num_samples
+        for step in range(cfg.steps):
+            stats = trainer.train_step(step, step_microbatches(plan, rank, step, num_samples))
+            val = trainer.evaluate() if cfg.eval.every and (step + 1) % cfg.eval.every == 0 else None
+            rows.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "val_loss": val})
+        torch.save(rows, Path(out_dir) / f"{name}-rank{rank}.pt")
+        shutdown_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spec(path: Path, **overrides) -> dict:
+    return tiny_spec(**{"model": {"vocab_size": 300}, "data": {"kind": "tokens", "path": str(path)}, "steps": 2,
+                        "optimizer": {"lr": 3e-3, "warmup_steps": 0}, **overrides})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gloo-data")
+    tok = bpe_tokenizer(root / "tok")
+    prepare([REPO / "examples" / "finetune.jsonl"], root / "chat", tok, PrepareOptions(chat=True), progress=False)
+    records = [json.loads(line) for line in (REPO / "examples" / "finetune.jsonl").read_text().splitlines()]
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "completion": ""}) + "\n"
+                                                for r in records if "prompt" in r))
+    prepare([root / "prompts.jsonl"], root / "prompts", tok, PrepareOptions(chat=True), progress=False)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paragraphs = (REPO / "examples" / "corpus.txt").read_text().split("\n\n")
+    pq.write_table(pa.table({"text": paragraphs}), root / "corpus.parquet")
+    prepare([root / "corpus.parquet"], root / "corpus", tok, progress=False)
+    chat = spec(root / "chat", eval={"every": 2, "batches": 2})
+    plans = {
+        "chat_dp2": make_plan(parse_spec({**chat, "parallel": {"dp": 2, "microbatches": 2}})),
+        "chat_dp1": make_plan(parse_spec(chat)),
+        "chat_tp2": make_plan(parse_spec({**chat, "parallel": {"tp": 2}})),  # vocabulary-parallel loss, -100
+        "masked": make_plan(parse_spec({**spec(root / "prompts", steps=1), "parallel": {"dp": 2}})),
+        "corpus": make_plan(parse_spec({**spec(root / "corpus", steps=30, eval={"every": 10, "batches": 2}),
+                                        "parallel": {"dp": 2}})),
+    }
+    jobs = list(plans.items())
+    spawn(_run_plans, 2, jobs, [_free_port() for _ in jobs[1:]], str(root))
+    rows = {name: torch.load(root / f"{name}-rank0.pt") for name in plans}
+    return plans, rows
+
+
+def hf_gpt2(model_cfg, seed: int, positions: int):
+    """transformers' GPT2LMHeadModel holding trainyard's gpt2 weights: q|k|v concatenated into c_attn, the
+    Conv1D weights transposed (they are stored (in, out))."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ours = full_model(model_cfg, seed).state_dict()
+    config = GPT2Config(vocab_size=model_cfg.vocab_size, n_positions=positions, n_embd=model_cfg.d_model,
+                        n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, activation_function="gelu",
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                        tie_word_embeddings=False)
+    hf = GPT2LMHeadModel(config).eval()
+    theirs = {"transformer.wte.weight": ours["wte.weight"], "transformer.ln_f.weight": ours["ln_f.weight"],
+              "transformer.ln_f.bias": ours["ln_f.bias"], "lm_head.weight": ours["lm_head.weight"]}
+    wpe = hf.state_dict()["transformer.wpe.weight"].clone()
+    wpe[: model_cfg.context] = ours["wpe.weight"]
+    theirs["transformer.wpe.weight"] = wpe
+    for i in range(model_cfg.n_layer):
+        b, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            theirs[f"{h}{ln}.weight"], theirs[f"{h}{ln}.bias"] = ours[f"{b}{ln}.weight"], ours[f"{b}{ln}.bias"]
+        qkv = [f"{b}attn.{x}" for x in "qkv"]
+        theirs[f"{h}attn.c_attn.weight"] = torch.cat([ours[f"{n}.weight"] for n in qkv]).T
+        theirs[f"{h}attn.c_attn.bias"] = torch.cat([ours[f"{n}.bias"] for n in qkv])
+        for ours_name, hf_name in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            theirs[f"{h}{hf_name}.weight"] = ours[f"{b}{ours_name}.weight"].T
+            theirs[f"{h}{hf_name}.bias"] = ours[f"{b}{ours_name}.bias"]
+    missing, unexpected = hf.load_state_dict(theirs, strict=False)
+    assert not unexpected and all(k.endswith("attn.bias") or k.endswith("masked_bias") for k in missing), missing
+    return hf
+
+
+def test_masked_loss_equals_transformers_loss_with_prompt_labels_ignored(runs):
+    plans, rows = runs
+    cfg = plans["chat_dp1"].config
+    ds = open_dataset(cfg)
+    ids = global_batch_ids(cfg.seed, 0, cfg.global_batch, ds.num_samples)
+    # HF shifts labels inside: give it the seq_len + 1 tokens of each sample as input and as labels, with the
+    # uncounted targets at -100, and its logits at positions 0..seq_len-1 predict trainyard's pre-shifted targets.
+    windows = torch.stack([ds.sample(i) for i in ids])
+    labels = windows.clone()
+    labels[:, 1:][~torch.stack([ds.target_mask(i) for i in ids])] = -100
+    assert (labels[:, 1:] == -100).any() and (labels[:, 1:] != -100).any()
+    with torch.no_grad():
+        expected = hf_gpt2(cfg.model, cfg.seed, cfg.model.seq_len + 1)(input_ids=windows, labels=labels).loss.item()
+    assert rows["chat_dp1"][0]["loss"] == pytest.approx(expected, abs=1e-5)
+    assert rows["chat_dp2"][0]["loss"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["chat_dp2", "chat_tp2"])
+def test_masked_loss_and_val_loss_are_the_same_at_dp1_dp2_and_tp2(runs, layout):
+    _, rows = runs
+    for one, other in zip(rows["chat_dp1"], rows[layout], strict=True):
+        assert other["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert other["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    assert rows["chat_dp1"][-1]["val_loss"] is not None
+    assert rows[layout][-1]["val_loss"] == pytest.approx(rows["chat_dp1"][-1]["val_loss"], rel=1e-5)
+
+
+def test_a_batch_with_every_target_masked_has_zero_loss_and_gradient(runs):
+    _, rows = runs
+    assert rows["masked"][0]["loss"] == 0.0 and rows["masked"][0]["grad_norm"] == 0.0
+
+
+def test_training_on_a_prepared_directory_makes_val_loss_fall(runs):
+    _, rows = runs
+    val = [r["val_loss"] for r in rows["corpus"] if r["val_loss"] is not None]
+    assert len(val) == 3 and val[-1] < val[0] - 0.3, val

@@ -1,0 +1,146 @@
+"""`trainyard prepare`: JSONL, Parquet and text to token shards with a manifest; a rerun is a no-op; chat masks."""
+
+import json
+
+import numpy as np
+import pytest
+from data_helpers import EOS, bpe_tokenizer, word_tokenizer
+from helpers import REPO
+from tokenizers import Tokenizer
+
+from parallel.prepare import PrepareError, PrepareOptions, prepare
+from parallel.token_dir import Manifest, file_sha256
+from service.cli import main
+
+DOCS = ["The hump engine pushes the cars.", "Every car has a number.", "Trains leave on time, every day."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return bpe_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def write_jsonl(path, docs, field="text"):
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" + ("\n" if i == 0 else "")
+                            for i, d in enumerate(docs)))
+    return path
+
+
+def stream(directory, manifest):
+    return np.concatenate([np.fromfile(directory / s["file"], dtype=manifest.dtype) for s in manifest.shards])
+
+
+def expected_stream(tokenizer_dir, docs):
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    return [t for d in docs for t in [*tok.encode(d, add_special_tokens=False).ids, eos]], eos
+
+
+def test_prepare_jsonl_writes_shards_the_manifest_and_the_tokenizer(tmp_path, tokenizer):
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    out = tmp_path / "ds"
+    result = prepare([src], out, tokenizer, PrepareOptions(shard_tokens=10), progress=False)
+    m = Manifest.read(out)
+    assert not result.skipped and m == result.manifest
+    want, eos = expected_stream(tokenizer, DOCS)
+    assert stream(out, m).tolist() == want  # documents in order, each followed by EOS, across shards
+    assert (m.documents, m.tokens, m.eos_id, m.dtype, m.counted_tokens) == (3, len(want), eos, "uint16", None)
+    assert len(m.shards) == -(-len(want) // 10) and [s["tokens"] for s in m.shards][:-1] == [10] * (len(m.shards) - 1)
+    for s in m.shards:
+        assert (out / s["file"]).stat().st_size == s["bytes"] == 2 * s["tokens"]
+        assert file_sha256(out / s["file"]) == s["sha256"]
+    assert (out / "tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
+    assert m.tokenizer["sha256"] == file_sha256(tokenizer / "tokenizer.json")
+    assert (out / "tokenizer_config.json").is_file() and m.vocab_size == 300
+    assert m.inputs == [{"path": str(src.resolve()), "bytes": src.stat().st_size, "sha256": file_sha256(src)}]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+def test_prepare_parquet_reads_its_column_like_jsonl_reads_its_field(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": DOCS, "n": [1, 2, 3]}), tmp_path / "docs.parquet")
+    write_jsonl(tmp_path / "docs.jsonl", DOCS, field="body")
+    a = prepare([tmp_path / "docs.parquet"], tmp_path / "a", tokenizer, PrepareOptions(column="body"),
+                progress=False).manifest
+    b = prepare([tmp_path / "docs.jsonl"], tmp_path / "b", tokenizer, PrepareOptions(field="body"),
+                progress=False).manifest
+    assert stream(tmp_path / "a", a).tolist() == stream(tmp_path / "b", b).tolist() == expected_stream(tokenizer,
+                                                                                                        DOCS)[0]
+    with pytest.raises(PrepareError, match="no column 'text'"):
+        prepare([tmp_path / "docs.parquet"], tmp_path / "c", tokenizer, progress=False)
+
+
+def test_a_second_prepare_is_a_noop_and_a_changed_input_prepares_again(tmp_path, tokenizer, capsys):
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    out = tmp_path / "ds"
+    args = ["prepare", str(src), "-o", str(out), "--tokenizer", str(tokenizer), "--workers", "1"]
+    assert main(args) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing rewritten
+    (out / "tokens-00000.bin").write_bytes(b"")  # damaged since: prepared again
+    assert not prepare([src], out, tokenizer, progress=False).skipped
+    write_jsonl(src, DOCS + ["A new document."])
+    result = prepare([src], out, tokenizer, progress=False)
+    assert not result.skipped and result.manifest.documents == 4
+    assert stream(out, result.manifest).tolist() == expected_stream(tokenizer, DOCS + ["A new document."])[0]
+    other = prepare([src], out, tokenizer, PrepareOptions(shard_tokens=7), progress=False)
+    assert not other.skipped and other.manifest.fingerprint != result.manifest.fingerprint  # options count too
+
+
+def test_workers_do_not_change_the_output(tmp_path, tokenizer):
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS * 50)  # several batches, so the pool interleaves them
+    one = prepare([src], tmp_path / "one", tokenizer, progress=False).manifest
+    two = prepare([src], tmp_path / "two", tokenizer, workers=2, progress=False).manifest
+    assert one.shards == two.shards and one.fingerprint == two.fingerprint and one.documents == 150
+
+
+def test_a_vocabulary_beyond_uint16_gets_uint32_shards(tmp_path):
+    tok = word_tokenizer(tmp_path / "tok", 70_000)
+    (tmp_path / "a.txt").write_text("w69998 w5 w65536")
+    m = prepare([tmp_path / "a.txt"], tmp_path / "ds", tok, progress=False).manifest
+    assert (m.dtype, m.vocab_size, m.eos_id) == ("uint32", 70_000, 69_999)
+    assert np.fromfile(tmp_path / "ds" / m.shards[0]["file"], np.uint32).tolist() == [69998, 5, 65536, 69999]
+
+
+def test_chat_records_count_only_completions_and_assistant_turns(tmp_path, tokenizer):
+    m = prepare([REPO / "examples" / "finetune.jsonl"], tmp_path / "chat", tokenizer, PrepareOptions(chat=True),
+                progress=False).manifest
+    ids = np.fromfile(tmp_path / "chat" / m.shards[0]["file"], np.uint16)
+    mask = np.fromfile(tmp_path / "chat" / m.shards[0]["mask_file"], np.uint8)
+    assert len(mask) == len(ids) == m.tokens and m.counted_tokens == int(mask.sum()) and m.documents == 30
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    ends = np.flatnonzero(ids == m.eos_id)
+    records = [json.loads(line) for line in (REPO / "examples" / "finetune.jsonl").read_text().splitlines()]
+    for record, start, end in zip(records[:4], [0, *ends[:3] + 1], ends[:4], strict=True):
+        counted = tok.decode(ids[start:end + 1][mask[start:end + 1] == 1].tolist(), skip_special_tokens=False)
+        whole = tok.decode(ids[start:end + 1].tolist(), skip_special_tokens=False)
+        if "completion" in record:
+            assert counted == record["completion"] + EOS and whole == record["prompt"] + counted
+        else:
+            answer = [msg["content"] for msg in record["messages"] if msg["role"] == "assistant"]
+            assert counted == "".join(a + "<|end|>\n" for a in answer) + EOS
+            assert record["messages"][0]["content"] in whole
+
+
+def test_chat_messages_without_a_template_and_a_tokenizer_without_eos_are_errors(tmp_path):
+    tok = bpe_tokenizer(tmp_path / "tok", config=False)
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(PrepareError, match="give --eos"):
+        prepare([src], tmp_path / "a", tok, PrepareOptions(chat=True), progress=False)
+    with pytest.raises(PrepareError, match=r"chat\.jsonl:1: messages need a chat template"):
+        prepare([src], tmp_path / "a", tok, PrepareOptions(chat=True, eos=EOS), progress=False)
+    assert not (tmp_path / "a").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_bad_record_names_its_line_and_leaves_nothing(tmp_path, tokenizer):
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(PrepareError, match=r"docs\.jsonl:2: no string field 'text'"):
+        prepare([src], tmp_path / "ds", tokenizer, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
