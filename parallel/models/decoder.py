@@ -41,15 +41,15 @@ class Block(nn.Module):
         self.ln_1 = stage.norm(cfg)
         self.attn = stage.attention(cfg)
         self.ln_2 = stage.norm(cfg)
-        if experts is None:
-            self.mlp = stage.feed_forward(cfg)
-        else:
+        self.is_moe = experts is not None
+        if self.is_moe:
             self.moe = MoELayer(cfg, experts)
+        else:
+            self.mlp = stage.feed_forward(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        ffn = self.moe if hasattr(self, "moe") else self.mlp
-        return x + ffn(self.ln_2(x))
+        return x + (self.moe if self.is_moe else self.mlp)(self.ln_2(x))
 
 
 class DecoderStage(nn.Module):
