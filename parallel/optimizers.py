@@ -27,6 +27,13 @@ def _build_adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimi
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
 
 
+def _empty_adamw_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    import torch
+
+    return {"step": torch.tensor(0.0), **{k: torch.zeros_like(t, memory_format=torch.preserve_format)
+                                          for k in ADAMW.state}}
+
+
 @dataclass(frozen=True)
 class OptimizerKind:
     name: str
@@ -36,6 +43,9 @@ class OptimizerKind:
     """Bytes of all of `state` per parameter element."""
     build: Callable[[list[dict], OptimizerConfig], torch.optim.Optimizer]
     """Builds it over parameter groups (`{"params": [...], "weight_decay": ...}`) with the spec's settings."""
+    empty_state: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    """The state it would create for tensor `t` at its first step (a checkpoint before it, or a load,
+    needs the state to exist)."""
 
     def state_bytes(self, elements: int) -> int:
         """Bytes of state for `elements` parameter elements."""
@@ -43,7 +53,7 @@ class OptimizerKind:
 
 
 ADAMW = OptimizerKind(name="adamw", state=("exp_avg", "exp_avg_sq"), state_bytes_per_element=2 * FP32,
-                      build=_build_adamw)
+                      build=_build_adamw, empty_state=_empty_adamw_state)
 
 OPTIMIZERS: dict[str, OptimizerKind] = {"adamw": ADAMW}
 

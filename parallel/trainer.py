@@ -31,6 +31,7 @@ from parallel.distributed import RankGroups
 from parallel.model import GPTStage
 from parallel.moe import MoEContext, moe_layers
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr, tp_copies
+from parallel.optimizers import optimizer_kind
 from parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
 from parallel.schedules import Action, ActionKind, virtual_stage
@@ -79,8 +80,6 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], Abstr
 
 FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
 """A pipeline schedule's actions that evaluation runs: forwards and the activations between stages."""
-MOMENTS = ("exp_avg", "exp_avg_sq")
-"""AdamW's state per parameter, besides its step count."""
 
 
 class RankTrainer:
@@ -104,6 +103,7 @@ class RankTrainer:
                                                       reduce_dtype=par.reduce_dtype)
         self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer)
+        self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
         self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
         self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
         # Where each chunk's gradients become final: its last backward in this rank's schedule.
@@ -189,7 +189,8 @@ class RankTrainer:
         under the unsharded model's names and in the parameters' shapes."""
         self._init_optimizer_state()
         names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
-        moments = {p: m for r in self.reducers.values() for p, m in r.moments(self.optimizer, MOMENTS).items()}
+        state_keys = self.optimizer_kind.state
+        moments = {p: m for r in self.reducers.values() for p, m in r.moments(self.optimizer, state_keys).items()}
         return {"model": {name: p for p, name in names.items()},
                 "optim": {names[p]: m for p, m in moments.items()}}
 
@@ -264,8 +265,7 @@ class RankTrainer:
         for group in self.optimizer.param_groups:
             for t in group["params"]:
                 if not self.optimizer.state[t]:
-                    self.optimizer.state[t] = {"step": torch.tensor(0.0), **{
-                        k: torch.zeros_like(t, memory_format=torch.preserve_format) for k in MOMENTS}}
+                    self.optimizer.state[t] = self.optimizer_kind.empty_state(t)
 
     def _optimizer_bytes(self) -> int:
         return sum(local_part(t).numel() * t.element_size() for state in self.optimizer.state.values()
