@@ -14,16 +14,17 @@ from parallel.schedules import format_actions
 
 def describe(plan: Plan) -> dict:
     """The plan as plain data for the API and the CLI: degrees, rank map, groups, stages, schedule, resources."""
+    layout = plan.layout  # asked directly: a plan of 65,536 ranks asks it hundreds of thousands of times
     return {
-        "world_size": plan.world_size,
-        "degrees": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "vpp": plan.vpp},
-        "microbatches": plan.microbatches,
-        "micro_batch_size": plan.micro_batch_size,
-        "ranks": [{"rank": c.rank, "pp": c.pp, "tp": c.tp, "dp": c.dp, "ep": plan.ep_rank(c.rank),
-                   "name": plan.worker_name(c.rank), "bundle": plan.bundle_of(c.rank),
-                   "experts": list(plan.experts_of(c.rank))} for c in plan.ranks],
-        "groups": {"dp": plan.dp_groups(), "pp": plan.pp_groups(), "tp": plan.tp_groups(), "ep": plan.ep_groups(),
-                   "experts": plan.expert_groups() if plan.config.model.moe else []},
+        "world_size": layout.world_size,
+        "degrees": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "ep": layout.ep, "vpp": layout.vpp},
+        "microbatches": layout.microbatches,
+        "micro_batch_size": layout.micro_batch_size,
+        "ranks": [{"rank": c.rank, "pp": c.pp, "tp": c.tp, "dp": c.dp, "ep": layout.ep_rank(c.rank),
+                   "name": layout.worker_name(c.rank), "bundle": layout.bundle_of(c.rank),
+                   "experts": list(layout.experts_of(c.rank))} for c in layout.ranks],
+        "groups": {"dp": layout.dp_groups(), "pp": layout.pp_groups(), "tp": layout.tp_groups(),
+                   "ep": layout.ep_groups(), "experts": layout.expert_groups() if plan.config.model.moe else []},
         "moe_blocks": plan.config.model.moe_blocks,
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),

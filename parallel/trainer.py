@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from parallel import checkpoint
 from parallel.data import Dataset, load_batch, open_dataset, rank_share, validation_batches
-from parallel.data_parallel import GradientReducer, local_part
+from parallel.data_parallel import GradientReducer, local_part, make_reducer
 from parallel.distributed import RankGroups
 from parallel.model import GPTStage
 from parallel.moe import MoEContext, moe_layers
@@ -35,6 +35,7 @@ from parallel.optimizers import optimizer_kind
 from parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
 from parallel.schedules import Action, ActionKind, virtual_stage
+from parallel.sharding import sharding_for
 from parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 
 
@@ -99,8 +100,8 @@ class RankTrainer:
         for kind, (group, member) in sets.items():
             per_chunk = [[p for n, p in chunk.named_parameters() if member(n)] for chunk in self.chunks]
             if any(per_chunk):
-                self.reducers[kind] = GradientReducer(per_chunk, group, zero=par.zero == 1,
-                                                      reduce_dtype=par.reduce_dtype)
+                self.reducers[kind] = make_reducer(per_chunk, group, sharding_for(par.zero),
+                                                   reduce_dtype=par.reduce_dtype)
         self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer)
         self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
@@ -284,7 +285,7 @@ class RankTrainer:
         tp = self.plan.tp
         weighted = []
         for kind, reducer in self.reducers.items():
-            replicas = 1 if reducer.zero else reducer.size
+            replicas = reducer.holders
             for grad, p in reducer.held_grads():
                 copies = replicas * (tp_copies(p, tp) if kind == "dense" else 1)
                 weighted.append((grad, 1.0 / copies))
