@@ -5,10 +5,11 @@
 so a planner can ask what a candidate layout costs. `parallel.admission.memory_violations` refuses a job
 whose ranks cannot fit, and `parallel.present.describe_memory` shows it. Pure arithmetic: no torch.
 
-The counting functions below take `plan`: anything that reads like a layout with a `config` (a `Sizing`,
-or a `parallel.plan.Plan`, which is one layout and its config). How the gradients and the optimizer state
-are split over a reducing group is the sharding strategy's (`parallel.sharding`, by `parallel.zero`), and
-the optimizer's bytes per parameter are the optimizer registry's (`parallel.optimizers`).
+The counting functions below take `plan`: anything that reads like a layout with a `config` (a
+`parallel.sizing.Sizing`, or a `parallel.plan.Plan`, which is one layout and its config). How the
+gradients and the optimizer state are split over a reducing group is the sharding strategy's
+(`parallel.sharding`, by `parallel.zero`), and the optimizer's bytes per parameter are the optimizer
+registry's (`parallel.optimizers`).
 
 Model state (exact, counted from the shapes as `parallel.model` builds them and `parallel.tensor_parallel`
 shards them): parameters are fp32 (4 B) whatever the precision; gradients live in fp32 flat buckets that
@@ -42,6 +43,7 @@ from parallel.layout import Layout
 from parallel.optimizers import optimizer_kind
 from parallel.schedules import ActionKind, virtual_stage
 from parallel.sharding import sharding_for
+from parallel.sizing import Sizing
 
 FP32 = 4
 BF16 = 2
@@ -81,19 +83,6 @@ class ParamCounts:
     @property
     def total(self) -> int:
         return self.dense + self.router + self.experts
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """What the counting reads: a layout's attributes (`plan.tp`, `plan.stage_layers`, ...) and `plan.config`."""
-
-    layout: Layout
-    config: JobConfig
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("layout", "config"):
-            raise AttributeError(name)
-        return getattr(self.layout, name)
 
 
 Plan = Sizing
