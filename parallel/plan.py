@@ -7,8 +7,8 @@ and, given a cluster, refuses a job it could never hold (`parallel.admission`: r
 A `Plan` is that layout with its config; everything after it receives the Plan and never re-derives
 layout. Presentation (`describe`) is `parallel.present`'s. Pure: no I/O, no torch.
 
-Modules, each importing only those before it: schedules -> layout -> sharding, optimizers -> memory ->
-rules -> admission -> plan -> present.
+Modules, each importing only those before it: schedules -> layout -> sizing, sharding, optimizers ->
+memory -> rules -> admission (and units) -> plan -> present (tests/unit/test_imports.py keeps it acyclic).
 """
 
 from __future__ import annotations

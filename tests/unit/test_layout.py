@@ -1,5 +1,6 @@
 """A planner's questions without a Plan: the rules' violations, a layout from degrees, what it costs."""
 
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -42,3 +43,9 @@ def test_admission_answers_from_a_layout_whether_a_cluster_holds_it():
     assert admission.fit_violations(replace(layout, dp=2), small) == []
     tiny_memory = ClusterResources((NodeResources(cpus=8, gpus=0, memory=1024.0),))
     assert [e.field for e in admission.memory_violations(layout, config, tiny_memory)] == ["model"]
+
+
+def test_a_plan_crosses_processes_whole():
+    plan = make_plan(parse_spec(tiny_spec(parallel={"dp": 2, "tp": 2}, global_batch=8)))
+    copy = pickle.loads(pickle.dumps(plan))  # Ray sends it to every worker
+    assert copy == plan and copy.ranks == plan.ranks and copy.worker_name(3) == "pp0-tp1-dp1"
