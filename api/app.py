@@ -19,7 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from api.models import ClusterInfo, FaultDrill, JobCreated, JobInfo, JobLogs, MetricsRow, ScaleRequest, job_info
 from api.spec import SubmittedSpec, describe_error
 from parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
-from parallel.plan import describe
+from parallel.present import describe
 from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
 
 if TYPE_CHECKING:

@@ -177,6 +177,8 @@ class OptimizerConfig:
     min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1
     grad_clip: Annotated[float, Ge(0), Le(1e9)] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
+    kind: Literal["adamw"] = "adamw"
+    """Which optimizer (`parallel.optimizers.OPTIMIZERS`): its update and the state it keeps per parameter."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,11 @@ bucket whose parameters have all accumulated starts its reduction at once (async
 layers runs while backward computes the first. `finish()` starts what is left (a parameter that got no
 gradient in that backward, e.g. an expert no token reached) and waits for what is in flight.
 
-ZeRO-1 (`zero=True`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
+Sharding is a strategy (`parallel.sharding`, picked by `parallel.zero`), and `make_reducer` builds the
+reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (zero 0), and
+`ShardedGradientReducer` is ZeRO-1. A ZeRO-2 or ZeRO-3 entry adds its reducer beside them.
+
+ZeRO-1 (`ShardedGradientReducer`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
 the summed gradients of its 1/N slice of the bucket; the optimizer holds the parameters' pieces in that
 slice (views into the parameters, `optimizer_params`), so AdamW's state exists for 1/N of them; after the
 step `gather_params` all-gathers the slices and writes every parameter back whole. (FSDP2 would shard the
@@ -44,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from parallel.sharding import Sharding
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -69,16 +75,28 @@ class _Bucket:
     """ZeRO-1: each slice as a view of its parameter's data, the tensors the optimizer updates."""
 
 
+def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,
+                 reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES) -> GradientReducer:
+    """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
+    nothing: every strategy keeps everything there."""
+    size = dist.get_world_size(group) if group is not None else 1
+    cls = ShardedGradientReducer if sharding.shards_optimizer_state and size > 1 else GradientReducer
+    return cls(chunk_params, group, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+
+
 class GradientReducer:
-    """The gradients of `params` (parameters of `chunks`), summed over `group` (None: no other rank)."""
+    """The gradients of `params` (parameters of `chunks`), summed over `group` (None: no other rank); every
+    rank of the group holds every reduced gradient and the optimizer state of every parameter."""
+
+    zero = False
+    """Whether this rank holds only a 1/N slice of the reduced gradients and optimizer state (ZeRO-1)."""
 
     @torch.no_grad()
     def __init__(self, chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, *,
-                 zero: bool = False, reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES):
+                 reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES):
         self.group, self.reduce_dtype = group, WIRE_DTYPES[reduce_dtype]
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.zero = zero and self.size > 1
         self.buckets = [self._make_bucket(chunk, params) for chunk, params in enumerate(chunk_params)
                         for params in _split(list(reversed(params)), bucket_bytes)]
         self.next_to_start = 0
@@ -101,19 +119,12 @@ class GradientReducer:
                 view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
             offsets.append(offset)
             offset += n
-        bucket = _Bucket(chunk=chunk, params=params, flat=flat, offsets=offsets)
-        if self.zero:
-            per_rank = total // self.size
-            start, end = self.rank * per_rank, (self.rank + 1) * per_rank
-            bucket.shard = torch.zeros(per_rank, dtype=flat.dtype, device=flat.device)
-            for p, a, n in zip(params, offsets, sizes, strict=True):
-                lo, hi = max(a, start), min(a + n, end)
-                if lo < hi:
-                    bucket.slices.append((p, lo - a, lo - start, hi - lo))
-                    piece = local_part(p).detach().view(-1)[lo - a:hi - a]
-                    piece.grad = bucket.shard[lo - start:hi - start]
-                    bucket.pieces.append(piece)
-        return bucket
+        return _Bucket(chunk=chunk, params=params, flat=flat, offsets=offsets)
+
+    @property
+    def holders(self) -> int:
+        """Ranks of the group that hold each reduced gradient this rank holds after `finish`."""
+        return self.size
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -147,12 +158,12 @@ class GradientReducer:
         if self.group is None:
             return
         send = b.flat if self.reduce_dtype == b.flat.dtype else b.flat.to(self.reduce_dtype)
-        if self.zero:
-            b.wire = b.shard if send is b.flat else torch.empty_like(b.shard, dtype=self.reduce_dtype)
-            b.work = dist.reduce_scatter_tensor(b.wire, send, group=self.group, async_op=True)
-        else:
-            b.wire = send
-            b.work = dist.all_reduce(send, group=self.group, async_op=True)
+        b.wire = send
+        b.work = dist.all_reduce(send, group=self.group, async_op=True)
+
+    def _reduced(self, b: _Bucket) -> torch.Tensor:
+        """Where a bucket's reduced gradients end up on this rank."""
+        return b.flat
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -162,32 +173,81 @@ class GradientReducer:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-                target = b.shard if self.zero else b.flat
+                target = self._reduced(b)
                 if b.wire is not target:
                     target.copy_(b.wire)
             b.work = b.wire = None
         self.next_to_start, self.armed = 0, set()
 
     def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
-        """The reduced gradients this rank holds after `finish`, each with its parameter: every gradient, or
-        with ZeRO-1 the pieces in this rank's slices."""
-        if not self.zero:
-            return [(local_part(p.grad), p) for b in self.buckets for p in b.params]
+        """The reduced gradients this rank holds after `finish`, each with its parameter."""
+        return [(local_part(p.grad), p) for b in self.buckets for p in b.params]
+
+    def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """What the optimizer updates, each with the parameter it belongs to: the parameters themselves."""
+        return [(p, p) for b in self.buckets for p in b.params]
+
+    @torch.no_grad()
+    def moments(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
+        """Each parameter's optimizer state `keys`, shaped like the parameter (for a checkpoint)."""
+        return {p: {k: optimizer.state[p][k] for k in keys} for b in self.buckets for p in b.params}
+
+    @torch.no_grad()
+    def load_moments(self, optimizer: torch.optim.Optimizer, moments: dict[nn.Parameter, dict]) -> None:
+        """After `moments`' tensors were filled from a checkpoint: nothing to do, they are the state itself."""
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After the optimizer step: every rank updated every parameter, nothing to gather."""
+
+
+class ShardedGradientReducer(GradientReducer):
+    """ZeRO-1: rank i of the group gets the summed gradients of its 1/N slice of each bucket
+    (reduce-scatter), the optimizer updates views of the parameters' pieces in that slice, and the slices
+    are all-gathered into whole parameters after the step."""
+
+    zero = True
+
+    def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> _Bucket:
+        bucket = super()._make_bucket(chunk, params)
+        flat, total = bucket.flat, bucket.flat.numel()
+        per_rank = total // self.size
+        start, end = self.rank * per_rank, (self.rank + 1) * per_rank
+        bucket.shard = torch.zeros(per_rank, dtype=flat.dtype, device=flat.device)
+        for p, a in zip(params, bucket.offsets, strict=True):
+            n = local_part(p).numel()
+            lo, hi = max(a, start), min(a + n, end)
+            if lo < hi:
+                bucket.slices.append((p, lo - a, lo - start, hi - lo))
+                piece = local_part(p).detach().view(-1)[lo - a:hi - a]
+                piece.grad = bucket.shard[lo - start:hi - start]
+                bucket.pieces.append(piece)
+        return bucket
+
+    @property
+    def holders(self) -> int:
+        return 1
+
+    @torch.no_grad()
+    def _start(self, b: _Bucket) -> None:
+        send = b.flat if self.reduce_dtype == b.flat.dtype else b.flat.to(self.reduce_dtype)
+        b.wire = b.shard if send is b.flat else torch.empty_like(b.shard, dtype=self.reduce_dtype)
+        b.work = dist.reduce_scatter_tensor(b.wire, send, group=self.group, async_op=True)
+
+    def _reduced(self, b: _Bucket) -> torch.Tensor:
+        return b.shard
+
+    def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """The pieces of the reduced gradients in this rank's slices."""
         return [(b.shard[s:s + n], p) for b in self.buckets for p, _, s, n in b.slices]
 
     def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
-        """What the optimizer updates, each with the parameter it belongs to: the parameters themselves, or
-        with ZeRO-1 views of their pieces in this rank's slices, whose `.grad` is the reduced slice."""
-        if not self.zero:
-            return [(p, p) for b in self.buckets for p in b.params]
+        """Views of the parameters' pieces in this rank's slices, whose `.grad` is the reduced slice."""
         return [(piece, p) for b in self.buckets for piece, (p, *_) in zip(b.pieces, b.slices, strict=True)]
 
     @torch.no_grad()
     def moments(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
-        """Each parameter's optimizer state `keys`, shaped like the parameter (for a checkpoint). With ZeRO-1
-        the slices are gathered over the group first: a new tensor per parameter."""
-        if not self.zero:
-            return {p: {k: optimizer.state[p][k] for k in keys} for b in self.buckets for p in b.params}
+        """The slices are gathered over the group first: a new tensor per parameter."""
         out: dict[nn.Parameter, dict] = {p: {} for b in self.buckets for p in b.params}
         for b in self.buckets:
             for key in keys:
@@ -201,9 +261,7 @@ class GradientReducer:
 
     @torch.no_grad()
     def load_moments(self, optimizer: torch.optim.Optimizer, moments: dict[nn.Parameter, dict]) -> None:
-        """After `moments`' tensors were filled from a checkpoint: with ZeRO-1, keep this rank's slices."""
-        if not self.zero:
-            return
+        """Keep this rank's slices of the whole moments."""
         for b in self.buckets:
             for piece, (p, a, _, n) in zip(b.pieces, b.slices, strict=True):
                 for key, full in moments[p].items():
@@ -211,9 +269,7 @@ class GradientReducer:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """ZeRO-1, after the optimizer step: every rank gets every slice and writes its parameters whole."""
-        if not self.zero:
-            return
+        """After the optimizer step: every rank gets every slice and writes its parameters whole."""
         for b in self.buckets:
             mine = b.flat.new_empty(b.flat.numel() // self.size)
             for p, a, s, n in b.slices:

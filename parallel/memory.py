@@ -1,8 +1,15 @@
 """The memory plan: each rank's bytes for parameters, gradients, optimizer state and activations.
 
-`estimate(plan)` returns one `RankMemory` per rank, computed from the model's shapes, the layout and the
-schedule before anything runs; `parallel.plan.check_memory` refuses a job whose ranks cannot fit, and
-`describe` shows it. Pure arithmetic: no torch (the plan is pure).
+`estimate(layout, config)` returns one `RankMemory` per rank, computed from the model's shapes, a layout
+(`parallel.layout`: degrees, stages, schedule) and the job's config before anything runs: no Plan is needed,
+so a planner can ask what a candidate layout costs. `parallel.admission.memory_violations` refuses a job
+whose ranks cannot fit, and `parallel.present.describe_memory` shows it. Pure arithmetic: no torch.
+
+The counting functions below take `plan`: anything that reads like a layout with a `config` (a
+`parallel.sizing.Sizing`, or a `parallel.plan.Plan`, which is one layout and its config). How the
+gradients and the optimizer state are split over a reducing group is the sharding strategy's
+(`parallel.sharding`, by `parallel.zero`), and the optimizer's bytes per parameter are the optimizer
+registry's (`parallel.optimizers`).
 
 Model state (exact, counted by the model's family, `ModelFamily.param_counts`, from the shapes its stages
 have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever the precision; gradients live
@@ -29,16 +36,16 @@ and the attention matrix of scaled_dot_product_attention's math path, taken wher
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from parallel.config import JobConfig
+from parallel.layout import Layout
 from parallel.models import family_of
 from parallel.models.counting import BF16, FP32, ParamCounts, Shapes
+from parallel.optimizers import optimizer_kind
 from parallel.schedules import ActionKind, virtual_stage
-
-if TYPE_CHECKING:
-    from parallel.plan import Plan
+from parallel.sharding import sharding_for
+from parallel.sizing import Sizing
 
 
 @dataclass(frozen=True)
@@ -62,9 +69,14 @@ class RankMemory:
                 "activations": self.activations, "recompute": self.recompute, "total": self.total}
 
 
-def estimate(plan: Plan) -> list[RankMemory]:
+Plan = Sizing
+"""The name the counting functions below annotate `plan` with (a `parallel.plan.Plan` reads the same)."""
+
+
+def estimate(layout: Layout, config: JobConfig) -> list[RankMemory]:
     """Every rank's memory, index = rank. The ranks of one pipeline stage are alike (tp shards are equal and
     every ep rank hosts experts / ep experts), so each stage is computed once: any spec is answered at once."""
+    plan = Sizing(layout, config)
     stages = [rank_memory(plan, plan.rank_of(pp, 0, 0)) for pp in range(plan.pp)]
     return [stages[c.pp] for c in plan.ranks]
 
@@ -104,16 +116,19 @@ def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     `reduce_dtype: bf16` the bf16 copies on the wire (every bucket's at once at worst, as the reduction
     overlaps backward). A set reduced by no other rank (N = 1) is neither sharded nor sent."""
     par, bytes_ = plan.config.parallel, 0
+    sharding = sharding_for(par.zero)
     for n, size in _reduced_sets(plan, counts):
-        held = n + (math.ceil(n / size) if par.zero == 1 and size > 1 else 0)
+        held = sharding.gradient_elements(n, size)
         bytes_ += FP32 * held + (BF16 * held if par.reduce_dtype == "bf16" and size > 1 else 0)
     return bytes_
 
 
 def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
-    """AdamW's exp_avg and exp_avg_sq (fp32); ZeRO-1 keeps them for 1/N of each set, N its reducing group."""
-    zero = plan.config.parallel.zero == 1
-    return 2 * FP32 * sum(math.ceil(n / size) if zero else n for n, size in _reduced_sets(plan, counts))
+    """The optimizer's state (AdamW: exp_avg and exp_avg_sq, fp32) for the parameter elements whose state the
+    sharding strategy keeps on this rank (ZeRO-1: 1/N of each set, N its reducing group)."""
+    sharding = sharding_for(plan.config.parallel.zero)
+    elements = sum(sharding.optimizer_elements(n, size) for n, size in _reduced_sets(plan, counts))
+    return optimizer_kind(plan.config.optimizer).state_bytes(elements)
 
 
 def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> int:

@@ -43,7 +43,7 @@ saved-tensor meter cannot inspect.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.config import ModelConfig
-from parallel.models import family_of
 
 N_STAT_SLOTS = 4
 """Per-layer statistics before the per-expert loads: aux sum, z sum, dropped and all assignments."""
@@ -79,13 +78,14 @@ class MoEContext:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: Iterable[int]):
+    def __init__(self, cfg: ModelConfig, experts: Iterable[int], expert: Callable[[ModelConfig], nn.Module]):
+        """`experts`: the global indices of the experts this layer hosts; `expert(cfg)` builds one (the model
+        family's `ModelFamily.expert`: this module knows no family, as the families build it)."""
         super().__init__()
         assert cfg.moe is not None
         self.cfg = cfg
         self.n_experts, self.top_k = cfg.moe.experts, cfg.moe.top_k
         self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
-        expert = family_of(cfg).expert
         self.experts = nn.ModuleDict({str(e): expert(cfg) for e in sorted(experts)})
         self.context = MoEContext()
         # Sums over a step's calls (see `summarize`), zeroed by the trainer at each step's start. A buffer so

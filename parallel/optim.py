@@ -1,4 +1,5 @@
-"""AdamW, the learning-rate schedule and global-norm gradient clipping.
+"""The optimizer (the spec's `optimizer.kind`, from `parallel.optimizers`), the learning-rate schedule and
+global-norm gradient clipping.
 
 Clipping is written here rather than taken from `torch.nn.utils.clip_grad_norm_` because each rank holds
 only part of the gradients (its pipeline stage, its tp shards, its experts, its ZeRO-1 slice), some of
@@ -18,12 +19,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallel.config import OptimizerConfig
+from parallel.optimizers import optimizer_kind
 
 
-def make_optimizer(params: Iterable[tuple[torch.Tensor, nn.Parameter]], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over (tensor to update, the parameter it belongs to) pairs: the parameters themselves, or with
-    ZeRO-1 this rank's pieces of them. Weight decay on matrices and embeddings only (not on biases and norm
-    gains), as the owning parameter's shape says.
+def make_optimizer(params: Iterable[tuple[torch.Tensor, nn.Parameter]],
+                   cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The spec's optimizer (AdamW) over (tensor to update, the parameter it belongs to) pairs: the parameters
+    themselves, or with ZeRO-1 this rank's pieces of them. Weight decay on matrices and embeddings only (not
+    on biases and norm gains), as the owning parameter's shape says.
 
     Tensor-parallel (DTensor) and plain tensors go in separate groups: the foreach kernels refuse a list that
     mixes the two, and a tensor-parallel stage keeps some plain ones (wpe, and the norms without sp).
@@ -35,7 +38,7 @@ def make_optimizer(params: Iterable[tuple[torch.Tensor, nn.Parameter]], cfg: Opt
             chosen = [t for t, p in params if (p.dim() >= 2) == decay and isinstance(t, DTensor) == sharded]
             if chosen:
                 groups.append({"params": chosen, "weight_decay": cfg.weight_decay if decay else 0.0})
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+    return optimizer_kind(cfg).build(groups, cfg)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

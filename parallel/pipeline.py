@@ -1,9 +1,11 @@
 """The pipeline executor: runs one pipeline rank's action list for one step.
 
 The coordinator's schedule (`parallel.schedules`) gives each pipeline rank an ordered list of actions;
-this module only interprets it. FORWARD/BACKWARD run one micro-batch through one local chunk. A run of
-consecutive communication actions is posted together as one `batch_isend_irecv` and waited on as a whole,
-which is the semantics the schedule simulator proves deadlock-free. Activations and their gradients move
+this module only interprets it, dispatching each action by its kind through one table (`HANDLERS`):
+FORWARD/BACKWARD run one micro-batch through one local chunk; a run of consecutive communication actions
+is posted together as one `batch_isend_irecv` and waited on as a whole, which is the semantics the schedule
+simulator proves deadlock-free. A kind with no entry (a split backward, say, before its handler exists)
+raises `UnsupportedAction` rather than being run as something it is not. Activations and their gradients move
 with torch.distributed point-to-point (gloo or NCCL), so the CPU tests run the GPU code path.
 
 With tensor parallelism every tp rank of a stage runs the same actions and talks to the same tp rank of
@@ -49,8 +51,15 @@ class PipelineTimings:
     """Most bytes autograd held saved for backward at once (parameters excluded)."""
 
 
+class UnsupportedAction(ValueError):
+    """An action whose kind the executor has no handler for."""
+
+
 @dataclass
 class _StepState:
+    batch: Callable[[int], Batch]
+    loss_sum: torch.Tensor
+    timings: PipelineTimings = field(default_factory=PipelineTimings)
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -74,37 +83,49 @@ class PipelineExecutor:
         self.loss_context, self.autocast, self.before_backward = loss_context, autocast, before_backward
 
     def run(self, actions: list[Action], batch: Callable[[int], Batch]) -> tuple[torch.Tensor, PipelineTimings]:
-        """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings."""
-        state, timings = _StepState(), PipelineTimings()
-        loss_sum = torch.zeros((), device=self.device)
+        """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings.
+        Raises UnsupportedAction, before running anything, if an action's kind has no handler."""
+        unknown = sorted({a.kind.name for a in actions if a.kind not in HANDLERS})
+        if unknown:
+            raise UnsupportedAction(f"the pipeline executor has no handler for action kind(s) {', '.join(unknown)} "
+                                    f"(it runs {', '.join(k.name for k in HANDLERS)})")
+        state = _StepState(batch=batch, loss_sum=torch.zeros((), device=self.device))
         meter = _SavedTensorMeter([p for chunk in self.chunks for p in chunk.parameters()])
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             i = 0
             while i < len(actions):
-                action = actions[i]
-                t0 = time.perf_counter()
-                if action.kind in COMM_KINDS:
-                    j = i
-                    while j < len(actions) and actions[j].kind in COMM_KINDS:
-                        j += 1
-                    self._communicate(actions[i:j], state)
-                    timings.comm_s += time.perf_counter() - t0
-                    i = j
-                    continue
-                if action.kind is ActionKind.FORWARD:
-                    loss = self._forward(action, state, batch)
-                    if loss is not None:
-                        loss_sum += loss.detach()
-                    timings.forward_s += time.perf_counter() - t0
-                else:
-                    self._backward(action, state)
-                    timings.backward_s += time.perf_counter() - t0
-                timings.peak_activations = max(timings.peak_activations, state.live)
-                i += 1
-        timings.schedule_s = time.perf_counter() - start
-        timings.peak_activation_bytes = meter.peak
-        return loss_sum, timings
+                i = HANDLERS[actions[i].kind](self, actions, i, state)
+        state.timings.schedule_s = time.perf_counter() - start
+        state.timings.peak_activation_bytes = meter.peak
+        return state.loss_sum, state.timings
+
+    # Handlers: each runs the action at `i` (a communication handler the whole run from `i`) and returns the
+    # index of the next action to run.
+
+    def _run_forward(self, actions: list[Action], i: int, state: _StepState) -> int:
+        t0 = time.perf_counter()
+        loss = self._forward(actions[i], state, state.batch)
+        if loss is not None:
+            state.loss_sum += loss.detach()
+        state.timings.forward_s += time.perf_counter() - t0
+        state.timings.peak_activations = max(state.timings.peak_activations, state.live)
+        return i + 1
+
+    def _run_backward(self, actions: list[Action], i: int, state: _StepState) -> int:
+        t0 = time.perf_counter()
+        self._backward(actions[i], state)
+        state.timings.backward_s += time.perf_counter() - t0
+        state.timings.peak_activations = max(state.timings.peak_activations, state.live)
+        return i + 1
+
+    def _run_communication(self, actions: list[Action], i: int, state: _StepState) -> int:
+        t0, j = time.perf_counter(), i
+        while j < len(actions) and actions[j].kind in COMM_KINDS:
+            j += 1
+        self._communicate(actions[i:j], state)
+        state.timings.comm_s += time.perf_counter() - t0
+        return j
 
     def _virtual(self, chunk: int) -> int:
         return virtual_stage(self.pp_rank, chunk, self.pp)
@@ -227,3 +248,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     # A collective's lazily waited output (e.g. the vocabulary-parallel embedding's reduce-scatter that a
     # sequence-parallel norm takes as is) holds its data in `elem`; the wrapper has no storage of its own.
     return t.elem if isinstance(t, AsyncCollectiveTensor) else t
+
+
+HANDLERS: dict[ActionKind, Callable[[PipelineExecutor, list[Action], int, _StepState], int]] = {
+    ActionKind.FORWARD: PipelineExecutor._run_forward,
+    ActionKind.BACKWARD: PipelineExecutor._run_backward,
+    **{kind: PipelineExecutor._run_communication for kind in COMM_KINDS},
+}
+"""Each action kind the executor runs -> its handler. A kind missing here is refused (UnsupportedAction)."""

@@ -1,6 +1,7 @@
 """Pipeline schedules: the ordered actions each pipeline rank runs in one training step.
 
-`build_schedule(kind, pp, microbatches, vpp)` returns one list of `Action`s per pipeline rank. Workers run
+`build_schedule(kind, pp, microbatches, vpp)` returns one list of `Action`s per pipeline rank, from the
+compute order of the kind's entry in `SCHEDULES`. Workers run
 their list literally (`parallel.pipeline`); `parallel.schedule_sim` checks a list and times it. This module
 owns the compute order of each schedule kind and where the point-to-point messages go. Pure: no torch.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -69,42 +71,23 @@ class ScheduleError(ValueError):
     """A schedule that cannot be built, or an action list that is not a valid one; the message says why."""
 
 
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved-1f1b")
-
-
 def check_schedule_args(kind: str, pp: int, microbatches: int, vpp: int) -> None:
     """Raise ScheduleError if `build_schedule` cannot build this combination."""
-    if kind not in SCHEDULE_KINDS:
+    if kind not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {kind!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
     for name, value in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{kind} needs {name} >= 1 (got {name}={value!r})")
-    if kind == "1f1b" and vpp != 1:
-        raise ScheduleError(f"1f1b needs vpp=1 (got vpp={vpp}); use interleaved-1f1b for virtual stages")
-    if kind == "interleaved-1f1b":
-        if vpp < 2:
-            raise ScheduleError(f"interleaved-1f1b needs vpp >= 2 (got vpp={vpp}); "
-                                "use 1f1b for one chunk per rank")
-        if pp < 2:
-            raise ScheduleError(f"interleaved-1f1b needs pp >= 2 (got pp={pp}): with one pipeline rank "
-                                "there is nothing to interleave; use 1f1b or gpipe")
-        if microbatches < pp:
-            raise ScheduleError(f"interleaved-1f1b needs microbatches >= pp (got microbatches="
-                                f"{microbatches}, pp={pp}): a group of micro-batches must fill the pipeline "
-                                "before it wraps around to the next chunk; with fewer, every activation is "
-                                "held at once anyway, and gpipe with the same vpp runs that schedule")
+    why = SCHEDULES[kind].refuse(pp, microbatches, vpp)
+    if why is not None:
+        raise ScheduleError(why)
 
 
 def build_schedule(kind: str, pp: int, microbatches: int, vpp: int = 1) -> list[list[Action]]:
     """One ordered action list per pipeline rank (index = pp rank)."""
     check_schedule_args(kind, pp, microbatches, vpp)
-    if kind == "gpipe":
-        orders = [_gpipe_order(microbatches, vpp)] * pp
-    elif kind == "1f1b":
-        orders = [_one_f_one_b_order(pp, microbatches, rank) for rank in range(pp)]
-    else:
-        orders = [_interleaved_order(pp, microbatches, vpp, rank) for rank in range(pp)]
-    return _place_comm(orders, pp, vpp)
+    order = SCHEDULES[kind].order
+    return _place_comm([order(pp, microbatches, vpp, rank) for rank in range(pp)], pp, vpp)
 
 
 def format_actions(actions: list[Action]) -> str:
@@ -148,7 +131,7 @@ def stage_location(v: int, pp: int) -> tuple[int, int]:
     return v % pp, v // pp
 
 
-# --- compute orders: (FORWARD | BACKWARD, microbatch, local chunk), per rank ---
+# --- compute orders: (FORWARD | BACKWARD, microbatch, local chunk), per rank; registered in SCHEDULES ---
 
 Compute = tuple[ActionKind, int, int]
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -206,6 +189,45 @@ def _interleaved_order(pp: int, m: int, vpp: int, rank: int) -> list[Compute]:
 _PLACE_COST = {F: 1, B: 2}
 _MESSAGE_KINDS = {F: (ActionKind.SEND_ACT, ActionKind.RECV_ACT),
                   B: (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)}
+
+
+def _refuse_1f1b(pp: int, m: int, vpp: int) -> str | None:
+    if vpp != 1:
+        return f"1f1b needs vpp=1 (got vpp={vpp}); use interleaved-1f1b for virtual stages"
+    return None
+
+
+def _refuse_interleaved(pp: int, m: int, vpp: int) -> str | None:
+    if vpp < 2:
+        return f"interleaved-1f1b needs vpp >= 2 (got vpp={vpp}); use 1f1b for one chunk per rank"
+    if pp < 2:
+        return (f"interleaved-1f1b needs pp >= 2 (got pp={pp}): with one pipeline rank there is nothing to "
+                "interleave; use 1f1b or gpipe")
+    if m < pp:
+        return (f"interleaved-1f1b needs microbatches >= pp (got microbatches={m}, pp={pp}): a group of "
+                "micro-batches must fill the pipeline before it wraps around to the next chunk; with fewer, "
+                "every activation is held at once anyway, and gpipe with the same vpp runs that schedule")
+    return None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One schedule kind: each rank's compute order, and why it cannot serve a (pp, microbatches, vpp)."""
+
+    name: str
+    order: Callable[[int, int, int, int], list[Compute]]
+    """(pp, microbatches, vpp, rank) -> that rank's forwards and backwards in order."""
+    refuse: Callable[[int, int, int], str | None] = lambda pp, m, vpp: None
+    """(pp, microbatches, vpp) -> the reason it cannot build them, or None."""
+
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("gpipe", lambda pp, m, vpp, rank: _gpipe_order(m, vpp)),
+    Schedule("1f1b", lambda pp, m, vpp, rank: _one_f_one_b_order(pp, m, rank), _refuse_1f1b),
+    Schedule("interleaved-1f1b", _interleaved_order, _refuse_interleaved),
+)}
+"""The schedule kinds `parallel.schedule` may name; a new one (zero-bubble, say) is a new entry."""
+SCHEDULE_KINDS = tuple(SCHEDULES)
 
 
 def _place_comm(orders: list[list[Compute]], pp: int, vpp: int) -> list[list[Action]]:

@@ -37,14 +37,16 @@ from parallel.data import (
     step_counted_targets,
     validation_batches,
 )
-from parallel.data_parallel import GradientReducer, local_part
+from parallel.data_parallel import GradientReducer, local_part, make_reducer
 from parallel.distributed import RankGroups
 from parallel.models import family_of
 from parallel.moe import MoEContext, moe_layers
 from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr, tp_copies
+from parallel.optimizers import optimizer_kind
 from parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from parallel.plan import Plan
 from parallel.schedules import Action, ActionKind, virtual_stage
+from parallel.sharding import sharding_for
 from parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 
 
@@ -90,8 +92,6 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], Abstr
 
 FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
 """A pipeline schedule's actions that evaluation runs: forwards and the activations between stages."""
-MOMENTS = ("exp_avg", "exp_avg_sq")
-"""AdamW's state per parameter, besides its step count."""
 
 
 class RankTrainer:
@@ -113,10 +113,11 @@ class RankTrainer:
             per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
                          for chunk in self.chunks]
             if any(per_chunk):
-                self.reducers[kind] = GradientReducer(per_chunk, group, zero=par.zero == 1,
-                                                      reduce_dtype=par.reduce_dtype)
+                self.reducers[kind] = make_reducer(per_chunk, group, sharding_for(par.zero),
+                                                   reduce_dtype=par.reduce_dtype)
         self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer)
+        self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
         self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
         self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
         # Where each chunk's gradients become final: its last backward in this rank's schedule.
@@ -207,7 +208,8 @@ class RankTrainer:
         under the unsharded model's names and in the parameters' shapes."""
         self._init_optimizer_state()
         names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
-        moments = {p: m for r in self.reducers.values() for p, m in r.moments(self.optimizer, MOMENTS).items()}
+        state_keys = self.optimizer_kind.state
+        moments = {p: m for r in self.reducers.values() for p, m in r.moments(self.optimizer, state_keys).items()}
         return {"model": {name: p for p, name in names.items()},
                 "optim": {names[p]: m for p, m in moments.items()}}
 
@@ -282,8 +284,7 @@ class RankTrainer:
         for group in self.optimizer.param_groups:
             for t in group["params"]:
                 if not self.optimizer.state[t]:
-                    self.optimizer.state[t] = {"step": torch.tensor(0.0), **{
-                        k: torch.zeros_like(t, memory_format=torch.preserve_format) for k in MOMENTS}}
+                    self.optimizer.state[t] = self.optimizer_kind.empty_state(t)
 
     def _optimizer_bytes(self) -> int:
         return sum(local_part(t).numel() * t.element_size() for state in self.optimizer.state.values()
@@ -302,7 +303,7 @@ class RankTrainer:
         tp = self.plan.tp
         weighted = []
         for kind, reducer in self.reducers.items():
-            replicas = 1 if reducer.zero else reducer.size
+            replicas = reducer.holders
             for grad, p in reducer.held_grads():
                 copies = replicas * (tp_copies(p, tp) if kind == "dense" else 1)
                 weighted.append((grad, 1.0 / copies))

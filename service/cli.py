@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from parallel.units import format_bytes
 from service import state_dir as sd
 from service.client import ApiError, Client
 
@@ -189,7 +190,8 @@ def _plan(args: argparse.Namespace) -> int:
     from api.spec import SpecError, parse_submitted_spec
     from parallel.config import RuleError
     from parallel.data import open_dataset
-    from parallel.plan import describe, make_plan
+    from parallel.plan import make_plan
+    from parallel.present import describe
 
     try:
         spec = read_spec_file(args.file)
@@ -280,7 +282,7 @@ def format_memory(memory: dict) -> list[str]:
              f"  {'':<{width}}" + "".join(f"{c:>13}" for c in _MEMORY_COLUMNS)]
     for values, ranks in rows.items():
         label = f"{'ranks' if len(ranks) > 1 else 'rank'} {_ranks_text(ranks)}"
-        lines.append(f"  {label:<{width}}" + "".join(f"{_bytes_text(v):>13}" for v in values))
+        lines.append(f"  {label:<{width}}" + "".join(f"{format_bytes(v):>13}" for v in values))
     return lines
 
 
@@ -293,13 +295,6 @@ def _ranks_text(ranks: list[int]) -> str:
         else:
             runs.append([r])
     return ",".join(_span(run) for run in runs)
-
-
-def _bytes_text(n: float) -> str:
-    for div, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:g} B"
 
 
 def follow(client: Client, job_id: str, poll_s: float = 0.5) -> int:

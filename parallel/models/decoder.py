@@ -43,7 +43,7 @@ class Block(nn.Module):
         self.ln_2 = stage.norm(cfg)
         self.is_moe = experts is not None
         if self.is_moe:
-            self.moe = MoELayer(cfg, experts)
+            self.moe = MoELayer(cfg, experts, stage.expert)
         else:
             self.mlp = stage.feed_forward(cfg)
 
@@ -69,6 +69,11 @@ class DecoderStage(nn.Module):
     @staticmethod
     def feed_forward(cfg: ModelConfig) -> nn.Module:
         raise NotImplementedError
+
+    @classmethod
+    def expert(cls, cfg: ModelConfig) -> nn.Module:
+        """One expert of an MoE block: the dense feed-forward module."""
+        return cls.feed_forward(cfg)
 
     def build_embeddings(self, cfg: ModelConfig) -> None:
         raise NotImplementedError

@@ -19,7 +19,6 @@ from api.spec import parse_spec
 from parallel.data import open_dataset, step_microbatches
 from parallel.data_parallel import local_part
 from parallel.distributed import init_distributed, shutdown_distributed
-from parallel.memory import estimate
 from parallel.plan import Plan, make_plan
 from parallel.trainer import RankTrainer
 
@@ -64,7 +63,7 @@ def test_the_memory_plan_matches_what_the_ranks_hold(layout, tmp_path):
     model = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, **overrides.get("model", {})}
     plan = make_plan(parse_spec(tiny_spec(**{**overrides, "model": model, "steps": 1, "global_batch": 8})))
     spawn(_measure_rank, plan.world_size, plan, str(tmp_path))
-    for rank, expected in enumerate(estimate(plan)):
+    for rank, expected in enumerate(plan.memory()):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["params"] == expected.params, rank
         assert got["grads"] == pytest.approx(expected.grads, abs=64), rank  # padding: a few elements a bucket

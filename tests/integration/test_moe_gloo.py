@@ -19,6 +19,7 @@ from helpers import tiny_spec
 
 from api.spec import parse_spec
 from parallel.config import ModelConfig, MoEConfig
+from parallel.models import family_of
 from parallel.moe import MoEContext, MoELayer
 from parallel.plan import make_plan
 
@@ -31,9 +32,9 @@ def _layer_rank(rank: int, port: int, capacity_factor: float | None, out_dir: st
     cfg = ModelConfig(n_layer=1, n_head=1, d_model=16, seq_len=T, moe=MoEConfig(
         experts=4, top_k=2, every=1, capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01))
     torch.manual_seed(0)
-    whole = MoELayer(cfg, range(4))
+    whole = MoELayer(cfg, range(4), family_of(cfg).expert)
     hosted = range(2 * rank, 2 * rank + 2)
-    mine = MoELayer(cfg, hosted)
+    mine = MoELayer(cfg, hosted, family_of(cfg).expert)
     mine.load_state_dict({k: v for k, v in whole.state_dict().items() if k in mine.state_dict()})
     whole.context = MoEContext(sequences_per_step=EP * B)
     mine.context = MoEContext(sequences_per_step=EP * B, ep_group=dist.group.WORLD)

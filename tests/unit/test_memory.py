@@ -7,9 +7,10 @@ import pytest
 from helpers import tiny_spec
 
 from api.spec import parse_spec
-from parallel.memory import estimate, param_counts, peak_activation_bytes
+from parallel.memory import param_counts, peak_activation_bytes
 from parallel.model import GPTStage
-from parallel.plan import ClusterResources, NodeResources, PlanError, describe, make_plan
+from parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
+from parallel.present import describe
 from service.cli import format_plan
 from service.ray_runtime import gpu_memory
 
@@ -63,7 +64,7 @@ def test_zero1_keeps_the_optimizer_state_of_half_the_parameters_at_dp2():
     plan = plan_for(model={"moe": MOE}, parallel={"dp": 2, "ep": 2})
     zero = plan_for(model={"moe": MOE}, parallel={"dp": 2, "ep": 2, "zero": 1})
     counts = param_counts(plan, 0)
-    before, after = estimate(plan)[0], estimate(zero)[0]
+    before, after = plan.memory()[0], zero.memory()[0]
     assert before.optimizer == 8 * counts.total
     # dense parameters over dp=2, the router over the stage's 2 ranks, experts over dp / ep = 1 rank
     assert after.optimizer == 8 * (counts.dense // 2 + counts.router // 2 + counts.experts)
@@ -71,19 +72,19 @@ def test_zero1_keeps_the_optimizer_state_of_half_the_parameters_at_dp2():
     assert after.grads == before.grads + 4 * (counts.dense // 2 + counts.router // 2)  # the reduced slices
 
     dense, dense_zero = plan_for(parallel={"dp": 2}), plan_for(parallel={"dp": 2, "zero": 1})
-    assert estimate(dense_zero)[0].optimizer * 2 == pytest.approx(estimate(dense)[0].optimizer, abs=16)
+    assert dense_zero.memory()[0].optimizer * 2 == pytest.approx(dense.memory()[0].optimizer, abs=16)
 
 
 def test_a_bf16_reduction_adds_its_wire_copies_to_the_gradients():
     fp32, bf16 = plan_for(parallel={"dp": 2}), plan_for(parallel={"dp": 2, "reduce_dtype": "bf16"})
-    assert estimate(bf16)[0].grads == estimate(fp32)[0].grads * 3 // 2
+    assert bf16.memory()[0].grads == fp32.memory()[0].grads * 3 // 2
     alone = plan_for(parallel={"reduce_dtype": "bf16"})
-    assert estimate(alone)[0].grads == estimate(plan_for())[0].grads  # dp=1: nothing goes on the wire
+    assert alone.memory()[0].grads == plan_for().memory()[0].grads  # dp=1: nothing goes on the wire
 
 
 @pytest.mark.parametrize("overrides", [{}, {"precision": "bf16"}, {"model": {"moe": MOE}}], ids=["fp32", "bf16", "moe"])
 def test_activation_checkpointing_lowers_the_activation_estimate(overrides):
-    by_mode = {mode: estimate(plan_for(activation_checkpointing=mode, **overrides))[0]
+    by_mode = {mode: plan_for(activation_checkpointing=mode, **overrides).memory()[0]
                for mode in ("none", "selective", "full")}
     assert by_mode["full"].activations < by_mode["selective"].activations < by_mode["none"].activations
     assert by_mode["none"].recompute == 0 < by_mode["selective"].recompute < by_mode["full"].recompute
@@ -97,14 +98,14 @@ def test_the_activation_peak_follows_the_schedule():
         peaks = describe(plan)["schedule"]["peak_activations"]
         assert [peak_activation_bytes(plan, p, [1] * plan.vpp) for p in range(plan.pp)] == peaks
     # GPipe holds all 4 micro-batches on the first stage, 1F1B two
-    assert estimate(gpipe)[0].activations == 2 * estimate(one_f_one_b)[0].activations
+    assert gpipe.memory()[0].activations == 2 * one_f_one_b.memory()[0].activations
 
 
 def test_activations_scale_with_the_micro_batch_and_shrink_with_sequence_parallelism():
     small, large = plan_for(global_batch=4), plan_for(global_batch=8)
-    assert 1.9 < estimate(large)[0].activations / estimate(small)[0].activations < 2.0  # positions are per sequence
+    assert 1.9 < large.memory()[0].activations / small.memory()[0].activations < 2.0  # positions are per sequence
     tp, sp = plan_for(parallel={"tp": 2}), plan_for(parallel={"tp": 2, "sp": True})
-    assert estimate(sp)[0].activations < estimate(tp)[0].activations < estimate(plan_for())[0].activations
+    assert sp.memory()[0].activations < tp.memory()[0].activations < plan_for().memory()[0].activations
 
 
 def test_the_plan_describes_the_memory_of_every_rank_and_the_cli_shows_it():
@@ -130,7 +131,7 @@ def test_a_job_too_big_for_its_gpus_is_refused_naming_the_rank_and_the_numbers()
     message = info.value.message
     assert info.value.field == "model"
     assert message.startswith("rank 0 (pp0-tp0-dp0) needs ") and "but a GPU has 16 GiB" in message
-    need = estimate(make_plan(huge_model()))[0]
+    need = make_plan(huge_model()).memory()[0]
     assert f"params {need.params / GIB:,.1f}, grads {need.grads / GIB:,.1f}, optimizer {need.optimizer / GIB:,.1f}" \
         in message
     assert "raise pp or tp" in message
@@ -146,7 +147,7 @@ def test_gpu_memory_unknown_skips_the_gpu_check():
 def test_cpu_ranks_share_their_nodes_memory():
     spec = parse_spec(tiny_spec(model={"n_layer": 4, "d_model": 512, "n_head": 8, "vocab_size": 4096},
                                 parallel={"dp": 4}, global_batch=8))
-    need = estimate(make_plan(spec))[0].total
+    need = make_plan(spec).memory()[0].total
     # one node that fits one rank but not the four the job packs onto it
     node = ClusterResources(nodes=(NodeResources(cpus=8, gpus=0, memory=2 * need),))
     with pytest.raises(PlanError) as info:
@@ -177,7 +178,7 @@ def test_gpu_memory_is_read_off_rays_accelerator_type():
 
 def test_the_estimate_is_computed_once_per_stage_and_answers_a_large_layout_at_once():
     plan = plan_for(model={"moe": MOE}, parallel={"dp": 4, "ep": 2, "tp": 2, "pp": 2, "microbatches": 2})
-    ranks = estimate(plan)
+    ranks = plan.memory()
     assert len(ranks) == 16 and len({id(r) for r in ranks}) == 2
     spec = parse_spec(tiny_spec(model={"n_layer": 4096, "moe": {"experts": 4096, "every": 1}},
                                 parallel={"dp": 4096, "ep": 4096, "pp": 16}, global_batch=4096))

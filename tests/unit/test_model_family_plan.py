@@ -9,11 +9,12 @@ import torch
 from helpers import tiny_spec
 
 from api.spec import SpecError, parse_spec
-from parallel.memory import estimate, param_counts
+from parallel.memory import param_counts
 from parallel.model import full_model
 from parallel.models import FAMILIES, family_of
 from parallel.pipeline import _SavedTensorMeter
-from parallel.plan import PlanError, describe, make_plan
+from parallel.plan import PlanError, make_plan
+from parallel.present import describe
 from parallel.trainer import autocast_context
 from service.cli import format_plan
 
@@ -138,7 +139,7 @@ def measured_activations(plan) -> int:
 ], ids=["fp32", "bf16-selective", "full", "moe-bf16"])
 def test_the_llama_activation_estimate_matches_the_meter(overrides):
     plan = plan_for(**overrides)
-    assert estimate(plan)[0].activations == pytest.approx(measured_activations(plan), rel=0.02)
+    assert plan.memory()[0].activations == pytest.approx(measured_activations(plan), rel=0.02)
 
 
 def test_flops_per_token_count_the_matmul_parameters_and_only_the_chosen_experts():

@@ -10,6 +10,7 @@ from helpers import tiny_spec
 from api.spec import parse_spec
 from parallel.config import ModelConfig, MoEConfig
 from parallel.model import GPTStage, full_model
+from parallel.models import family_of
 from parallel.moe import MoELayer, capacity
 
 E, D, T = 4, 4, 8
@@ -19,7 +20,7 @@ def layer(top_k: int = 1, capacity_factor: float | None = None, aux: float = 0.0
     """A layer whose router is the identity (d_model = experts), so a token's logits are the token itself."""
     cfg = ModelConfig(n_layer=1, n_head=1, d_model=D, seq_len=T, moe=MoEConfig(
         experts=E, top_k=top_k, every=1, capacity_factor=capacity_factor, aux_loss_coef=aux, z_loss_coef=z))
-    moe = MoELayer(cfg, range(E))
+    moe = MoELayer(cfg, range(E), family_of(cfg).expert)
     with torch.no_grad():
         moe.router.weight.copy_(torch.eye(E))
     return moe

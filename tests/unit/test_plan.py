@@ -1,5 +1,7 @@
 """The plan's rank map, process groups, stage split and resources."""
 
+from dataclasses import replace
+
 import pytest
 from helpers import tiny_spec
 
@@ -10,17 +12,16 @@ from parallel.plan import (
     Plan,
     PlanError,
     RankCoords,
-    _rank_grid,
-    describe,
     make_plan,
     split_layers,
 )
+from parallel.present import describe
 
 
 def grid_plan(dp: int, pp: int, tp: int) -> Plan:
     """A plan with arbitrary degrees, to test the general rank map apart from make_plan's rules."""
     plan = make_plan(parse_spec(tiny_spec()))
-    return Plan(**{**plan.__dict__, "dp": dp, "pp": pp, "tp": tp, "ranks": _rank_grid(pp, tp, dp)})
+    return replace(plan, layout=replace(plan.layout, dp=dp, pp=pp, tp=tp))
 
 
 def test_rank_map_puts_tp_fastest_then_dp_then_pp():

@@ -72,6 +72,10 @@ def test_unknown_schedule_kind_is_refused():
     assert "parallel.schedule" in [f for f, _ in spec_error(tiny_spec(parallel={"schedule": "zero-bubble"}))]
 
 
+def test_unknown_optimizer_kind_is_refused():
+    assert "optimizer.kind" in [f for f, _ in spec_error(tiny_spec(optimizer={"kind": "sgd"}))]
+
+
 def test_global_batch_must_divide_by_dp_times_microbatches():
     err = plan_error(tiny_spec(global_batch=10, parallel={"dp": 2, "microbatches": 2}))
     assert err.field == "global_batch" and "not divisible by dp x microbatches = 2 x 2 = 4" in err.message

@@ -58,7 +58,7 @@ class GPT2(ModelFamily):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import PrepareModuleOutput
 
-        from parallel.models import tp_styles as tp
+        import parallel.models.tp_styles as tp
 
         stream = tp.stream_layout(sequence_parallel)
         layers: dict[str, ParallelStyle] = {}

@@ -68,7 +68,7 @@ class Llama(ModelFamily):
         row-parallel; the MLP's gate and up column-, down row-parallel; RMSNorms sequence-parallel with sp
         (the attention's input is all-gathered before q, k and v, so rotary embeddings see every position);
         embedding and head split over the vocabulary."""
-        from parallel.models import tp_styles as tp
+        import parallel.models.tp_styles as tp
 
         stream = tp.stream_layout(sequence_parallel)
         layers: dict[str, ParallelStyle] = tp.vocab_embedding("wte", stream) if stage.first else {}

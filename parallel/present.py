@@ -1,0 +1,69 @@
+"""The plan as plain data for the API and the CLI: `describe`, the memory plan and the simulated schedule.
+
+Presentation only: nothing here decides anything; it reads a finished `Plan` (and the memory plan and the
+schedule simulator). Byte counts are formatted by `parallel.units`, which the CLI uses too. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from parallel.memory import estimate
+from parallel.plan import Plan
+from parallel.schedule_sim import Costs, render_gantt, simulate
+from parallel.schedules import format_actions
+
+
+def describe(plan: Plan) -> dict:
+    """The plan as plain data for the API and the CLI: degrees, rank map, groups, stages, schedule, resources."""
+    layout = plan.layout  # asked directly: a plan of 65,536 ranks asks it hundreds of thousands of times
+    return {
+        "world_size": layout.world_size,
+        "degrees": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "ep": layout.ep, "vpp": layout.vpp},
+        "microbatches": layout.microbatches,
+        "micro_batch_size": layout.micro_batch_size,
+        "ranks": [{"rank": c.rank, "pp": c.pp, "tp": c.tp, "dp": c.dp, "ep": layout.ep_rank(c.rank),
+                   "name": layout.worker_name(c.rank), "bundle": layout.bundle_of(c.rank),
+                   "experts": list(layout.experts_of(c.rank))} for c in layout.ranks],
+        "groups": {"dp": layout.dp_groups(), "pp": layout.pp_groups(), "tp": layout.tp_groups(),
+                   "ep": layout.ep_groups(), "experts": layout.expert_groups() if plan.config.model.moe else []},
+        "moe_blocks": plan.config.model.moe_blocks,
+        "stage_layers": [list(layers) for layers in plan.stage_layers],
+        "schedule": describe_schedule(plan),
+        "memory": describe_memory(plan),
+        "resources": {
+            "per_worker": {"CPU": plan.cpus_per_worker, "GPU": plan.gpus_per_worker},
+            "bundles": plan.bundles(),
+            "needed": plan.resources_needed(),
+        },
+    }
+
+
+def describe_memory(plan: Plan) -> dict:
+    """The memory plan (`parallel.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
+    activations and recompute transient, their total, and the rank with the largest total."""
+    ranks = estimate(plan.layout, plan.config)
+    stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
+    per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
+    return {"per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
+
+
+def describe_schedule(plan: Plan) -> dict:
+    """The step's schedule, simulated with the spec's `sim_costs` before anything runs.
+
+    `stages` holds each pipeline rank's actions in order (communication runs bracketed, see
+    `parallel.schedules.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
+    """
+    c = plan.config.sim_costs
+    result = simulate([list(actions) for actions in plan.schedule], plan.microbatches, plan.vpp,
+                      Costs(forward=c.forward, backward=c.backward, comm=c.comm))
+    return {
+        "kind": plan.config.parallel.schedule,
+        "pp": plan.pp,
+        "vpp": plan.vpp,
+        "microbatches": plan.microbatches,
+        "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm},
+        "stages": [format_actions(list(actions)) for actions in plan.schedule],
+        "makespan": result.makespan,
+        "bubble_fraction": result.bubble_fraction,
+        "peak_activations": result.peak_activations,
+        "gantt": render_gantt(result),
+    }

@@ -1,0 +1,57 @@
+"""The pipeline executor dispatches each action by its kind, and refuses a kind it has no handler for."""
+
+import enum
+
+import pytest
+import torch
+from helpers import tiny_spec
+
+from api.spec import parse_spec
+from parallel.model import GPTStage, full_model
+from parallel.pipeline import HANDLERS, PipelineExecutor, UnsupportedAction
+from parallel.schedules import Action, ActionKind, build_schedule
+
+CFG = parse_spec(tiny_spec(model={"n_layer": 4})).model
+
+
+class FutureKind(enum.Enum):
+    """Kinds a later schedule may emit (zero-bubble's split backward) that this executor does not run."""
+
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+
+
+def executor(chunks: list[GPTStage]) -> PipelineExecutor:
+    return PipelineExecutor(chunks, pp_rank=0, pp=1, pp_ranks=[0], activation_shape=(1,),
+                            device=torch.device("cpu"), loss_scale=1.0)
+
+
+def test_every_kind_a_schedule_emits_has_a_handler():
+    assert set(HANDLERS) == set(ActionKind)
+
+
+@pytest.mark.parametrize("kind", list(FutureKind))
+def test_an_action_kind_without_a_handler_is_refused_before_anything_runs(kind):
+    stage = GPTStage(CFG, [0, 1, 2, 3], first=True, last=True, seed=3)
+    actions = [Action(ActionKind.FORWARD, 0, 0), Action(kind, 0, 0)]
+    batch_calls = []
+    with pytest.raises(UnsupportedAction, match=kind.name):
+        executor([stage]).run(actions, lambda mb: batch_calls.append(mb))
+    assert batch_calls == []  # not even the forward ran
+    assert all(p.grad is None for p in stage.parameters())
+
+
+def test_a_two_chunk_single_rank_schedule_gives_the_full_models_loss_and_gradients():
+    tokens = torch.randint(256, (2, 17), generator=torch.Generator().manual_seed(0))
+    full = full_model(CFG, seed=5)
+    expected = full.loss_sum(full(tokens[:, :-1]), tokens[:, 1:])
+    expected.backward()
+    chunks = [GPTStage(CFG, [0, 1], first=True, last=False, seed=5), GPTStage(CFG, [2, 3], first=False, last=True,
+                                                                             seed=5)]
+    actions = build_schedule("gpipe", pp=1, microbatches=1, vpp=2)[0]
+    loss, timings = executor(chunks).run(actions, lambda mb: (tokens[:, :-1], tokens[:, 1:]))
+    torch.testing.assert_close(loss, expected.detach())
+    assert timings.peak_activations == 2
+    grads = {n: p.grad for chunk in chunks for n, p in chunk.named_parameters()}
+    for name, p in full.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)

@@ -1,0 +1,27 @@
+"""Data-parallel sharding strategies: one per `parallel.zero` value, and the bytes they keep per rank."""
+
+import typing
+
+import pytest
+
+from parallel.config import ParallelConfig
+from parallel.sharding import SHARDINGS, sharding_for
+
+
+def test_every_zero_value_the_spec_accepts_has_a_strategy():
+    allowed = typing.get_args(typing.get_type_hints(ParallelConfig)["zero"])
+    assert set(allowed) == set(SHARDINGS)
+    assert all(SHARDINGS[z].zero == z for z in allowed)
+
+
+def test_zero_0_keeps_everything_and_zero_1_keeps_a_slice_of_the_optimizer_state():
+    plain, zero1 = sharding_for(0), sharding_for(1)
+    assert (plain.gradient_elements(10, 4), plain.optimizer_elements(10, 4)) == (10, 10)
+    assert (zero1.gradient_elements(10, 4), zero1.optimizer_elements(10, 4)) == (13, 3)  # whole buckets + slice
+    assert zero1.gradient_elements(10, 1) == 10  # a group of one has nothing to split
+    assert plain.replicas_identical and not zero1.replicas_identical
+
+
+def test_an_unknown_zero_value_names_the_field():
+    with pytest.raises(ValueError, match="parallel.zero=3"):
+        sharding_for(3)
