@@ -7,7 +7,11 @@
   then starts the job's Coordinator with that placement group.
 - The follower thread polls every live coordinator without waiting on any one of them and writes status,
   progress, metrics and errors to the store; once a job is terminal its coordinator is killed and its
-  placement group removed.
+  placement group removed. A poll asks only for what is new (metrics from the next step, events from a
+  cursor), so its cost does not grow with the job's length.
+- No checkpoint is hashed here (the API's request threads and the admission thread must not block for the
+  minutes a checkpoint of tens of GB takes): a checkpoint to resume from is checked for its files and
+  their sizes; the coordinator verifies the hashes in a thread before it loads it.
 - Neither thread dies with one job: an exception in one job's handling is logged and fails that job.
 - `logs` reads a rank's log through Ray's log API (`service.logs`), also after the job ended.
 - Jobs outlive the service. On a cluster the service joined (`detach_jobs`), coordinators and placement
@@ -26,7 +30,7 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import ray
@@ -59,6 +63,16 @@ SHUTDOWN_TIMEOUT_S = 10.0
 """How long shutdown waits for the live jobs' coordinators to stop cleanly before killing them."""
 
 
+@dataclass
+class _Cursor:
+    """How far the service has followed a job: the next step's metrics, and the events it holds of the
+    coordinator's list (`incarnation`: which list; None: ask for the whole list)."""
+
+    step: int
+    events: int = 0
+    incarnation: str | None = None
+
+
 class JobManager:
     def __init__(self, store: JobStore, dashboard_url: str | None = None, poll_interval_s: float = 0.5,
                  max_queued: int = 1000, admit: bool = True, data_dir: Path | None = None,
@@ -76,6 +90,7 @@ class JobManager:
         self._coordinators: dict[str, ray.actor.ActorHandle] = {}
         self._placement_groups: dict[str, PlacementGroup] = {}
         self._polls: dict[str, ray.ObjectRef] = {}
+        self._cursors: dict[str, _Cursor] = {}
         self._free: list[dict[str, float]] = []
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -109,7 +124,8 @@ class JobManager:
 
     def resume_point(self, config: JobConfig) -> tuple[str, int] | None:
         """The checkpoint (directory, step) `resume_from` names, checked: the job exists, its model and
-        optimizer equal this spec's, the checkpoint is whole, and steps are left to train."""
+        optimizer equal this spec's, the checkpoint is whole (every file there with its size: its hashes are
+        verified by the coordinator, off this request's path), and steps are left to train."""
         wanted = config.resume_from
         if wanted is None:
             return None
@@ -123,13 +139,13 @@ class JobManager:
                                            + "; ".join(differences))
         root = self.checkpoint_root(source.job_id, source_config)
         if wanted.step is None:
-            found = checkpoint.latest_valid(root)
+            found = checkpoint.latest_valid(root, hashes=False)
             if found is None:
                 raise PlanError("resume_from.job_id", f"job {wanted.job_id} has no intact checkpoint (yet)")
             step, directory = found.step, found.directory
         else:
             step, directory = wanted.step, checkpoint.step_dir(root, wanted.step)
-            problem = "it was never written" if not directory.is_dir() else checkpoint.verify(directory)
+            problem = "it was never written" if not directory.is_dir() else checkpoint.verify(directory, hashes=False)
             if problem:
                 raise PlanError("resume_from.step", f"job {wanted.job_id} has no intact checkpoint of step {step} "
                                                     f"({problem}); it has steps {checkpoint.committed_steps(root)}")
@@ -317,7 +333,8 @@ class JobManager:
             config = parse_spec(job.spec)
             plan = make_plan(config, cluster_resources())
             root = self.checkpoint_root(job.job_id, config)
-            own = checkpoint.latest_valid(root)  # a job the service's restart interrupted goes on from its own
+            # A job the service's restart interrupted goes on from its own (hashed by the coordinator).
+            own = checkpoint.latest_valid(root, hashes=False)
             resume = (str(own.directory), own.step) if own else self.resume_point(config)
             storage = JobStorage(checkpoint_root=str(root), model_path=str(self.model_path(job.job_id)),
                                  resume=resume, events=tuple(job.events))
@@ -343,6 +360,7 @@ class JobManager:
                 job.job_id, plan, pg, storage)
             self._coordinators[job.job_id] = coordinator
             self._placement_groups[job.job_id] = pg
+            self._cursors[job.job_id] = _Cursor(step=job.step)
         coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
         log.info("job %s admitted (world size %d)", job.job_id, plan.world_size)
         return True
@@ -352,8 +370,9 @@ class JobManager:
         with self._lock:
             for job_id, coordinator in self._coordinators.items():
                 if job_id not in self._polls:
-                    job = self.store.get(job_id)
-                    self._polls[job_id] = coordinator.poll.remote(job.step if job else 0)
+                    cursor = self._cursors.setdefault(job_id, _Cursor(step=0))
+                    events_from = cursor.events if cursor.incarnation is not None else None
+                    self._polls[job_id] = coordinator.poll.remote(cursor.step, events_from=events_from)
             refs = {ref: job_id for job_id, ref in self._polls.items()}
         if not refs:
             return
@@ -390,10 +409,28 @@ class JobManager:
         if report["metrics"]:
             self.store.add_metrics(job_id, report["metrics"])
         status = JobStatus(report["status"])
+        replace_events = self._take_events(job_id, report)
         self.store.update(job_id, status=status, step=report["step"], error=report["error"],
-                          actors=report["actors"], ranks=report["ranks"], events=report["events"])
+                          actors=report["actors"], ranks=report["ranks"], events=replace_events)
         if status.is_terminal:
             self._finish(job_id, status)
+
+    def _take_events(self, job_id: str, report: dict) -> list[dict] | None:
+        """Append the report's new events to the store and move the job's cursor; returns the whole list
+        instead when the report holds it (the first poll of a coordinator, or a final report)."""
+        with self._lock:
+            cursor = self._cursors.setdefault(job_id, _Cursor(step=0))
+        cursor.step = report["step"]
+        start, events, incarnation = report.get("events_from"), report["events"], report.get("incarnation")
+        if start is None:
+            cursor.events, cursor.incarnation = len(events), incarnation
+            return events
+        if incarnation == cursor.incarnation and start == cursor.events:
+            self.store.add_events(job_id, events)
+            cursor.events += len(events)
+        else:  # Ray restarted the coordinator since: its list is another; ask for all of it next time
+            cursor.incarnation = None
+        return None
 
     def _finish(self, job_id: str, status: JobStatus, error: str | None = None) -> None:
         """Record the job's end (unless it has ended already), then release what it holds in Ray. In that
@@ -406,6 +443,7 @@ class JobManager:
             coordinator = self._coordinators.pop(job_id, None)
             pg = self._placement_groups.pop(job_id, None)
             self._polls.pop(job_id, None)
+            self._cursors.pop(job_id, None)
         if coordinator is not None:
             ray.kill(coordinator, no_restart=True)
         if pg is not None:
@@ -437,6 +475,7 @@ class JobManager:
         except Exception:  # noqa: BLE001 - gone (ValueError), or dead: the job is relaunched instead
             return False
         self._coordinators[job.job_id], self._placement_groups[job.job_id] = coordinator, pg
+        self._cursors[job.job_id] = _Cursor(step=job.step)
         log.info("job %s: reattached to its running coordinator", job.job_id)
         return True
 
