@@ -97,7 +97,7 @@ class Controller:
             "status": self.state.status.value, "error": self.error, "model": self.model,
             "step": self.rows.next_step(self.start_step),
             "events": events if events_from is None else events[events_from:],
-            "events_from": events_from or 0, "incarnation": self.incarnation,
+            "events_from": events_from, "incarnation": self.incarnation,
             "metrics": self.rows.since(since), "actors": self.group.actor_names(), "ranks": self.group.ranks,
         }
 

@@ -64,7 +64,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 
 @dataclass
-class _Cursor:
+class Cursor:
     """How far the service has followed a job: the next step's metrics, and the events it holds of the
     coordinator's list (`incarnation`: which list; None: ask for the whole list)."""
 
@@ -90,7 +90,7 @@ class JobManager:
         self._coordinators: dict[str, ray.actor.ActorHandle] = {}
         self._placement_groups: dict[str, PlacementGroup] = {}
         self._polls: dict[str, ray.ObjectRef] = {}
-        self._cursors: dict[str, _Cursor] = {}
+        self._cursors: dict[str, Cursor] = {}
         self._free: list[dict[str, float]] = []
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -360,7 +360,7 @@ class JobManager:
                 job.job_id, plan, pg, storage)
             self._coordinators[job.job_id] = coordinator
             self._placement_groups[job.job_id] = pg
-            self._cursors[job.job_id] = _Cursor(step=job.step)
+            self._cursors[job.job_id] = Cursor(step=job.step)
         coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
         log.info("job %s admitted (world size %d)", job.job_id, plan.world_size)
         return True
@@ -370,7 +370,7 @@ class JobManager:
         with self._lock:
             for job_id, coordinator in self._coordinators.items():
                 if job_id not in self._polls:
-                    cursor = self._cursors.setdefault(job_id, _Cursor(step=0))
+                    cursor = self._cursors.setdefault(job_id, Cursor(step=0))
                     events_from = cursor.events if cursor.incarnation is not None else None
                     self._polls[job_id] = coordinator.poll.remote(cursor.step, events_from=events_from)
             refs = {ref: job_id for job_id, ref in self._polls.items()}
@@ -406,31 +406,11 @@ class JobManager:
     # --- bookkeeping ---------------------------------------------------------------------------
 
     def _apply(self, job_id: str, report: dict) -> None:
-        if report["metrics"]:
-            self.store.add_metrics(job_id, report["metrics"])
-        status = JobStatus(report["status"])
-        replace_events = self._take_events(job_id, report)
-        self.store.update(job_id, status=status, step=report["step"], error=report["error"],
-                          actors=report["actors"], ranks=report["ranks"], events=replace_events)
+        with self._lock:
+            cursor = self._cursors.setdefault(job_id, Cursor(step=0))
+        status = apply_report(self.store, job_id, report, cursor)
         if status.is_terminal:
             self._finish(job_id, status)
-
-    def _take_events(self, job_id: str, report: dict) -> list[dict] | None:
-        """Append the report's new events to the store and move the job's cursor; returns the whole list
-        instead when the report holds it (the first poll of a coordinator, or a final report)."""
-        with self._lock:
-            cursor = self._cursors.setdefault(job_id, _Cursor(step=0))
-        cursor.step = report["step"]
-        start, events, incarnation = report.get("events_from"), report["events"], report.get("incarnation")
-        if start is None:
-            cursor.events, cursor.incarnation = len(events), incarnation
-            return events
-        if incarnation == cursor.incarnation and start == cursor.events:
-            self.store.add_events(job_id, events)
-            cursor.events += len(events)
-        else:  # Ray restarted the coordinator since: its list is another; ask for all of it next time
-            cursor.incarnation = None
-        return None
 
     def _finish(self, job_id: str, status: JobStatus, error: str | None = None) -> None:
         """Record the job's end (unless it has ended already), then release what it holds in Ray. In that
@@ -475,9 +455,31 @@ class JobManager:
         except Exception:  # noqa: BLE001 - gone (ValueError), or dead: the job is relaunched instead
             return False
         self._coordinators[job.job_id], self._placement_groups[job.job_id] = coordinator, pg
-        self._cursors[job.job_id] = _Cursor(step=job.step)
+        self._cursors[job.job_id] = Cursor(step=job.step)
         log.info("job %s: reattached to its running coordinator", job.job_id)
         return True
+
+
+def apply_report(store: JobStore, job_id: str, report: dict, cursor: Cursor) -> JobStatus:
+    """Write a coordinator's report to the store: the new metrics rows, the new events (the whole list when the
+    report holds it: the first poll of a coordinator, or a final report), status and progress; move the job's
+    cursor. The work is that of what is new, whatever the job's length."""
+    if report["metrics"]:
+        store.add_metrics(job_id, report["metrics"])
+    start, events, incarnation = report.get("events_from"), report["events"], report.get("incarnation")
+    whole = None
+    if start is None:
+        whole, cursor.events, cursor.incarnation = events, len(events), incarnation
+    elif incarnation == cursor.incarnation and start == cursor.events:
+        store.add_events(job_id, events)
+        cursor.events += len(events)
+    else:  # Ray restarted the coordinator since: its list is another; ask for all of it next time
+        cursor.incarnation = None
+    status = JobStatus(report["status"])
+    store.update(job_id, status=status, step=report["step"], error=report["error"], actors=report["actors"],
+                 ranks=report["ranks"], events=whole)
+    cursor.step = report["step"]
+    return status
 
 
 def _remove_grown_placement_groups(job_id: str) -> None:
