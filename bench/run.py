@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import checkpoint, dp, elastic, faults, perf, pipeline, poll, service_ops, tp_memory
+from bench import checkpoint, dp, elastic, faults, perf, pipeline, poll, service_ops, signals, tp_memory
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -48,6 +48,7 @@ SECTIONS: dict[str, Section] = {
         Section("elastic", "the pause of a resize dp 2 <-> 4, state moved in memory vs through a checkpoint",
                 elastic.run_section),
         Section("service", "submit latency under a burst of 200; exit time on SIGTERM", service_ops.run_section),
+        Section("signals", "SIGTERM to the service's process group vs to its process", signals.run_section),
         Section("poll", "what one poll of a job costs the service at step ~250 and at step 20,000", poll.run_section),
     )
 }
