@@ -27,7 +27,8 @@ from bench.context import REPO, BenchContext
 from bench.results import Row, median, ratio
 from parallel import checkpoint
 from parallel.plan import make_plan
-from service.manager import Cursor, JobManager, apply_report
+from service.follow import Cursor, apply_report
+from service.manager import JobManager
 from service.store import JobRecord, JobStore
 
 STEPS, PER_POLL, POLLS = 20_000, 10, 30

@@ -1,4 +1,6 @@
 """The job manager: submit, queue, admit, follow, stop and delete jobs; the bridge from the store to Ray.
+(Over 400 lines: its two threads and the request handlers share one lock and one map of live jobs; what
+stands alone lives beside it: `queue`, `follow`, `resume`, `logs`, `ray_runtime`.)
 
 - `submit` validates a JobConfig against the cluster (plan rules, dataset, fit), stores the job as PENDING
   and returns: a waiting job is a row in the store and holds no Ray process.
@@ -7,11 +9,8 @@
   then starts the job's Coordinator with that placement group.
 - The follower thread polls every live coordinator without waiting on any one of them and writes status,
   progress, metrics and errors to the store; once a job is terminal its coordinator is killed and its
-  placement group removed. A poll asks only for what is new (metrics from the next step, events from a
-  cursor), so its cost does not grow with the job's length.
-- No checkpoint is hashed here (the API's request threads and the admission thread must not block for the
-  minutes a checkpoint of tens of GB takes): a checkpoint to resume from is checked for its files and
-  their sizes; the coordinator verifies the hashes in a thread before it loads it.
+  placement group removed. A poll asks only for what is new (`service.follow`).
+- No checkpoint is hashed here, on the API's or the admission thread's path (`service.resume`).
 - Neither thread dies with one job: an exception in one job's handling is logged and fails that job.
 - `logs` reads a rank's log through Ray's log API (`service.logs`), also after the job ended.
 - Jobs outlive the service. On a cluster the service joined (`detach_jobs`), coordinators and placement
@@ -30,7 +29,7 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import ray
@@ -45,11 +44,13 @@ from parallel import checkpoint
 from parallel.config import JobConfig, RuleError
 from parallel.data import open_dataset
 from parallel.export import MODEL_FILE
-from parallel.plan import ClusterResources, Plan, PlanError, make_plan, resized
+from parallel.plan import ClusterResources, Plan, make_plan, resized
 from service import queue
 from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
+from service.follow import Cursor, apply_report
 from service.logs import read_rank_log
-from service.ray_runtime import cluster_resources, free_resources
+from service.ray_runtime import cluster_resources, free_resources, remove_grown_placement_groups
+from service.resume import resume_point
 from service.store import JobRecord, JobStore
 
 log = logging.getLogger("trainyard.manager")
@@ -61,16 +62,6 @@ RESERVE_TIMEOUT_S = 5.0
 taken them in between); then it is given back and the queue tried again."""
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long shutdown waits for the live jobs' coordinators to stop cleanly before killing them."""
-
-
-@dataclass
-class Cursor:
-    """How far the service has followed a job: the next step's metrics, and the events it holds of the
-    coordinator's list (`incarnation`: which list; None: ask for the whole list)."""
-
-    step: int
-    events: int = 0
-    incarnation: str | None = None
 
 
 class JobManager:
@@ -123,36 +114,8 @@ class JobManager:
         return self.data_dir / "models" / job_id / MODEL_FILE
 
     def resume_point(self, config: JobConfig) -> tuple[str, int] | None:
-        """The checkpoint (directory, step) `resume_from` names, checked: the job exists, its model and
-        optimizer equal this spec's, the checkpoint is whole (every file there with its size: its hashes are
-        verified by the coordinator, off this request's path), and steps are left to train."""
-        wanted = config.resume_from
-        if wanted is None:
-            return None
-        source = self.store.get(wanted.job_id)
-        if source is None:
-            raise PlanError("resume_from.job_id", f"no job {wanted.job_id}")
-        source_config = parse_spec(source.spec)
-        differences = _differences(spec_to_dict(source_config), spec_to_dict(config), ("model", "optimizer"))
-        if differences:
-            raise PlanError("resume_from", f"job {wanted.job_id} trained a different model or optimizer: "
-                                           + "; ".join(differences))
-        root = self.checkpoint_root(source.job_id, source_config)
-        if wanted.step is None:
-            found = checkpoint.latest_valid(root, hashes=False)
-            if found is None:
-                raise PlanError("resume_from.job_id", f"job {wanted.job_id} has no intact checkpoint (yet)")
-            step, directory = found.step, found.directory
-        else:
-            step, directory = wanted.step, checkpoint.step_dir(root, wanted.step)
-            problem = "it was never written" if not directory.is_dir() else checkpoint.verify(directory, hashes=False)
-            if problem:
-                raise PlanError("resume_from.step", f"job {wanted.job_id} has no intact checkpoint of step {step} "
-                                                    f"({problem}); it has steps {checkpoint.committed_steps(root)}")
-        if step >= config.steps:
-            raise PlanError("steps", f"steps={config.steps}, but the checkpoint is after step {step}: nothing "
-                                     "left to train")
-        return str(directory), step
+        """The checkpoint `resume_from` names, checked without hashing it (see `service.resume`)."""
+        return resume_point(self.store, self.checkpoint_root, config)
 
     def cluster(self) -> ClusterResources:
         return cluster_resources()
@@ -428,7 +391,7 @@ class JobManager:
             ray.kill(coordinator, no_restart=True)
         if pg is not None:
             remove_placement_group(pg)
-        _remove_grown_placement_groups(job_id)
+        remove_grown_placement_groups(placement_group_name(job_id))
 
     def _reconcile(self) -> None:
         for job in self.store.list():
@@ -458,45 +421,3 @@ class JobManager:
         self._cursors[job.job_id] = Cursor(step=job.step)
         log.info("job %s: reattached to its running coordinator", job.job_id)
         return True
-
-
-def apply_report(store: JobStore, job_id: str, report: dict, cursor: Cursor) -> JobStatus:
-    """Write a coordinator's report to the store: the new metrics rows, the new events (the whole list when the
-    report holds it: the first poll of a coordinator, or a final report), status and progress; move the job's
-    cursor. The work is that of what is new, whatever the job's length."""
-    if report["metrics"]:
-        store.add_metrics(job_id, report["metrics"])
-    start, events, incarnation = report.get("events_from"), report["events"], report.get("incarnation")
-    whole = None
-    if start is None:
-        whole, cursor.events, cursor.incarnation = events, len(events), incarnation
-    elif incarnation == cursor.incarnation and start == cursor.events:
-        store.add_events(job_id, events)
-        cursor.events += len(events)
-    else:  # Ray restarted the coordinator since: its list is another; ask for all of it next time
-        cursor.incarnation = None
-    status = JobStatus(report["status"])
-    store.update(job_id, status=status, step=report["step"], error=report["error"], actors=report["actors"],
-                 ranks=report["ranks"], events=whole)
-    cursor.step = report["step"]
-    return status
-
-
-def _remove_grown_placement_groups(job_id: str) -> None:
-    """The placement groups the job's coordinator reserved to grow (`<name>-growN`), should it have died
-    before giving them back."""
-    prefix = placement_group_name(job_id) + "-grow"
-    for entry in ray.util.placement_group_table().values():
-        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
-            with contextlib.suppress(Exception):
-                remove_placement_group(ray.util.get_placement_group(entry["name"]))
-
-
-def _differences(a: dict, b: dict, sections: tuple[str, ...]) -> list[str]:
-    """`section.field: X there, Y here` for each field that differs between two specs' sections."""
-    out = []
-    for section in sections:
-        for key in sorted(set(a[section]) | set(b[section])):
-            if a[section].get(key) != b[section].get(key):
-                out.append(f"{section}.{key}: {a[section].get(key)!r} there, {b[section].get(key)!r} here")
-    return out

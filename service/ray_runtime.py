@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from actors.naming import NAMESPACE
 from parallel.plan import ClusterResources, NodeResources
@@ -211,3 +212,13 @@ def descendants(pid: int) -> list[int]:
                 found.append(child)
                 todo.append(child)
     return found
+
+
+def remove_grown_placement_groups(prefix: str) -> None:
+    """Remove the placement groups a job's coordinator reserved to grow (`<prefix>-growN`), should it have died
+    before giving them back."""
+    prefix += "-grow"
+    for entry in ray.util.placement_group_table().values():
+        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(ray.util.get_placement_group(entry["name"]))

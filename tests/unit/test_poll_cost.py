@@ -13,7 +13,7 @@ from actors.state import JobStatus
 from actors.storage import JobStorage
 from api.spec import parse_spec
 from parallel.plan import make_plan
-from service.manager import Cursor, apply_report
+from service.follow import Cursor, apply_report
 from service.store import JobRecord, JobStore
 
 
