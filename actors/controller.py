@@ -173,6 +173,7 @@ class Controller:
             return CallFailed(failure, None)  # a job that cannot start is not recovered
         node_lost = self.plan.dp_range is not None and not self.stop and await self._node_lost(failure)
         decision = self.failure_policy.decide(len(self.journal.causes), node_lost=node_lost, stopping=self.stop)
+        log.info("job %s: failure policy: %s (%s)", self.job_id, decision.action, decision.reason)
         restore = None if decision.action is FailureAction.RAISE else await asyncio.to_thread(self.restore_point)
         return CallFailed(failure, restore, node_lost)
 

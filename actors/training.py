@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from actors.policies import HANG_WINDOW
 from actors.state import AtBoundary, Cancelled, Done, Outcome
 from actors.storage import checkpoint_info
 from actors.telemetry import checkpoint_event, make_row, set_gauges
@@ -69,7 +70,7 @@ async def run_steps(ctl: Controller) -> Outcome:
         # A step that also saves or evaluates is not held to the hang policy's measure of plain steps. Nor is
         # the first step after a (re)start, a recovery or a resize: it includes the ranks' warm-up.
         plain = not (saves_after(step) or evaluates(step)) and step > ctl.start_step
-        deadline = ctl.hang.deadline(ctl.rows.recent_step_times(20)) if plain else cfg.fault.step_timeout_s
+        deadline = ctl.hang.deadline(ctl.rows.recent_step_times(HANG_WINDOW)) if plain else cfg.fault.step_timeout_s
         results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
         now = time.perf_counter()
         record(ctl, make_row(step, results, now - start, tokens))

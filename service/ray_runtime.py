@@ -75,6 +75,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, dashboard: 
     os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet that ray.init starts
     with _daemons_in_their_own_process_group():
         ctx = ray.init(
+            address="local",  # a cluster of its own, even where a `ray start` of someone else's runs here
             num_cpus=num_cpus or max(os.cpu_count() or 1, MIN_EMBEDDED_CPUS),
             namespace=NAMESPACE,
             include_dashboard=dashboard,
