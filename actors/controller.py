@@ -152,6 +152,7 @@ class Controller:
             case Pending():
                 return Admitted(await asyncio.to_thread(self._start_point))
             case Starting(restore=restore):
+                self.rows.trim(self.start_step)  # a damaged resume point may have moved it back
                 await self.group.start()
                 await self.group.load(restore)
                 return recovery.READY
