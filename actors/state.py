@@ -1,14 +1,23 @@
-"""Job states and the coordinator's pure transition rule.
+"""The coordinator's states, the outcomes of their actions, and the pure rule `step` that maps a state and
+an outcome to the next state (Ray Train v2's controller/state.py).
 
-The names are Ray Jobs' five plus RECOVERING (a failed step being recovered from the latest checkpoint) and
-RESIZING (the job moving to another data-parallel size between two steps).
-`next_state` maps the current state and what just happened to the next state; the coordinator applies it
-in one place (`_set_state`).
+Each state is a small frozen class that carries its data: RECOVERING the failure and the restore point,
+RESIZING the new plan and its reason, STOPPING whether the service is suspending the job. `status` is what
+the service shows: Ray Jobs' five plus RECOVERING and RESIZING. The controller runs the action the state
+asks for, gets an outcome, and sets `step(state, outcome, inputs)` as the next state, in one place
+(`Controller._set_state`). The failure policy's decision is taken here, so a failure in any live state
+(running, recovering, resizing, finishing) is handled one way.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
+
+from actors.calls import Failure
+from actors.journal import all_causes
+from actors.policies import FailureAction, FailurePolicy, Resize
+from parallel.plan import Plan
 
 
 class JobStatus(StrEnum):
@@ -26,39 +35,198 @@ class JobStatus(StrEnum):
         return self in (JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED)
 
 
-class Event(StrEnum):
-    RESOURCES_READY = "resources_ready"
-    FINISHED = "finished"
-    STOP_REQUESTED = "stop_requested"
-    ERROR = "error"
-    FAILURE = "failure"
-    """A step failed and the job recovers (its `fault.max_failures` allow it)."""
-    RECOVERED = "recovered"
-    RESIZE = "resize"
-    """The job changes its data-parallel size at a step boundary."""
-    RESIZED = "resized"
+Point = tuple[str, int]
+"""A checkpoint to load: (directory, step)."""
 
 
-_TRANSITIONS: dict[tuple[JobStatus, Event], JobStatus] = {
-    (JobStatus.PENDING, Event.RESOURCES_READY): JobStatus.RUNNING,
-    (JobStatus.RUNNING, Event.FINISHED): JobStatus.SUCCEEDED,
-    (JobStatus.RUNNING, Event.FAILURE): JobStatus.RECOVERING,
-    (JobStatus.RECOVERING, Event.RECOVERED): JobStatus.RUNNING,
-    (JobStatus.RUNNING, Event.RESIZE): JobStatus.RESIZING,
-    (JobStatus.RESIZING, Event.RESIZED): JobStatus.RUNNING,
-    (JobStatus.RESIZING, Event.FAILURE): JobStatus.RECOVERING,
-}
+# --- states ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pending:
+    status = JobStatus.PENDING
 
 
-def next_state(state: JobStatus, event: Event) -> JobStatus:
-    """The state after `event`. Stop and error end any live state; a terminal state never changes."""
-    if state.is_terminal:
+@dataclass(frozen=True)
+class Starting:
+    """Creating the ranks and loading the resume point (if any)."""
+
+    restore: Point | None
+    status = JobStatus.RUNNING
+
+
+@dataclass(frozen=True)
+class Running:
+    status = JobStatus.RUNNING
+
+
+@dataclass(frozen=True)
+class Recovering:
+    failure: Failure
+    restore: Point | None
+    """Where the job goes on from: the latest valid checkpoint, else the resume point, else the start."""
+    counted: bool = True
+    """False: an elastic job riding a lost node (not counted against fault.max_failures)."""
+    status = JobStatus.RECOVERING
+
+
+@dataclass(frozen=True)
+class Resizing:
+    plan: Plan
+    reason: str
+    asked: float
+    status = JobStatus.RESIZING
+
+
+@dataclass(frozen=True)
+class Finishing:
+    """All steps done: the final checkpoint, then the model exported from it."""
+
+    steps_done: int
+    saved: bool
+    status = JobStatus.RUNNING
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """A stop at a step boundary: the final checkpoint, and the model unless `suspend` (the service is going
+    down and the job will go on from that checkpoint)."""
+
+    suspend: bool
+    steps_done: int
+    saved: bool
+    status = JobStatus.RUNNING
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    status = JobStatus.SUCCEEDED
+
+
+@dataclass(frozen=True)
+class Stopped:
+    status = JobStatus.STOPPED
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str
+    status = JobStatus.FAILED
+
+
+State = Pending | Starting | Running | Recovering | Resizing | Finishing | Stopping | Succeeded | Stopped | Failed
+
+
+def is_terminal(state: State) -> bool:
+    return state.status.is_terminal
+
+
+# --- outcomes of a state's action ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Admitted:
+    """Pending: the coordinator is up with its placement group; `restore` is the resume point."""
+
+    restore: Point | None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Starting, Recovering or Resizing: every rank is set up with the job's state."""
+
+
+@dataclass(frozen=True)
+class AtBoundary:
+    """Running stopped queuing steps at a step boundary, after `steps_done` steps (`saved`: the last step
+    wrote the checkpoint of that point)."""
+
+    steps_done: int
+    saved: bool
+
+
+@dataclass(frozen=True)
+class Done:
+    """Finishing or Stopping: the final checkpoint (and the model) are written."""
+
+
+@dataclass(frozen=True)
+class CallFailed:
+    """A call to the ranks failed; `restore` is the point to go on from, `node_lost` whether a rank that died
+    was on a node Ray lost."""
+
+    failure: Failure
+    restore: Point | None
+    node_lost: bool = False
+
+
+@dataclass(frozen=True)
+class Crashed:
+    """An unexpected error in the coordinator itself: the job fails with it."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """A stop whose grace ran out cancelled the action."""
+
+
+Outcome = Admitted | Ready | AtBoundary | Done | CallFailed | Crashed | Cancelled
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the controller knows besides the outcome: requests from outside and the failure budget."""
+
+    steps: int
+    """The job's total steps."""
+    causes: tuple[str, ...] = ()
+    """The failures counted so far."""
+    stop: bool = False
+    suspend: bool = False
+    resize: Resize | None = None
+    """A resize the desk accepted, to be taken at this boundary."""
+    restarted: Failure | None = None
+    """Pending only: Ray restarted this coordinator after its process died (the cause, as a failure)."""
+
+
+def step(state: State, outcome: Outcome, inputs: Inputs, policy: FailurePolicy) -> State:
+    """The state after `outcome`. Pure: the tests feed it scripted outcomes."""
+    if is_terminal(state):
         return state
-    if event is Event.STOP_REQUESTED:
-        return JobStatus.STOPPED
-    if event is Event.ERROR:
-        return JobStatus.FAILED
-    try:
-        return _TRANSITIONS[(state, event)]
-    except KeyError:
-        raise ValueError(f"no transition from {state} on {event}") from None
+    if isinstance(outcome, Crashed):
+        return Failed(outcome.error)
+    if isinstance(outcome, Cancelled):
+        return Stopped()
+    if isinstance(outcome, CallFailed):
+        if isinstance(state, Starting):
+            return Failed(outcome.failure.cause)  # a job that cannot even start is not recovered
+        return _on_failure(outcome, inputs, policy)
+    match state, outcome:
+        case Pending(), Admitted(restore=restore):
+            if inputs.restarted is not None:
+                return _on_failure(CallFailed(inputs.restarted, restore), inputs, policy)
+            return Starting(restore)
+        case Starting() | Recovering() | Resizing(), Ready():
+            return Running()
+        case Running(), AtBoundary(steps_done=done, saved=saved):
+            if inputs.stop:
+                return Stopping(inputs.suspend, done, saved)
+            if done >= inputs.steps:
+                return Finishing(done, saved)
+            if inputs.resize is not None:
+                return Resizing(inputs.resize.plan, inputs.resize.reason, inputs.resize.asked)
+            return Running()
+        case Finishing(), Done():
+            return Stopped() if inputs.stop else Succeeded()
+        case Stopping(), Done():
+            return Stopped()
+    raise ValueError(f"no transition from {type(state).__name__} on {type(outcome).__name__}")
+
+
+def _on_failure(outcome: CallFailed, inputs: Inputs, policy: FailurePolicy) -> State:
+    decision = policy.decide(len(inputs.causes), node_lost=outcome.node_lost, stopping=inputs.stop)
+    if decision.action is FailureAction.RIDE:
+        return Recovering(outcome.failure, outcome.restore, counted=False)
+    if decision.action is FailureAction.RAISE:
+        return Failed(all_causes([*inputs.causes, outcome.failure.cause]))
+    return Recovering(outcome.failure, outcome.restore)

@@ -104,8 +104,10 @@ class FaultDrill(BaseModel):
     """A fault to inject into a running job (`trainyard serve --allow-fault-injection` only)."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["kill_worker", "hang_worker", "kill_coordinator"]
-    """kill_worker: the rank's process exits; hang_worker: the rank's step never returns."""
+    kind: Literal["kill_worker", "hang_worker", "kill_coordinator", "kill_worker_in_recovery"]
+    """kill_worker: the rank's process exits; hang_worker: the rank's step never returns;
+    kill_worker_in_recovery: the rank's process is killed as the ranks take the job's state in the next
+    recovery (a failure during a recovery)."""
     rank: int = Field(ge=0, le=MAX_DEGREE)
     at_step: int = Field(0, ge=0, le=MAX_STEPS)
     """The step at which (or the first step after which) it happens."""

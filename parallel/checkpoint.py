@@ -55,8 +55,10 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def verify(directory: Path) -> str | None:
-    """None if every file the manifest names is there with its size and hash; else what is wrong."""
+def verify(directory: Path, hashes: bool = True) -> str | None:
+    """None if every file the manifest names is there with its size and hash; else what is wrong.
+    `hashes=False` checks names and sizes only (milliseconds, where hashing tens of GB takes minutes): what
+    the service checks on paths that must not block; the coordinator hashes in a thread before loading."""
     manifest = directory / MANIFEST
     try:
         files = json.loads(manifest.read_text())["files"]
@@ -68,7 +70,7 @@ def verify(directory: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
-        if _sha256(path) != digest:
+        if hashes and _sha256(path) != digest:
             return f"{name} does not match its checksum"
     return None
 
@@ -81,13 +83,13 @@ class Found:
     """Later checkpoints passed over, each with what was wrong with it."""
 
 
-def latest_valid(root: Path, at_most: int | None = None) -> Found | None:
-    """The newest complete, intact checkpoint with step <= at_most (any step when None)."""
+def latest_valid(root: Path, at_most: int | None = None, hashes: bool = True) -> Found | None:
+    """The newest complete, intact checkpoint with step <= at_most (any step when None); `hashes`: as `verify`."""
     skipped = []
     for step in reversed(committed_steps(root)):
         if at_most is not None and step > at_most:
             continue
-        problem = verify(step_dir(root, step))
+        problem = verify(step_dir(root, step), hashes)
         if problem is None:
             return Found(step=step, directory=step_dir(root, step), skipped=tuple(skipped))
         skipped.append(f"step {step}: {problem}")

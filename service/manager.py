@@ -1,4 +1,6 @@
 """The job manager: submit, queue, admit, follow, stop and delete jobs; the bridge from the store to Ray.
+(Over 400 lines: its two threads and the request handlers share one lock and one map of live jobs; what
+stands alone lives beside it: `queue`, `follow`, `resume`, `logs`, `ray_runtime`.)
 
 - `submit` validates a JobConfig against the cluster (plan rules, dataset, fit), stores the job as PENDING
   and returns: a waiting job is a row in the store and holds no Ray process.
@@ -7,7 +9,8 @@
   then starts the job's Coordinator with that placement group.
 - The follower thread polls every live coordinator without waiting on any one of them and writes status,
   progress, metrics and errors to the store; once a job is terminal its coordinator is killed and its
-  placement group removed.
+  placement group removed. A poll asks only for what is new (`service.follow`).
+- No checkpoint is hashed here, on the API's or the admission thread's path (`service.resume`).
 - Neither thread dies with one job: an exception in one job's handling is logged and fails that job.
 - `logs` reads a rank's log through Ray's log API (`service.logs`), also after the job ended.
 - Jobs outlive the service. On a cluster the service joined (`detach_jobs`), coordinators and placement
@@ -41,11 +44,13 @@ from parallel import checkpoint
 from parallel.config import JobConfig, RuleError
 from parallel.data import open_dataset
 from parallel.export import MODEL_FILE
-from parallel.plan import ClusterResources, Plan, PlanError, make_plan, resized
+from parallel.plan import ClusterResources, Plan, make_plan, resized
 from service import queue
 from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
+from service.follow import Cursor, apply_report
 from service.logs import read_rank_log
-from service.ray_runtime import cluster_resources, free_resources
+from service.ray_runtime import cluster_resources, free_resources, remove_grown_placement_groups
+from service.resume import resume_point
 from service.store import JobRecord, JobStore
 
 log = logging.getLogger("trainyard.manager")
@@ -76,6 +81,7 @@ class JobManager:
         self._coordinators: dict[str, ray.actor.ActorHandle] = {}
         self._placement_groups: dict[str, PlacementGroup] = {}
         self._polls: dict[str, ray.ObjectRef] = {}
+        self._cursors: dict[str, Cursor] = {}
         self._free: list[dict[str, float]] = []
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -108,35 +114,8 @@ class JobManager:
         return self.data_dir / "models" / job_id / MODEL_FILE
 
     def resume_point(self, config: JobConfig) -> tuple[str, int] | None:
-        """The checkpoint (directory, step) `resume_from` names, checked: the job exists, its model and
-        optimizer equal this spec's, the checkpoint is whole, and steps are left to train."""
-        wanted = config.resume_from
-        if wanted is None:
-            return None
-        source = self.store.get(wanted.job_id)
-        if source is None:
-            raise PlanError("resume_from.job_id", f"no job {wanted.job_id}")
-        source_config = parse_spec(source.spec)
-        differences = _differences(spec_to_dict(source_config), spec_to_dict(config), ("model", "optimizer"))
-        if differences:
-            raise PlanError("resume_from", f"job {wanted.job_id} trained a different model or optimizer: "
-                                           + "; ".join(differences))
-        root = self.checkpoint_root(source.job_id, source_config)
-        if wanted.step is None:
-            found = checkpoint.latest_valid(root)
-            if found is None:
-                raise PlanError("resume_from.job_id", f"job {wanted.job_id} has no intact checkpoint (yet)")
-            step, directory = found.step, found.directory
-        else:
-            step, directory = wanted.step, checkpoint.step_dir(root, wanted.step)
-            problem = "it was never written" if not directory.is_dir() else checkpoint.verify(directory)
-            if problem:
-                raise PlanError("resume_from.step", f"job {wanted.job_id} has no intact checkpoint of step {step} "
-                                                    f"({problem}); it has steps {checkpoint.committed_steps(root)}")
-        if step >= config.steps:
-            raise PlanError("steps", f"steps={config.steps}, but the checkpoint is after step {step}: nothing "
-                                     "left to train")
-        return str(directory), step
+        """The checkpoint `resume_from` names, checked without hashing it (see `service.resume`)."""
+        return resume_point(self.store, self.checkpoint_root, config)
 
     def cluster(self) -> ClusterResources:
         return cluster_resources()
@@ -317,7 +296,8 @@ class JobManager:
             config = parse_spec(job.spec)
             plan = make_plan(config, cluster_resources())
             root = self.checkpoint_root(job.job_id, config)
-            own = checkpoint.latest_valid(root)  # a job the service's restart interrupted goes on from its own
+            # A job the service's restart interrupted goes on from its own (hashed by the coordinator).
+            own = checkpoint.latest_valid(root, hashes=False)
             resume = (str(own.directory), own.step) if own else self.resume_point(config)
             storage = JobStorage(checkpoint_root=str(root), model_path=str(self.model_path(job.job_id)),
                                  resume=resume, events=tuple(job.events))
@@ -343,6 +323,7 @@ class JobManager:
                 job.job_id, plan, pg, storage)
             self._coordinators[job.job_id] = coordinator
             self._placement_groups[job.job_id] = pg
+            self._cursors[job.job_id] = Cursor(step=job.step)
         coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
         log.info("job %s admitted (world size %d)", job.job_id, plan.world_size)
         return True
@@ -352,8 +333,9 @@ class JobManager:
         with self._lock:
             for job_id, coordinator in self._coordinators.items():
                 if job_id not in self._polls:
-                    job = self.store.get(job_id)
-                    self._polls[job_id] = coordinator.poll.remote(job.step if job else 0)
+                    cursor = self._cursors.setdefault(job_id, Cursor(step=0))
+                    events_from = cursor.events if cursor.incarnation is not None else None
+                    self._polls[job_id] = coordinator.poll.remote(cursor.step, events_from=events_from)
             refs = {ref: job_id for job_id, ref in self._polls.items()}
         if not refs:
             return
@@ -387,11 +369,9 @@ class JobManager:
     # --- bookkeeping ---------------------------------------------------------------------------
 
     def _apply(self, job_id: str, report: dict) -> None:
-        if report["metrics"]:
-            self.store.add_metrics(job_id, report["metrics"])
-        status = JobStatus(report["status"])
-        self.store.update(job_id, status=status, step=report["step"], error=report["error"],
-                          actors=report["actors"], ranks=report["ranks"], events=report["events"])
+        with self._lock:
+            cursor = self._cursors.setdefault(job_id, Cursor(step=0))
+        status = apply_report(self.store, job_id, report, cursor)
         if status.is_terminal:
             self._finish(job_id, status)
 
@@ -406,11 +386,12 @@ class JobManager:
             coordinator = self._coordinators.pop(job_id, None)
             pg = self._placement_groups.pop(job_id, None)
             self._polls.pop(job_id, None)
+            self._cursors.pop(job_id, None)
         if coordinator is not None:
             ray.kill(coordinator, no_restart=True)
         if pg is not None:
             remove_placement_group(pg)
-        _remove_grown_placement_groups(job_id)
+        remove_grown_placement_groups(placement_group_name(job_id))
 
     def _reconcile(self) -> None:
         for job in self.store.list():
@@ -437,25 +418,6 @@ class JobManager:
         except Exception:  # noqa: BLE001 - gone (ValueError), or dead: the job is relaunched instead
             return False
         self._coordinators[job.job_id], self._placement_groups[job.job_id] = coordinator, pg
+        self._cursors[job.job_id] = Cursor(step=job.step)
         log.info("job %s: reattached to its running coordinator", job.job_id)
         return True
-
-
-def _remove_grown_placement_groups(job_id: str) -> None:
-    """The placement groups the job's coordinator reserved to grow (`<name>-growN`), should it have died
-    before giving them back."""
-    prefix = placement_group_name(job_id) + "-grow"
-    for entry in ray.util.placement_group_table().values():
-        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
-            with contextlib.suppress(Exception):
-                remove_placement_group(ray.util.get_placement_group(entry["name"]))
-
-
-def _differences(a: dict, b: dict, sections: tuple[str, ...]) -> list[str]:
-    """`section.field: X there, Y here` for each field that differs between two specs' sections."""
-    out = []
-    for section in sections:
-        for key in sorted(set(a[section]) | set(b[section])):
-            if a[section].get(key) != b[section].get(key):
-                out.append(f"{section}.{key}: {a[section].get(key)!r} there, {b[section].get(key)!r} here")
-    return out

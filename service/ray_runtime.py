@@ -10,6 +10,14 @@ in its state directory once Ray is up (`record_embedded_processes`), and the nex
 them still runs (`remove_orphans`) before it starts a new cluster. Processes are read from /proc (Linux);
 elsewhere this is skipped. Each is known by pid and start time, so a reused pid is never killed.
 
+The embedded cluster's processes run in a process group of their own. A signal to the service's process
+group (systemd's default `KillMode=control-group` sends SIGTERM to every process, `kill -- -PGID` to the
+group) then reaches the service alone, which stops its jobs with a final checkpoint and shuts Ray down as
+after a plain SIGTERM; before, the GCS died first and the shutdown waited 60 s for it and exited 1. Ray does
+the same on Windows where the kernel kills a daemon with its parent (`ConsolePopen`); on Linux it does not,
+so `connect` asks for it while `ray.init` starts the daemons. The daemons still die with the service
+(Ray's kernel fate-sharing, PR_SET_PDEATHSIG), so nothing outlives it.
+
 The embedded cluster also starts its workers at nice 0 (`RAY_worker_niceness`, which Ray Jobs sets for
 its drivers too) instead of Ray's default 15: the workers are the training, and at nice 15 they lose the
 cores to the raylet, GCS, dashboard and API server of the same machine. A cluster that is joined keeps
@@ -18,14 +26,18 @@ its own setting.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from actors.naming import NAMESPACE
 from parallel.plan import ClusterResources, NodeResources
@@ -61,14 +73,41 @@ def connect(address: str | None = None, num_cpus: int | None = None, dashboard: 
         ctx = ray.init(address=address, namespace=NAMESPACE)
         return RayInfo(address=address, dashboard_url=_url(ctx.dashboard_url), embedded=False)
     os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet that ray.init starts
-    ctx = ray.init(
-        num_cpus=num_cpus or max(os.cpu_count() or 1, MIN_EMBEDDED_CPUS),
-        namespace=NAMESPACE,
-        include_dashboard=dashboard,
-        dashboard_host="127.0.0.1",
-        object_store_memory=object_store_memory,
-    )
+    with _daemons_in_their_own_process_group():
+        ctx = ray.init(
+            address="local",  # a cluster of its own, even where a `ray start` of someone else's runs here
+            num_cpus=num_cpus or max(os.cpu_count() or 1, MIN_EMBEDDED_CPUS),
+            namespace=NAMESPACE,
+            include_dashboard=dashboard,
+            dashboard_host="127.0.0.1",
+            object_store_memory=object_store_memory,
+        )
     return RayInfo(address=ctx.address_info["gcs_address"], dashboard_url=_url(ctx.dashboard_url), embedded=True)
+
+
+@contextlib.contextmanager
+def _daemons_in_their_own_process_group() -> Iterator[None]:
+    """While it lasts, every process Ray starts (GCS, raylet, dashboard; the raylet's workers follow it) gets
+    a process group of its own. Only where the kernel kills them with their parent (fate-sharing), so that a
+    killed service still takes them along; through `ray._private.services.ConsolePopen`, the class Ray spawns
+    its daemons with (private: if it ever moves, the daemons simply stay in the service's group)."""
+    services = getattr(getattr(ray, "_private", None), "services", None)
+    original = getattr(services, "ConsolePopen", None)
+    fate_sharing = sys.platform.startswith("linux") and ray._private.utils.detect_fate_sharing_support()
+    if original is None or not fate_sharing:
+        yield
+        return
+
+    class OwnGroupPopen(original):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 def cluster_resources() -> ClusterResources:
@@ -174,3 +213,13 @@ def descendants(pid: int) -> list[int]:
                 found.append(child)
                 todo.append(child)
     return found
+
+
+def remove_grown_placement_groups(prefix: str) -> None:
+    """Remove the placement groups a job's coordinator reserved to grow (`<prefix>-growN`), should it have died
+    before giving them back."""
+    prefix += "-grow"
+    for entry in ray.util.placement_group_table().values():
+        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(ray.util.get_placement_group(entry["name"]))

@@ -2,7 +2,9 @@
 
 It holds each job's spec, status, progress and error, one metrics row per finished step, and the queue: a
 waiting job is a PENDING row with no `admitted_at`, ordered by priority (higher first) then submission. A
-restarted service therefore still lists every job and its curve, and its queue. One connection, guarded by
+restarted service therefore still lists every job and its curve, and its queue. Events are rows of their
+own (one per event, appended), so that following a long job costs the same per poll at its end as at its
+start; the `events` column of stores written before that is moved into them on open. One connection, guarded by
 a lock, shared by the API handlers and the manager's background threads.
 
 Every write that races with another request is a single conditional statement: `claim` admits a job only
@@ -33,6 +35,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     actors TEXT NOT NULL DEFAULT '[]',
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    event TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
 );
 CREATE TABLE IF NOT EXISTS metrics (
     job_id TEXT NOT NULL REFERENCES jobs(job_id) ON DELETE CASCADE,
@@ -97,6 +105,31 @@ class JobStore:
             for column, decl in _ADDED_COLUMNS.items():
                 if column not in have:
                     self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
+            for job_id, events in self._db.execute("SELECT job_id, events FROM jobs WHERE events != '[]'").fetchall():
+                self._insert_events(job_id, json.loads(events), first=0)
+                self._db.execute("UPDATE jobs SET events = '[]' WHERE job_id = ?", (job_id,))
+
+    def _insert_events(self, job_id: str, events: list[dict], first: int | None = None) -> None:
+        """Append events (numbered on from `first`, or after the job's last); the caller holds the lock."""
+        if first is None:
+            first = self._db.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM events WHERE job_id = ?",
+                                     (job_id,)).fetchone()[0]
+        self._db.executemany("INSERT OR REPLACE INTO events (job_id, seq, event) SELECT ?, ?, ? "
+                             "WHERE EXISTS (SELECT 1 FROM jobs WHERE job_id = ?)",
+                             [(job_id, first + i, json.dumps(e), job_id) for i, e in enumerate(events)])
+
+    def _events(self, job_ids: list[str]) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {job_id: [] for job_id in job_ids}
+        if len(job_ids) <= 900:  # SQLite's limit on parameters of one statement is far above
+            marks = ", ".join("?" * len(job_ids))
+            rows = self._db.execute(f"SELECT job_id, event FROM events WHERE job_id IN ({marks}) ORDER BY job_id, seq",
+                                    job_ids)
+        else:
+            rows = self._db.execute("SELECT job_id, event FROM events ORDER BY job_id, seq")
+        for job_id, event in rows:
+            if job_id in out:
+                out[job_id].append(json.loads(event))
+        return out
 
     def close(self) -> None:
         with self._lock:
@@ -109,20 +142,21 @@ class JobStore:
                 f"INSERT INTO jobs ({_COLUMNS}) VALUES ({', '.join('?' * len(_COLUMN_LIST))})",
                 (job.job_id, job.name, job.status.value, json.dumps(job.spec), job.steps, job.step, job.error,
                  json.dumps(job.actors), now, now, job.priority, json.dumps(job.needs), job.admitted_at,
-                 job.ended_at, json.dumps(job.ranks), json.dumps(job.events)),
+                 job.ended_at, json.dumps(job.ranks), "[]"),
             )
+            self._insert_events(job.job_id, job.events, first=0)
 
     def update(self, job_id: str, *, status: JobStatus | None = None, step: int | None = None,
                error: str | None = None, actors: list[str] | None = None, ranks: list[dict] | None = None,
                events: list[dict] | None = None) -> bool:
         """Set the given fields; True if the job changed. A terminal status is final: a late report (e.g. a
-        poll answered just before a stop) changes neither the status nor the error of a job that has ended."""
+        poll answered just before a stop) changes neither the status nor the error of a job that has ended.
+        `events` replaces the job's events (see `add_events` to append)."""
         now = time.time()
         sets, args = ["updated_at = ?"], [now]
         for column, value in (("status", status.value if status else None), ("step", step), ("error", error),
                               ("actors", json.dumps(actors) if actors is not None else None),
-                              ("ranks", json.dumps(ranks) if ranks is not None else None),
-                              ("events", json.dumps(events) if events is not None else None)):
+                              ("ranks", json.dumps(ranks) if ranks is not None else None)):
             if value is not None:
                 sets.append(f"{column} = ?")
                 args.append(value)
@@ -132,7 +166,16 @@ class JobStore:
         guard = f" AND status NOT IN ({_TERMINAL})" if status or error else ""
         with self._lock:
             cursor = self._db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE job_id = ?{guard}", (*args, job_id))
+            if events is not None and cursor.rowcount > 0:
+                self._db.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
+                self._insert_events(job_id, events, first=0)
         return cursor.rowcount > 0
+
+    def add_events(self, job_id: str, events: list[dict]) -> None:
+        """Append events to a job's (those of a job deleted meanwhile are dropped)."""
+        if events:
+            with self._lock:
+                self._insert_events(job_id, events)
 
     def claim(self, job_id: str) -> bool:
         """Take a waiting job out of the queue (admitted now); False if it was stopped or deleted meanwhile."""
@@ -145,13 +188,12 @@ class JobStore:
     def interrupt(self, job_id: str, event: dict) -> None:
         """Put a job that was running when the service went down back into the queue, to go on from its latest
         checkpoint, and add `event` to its history. A job that has ended is left alone."""
-        job = self.get(job_id)
-        if job is None or job.status.is_terminal:
-            return
         with self._lock:
-            self._db.execute("UPDATE jobs SET status = ?, admitted_at = NULL, error = NULL, events = ?, "
-                             f"updated_at = ? WHERE job_id = ? AND status NOT IN ({_TERMINAL})",
-                             (JobStatus.PENDING.value, json.dumps([*job.events, event]), time.time(), job_id))
+            cursor = self._db.execute("UPDATE jobs SET status = ?, admitted_at = NULL, error = NULL, "
+                                      f"updated_at = ? WHERE job_id = ? AND status NOT IN ({_TERMINAL})",
+                                      (JobStatus.PENDING.value, time.time(), job_id))
+            if cursor.rowcount > 0:
+                self._insert_events(job_id, [event])
 
     def requeue(self, job_id: str) -> None:
         """Put an admitted job that never started back into the queue (its resources were given back)."""
@@ -162,18 +204,21 @@ class JobStore:
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
             row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-        return _record(row) if row else None
+            events = self._events([job_id]) if row else {}
+        return _record(row, events[job_id]) if row else None
 
     def list(self) -> list[JobRecord]:
         with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY created_at, rowid").fetchall()
-        return [_record(r) for r in rows]
+            events = self._events([r[0] for r in rows])
+        return [_record(r, events[r[0]]) for r in rows]
 
     def queue(self) -> list[JobRecord]:
         """The waiting jobs in admission order."""
         with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE {_QUEUED} ORDER BY {_QUEUE_ORDER}").fetchall()
-        return [_record(r) for r in rows]
+            events = self._events([r[0] for r in rows]) if rows else {}
+        return [_record(r, events[r[0]]) for r in rows]
 
     def queued_count(self) -> int:
         with self._lock:
@@ -207,10 +252,10 @@ _COLUMN_LIST = ("job_id", "name", "status", "spec", "steps", "step", "error", "a
 _COLUMNS = ", ".join(_COLUMN_LIST)
 
 
-def _record(row: tuple) -> JobRecord:
+def _record(row: tuple, events: list[dict]) -> JobRecord:
     (job_id, name, status, spec, steps, step, error, actors, created, updated, priority, needs, admitted_at,
-     ended_at, ranks, events) = row
+     ended_at, ranks, _) = row
     return JobRecord(job_id=job_id, name=name, status=JobStatus(status), spec=json.loads(spec), steps=steps,
                      step=step, error=error, actors=json.loads(actors), created_at=created, updated_at=updated,
                      priority=priority, needs=json.loads(needs), admitted_at=admitted_at, ended_at=ended_at,
-                     ranks=json.loads(ranks), events=json.loads(events))
+                     ranks=json.loads(ranks), events=events)

@@ -13,11 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import ray
 import torch
 from helpers import REPO, tiny_spec, wait_for
 from safetensors.torch import load_file
 
+from parallel import checkpoint
 from parallel.export import MODEL_FILE
 from service.client import ApiError, Client
 from service.demo import wait_ready
@@ -40,8 +42,10 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # tests only: the product keeps Ray's token auth on
     where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", "4"]
+    # A session of its own, as systemd runs a service: a signal to its process group reaches nothing of ours.
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve", "--port",
-                             str(port), *where], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+                             str(port), *where], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
     try:
         return proc, wait_ready(proc, state, port, timeout_s=180)  # the demo's own readiness wait
@@ -50,7 +54,11 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple
         raise AssertionError(f"{e}:\n{log.read_text()[-3000:]}") from None
 
 
-def test_sigterm_queues_live_jobs_again_keeps_waiting_ones_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_queues_live_jobs_again_keeps_waiting_ones_and_leaves_no_process(tmp_path, to):
+    """`to`: SIGTERM to the service's process, or to its process group (systemd's default, `kill -- -PGID`),
+    which once reached the embedded Ray's daemons too: the shutdown then waited 60 s for a GCS that was gone,
+    exited 1 and wrote no final checkpoint."""
     proc, client = start_serve(tmp_path / "state", tmp_path / "serve.log")
     try:
         live = [client.submit(tiny_spec(steps=100_000, name=f"live{i}")) for i in range(2)]
@@ -60,7 +68,11 @@ def test_sigterm_queues_live_jobs_again_keeps_waiting_ones_and_leaves_no_process
         assert client.job(waiting)["queue_position"] == 1
         ours = descendants(proc.pid)
         assert len(ours) >= 4  # at least Ray's GCS and raylet, and the jobs' workers
-        proc.send_signal(signal.SIGTERM)
+        steps = {j: client.job(j)["step"] for j in live}
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
         wait_for(lambda: not any(alive(p) for p in ours), 30, "the service's processes to exit")
     finally:
@@ -70,6 +82,11 @@ def test_sigterm_queues_live_jobs_again_keeps_waiting_ones_and_leaves_no_process
     assert all(store.get(j).queued for j in live)  # to go on when the service is back
     assert all(store.get(j).events[-1]["kind"] == "interrupted" for j in live)
     assert store.get(waiting).queued
+    # Each live job wrote its final checkpoint as it stopped, at or after the step the service last saw.
+    for job_id in live:
+        saved = checkpoint.committed_steps(tmp_path / "state" / "checkpoints" / job_id)
+        assert saved and saved[-1] >= steps[job_id], saved
+    store.close()
 
 
 SURVIVOR = tiny_spec(model={"n_layer": 4}, steps=120, checkpoint={"every": 10}, name="survivor",

@@ -1,8 +1,7 @@
-"""The SQLite job store and the coordinator's state transitions."""
+"""The SQLite job store (the coordinator's transitions: tests/unit/test_coordinator_states.py)."""
 
-import pytest
 
-from actors.state import Event, JobStatus, next_state
+from actors.state import JobStatus
 from service.store import JobRecord, JobStore
 
 
@@ -37,25 +36,3 @@ def test_a_late_report_never_revives_or_refails_an_ended_job(tmp_path):
 def test_store_uses_write_ahead_logging(tmp_path):
     store = JobStore(tmp_path / "jobs.db")
     assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-
-
-def test_happy_path_transitions():
-    assert next_state(JobStatus.PENDING, Event.RESOURCES_READY) is JobStatus.RUNNING
-    assert next_state(JobStatus.RUNNING, Event.FINISHED) is JobStatus.SUCCEEDED
-
-
-@pytest.mark.parametrize("state", [JobStatus.PENDING, JobStatus.RUNNING])
-def test_stop_and_error_end_any_live_state(state):
-    assert next_state(state, Event.STOP_REQUESTED) is JobStatus.STOPPED
-    assert next_state(state, Event.ERROR) is JobStatus.FAILED
-
-
-def test_terminal_states_never_change():
-    for state in (JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED):
-        assert state.is_terminal
-        assert next_state(state, Event.RESOURCES_READY) is state
-
-
-def test_impossible_transition_is_an_error():
-    with pytest.raises(ValueError, match="no transition"):
-        next_state(JobStatus.PENDING, Event.FINISHED)

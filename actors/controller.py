@@ -1,0 +1,264 @@
+"""The coordinator's driver loop (Ray Train v2's controller): each pass runs the action the current state
+asks for, turns what happened into an outcome, and sets `state.step(state, outcome, inputs)` as the next
+state. `_set_state` is the only place the state changes; it logs the change and tells the listeners.
+
+The actions: PENDING verifies the point to start from (in a thread: hashing a checkpoint of many GB never
+blocks the actor's event loop, so polls and stops are answered meanwhile); STARTING creates the ranks and
+loads it; RUNNING runs steps (`actors.training`); RECOVERING and RESIZING run the one recovery-and-resize
+sequence (`actors.recovery`); FINISHING and STOPPING write the final checkpoint (and the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+
+from actors import recovery, training
+from actors.calls import Failure, StepFailed
+from actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log
+from actors.policies import FailureAction, FailurePolicy, HangPolicy, ResizeDecision, ResizeDesk, scaling_policy
+from actors.recovery import Unrecoverable
+from actors.state import (
+    Admitted,
+    CallFailed,
+    Cancelled,
+    Crashed,
+    Failed,
+    Finishing,
+    Inputs,
+    JobStatus,
+    Outcome,
+    Pending,
+    Point,
+    Recovering,
+    Resizing,
+    Running,
+    Starting,
+    State,
+    Stopping,
+    is_terminal,
+    step,
+)
+from actors.storage import JobStorage
+from actors.telemetry import Rows
+from actors.worker_group import WorkerGroup, slot_keys
+from parallel import checkpoint
+from parallel.plan import Plan, PlanError, make_plan, resized
+
+log = logging.getLogger("trainyard.coordinator")
+
+
+class Controller:
+    def __init__(self, job_id: str, plan: Plan, pg, storage: JobStorage, restarted: bool):
+        self.job_id, self.storage, self.restarted = job_id, storage, restarted
+        self.root = Path(storage.checkpoint_root)
+        self.incarnation = uuid.uuid4().hex[:8]
+        """Changes when Ray restarts the coordinator: the service then reads the events anew."""
+        self.group = WorkerGroup(job_id, plan, pg)
+        self.start_step = storage.resume[1] if storage.resume else 0
+        self.journal = Journal(self.root, list(storage.events), restarted)
+        rows = read_metrics_log(self.root)
+        self.rows = Rows(self.root, rows if restarted else [r for r in rows if r["step"] < self.start_step])
+        self.failure_policy = FailurePolicy(plan.config.fault.max_failures, elastic=plan.dp_range is not None)
+        self.hang = HangPolicy(plan.config.fault)
+        self.scaling = scaling_policy(plan)
+        self.desk = ResizeDesk()
+        self.drills = training.Drills()
+        self.state: State = Pending()
+        self.listeners: list[Callable[[State, State], None]] = []
+        self.stop = self.suspend = False
+        self.model: dict | None = None
+        self.failed_at: float | None = None
+        self.upcoming: list = []
+        self.step_started = time.time()
+        """When the step being waited for became the one waited for (the last step's results came back)."""
+
+    @property
+    def plan(self) -> Plan:
+        return self.group.plan
+
+    @property
+    def error(self) -> str | None:
+        return self.state.error if isinstance(self.state, Failed) else None
+
+    def report(self, since: int, events_from: int | None = None) -> dict:
+        """Status, error, the metrics rows of steps >= `since` and the events from index `events_from` (all when
+        None): the work does not grow with the job's length."""
+        events = self.journal.events
+        return {
+            "status": self.state.status.value, "error": self.error, "model": self.model,
+            "step": self.rows.next_step(self.start_step),
+            "events": events if events_from is None else events[events_from:],
+            "events_from": events_from, "incarnation": self.incarnation,
+            "metrics": self.rows.since(since), "actors": self.group.actor_names(), "ranks": self.group.ranks,
+        }
+
+    def _set_state(self, new: State) -> None:
+        old, self.state = self.state, new
+        log.info("job %s: %s -> %s (%s)", self.job_id, old.status, new.status, type(new).__name__)
+        for listener in self.listeners:
+            listener(old, new)
+
+    def _inputs(self) -> Inputs:
+        restarted = None
+        if self.restarted and isinstance(self.state, Pending):
+            restarted = self._own_death()
+        return Inputs(steps=self.plan.config.steps, causes=tuple(self.journal.causes), stop=self.stop,
+                      suspend=self.suspend, resize=self.desk.ready, restarted=restarted)
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        grower = None
+        try:
+            while True:
+                try:
+                    outcome = await self._act(self.state)
+                except StepFailed as failure:
+                    outcome = await self._failed(failure)
+                except Unrecoverable as e:
+                    outcome = Crashed(str(e))
+                except asyncio.CancelledError:
+                    outcome = Cancelled()
+                except Exception:  # noqa: BLE001 - any other error ends the job with its traceback
+                    outcome = Crashed(traceback.format_exc())
+                try:
+                    new = step(self.state, outcome, self._inputs(), self.failure_policy)
+                except Exception:  # noqa: BLE001 - a missing transition is a bug: fail the job, never hang it
+                    new = Failed(traceback.format_exc())
+                if isinstance(new, Resizing):
+                    self.desk.take()
+                if is_terminal(new):
+                    break
+                self._set_state(new)
+                if grower is None and self.plan.dp_range is not None and isinstance(new, Running):
+                    grower = asyncio.get_running_loop().create_task(self._grow_when_possible())
+        finally:
+            if grower is not None:
+                grower.cancel()
+            self.group.release()
+        self._set_state(new)  # terminal once the workers and grown placement groups are released
+
+    async def _act(self, state: State) -> Outcome:
+        match state:
+            case Pending():
+                return Admitted(await asyncio.to_thread(self._start_point))
+            case Starting(restore=restore):
+                self.rows.trim(self.start_step)  # a damaged resume point may have moved it back
+                await self.group.start()
+                await self.group.load(restore)
+                return recovery.READY
+            case Running():
+                return await training.run_steps(self)
+            case Recovering():
+                return await recovery.recover(self, state)
+            case Resizing():
+                return await recovery.resize(self, state)
+            case Finishing(steps_done=done, saved=saved) | Stopping(steps_done=done, saved=saved):
+                return await training.finish(self, done, saved)
+        raise AssertionError(f"no action for {state}")
+
+    async def _failed(self, error: StepFailed) -> Outcome:
+        """A failed call as an outcome: the failure, whether a node was lost, and the point to go on from (only
+        looked for when the job will recover: it hashes the checkpoint, in a thread)."""
+        failure = Failure.of(error, self.rows.next_step(self.start_step), self.step_started)
+        if isinstance(self.state, Starting):
+            return CallFailed(failure, None)  # a job that cannot start is not recovered
+        node_lost = self.plan.dp_range is not None and not self.stop and await self._node_lost(failure)
+        decision = self.failure_policy.decide(len(self.journal.causes), node_lost=node_lost, stopping=self.stop)
+        log.info("job %s: failure policy: %s (%s)", self.job_id, decision.action, decision.reason)
+        restore = None if decision.action is FailureAction.RAISE else await asyncio.to_thread(self.restore_point)
+        return CallFailed(failure, restore, node_lost)
+
+    def restore_point(self) -> Point | None:
+        """Where a recovery goes on from: the latest valid checkpoint, else the resume point, else the start."""
+        found = checkpoint.latest_valid(self.root)
+        return (str(found.directory), found.step) if found else self.storage.resume
+
+    def _start_point(self) -> Point | None:
+        """The point to start from, its files hashed (the service checked only their sizes): a restarted
+        coordinator's latest valid checkpoint; else the resume point, or if that is damaged the latest valid
+        checkpoint of this job."""
+        if self.restarted:
+            return self.restore_point()
+        resume = self.storage.resume
+        if resume is None:
+            return None
+        began = time.time()
+        problem = checkpoint.verify(Path(resume[0]))
+        if problem is None:
+            self.journal.add_event({"time": time.time(), "kind": "verified", "step": resume[1],
+                                    "verify_s": time.time() - began})
+            return resume
+        found = checkpoint.latest_valid(self.root)
+        if found is None:
+            raise Unrecoverable(f"the checkpoint to start from ({resume[0]}) is damaged: {problem}")
+        self.start_step = found.step
+        return str(found.directory), found.step
+
+    def _own_death(self) -> Failure:
+        last_step = self.rows.next_step(self.start_step)
+        last_alive = mtime(self.root / METRICS_LOG) or time.time()
+        cause = (f"the coordinator died (its process exited after step {last_step}; Ray restarted it, "
+                 f"restart {len(self.journal.causes) + 1} of fault.max_failures={self.plan.config.fault.max_failures})")
+        return Failure(cause=cause, failed_at=last_alive, waited_s=time.time() - last_alive, step=last_step,
+                       coordinator=True)
+
+    async def _node_lost(self, failure: Failure) -> bool:
+        """Whether a rank that died was on a node Ray has lost (it may take Ray a moment to say so)."""
+        nodes = {self.group.rank_info(r).get("node_id") for r in failure.dead} - {None}
+        for _ in range(10):
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if nodes - alive:
+                return True
+            await asyncio.sleep(0.3)
+        return False
+
+    # --- requests from outside ------------------------------------------------------------------------
+
+    def request_stop(self, suspend: bool) -> None:
+        self.stop, self.suspend = True, suspend
+
+    async def request_resize(self, dp: int, reason: str) -> dict:
+        """Resize to `dp` replicas at the next step boundary, the added ranks' resources reserved first; the
+        new layout, or why not. Both `scale` and the elastic grower come here, and the desk decides."""
+        if self.state.status is not JobStatus.RUNNING or self.desk.claimed_by or self.desk.ready:
+            state = "resizing already" if self.desk.claimed_by or self.desk.ready else str(self.state.status)
+            return {"refused": f"job {self.job_id} is {state}; only a RUNNING job can be resized"}
+        limits = self.plan.dp_range
+        if limits is not None and not limits[0] <= dp <= limits[1]:
+            raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
+                                           f"max: {limits[1]}}}")
+        new = replace(make_plan(resized(self.plan.config, dp)), dp_range=limits)
+        layout = {"dp": new.dp, "microbatches": new.microbatches, "world_size": new.world_size}
+        if dp == self.plan.dp:
+            return layout
+        added = sum(1 for key in slot_keys(new) if key not in self.group.slots)
+        problem = await self.desk.request(
+            new, reason, time.time(), running=lambda: self.state.status is JobStatus.RUNNING and not self.stop,
+            current=lambda: self.plan, reserve=lambda: self.group.reserve(added))
+        return {"refused": problem} if problem else layout
+
+    async def _grow_when_possible(self) -> None:
+        """Elastic jobs below their max: every fault.grow_interval_s, ask the scaling policy whether the free
+        resources allow more replicas, and ask the desk like any request."""
+        while True:
+            await asyncio.sleep(self.plan.config.fault.grow_interval_s)
+            if not isinstance(self.state, Running) or self.desk.claimed_by or self.desk.ready:
+                continue
+            free = ray.available_resources()
+            bundle = self.plan.gang.bundle
+            fits = min(int(free.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0)
+            decision = self.scaling.decide(self.plan, fits + self.group.placed_spare())
+            if isinstance(decision, ResizeDecision):
+                answer = await self.request_resize(decision.dp, decision.reason)
+                if "refused" in answer:
+                    log.info("job %s: no growth to dp=%d now: %s", self.job_id, decision.dp, answer["refused"])

@@ -1,0 +1,164 @@
+"""The coordinator's decisions, apart from the state machine that applies them (Ray Train v2's
+failure_handling/ and scaling_policy/): each policy is a small object that returns a decision with its
+reason, and reads nothing but its arguments, so the tests drive them directly.
+
+- `FailurePolicy`: a failure is recovered from (`RECOVER`, counted against `fault.max_failures`), ridden
+  (`RIDE`: an elastic job lost a node; not counted) or ends the job (`RAISE`).
+- `HangPolicy`: how long a step may take before it counts as hung.
+- `FixedScaling` / `ElasticScaling`: whether to resize, from what is free in the cluster.
+- `ResizeDesk`: the one place a resize is decided, whoever asks (a `scale` request, the elastic grower): a
+  request claims the desk before it waits for resources and is refused while another holds it, so two
+  requests can never overwrite each other, and a claim taken while the job was RUNNING is checked again
+  when its resources are ready.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from parallel.config import FaultConfig
+from parallel.plan import Plan, PlanError, make_plan, resized
+
+log = logging.getLogger("trainyard.coordinator")
+
+HANG_WINDOW = 20
+HANG_MIN_STEPS = 3
+"""Steps recorded before the hang detector trusts their median (the first steps include warm-up)."""
+
+
+class FailureAction(StrEnum):
+    RECOVER = "recover"
+    RIDE = "ride"
+    RAISE = "raise"
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    action: FailureAction
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    max_failures: int
+    elastic: bool
+
+    def decide(self, counted_before: int, *, node_lost: bool, stopping: bool) -> FailureDecision:
+        """What to do about a failure, given the failures already counted. A failure while recovering or
+        resizing is one like any other: it counts, and the job goes on while the budget allows."""
+        if self.elastic and node_lost and not stopping:
+            return FailureDecision(FailureAction.RIDE, "an elastic job lost a node: ride it (not counted)")
+        if stopping:
+            return FailureDecision(FailureAction.RAISE, "the job was stopping")
+        if counted_before + 1 > self.max_failures:
+            return FailureDecision(FailureAction.RAISE, f"failure {counted_before + 1} is more than "
+                                                        f"fault.max_failures={self.max_failures}")
+        return FailureDecision(FailureAction.RECOVER, f"failure {counted_before + 1} of "
+                                                      f"fault.max_failures={self.max_failures}")
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    fault: FaultConfig
+
+    def deadline(self, recent_step_times: list[float]) -> float:
+        """How long a step may take before it counts as hung: hang_factor x the median of the recent steps
+        (with a floor), once there are a few; never more than step_timeout_s."""
+        recent = sorted(recent_step_times[-HANG_WINDOW:])
+        if len(recent) < HANG_MIN_STEPS:
+            return self.fault.step_timeout_s
+        median = recent[len(recent) // 2]
+        return min(self.fault.step_timeout_s, max(self.fault.hang_floor_s, self.fault.hang_factor * median))
+
+
+@dataclass(frozen=True)
+class NoopDecision:
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ResizeDecision:
+    dp: int
+    reason: str
+
+
+def largest_size(plan: Plan, at_most: int) -> int | None:
+    """The largest data-parallel size <= at_most within the job's range that every plan rule allows."""
+    low, high = plan.dp_range
+    for size in range(min(at_most, high), low - 1, -1):
+        try:
+            make_plan(resized(plan.config, size))  # every rule, e.g. ep must divide dp
+            return size
+        except PlanError:
+            continue
+    return None
+
+
+class FixedScaling:
+    """A job with a fixed parallel.dp never resizes by itself."""
+
+    def decide(self, plan: Plan, free_groups: int) -> NoopDecision | ResizeDecision:
+        return NoopDecision("fixed size")
+
+
+class ElasticScaling:
+    """parallel.dp = {min, max}: grow into the groups that are free (bundles of a lost node Ray placed again
+    count too), to the largest size the rules allow."""
+
+    def decide(self, plan: Plan, free_groups: int) -> NoopDecision | ResizeDecision:
+        size = largest_size(plan, plan.dp + free_groups // plan.pp)
+        if size is not None and size > plan.dp:
+            return ResizeDecision(size, "resources appeared")
+        return NoopDecision(f"no room to grow past dp={plan.dp}")
+
+
+def scaling_policy(plan: Plan) -> FixedScaling | ElasticScaling:
+    return ElasticScaling() if plan.dp_range is not None else FixedScaling()
+
+
+@dataclass(frozen=True)
+class Resize:
+    """A resize the desk accepted: the new plan, why, and when it was asked for."""
+
+    plan: Plan
+    reason: str
+    asked: float
+
+
+class ResizeDesk:
+    """Where resizes are decided: at most one is claimed or ready at a time.
+
+    `request` claims the desk synchronously (no await between the check and the claim, so two coroutines of
+    the actor's event loop cannot both pass it), then awaits the resources, then checks the job again."""
+
+    def __init__(self) -> None:
+        self.claimed_by: str | None = None
+        self.ready: Resize | None = None
+        """The resize the controller takes at the next step boundary."""
+
+    def take(self) -> Resize | None:
+        resize, self.ready = self.ready, None
+        return resize
+
+    async def request(self, new: Plan, reason: str, asked: float, running: Callable[[], bool],
+                      current: Callable[[], Plan], reserve: Callable[[], Awaitable[str | None]]) -> str | None:
+        """Accept a resize to `new` (None) or say why not. `running`: whether the job can be resized now;
+        `current`: the job's plan now; `reserve`: reserves the added ranks' resources, or says why it cannot."""
+        if not running() or self.claimed_by is not None or self.ready is not None:
+            busy = self.claimed_by or (self.ready.reason if self.ready else None)
+            return f"resizing already ({busy})" if busy else "not running"
+        self.claimed_by, before = reason, current()
+        try:
+            problem = await reserve()
+            if problem:
+                return problem
+            if not running() or current() is not before:
+                return "the job changed while the resources were reserved (a failure or a resize); ask again"
+            self.ready = Resize(new, reason, asked)
+            log.info("resize to dp=%d accepted (%s)", new.dp, reason)
+            return None
+        finally:
+            self.claimed_by = None

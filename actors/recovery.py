@@ -1,0 +1,152 @@
+"""The one recovery-and-resize sequence, for every cause: a failed step, a failure during a recovery or a
+resize, a lost node (elastic jobs shrink to the replicas left), the coordinator's own death (every rank
+died with it), and a resize asked for (`scale` or the elastic grower).
+
+  1. leave the old layout: after a failure, ranks that raised are reset and kept, the others killed; for a
+     resize, the kept ranks hold their state in memory (or it goes through a checkpoint of this step)
+  2. take the new layout, if any: kept ranks renumbered, removed ones killed, slots moved
+  3. create the missing ranks, rendezvous, set every rank up
+  4. take the state: load the restore point, or move it in memory (new ranks get it by broadcast)
+  5. forget the metrics rows that will be run again, and record the resize
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import ray
+
+from actors.calls import Failure
+from actors.policies import largest_size
+from actors.state import Point, Ready, Recovering, Resizing
+from actors.storage import checkpoint_info
+from parallel import checkpoint
+from parallel.plan import Plan, can_move_in_memory, make_plan, resized
+
+if TYPE_CHECKING:
+    from actors.controller import Controller
+
+log = logging.getLogger("trainyard.coordinator")
+READY = Ready()
+
+
+class Unrecoverable(RuntimeError):
+    """The job cannot go on whatever its failure budget (e.g. an elastic job below its minimum size)."""
+
+
+async def recover(ctl: Controller, state: Recovering) -> Ready:
+    """Bring the job back after a failure, from `state.restore`."""
+    failure, old = state.failure, ctl.plan
+    began = time.time()
+    _record_failure(ctl, state)
+    await ctl.group.tear_down(failure, ctl.upcoming)
+    shrunk = await _ride_node_loss(ctl, failure) if not state.counted else None
+    if shrunk is not None:  # an elastic job lost a node for good: go on with the replicas left
+        new, replicas = shrunk
+        ctl.group.keep_replicas(replicas, new)
+    await _rejoin(ctl, state.restore, in_memory=False, kill_in_recovery=ctl.drills.in_recovery(failure.step))
+    if shrunk is not None:
+        _resize_event(ctl, old, ctl.plan, "node lost", began, began, "checkpoint")
+    return READY
+
+
+async def resize(ctl: Controller, state: Resizing) -> Ready:
+    """Go to the layout `state.plan` between two steps: ranks whose (pp, tp, dp) coordinates remain keep their
+    actor (and, when `can_move_in_memory`, their state: new ranks get it by broadcast from data-parallel rank
+    0), removed ranks are killed, added ones created on their reserved bundles; every rank joins new process
+    groups. Otherwise the state goes through a checkpoint of this step."""
+    old, new, step = ctl.plan, state.plan, ctl.start_step
+    began = time.time()
+    in_memory = can_move_in_memory(old, new)
+    kept = {r: new.rank_of(c.pp, c.tp, c.dp) for r in range(old.world_size) if (c := old.coords(r)).dp < new.dp}
+    workers = ctl.group.workers
+    if in_memory:
+        await ctl.group.call([workers[r].keep_state.remote() for r in kept], "keeping the state")
+        restore = None
+    else:
+        root, saved = ctl.storage.checkpoint_root, _saved_at(old, step)
+        await ctl.group.call([w.final_checkpoint.remote(root, step, checkpoint_info(old.config), saved)
+                              for w in workers], f"the checkpoint of step {step} for a resize")
+        await ctl.group.call([workers[r].reset.remote() for r in kept], "leaving the process groups")
+        restore = (str(checkpoint.step_dir(Path(root), step)), step)
+    ctl.group.take(new, kept)
+    ctl.group.move_slots(new)
+    await _rejoin(ctl, restore, in_memory=in_memory, grew=new.dp > old.dp)
+    _resize_event(ctl, old, new, state.reason, state.asked, began, "memory" if in_memory else "checkpoint")
+    return READY
+
+
+async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, grew: bool = False,
+                  kill_in_recovery: list[int] = ()) -> None:
+    """Steps 3 to 5 of the sequence."""
+    await ctl.group.start()
+    for rank in kill_in_recovery:  # the drill: a rank's process dies as the ranks take the state
+        log.warning("job %s: fault drill kill_worker_in_recovery on rank %d", ctl.job_id, rank)
+        ray.kill(ctl.group.workers[rank], no_restart=True)
+    if in_memory:
+        plan = ctl.plan
+        await ctl.group.call([w.adopt_state.remote(ctl.start_step, plan.rank_of(plan.coords(r).pp, plan.coords(r).tp, 0)
+                                                   if grew else None) for r, w in enumerate(ctl.group.workers)],
+                             "moving the state")
+    else:
+        await ctl.group.load(restore)
+    ctl.rows.trim(ctl.start_step)
+
+
+def _record_failure(ctl: Controller, state: Recovering) -> None:
+    """The failure as an event (and, when counted, its cause against fault.max_failures); the job goes on from
+    the restore point. Recovery time counts from the failure."""
+    failure, restore = state.failure, state.restore
+    if state.counted:
+        ctl.journal.add_cause(failure.cause)
+    restore_step = restore[1] if restore else 0
+    ctl.failed_at, ctl.start_step = failure.failed_at, restore_step
+    blamed = list(failure.blamed)
+    ctl.journal.add_event({
+        "time": failure.failed_at, "kind": "failure", "cause": failure.cause, "ranks": blamed,
+        "waited_s": failure.waited_s, "nodes": sorted({ctl.group.rank_info(r).get("node", "") for r in blamed}),
+        "step": failure.step, "steps_lost": max(0, failure.step - restore_step), "restore_step": restore_step,
+        "failure": len(ctl.journal.causes),
+    })
+    log.warning("job %s: failure %d (%s); recovering from step %d", ctl.job_id, len(ctl.journal.causes),
+                failure.cause.splitlines()[0], restore_step)
+
+
+async def _ride_node_loss(ctl: Controller, failure: Failure) -> tuple[Plan, list[int]] | None:
+    """Wait up to fault.node_grace_s for Ray to place the lost node's bundles elsewhere (then nothing changes),
+    else the layout of the replicas whose bundles are all placed; riding node churn is what elastic jobs are
+    for, so this is not counted against fault.max_failures."""
+    old = ctl.plan
+    deadline = time.monotonic() + old.config.fault.node_grace_s
+    while time.monotonic() < deadline and ctl.group.lost_replicas():
+        await asyncio.sleep(0.5)
+    lost = ctl.group.lost_replicas()
+    if not lost:
+        return None
+    kept = [d for d in range(old.dp) if d not in lost]
+    size = largest_size(old, len(kept))
+    if size is None:
+        raise Unrecoverable(f"{failure.cause}\nA node was lost and its resources did not come back within "
+                            f"fault.node_grace_s={old.config.fault.node_grace_s:g} s; the {len(kept)} replicas "
+                            f"left are fewer than parallel.dp.min={old.dp_range[0]}")
+    return replace(make_plan(resized(old.config, size)), dp_range=old.dp_range), kept[:size]
+
+
+def _saved_at(plan: Plan, step: int) -> bool:
+    """Whether the step before `step` wrote the checkpoint of `step` already."""
+    cfg = plan.config
+    return cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0 and step < cfg.steps
+
+
+def _resize_event(ctl: Controller, old: Plan, new: Plan, reason: str, asked: float, began: float, moved: str) -> None:
+    layout = lambda p: {"dp": p.dp, "microbatches": p.microbatches, "world_size": p.world_size}  # noqa: E731
+    ctl.journal.add_event({"time": began, "kind": "resize", "reason": reason, "step": ctl.start_step,
+                           "from": layout(old), "to": layout(new), "moved": moved,
+                           "paused_s": time.time() - began, "waited_s": began - asked})
+    log.info("job %s: resized dp %d -> %d at step %d (%s, state moved through %s)", ctl.job_id, old.dp,
+             new.dp, ctl.start_step, reason, moved)

@@ -1,0 +1,146 @@
+"""A job's metrics: one row per finished step (kept in memory, appended to the metrics log, served to the
+service's polls) and the Ray gauges the dashboard shows.
+
+A poll asks for the rows of steps >= `since`; the rows are in step order, so that is a binary search and a
+slice: the work of a poll does not grow with the job's length.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from pathlib import Path
+
+from ray.util.metrics import Gauge
+
+from actors.journal import append_metrics_log
+
+log = logging.getLogger("trainyard.coordinator")
+
+_GAUGES = {
+    "step": Gauge("trainyard_step", "Last finished step", tag_keys=("job_id",)),
+    "loss": Gauge("trainyard_loss", "Training loss of the last step", tag_keys=("job_id",)),
+    "tokens_per_s": Gauge("trainyard_tokens_per_s", "Training throughput", tag_keys=("job_id",)),
+    "step_time_s": Gauge("trainyard_step_time_s", "Wall time of the last step", tag_keys=("job_id",)),
+    "bubble_fraction": Gauge("trainyard_bubble_fraction", "Measured pipeline bubble of the last step",
+                             tag_keys=("job_id",)),
+}
+_STAGE_GAUGES = {
+    "stage_forward_s": Gauge("trainyard_stage_forward_s", "Forward time of a pipeline stage in the last step",
+                             tag_keys=("job_id", "stage")),
+    "stage_backward_s": Gauge("trainyard_stage_backward_s", "Backward time of a pipeline stage in the last step",
+                              tag_keys=("job_id", "stage")),
+}
+_MOE_GAUGES = {
+    "aux_loss": Gauge("trainyard_moe_aux_loss", "Load-balancing loss of an MoE layer in the last step (1: balanced)",
+                      tag_keys=("job_id", "layer")),
+    "z_loss": Gauge("trainyard_moe_z_loss", "Router z-loss of an MoE layer in the last step",
+                    tag_keys=("job_id", "layer")),
+    "dropped_fraction": Gauge("trainyard_moe_dropped_fraction",
+                              "Fraction of an MoE layer's token assignments over capacity in the last step",
+                              tag_keys=("job_id", "layer")),
+}
+_EXPERT_LOAD = Gauge("trainyard_moe_expert_load", "Tokens routed to an expert of an MoE layer in the last step",
+                     tag_keys=("job_id", "layer", "expert"))
+
+
+class Rows:
+    """The metrics rows of the job, one per step, in step order, and where they are logged."""
+
+    def __init__(self, root: Path, rows: list[dict]):
+        self.root, self.rows = root, rows
+
+    def since(self, step: int) -> list[dict]:
+        return self.rows[bisect_left(self.rows, step, key=lambda r: r["step"]):]
+
+    def trim(self, step: int) -> None:
+        """Forget the rows of steps >= `step` (they are run again from a checkpoint before it)."""
+        del self.rows[bisect_left(self.rows, step, key=lambda r: r["step"]):]
+
+    def next_step(self, default: int) -> int:
+        return self.rows[-1]["step"] + 1 if self.rows else default
+
+    def recent_step_times(self, window: int) -> list[float]:
+        return [row["step_time_s"] for row in self.rows[-window:]]
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        append_metrics_log(self.root, row)
+
+
+def make_row(step: int, results: list[dict], elapsed: float, tokens: int) -> dict:
+    """One step's row from every rank's results."""
+    last = next(r for r in results if r["loss"] is not None)
+    row = {
+        "step": step,
+        "loss": last["loss"],
+        "lr": last["lr"],
+        "grad_norm": last["grad_norm"],
+        "tokens_per_s": tokens / elapsed,
+        "step_time_s": elapsed,
+        # Wall time between two steps' results that no rank spent computing.
+        "coordinator_overhead_s": max(0.0, elapsed - max(r["compute_s"] for r in results)),
+        **pipeline_metrics(results),
+    }
+    moe = moe_metrics(results)
+    if moe:
+        row["moe"] = moe
+    val = [r["val_loss"] for r in results if r.get("val_loss") is not None]
+    if val:
+        row["val_loss"] = val[0]
+    blocked = [r["checkpoint_blocked_s"] for r in results if "checkpoint_blocked_s" in r]
+    if blocked:
+        row["checkpoint_blocked_s"] = max(blocked)  # the step waited for its slowest rank's save
+    return row
+
+
+def checkpoint_event(row: dict) -> dict | None:
+    """The event of the checkpoint the step wrote after it, if it wrote one."""
+    if "checkpoint_blocked_s" not in row:
+        return None
+    return {"time": time.time(), "kind": "checkpoint", "step": row["step"] + 1,
+            "blocked_s": row["checkpoint_blocked_s"]}
+
+
+def set_gauges(job_id: str, row: dict, steps: int) -> None:
+    step = row["step"]
+    for key, gauge in _GAUGES.items():
+        gauge.set(row[key] if key != "step" else step + 1, tags={"job_id": job_id})
+    for key, gauge in _STAGE_GAUGES.items():
+        for stage, value in enumerate(row[key]):
+            gauge.set(value, tags={"job_id": job_id, "stage": str(stage)})
+    for layer, values in row.get("moe", {}).items():
+        tags = {"job_id": job_id, "layer": layer}
+        for key, gauge in _MOE_GAUGES.items():
+            gauge.set(values[key], tags=tags)
+        for expert, load in enumerate(values["load"]):
+            _EXPERT_LOAD.set(load, tags={**tags, "expert": str(expert)})
+    if step == 0 or (step + 1) % 10 == 0:
+        log.info("job %s step %d/%d loss %.4f", job_id, step + 1, steps, row["loss"])
+
+
+def pipeline_metrics(results: list[dict]) -> dict:
+    """Per-stage timings of the first pipeline (data-parallel and tensor-parallel rank 0), and its measured
+    bubble fraction.
+
+    bubble = 1 - (time the stages spent computing) / (pp x the longest stage's schedule wall time).
+    """
+    stages = sorted((r for r in results if r["dp_rank"] == 0 and r["tp_rank"] == 0), key=lambda r: r["pp_rank"])
+    busy = sum(r["forward_s"] + r["backward_s"] for r in stages)
+    span = max(r["schedule_s"] for r in stages)
+    return {
+        "bubble_fraction": max(0.0, 1.0 - busy / (len(stages) * span)) if span > 0 else 0.0,
+        "stage_forward_s": [r["forward_s"] for r in stages],
+        "stage_backward_s": [r["backward_s"] for r in stages],
+        "stage_peak_activations": [r["peak_activations"] for r in stages],
+        "stage_peak_activation_mb": [r["peak_activation_bytes"] / 2**20 for r in stages],
+    }
+
+
+def moe_metrics(results: list[dict]) -> dict[str, dict]:
+    """Each MoE layer's statistics, keyed by its block index; every rank of a stage holds the stage's sums, so
+    the first pipeline's ranks have them all."""
+    stages = (r for r in results if r["dp_rank"] == 0 and r["tp_rank"] == 0)
+    layers = {layer: values for r in stages for layer, values in r["moe"].items()}
+    return dict(sorted(layers.items(), key=lambda item: int(item[0])))

@@ -1,0 +1,141 @@
+"""The RUNNING state's action: the step loop, until a step boundary where it must stop (all steps done, a
+stop or a resize asked for), and the final checkpoint with the exported model (FINISHING, STOPPING).
+
+One Ray call per worker per step, queued one step ahead: a worker runs its calls in order and starts the
+next step the moment it finishes this one, so the round trip to the coordinator is off the critical path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import ray
+
+from actors.policies import HANG_WINDOW
+from actors.state import AtBoundary, Cancelled, Done, Outcome
+from actors.storage import checkpoint_info
+from actors.telemetry import checkpoint_event, make_row, set_gauges
+from parallel import checkpoint
+from parallel.data import global_batch_ids, open_dataset, rank_share
+from parallel.export import export_model
+
+if TYPE_CHECKING:
+    from actors.controller import Controller
+
+log = logging.getLogger("trainyard.coordinator")
+
+
+async def run_steps(ctl: Controller) -> Outcome:
+    plan, cfg = ctl.plan, ctl.plan.config
+    num_samples = open_dataset(cfg).num_samples
+    tokens = cfg.global_batch * cfg.model.seq_len
+    root, info = ctl.storage.checkpoint_root, checkpoint_info(cfg)
+
+    def saves_after(step: int) -> bool:
+        every = cfg.checkpoint.every
+        return every > 0 and (step + 1) % every == 0 and step + 1 < cfg.steps
+
+    def evaluates(step: int) -> bool:
+        return cfg.eval.every > 0 and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps)
+
+    def submit(step: int) -> list[ray.ObjectRef]:
+        ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
+        save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(step) else None
+        drills = ctl.drills.due_on_ranks(step)
+        return [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches),
+                                  evaluates(step), save, drills.get(r))
+                for r, w in enumerate(ctl.group.workers)]
+
+    done = ctl.start_step
+    if ctl.stop:
+        return Cancelled()  # stopped before a step ran here: nothing new to checkpoint
+    if done >= cfg.steps:
+        return AtBoundary(done, saved=False)
+    start, refs = time.perf_counter(), submit(done)
+    ctl.step_started = time.time()
+    for step in range(ctl.start_step, cfg.steps):
+        if ctl.drills.kills_coordinator(step):
+            log.warning("job %s: fault drill kill_coordinator at step %d", ctl.job_id, step)
+            os._exit(17)
+        # At most one step is queued ahead; a stop or a resize lets it finish, so the final checkpoint holds
+        # exactly the steps recorded.
+        ahead = step + 1 < cfg.steps and not ctl.stop and ctl.desk.ready is None
+        upcoming = submit(step + 1) if ahead else []
+        ctl.upcoming = upcoming
+        # A step that also saves or evaluates is not held to the hang policy's measure of plain steps. Nor is
+        # the first step after a (re)start, a recovery or a resize: it includes the ranks' warm-up.
+        plain = not (saves_after(step) or evaluates(step)) and step > ctl.start_step
+        deadline = ctl.hang.deadline(ctl.rows.recent_step_times(HANG_WINDOW)) if plain else cfg.fault.step_timeout_s
+        results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
+        now = time.perf_counter()
+        record(ctl, make_row(step, results, now - start, tokens))
+        start, refs, done = now, upcoming, step + 1
+        ctl.step_started = time.time()
+        if not refs:
+            break
+    ctl.start_step = done
+    return AtBoundary(done, saved=saves_after(done - 1))
+
+
+def record(ctl: Controller, row: dict) -> None:
+    """A finished step: its checkpoint event, the recovery it ends, its row, the gauges."""
+    event = checkpoint_event(row)
+    if event is not None:
+        ctl.journal.add_event(event)
+    if ctl.failed_at is not None:
+        now = time.time()
+        ctl.journal.add_event({"time": now, "kind": "recovered", "step": row["step"] + 1,
+                               "recovery_s": now - ctl.failed_at, "failure": len(ctl.journal.causes)})
+        ctl.failed_at = None
+    ctl.rows.add(row)
+    set_gauges(ctl.job_id, row, ctl.plan.config.steps)
+
+
+async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
+    """The final checkpoint, then (unless the service suspends the job) the model consolidated from it into one
+    safetensors file."""
+    root, cfg = ctl.storage.checkpoint_root, ctl.plan.config
+    await ctl.group.call([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved)
+                          for w in ctl.group.workers], "the final checkpoint")
+    if ctl.suspend:
+        return Done()
+    directory = checkpoint.step_dir(Path(root), steps_done)
+    path = await asyncio.to_thread(export_model, cfg, directory, steps_done, Path(ctl.storage.model_path))
+    ctl.model = {"path": str(path), "step": steps_done}
+    log.info("job %s: model after step %d exported to %s", ctl.job_id, steps_done, path)
+    return Done()
+
+
+class Drills:
+    """Fault drills still to run: kind, rank, at_step. Worker drills go with the rank's step call;
+    `kill_coordinator` exits this process; `kill_worker_in_recovery` kills the rank while the ranks take the
+    job's state in the next recovery at or after `at_step` (a failure during a recovery)."""
+
+    COORDINATOR_SIDE = ("kill_coordinator", "kill_worker_in_recovery")
+
+    def __init__(self) -> None:
+        self.pending: list[dict] = []
+
+    def add(self, kind: str, rank: int, at_step: int) -> None:
+        self.pending.append({"kind": kind, "rank": rank, "at_step": at_step})
+
+    def due_on_ranks(self, step: int) -> dict[int, str]:
+        """The workers' drills due at `step`, by rank; each runs once."""
+        due = [d for d in self.pending if d["at_step"] <= step and d["kind"] not in self.COORDINATOR_SIDE]
+        self.pending = [d for d in self.pending if d not in due]
+        return {d["rank"]: d["kind"] for d in due}
+
+    def kills_coordinator(self, step: int) -> bool:
+        """A kill_coordinator drill is due as the coordinator waits for `step` (its restart has no drills)."""
+        return any(d["kind"] == "kill_coordinator" and d["at_step"] <= step for d in self.pending)
+
+    def in_recovery(self, step: int) -> list[int]:
+        """The ranks to kill in the recovery under way (which restores `step`); each drill runs once."""
+        due = [d for d in self.pending if d["kind"] == "kill_worker_in_recovery" and d["at_step"] <= step]
+        self.pending = [d for d in self.pending if d not in due]
+        return [d["rank"] for d in due]

@@ -1,0 +1,191 @@
+"""The job's ranks: one Worker actor per rank, each on its slot (a placement group and a bundle index, one
+per tensor-parallel group (pp, dp)), and the spare and grown slots an elastic job moves between.
+
+The admitted placement group is the service's (it reserved it and removes it). Groups reserved here to grow
+(`<name>-growN`) are this group's to give back. Nothing here decides anything: the controller and its
+policies say what to create, reuse, kill or move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.calls import Failure, call_all
+from actors.naming import coordinator_name, placement_group_name, worker_name
+from actors.worker import Worker
+from parallel.plan import Plan
+
+Slot = tuple[PlacementGroup, int]
+
+RESET_TIMEOUT_S = 10.0
+"""How long a rank that raised may take to leave its process groups before it is replaced instead."""
+GROW_RESERVE_S = 10.0
+"""How long a resize that adds ranks waits for their resources before it is refused."""
+
+
+def slot_keys(plan: Plan) -> set[tuple[int, int]]:
+    return {(plan.coords(r).pp, plan.coords(r).dp) for r in range(plan.world_size)}
+
+
+def placed(slot: Slot) -> bool:
+    """Whether Ray has the bundle on a live node now (not while it re-places the bundles of a lost node)."""
+    try:
+        return bool(ray.util.placement_group_table(slot[0])["bundles_to_node_id"].get(slot[1]))
+    except Exception:  # noqa: BLE001 - a group removed meanwhile
+        return False
+
+
+class WorkerGroup:
+    def __init__(self, job_id: str, plan: Plan, pg: PlacementGroup):
+        self.job_id, self.plan = job_id, plan
+        self.workers: list = []
+        self.ranks: list[dict] = []
+        """Where each rank runs (rank, name, node, node_id, pid, device), once the workers are set up."""
+        self.slots: dict[tuple[int, int], Slot] = {
+            (plan.coords(r).pp, plan.coords(r).dp): (pg, plan.bundle_of(r)) for r in range(plan.world_size)}
+        self.spare: list[Slot] = []
+        """Reserved bundles no rank uses (after a shrink, or reserved for a growth under way)."""
+        self.grown: list[PlacementGroup] = []
+        """Placement groups reserved to grow (the admitted one is the service's)."""
+
+    def actor_names(self) -> list[str]:
+        return [coordinator_name(self.job_id)] + [
+            worker_name(self.job_id, self.plan.worker_name(r)) for r in range(self.plan.world_size)]
+
+    def rank_info(self, rank: int) -> dict:
+        return self.ranks[rank] if rank < len(self.ranks) else {}
+
+    async def call(self, refs: list, what: str, timeout: float | None = None, hang: bool = False,
+                   next_calls: list | None = None) -> list:
+        timeout = self.plan.config.fault.step_timeout_s if timeout is None else timeout
+        return await call_all(refs, what, timeout, self.plan, self.ranks, hang, next_calls)
+
+    async def _new_worker(self, rank: int):
+        plan, c = self.plan, self.plan.coords(rank)
+        pg, bundle = self.slots[(c.pp, c.dp)]
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+        options = {"name": worker_name(self.job_id, plan.worker_name(rank)), "num_cpus": plan.cpus_per_worker,
+                   "num_gpus": plan.gpus_per_worker, "scheduling_strategy": strategy}
+        for _ in range(50):  # the name of a rank just killed (a shrink, a recovery) is free a moment later
+            try:
+                return Worker.options(**options).remote(self.job_id, rank, int(plan.cpus_per_worker))
+            except ValueError:
+                await asyncio.sleep(0.1)
+        return Worker.options(**options).remote(self.job_id, rank, int(plan.cpus_per_worker))
+
+    async def start(self) -> None:
+        """Create a worker for every rank that has none, then rendezvous and set every rank up."""
+        plan = self.plan
+        self.workers = [self.workers[r] if r < len(self.workers) and self.workers[r] is not None
+                        else await self._new_worker(r) for r in range(plan.world_size)]
+        addr, port = (await self.call([self.workers[0].address.remote()], "rendezvous"))[0]
+        setups = await self.call([w.setup.remote(plan, addr, port, r) for r, w in enumerate(self.workers)], "setup")
+        self.ranks = [{**info, "name": plan.worker_name(info["rank"])} for info in setups]
+
+    async def load(self, point: tuple[str, int] | None) -> None:
+        if point is not None:
+            directory, step = point
+            await self.call([w.load_checkpoint.remote(directory, step) for w in self.workers],
+                            f"loading the checkpoint of step {step}")
+
+    def kill(self, rank: int) -> None:
+        if rank < len(self.workers) and self.workers[rank] is not None:
+            ray.kill(self.workers[rank], no_restart=True)
+            self.workers[rank] = None
+
+    async def tear_down(self, failure: Failure, upcoming: list) -> None:
+        """After a failure: ranks that raised are reset (and kept), every other rank is killed."""
+        for ref in upcoming:  # the step queued ahead: not to run on the ranks kept
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - already run or gone
+                pass
+        reusable = failure.reusable
+        for rank in range(len(self.workers)):  # first, so that no kept rank waits on them
+            if rank not in reusable:
+                self.kill(rank)
+        resets = {r: self.workers[r].reset.remote() for r in reusable if self.workers[r] is not None}
+        for rank, ref in resets.items():
+            try:
+                await asyncio.wait_for(asyncio.ensure_future(ref), RESET_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a rank that cannot even reset is replaced
+                self.kill(rank)
+
+    def take(self, new: Plan, kept: dict[int, int]) -> None:
+        """Go to the layout `new`: the ranks in `kept` (old rank -> new rank) keep their actor, every other is
+        killed; the slots follow (`move_slots`)."""
+        workers: list = [None] * new.world_size
+        for rank, new_rank in kept.items():
+            workers[new_rank], self.workers[rank] = self.workers[rank], None
+        for rank in range(len(self.workers)):
+            self.kill(rank)
+        self.plan, self.workers = new, workers
+
+    async def reserve(self, count: int) -> str | None:
+        """Make sure `count` spare bundles exist, reserving a placement group for the missing ones; None when
+        they do, else why not."""
+        missing = count - sum(1 for slot in self.spare if placed(slot))
+        if missing <= 0:
+            return None
+        pg = placement_group([dict(self.plan.gang.bundle) for _ in range(missing)], strategy="PACK",
+                             name=f"{placement_group_name(self.job_id)}-grow{len(self.grown)}", lifetime="detached")
+        try:
+            await asyncio.wait_for(pg.ready(), GROW_RESERVE_S)
+        except (TimeoutError, ray.exceptions.RayError):
+            remove_placement_group(pg)
+            return (f"the cluster has no free resources for {missing} more groups of {self.plan.gang.bundle} "
+                    f"(waited {GROW_RESERVE_S:.0f} s)")
+        self.grown.append(pg)
+        self.spare += [(pg, i) for i in range(missing)]
+        return None
+
+    def move_slots(self, new: Plan) -> None:
+        """Give the slots of the tensor-parallel groups `new` drops back, and take spare ones for those it adds;
+        a grown placement group none of whose bundles is in use any more is given back to Ray."""
+        keys = slot_keys(new)
+        self.spare += [slot for key, slot in self.slots.items() if key not in keys]
+        self.slots = {key: slot for key, slot in self.slots.items() if key in keys}
+        self.spare.sort(key=lambda slot: not placed(slot))  # the bundles Ray has placed first
+        for key in sorted(keys - set(self.slots)):
+            self.slots[key] = self.spare.pop(0)
+        for pg in list(self.grown):
+            if all(p is not pg for p, _ in self.slots.values()):
+                self.spare = [slot for slot in self.spare if slot[0] is not pg]
+                self.grown.remove(pg)
+                remove_placement_group(pg)
+
+    def keep_replicas(self, replicas: list[int], new: Plan) -> None:
+        """Go on with these data-parallel replicas (renumbered 0, 1, ...) as the layout `new`, their workers and
+        bundles; the rest are killed and their bundles kept spare (Ray places them again if their node comes
+        back)."""
+        old, slots = self.plan, {}
+        kept = {}
+        for i, d in enumerate(replicas):
+            for p in range(old.pp):
+                slots[(p, i)] = self.slots.pop((p, d))
+                for t in range(old.tp):
+                    kept[old.rank_of(p, t, d)] = new.rank_of(p, t, i)
+        self.spare += list(self.slots.values())
+        self.slots = slots
+        self.take(new, kept)
+
+    def lost_replicas(self) -> set[int]:
+        """The data-parallel replicas with a bundle Ray has not placed (its node is gone)."""
+        return {dp for (_, dp), slot in self.slots.items() if not placed(slot)}
+
+    def placed_spare(self) -> int:
+        return sum(1 for slot in self.spare if placed(slot))
+
+    def release(self) -> None:
+        """Kill every rank (a peer blocked in a collective cannot outlive the job) and give back the placement
+        groups reserved to grow. The service removes the admitted one."""
+        for rank in range(len(self.workers)):
+            self.kill(rank)
+        self.workers = []
+        for pg in self.grown:
+            remove_placement_group(pg)
+        self.grown, self.spare = [], []

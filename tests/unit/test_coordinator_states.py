@@ -1,0 +1,246 @@
+"""The coordinator's pure parts without Ray: the transition rule `step` driven one pass at a time with
+scripted outcomes (as Ray Train v2's test_controller does), and the failure, hang and scaling policies and the
+resize desk that decide for it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from helpers import tiny_spec
+
+from actors.calls import Failure
+from actors.policies import (
+    ElasticScaling,
+    FailureAction,
+    FailurePolicy,
+    FixedScaling,
+    HangPolicy,
+    NoopDecision,
+    Resize,
+    ResizeDecision,
+    ResizeDesk,
+)
+from actors.state import (
+    Admitted,
+    AtBoundary,
+    CallFailed,
+    Cancelled,
+    Crashed,
+    Done,
+    Failed,
+    Finishing,
+    Inputs,
+    JobStatus,
+    Pending,
+    Ready,
+    Recovering,
+    Resizing,
+    Running,
+    Starting,
+    Stopped,
+    Stopping,
+    Succeeded,
+    step,
+)
+from api.spec import parse_spec
+from parallel.config import FaultConfig
+from parallel.plan import make_plan, resized
+
+STEPS = 8
+POINT = ("/ckpt/step_000000003", 3)
+BUDGET_2 = FailurePolicy(max_failures=2, elastic=False)
+
+
+def failure(cause: str = "rank 1 died in step 4", **kw) -> Failure:
+    return Failure(cause=cause, blamed=(1,), dead=(1,), step=4, **kw)
+
+
+def inputs(**kw) -> Inputs:
+    return Inputs(steps=STEPS, **kw)
+
+
+def elastic_plan(dp: int = 2):
+    spec = tiny_spec(parallel={"dp": {"min": 1, "max": 4}, "microbatches": 4}, global_batch=8)
+    return replace(make_plan(resized(parse_spec(spec), dp)), dp_range=(1, 4))
+
+
+class Driver:
+    """What the controller does around `step`, minus the actions: it counts a failure when it enters a
+    counted RECOVERING (as `actors.recovery` records it) and takes an accepted resize."""
+
+    def __init__(self, policy: FailurePolicy):
+        self.policy, self.state, self.causes, self.seen = policy, Pending(), [], [JobStatus.PENDING]
+        self.stop = False
+
+    def feed(self, outcome, **kw) -> None:
+        self.state = step(self.state, outcome, inputs(causes=tuple(self.causes), stop=self.stop, **kw), self.policy)
+        if isinstance(self.state, Recovering) and self.state.counted:
+            self.causes.append(self.state.failure.cause)
+        self.seen.append(self.state.status)
+
+
+def test_a_job_runs_from_pending_to_succeeded():
+    d = Driver(BUDGET_2)
+    for outcome in (Admitted(None), Ready(), AtBoundary(STEPS, saved=False), Done()):
+        d.feed(outcome)
+    assert isinstance(d.state, Succeeded)
+    assert d.seen == ["PENDING", "RUNNING", "RUNNING", "RUNNING", "SUCCEEDED"]
+
+
+def test_a_failure_during_a_recovery_counts_and_the_job_goes_on():
+    """The defect: a failure while recovering failed the job although fault.max_failures allowed more."""
+    d = Driver(BUDGET_2)
+    d.feed(Admitted(None))
+    d.feed(Ready())
+    d.feed(CallFailed(failure(), POINT))
+    assert isinstance(d.state, Recovering) and d.state.restore == POINT and d.state.failure.blamed == (1,)
+    d.feed(CallFailed(failure("rank 0 died in loading the checkpoint of step 3"), POINT))
+    assert isinstance(d.state, Recovering) and d.state.failure.cause.startswith("rank 0")
+    assert len(d.causes) == 2
+    d.feed(Ready())
+    d.feed(AtBoundary(STEPS, saved=False))
+    d.feed(Done())
+    assert isinstance(d.state, Succeeded)
+    assert d.seen.count(JobStatus.RECOVERING) == 2
+
+
+def test_the_failure_past_the_budget_fails_the_job_with_every_cause_wherever_it_happens():
+    for where in (Running(), Recovering(failure(), POINT), Resizing(elastic_plan(), "request", 0.0),
+                  Finishing(STEPS, saved=False)):
+        state = step(where, CallFailed(failure("the third"), POINT), inputs(causes=("one", "two")), BUDGET_2)
+        assert isinstance(state, Failed)
+        assert state.error == "failure 1 of 3: one\nfailure 2 of 3: two\nfailure 3 of 3: the third"
+
+
+def test_a_failure_while_resizing_is_recovered_from():
+    state = step(Resizing(elastic_plan(4), "request", 0.0), CallFailed(failure(), POINT), inputs(), BUDGET_2)
+    assert isinstance(state, Recovering) and state.counted and state.restore == POINT
+
+
+def test_a_resize_carries_its_plan_and_reason_and_ends_running():
+    plan = elastic_plan(4)
+    resize = Resize(plan, "resources appeared", 12.5)
+    state = step(Running(), AtBoundary(3, saved=False), inputs(resize=resize), BUDGET_2)
+    assert state == Resizing(plan, "resources appeared", 12.5) and state.status is JobStatus.RESIZING
+    assert isinstance(step(state, Ready(), inputs(), BUDGET_2), Running)
+
+
+def test_a_stop_beats_a_resize_and_says_whether_it_suspends():
+    resize = Resize(elastic_plan(4), "request", 0.0)
+    for suspend in (False, True):
+        state = step(Running(), AtBoundary(3, saved=True), inputs(stop=True, suspend=suspend, resize=resize), BUDGET_2)
+        assert state == Stopping(suspend=suspend, steps_done=3, saved=True)
+        assert isinstance(step(state, Done(), inputs(stop=True), BUDGET_2), Stopped)
+
+
+def test_all_steps_done_finishes_then_succeeds_or_stops_if_asked_meanwhile():
+    state = step(Running(), AtBoundary(STEPS, saved=True), inputs(), BUDGET_2)
+    assert state == Finishing(STEPS, saved=True) and state.status is JobStatus.RUNNING
+    assert isinstance(step(state, Done(), inputs(), BUDGET_2), Succeeded)
+    assert isinstance(step(state, Done(), inputs(stop=True), BUDGET_2), Stopped)
+
+
+def test_a_failure_while_stopping_fails_the_job():
+    state = step(Running(), CallFailed(failure(), POINT), inputs(stop=True), BUDGET_2)
+    assert isinstance(state, Failed) and state.error == failure().cause
+
+
+def test_a_job_that_cannot_start_fails_without_recovering():
+    state = step(Starting(None), CallFailed(failure("rank 0 failed in setup"), None), inputs(), BUDGET_2)
+    assert state == Failed("rank 0 failed in setup")
+
+
+def test_a_restarted_coordinator_recovers_as_a_counted_failure():
+    own = Failure(cause="the coordinator died", coordinator=True)
+    state = step(Pending(), Admitted(POINT), inputs(restarted=own), BUDGET_2)
+    assert state == Recovering(own, POINT)
+    state = step(Pending(), Admitted(POINT), inputs(restarted=own, causes=("a", "b")), BUDGET_2)
+    assert isinstance(state, Failed) and "failure 3 of 3: the coordinator died" in state.error
+
+
+def test_an_elastic_job_rides_a_lost_node_without_counting_it():
+    elastic = FailurePolicy(max_failures=0, elastic=True)
+    state = step(Running(), CallFailed(failure(), POINT, node_lost=True), inputs(), elastic)
+    assert state == Recovering(failure(), POINT, counted=False)
+    fixed = FailurePolicy(max_failures=0, elastic=False)
+    assert isinstance(step(Running(), CallFailed(failure(), POINT, node_lost=True), inputs(), fixed), Failed)
+
+
+def test_errors_cancels_and_terminal_states():
+    assert step(Running(), Crashed("boom"), inputs(), BUDGET_2) == Failed("boom")
+    assert isinstance(step(Recovering(failure(), None), Cancelled(), inputs(), BUDGET_2), Stopped)
+    for terminal in (Succeeded(), Stopped(), Failed("x")):
+        assert terminal.status.is_terminal and step(terminal, Ready(), inputs(), BUDGET_2) is terminal
+    with pytest.raises(ValueError, match="no transition from Pending on Done"):
+        step(Pending(), Done(), inputs(), BUDGET_2)
+
+
+# --- policies -------------------------------------------------------------------------------------------
+
+def test_failure_policy_gives_its_reason():
+    assert BUDGET_2.decide(0, node_lost=False, stopping=False).action is FailureAction.RECOVER
+    decision = BUDGET_2.decide(2, node_lost=False, stopping=False)
+    assert decision.action is FailureAction.RAISE and "fault.max_failures=2" in decision.reason
+    assert BUDGET_2.decide(0, node_lost=False, stopping=True).reason == "the job was stopping"
+
+
+def test_hang_policy_trusts_the_median_only_after_a_few_steps():
+    hang = HangPolicy(FaultConfig(step_timeout_s=300, hang_factor=10, hang_floor_s=5))
+    assert hang.deadline([0.1, 0.1]) == 300
+    assert hang.deadline([0.1, 0.2, 0.3]) == 5  # 10 x 0.2 is under the floor
+    assert hang.deadline([1.0, 2.0, 3.0, 100.0]) == 30
+    assert hang.deadline([100.0] * 5) == 300
+
+
+def test_scaling_policies():
+    plan = elastic_plan(2)
+    assert isinstance(FixedScaling().decide(plan, 10), NoopDecision)
+    assert ElasticScaling().decide(plan, 2) == ResizeDecision(4, "resources appeared")
+    assert isinstance(ElasticScaling().decide(plan, 1), NoopDecision)  # dp=3 does not split global_batch=8
+    assert isinstance(ElasticScaling().decide(elastic_plan(4), 8), NoopDecision)
+
+
+def test_the_resize_desk_refuses_a_second_request_while_the_first_waits_for_resources():
+    """The defect: `scale` checked, awaited the reservation, then set the resize without checking again, so
+    the elastic grower and a manual scale could overwrite each other."""
+    plans = {dp: elastic_plan(dp) for dp in (1, 2, 4)}
+    current = plans[1]
+
+    async def scenario():
+        desk, reserved, release = ResizeDesk(), asyncio.Event(), asyncio.Event()
+
+        async def slow_reserve():
+            reserved.set()
+            await release.wait()
+            return None
+
+        manual = asyncio.create_task(desk.request(plans[4], "request", 1.0, lambda: True, lambda: current,
+                                                  slow_reserve))
+        await reserved.wait()  # the manual scale holds the desk while its resources are reserved
+        grower = await desk.request(plans[2], "resources appeared", 2.0, lambda: True, lambda: current,
+                                    slow_reserve)
+        release.set()
+        return desk, await manual, grower
+
+    desk, manual, grower = asyncio.run(scenario())
+    assert manual is None and grower == "resizing already (request)"
+    assert desk.take() == Resize(plans[4], "request", 1.0) and desk.take() is None
+
+
+def test_a_claim_is_dropped_when_the_job_changed_while_its_resources_were_reserved():
+    plans = {dp: elastic_plan(dp) for dp in (2, 4)}
+    now = {"plan": plans[2]}
+
+    async def reserve():
+        now["plan"] = elastic_plan(2)  # a recovery regrouped the job meanwhile
+        return None
+
+    async def scenario():
+        desk = ResizeDesk()
+        answer = await desk.request(plans[4], "request", 0.0, lambda: True, lambda: now["plan"], reserve)
+        return desk, answer
+
+    desk, answer = asyncio.run(scenario())
+    assert "the job changed" in answer and desk.ready is None and desk.claimed_by is None
