@@ -26,7 +26,7 @@ from parallel.plan import Plan
 
 PRELOAD = ["torch", "torch.distributed", "parallel.driver", "parallel.local_world"]
 START_METHOD = "forkserver"
-RANK_TIMEOUT_S = 300.0
+RANK_TIMEOUT_S = 600.0  # also how long a rank waits at a later plan's rendezvous while earlier plans run
 
 
 def free_ports(count: int) -> list[int]:

@@ -3,12 +3,17 @@ alone, no Ray), each a `RankDriver`; several plans in one spawned world with `ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from parallel.local_world import PlanRun, RankResult, run_plan, run_plans, spawn
 from parallel.plan import Plan
 
-__all__ = ["PlanRun", "RankResult", "last_stage_losses", "losses", "run_plans", "run_ranks", "spawn", "stats_of"]
+K = TypeVar("K")
+
+__all__ = ["PlanRun", "RankResult", "last_stage_losses", "layout_id", "losses", "run_named", "run_plans", "run_ranks",
+           "spawn", "stats_of"]
 
 
 def run_ranks(plan: Plan, out_dir: Path | None = None, **checkpoints) -> list[list[dict]]:
@@ -18,6 +23,18 @@ def run_ranks(plan: Plan, out_dir: Path | None = None, **checkpoints) -> list[li
     run = PlanRun(plan, save_after=tuple(checkpoints.get("save", ())), root=checkpoints.get("root"),
                   background=checkpoints.get("background", False), resume=checkpoints.get("resume"))
     return stats_of(run_plan(run))
+
+
+def run_named(plans: Mapping[K, Plan]) -> dict[K, list[list[dict]]]:
+    """Each plan's [rank][step] StepStats dicts, by the plan's key: all the plans, one after the other, in one
+    spawned world (as large as the largest plan)."""
+    results = run_plans([PlanRun(plan) for plan in plans.values()])
+    return {key: stats_of(r) for key, r in zip(plans, results, strict=True)}
+
+
+def layout_id(parallel: dict) -> str:
+    """A test id for a `parallel` section: {"pp": 2, "microbatches": 4} -> "pp2-microbatches4"."""
+    return "-".join(f"{k}{v}" for k, v in parallel.items())
 
 
 def stats_of(results: list[RankResult]) -> list[list[dict]]:

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import PlanRun, run_plans, spawn, stats_of
+from gloo_ranks import last_stage_losses as losses
+from gloo_ranks import layout_id, run_named, spawn
 from helpers import tiny_spec
 
 from api.spec import parse_spec
@@ -111,10 +112,6 @@ LAYOUTS = [
 ]
 
 
-def _id(parallel: dict) -> str:
-    return "-".join(f"{k}{v}" for k, v in parallel.items())
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[list[dict]]]:
     """[rank][step] stats of the single-rank references (dropless, capacity 1.0) and of every layout, one
@@ -122,13 +119,8 @@ def runs() -> dict[str, list[list[dict]]]:
     plans = {"reference": plan_for(microbatches=2), "reference-cap1": plan_for(1.0),
              "dp2-ep2-cap1": plan_for(1.0, dp=2, ep=2),
              "recompute": plan_for(top={"activation_checkpointing": "full"}, dp=2, ep=2)}
-    plans |= {_id(p): plan_for(**p) for p in LAYOUTS}
-    results = run_plans([PlanRun(plan) for plan in plans.values()])
-    return {key: stats_of(r) for key, r in zip(plans, results, strict=True)}
-
-
-def losses(per_rank: list[list[dict]]) -> list[float]:
-    return [s["loss"] for s in next(stats for stats in per_rank if stats[0]["loss"] is not None)]
+    plans |= {layout_id(p): plan_for(**p) for p in LAYOUTS}
+    return run_named(plans)
 
 
 def moe_rows(per_rank: list[list[dict]]) -> list[dict]:
@@ -137,9 +129,9 @@ def moe_rows(per_rank: list[list[dict]]) -> list[dict]:
             for step in range(len(per_rank[0]))]
 
 
-@pytest.mark.parametrize("parallel", LAYOUTS, ids=_id)
+@pytest.mark.parametrize("parallel", LAYOUTS, ids=layout_id)
 def test_moe_layouts_follow_the_single_rank_losses(parallel, runs):
-    reference, per_rank = runs["reference"][0], runs[_id(parallel)]
+    reference, per_rank = runs["reference"][0], runs[layout_id(parallel)]
     assert reference[-1]["loss"] < reference[0]["loss"]
     last_stage = [stats for stats in per_rank if stats[0]["loss"] is not None]
     for stats in last_stage:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
+from gloo_ranks import last_stage_losses, run_named
 from helpers import tiny_spec
 
 from api.spec import parse_spec
@@ -47,8 +47,7 @@ def runs() -> dict[object, list[list[dict]]]:
     """[rank][step] stats of every variant, one after the other in one spawned world."""
     plans = {("moe", name): moe_plan(parallel) for name, parallel in MOE_VARIANTS.items()}
     plans |= {(layout, setting): dense_plan(layout, setting) for layout in LAYOUTS for setting in SETTINGS}
-    results = run_plans([PlanRun(plan) for plan in plans.values()])
-    return {key: stats_of(r) for key, r in zip(plans, results, strict=True)}
+    return run_named(plans)
 
 
 def test_zero1_holds_half_the_optimizer_state_and_keeps_the_numbers(runs):

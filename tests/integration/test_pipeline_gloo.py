@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
+from gloo_ranks import last_stage_losses, run_named
 from helpers import tiny_spec
 
 from api.spec import parse_spec
@@ -47,8 +47,7 @@ def runs() -> dict[str, list[list[dict]]]:
     """[rank][step] stats of both references and of every layout."""
     plans = {"reference": plan_for(dp=1, pp=1, microbatches=4), "reference12": plan12_for()}
     plans |= {k: plan_for(**p) for k, p in EIGHT.items()} | {k: plan12_for(**p) for k, p in TWELVE.items()}
-    results = run_plans([PlanRun(plan) for plan in plans.values()])
-    return {key: stats_of(r) for key, r in zip(plans, results, strict=True)}
+    return run_named(plans)
 
 
 @pytest.mark.parametrize("layout", EIGHT)

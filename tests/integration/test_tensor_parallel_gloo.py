@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import PlanRun, run_plans, stats_of
+from gloo_ranks import layout_id, run_named
 from helpers import tiny_spec
 from tp_layer_checks import MAX_NORM, Results, run_layer_checks
 
@@ -105,16 +105,11 @@ LAYOUTS = [
 ]
 
 
-def _id(parallel: dict) -> str:
-    return "-".join(f"{k}{v}" for k, v in parallel.items())
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[list[dict]]]:
     """[rank][step] stats of the single-rank reference and of every layout, from one spawned world."""
-    plans = {"reference": plan_for(microbatches=2)} | {_id(p): plan_for(**p) for p in LAYOUTS}
-    results = run_plans([PlanRun(plan) for plan in plans.values()])
-    return {key: stats_of(r) for key, r in zip(plans, results, strict=True)}
+    plans = {"reference": plan_for(microbatches=2)} | {layout_id(p): plan_for(**p) for p in LAYOUTS}
+    return run_named(plans)
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +120,9 @@ def reference(runs) -> list[dict]:
     return stats
 
 
-@pytest.mark.parametrize("parallel", LAYOUTS, ids=_id)
+@pytest.mark.parametrize("parallel", LAYOUTS, ids=layout_id)
 def test_tensor_parallel_layouts_follow_the_single_rank_losses(parallel, reference, runs):
-    per_rank = runs[_id(parallel)]
+    per_rank = runs[layout_id(parallel)]
     last_stage = [stats for stats in per_rank if stats[0]["loss"] is not None]
     assert len(last_stage) == parallel.get("dp", 1) * parallel["tp"]  # every tp rank of the last stage has it
     for stats in last_stage:
