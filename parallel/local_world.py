@@ -15,10 +15,12 @@ import socket
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallel.driver import RankDriver, Save
@@ -76,9 +78,8 @@ class RankResult:
 def run_plans(runs: Sequence[PlanRun]) -> list[list[RankResult]]:
     """Each run's results, [run][rank], from one spawned world as large as the largest plan."""
     world = max(run.plan.world_size for run in runs)
-    ports = free_ports(len(runs))
     with tempfile.TemporaryDirectory(prefix="local-world-") as out:
-        spawn(_world_rank, world, list(runs), ports, out)
+        spawn(_world_rank, world, list(runs), out)
         return [[torch.load(Path(out) / f"run{i}-rank{r}.pt", weights_only=False) for r in range(run.plan.world_size)]
                 for i, run in enumerate(runs)]
 
@@ -88,12 +89,19 @@ def run_plan(run: PlanRun) -> list[RankResult]:
     return run_plans([run])[0]
 
 
-def _world_rank(rank: int, _port: int, runs: list[PlanRun], ports: list[int], out: str) -> None:
+def _world_rank(rank: int, port: int, runs: list[PlanRun], out: str) -> None:
+    """One rank of the world: each run it takes part in, on the rendezvous port rank 0 picked for it just then
+    (a port picked long before could be taken meanwhile) and posted in the world's own store."""
     torch.set_num_threads(1)
-    for i, (run, port) in enumerate(zip(runs, ports, strict=True)):
+    world = max(run.plan.world_size for run in runs)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=RANK_TIMEOUT_S))
+    for i, run in enumerate(runs):
         if rank >= run.plan.world_size:
             continue
-        torch.save(_run_one(run, rank, port), Path(out) / f"run{i}-rank{rank}.pt")
+        if rank == 0:
+            store.set(f"port{i}", str(free_ports(1)[0]))
+        result = _run_one(run, rank, int(store.get(f"port{i}")))
+        torch.save(result, Path(out) / f"run{i}-rank{rank}.pt")
 
 
 def _run_one(run: PlanRun, rank: int, port: int) -> RankResult:
