@@ -1,4 +1,5 @@
-"""The Worker actor: one rank of a job, a thin Ray shell around `parallel.trainer.RankTrainer`.
+"""The Worker actor: one rank of a job, a thin Ray shell around `parallel.driver.RankDriver` (the process
+groups, the trainer, the steps and the checkpoints; the gloo tests and the benches drive the same class).
 
 The coordinator creates one per rank, pinned to the job's placement group, and calls it once to
 rendezvous (`address`, then `setup` on all ranks at once) and once per step (`run_step`). Exceptions
@@ -22,9 +23,9 @@ from pathlib import Path
 import ray
 import torch
 
-from parallel.distributed import init_distributed, pick_device, shutdown_distributed
+from parallel.distributed import shutdown_distributed
+from parallel.driver import RankDriver, Save
 from parallel.plan import Plan
-from parallel.trainer import RankTrainer
 
 
 @ray.remote
@@ -33,7 +34,7 @@ class Worker:
         self.job_id, self.rank = job_id, rank
         # Ray sets OMP_NUM_THREADS from the CPU request; a fractional request would give 0 or 1 anyway.
         torch.set_num_threads(max(1, threads))
-        self.trainer: RankTrainer | None = None
+        self.driver: RankDriver | None = None
         self._kept: dict | None = None
 
     def address(self) -> tuple[str, int]:
@@ -48,50 +49,37 @@ class Worker:
         build this rank's trainer."""
         self.rank = self.rank if rank is None else rank
         with self._traceback_to_stderr("setup"):
-            device = pick_device(plan.gpus_per_worker)
-            groups = init_distributed(plan, self.rank, master_addr, master_port, device,
-                                      timeout_s=plan.config.fault.step_timeout_s)
-            self.trainer = RankTrainer(plan, self.rank, groups, device)
+            self.driver = RankDriver(plan, self.rank, master_addr, master_port)
         context = ray.get_runtime_context()
-        info = {"rank": self.rank, "device": str(device), "node": ray.util.get_node_ip_address(),
+        info = {"rank": self.rank, "device": str(self.driver.device), "node": ray.util.get_node_ip_address(),
                 "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}
         print(f"job {self.job_id} rank {self.rank} ({plan.worker_name(self.rank)}) of {plan.world_size} ready on "
               f"{info['node']} (pid {info['pid']}, {info['device']})", file=sys.stderr, flush=True)
         return info
 
     def load_checkpoint(self, directory: str, step: int) -> None:
-        assert self.trainer is not None, "setup() must run before load_checkpoint()"
+        assert self.driver is not None, "setup() must run before load_checkpoint()"
         with self._traceback_to_stderr(f"loading the checkpoint of step {step}"):
-            self.trainer.load_checkpoint(Path(directory), step)
+            self.driver.load(Path(directory), step)
 
     def run_step(self, step: int, microbatch_ids: list[list[int]], evaluate: bool = False,
                  save: dict | None = None, drill: str | None = None) -> dict:
         """One training step; then, if asked, the validation loss and a checkpoint of the state after it
         (`save`: root, info, background). The row says how long the checkpoint blocked the step. `drill` is a
         fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns)."""
-        assert self.trainer is not None, "setup() must run before run_step()"
+        assert self.driver is not None, "setup() must run before run_step()"
         if drill is not None:
             _run_drill(drill, self.rank, step)
         with self._traceback_to_stderr(f"step {step}"):
-            stats = self.trainer.train_step(step, microbatch_ids).to_dict()
-            if evaluate:
-                stats["val_loss"] = self.trainer.evaluate()
-            if save is not None:
-                start = time.perf_counter()
-                self.trainer.save_checkpoint(Path(save["root"]), step + 1, save["info"], background=save["background"])
-                stats["checkpoint_blocked_s"] = time.perf_counter() - start
-            return stats
+            request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
+            return self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
 
     def final_checkpoint(self, root: str, steps_done: int, info: dict, saved: bool) -> float:
         """The state at the job's end as a checkpoint (unless the last step just saved it), every save
         finished and committed; returns the seconds it took."""
-        assert self.trainer is not None
-        start = time.perf_counter()
+        assert self.driver is not None
         with self._traceback_to_stderr("the final checkpoint"):
-            if not saved:
-                self.trainer.save_checkpoint(Path(root), steps_done, info)
-            self.trainer.finish_checkpoint()
-        return time.perf_counter() - start
+            return self.driver.final_checkpoint(Path(root), steps_done, info, saved)
 
     @contextlib.contextmanager
     def _traceback_to_stderr(self, what: str) -> Iterator[None]:
@@ -104,22 +92,22 @@ class Worker:
     def keep_state(self) -> None:
         """Before an in-memory resize: hold this rank's parameters and optimizer state, then leave the process
         groups (`adopt_state` takes them into the trainer of the new layout)."""
-        assert self.trainer is not None
+        assert self.driver is not None
         with self._traceback_to_stderr("keeping the state for a resize"):
-            self._kept = self.trainer.local_state()
+            self._kept = self.driver.trainer.local_state()
         self.reset()
 
     def adopt_state(self, step: int, source: int | None) -> None:
-        assert self.trainer is not None
+        assert self.driver is not None
         with self._traceback_to_stderr("taking the state after a resize"):
-            self.trainer.adopt_state(self._kept, step, source)
+            self.driver.trainer.adopt_state(self._kept, step, source)
         self._kept = None
 
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into
         a new rendezvous (recovery reuses the ranks that are alive and answering)."""
-        self.trainer = None
-        shutdown_distributed()
+        self.driver = None
+        shutdown_distributed()  # the driver's groups, also those of a setup that failed half-way
 
     def shutdown(self) -> None:
         self.reset()

@@ -36,20 +36,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from api.spec import parse_spec
 from bench.context import BenchContext
 from bench.machine import busy_fraction
 from bench.perf import paired_ratio, rotated
 from bench.results import Row, ratio
-from bench.service_job import BenchError, free_port
+from bench.service_job import BenchError
 from parallel.checkpoint import step_dir, verify
-from parallel.data import open_dataset, step_microbatches
-from parallel.distributed import init_distributed, shutdown_distributed
+from parallel.driver import RankDriver, Save
+from parallel.local_world import spawn
 from parallel.model import full_model
 from parallel.plan import Plan, make_plan
-from parallel.trainer import RankTrainer
 
 MODEL = {"n_layer": 6, "n_head": 5, "d_model": 320, "vocab_size": 256, "seq_len": 128}
 SPEC: dict[str, Any] = {
@@ -77,31 +75,27 @@ class _Rank:
     """One rank's trainer and step counter, and the timed parts of a round."""
 
     def __init__(self, plan: Plan, rank: int, port: int, root: Path):
-        self.plan, self.rank, self.root = plan, rank, root
-        groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=RANK_TIMEOUT_S)
-        self.trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
-        self.num_samples = open_dataset(plan.config).num_samples
+        self.rank, self.root = rank, root
+        self.driver = RankDriver(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=RANK_TIMEOUT_S)
         self.step = 0
 
     def train(self, steps: int) -> list[float]:
         """`steps` training steps, each after a barrier; this rank's time inside each."""
         times = []
         for _ in range(steps):
-            share = step_microbatches(self.plan, self.rank, self.step, self.num_samples)
+            share = self.driver.microbatches(self.step)
             dist.barrier()
-            times.append(self.trainer.train_step(self.step, share).compute_s)
+            times.append(self.driver.step(self.step, share)["compute_s"])
             self.step += 1
         return times
 
     def save(self, kind: str, background: bool) -> float:
         dist.barrier()
-        start = time.perf_counter()
-        self.trainer.save_checkpoint(self.root / kind, self.step, {"bench": kind}, background=background)
-        return time.perf_counter() - start
+        return self.driver.save(Save(self.root / kind, {"bench": kind}, background), self.step)
 
     def finish(self) -> float:
         start = time.perf_counter()
-        self.trainer.finish_checkpoint()
+        self.driver.trainer.finish_checkpoint()
         return time.perf_counter() - start
 
     def load(self, directory: Path, step: int, cold: bool) -> float:
@@ -109,7 +103,7 @@ class _Rank:
             drop_page_cache(directory)
         dist.barrier()
         start = time.perf_counter()
-        self.trainer.load_checkpoint(directory, step)
+        self.driver.load(directory, step)
         return time.perf_counter() - start
 
     def round(self, round_no: int) -> Record:
@@ -146,7 +140,7 @@ class _Rank:
         return seconds
 
 
-def _rank_main(rank: int, plan: Plan, port: int, root: str, out_dir: str, rounds: int) -> None:
+def _rank_main(rank: int, port: int, plan: Plan, root: str, out_dir: str, rounds: int) -> None:
     torch.set_num_threads(1)
     me = _Rank(plan, rank, port, Path(root))
     me.train(WARMUP_STEPS)
@@ -155,7 +149,7 @@ def _rank_main(rank: int, plan: Plan, port: int, root: str, out_dir: str, rounds
         me.finish()
     records = [me.round(r) for r in range(rounds)]
     torch.save(records, Path(out_dir) / f"checkpoint-rank{rank}.pt")
-    shutdown_distributed()
+    me.driver.close()
 
 
 def dir_bytes(directory: Path) -> int:
@@ -213,8 +207,7 @@ def run_section(ctx: BenchContext) -> list[Row]:
     busy = busy_fraction() or 0.0
     ctx.log(f"machine {100 * busy:.0f}% busy before the run (others' load; high means noisy timings)")
     start = time.perf_counter()
-    mp.start_processes(_rank_main, args=(plan, free_port(), str(root), str(ctx.run_dir), rounds),
-                       nprocs=plan.world_size, start_method="spawn")
+    spawn(_rank_main, plan.world_size, plan, str(root), str(ctx.run_dir), rounds)
     records = [torch.load(ctx.run_dir / f"checkpoint-rank{r}.pt") for r in range(plan.world_size)]
     ctx.log(f"ranks done in {time.perf_counter() - start:.0f} s")
     last = step_dir(root / "sync", records[0][-1]["sync_step"])

@@ -16,6 +16,8 @@ class BenchContext:
     """This section's scratch folder (logs, raw per-step records) under bench/.runs/, which git ignores."""
     rounds: int | None = None
     """Override of how many alternating rounds a section runs (None: the section's default)."""
+    quick: bool = False
+    """`--quick`: a section may also run fewer steps or smaller sizes (its rows then say so)."""
 
     def log(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)

@@ -1,8 +1,8 @@
 """`python -m bench.gpu`: trainyard's own trainer on one GPU against a plain PyTorch loop of the same GPT.
 
 Runs with torch alone (no Ray, no service), in one process, on one device:
-- trainyard: `parallel`'s trainer at world size 1, exactly as a worker runs it: `init_distributed` (NCCL on
-  CUDA, gloo on CPU), `RankTrainer`, `train_step(step, micro-batch ids)`. Each step reads its samples from the
+- trainyard: `parallel`'s trainer at world size 1, exactly as a worker runs it: `parallel.driver.RankDriver` (NCCL on
+  CUDA, gloo on CPU) and its `RankTrainer`'s `train_step(step, micro-batch ids)`. Each step reads its samples from the
   job's (synthetic) dataset on the CPU and copies them to the device, as a worker does; the sample ids come
   ready-made, as a worker gets them from the coordinator. The trainer reads the gradient norm and the loss
   as Python floats, so it waits for the device twice a step.
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -53,12 +52,13 @@ import torch.nn.functional as F
 from parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, ResourcesConfig
 from parallel.data import Dataset, load_batch, open_dataset, step_microbatches
 from parallel.data_parallel import GradientReducer
-from parallel.distributed import init_distributed, shutdown_distributed
+from parallel.distributed import shutdown_distributed
+from parallel.driver import RankDriver
+from parallel.local_world import free_ports
 from parallel.model import GPTStage, full_model
 from parallel.models import family_of
 from parallel.optim import lr_at
 from parallel.plan import Plan, PlanError, make_plan
-from parallel.trainer import RankTrainer
 
 GPT_MEDIUM = {"n_layer": 24, "n_head": 16, "d_model": 1024, "vocab_size": 50304, "seq_len": 1024}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 256, "seq_len": 32}
@@ -163,8 +163,7 @@ def _shares(plan: Plan) -> Shares:
 
 
 def _trainyard_side(plan: Plan, device: torch.device, shares: Shares) -> Side:
-    groups = init_distributed(plan, 0, "127.0.0.1", _free_port(), device, DIST_TIMEOUT_S)
-    trainer = RankTrainer(plan, 0, groups, device)
+    trainer = RankDriver(plan, 0, "127.0.0.1", free_ports(1)[0], device, DIST_TIMEOUT_S).trainer
     losses: list[float] = []
 
     def step(i: int) -> None:
@@ -270,12 +269,6 @@ def _batch_load_ms(dataset: Dataset, device: torch.device, shares: Shares) -> fl
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _param_counts(model: GPTStage) -> dict[str, int]:

@@ -32,18 +32,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from api.spec import parse_spec
 from bench.context import BenchContext
 from bench.machine import busy_fraction
 from bench.results import Row, ratio
-from bench.service_job import BenchError, free_port
-from parallel.data import open_dataset, step_microbatches
-from parallel.distributed import init_distributed, shutdown_distributed
+from bench.service_job import BenchError
+from parallel.driver import RankDriver
+from parallel.local_world import spawn
 from parallel.model import full_model
 from parallel.plan import Plan, make_plan
-from parallel.trainer import RankTrainer
 
 MODEL = {"n_layer": 6, "n_head": 6, "d_model": 384, "vocab_size": 256, "seq_len": 128}
 SPEC: dict[str, Any] = {
@@ -105,20 +103,17 @@ def loss_mismatch(losses: dict[str, list[float]], reference: str) -> float:
                default=0.0)
 
 
-def _rank_main(rank: int, plans: dict[str, Plan], port: int, out_dir: str) -> None:
+def _rank_main(rank: int, port: int, plans: dict[str, Plan], out_dir: str) -> None:
     start = time.perf_counter()
     torch.set_num_threads(1)
-    base = plans["base"]
-    groups = init_distributed(base, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=RANK_TIMEOUT_S)
+    driver = RankDriver(plans["base"], rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=RANK_TIMEOUT_S)
     # One trainer per variant, all on the same groups (the layouts are equal): the steps interleave, and
     # each trainer's collectives are done before the next one's start (finish() waits for them).
-    trainers = {name: RankTrainer(plan, rank, groups, torch.device("cpu")) for name, plan in plans.items()}
-    cfg = base.config
-    num_samples = open_dataset(cfg).num_samples
+    trainers = {name: driver.trainer_for(plan) for name, plan in plans.items()}
     stats: dict[str, list[dict]] = {name: [] for name in plans}
     setup_s = time.perf_counter() - start
-    for step in range(cfg.steps):
-        share = step_microbatches(base, rank, step, num_samples)
+    for step in range(driver.plan.config.steps):
+        share = driver.microbatches(step)
         for name in rotated(list(plans), step):
             dist.barrier()
             stats[name].append(trainers[name].train_step(step, share).to_dict())
@@ -126,7 +121,7 @@ def _rank_main(rank: int, plans: dict[str, Plan], port: int, out_dir: str) -> No
     collectives = _collective_times(numel, rounds=COLLECTIVE_ROUNDS)
     torch.save({"setup_s": setup_s, "stats": stats, "collectives": collectives},
                Path(out_dir) / f"perf-rank{rank}.pt")
-    shutdown_distributed()
+    driver.close()
 
 
 def _collective_times(numel: int, rounds: int) -> dict[str, float]:
@@ -153,14 +148,14 @@ class Measured:
     collectives: dict[str, float]
     """Rank 0's median seconds of each collective on all the gradients at once (see _collective_times)."""
     setup_s: float
-    """The slower rank's start-up: imports, rendezvous, building the trainers."""
+    """The slower rank's start-up: rendezvous, building the trainers."""
 
 
 def run_variants(run_dir: Path, rounds: int) -> Measured:
     """Train every variant for WARMUP_STEPS + rounds steps side by side, then time the collectives."""
     plans = {name: make_plan(parse_spec(variant_spec(name, WARMUP_STEPS + rounds))) for name in VARIANTS}
     world = plans["base"].world_size
-    mp.start_processes(_rank_main, args=(plans, free_port(), str(run_dir)), nprocs=world, start_method="spawn")
+    spawn(_rank_main, world, plans, str(run_dir))
     per_rank = [torch.load(run_dir / f"perf-rank{r}.pt") for r in range(world)]
     return Measured(runs={name: [per_rank[r]["stats"][name] for r in range(world)] for name in plans},
                     collectives=per_rank[0]["collectives"], setup_s=max(r["setup_s"] for r in per_rank))

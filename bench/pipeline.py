@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from bench.context import BenchContext
 from bench.results import Row, median, ratio
-from bench.service_job import TrainyardService, free_port
+from bench.service_job import TrainyardService
+from parallel.local_world import spawn
 from parallel.pipeline import PipelineExecutor
 from parallel.schedule_sim import Costs, simulate
 from parallel.schedules import build_schedule
@@ -36,6 +36,7 @@ PP, MICROBATCHES = 4, 8
 FORWARD_S, BACKWARD_S = 0.020, 0.040  # per stage and micro-batch
 ACTIVATION_SHAPE = (2, 64, 64)  # a micro-batch's activation between stages: 32 KiB of fp32
 STEPS, WARMUP_STEPS = 12, 2
+QUICK_STEPS = 6  # `--quick`
 TARGET_RATIO = 1.15
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 
@@ -92,7 +93,7 @@ class SyntheticChunk(nn.Module):
         return out.sum()
 
 
-def _rank_main(rank: int, kind: str, vpp: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, port: int, kind: str, vpp: int, out_dir: str, steps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=PP)
     chunks = [SyntheticChunk(FORWARD_S / vpp, BACKWARD_S / vpp) for _ in range(vpp)]
@@ -101,7 +102,7 @@ def _rank_main(rank: int, kind: str, vpp: int, port: int, out_dir: str) -> None:
                                 loss_scale=1.0)
     tokens = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     times = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         dist.barrier()
         _, timings = executor.run(actions, lambda mb: tokens)
         times.append(timings.schedule_s)
@@ -110,9 +111,10 @@ def _rank_main(rank: int, kind: str, vpp: int, port: int, out_dir: str) -> None:
 
 
 def _schedule_row(ctx: BenchContext, kind: str, vpp: int) -> Row:
-    mp.start_processes(_rank_main, args=(kind, vpp, free_port(), str(ctx.run_dir)), nprocs=PP, start_method="spawn")
+    steps = QUICK_STEPS if ctx.quick else STEPS
+    spawn(_rank_main, PP, kind, vpp, str(ctx.run_dir), steps)
     per_rank = [torch.load(ctx.run_dir / f"{kind}-rank{r}.pt") for r in range(PP)]
-    step_times = [max(rank_times[step] for rank_times in per_rank) for step in range(WARMUP_STEPS, STEPS)]
+    step_times = [max(rank_times[step] for rank_times in per_rank) for step in range(WARMUP_STEPS, steps)]
     measured = median(step_times)
     costs = Costs(forward=FORWARD_S / vpp, backward=BACKWARD_S / vpp, comm=0.0)
     sim = simulate(build_schedule(kind, PP, MICROBATCHES, vpp), MICROBATCHES, vpp, costs)

@@ -1,5 +1,10 @@
 """`make bench` (`python -m bench.run [--only SECTION ...]`): run benchmark sections, write bench/results.json.
 
+`make bench-quick` (`python -m bench.run --quick`): a pass in under 5 minutes on a 2-core machine, to see that
+every quick section runs and roughly where its numbers lie: the sections but faults and elastic (minutes of
+service restarts and resizes), one round each (two where a median of one says nothing: perf, checkpoint),
+fewer pipeline steps; written to bench/results-quick.json, so the full run's results stay as they are.
+
 A section is a function `BenchContext -> list[Row]` registered in SECTIONS; add one there to extend the
 harness. Re-running some sections with --only replaces their rows in results.json and keeps the others'.
 The machine (cores, CPU model, RAM, torch/ray versions) is read at run time, printed and stored too.
@@ -23,6 +28,9 @@ from bench.service_job import BenchError
 from service.client import ApiError
 
 RESULTS = BENCH / "results.json"
+QUICK_RESULTS = BENCH / "results-quick.json"
+QUICK_SECTIONS = ("dp", "pipeline", "tensor", "perf", "checkpoint", "service")
+QUICK_ROUNDS = {"perf": 2, "checkpoint": 2}  # the others: 1
 RUNS = BENCH / ".runs"  # scratch: service state dirs, logs, raw per-step records (git-ignored)
 
 
@@ -57,7 +65,9 @@ SECTIONS: dict[str, Section] = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    names = list(dict.fromkeys(args.only or SECTIONS))  # registry order, each once
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
+    default = QUICK_SECTIONS if args.quick else SECTIONS
+    names = list(dict.fromkeys(args.only or default))  # registry order, each once
     start = time.perf_counter()
     machine = machine_info()
     print(f"machine: {describe(machine)}", flush=True)
@@ -67,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         section = SECTIONS[name]
         print(f"\n== {name}: {section.title}", flush=True)
-        ctx = BenchContext(run_dir=run_root / name, rounds=args.rounds)
+        rounds = args.rounds or (QUICK_ROUNDS.get(name, 1) if args.quick else None)
+        ctx = BenchContext(run_dir=run_root / name, rounds=rounds, quick=args.quick)
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         try:
@@ -76,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: section {name}: {e}", file=sys.stderr)
             return 1
         meta[name] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
+                      "quick": args.quick, "rounds": rounds,
                       "machine": machine, "scratch": str(ctx.run_dir.relative_to(BENCH.parent))}
-    save(args.out, merge(load(args.out), rows, meta, machine, order=list(SECTIONS)))
+    save(out, merge(load(out), rows, meta, machine, order=list(SECTIONS)))
     print(f"\n{markdown_table([r for name in names for r in rows[name]])}")
-    print(f"\nrows written to {args.out}; total wall time {time.perf_counter() - start:.0f} s")
+    print(f"\nrows written to {out}; total wall time {time.perf_counter() - start:.0f} s")
     return 0
 
 
@@ -89,7 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", choices=list(SECTIONS),
                    help="run only this section (repeatable); other sections' rows in the results file are kept")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds per section (default: its own)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results file (default bench/results.json)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a pass under 5 minutes: sections {', '.join(QUICK_SECTIONS)} (unless --only), one or two "
+                        "rounds, fewer steps; results to bench/results-quick.json (unless --out)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results file (default bench/results.json; with --quick, bench/results-quick.json)")
     return p
 
 

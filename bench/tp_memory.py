@@ -14,20 +14,11 @@ a token's whole row of logits and the peak should fall by about tp.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
-import torch
-import torch.multiprocessing as mp
-
 from api.spec import parse_spec
 from bench.context import BenchContext
 from bench.results import Row, ratio
-from bench.service_job import free_port
-from parallel.data import open_dataset, step_microbatches
-from parallel.distributed import init_distributed, shutdown_distributed
-from parallel.plan import Plan, make_plan
-from parallel.trainer import RankTrainer
+from parallel.local_world import PlanRun, run_plans
+from parallel.plan import make_plan
 
 SPEC = {
     "name": "bench-tp-memory",
@@ -42,28 +33,21 @@ LAYOUTS = {"tp=1": {"tp": 1}, "tp=2": {"tp": 2}, "tp=2 sp": {"tp": 2, "sp": True
 PIPELINE = {"pp": 2, "microbatches": 2, "schedule": "1f1b"}
 
 
-def _rank_main(rank: int, plan: Plan, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=300)
-    trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
-    cfg = plan.config
-    stats = trainer.train_step(0, step_microbatches(plan, rank, 0, open_dataset(cfg).num_samples))
-    torch.save(stats.to_dict(), Path(out_dir) / f"rank{rank}.pt")
-    shutdown_distributed()
-
-
-def stage_peaks_mb(parallel: dict) -> list[float]:
-    """Peak saved-activation MB of each pipeline stage (tp rank 0; its peers hold the same)."""
-    plan = make_plan(parse_spec({**SPEC, "parallel": {**PIPELINE, **parallel}}))
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(plan, free_port(), out), nprocs=plan.world_size, start_method="spawn")
-        stats = [torch.load(Path(out) / f"rank{r}.pt") for r in range(plan.world_size)]
-    by_stage = sorted((s for s in stats if s["dp_rank"] == 0 and s["tp_rank"] == 0), key=lambda s: s["pp_rank"])
-    return [s["peak_activation_bytes"] / 2**20 for s in by_stage]
+def stage_peaks_mb(layouts: dict[str, dict]) -> dict[str, list[float]]:
+    """Peak saved-activation MB of each pipeline stage (tp rank 0; its peers hold the same), per layout; every
+    layout's one step in one spawned world (`parallel.local_world`)."""
+    plans = [make_plan(parse_spec({**SPEC, "parallel": {**PIPELINE, **parallel}}))
+             for parallel in layouts.values()]
+    out = {}
+    for name, ranks in zip(layouts, run_plans([PlanRun(plan) for plan in plans]), strict=True):
+        stats = [r.stats[0] for r in ranks]
+        by_stage = sorted((s for s in stats if s["dp_rank"] == 0 and s["tp_rank"] == 0), key=lambda s: s["pp_rank"])
+        out[name] = [s["peak_activation_bytes"] / 2**20 for s in by_stage]
+    return out
 
 
 def run_section(ctx: BenchContext) -> list[Row]:
-    peaks = {name: stage_peaks_mb(parallel) for name, parallel in LAYOUTS.items()}
+    peaks = stage_peaks_mb(LAYOUTS)
     base = peaks["tp=1"]
     for name, per_stage in peaks.items():
         ctx.log(f"{name}: peak saved activations per stage {[round(mb, 2) for mb in per_stage]} MB")
@@ -81,7 +65,7 @@ def main() -> None:
     print(f"model: vocab {m['vocab_size']}, seq_len {m['seq_len']}, d_model {m['d_model']}, {m['n_layer']} blocks; "
           f"pp={PIPELINE['pp']} {PIPELINE['schedule']}, {PIPELINE['microbatches']} micro-batches of "
           f"{SPEC['global_batch'] // PIPELINE['microbatches']} sequences")
-    peaks = {name: stage_peaks_mb(parallel) for name, parallel in LAYOUTS.items()}
+    peaks = stage_peaks_mb(LAYOUTS)
     base = peaks["tp=1"][-1]
     for name, per_stage in peaks.items():
         stages = ", ".join(f"stage {i}: {mb:.2f} MB" for i, mb in enumerate(per_stage))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+import ray
 from ray.util.state import get_log
 
 STREAMS = {"stderr": "err", "stdout": "out"}
@@ -45,7 +46,10 @@ def _read(rank: dict, suffix: str) -> list[str]:
     # By actor id: a pid alone may since have been reused on that node by another worker.
     where = ({"actor_id": rank["actor_id"]} if rank.get("actor_id")
              else {"pid": rank["pid"], "node_id": rank["node_id"]})
-    chunks = get_log(**where, suffix=suffix, tail=-1, timeout=READ_TIMEOUT_S, errors="replace",
+    # The Ray this process is connected to: left to itself, Ray's log API looks for a Ray on this machine and
+    # gives up when it finds several (another service's embedded Ray, say).
+    address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    chunks = get_log(address=address, **where, suffix=suffix, tail=-1, timeout=READ_TIMEOUT_S, errors="replace",
                      filter_ansi_code=True)
     text = "".join(chunks)
     # Only whole lines: a line still being written would be counted now and again once it is complete.

@@ -85,3 +85,17 @@ def client(service):
     c.close()
 
 
+
+
+@pytest.fixture(scope="session")
+def three_d_job(service) -> tuple[dict, list[dict]]:
+    """One finished (dp=2, pp=2, tp=2) job of 8 ranks, 1F1B over two micro-batches, and its metrics rows: the
+    flagship of the pipeline and tensor-parallel files (their layouts' numerics are checked on gloo)."""
+    from helpers import run_all, tiny_spec
+
+    client = service.client()
+    spec = tiny_spec(model={"n_layer": 4, "n_head": 2}, global_batch=8, steps=3,
+                     parallel={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "schedule": "1f1b"})
+    out = run_all(client, {"3d": spec})["3d"]
+    client.close()
+    return out

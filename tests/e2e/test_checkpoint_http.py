@@ -1,11 +1,10 @@
-"""What a job leaves behind, through the real service (uvicorn, Ray, gloo): sharded checkpoints (async
-too), resuming at another layout (dense and MoE) on the same loss curve, and at the same layout
-bit-identically, the trained model as one safetensors file that loads into `full_model` and reproduces the
-job's final validation loss, and the rules a resume must follow."""
+"""What a job leaves behind, through the real service (uvicorn, Ray, gloo): sharded checkpoints written in the
+background, resuming at the same layout bit-identically, the trained model as one safetensors file that loads
+into `full_model` and reproduces the job's final validation loss, and the rules a resume must follow. (Resuming
+at another layout, dense and MoE, on the same loss curve: tests/integration/test_checkpoint_gloo.py.)"""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from helpers import run_all, tiny_spec
@@ -16,25 +15,19 @@ from api.spec import parse_spec
 from parallel.data import load_batch, open_dataset, validation_batches
 from parallel.export import MODEL_FILE
 from parallel.model import full_model
-from service.client import ApiError
 
 STEPS = 6
-MOE = {"experts": 4, "top_k": 2, "every": 2}
 
 
-def spec(parallel: dict, moe: bool = False, **top) -> dict:
-    model = {"n_layer": 4, **({"moe": MOE} if moe else {})}
-    return tiny_spec(model=model, global_batch=8, steps=STEPS, parallel=parallel,
+def spec(parallel: dict, **top) -> dict:
+    return tiny_spec(model={"n_layer": 4}, global_batch=8, steps=STEPS, parallel=parallel,
                      eval={"every": 3, "batches": 2}, **top)
 
 
 @pytest.fixture(scope="module")
 def originals(service) -> dict[str, tuple[dict, list[dict]]]:
     client = service.client()
-    out = run_all(client, {
-        "dense": spec({"dp": 2, "tp": 2}, checkpoint={"every": 3, "async": True}),
-        "moe": spec({"dp": 2, "ep": 2}, moe=True, checkpoint={"every": 3}),
-    })
+    out = run_all(client, {"dense": spec({"dp": 2, "tp": 2}, checkpoint={"every": 3, "async": True})})
     client.close()
     return out
 
@@ -42,12 +35,8 @@ def originals(service) -> dict[str, tuple[dict, list[dict]]]:
 @pytest.fixture(scope="module")
 def resumed(service, originals) -> dict[str, tuple[dict, list[dict]]]:
     client = service.client()
-    dense, moe = originals["dense"][0]["job_id"], originals["moe"][0]["job_id"]
-    out = run_all(client, {
-        "dense-pp2": spec({"pp": 2, "microbatches": 2}, resume_from={"job_id": dense, "step": 3}),
-        "dense-same": spec({"dp": 2, "tp": 2}, resume_from={"job_id": dense, "step": 3}),
-        "moe-step3": spec({}, moe=True, resume_from={"job_id": moe, "step": 3}),
-    })
+    dense = originals["dense"][0]["job_id"]
+    out = run_all(client, {"dense-same": spec({"dp": 2, "tp": 2}, resume_from={"job_id": dense, "step": 3})})
     client.close()
     return out
 
@@ -57,20 +46,11 @@ def losses(rows: list[dict]) -> list[float]:
 
 
 def test_checkpoints_are_written_every_n_steps_and_at_the_end(originals, service):
-    for key in ("dense", "moe"):
-        job, rows = originals[key]
-        root = service.manager.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
-        assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_000000003", "step_000000006"]
-        assert [r["step"] for r in rows if r["checkpoint_blocked_s"] is not None] == [2]  # the final save is no step's
-        assert all(r.get("val_loss") is not None for r in rows if r["step"] in (2, 5))
-
-
-def test_a_job_resumed_at_another_layout_follows_the_original_curve(originals, resumed):
-    original = losses(originals["dense"][1])
-    rows = resumed["dense-pp2"][1]
-    assert [r["step"] for r in rows] == [3, 4, 5]
-    np.testing.assert_allclose(losses(rows), original[3:], rtol=1e-4)
-    np.testing.assert_allclose(losses(resumed["moe-step3"][1]), losses(originals["moe"][1])[3:], rtol=1e-4)
+    job, rows = originals["dense"]
+    root = service.manager.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_000000003", "step_000000006"]
+    assert [r["step"] for r in rows if r["checkpoint_blocked_s"] is not None] == [2]  # the final save is no step's
+    assert all(r.get("val_loss") is not None for r in rows if r["step"] in (2, 5))
 
 
 def test_a_job_resumed_at_its_own_layout_is_bit_identical(originals, resumed):
@@ -118,16 +98,8 @@ def test_a_different_model_cannot_resume(originals, client):
     assert "model.d_model: 32 there, 64 here" in response.json()["detail"][0]["msg"]
 
 
-def test_the_model_of_a_job_that_has_not_ended_is_a_409(client):
-    job_id = client.submit(tiny_spec(steps=100_000))
-    with pytest.raises(ApiError) as info:
-        client.download_model(job_id, __import__("pathlib").Path("/nonexistent/model"))
-    assert info.value.status_code == 409
-    client.stop(job_id)
-
-
 def test_deleting_a_job_removes_its_model_and_checkpoints(service, originals, resumed, client):
-    job = originals["moe"][0]
+    job = originals["dense"][0]
     root = service.manager.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
     model = service.manager.model_path(job["job_id"])
     assert root.is_dir() and model.is_file()

@@ -1,16 +1,13 @@
-"""Running it like a service, end to end: the ranks' logs (read from Ray, also after the job ended), the CLI
-that follows them, and Ray's Prometheus export of the trainyard metrics."""
+"""Running it like a service, end to end: a rank that raises fails the job with its traceback; the ranks' logs
+(read from Ray, also after the job ended) and the CLI that follows them. (Ray's Prometheus export of a running
+job: test_running_job_http.py.)"""
 
 from __future__ import annotations
 
-import math
-import re
-
-import httpx
 import pytest
 import ray
 from conftest import start_service
-from helpers import tiny_spec, wait_for, wait_terminal, with_one_bad_token
+from helpers import live_actor, tiny_spec, wait_for, wait_terminal, with_one_bad_token
 
 from service.cli import main as cli
 from service.client import ApiError
@@ -23,15 +20,45 @@ def run_cli(service, *args: str) -> int:
     return cli(["--url", service.url, "--token", service.token, *args])
 
 
-def test_a_failing_rank_log_holds_its_traceback_and_the_cli_follows_it(service, client, tmp_path, capsys):
-    # Only rank 1 reads the bad token: it raises in step 0 while rank 0 waits in the all-reduce, until the
-    # coordinator kills both. Following starts at submit, so the CLI waits for the workers, then the lines.
+@pytest.fixture(scope="module")
+def failing(service, tmp_path_factory) -> tuple[str, int]:
+    """A dp=2 job, just submitted, whose rank 1 reads a bad token in step 0: (job id, the token's offset)."""
     spec, offset = with_one_bad_token(tiny_spec(parallel={"dp": 2}, model={"vocab_size": 300}, steps=3),
-                                      tmp_path, bad_dp_rank=1, bad_microbatch=0)
+                                      tmp_path_factory.mktemp("bad"), bad_dp_rank=1, bad_microbatch=0)
+    client = service.client()
     job_id = client.submit(spec)
+    client.close()
+    return job_id, offset
+
+
+@pytest.fixture(scope="module")
+def two_rank_job(service, failing) -> str:
+    """The failing job once it ended (both its ranks started, and logged, before rank 1 failed)."""
+    client = service.client()
+    assert wait_terminal(client, failing[0])["status"] == "FAILED"
+    client.close()
+    return failing[0]
+
+
+def placement_group_state(job_id: str) -> str | None:
+    states = [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == f"trainyard/{job_id}"]
+    return states[-1] if states else None
+
+
+def test_a_failing_rank_fails_the_job_its_log_holds_the_traceback_and_the_cli_follows_it(service, client, failing,
+                                                                                         capsys):
+    # Only rank 1 reads the bad token: it raises in step 0 while rank 0 waits in the all-reduce for a peer that
+    # has died, until the coordinator kills both. The job must still end, FAILED, with rank 1's error. Following
+    # starts at submit, so the CLI waits for the workers, then the lines.
+    job_id, offset = failing
     assert run_cli(service, "logs", job_id, "--rank", "1", "--follow") == 0
     followed = capsys.readouterr().out.splitlines()
-    assert client.job(job_id)["status"] == "FAILED"
+    job = wait_terminal(client, job_id)
+    assert job["status"] == "FAILED"
+    assert "rank 1 (pp0-tp0-dp1) failed in step 0" in job["error"]
+    assert "Traceback" in job["error"] and f"token id 300 at offset {offset}" in job["error"]
+    wait_for(lambda: not any(live_actor(n) for n in job["actors"]), 30, "actors to be gone")
+    wait_for(lambda: placement_group_state(job_id) == "REMOVED", 30, "placement group removal")
 
     # After the job ended (its actors are dead), Ray still serves the logs.
     rank1 = client.logs(job_id, rank=1)["ranks"][0]
@@ -49,15 +76,6 @@ def test_a_failing_rank_log_holds_its_traceback_and_the_cli_follows_it(service, 
 
     assert run_cli(service, "logs", job_id) == 0
     assert f"[rank 1 pp0-tp0-dp1] {TRACEBACK}" in capsys.readouterr().out.splitlines()
-
-
-@pytest.fixture(scope="module")
-def two_rank_job(service) -> str:
-    client = service.client()
-    job_id = client.submit(tiny_spec(steps=1, parallel={"dp": 2}))
-    assert wait_terminal(client, job_id)["status"] == "SUCCEEDED"
-    client.close()
-    return job_id
 
 
 def test_an_ended_jobs_rank_logs_say_where_each_rank_ran(client, two_rank_job):
@@ -106,37 +124,3 @@ def test_a_job_without_workers_has_no_logs_yet(ray_session, tmp_path):
         assert info.value.status_code == 409 and "STOPPED and never started its workers" in str(info.value)
     finally:
         svc.shutdown()
-
-
-_SERIES = re.compile(r"^(ray_trainyard_\w+)\{(.*)\} (\S+)$")
-
-
-def trainyard_series(url: str, job_id: str) -> dict[str, tuple[dict, float]]:
-    """name -> (tags, value) of the exported trainyard series of `job_id` (stage 0 for per-stage ones)."""
-    out = {}
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        match = _SERIES.match(line)
-        if match:
-            tags = dict(re.findall(r'(\w+)="([^"]*)"', match[2]))
-            if tags.get("job_id") == job_id and tags.get("stage", "0") == "0":
-                out[match[1]] = (tags, float(match[3]))
-    return out
-
-
-def test_ray_exports_a_running_jobs_metrics_to_prometheus_with_its_job_id(client):
-    job_id = client.submit(tiny_spec(steps=100_000, name="prometheus"))
-    try:
-        wait_for(lambda: client.job(job_id)["step"] >= 1, what="the job to finish a step")
-        node = next(n for n in ray.nodes() if n["Alive"])
-        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-        names = {f"ray_trainyard_{m}" for m in ("step", "loss", "tokens_per_s", "step_time_s", "bubble_fraction",
-                                                   "stage_forward_s", "stage_backward_s")}
-        series = wait_for(lambda: (s := trainyard_series(url, job_id)).keys() >= names and s, 120,
-                          f"Ray's export at {url} to show {sorted(names)} for job {job_id}")
-        assert client.job(job_id)["status"] == "RUNNING"
-    finally:
-        client.stop(job_id)
-    tags, loss = series["ray_trainyard_loss"]
-    assert tags["job_id"] == job_id and math.isfinite(loss) and loss > 0
-    assert series["ray_trainyard_step"][1] >= 1
-    assert series["ray_trainyard_stage_forward_s"][0]["stage"] == "0"

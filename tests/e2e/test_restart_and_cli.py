@@ -1,33 +1,16 @@
-"""The store across a service restart, and the CLI against a real server."""
+"""Jobs that were live when the service died are queued again on start, and the CLI against a real server. (Jobs
+and metrics across restarts of a real `trainyard serve`: test_serve_process.py.)"""
 
 from __future__ import annotations
 
 import json
 
 from conftest import start_service
-from helpers import REPO, tiny_spec, wait_terminal
+from helpers import REPO, tiny_spec
 
 from actors.state import JobStatus
 from service.cli import main as cli
 from service.store import JobRecord, JobStore
-
-
-def test_jobs_and_metrics_survive_a_service_restart(ray_session, tmp_path):
-    first = start_service(tmp_path)
-    client = first.client()
-    job_id = client.submit(tiny_spec(steps=3))
-    assert wait_terminal(client, job_id)["status"] == "SUCCEEDED"
-    before = client.metrics(job_id)
-    first.shutdown()
-
-    second = start_service(tmp_path)
-    client = second.client()
-    try:
-        assert [j["job_id"] for j in client.jobs()] == [job_id]
-        assert client.job(job_id)["status"] == "SUCCEEDED"
-        assert client.metrics(job_id) == before and len(before) == 3
-    finally:
-        second.shutdown()
 
 
 def test_jobs_live_when_the_service_died_are_queued_again_on_start(ray_session, tmp_path):

@@ -1,5 +1,6 @@
 """`trainyard serve` as a real process: SIGTERM stops it in seconds, exit code 0, its live jobs checkpointed
-and queued again (with its waiting jobs), and none of its processes (the embedded Ray included) left behind.
+and queued again (with its waiting jobs), and none of its processes (the embedded Ray included) left behind
+(checked at the first of the restarts below).
 Jobs outlive their service: after SIGTERM or SIGKILL and a new start, a job goes on from its latest
 checkpoint (embedded Ray) or is reattached to (a joined cluster), and ends with the losses and weights of a
 run that was never interrupted."""
@@ -11,12 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import ray
 import torch
-from helpers import REPO, tiny_spec, wait_for
+from helpers import REPO, tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
 
 from parallel import checkpoint
@@ -54,41 +55,6 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple
         raise AssertionError(f"{e}:\n{log.read_text()[-3000:]}") from None
 
 
-@pytest.mark.parametrize("to", ["process", "group"])
-def test_sigterm_queues_live_jobs_again_keeps_waiting_ones_and_leaves_no_process(tmp_path, to):
-    """`to`: SIGTERM to the service's process, or to its process group (systemd's default, `kill -- -PGID`),
-    which once reached the embedded Ray's daemons too: the shutdown then waited 60 s for a GCS that was gone,
-    exited 1 and wrote no final checkpoint."""
-    proc, client = start_serve(tmp_path / "state", tmp_path / "serve.log")
-    try:
-        live = [client.submit(tiny_spec(steps=100_000, name=f"live{i}")) for i in range(2)]
-        waiting = client.submit(tiny_spec(steps=3, name="waiting", resources={"cpus_per_worker": 3}))
-        for job_id in live:
-            wait_for(lambda j=job_id: client.job(j)["step"] >= 1, 180, f"job {job_id} to run")
-        assert client.job(waiting)["queue_position"] == 1
-        ours = descendants(proc.pid)
-        assert len(ours) >= 4  # at least Ray's GCS and raylet, and the jobs' workers
-        steps = {j: client.job(j)["step"] for j in live}
-        if to == "group":
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
-        wait_for(lambda: not any(alive(p) for p in ours), 30, "the service's processes to exit")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    store = JobStore(tmp_path / "state" / "jobs.db")
-    assert all(store.get(j).queued for j in live)  # to go on when the service is back
-    assert all(store.get(j).events[-1]["kind"] == "interrupted" for j in live)
-    assert store.get(waiting).queued
-    # Each live job wrote its final checkpoint as it stopped, at or after the step the service last saw.
-    for job_id in live:
-        saved = checkpoint.committed_steps(tmp_path / "state" / "checkpoints" / job_id)
-        assert saved and saved[-1] >= steps[job_id], saved
-    store.close()
-
-
 SURVIVOR = tiny_spec(model={"n_layer": 4}, steps=120, checkpoint={"every": 10}, name="survivor",
                      parallel={"dp": 2, "pp": 2, "microbatches": 2})
 
@@ -102,16 +68,24 @@ def _weights(client: Client, job_id: str, where: Path) -> dict:
 
 
 def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, client: Client,
-                   ray_address: str | None = None) -> tuple[subprocess.Popen, Client, dict]:
+                   ray_address: str | None = None,
+                   while_down: Callable[[int, int, list[int], int], None] | None = None
+                   ) -> tuple[subprocess.Popen, Client, dict]:
     """SIGTERM the service once the job made 15 more steps, start it again, SIGKILL it 15 steps later, start it
-    again; returns the new service and the job once it ended."""
+    again; returns the new service and the job once it ended. `while_down(signal, exit code, the old service's
+    processes, the job's last step the service reported)` runs while no service is up."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         running, past = client, client.job(job_id)["step"] + 15
         wait_for(lambda c=running, p=past: c.job(job_id)["step"] >= p, 300, f"the job to pass step {past}")
-        ours = descendants(proc.pid)
-        proc.send_signal(sig)
-        proc.wait(timeout=120)
+        ours, seen = descendants(proc.pid), running.job(job_id)["step"]
+        # SIGTERM to the whole process group, as systemd and `kill -- -PGID` send it: it once reached the
+        # embedded Ray's daemons too, and the shutdown then waited 60 s for a GCS that was gone and exited 1.
+        # (The joined-cluster test below sends SIGTERM to the process alone.)
+        os.killpg(proc.pid, sig) if sig == signal.SIGTERM else proc.send_signal(sig)
+        code = proc.wait(timeout=120)
         running.close()
+        if while_down is not None:
+            while_down(sig, code, ours, seen)
         # After SIGKILL, the embedded Ray's daemons are orphans until the next start removes them.
         proc, client = start_serve(state, log, ray_address)
         wait_for(lambda o=ours: not any(alive(p) for p in o), 60, "the old service's processes to exit")
@@ -122,13 +96,42 @@ def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, 
 
 
 def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
+    """Also: SIGTERM stops the service in seconds with exit code 0, its live job checkpointed and queued again
+    with its waiting one, and none of its processes (the embedded Ray included) left behind."""
     state, log = tmp_path / "state", tmp_path / "serve.log"
     proc, client = start_serve(state, log)
+
+    def after_sigterm(sig: int, code: int, ours: list[int], seen: int) -> None:
+        if sig != signal.SIGTERM:
+            return
+        assert code == 0, log.read_text()[-3000:]
+        assert len(ours) >= 4  # at least Ray's GCS and raylet, and the job's workers
+        wait_for(lambda: not any(alive(p) for p in ours), 30, "the service's processes to exit")
+        store = JobStore(state / "jobs.db")
+        try:
+            assert store.get(job_id).queued  # to go on when the service is back
+            assert store.get(job_id).events[-1]["kind"] == "interrupted"
+            assert store.get(waiting).queued
+        finally:
+            store.close()
+        # The live job wrote its final checkpoint as it stopped, at or after the last step the service saw.
+        saved = checkpoint.committed_steps(state / "checkpoints" / job_id)
+        assert saved and saved[-1] >= seen, saved
+
     try:
         reference = client.submit(SURVIVOR)
         wait_for(lambda: client.job(reference)["status"] == "SUCCEEDED", 300, "the uninterrupted run")
+        before = client.metrics(reference)
         job_id = client.submit(SURVIVOR)
-        proc, client, job = _restart_twice(state, log, job_id, proc, client)
+        # more CPUs than the 4 the survivor leaves free: it waits in the queue
+        waiting = client.submit(tiny_spec(steps=3, name="waiting", resources={"cpus_per_worker": 3}))
+        wait_for(lambda: client.job(job_id)["step"] >= 1, 180, f"job {job_id} to run")
+        assert client.job(waiting)["queue_position"] == 1
+        proc, client, job = _restart_twice(state, log, job_id, proc, client, while_down=after_sigterm)
+        assert wait_terminal(client, waiting)["status"] == "SUCCEEDED"  # it waited through both restarts
+        # a job that ended before the restarts is kept as it was, its metrics rows too
+        assert client.job(reference)["status"] == "SUCCEEDED" and client.metrics(reference) == before
+        assert {j["job_id"] for j in client.jobs()} == {reference, job_id, waiting}
         assert _losses(client, job_id) == _losses(client, reference)
         ours, theirs = _weights(client, job_id, tmp_path), _weights(client, reference, tmp_path)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

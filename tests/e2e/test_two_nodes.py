@@ -1,12 +1,14 @@
-"""Placement on a two-node Ray cluster (`ray.cluster_utils.Cluster`, fake GPUs) that `trainyard serve
---ray-address` joins: each tensor-parallel group lands on one node, and a 3D job spans both nodes."""
+"""A two-node Ray cluster (`ray.cluster_utils.Cluster`, fake GPUs) that `trainyard serve --ray-address` joins:
+each tensor-parallel group lands on one node and a 3D job spans both nodes; then a node is lost under an elastic
+job, which shrinks to the replica left and trains on (the cheap node-loss check of `make test`; the whole
+shrink-and-grow-back story on the loss curve is tests/e2e/test_elastic_cluster.py, in `make test-slow`)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from helpers import tiny_spec, wait_terminal
+from helpers import tiny_spec, wait_for, wait_terminal
 from test_serve_process import start_serve
 
 
@@ -17,30 +19,76 @@ def two_node_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"  # tests only: the product keeps Ray's token auth on
     # 4 CPUs and 4 (fake) GPUs per node: a dp=2 x pp=2 x tp=2 job needs 4 bundles of 2 CPU + 2 GPU, so at
     # most 2 fit on a node and the job must use both.
+    # Ray notices a lost node after two missed health checks half a second apart (not tens of seconds).
+    fast_health_checks = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 4, "num_gpus": 4, "include_dashboard": False,
-                                      "object_store_memory": 100 * 2**20})
+                                      "object_store_memory": 100 * 2**20, "_system_config": fast_health_checks})
     cluster.add_node(num_cpus=4, num_gpus=4, object_store_memory=100 * 2**20)
     cluster.wait_for_nodes()
     yield cluster
     cluster.shutdown()
 
 
-def test_a_job_is_placed_across_two_nodes_with_each_tp_group_on_one(two_node_cluster, tmp_path):
-    proc, client = start_serve(tmp_path / "state", tmp_path / "serve.log", ray_address=two_node_cluster.address)
+@pytest.fixture(scope="module")
+def serve(two_node_cluster, tmp_path_factory):
+    where = tmp_path_factory.mktemp("serve")
+    proc, client = start_serve(where / "state", where / "serve.log", ray_address=two_node_cluster.address)
+    yield client
+    client.close()
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+
+
+def test_a_job_is_placed_across_two_nodes_with_each_tp_group_on_one(serve):
+    client = serve
+    cluster = client.cluster()
+    assert cluster["nodes"] == 2 and cluster["gpus"] == 8
+    spec = tiny_spec(steps=2, model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2})
+    plan = client.plan(spec)
+    assert plan["resources"]["bundles"] == [{"CPU": 2.0, "GPU": 2.0}] * 4
+    job = wait_terminal(client, client.submit(spec), timeout_s=300)
+    assert job["status"] == "SUCCEEDED", job["error"]
+    node_of = {r["rank"]: r["node_id"] for r in job["ranks"]}
+    assert len(node_of) == 8 and len(set(node_of.values())) == 2
+    for group in plan["groups"]["tp"]:
+        assert len({node_of[r] for r in group}) == 1, f"tp group {group} spans nodes"
+    assert all(r["device"] == "cpu" for r in job["ranks"])  # fake GPUs: gloo on CPU, the GPU code path
+
+
+def _resizes(client, job_id: str) -> list[tuple[int, int, str]]:
+    return [(e["from"]["dp"], e["to"]["dp"], e["reason"]) for e in client.events(job_id) if e["kind"] == "resize"]
+
+
+def test_an_elastic_job_that_loses_a_node_shrinks_to_the_replica_left_and_trains_on(serve, two_node_cluster):
+    """Runs last in this file: it removes the second node."""
+    client, cluster = serve, two_node_cluster
+    # A rank needs a whole node's 4 CPUs: dp=2 puts one replica on each node.
+    spec = tiny_spec(steps=100_000, global_batch=8, name="node-loss", resources={"cpus_per_worker": 4},
+                     parallel={"dp": {"min": 1, "max": 2}, "microbatches": 2}, checkpoint={"every": 2},
+                     fault={"node_grace_s": 1, "grow_interval_s": 1})
+    job_id = client.submit(spec)
     try:
-        cluster = client.cluster()
-        assert cluster["nodes"] == 2 and cluster["gpus"] == 8
-        spec = tiny_spec(steps=2, model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2})
-        plan = client.plan(spec)
-        assert plan["resources"]["bundles"] == [{"CPU": 2.0, "GPU": 2.0}] * 4
-        job = wait_terminal(client, client.submit(spec), timeout_s=300)
-        assert job["status"] == "SUCCEEDED", job["error"]
-        node_of = {r["rank"]: r["node_id"] for r in job["ranks"]}
-        assert len(node_of) == 8 and len(set(node_of.values())) == 2
-        for group in plan["groups"]["tp"]:
-            assert len({node_of[r] for r in group}) == 1, f"tp group {group} spans nodes"
-        assert all(r["device"] == "cpu" for r in job["ranks"])  # fake GPUs: gloo on CPU, the GPU code path
+        # it starts at dp=1 and grows into the second node
+        wait_for(lambda: (1, 2, "resources appeared") in _resizes(client, job_id), 300, "the job to grow to dp=2")
+        grown = wait_for(lambda: (j := client.job(job_id))["status"] == "RUNNING" and len(j["ranks"]) == 2 and j,
+                         300, "the job to run at dp=2")
+        wait_for(lambda: client.job(job_id)["step"] > grown["step"], 300, "a step at dp=2")
+        head = cluster.head_node.node_id
+        worker_node = next(n for n in cluster.list_all_nodes() if n.node_id != head)
+        assert worker_node.node_id in {r["node_id"] for r in client.job(job_id)["ranks"]}
+        cluster.remove_node(worker_node)
+        wait_for(lambda: (2, 1, "node lost") in _resizes(client, job_id), 300, "the job to shrink to dp=1")
+        lost = next(e for e in client.events(job_id) if e["kind"] == "resize" and e["reason"] == "node lost")
+        assert lost["moved"] == "checkpoint" and lost["paused_s"] > 0
+        failure = next(e for e in client.events(job_id) if e["kind"] == "failure")
+        step = wait_for(lambda: (j := client.job(job_id))["status"] == "RUNNING" and j["step"], 300,
+                        "the job to run again")
+        wait_for(lambda: client.job(job_id)["step"] >= step + 2, 300, "two more steps at dp=1")
+        job = client.job(job_id)
+        assert job["status"] == "RUNNING" and [r["node_id"] for r in job["ranks"]] == [head]
+        assert failure["restore_step"] % 2 == 0  # the latest checkpoint (every 2 steps)
+        rows = client.metrics(job_id)
+        assert [r["step"] for r in rows] == list(range(len(rows)))  # no step lost or counted twice
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=60) == 0
+        client.stop(job_id)

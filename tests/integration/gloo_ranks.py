@@ -1,57 +1,51 @@
-"""Run a plan's ranks as spawned processes on gloo, with torch.distributed alone (no Ray)."""
+"""The gloo tests' short names for `parallel.local_world`: a plan's ranks as local processes (torch.distributed
+alone, no Ray), each a `RankDriver`; several plans in one spawned world with `run_plans`."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
-import torch
-import torch.multiprocessing as mp
-
-from parallel.data import open_dataset, step_microbatches
-from parallel.distributed import init_distributed, shutdown_distributed
+from parallel.local_world import PlanRun, RankResult, run_plan, run_plans, spawn
 from parallel.plan import Plan
-from parallel.trainer import RankTrainer
+
+K = TypeVar("K")
+
+__all__ = ["PlanRun", "RankResult", "last_stage_losses", "layout_id", "losses", "run_named", "run_plans", "run_ranks",
+           "spawn", "stats_of"]
 
 
-def _rank_main(rank: int, port: int, plan: Plan, out_dir: str, checkpoints: dict) -> None:
-    torch.set_num_threads(1)
-    groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=120)
-    trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
-    cfg = plan.config
-    start = 0
-    if checkpoints.get("resume"):
-        directory, start = checkpoints["resume"]
-        trainer.load_checkpoint(Path(directory), start)
-    num_samples = open_dataset(cfg).num_samples
-    stats = []
-    for step in range(start, cfg.steps):
-        stats.append(trainer.train_step(step, step_microbatches(plan, rank, step, num_samples)).to_dict())
-        if step + 1 in checkpoints.get("save", ()):
-            background = checkpoints.get("background", False)
-            trainer.save_checkpoint(Path(checkpoints["root"]), step + 1, {}, background=background)
-    trainer.finish_checkpoint()
-    torch.save(stats, Path(out_dir) / f"rank{rank}.pt")
-    shutdown_distributed()
-
-
-def spawn(fn: Callable[..., None], nprocs: int, *args: object) -> None:
-    """Run fn(rank, port, *args) in `nprocs` spawned processes; `port` is a free one for the rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(fn, args=(port, *args), nprocs=nprocs, start_method="spawn")
-
-
-def run_ranks(plan: Plan, out_dir: Path, **checkpoints) -> list[list[dict]]:
+def run_ranks(plan: Plan, out_dir: Path | None = None, **checkpoints) -> list[list[dict]]:
     """Every rank's StepStats dicts, indexed [rank][step]. `checkpoints`: root and save (steps after which to
-    save a checkpoint under root, in the background if background=True), or resume=(directory, step)."""
-    spawn(_rank_main, plan.world_size, plan, str(out_dir), checkpoints)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(plan.world_size)]
+    save a checkpoint under root, in the background if background=True), or resume=(directory, step).
+    (`out_dir` is not needed any more; kept for the callers that pass it.)"""
+    run = PlanRun(plan, save_after=tuple(checkpoints.get("save", ())), root=checkpoints.get("root"),
+                  background=checkpoints.get("background", False), resume=checkpoints.get("resume"))
+    return stats_of(run_plan(run))
 
 
-def losses(plan: Plan, out_dir: Path) -> list[float]:
-    per_rank = run_ranks(plan, out_dir)
-    last = next(r for r in range(plan.world_size) if per_rank[r][0]["loss"] is not None)
-    return [s["loss"] for s in per_rank[last]]
+def run_named(plans: Mapping[K, Plan]) -> dict[K, list[list[dict]]]:
+    """Each plan's [rank][step] StepStats dicts, by the plan's key: all the plans, one after the other, in one
+    spawned world (as large as the largest plan)."""
+    results = run_plans([PlanRun(plan) for plan in plans.values()])
+    return {key: stats_of(r) for key, r in zip(plans, results, strict=True)}
+
+
+def layout_id(parallel: dict) -> str:
+    """A test id for a `parallel` section: {"pp": 2, "microbatches": 4} -> "pp2-microbatches4"."""
+    return "-".join(f"{k}{v}" for k, v in parallel.items())
+
+
+def stats_of(results: list[RankResult]) -> list[list[dict]]:
+    """[rank][step] StepStats dicts of one run's results."""
+    return [r.stats for r in results]
+
+
+def last_stage_losses(per_rank: list[list[dict]]) -> list[float]:
+    """The losses of the first rank that has them (a last-stage rank)."""
+    return [s["loss"] for s in next(stats for stats in per_rank if stats[0]["loss"] is not None)]
+
+
+def losses(plan: Plan, out_dir: Path | None = None) -> list[float]:
+    return last_stage_losses(run_ranks(plan, out_dir))

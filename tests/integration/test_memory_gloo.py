@@ -1,6 +1,6 @@
 """The memory plan against what real gloo ranks hold (no Ray).
 
-Each rank builds its RankTrainer, runs one step, and reports its local parameter bytes (a DTensor's local
+Each rank builds its RankDriver, runs one step, and reports its local parameter bytes (a DTensor's local
 shard), its gradient buckets (and ZeRO-1's reduced slices), its optimizer's state (`optimizer_bytes`) and the
 pipeline meter's peak of bytes saved for backward; the plan's estimate must match the first three (up to
 the buckets' padding to a multiple of the group size) and the activations within 25%.
@@ -8,40 +8,30 @@ the buckets' padding to a multiple of the group size) and the activations within
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
-from gloo_ranks import spawn
+from gloo_ranks import PlanRun, run_plans
 from helpers import tiny_spec
 
 from api.spec import parse_spec
-from parallel.data import open_dataset, step_microbatches
 from parallel.data_parallel import local_part
-from parallel.distributed import init_distributed, shutdown_distributed
-from parallel.plan import Plan, make_plan
-from parallel.trainer import RankTrainer
+from parallel.driver import RankDriver
+from parallel.plan import make_plan
 
 MOE = {"experts": 4, "top_k": 2, "every": 2}
 
 
-def _measure_rank(rank: int, port: int, plan: Plan, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=120)
-    trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
-    cfg = plan.config
-    stats = trainer.train_step(0, step_microbatches(plan, rank, 0, open_dataset(cfg).num_samples))
+def measure(driver: RankDriver, stats: list[dict]) -> dict[str, int]:
+    """What this rank holds after its step: parameters, gradient buckets, optimizer state, activations' peak."""
+    trainer = driver.trainer
     params = {id(p): local_part(p) for chunk in trainer.chunks for p in chunk.parameters()}
     buckets = [t for reducer in trainer.reducers.values() for b in reducer.buckets for t in (b.flat, b.shard)
                if t is not None]
-    measured = {
+    return {
         "params": sum(p.numel() * p.element_size() for p in params.values()),
         "grads": sum(t.numel() * t.element_size() for t in buckets),
-        "optimizer": stats.optimizer_bytes,
-        "activations": stats.peak_activation_bytes,
+        "optimizer": stats[-1]["optimizer_bytes"],
+        "activations": stats[-1]["peak_activation_bytes"],
     }
-    torch.save(measured, Path(out_dir) / f"rank{rank}.pt")
-    shutdown_distributed()
 
 
 LAYOUTS = {
@@ -57,14 +47,23 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_memory_plan_matches_what_the_ranks_hold(layout, tmp_path):
+def plan_for(layout: str):
     overrides = LAYOUTS[layout]
     model = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, **overrides.get("model", {})}
-    plan = make_plan(parse_spec(tiny_spec(**{**overrides, "model": model, "steps": 1, "global_batch": 8})))
-    spawn(_measure_rank, plan.world_size, plan, str(tmp_path))
-    for rank, expected in enumerate(plan.memory()):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+    return make_plan(parse_spec(tiny_spec(**{**overrides, "model": model, "steps": 1, "global_batch": 8})))
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, list[dict[str, int]]]:
+    """[rank] measurements of every layout after one step, from one spawned world."""
+    results = run_plans([PlanRun(plan_for(layout), probe=measure) for layout in LAYOUTS])
+    return {layout: [r.probe for r in ranks] for layout, ranks in zip(LAYOUTS, results, strict=True)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_memory_plan_matches_what_the_ranks_hold(layout, measured):
+    for rank, expected in enumerate(plan_for(layout).memory()):
+        got = measured[layout][rank]
         assert got["params"] == expected.params, rank
         assert got["grads"] == pytest.approx(expected.grads, abs=64), rank  # padding: a few elements a bucket
         assert got["optimizer"] == pytest.approx(expected.optimizer, abs=64), rank

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import run_ranks
+from gloo_ranks import layout_id, run_named
 from helpers import tiny_spec
 from tp_layer_checks import MAX_NORM, Results, run_layer_checks
 
@@ -96,24 +96,33 @@ def plan_for(**parallel):
     return make_plan(parse_spec(tiny_spec(model={"n_layer": 4}, steps=3, global_batch=8, parallel=parallel)))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict]:
-    plan = plan_for(microbatches=2)
-    stats = run_ranks(plan, tmp_path_factory.mktemp("ref"))[0]
-    # Clipping acts in every step, so the runs below also check the norm summed over tp shards.
-    assert min(s["grad_norm"] for s in stats) > plan.config.optimizer.grad_clip
-    return stats
-
-
-@pytest.mark.parametrize("parallel", [
+LAYOUTS = [
     {"tp": 2, "microbatches": 2},
     {"tp": 2, "sp": True, "microbatches": 2},
     {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "schedule": "1f1b"},
     # With sp the stages exchange sequence slices: (micro_batch, seq_len / tp, d_model) per rank.
     {"pp": 2, "vpp": 2, "tp": 2, "sp": True, "microbatches": 2, "schedule": "interleaved-1f1b"},
-], ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
-def test_tensor_parallel_layouts_follow_the_single_rank_losses(parallel, reference, tmp_path):
-    per_rank = run_ranks(plan_for(**parallel), tmp_path)
+]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[list[dict]]]:
+    """[rank][step] stats of the single-rank reference and of every layout, from one spawned world."""
+    plans = {"reference": plan_for(microbatches=2)} | {layout_id(p): plan_for(**p) for p in LAYOUTS}
+    return run_named(plans)
+
+
+@pytest.fixture(scope="module")
+def reference(runs) -> list[dict]:
+    stats = runs["reference"][0]
+    # Clipping acts in every step, so the runs below also check the norm summed over tp shards.
+    assert min(s["grad_norm"] for s in stats) > plan_for().config.optimizer.grad_clip
+    return stats
+
+
+@pytest.mark.parametrize("parallel", LAYOUTS, ids=layout_id)
+def test_tensor_parallel_layouts_follow_the_single_rank_losses(parallel, reference, runs):
+    per_rank = runs[layout_id(parallel)]
     last_stage = [stats for stats in per_rank if stats[0]["loss"] is not None]
     assert len(last_stage) == parallel.get("dp", 1) * parallel["tp"]  # every tp rank of the last stage has it
     for stats in last_stage:

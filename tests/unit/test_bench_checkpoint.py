@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from api.spec import parse_spec
@@ -30,8 +31,24 @@ def test_checkpoint_bytes_are_the_sum_of_its_files(tmp_path: Path):
     (tmp_path / ".metadata").write_bytes(b"y" * 24)
     (tmp_path / "sub").mkdir()
     assert dir_bytes(tmp_path) == 1024
-    drop_page_cache(tmp_path)  # only advice to the kernel: the files stay as they are
-    assert dir_bytes(tmp_path) == 1024
+
+
+def test_dropping_the_page_cache_advises_the_kernel_for_every_file_and_skips_folders(tmp_path: Path, monkeypatch):
+    for name in ("a.distcp", "b.distcp", ".metadata"):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    (tmp_path / "sub").mkdir()
+    advised: list[tuple[str, int, int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    drop_page_cache(tmp_path)
+    # the whole of each file (offset 0, length 0 = to the end), told its pages are not needed
+    assert sorted(advised) == [(str(tmp_path / n), 0, 0, os.POSIX_FADV_DONTNEED)
+                               for n in (".metadata", "a.distcp", "b.distcp")]
 
 
 def test_filesystem_is_read_from_the_last_line_of_df():

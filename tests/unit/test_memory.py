@@ -1,8 +1,6 @@
 """The memory plan: exact parameter counts, the optimizer under ZeRO-1, activations under checkpointing and
 the schedule, and the refusal of a job whose ranks cannot fit."""
 
-import time
-
 import pytest
 from helpers import tiny_spec
 
@@ -182,6 +180,7 @@ def test_the_estimate_is_computed_once_per_stage_and_answers_a_large_layout_at_o
     assert len(ranks) == 16 and len({id(r) for r in ranks}) == 2
     spec = parse_spec(tiny_spec(model={"n_layer": 4096, "moe": {"experts": 4096, "every": 1}},
                                 parallel={"dp": 4096, "ep": 4096, "pp": 16}, global_batch=4096))
-    start = time.perf_counter()
-    assert len(describe(make_plan(spec))["memory"]["per_rank"]) == 4096 * 16
-    assert time.perf_counter() - start < 2
+    large = make_plan(spec)
+    # 65,536 ranks, 16 stages: one computation per stage, shared by the stage's ranks (not one per rank)
+    assert len({id(r) for r in large.memory()}) == 16
+    assert len(describe(large)["memory"]["per_rank"]) == 4096 * 16

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
+from parallel.config import ScheduleKind
 from parallel.schedule_sim import Costs, render_gantt, simulate
 from parallel.schedules import (
     SCHEDULE_KINDS,
@@ -136,8 +139,10 @@ def test_combinations_a_kind_cannot_run_are_refused_with_the_rule(kind, pp, m, v
         assert why in str(err.value)
 
 
-def test_every_kind_is_offered():
-    assert set(SCHEDULE_KINDS) == {kind for kind, *_ in OFFERED}
+def test_every_kind_the_spec_accepts_is_built_and_offered():
+    accepted = set(get_args(ScheduleKind))  # what `parallel.schedule` may say in a JobSpec
+    assert set(SCHEDULE_KINDS) == accepted
+    assert {kind for kind, *_ in OFFERED} == accepted
 
 
 def test_single_rank_is_plain_gradient_accumulation():

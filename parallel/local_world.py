@@ -1,0 +1,119 @@
+"""Ranks as local processes on gloo, without Ray: the gloo tests' and the benches' launcher (torchrun's job on
+one machine, for a function rather than a script).
+
+`spawn(fn, nprocs, *args)` runs `fn(rank, port, *args)` in `nprocs` processes forked from a forkserver that has
+imported torch and the trainer once, so a rank starts in a fraction of a second instead of paying torch's import
+(seconds on a loaded machine). `run_plans(runs)` spawns one world and runs several plans in it one after the
+other, each on a fresh rendezvous with its own subgroups (a `RankDriver` per plan, closed before the next); the
+ranks a plan does not use sit it out. What each rank returns comes back through files, as torch.save'd objects.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from parallel.driver import RankDriver, Save
+from parallel.plan import Plan
+
+PRELOAD = ["torch", "torch.distributed", "parallel.driver", "parallel.local_world"]
+START_METHOD = "forkserver"
+RANK_TIMEOUT_S = 600.0  # also how long a rank waits at a later plan's rendezvous while earlier plans run
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free right now (held together while picked, so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def spawn(fn: Callable[..., None], nprocs: int, *args: object) -> None:
+    """Run fn(rank, port, *args) in `nprocs` processes and wait for all; `port` is a free one for the
+    rendezvous. A rank's exception is raised here (torch's ProcessRaisedException, with its traceback)."""
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
+    mp.start_processes(fn, args=(free_ports(1)[0], *args), nprocs=nprocs, start_method=START_METHOD)
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    """One plan's part of a world: train `steps` (default: from `resume`'s step, or 0, to the plan's last), save
+    after the step counts in `save_after` under `root`, then call `probe(driver, stats)` on every rank (a module-
+    level function, so it pickles) and return what it returns along with the steps' stats."""
+
+    plan: Plan
+    steps: range | None = None
+    save_after: tuple[int, ...] = ()
+    root: str | None = None
+    background: bool = False
+    resume: tuple[str, int] | None = None
+    """(checkpoint directory, step) to load before the first step."""
+    probe: Callable[[RankDriver, list[dict]], Any] | None = None
+    extra: dict = field(default_factory=dict)
+    """Anything a probe wants to know (it gets the driver and stats only): `run.extra` stays with the run."""
+
+
+@dataclass(frozen=True)
+class RankResult:
+    stats: list[dict]
+    """The StepStats dicts of each step this rank ran."""
+    probe: Any = None
+
+
+def run_plans(runs: Sequence[PlanRun]) -> list[list[RankResult]]:
+    """Each run's results, [run][rank], from one spawned world as large as the largest plan."""
+    world = max(run.plan.world_size for run in runs)
+    with tempfile.TemporaryDirectory(prefix="local-world-") as out:
+        spawn(_world_rank, world, list(runs), out)
+        return [[torch.load(Path(out) / f"run{i}-rank{r}.pt", weights_only=False) for r in range(run.plan.world_size)]
+                for i, run in enumerate(runs)]
+
+
+def run_plan(run: PlanRun) -> list[RankResult]:
+    """One run in its own world, [rank]."""
+    return run_plans([run])[0]
+
+
+def _world_rank(rank: int, port: int, runs: list[PlanRun], out: str) -> None:
+    """One rank of the world: each run it takes part in, on the rendezvous port rank 0 picked for it just then
+    (a port picked long before could be taken meanwhile) and posted in the world's own store."""
+    torch.set_num_threads(1)
+    world = max(run.plan.world_size for run in runs)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=RANK_TIMEOUT_S))
+    for i, run in enumerate(runs):
+        if rank >= run.plan.world_size:
+            continue
+        if rank == 0:
+            store.set(f"port{i}", str(free_ports(1)[0]))
+        result = _run_one(run, rank, int(store.get(f"port{i}")))
+        torch.save(result, Path(out) / f"run{i}-rank{rank}.pt")
+
+
+def _run_one(run: PlanRun, rank: int, port: int) -> RankResult:
+    driver = RankDriver(run.plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=RANK_TIMEOUT_S)
+    try:
+        start = 0
+        if run.resume is not None:
+            directory, start = run.resume
+            driver.load(Path(directory), start)
+        steps = run.steps if run.steps is not None else range(start, run.plan.config.steps)
+        save = Save(Path(run.root), {}, run.background) if run.root is not None else None
+        stats = driver.run(steps, save_after=run.save_after, save=save)
+        return RankResult(stats, run.probe(driver, stats) if run.probe is not None else None)
+    finally:
+        driver.close()
