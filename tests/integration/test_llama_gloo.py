@@ -1,8 +1,9 @@
 """The llama family at every kind of layout on real gloo ranks (no Ray): each follows its one-rank run.
 
-One spawned world of 8 processes runs every plan in turn (a plan of fewer ranks leaves the others waiting
-for the next), so the processes start once: llama with grouped-query attention (n_head 4, n_kv_head 2, so
-tp=2 keeps one kv head per rank) at (dp2, pp2, tp2, 1f1b) and at (pp2, vpp2, tp2, sp, interleaved-1f1b),
+One spawned world of 8 processes runs every plan in turn (`gloo_ranks.run_plans`: a plan of fewer ranks
+leaves the others waiting for the next), so the processes start once: llama with grouped-query attention
+(n_head 4, n_kv_head 2, so tp=2 keeps one kv head per rank) at (dp2, pp2, tp2, 1f1b) and at
+(pp2, vpp2, tp2, sp, interleaved-1f1b),
 the second resuming from the first's checkpoint (another layout); llama MoE at (dp2, ep2) with full
 recompute; and bf16 with ZeRO-1 and selective recompute at (dp2, tp2) against the one-rank bf16 run with
 selective recompute.
@@ -10,23 +11,15 @@ selective recompute.
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
-
 import numpy as np
 import pytest
-import torch
-import torch.multiprocessing as mp
+from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
 
 from api.spec import parse_spec
-from parallel.checkpoint import step_dir
-from parallel.data import open_dataset, step_microbatches
-from parallel.distributed import init_distributed, shutdown_distributed
 from parallel.plan import Plan, make_plan
-from parallel.trainer import RankTrainer
 
-WORLD, STEPS = 8, 3
+STEPS = 3
 LLAMA = {"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2, "d_model": 32, "ffn_hidden": 64,
          "rope_theta": 500000.0}
 MOE = {"experts": 4, "top_k": 2, "every": 2}
@@ -55,44 +48,18 @@ RUNS: dict[str, tuple[Plan, dict]] = {
 }
 
 
-def _rank_main(rank: int, ports: list[int], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    for (name, (plan, checkpoints)), port in zip(RUNS.items(), ports, strict=True):
-        if rank >= plan.world_size:
-            continue
-        groups = init_distributed(plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=600)
-        trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
-        start = 0
-        if "resume" in checkpoints:
-            source, start = checkpoints["resume"]
-            trainer.load_checkpoint(step_dir(Path(out_dir) / source, start), start)
-        num_samples = open_dataset(plan.config).num_samples
-        stats = []
-        for step in range(start, STEPS):
-            stats.append(trainer.train_step(step, step_microbatches(plan, rank, step, num_samples)).to_dict())
-            if step + 1 == checkpoints.get("save"):
-                trainer.save_checkpoint(Path(out_dir) / name, step + 1, {})
-        torch.save(stats, Path(out_dir) / f"{name}-rank{rank}.pt")
-        shutdown_distributed()
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[list[dict]]]:
     """Every run's StepStats dicts, [rank][step]."""
     out = tmp_path_factory.mktemp("llama")
-    mp.start_processes(_rank_main, args=(_free_ports(len(RUNS)), str(out)), nprocs=WORLD, start_method="spawn")
-    return {name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(plan.world_size)]
-            for name, (plan, _) in RUNS.items()}
+
+    def run_of(name: str, plan: Plan, checkpoints: dict) -> PlanRun:
+        resume = checkpoints.get("resume")
+        return PlanRun(plan, save_after=(checkpoints["save"],) if "save" in checkpoints else (), root=str(out / name),
+                       resume=(str(out / resume[0]), resume[1]) if resume else None)
+
+    results = run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()])
+    return {name: stats_of(result) for name, result in zip(RUNS, results, strict=True)}
 
 
 def last_stage(per_rank: list[list[dict]]) -> list[list[dict]]:
