@@ -90,12 +90,11 @@ def client(service):
 @pytest.fixture(scope="session")
 def three_d_job(service) -> tuple[dict, list[dict]]:
     """One finished (dp=2, pp=2, tp=2) job of 8 ranks, 1F1B over two micro-batches, and its metrics rows: the
-    flagship of the pipeline and tensor-parallel files (their layouts' numerics are checked on gloo)."""
-    from helpers import run_all, tiny_spec
+    flagship of the pipeline and tensor-parallel files (their layouts' numerics are checked on gloo), and of the
+    llama family through the service (grouped-query attention: 4 heads, 2 key/value heads, one per tp rank)."""
+    from helpers import THREE_D_SPEC, run_all
 
     client = service.client()
-    spec = tiny_spec(model={"n_layer": 4, "n_head": 2}, global_batch=8, steps=3,
-                     parallel={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "schedule": "1f1b"})
-    out = run_all(client, {"3d": spec})["3d"]
+    out = run_all(client, {"3d": THREE_D_SPEC})["3d"]
     client.close()
     return out

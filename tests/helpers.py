@@ -39,6 +39,11 @@ def tiny_spec(**overrides) -> dict:
     return spec
 
 
+THREE_D_SPEC = tiny_spec(model={"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2}, global_batch=8, steps=3,
+                         parallel={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "schedule": "1f1b"})
+"""The flagship 3D job through the service (`three_d_job` in conftest.py)."""
+
+
 def wait_terminal(client, job_id: str, timeout_s: float = 180.0) -> dict:
     return wait_for(lambda: (j := client.job(job_id))["status"] in ("SUCCEEDED", "FAILED", "STOPPED") and j,
                     timeout_s, f"job {job_id} to end")

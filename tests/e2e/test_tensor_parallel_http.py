@@ -1,11 +1,17 @@
-"""Tensor, sequence and 3D parallelism through the real service (uvicorn, Ray, gloo): a (dp=2, pp=2, tp=2) job
-trains and shows where each rank runs; the plan shows the tp groups and bundles; the rules are 422s. Every
-layout's numerics against the single rank are checked on gloo (tests/integration/test_tensor_parallel_gloo.py)."""
+"""Tensor, sequence and 3D parallelism through the real service (uvicorn, Ray, gloo): a (dp=2, pp=2, tp=2) llama
+job trains, follows its one-rank curve and shows where each rank runs; the plan shows the tp groups and bundles;
+the rules are 422s. Every layout's numerics against the single rank are checked on gloo
+(tests/integration/test_tensor_parallel_gloo.py, test_llama_gloo.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from helpers import tiny_spec
+from helpers import THREE_D_SPEC, tiny_spec
+
+from api.spec import parse_spec
+from parallel.local_world import PlanRun, run_plan
+from parallel.plan import make_plan
 
 
 def tp_spec(**parallel) -> dict:
@@ -19,6 +25,15 @@ def test_a_3d_job_trains_and_shows_every_rank_and_its_node(three_d_job):
                                                  for t in range(2)]
     assert all(r["node"] and r["node_id"] and r["pid"] for r in job["ranks"])
     assert len(job["actors"]) == 1 + 8
+
+
+def test_the_3d_llama_job_follows_its_single_rank_curve(three_d_job):
+    """Through the real service, llama with grouped-query attention at (dp2, pp2, tp2, 1f1b) gives the losses of
+    the same job on one rank (run on a gloo rank by the same driver the workers use) within 1e-4."""
+    _, rows = three_d_job
+    one_rank = make_plan(parse_spec({**THREE_D_SPEC, "parallel": {}}))
+    (result,) = run_plan(PlanRun(one_rank))
+    np.testing.assert_allclose([r["loss"] for r in rows], [s["loss"] for s in result.stats], rtol=1e-4)
 
 
 def test_plan_shows_tp_groups_and_bundles(client):
