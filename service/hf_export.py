@@ -2,7 +2,8 @@
 
 Converted from the consolidated safetensors file the job's end wrote (`parallel.export.export_hf`), once,
 beside it (`hf/` and `hf.tar`); a later request serves the same tar. The tokenizer of the job's prepared
-dataset directory (`data.path` holding a manifest) goes into the directory with the weights.
+dataset directory (`data.path`, or a mixture's first source, holding a manifest: a mixture's sources share one
+tokenizer) goes into the directory with the weights.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def hf_archive(model_file: Path, spec: dict) -> Path:
     with _lock:  # two requests at once convert once
         if archive.is_file() and archive.stat().st_mtime >= model_file.stat().st_mtime:
             return archive
-        data_path = (spec.get("data") or {}).get("path")
+        data_path = _prepared_data(spec.get("data") or {})
         directory = export_hf(model_file, model_file.parent / "hf",
                               tokenizer_from=Path(data_path) if data_path else None)
         tmp = archive.with_name(ARCHIVE + ".tmp")
@@ -33,3 +34,9 @@ def hf_archive(model_file: Path, spec: dict) -> Path:
                 tar.add(path, arcname=path.name)
         os.replace(tmp, archive)
         return archive
+
+
+def _prepared_data(data: dict) -> str | None:
+    """The dataset path whose tokenizer the job trained with: `data.path`, or the first of `data.sources`."""
+    sources = data.get("sources") or []
+    return data.get("path") or (sources[0]["path"] if sources else None)
