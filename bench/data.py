@@ -35,10 +35,9 @@ from bench.machine import busy_fraction
 from bench.results import Row, ratio
 from bench.service_job import free_port
 from parallel.data import global_batch_ids, load_batch, open_dataset, rank_share, step_counted_targets
-from parallel.distributed import init_distributed, shutdown_distributed
+from parallel.driver import RankDriver
 from parallel.plan import make_plan
 from parallel.prepare import PrepareOptions, default_workers, prepare
-from parallel.trainer import RankTrainer
 
 DOCS = 20_000
 ROUNDS = 5
@@ -94,18 +93,17 @@ def _step_tokens_per_s(ctx: BenchContext, data: dict) -> float:
     share = GLOBAL_BATCH // DP
     plan = make_plan(parse_spec({"model": MODEL, "data": data, "steps": LOADER_STEPS, "global_batch": share,
                                  "seed": 1, "resources": {"gpus_per_worker": 0}}))
-    groups = init_distributed(plan, 0, "127.0.0.1", free_port(), torch.device("cpu"), timeout_s=300)
+    driver = RankDriver(plan, 0, "127.0.0.1", free_port(), torch.device("cpu"), timeout_s=300)
     try:
-        trainer = RankTrainer(plan, 0, groups, torch.device("cpu"))
         n = open_dataset(plan.config).num_samples
         times = []
         for step in range(1 + ROUNDS):
             ids = global_batch_ids(1, step, share, n)
             t0 = time.perf_counter()
-            trainer.train_step(step, [ids])
+            driver.step(step, [ids])
             times.append(time.perf_counter() - t0)
     finally:
-        shutdown_distributed()
+        driver.close()
     seconds = statistics.median(times[1:])
     ctx.log(f"step of {share} x {SEQ_LEN} tokens: {seconds:.3f} s")
     return share * SEQ_LEN / seconds

@@ -68,10 +68,13 @@ class RankDriver:
             stats["checkpoint_blocked_s"] = self.save(save, step + 1)
         return stats
 
-    def run(self, steps: range, *, save_after: tuple[int, ...] = (), save: Save | None = None) -> list[dict]:
-        """`steps` in order, saving the state after each step whose count is in `save_after`; every save is
-        finished and committed at the end."""
-        out = [self.step(s, save=save if s + 1 in save_after else None) for s in steps]
+    def run(self, steps: range, *, save_after: tuple[int, ...] = (), save: Save | None = None,
+            evaluate_after: tuple[int, ...] = ()) -> list[dict]:
+        """`steps` in order, saving the state after each step whose count is in `save_after` and taking the
+        validation loss after each one whose count is in `evaluate_after`; every save is finished and committed
+        at the end."""
+        out = [self.step(s, evaluate=s + 1 in evaluate_after, save=save if s + 1 in save_after else None)
+               for s in steps]
         self.trainer.finish_checkpoint()
         return out
 

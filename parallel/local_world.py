@@ -52,18 +52,23 @@ def spawn(fn: Callable[..., None], nprocs: int, *args: object) -> None:
 
 @dataclass(frozen=True)
 class PlanRun:
-    """One plan's part of a world: train `steps` (default: from `resume`'s step, or 0, to the plan's last), save
-    after the step counts in `save_after` under `root`, then call `probe(driver, stats)` on every rank (a module-
-    level function, so it pickles) and return what it returns along with the steps' stats."""
+    """One plan's part of a world: call `setup()` on every rank before its driver is built, train `steps`
+    (default: from `resume`'s step, or 0, to the plan's last), save after the step counts in `save_after` under
+    `root` and take the validation loss after those in `evaluate_after`, then call `probe(driver, stats)` on
+    every rank and return what it returns along with the steps' stats (`setup` and `probe`: module-level
+    functions, so they pickle)."""
 
     plan: Plan
     steps: range | None = None
     save_after: tuple[int, ...] = ()
+    evaluate_after: tuple[int, ...] = ()
     root: str | None = None
     background: bool = False
     resume: tuple[str, int] | None = None
     """(checkpoint directory, step) to load before the first step."""
     probe: Callable[[RankDriver, list[dict]], Any] | None = None
+    setup: Callable[[], None] | None = None
+    """What a rank does before the driver exists: e.g. wrap a reader the trainer's construction uses."""
     extra: dict = field(default_factory=dict)
     """Anything a probe wants to know (it gets the driver and stats only): `run.extra` stays with the run."""
 
@@ -105,6 +110,8 @@ def _world_rank(rank: int, port: int, runs: list[PlanRun], out: str) -> None:
 
 
 def _run_one(run: PlanRun, rank: int, port: int) -> RankResult:
+    if run.setup is not None:
+        run.setup()
     driver = RankDriver(run.plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=RANK_TIMEOUT_S)
     try:
         start = 0
@@ -113,7 +120,7 @@ def _run_one(run: PlanRun, rank: int, port: int) -> RankResult:
             driver.load(Path(directory), start)
         steps = run.steps if run.steps is not None else range(start, run.plan.config.steps)
         save = Save(Path(run.root), {}, run.background) if run.root is not None else None
-        stats = driver.run(steps, save_after=run.save_after, save=save)
+        stats = driver.run(steps, save_after=run.save_after, save=save, evaluate_after=run.evaluate_after)
         return RankResult(stats, run.probe(driver, stats) if run.probe is not None else None)
     finally:
         driver.close()

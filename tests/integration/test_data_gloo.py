@@ -11,47 +11,30 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from data_helpers import bpe_tokenizer
-from gloo_ranks import spawn
+from gloo_ranks import PlanRun, RankResult, run_plans
 from helpers import REPO, tiny_spec
 
 from api.spec import parse_spec
-from parallel.data import global_batch_ids, open_dataset, step_microbatches
-from parallel.distributed import init_distributed, shutdown_distributed
+from parallel.data import global_batch_ids, open_dataset
 from parallel.model import full_model
 from parallel.plan import Plan, make_plan
 from parallel.prepare import PrepareOptions, prepare
-from parallel.trainer import RankTrainer
 
 
-def _run_plans(rank: int, port: int, jobs: list[tuple[str, Plan]], ports: list[int], out_dir: str) -> None:
-    """Each plan in turn on its own rendezvous port (the ranks it does not use skip it): its steps, and
-    val_loss where eval is due; rank r's rows go to out_dir/<name>-rank<r>.pt."""
-    torch.set_num_threads(1)
-    for (name, plan), port_ in zip(jobs, [port, *ports], strict=True):
-        if rank >= plan.world_size:
-            continue
-        groups = init_distributed(plan, rank, "127.0.0.1", port_, torch.device("cpu"), timeout_s=120)
-        trainer = RankTrainer(plan, rank, groups, torch.device("cpu"))
-        cfg, rows = plan.config, []
-        num_samples = open_dataset(cfg).num_samples
-        for step in range(cfg.steps):
-            stats = trainer.train_step(step, step_microbatches(plan, rank, step, num_samples))
-            val = trainer.evaluate() if cfg.eval.every and (step + 1) % cfg.eval.every == 0 else None
-            rows.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "val_loss": val})
-        torch.save(rows, Path(out_dir) / f"{name}-rank{rank}.pt")
-        shutdown_distributed()
+def _plan_run(plan: Plan) -> PlanRun:
+    """The plan's steps, with val_loss after every `eval.every`-th."""
+    every, steps = plan.config.eval.every, plan.config.steps
+    return PlanRun(plan, evaluate_after=tuple(range(every, steps + 1, every)) if every else ())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rows(results: list[RankResult]) -> list[dict]:
+    """Rank 0's loss, grad_norm and val_loss (None where eval was not due) of each step."""
+    return [{"loss": s["loss"], "grad_norm": s["grad_norm"], "val_loss": s.get("val_loss")} for s in results[0].stats]
 
 
 def spec(path: Path, **overrides) -> dict:
@@ -83,9 +66,8 @@ def runs(tmp_path_factory):
         "corpus": make_plan(parse_spec({**spec(root / "corpus", steps=30, eval={"every": 10, "batches": 2}),
                                         "parallel": {"dp": 2}})),
     }
-    jobs = list(plans.items())
-    spawn(_run_plans, 2, jobs, [_free_port() for _ in jobs[1:]], str(root))
-    rows = {name: torch.load(root / f"{name}-rank0.pt") for name in plans}
+    results = run_plans([_plan_run(plan) for plan in plans.values()])  # one world of two processes
+    rows = {name: _rows(r) for name, r in zip(plans, results, strict=True)}
     return plans, rows
 
 

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_ranks import spawn
+from gloo_ranks import PlanRun, run_plans
 from helpers import tiny_spec
 from hf_tiny import tiny_gpt2, tiny_llama
 
 from api.spec import parse_submitted_spec
 from parallel import checkpoint
 from parallel.data import global_batch_ids, load_batch, open_dataset
+from parallel.driver import RankDriver
 from parallel.plan import make_plan
 
 LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2}
@@ -58,31 +59,21 @@ class _CountingOpen:
         return False
 
 
-def _rank_main(rank: int, port: int, plans: dict, out_dir: str) -> None:
+def _count_reads() -> None:
+    """Before a rank's driver (and so its trainer, which reads init_from.hf) is built: count what it reads."""
     from parallel import hf_checkpoint
-    from parallel.data_parallel import local_part
-    from parallel.distributed import init_distributed, shutdown_distributed
-    from parallel.trainer import RankTrainer
 
-    torch.set_num_threads(1)
     hf_checkpoint.safe_open = _CountingOpen
-    cpu = torch.device("cpu")
-    groups = init_distributed(next(iter(plans.values())), rank, "127.0.0.1", port, cpu, timeout_s=120)
-    results = {}
-    for name, plan in plans.items():
-        _CountingOpen.read.clear()
-        trainer = RankTrainer(plan, rank, groups, cpu)  # reads init_from.hf
-        read = sum(n for _, n in _CountingOpen.read)
-        held = sum(local_part(p).numel() for chunk in trainer.chunks for p in chunk.parameters())
-        samples = open_dataset(plan.config).num_samples
-        from parallel.data import step_microbatches
+    _CountingOpen.read.clear()
 
-        first = trainer.train_step(0, step_microbatches(plan, rank, 0, samples))
-        trainer.save_checkpoint(Path(out_dir) / name, 1, {})
-        second = trainer.train_step(1, step_microbatches(plan, rank, 1, samples))
-        results[name] = {"read": read, "held": held, "losses": (first.loss, second.loss)}
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    shutdown_distributed()
+
+def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
+    """What the rank read of the checkpoint, what it holds, and its two steps' losses."""
+    from parallel.data_parallel import local_part
+
+    read = sum(n for _, n in _CountingOpen.read)
+    held = sum(local_part(p).numel() for chunk in driver.trainer.chunks for p in chunk.parameters())
+    return {"read": read, "held": held, "losses": (stats[0]["loss"], stats[1]["loss"])}
 
 
 def _hf_loss(model, config, step: int) -> float:
@@ -107,8 +98,10 @@ def world(tmp_path_factory):
     models = {"llama": tiny_llama(root / "llama-src"), "gpt2": tiny_gpt2(root / "gpt2-src", tied=False)}
     configs = {name: parse_submitted_spec(_spec(root / f"{name}-src")) for name in models}
     plans = {name: make_plan(cfg) for name, cfg in configs.items()}
-    spawn(_rank_main, 8, plans, str(root))
-    per_rank = [torch.load(root / f"rank{r}.pt") for r in range(8)]
+    # two steps, the state after the first saved under root/<name>: one spawned world of 8 for both families
+    results = run_plans([PlanRun(plan, save_after=(1,), root=str(root / name), setup=_count_reads,
+                                 probe=_read_and_held) for name, plan in plans.items()])
+    per_rank = [{name: results[i][r].probe for i, name in enumerate(plans)} for r in range(8)]
     return models, configs, per_rank, root
 
 
