@@ -8,14 +8,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow lint bench bench-quick clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m service.demo examples/demo.yaml
+	$(BIN)/python -m trainyard.service.demo examples/demo.yaml
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-
-from parallel.plan import Plan
+from trainyard.parallel.plan import Plan
 
 DEATH_GRACE_S = 5.0
 """After a rank fails, how long to wait for the other ranks' results of the same call, so that a rank

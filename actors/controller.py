@@ -20,13 +20,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import ray
-
-from actors import recovery, training
-from actors.calls import Failure, StepFailed
-from actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log
-from actors.policies import FailureAction, FailurePolicy, HangPolicy, ResizeDecision, ResizeDesk, scaling_policy
-from actors.recovery import Unrecoverable
-from actors.state import (
+from trainyard.actors import recovery, training
+from trainyard.actors.calls import Failure, StepFailed
+from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log
+from trainyard.actors.policies import (
+    FailureAction,
+    FailurePolicy,
+    HangPolicy,
+    ResizeDecision,
+    ResizeDesk,
+    scaling_policy,
+)
+from trainyard.actors.recovery import Unrecoverable
+from trainyard.actors.state import (
     Admitted,
     CallFailed,
     Cancelled,
@@ -47,11 +53,11 @@ from actors.state import (
     is_terminal,
     step,
 )
-from actors.storage import JobStorage
-from actors.telemetry import Rows
-from actors.worker_group import WorkerGroup, slot_keys
-from parallel import checkpoint
-from parallel.plan import Plan, PlanError, make_plan, resized
+from trainyard.actors.storage import JobStorage
+from trainyard.actors.telemetry import Rows
+from trainyard.actors.worker_group import WorkerGroup, slot_keys
+from trainyard.parallel import checkpoint
+from trainyard.parallel.plan import Plan, PlanError, make_plan, resized
 
 log = logging.getLogger("trainyard.coordinator")
 

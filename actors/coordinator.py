@@ -27,10 +27,9 @@ import warnings
 
 import ray
 from ray.util.placement_group import PlacementGroup
-
-from actors.controller import Controller
-from actors.storage import JobStorage, checkpoint_info
-from parallel.plan import Plan
+from trainyard.actors.controller import Controller
+from trainyard.actors.storage import JobStorage, checkpoint_info
+from trainyard.parallel.plan import Plan
 
 __all__ = ["Coordinator", "JobStorage", "checkpoint_info"]
 

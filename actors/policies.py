@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from parallel.config import FaultConfig
-from parallel.plan import Plan, PlanError, make_plan, resized
+from trainyard.parallel.config import FaultConfig
+from trainyard.parallel.plan import Plan, PlanError, make_plan, resized
 
 log = logging.getLogger("trainyard.coordinator")
 

@@ -20,16 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
-
-from actors.calls import Failure
-from actors.policies import largest_size
-from actors.state import Point, Ready, Recovering, Resizing
-from actors.storage import checkpoint_info
-from parallel import checkpoint
-from parallel.plan import Plan, can_move_in_memory, make_plan, resized
+from trainyard.actors.calls import Failure
+from trainyard.actors.policies import largest_size
+from trainyard.actors.state import Point, Ready, Recovering, Resizing
+from trainyard.actors.storage import checkpoint_info
+from trainyard.parallel import checkpoint
+from trainyard.parallel.plan import Plan, can_move_in_memory, make_plan, resized
 
 if TYPE_CHECKING:
-    from actors.controller import Controller
+    from trainyard.actors.controller import Controller
 
 log = logging.getLogger("trainyard.coordinator")
 READY = Ready()

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from actors.calls import Failure
-from actors.journal import all_causes
-from actors.policies import FailureAction, FailurePolicy, Resize
-from parallel.plan import Plan
+from trainyard.actors.calls import Failure
+from trainyard.actors.journal import all_causes
+from trainyard.actors.policies import FailureAction, FailurePolicy, Resize
+from trainyard.parallel.plan import Plan
 
 
 class JobStatus(StrEnum):

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pydantic import TypeAdapter
-
-from parallel.config import JobConfig
+from trainyard.parallel.config import JobConfig
 
 _SPEC = TypeAdapter(JobConfig)
 

@@ -13,8 +13,7 @@ from bisect import bisect_left
 from pathlib import Path
 
 from ray.util.metrics import Gauge
-
-from actors.journal import append_metrics_log
+from trainyard.actors.journal import append_metrics_log
 
 log = logging.getLogger("trainyard.coordinator")
 

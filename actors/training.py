@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
-
-from actors.policies import HANG_WINDOW
-from actors.state import AtBoundary, Cancelled, Done, Outcome
-from actors.storage import checkpoint_info
-from actors.telemetry import checkpoint_event, make_row, set_gauges
-from parallel import checkpoint
-from parallel.data import global_batch_ids, open_dataset, rank_share
-from parallel.export import export_model
+from trainyard.actors.policies import HANG_WINDOW
+from trainyard.actors.state import AtBoundary, Cancelled, Done, Outcome
+from trainyard.actors.storage import checkpoint_info
+from trainyard.actors.telemetry import checkpoint_event, make_row, set_gauges
+from trainyard.parallel import checkpoint
+from trainyard.parallel.data import global_batch_ids, open_dataset, rank_share
+from trainyard.parallel.export import export_model
 
 if TYPE_CHECKING:
-    from actors.controller import Controller
+    from trainyard.actors.controller import Controller
 
 log = logging.getLogger("trainyard.coordinator")
 

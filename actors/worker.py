@@ -22,10 +22,9 @@ from pathlib import Path
 
 import ray
 import torch
-
-from parallel.distributed import shutdown_distributed
-from parallel.driver import RankDriver, Save
-from parallel.plan import Plan
+from trainyard.parallel.distributed import shutdown_distributed
+from trainyard.parallel.driver import RankDriver, Save
+from trainyard.parallel.plan import Plan
 
 
 @ray.remote

@@ -13,11 +13,10 @@ import asyncio
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from actors.calls import Failure, call_all
-from actors.naming import coordinator_name, placement_group_name, worker_name
-from actors.worker import Worker
-from parallel.plan import Plan
+from trainyard.actors.calls import Failure, call_all
+from trainyard.actors.naming import coordinator_name, placement_group_name, worker_name
+from trainyard.actors.worker import Worker
+from trainyard.parallel.plan import Plan
 
 Slot = tuple[PlacementGroup, int]
 

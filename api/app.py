@@ -15,15 +15,23 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-
-from api.models import ClusterInfo, FaultDrill, JobCreated, JobInfo, JobLogs, MetricsRow, ScaleRequest, job_info
-from api.spec import SubmittedSpec, describe_error
-from parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
-from parallel.present import describe
-from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
+from trainyard.api.models import (
+    ClusterInfo,
+    FaultDrill,
+    JobCreated,
+    JobInfo,
+    JobLogs,
+    MetricsRow,
+    ScaleRequest,
+    job_info,
+)
+from trainyard.api.spec import SubmittedSpec, describe_error
+from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
+from trainyard.parallel.present import describe
+from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
 
 if TYPE_CHECKING:
-    from service.manager import JobManager
+    from trainyard.service.manager import JobManager
 
 _bearer = HTTPBearer(auto_error=False)
 MAX_LOG_TAIL = 100_000
@@ -131,7 +139,7 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         """The trained model of an ended job, consolidated from its final checkpoint whatever its layout."""
         path = manager.model_file(job_id)
         if format == "hf":
-            from service.hf_export import hf_archive  # torch: only when asked for
+            from trainyard.service.hf_export import hf_archive  # torch: only when asked for
 
             return FileResponse(hf_archive(path, manager.get(job_id).spec), media_type="application/x-tar",
                                 filename=f"{job_id}-hf.tar")

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from parallel.config import MAX_DEGREE, MAX_STEPS
+from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS
 
 if TYPE_CHECKING:
-    from service.store import JobRecord
+    from trainyard.service.store import JobRecord
 
 
 class JobCreated(BaseModel):

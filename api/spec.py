@@ -11,8 +11,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BeforeValidator, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
-
-from parallel.config import JobConfig, RuleError
+from trainyard.parallel.config import JobConfig, RuleError
 
 SPEC_ADAPTER = TypeAdapter(JobConfig)
 
@@ -60,7 +59,7 @@ def parse_submitted_spec(obj: Any) -> JobConfig:
 def resolve_submitted(obj: Any) -> Any:
     """The spec with what a submit adds to it (the architecture of `init_from.hf`); raises RuleError."""
     if isinstance(obj, dict) and obj.get("init_from") is not None:
-        from parallel.hf_spec import resolve_init_from  # reads config.json only, no tensor
+        from trainyard.parallel.hf_spec import resolve_init_from  # reads config.json only, no tensor
 
         return resolve_init_from(obj)
     return obj

@@ -28,16 +28,16 @@ import time
 from pathlib import Path
 
 import torch
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.data import global_batch_ids, load_batch, open_dataset, rank_share, step_counted_targets
+from trainyard.parallel.driver import RankDriver
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.prepare import PrepareOptions, default_workers, prepare
 
-from api.spec import parse_spec
 from bench.context import REPO, BenchContext
 from bench.machine import busy_fraction
 from bench.results import Row, ratio
 from bench.service_job import free_port
-from parallel.data import global_batch_ids, load_batch, open_dataset, rank_share, step_counted_targets
-from parallel.driver import RankDriver
-from parallel.plan import make_plan
-from parallel.prepare import PrepareOptions, default_workers, prepare
 
 DOCS = 20_000
 ROUNDS = 5

@@ -32,13 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from api.spec import load_spec_text, parse_spec
-from parallel.config import JobConfig
-from parallel.data import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
-from parallel.data_parallel import GradientReducer
-from parallel.model import GPTStage, full_model
-from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
+from trainyard.api.spec import load_spec_text, parse_spec
+from trainyard.parallel.config import JobConfig
+from trainyard.parallel.data import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
+from trainyard.parallel.data_parallel import GradientReducer
+from trainyard.parallel.model import GPTStage, full_model
+from trainyard.parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
 
 GRAD_SYNCS = ("ddp", "after-backward")
 

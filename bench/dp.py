@@ -26,13 +26,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from api.spec import parse_spec
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.config import JobConfig
+from trainyard.service.cli import read_spec_file
+
 from bench.context import BENCH, REPO, BenchContext
 from bench.machine import busy_fraction
 from bench.results import Row, median, ratio
 from bench.service_job import BenchError, TrainyardService
-from parallel.config import JobConfig
-from service.cli import read_spec_file
 
 SPEC_PATH = BENCH / "dp2.yaml"
 BASELINE_SCRIPT = BENCH / "ddp_baseline.py"

@@ -17,10 +17,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from trainyard.service.client import ApiError, Client
+
 from bench.context import BenchContext
 from bench.results import Row, median
 from bench.service_job import BenchError, TrainyardService, wait_job
-from service.client import ApiError, Client
 
 SPEC: dict[str, Any] = {
     "name": "elastic", "seed": 5,

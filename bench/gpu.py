@@ -48,17 +48,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, ResourcesConfig
-from parallel.data import Dataset, load_batch, open_dataset, step_microbatches
-from parallel.data_parallel import GradientReducer
-from parallel.distributed import shutdown_distributed
-from parallel.driver import RankDriver
-from parallel.local_world import free_ports
-from parallel.model import GPTStage, full_model
-from parallel.models import family_of
-from parallel.optim import lr_at
-from parallel.plan import Plan, PlanError, make_plan
+from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, ResourcesConfig
+from trainyard.parallel.data import Dataset, load_batch, open_dataset, step_microbatches
+from trainyard.parallel.data_parallel import GradientReducer
+from trainyard.parallel.distributed import shutdown_distributed
+from trainyard.parallel.driver import RankDriver
+from trainyard.parallel.local_world import free_ports
+from trainyard.parallel.model import GPTStage, full_model
+from trainyard.parallel.models import family_of
+from trainyard.parallel.optim import lr_at
+from trainyard.parallel.plan import Plan, PlanError, make_plan
 
 GPT_MEDIUM = {"n_layer": 24, "n_head": 16, "d_model": 1024, "vocab_size": 50304, "seq_len": 1024}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 256, "seq_len": 32}

@@ -32,16 +32,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.driver import RankDriver
+from trainyard.parallel.local_world import spawn
+from trainyard.parallel.model import full_model
+from trainyard.parallel.plan import Plan, make_plan
 
-from api.spec import parse_spec
 from bench.context import BenchContext
 from bench.machine import busy_fraction
 from bench.results import Row, ratio
 from bench.service_job import BenchError
-from parallel.driver import RankDriver
-from parallel.local_world import spawn
-from parallel.model import full_model
-from parallel.plan import Plan, make_plan
 
 MODEL = {"n_layer": 6, "n_head": 6, "d_model": 384, "vocab_size": 256, "seq_len": 128}
 SPEC: dict[str, Any] = {

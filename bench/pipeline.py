@@ -23,14 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from trainyard.parallel.local_world import spawn
+from trainyard.parallel.pipeline import PipelineExecutor
+from trainyard.parallel.schedule_sim import Costs, simulate
+from trainyard.parallel.schedules import build_schedule
 
 from bench.context import BenchContext
 from bench.results import Row, median, ratio
 from bench.service_job import TrainyardService
-from parallel.local_world import spawn
-from parallel.pipeline import PipelineExecutor
-from parallel.schedule_sim import Costs, simulate
-from parallel.schedules import build_schedule
 
 PP, MICROBATCHES = 4, 8
 FORWARD_S, BACKWARD_S = 0.020, 0.040  # per stage and micro-batch

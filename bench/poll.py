@@ -18,18 +18,19 @@ import pickle
 import time
 from pathlib import Path
 
-from actors import training
-from actors.controller import Controller
-from actors.state import JobStatus
-from actors.storage import JobStorage
-from api.spec import parse_spec
+from trainyard.actors import training
+from trainyard.actors.controller import Controller
+from trainyard.actors.state import JobStatus
+from trainyard.actors.storage import JobStorage
+from trainyard.api.spec import parse_spec
+from trainyard.parallel import checkpoint
+from trainyard.parallel.plan import make_plan
+from trainyard.service.follow import Cursor, apply_report
+from trainyard.service.manager import JobManager
+from trainyard.service.store import JobRecord, JobStore
+
 from bench.context import REPO, BenchContext
 from bench.results import Row, median, ratio
-from parallel import checkpoint
-from parallel.plan import make_plan
-from service.follow import Cursor, apply_report
-from service.manager import JobManager
-from service.store import JobRecord, JobStore
 
 STEPS, PER_POLL, POLLS = 20_000, 10, 30
 

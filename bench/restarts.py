@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainyard.parallel import checkpoint
+
 from bench.context import BenchContext
 from bench.service_job import BenchError, TrainyardService, wait_job
-from parallel import checkpoint
 
 STEPS_BEFORE_STOP = 20
 """Steps the job trains after (re)starting before the service is stopped under it."""

@@ -20,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainyard.service.client import ApiError
+
 from bench import checkpoint, data, dp, elastic, faults, perf, pipeline, poll, service_ops, signals, tp_memory
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
 from bench.service_job import BenchError
-from service.client import ApiError
 
 RESULTS = BENCH / "results.json"
 QUICK_RESULTS = BENCH / "results-quick.json"

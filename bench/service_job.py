@@ -20,9 +20,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from service.cli import TERMINAL
-from service.client import ApiError, Client
-from service.demo import wait_ready  # the demo's own readiness wait
+from trainyard.service.cli import TERMINAL
+from trainyard.service.client import ApiError, Client
+from trainyard.service.demo import wait_ready  # the demo's own readiness wait
 
 
 class BenchError(RuntimeError):
@@ -66,7 +66,7 @@ class TrainyardService:
     def __enter__(self) -> TrainyardService:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
-        cmd = [sys.executable, "-m", "service.cli", "--state-dir", str(self.state_dir),
+        cmd = [sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(self.state_dir),
                "serve", "--port", str(self.port), *self.serve_args]
         self._server = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:

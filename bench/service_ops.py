@@ -14,10 +14,11 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from trainyard.service.client import Client
+
 from bench.context import BenchContext
 from bench.results import Row, ratio
 from bench.service_job import BenchError, TrainyardService
-from service.client import Client
 
 BURST = 200
 CLIENTS = 16

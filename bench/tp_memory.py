@@ -14,11 +14,12 @@ a token's whole row of logits and the peak should fall by about tp.
 
 from __future__ import annotations
 
-from api.spec import parse_spec
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.local_world import PlanRun, run_plans
+from trainyard.parallel.plan import make_plan
+
 from bench.context import BenchContext
 from bench.results import Row, ratio
-from parallel.local_world import PlanRun, run_plans
-from parallel.plan import make_plan
 
 SPEC = {
     "name": "bench-tp-memory",

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.config import JobConfig
-from parallel.layout import Layout
-from parallel.memory import RankMemory, estimate
-from parallel.rules import PlanError
-from parallel.units import byte_unit, format_size
+from trainyard.parallel.config import JobConfig
+from trainyard.parallel.layout import Layout
+from trainyard.parallel.memory import RankMemory, estimate
+from trainyard.parallel.rules import PlanError
+from trainyard.parallel.units import byte_unit, format_size
 
 
 @dataclass(frozen=True)

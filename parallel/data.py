@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-from parallel.config import JobConfig, RuleError
-from parallel.seeds import derive_seed
-from parallel.token_dir import DTYPES, Manifest, Segments, check_directory, open_streams
+from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.seeds import derive_seed
+from trainyard.parallel.token_dir import DTYPES, Manifest, Segments, check_directory, open_streams
 
 if TYPE_CHECKING:
-    from parallel.plan import Plan
+    from trainyard.parallel.plan import Plan
 
 
 class DatasetError(RuleError):

@@ -48,8 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-from parallel.sharding import Sharding
+from trainyard.parallel.sharding import Sharding
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -19,8 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-
-from parallel.plan import Plan
+from trainyard.parallel.plan import Plan
 
 MESH_DIMS = ("pp", "dp", "tp")
 

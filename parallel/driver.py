@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from parallel.data import open_dataset, step_microbatches
-from parallel.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
-from parallel.plan import Plan
-from parallel.trainer import RankTrainer
+from trainyard.parallel.data import open_dataset, step_microbatches
+from trainyard.parallel.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
+from trainyard.parallel.plan import Plan
+from trainyard.parallel.trainer import RankTrainer
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ from pydantic import TypeAdapter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-
-from parallel.config import JobConfig, ModelConfig
-from parallel.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, write_hf_dir
-from parallel.model import full_model
+from trainyard.parallel.config import JobConfig, ModelConfig
+from trainyard.parallel.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, write_hf_dir
+from trainyard.parallel.model import full_model
 
 MODEL_FILE = "model.safetensors"
 

@@ -29,10 +29,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-from parallel.config import ModelConfig, RuleError
-from parallel.hf_mapping import Block, from_hf_block, hf_block, to_hf, whole
-from parallel.hf_spec import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, adapter_for_family
+from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.hf_mapping import Block, from_hf_block, hf_block, to_hf, whole
+from trainyard.parallel.hf_spec import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, adapter_for_family
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """save_pretrained's default shard size."""

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from parallel.config import ModelConfig
+from trainyard.parallel.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
-from parallel.config import RuleError
+from trainyard.parallel.config import RuleError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -26,13 +26,13 @@ FIELD = "init_from.hf"
 
 def adapter_for_family(family: str) -> ModuleType:
     """The family's HF mapping module, `parallel/models/<family>/hf.py` (see `parallel.hf_mapping.HFAdapter`)."""
-    from parallel.models import FAMILIES
+    from trainyard.parallel.models import FAMILIES
 
     return FAMILIES[family].hf
 
 
 def families() -> list[str]:
-    from parallel.models import FAMILIES
+    from trainyard.parallel.models import FAMILIES
 
     return list(FAMILIES)
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parallel.schedules import Action, build_schedule
+from trainyard.parallel.schedules import Action, build_schedule
 
 
 @dataclass(frozen=True)

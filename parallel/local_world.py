@@ -22,11 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from trainyard.parallel.driver import RankDriver, Save
+from trainyard.parallel.plan import Plan
 
-from parallel.driver import RankDriver, Save
-from parallel.plan import Plan
-
-PRELOAD = ["torch", "torch.distributed", "parallel.driver", "parallel.local_world"]
+PRELOAD = ["torch", "torch.distributed", "trainyard.parallel.driver", "trainyard.parallel.local_world"]
 START_METHOD = "forkserver"
 RANK_TIMEOUT_S = 600.0  # also how long a rank waits at a later plan's rendezvous while earlier plans run
 

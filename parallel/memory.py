@@ -38,14 +38,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.config import JobConfig
-from parallel.layout import Layout
-from parallel.models import family_of
-from parallel.models.counting import BF16, FP32, ParamCounts, Shapes
-from parallel.optimizers import optimizer_kind
-from parallel.schedules import ActionKind, virtual_stage
-from parallel.sharding import sharding_for
-from parallel.sizing import Sizing
+from trainyard.parallel.config import JobConfig
+from trainyard.parallel.layout import Layout
+from trainyard.parallel.models import family_of
+from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
+from trainyard.parallel.optimizers import optimizer_kind
+from trainyard.parallel.schedules import ActionKind, virtual_stage
+from trainyard.parallel.sharding import sharding_for
+from trainyard.parallel.sizing import Sizing
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,10 @@ names them.
 from __future__ import annotations
 
 from torch import nn
-
-from parallel.config import ModelConfig
-from parallel.models import family_of
-from parallel.models.decoder import DecoderStage, init_parameters
-from parallel.models.gpt2.model import GPTStage
+from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models import family_of
+from trainyard.parallel.models.decoder import DecoderStage, init_parameters
+from trainyard.parallel.models.gpt2.model import GPTStage
 
 
 def full_model(cfg: ModelConfig, seed: int) -> nn.Module:

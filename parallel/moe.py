@@ -50,8 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-from parallel.config import ModelConfig
+from trainyard.parallel.config import ModelConfig
 
 N_STAT_SLOTS = 4
 """Per-layer statistics before the per-expert loads: aux sum, z sum, dropped and all assignments."""

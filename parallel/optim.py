@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-from parallel.config import OptimizerConfig
-from parallel.optimizers import optimizer_kind
+from trainyard.parallel.config import OptimizerConfig
+from trainyard.parallel.optimizers import optimizer_kind
 
 
 def make_optimizer(params: Iterable[tuple[torch.Tensor, nn.Parameter]],

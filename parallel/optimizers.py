@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from parallel.config import OptimizerConfig
+from trainyard.parallel.config import OptimizerConfig
 
 if TYPE_CHECKING:
     import torch

@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-
-from parallel.model import GPTStage
-from parallel.schedules import COMM_KINDS, Action, ActionKind, virtual_stage
+from trainyard.parallel.model import GPTStage
+from trainyard.parallel.schedules import COMM_KINDS, Action, ActionKind, virtual_stage
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch
 

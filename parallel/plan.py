@@ -15,12 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from parallel.admission import ClusterResources, NodeResources, fit_violations, memory_violations
-from parallel.config import DpRange, JobConfig
-from parallel.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
-from parallel.memory import RankMemory, estimate
-from parallel.rules import MAX_SCHEDULE_CHUNKS, MAX_WORKERS, PlanError, degree_violations, stage_layer_violations
-from parallel.sharding import sharding_for
+from trainyard.parallel.admission import ClusterResources, NodeResources, fit_violations, memory_violations
+from trainyard.parallel.config import DpRange, JobConfig
+from trainyard.parallel.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
+from trainyard.parallel.memory import RankMemory, estimate
+from trainyard.parallel.rules import (
+    MAX_SCHEDULE_CHUNKS,
+    MAX_WORKERS,
+    PlanError,
+    degree_violations,
+    stage_layer_violations,
+)
+from trainyard.parallel.sharding import sharding_for
 
 __all__ = ["MAX_SCHEDULE_CHUNKS", "MAX_WORKERS", "ClusterResources", "Gang", "Layout", "NodeResources", "Plan",
            "PlanError", "RankCoords", "can_move_in_memory", "dp_range", "layout_of", "make_plan", "resized",

@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from parallel.chat import ChatError, encode_record, template_from_config
-from parallel.token_dir import (
+from trainyard.parallel.chat import ChatError, encode_record, template_from_config
+from trainyard.parallel.token_dir import (
     DTYPES,
     MANIFEST,
     TOKENIZER,

@@ -6,10 +6,10 @@ schedule simulator). Byte counts are formatted by `parallel.units`, which the CL
 
 from __future__ import annotations
 
-from parallel.memory import estimate
-from parallel.plan import Plan
-from parallel.schedule_sim import Costs, render_gantt, simulate
-from parallel.schedules import format_actions
+from trainyard.parallel.memory import estimate
+from trainyard.parallel.plan import Plan
+from trainyard.parallel.schedule_sim import Costs, render_gantt, simulate
+from trainyard.parallel.schedules import format_actions
 
 
 def describe(plan: Plan) -> dict:

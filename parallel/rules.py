@@ -9,9 +9,9 @@ told about them. Pure: no I/O, no torch.
 
 from __future__ import annotations
 
-from parallel.config import JobConfig, RuleError
-from parallel.models import family_of
-from parallel.schedules import ScheduleError, check_schedule_args
+from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.models import family_of
+from trainyard.parallel.schedules import ScheduleError, check_schedule_args
 
 
 class PlanError(RuleError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.schedules import (
+from trainyard.parallel.schedules import (
     COMM_KINDS,
     SEND_KINDS,
     Action,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.config import JobConfig
-from parallel.layout import Layout
+from trainyard.parallel.config import JobConfig
+from trainyard.parallel.layout import Layout
 
 
 @dataclass(frozen=True)

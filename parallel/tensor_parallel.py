@@ -52,9 +52,8 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-
-from parallel.models import family_of
-from parallel.plan import Plan
+from trainyard.parallel.models import family_of
+from trainyard.parallel.plan import Plan
 
 
 def apply_tensor_parallel(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:

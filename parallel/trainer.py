@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from parallel import checkpoint, hf_checkpoint
-from parallel.data import (
+from trainyard.parallel import checkpoint, hf_checkpoint
+from trainyard.parallel.data import (
     Dataset,
     counted_targets,
     has_loss_mask,
@@ -37,17 +36,17 @@ from parallel.data import (
     step_counted_targets,
     validation_batches,
 )
-from parallel.data_parallel import GradientReducer, local_part, make_reducer
-from parallel.distributed import RankGroups
-from parallel.models import family_of
-from parallel.moe import MoEContext, moe_layers
-from parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr, tp_copies
-from parallel.optimizers import optimizer_kind
-from parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
-from parallel.plan import Plan
-from parallel.schedules import Action, ActionKind, virtual_stage
-from parallel.sharding import sharding_for
-from parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
+from trainyard.parallel.data_parallel import GradientReducer, local_part, make_reducer
+from trainyard.parallel.distributed import RankGroups
+from trainyard.parallel.models import family_of
+from trainyard.parallel.moe import MoEContext, moe_layers
+from trainyard.parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr, tp_copies
+from trainyard.parallel.optimizers import optimizer_kind
+from trainyard.parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
+from trainyard.parallel.plan import Plan
+from trainyard.parallel.schedules import Action, ActionKind, virtual_stage
+from trainyard.parallel.sharding import sharding_for
+from trainyard.parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 
 
 @dataclass(frozen=True)

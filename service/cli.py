@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from parallel.units import format_bytes
-from service import state_dir as sd
-from service.client import ApiError, Client
+from trainyard.parallel.units import format_bytes
+from trainyard.service import state_dir as sd
+from trainyard.service.client import ApiError, Client
 
 TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
 MAX_LOG_TAIL = 100_000
@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    from parallel.prepare import PrepareOptions, default_workers
+    from trainyard.parallel.prepare import PrepareOptions, default_workers
 
     s = sub.add_parser("prepare", help="tokenize text, JSONL or Parquet into a dataset directory (no server needed)")
     s.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (a document each), .jsonl, .parquet, or "
@@ -147,7 +147,7 @@ def _client(args: argparse.Namespace) -> Client:
 
 def read_spec_file(path: str) -> dict:
     """The spec as a dict, with relative data paths made absolute (the server may run elsewhere)."""
-    from api.spec import load_spec_text
+    from trainyard.api.spec import load_spec_text
 
     spec = load_spec_text(Path(path).read_text())
     for section, key in (("data", "path"), ("data", "val_path"), ("checkpoint", "path"), ("init_from", "hf")):
@@ -172,7 +172,7 @@ def _costs(text: str) -> dict[str, float]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from service.server import serve
+    from trainyard.service.server import serve
 
     return serve(host=args.host, port=args.port, state_dir=args.state_dir, ray_address=args.ray_address,
                  num_cpus=args.num_cpus, max_queued=args.max_queued,
@@ -187,11 +187,11 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from api.spec import SpecError, parse_submitted_spec
-    from parallel.config import RuleError
-    from parallel.data import open_dataset
-    from parallel.plan import make_plan
-    from parallel.present import describe
+    from trainyard.api.spec import SpecError, parse_submitted_spec
+    from trainyard.parallel.config import RuleError
+    from trainyard.parallel.data import open_dataset
+    from trainyard.parallel.plan import make_plan
+    from trainyard.parallel.present import describe
 
     try:
         spec = read_spec_file(args.file)
@@ -212,7 +212,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from parallel.prepare import PrepareError, PrepareOptions, prepare
+    from trainyard.parallel.prepare import PrepareError, PrepareOptions, prepare
 
     if args.shard_tokens < 1 or args.workers < 1:
         print("error: --shard-tokens and --workers must be at least 1", file=sys.stderr)
@@ -398,7 +398,7 @@ def _export(args: argparse.Namespace) -> int:
         metadata = f.metadata()
     (out / "config.json").write_text(json.dumps(json.loads(metadata["config"]), indent=2) + "\n")
     print(f"{path} (after step {metadata['step']}) and {out / 'config.json'}; load it with "
-          f"parallel.export.load_exported({str(path)!r})")
+          f"trainyard.parallel.export.load_exported({str(path)!r})")
     return 0
 
 
@@ -431,7 +431,7 @@ def _metrics(args: argparse.Namespace) -> int:
 
 
 def _plot(job: dict, rows: list[dict], path: str) -> int:
-    from service.plot import plot_metrics
+    from trainyard.service.plot import plot_metrics
 
     if not rows:
         print(f"error: job {job['job_id']} ({job['status']}) has no metrics rows to draw yet", file=sys.stderr)

@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from service import state_dir as sd
-from service.cli import follow, read_spec_file
-from service.client import ApiError, Client
+from trainyard.service import state_dir as sd
+from trainyard.service.cli import follow, read_spec_file
+from trainyard.service.client import ApiError, Client
 
 
 def main() -> int:
@@ -30,7 +30,7 @@ def main() -> int:
     log_path = state / "serve.log"
     print(f"starting trainyard serve (state dir {state}, port {args.port}, log {log_path}) ...", flush=True)
     log = log_path.open("wb")
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve",
+    server = subprocess.Popen([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(state), "serve",
                                "--port", str(args.port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         client = wait_ready(server, state, args.port, args.startup_timeout_s)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.state import JobStatus
-from service.store import JobStore
+from trainyard.actors.state import JobStatus
+from trainyard.service.store import JobStore
 
 
 @dataclass

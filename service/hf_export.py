@@ -13,7 +13,7 @@ import tarfile
 import threading
 from pathlib import Path
 
-from parallel.export import export_hf
+from trainyard.parallel.export import export_hf
 
 _lock = threading.Lock()
 ARCHIVE = "hf.tar"

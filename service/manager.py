@@ -35,23 +35,22 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from actors.coordinator import Coordinator, JobStorage
-from actors.naming import coordinator_name, placement_group_name
-from actors.state import JobStatus
-from api.spec import parse_spec, spec_to_dict
-from parallel import checkpoint
-from parallel.config import JobConfig, RuleError
-from parallel.data import open_dataset
-from parallel.export import MODEL_FILE
-from parallel.plan import ClusterResources, Plan, make_plan, resized
-from service import queue
-from service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
-from service.follow import Cursor, apply_report
-from service.logs import read_rank_log
-from service.ray_runtime import cluster_resources, free_resources, remove_grown_placement_groups
-from service.resume import resume_point
-from service.store import JobRecord, JobStore
+from trainyard.actors.coordinator import Coordinator, JobStorage
+from trainyard.actors.naming import coordinator_name, placement_group_name
+from trainyard.actors.state import JobStatus
+from trainyard.api.spec import parse_spec, spec_to_dict
+from trainyard.parallel import checkpoint
+from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.data import open_dataset
+from trainyard.parallel.export import MODEL_FILE
+from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resized
+from trainyard.service import queue
+from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
+from trainyard.service.follow import Cursor, apply_report
+from trainyard.service.logs import read_rank_log
+from trainyard.service.ray_runtime import cluster_resources, free_resources, remove_grown_placement_groups
+from trainyard.service.resume import resume_point
+from trainyard.service.store import JobRecord, JobStore
 
 log = logging.getLogger("trainyard.manager")
 

@@ -9,8 +9,8 @@ estimates that a training service does not have.
 
 from __future__ import annotations
 
-from parallel.plan import Gang
-from service.store import JobRecord
+from trainyard.parallel.plan import Gang
+from trainyard.service.store import JobRecord
 
 
 def gang_of(job: JobRecord) -> Gang:

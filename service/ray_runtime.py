@@ -38,9 +38,8 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import remove_placement_group
-
-from actors.naming import NAMESPACE
-from parallel.plan import ClusterResources, NodeResources
+from trainyard.actors.naming import NAMESPACE
+from trainyard.parallel.plan import ClusterResources, NodeResources
 
 log = logging.getLogger("trainyard.ray")
 

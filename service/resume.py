@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from api.spec import parse_spec, spec_to_dict
-from parallel import checkpoint
-from parallel.config import JobConfig
-from parallel.plan import PlanError
-from service.store import JobStore
+from trainyard.api.spec import parse_spec, spec_to_dict
+from trainyard.parallel import checkpoint
+from trainyard.parallel.config import JobConfig
+from trainyard.parallel.plan import PlanError
+from trainyard.service.store import JobStore
 
 
 def resume_point(store: JobStore, checkpoint_root: Callable[[str, JobConfig], Path], config: JobConfig

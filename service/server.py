@@ -19,12 +19,11 @@ from pathlib import Path
 
 import ray
 import uvicorn
-
-from api.app import create_app
-from service import state_dir as sd
-from service.manager import JobManager
-from service.ray_runtime import connect, record_embedded_processes, remove_orphans
-from service.store import JobStore
+from trainyard.api.app import create_app
+from trainyard.service import state_dir as sd
+from trainyard.service.manager import JobManager
+from trainyard.service.ray_runtime import connect, record_embedded_processes, remove_orphans
+from trainyard.service.store import JobStore
 
 log = logging.getLogger("trainyard.server")
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.state import JobStatus
+from trainyard.actors.state import JobStatus
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -35,7 +35,7 @@ class Service:
     thread: threading.Thread
 
     def client(self):
-        from service.client import Client
+        from trainyard.service.client import Client
 
         return Client(self.url, self.token)
 
@@ -52,11 +52,10 @@ def start_service(state_dir: Path, allow_fault_injection: bool = True, **manager
     `manager_options` go to JobManager (e.g. `admit=False` keeps every job queued, `max_queued`). Fault
     drills are on, as under `trainyard serve --allow-fault-injection`, unless `allow_fault_injection=False`."""
     import uvicorn
-
-    from api.app import create_app
-    from service import state_dir as sd
-    from service.manager import JobManager
-    from service.store import JobStore
+    from trainyard.api.app import create_app
+    from trainyard.service import state_dir as sd
+    from trainyard.service.manager import JobManager
+    from trainyard.service.store import JobStore
 
     token = sd.load_or_create_token(sd.resolve(state_dir))
     manager = JobManager(JobStore(state_dir / "jobs.db"), poll_interval_s=0.1, **manager_options)

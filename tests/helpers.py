@@ -66,8 +66,7 @@ def with_one_bad_token(spec: dict, tmp_path: Path, bad_dp_rank: int, bad_microba
     reads only in micro-batch `bad_microbatch` of data-parallel rank `bad_dp_rank`. Returns (spec, offset).
     """
     import numpy as np
-
-    from parallel.data import global_batch_ids, rank_share
+    from trainyard.parallel.data import global_batch_ids, rank_share
 
     seq_len, length = spec["model"]["seq_len"], 4000
     par = spec.get("parallel", {})
@@ -87,8 +86,7 @@ def with_one_bad_token(spec: dict, tmp_path: Path, bad_dp_rank: int, bad_microba
 def live_actor(name: str) -> bool:
     """Whether a named actor of the service's namespace is alive."""
     import ray
-
-    from actors.naming import NAMESPACE
+    from trainyard.actors.naming import NAMESPACE
 
     try:
         ray.get_actor(name, namespace=NAMESPACE)

@@ -7,10 +7,10 @@ that folder, a line below and its name in `ModelConfig.family`.
 
 from __future__ import annotations
 
-from parallel.config import ModelConfig
-from parallel.models.base import ModelFamily
-from parallel.models.gpt2 import GPT2
-from parallel.models.llama import Llama
+from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.base import ModelFamily
+from trainyard.parallel.models.gpt2 import GPT2
+from trainyard.parallel.models.llama import Llama
 
 FAMILIES: dict[str, ModelFamily] = {
     "gpt2": GPT2(),

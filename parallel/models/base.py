@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal
 
-from parallel.config import JobConfig, ModelConfig, RuleError
-from parallel.models.counting import ParamCounts, Shapes
+from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
+from trainyard.parallel.models.counting import ParamCounts, Shapes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,7 +43,7 @@ class ModelFamily(ABC):
     @property
     def hf(self) -> ModuleType:
         """The family's Hugging Face mapping, `parallel/models/<name>/hf.py`, imported on first use."""
-        return importlib.import_module(f"parallel.models.{self.name}.hf")
+        return importlib.import_module(f"trainyard.parallel.models.{self.name}.hf")
 
     @abstractmethod
     def check(self, config: JobConfig) -> list[RuleError]:

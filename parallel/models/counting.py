@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parallel.config import ModelConfig
+from trainyard.parallel.config import ModelConfig
 
 FP32 = 4
 BF16 = 2

@@ -26,10 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
-
-from parallel.config import ModelConfig
-from parallel.moe import MoELayer
-from parallel.seeds import derive_seed
+from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.moe import MoELayer
+from trainyard.parallel.seeds import derive_seed
 
 
 class Block(nn.Module):

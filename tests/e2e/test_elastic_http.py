@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import tiny_spec, wait_for, wait_terminal
-
-from service.client import ApiError
+from trainyard.service.client import ApiError
 
 STEPS = 60
 DP = tiny_spec(steps=STEPS, global_batch=8, parallel={"dp": 2, "microbatches": 2}, name="elastic-dp")

@@ -10,9 +10,8 @@ import torch
 from conftest import start_service
 from helpers import tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
-
-from parallel.export import MODEL_FILE
-from service.client import ApiError
+from trainyard.parallel.export import MODEL_FILE
+from trainyard.service.client import ApiError
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3},
                  parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 3})

@@ -9,11 +9,10 @@ import torch
 import torch.nn.functional as F
 from helpers import tiny_spec, wait_terminal
 from hf_tiny import tiny_gpt2
-
-from api.spec import parse_submitted_spec
-from parallel.data import global_batch_ids, load_batch, open_dataset
-from parallel.export import load_exported
-from service.cli import main as cli
+from trainyard.api.spec import parse_submitted_spec
+from trainyard.parallel.data import global_batch_ids, load_batch, open_dataset
+from trainyard.parallel.export import load_exported
+from trainyard.service.cli import main as cli
 
 
 def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_path, capsys):

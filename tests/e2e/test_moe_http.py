@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import run_all, tiny_spec
-
-from actors.naming import worker_name
+from trainyard.actors.naming import worker_name
 
 TOKENS_PER_STEP = 8 * 16  # global_batch x seq_len
 

@@ -8,10 +8,9 @@ import pytest
 import ray
 from conftest import start_service
 from helpers import live_actor, tiny_spec, wait_for, wait_terminal, with_one_bad_token
-
-from service.cli import main as cli
-from service.client import ApiError
-from service.logs import read_rank_log
+from trainyard.service.cli import main as cli
+from trainyard.service.client import ApiError
+from trainyard.service.logs import read_rank_log
 
 TRACEBACK = "Traceback (most recent call last):"
 

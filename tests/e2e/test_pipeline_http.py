@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import live_actor, tiny_spec, wait_for, wait_terminal, with_one_bad_token
-
-from actors.naming import worker_name
+from trainyard.actors.naming import worker_name
 
 
 def pipeline_spec(**parallel) -> dict:

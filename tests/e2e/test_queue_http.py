@@ -13,13 +13,12 @@ import ray
 from conftest import start_service
 from helpers import tiny_spec, wait_for, wait_terminal
 from ray.util.placement_group import placement_group, remove_placement_group
-
-from actors.naming import NAMESPACE
-from actors.state import JobStatus
-from api.spec import parse_spec
-from service.client import ApiError
-from service.manager import JobManager
-from service.store import JobRecord, JobStore
+from trainyard.actors.naming import NAMESPACE
+from trainyard.actors.state import JobStatus
+from trainyard.api.spec import parse_spec
+from trainyard.service.client import ApiError
+from trainyard.service.manager import JobManager
+from trainyard.service.store import JobRecord, JobStore
 
 
 class HoldTheCluster:

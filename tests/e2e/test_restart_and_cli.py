@@ -7,10 +7,9 @@ import json
 
 from conftest import start_service
 from helpers import REPO, tiny_spec
-
-from actors.state import JobStatus
-from service.cli import main as cli
-from service.store import JobRecord, JobStore
+from trainyard.actors.state import JobStatus
+from trainyard.service.cli import main as cli
+from trainyard.service.store import JobRecord, JobStore
 
 
 def test_jobs_live_when_the_service_died_are_queued_again_on_start(ray_session, tmp_path):

@@ -12,8 +12,7 @@ import httpx
 import pytest
 import ray
 from helpers import live_actor, tiny_spec, wait_for
-
-from service.client import ApiError
+from trainyard.service.client import ApiError
 
 STEPS = 100_000
 

@@ -19,13 +19,12 @@ import ray
 import torch
 from helpers import REPO, tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
-
-from parallel import checkpoint
-from parallel.export import MODEL_FILE
-from service.client import ApiError, Client
-from service.demo import wait_ready
-from service.ray_runtime import descendants
-from service.store import JobStore
+from trainyard.parallel import checkpoint
+from trainyard.parallel.export import MODEL_FILE
+from trainyard.service.client import ApiError, Client
+from trainyard.service.demo import wait_ready
+from trainyard.service.ray_runtime import descendants
+from trainyard.service.store import JobStore
 
 
 def alive(pid: int) -> bool:
@@ -44,9 +43,9 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # tests only: the product keeps Ray's token auth on
     where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", "4"]
     # A session of its own, as systemd runs a service: a signal to its process group reaches nothing of ours.
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "--state-dir", str(state), "serve", "--port",
-                             str(port), *where], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(state), "serve",
+                             "--port", str(port), *where], cwd=REPO, env=env, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
     try:
         return proc, wait_ready(proc, state, port, timeout_s=180)  # the demo's own readiness wait
@@ -171,8 +170,8 @@ def test_serve_on_a_taken_port_fails_at_once_saying_so(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "service.cli", "--state-dir", str(tmp_path), "serve", "--port",
-                                 str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(tmp_path), "serve",
+                                 "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
     assert not (tmp_path / "server.json").exists()  # nothing started, nothing advertised

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from parallel.local_world import PlanRun, RankResult, run_plan, run_plans, spawn
-from parallel.plan import Plan
+from trainyard.parallel.local_world import PlanRun, RankResult, run_plan, run_plans, spawn
+from trainyard.parallel.plan import Plan
 
 K = TypeVar("K")
 

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.checkpoint import step_dir
-from parallel.plan import make_plan
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.checkpoint import step_dir
+from trainyard.parallel.plan import make_plan
 
 STEPS = 6
 MOE = {"experts": 4, "top_k": 2, "every": 2}

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.plan import Plan, make_plan
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.plan import Plan, make_plan
 
 STEPS = 3
 LLAMA = {"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2, "d_model": 32, "ffn_hidden": 64,

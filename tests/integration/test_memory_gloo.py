@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 from gloo_ranks import PlanRun, run_plans
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.data_parallel import local_part
-from parallel.driver import RankDriver
-from parallel.plan import make_plan
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.data_parallel import local_part
+from trainyard.parallel.driver import RankDriver
+from trainyard.parallel.plan import make_plan
 
 MOE = {"experts": 4, "top_k": 2, "every": 2}
 

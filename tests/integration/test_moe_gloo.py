@@ -18,12 +18,11 @@ import torch.distributed as dist
 from gloo_ranks import last_stage_losses as losses
 from gloo_ranks import layout_id, run_named, spawn
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.config import ModelConfig, MoEConfig
-from parallel.models import family_of
-from parallel.moe import MoEContext, MoELayer
-from parallel.plan import make_plan
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.config import ModelConfig, MoEConfig
+from trainyard.parallel.models import family_of
+from trainyard.parallel.moe import MoEContext, MoELayer
+from trainyard.parallel.plan import make_plan
 
 EP, B, T = 2, 3, 8
 

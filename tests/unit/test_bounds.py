@@ -5,9 +5,8 @@ import math
 
 import pytest
 from helpers import tiny_spec
-
-from api.spec import SpecError, parse_spec
-from parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
+from trainyard.api.spec import SpecError, parse_spec
+from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 
 LAPTOP = ClusterResources(nodes=(NodeResources(cpus=8, gpus=0, memory=16 * 2**30),))
 

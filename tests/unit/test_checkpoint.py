@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from parallel import checkpoint
+from trainyard.parallel import checkpoint
 
 
 def write(root: Path, step: int) -> Path:

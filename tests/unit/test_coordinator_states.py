@@ -9,9 +9,8 @@ from dataclasses import replace
 
 import pytest
 from helpers import tiny_spec
-
-from actors.calls import Failure
-from actors.policies import (
+from trainyard.actors.calls import Failure
+from trainyard.actors.policies import (
     ElasticScaling,
     FailureAction,
     FailurePolicy,
@@ -22,7 +21,7 @@ from actors.policies import (
     ResizeDecision,
     ResizeDesk,
 )
-from actors.state import (
+from trainyard.actors.state import (
     Admitted,
     AtBoundary,
     CallFailed,
@@ -44,9 +43,9 @@ from actors.state import (
     Succeeded,
     step,
 )
-from api.spec import parse_spec
-from parallel.config import FaultConfig
-from parallel.plan import make_plan, resized
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.config import FaultConfig
+from trainyard.parallel.plan import make_plan, resized
 
 STEPS = 8
 POINT = ("/ckpt/step_000000003", 3)

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.data import DatasetError, global_batch_ids, load_batch, open_dataset, rank_share
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.data import DatasetError, global_batch_ids, load_batch, open_dataset, rank_share
 
 
 @pytest.mark.parametrize("dp,microbatches", [(1, 1), (2, 1), (4, 1), (2, 2), (1, 8), (8, 1)])

@@ -9,9 +9,8 @@ import pytest
 import torch
 from data_helpers import bpe_tokenizer, word_tokenizer
 from helpers import REPO, tiny_spec
-
-from api.spec import parse_spec
-from parallel.data import (
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.data import (
     IGNORE,
     DatasetError,
     counted_targets,
@@ -21,8 +20,8 @@ from parallel.data import (
     rank_share,
     validation_batches,
 )
-from parallel.plan import make_plan
-from parallel.prepare import PrepareOptions, prepare
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.prepare import PrepareOptions, prepare
 
 
 @pytest.fixture(scope="module")

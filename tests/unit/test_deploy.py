@@ -4,6 +4,7 @@ metric names the Grafana dashboard queries. Pure parsing: no Ray, no cluster, no
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import re
@@ -213,9 +214,16 @@ def test_image_builds_on_the_pinned_ray_and_a_supported_python():
     assert (int(m[2]), int(m[3])) >= MIN_PYTHON
 
 
+def product_folders() -> tuple[str, ...]:
+    """The folders setup.py installs as trainyard's subpackages."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    (folders,) = [node.value for node in tree.body if isinstance(node, ast.Assign) and node.targets[0].id == "FOLDERS"]
+    return ast.literal_eval(folders)
+
+
 def test_image_installs_every_package_and_torch():
     copied = {source for args in instruction("COPY") for source in [w for w in args.split() if w[:2] != "--"][:-1]}
-    for package in PROJECT["tool"]["setuptools"]["packages"] + [PROJECT["project"]["readme"], "pyproject.toml"]:
+    for package in [*product_folders(), "trainyard", "setup.py", PROJECT["project"]["readme"], "pyproject.toml"]:
         assert package in copied, f"deploy/Dockerfile never copies {package}"
     runs = " ".join(instruction("RUN"))
     assert '"torch>=2.11"' in runs and "pip install --no-cache-dir ." in runs

@@ -11,13 +11,12 @@ import torch
 from hf_tiny import tiny_gpt2, tiny_llama, tiny_mixtral
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-from api.spec import parse_spec, parse_submitted_spec
-from parallel import hf_checkpoint, hf_mapping
-from parallel.config import RuleError
-from parallel.export import export_hf, load_exported
-from parallel.hf_spec import adapter_for_family, model_fields
-from parallel.model import full_model
+from trainyard.api.spec import parse_spec, parse_submitted_spec
+from trainyard.parallel import hf_checkpoint, hf_mapping
+from trainyard.parallel.config import RuleError
+from trainyard.parallel.export import export_hf, load_exported
+from trainyard.parallel.hf_spec import adapter_for_family, model_fields
+from trainyard.parallel.model import full_model
 
 BUILDERS = {"gpt2-tied": lambda d: tiny_gpt2(d), "gpt2-untied": lambda d: tiny_gpt2(d, tied=False),
             "llama-gqa-untied": lambda d: tiny_llama(d), "llama-tied": lambda d: tiny_llama(d, tied=True),
@@ -166,7 +165,7 @@ def test_legacy_rope_scaling_spelling_reads_like_rope_parameters(tmp_path):
 
 
 def test_an_expert_parallel_stage_reads_only_the_experts_it_hosts(tmp_path):
-    from parallel.models import family_of
+    from trainyard.parallel.models import family_of
 
     theirs = tiny_mixtral(tmp_path)
     cfg = model_config(tmp_path)

@@ -9,9 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers import tiny_spec
 from hf_tiny import tiny_gpt2, tiny_llama
-
-from api.app import create_app
-from api.spec import SpecError, parse_submitted_spec
+from trainyard.api.app import create_app
+from trainyard.api.spec import SpecError, parse_submitted_spec
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
             names = [f"{base}.{alias.name}" for alias in node.names] + [base]
         else:
             continue
-        for name in names:
+        for name in (n.removeprefix("trainyard.") for n in names):  # trainyard.parallel.x is parallel/x.py
             while name and name not in modules:  # `from parallel.x import f`: the module is parallel.x
                 name = name.rpartition(".")[0]
             if name and name != "parallel":
@@ -75,8 +75,8 @@ def test_the_cycle_finder_finds_a_circle():
 
 
 def test_the_plan_and_its_presentation_load_without_torch():
-    code = ("import sys; import parallel.plan, parallel.present, parallel.memory, parallel.sharding, "
-            "parallel.optimizers; print('torch' in sys.modules)")
+    code = ("import sys; import trainyard.parallel.plan, trainyard.parallel.present, trainyard.parallel.memory, "
+            "trainyard.parallel.sharding, trainyard.parallel.optimizers; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PARALLEL.parent)
     assert out.stdout.strip() == "False"

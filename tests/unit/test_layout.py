@@ -5,11 +5,10 @@ from dataclasses import replace
 
 import pytest
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel import admission, rules
-from parallel.memory import estimate
-from parallel.plan import ClusterResources, Layout, NodeResources, PlanError, make_plan
+from trainyard.api.spec import parse_spec
+from trainyard.parallel import admission, rules
+from trainyard.parallel.memory import estimate
+from trainyard.parallel.plan import ClusterResources, Layout, NodeResources, PlanError, make_plan
 
 
 def test_the_rules_return_every_violation_and_make_plan_raises_the_first():

@@ -3,14 +3,13 @@ the schedule, and the refusal of a job whose ranks cannot fit."""
 
 import pytest
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.memory import param_counts, peak_activation_bytes
-from parallel.model import GPTStage
-from parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
-from parallel.present import describe
-from service.cli import format_plan
-from service.ray_runtime import gpu_memory
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.memory import param_counts, peak_activation_bytes
+from trainyard.parallel.model import GPTStage
+from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
+from trainyard.parallel.present import describe
+from trainyard.service.cli import format_plan
+from trainyard.service.ray_runtime import gpu_memory
 
 MOE = {"experts": 4, "top_k": 2, "every": 2}
 GIB = 2**30

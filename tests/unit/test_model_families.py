@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainyard.parallel.config import ModelConfig, MoEConfig, RopeScalingConfig
+from trainyard.parallel.model import full_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-
-from parallel.config import ModelConfig, MoEConfig, RopeScalingConfig
-from parallel.model import full_model
 
 TOL = 1e-5
 D, HEADS, KV, FFN, VOCAB, T = 32, 4, 2, 48, 128, 16

@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_spec
-
-from api.spec import SpecError, parse_spec
-from parallel.memory import param_counts
-from parallel.model import full_model
-from parallel.models import FAMILIES, family_of
-from parallel.pipeline import _SavedTensorMeter
-from parallel.plan import PlanError, make_plan
-from parallel.present import describe
-from parallel.trainer import autocast_context
-from service.cli import format_plan
+from trainyard.api.spec import SpecError, parse_spec
+from trainyard.parallel.memory import param_counts
+from trainyard.parallel.model import full_model
+from trainyard.parallel.models import FAMILIES, family_of
+from trainyard.parallel.pipeline import _SavedTensorMeter
+from trainyard.parallel.plan import PlanError, make_plan
+from trainyard.parallel.present import describe
+from trainyard.parallel.trainer import autocast_context
+from trainyard.service.cli import format_plan
 
 LLAMA = {"family": "llama", "n_layer": 4, "d_model": 64, "n_head": 4, "n_kv_head": 2, "ffn_hidden": 160,
          "seq_len": 32, "rope_theta": 500000.0, "norm_eps": 1e-6}

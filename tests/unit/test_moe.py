@@ -6,12 +6,11 @@ import math
 import pytest
 import torch
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.config import ModelConfig, MoEConfig
-from parallel.model import GPTStage, full_model
-from parallel.models import family_of
-from parallel.moe import MoELayer, capacity
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.config import ModelConfig, MoEConfig
+from trainyard.parallel.model import GPTStage, full_model
+from trainyard.parallel.models import family_of
+from trainyard.parallel.moe import MoELayer, capacity
 
 E, D, T = 4, 4, 8
 

@@ -1,9 +1,8 @@
 """Learning-rate schedule: linear warm-up, then cosine decay to min_lr at the last step."""
 
 import pytest
-
-from parallel.config import OptimizerConfig
-from parallel.optim import lr_at
+from trainyard.parallel.config import OptimizerConfig
+from trainyard.parallel.optim import lr_at
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -17,9 +16,8 @@ def test_warmup_then_cosine_to_min_lr():
 
 def test_the_optimizer_registry_knows_adamws_state_and_builds_it():
     import torch
-
-    from parallel.optim import make_optimizer
-    from parallel.optimizers import OPTIMIZERS, optimizer_kind
+    from trainyard.parallel.optim import make_optimizer
+    from trainyard.parallel.optimizers import OPTIMIZERS, optimizer_kind
 
     cfg = OptimizerConfig(lr=0.5)
     kind = optimizer_kind(cfg)

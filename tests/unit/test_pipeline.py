@@ -5,11 +5,10 @@ import enum
 import pytest
 import torch
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.model import GPTStage, full_model
-from parallel.pipeline import HANDLERS, PipelineExecutor, UnsupportedAction
-from parallel.schedules import Action, ActionKind, build_schedule
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.model import GPTStage, full_model
+from trainyard.parallel.pipeline import HANDLERS, PipelineExecutor, UnsupportedAction
+from trainyard.parallel.schedules import Action, ActionKind, build_schedule
 
 CFG = parse_spec(tiny_spec(model={"n_layer": 4})).model
 

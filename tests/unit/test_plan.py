@@ -4,9 +4,8 @@ from dataclasses import replace
 
 import pytest
 from helpers import tiny_spec
-
-from api.spec import parse_spec
-from parallel.plan import (
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.plan import (
     ClusterResources,
     NodeResources,
     Plan,
@@ -15,7 +14,7 @@ from parallel.plan import (
     make_plan,
     split_layers,
 )
-from parallel.present import describe
+from trainyard.parallel.present import describe
 
 
 def grid_plan(dp: int, pp: int, tp: int) -> Plan:

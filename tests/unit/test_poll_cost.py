@@ -6,15 +6,14 @@ BENCHMARKS.md, `python -m bench.run --only poll`)."""
 from __future__ import annotations
 
 from helpers import tiny_spec
-
-from actors import training
-from actors.controller import Controller
-from actors.state import JobStatus
-from actors.storage import JobStorage
-from api.spec import parse_spec
-from parallel.plan import make_plan
-from service.follow import Cursor, apply_report
-from service.store import JobRecord, JobStore
+from trainyard.actors import training
+from trainyard.actors.controller import Controller
+from trainyard.actors.state import JobStatus
+from trainyard.actors.storage import JobStorage
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.plan import make_plan
+from trainyard.service.follow import Cursor, apply_report
+from trainyard.service.store import JobRecord, JobStore
 
 
 def fake_row(step: int) -> dict:

@@ -7,10 +7,9 @@ import pytest
 from data_helpers import EOS, bpe_tokenizer, word_tokenizer
 from helpers import REPO
 from tokenizers import Tokenizer
-
-from parallel.prepare import PrepareError, PrepareOptions, prepare
-from parallel.token_dir import Manifest, file_sha256
-from service.cli import main
+from trainyard.parallel.prepare import PrepareError, PrepareOptions, prepare
+from trainyard.parallel.token_dir import Manifest, file_sha256
+from trainyard.service.cli import main
 
 DOCS = ["The hump engine pushes the cars.", "Every car has a number.", "Trains leave on time, every day."]
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
-
-from actors.state import JobStatus
-from parallel.plan import Gang
-from service import queue
-from service.cli import _attach_values
-from service.state_dir import new_token
-from service.store import JobRecord, JobStore
+from trainyard.actors.state import JobStatus
+from trainyard.parallel.plan import Gang
+from trainyard.service import queue
+from trainyard.service.cli import _attach_values
+from trainyard.service.state_dir import new_token
+from trainyard.service.store import JobRecord, JobStore
 
 
 def add(store: JobStore, job_id: str, priority: int = 0, cpus: float = 1.0, count: int = 1) -> None:
@@ -108,7 +107,7 @@ def test_a_store_written_by_an_older_service_gains_the_new_columns(tmp_path):
 
 def test_service_tokens_never_start_with_a_dash(monkeypatch):
     drawn = iter(["-starts-with-dash", "-again", "fine-token"])
-    monkeypatch.setattr("service.state_dir.secrets.token_urlsafe", lambda n: next(drawn))
+    monkeypatch.setattr("trainyard.service.state_dir.secrets.token_urlsafe", lambda n: next(drawn))
     assert new_token() == "fine-token"
 
 
@@ -118,7 +117,7 @@ def test_cli_takes_a_token_that_starts_with_a_dash():
 
 
 def test_the_progress_bar_shows_the_queue_position_and_the_reason():
-    from service.cli import _waiting_text
+    from trainyard.service.cli import _waiting_text
 
     job = {"queue_position": 3, "waiting_for": {"reason": "behind 2 earlier job(s) in the queue"}}
     assert _waiting_text(job) == "queued #3: behind 2 earlier job(s) in the queue"

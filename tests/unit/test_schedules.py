@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import get_args
 
 import pytest
-
-from parallel.config import ScheduleKind
-from parallel.schedule_sim import Costs, render_gantt, simulate
-from parallel.schedules import (
+from trainyard.parallel.config import ScheduleKind
+from trainyard.parallel.schedule_sim import Costs, render_gantt, simulate
+from trainyard.parallel.schedules import (
     SCHEDULE_KINDS,
     Action,
     ActionKind,

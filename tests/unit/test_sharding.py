@@ -3,9 +3,8 @@
 import typing
 
 import pytest
-
-from parallel.config import ParallelConfig
-from parallel.sharding import SHARDINGS, sharding_for
+from trainyard.parallel.config import ParallelConfig
+from trainyard.parallel.sharding import SHARDINGS, sharding_for
 
 
 def test_every_zero_value_the_spec_accepts_has_a_strategy():

@@ -2,10 +2,9 @@
 
 import pytest
 from helpers import REPO, tiny_spec
-
-from api.spec import SpecError, load_spec_text, parse_spec
-from parallel.data import DatasetError, open_dataset
-from parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
+from trainyard.api.spec import SpecError, load_spec_text, parse_spec
+from trainyard.parallel.data import DatasetError, open_dataset
+from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 
 ARCHITECTURE_EXAMPLE = """
 name: tiny-3d

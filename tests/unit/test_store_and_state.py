@@ -1,8 +1,8 @@
 """The SQLite job store (the coordinator's transitions: tests/unit/test_coordinator_states.py)."""
 
 
-from actors.state import JobStatus
-from service.store import JobRecord, JobStore
+from trainyard.actors.state import JobStatus
+from trainyard.service.store import JobRecord, JobStore
 
 
 def test_store_keeps_jobs_and_metrics_across_reopen(tmp_path):

@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_spec
-
-from actors.controller import Controller
-from actors.recovery import Unrecoverable
-from actors.state import JobStatus, Pending
-from actors.storage import JobStorage
-from api.spec import parse_spec
-from parallel import checkpoint
-from parallel.plan import make_plan
-from service.manager import JobManager
-from service.store import JobRecord, JobStore
+from trainyard.actors.controller import Controller
+from trainyard.actors.recovery import Unrecoverable
+from trainyard.actors.state import JobStatus, Pending
+from trainyard.actors.storage import JobStorage
+from trainyard.api.spec import parse_spec
+from trainyard.parallel import checkpoint
+from trainyard.parallel.plan import make_plan
+from trainyard.service.manager import JobManager
+from trainyard.service.store import JobRecord, JobStore
 
 GiB = 1 << 30
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from parallel.config import JobConfig, ModelConfig, RuleError
-from parallel.models.base import ModelFamily
-from parallel.models.counting import ParamCounts, Shapes
-from parallel.models.gpt2 import counts
+from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
+from trainyard.parallel.models.base import ModelFamily
+from trainyard.parallel.models.counting import ParamCounts, Shapes
+from trainyard.parallel.models.gpt2 import counts
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,12 +40,12 @@ class GPT2(ModelFamily):
 
     def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
                     experts: Iterable[int] | None = None) -> nn.Module:
-        from parallel.models.gpt2.model import GPTStage
+        from trainyard.parallel.models.gpt2.model import GPTStage
 
         return GPTStage(cfg, layers, first=first, last=last, seed=seed, experts=experts)
 
     def feed_forward(self, cfg: ModelConfig) -> nn.Module:
-        from parallel.models.gpt2.layers import MLP
+        from trainyard.parallel.models.gpt2.layers import MLP
 
         return MLP(cfg, self.ffn_hidden(cfg))
 
@@ -55,10 +55,9 @@ class GPT2(ModelFamily):
         vocabulary. The learned positions: `wpe` stays replicated; with sp its (seq_len, d_model) output is
         sliced to this rank's positions (a local slice whose backward all-gathers, so every rank gets the
         whole gradient of `wpe` and its weight needs no reduction of ours)."""
+        import trainyard.parallel.models.tp_styles as tp
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import PrepareModuleOutput
-
-        import parallel.models.tp_styles as tp
 
         stream = tp.stream_layout(sequence_parallel)
         layers: dict[str, ParallelStyle] = {}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from parallel.config import ModelConfig
-from parallel.models.counting import BF16, FP32, INDEX, LN_STATS, ParamCounts, Shapes, moe_routing
+from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.counting import BF16, FP32, INDEX, LN_STATS, ParamCounts, Shapes, moe_routing
 
 
 def ffn_hidden(m: ModelConfig) -> int:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from parallel.config import ModelConfig, RuleError
-from parallel.hf_mapping import Source
+from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.hf_mapping import Source
 
 FAMILY = "gpt2"
 ARCHITECTURES = ("GPT2LMHeadModel",)

@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from parallel.config import ModelConfig
-from parallel.models.decoder import causal_attention
+from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.decoder import causal_attention
 
 
 class CausalSelfAttention(nn.Module):

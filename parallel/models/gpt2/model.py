@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-from parallel.config import ModelConfig
-from parallel.models.decoder import DecoderStage
-from parallel.models.gpt2.layers import MLP, CausalSelfAttention
+from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.gpt2.layers import MLP, CausalSelfAttention
 
 
 class GPTStage(DecoderStage):

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from parallel.config import JobConfig, ModelConfig, RuleError
-from parallel.models.base import ModelFamily
-from parallel.models.counting import ParamCounts, Shapes
-from parallel.models.llama import counts
+from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
+from trainyard.parallel.models.base import ModelFamily
+from trainyard.parallel.models.counting import ParamCounts, Shapes
+from trainyard.parallel.models.llama import counts
 
 if TYPE_CHECKING:
     from torch import nn
@@ -54,12 +54,12 @@ class Llama(ModelFamily):
 
     def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
                     experts: Iterable[int] | None = None) -> nn.Module:
-        from parallel.models.llama.model import LlamaStage
+        from trainyard.parallel.models.llama.model import LlamaStage
 
         return LlamaStage(cfg, layers, first=first, last=last, seed=seed, experts=experts)
 
     def feed_forward(self, cfg: ModelConfig) -> nn.Module:
-        from parallel.models.llama.layers import SwiGLU
+        from trainyard.parallel.models.llama.layers import SwiGLU
 
         return SwiGLU(cfg, self.ffn_hidden(cfg))
 
@@ -68,7 +68,7 @@ class Llama(ModelFamily):
         row-parallel; the MLP's gate and up column-, down row-parallel; RMSNorms sequence-parallel with sp
         (the attention's input is all-gathered before q, k and v, so rotary embeddings see every position);
         embedding and head split over the vocabulary."""
-        import parallel.models.tp_styles as tp
+        import trainyard.parallel.models.tp_styles as tp
 
         stream = tp.stream_layout(sequence_parallel)
         layers: dict[str, ParallelStyle] = tp.vocab_embedding("wte", stream) if stage.first else {}

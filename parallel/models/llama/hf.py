@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from parallel.config import ModelConfig, RuleError
-from parallel.hf_mapping import Source
+from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.hf_mapping import Source
 
 FAMILY = "llama"
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
@@ -95,7 +95,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def _ffn(cfg: ModelConfig) -> int:
-    from parallel.models import family_of
+    from trainyard.parallel.models import family_of
 
     return family_of(cfg).ffn_hidden(cfg)
 

@@ -22,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from parallel.config import ModelConfig, RopeScalingConfig
-from parallel.models.decoder import causal_attention
+from trainyard.parallel.config import ModelConfig, RopeScalingConfig
+from trainyard.parallel.models.decoder import causal_attention
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None) -> torch.Tensor:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-from parallel.config import ModelConfig
-from parallel.models.decoder import DecoderStage
-from parallel.models.llama.counts import ffn_hidden
-from parallel.models.llama.layers import LlamaAttention, SwiGLU
+from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.llama.counts import ffn_hidden
+from trainyard.parallel.models.llama.layers import LlamaAttention, SwiGLU
 
 
 class LlamaStage(DecoderStage):
