@@ -32,9 +32,12 @@ def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path
 
 def test_gpu_bench_imports_neither_ray_nor_the_service():
     # It runs on GPU machines that hold torch and little else (numpy, and annotated_types for parallel.config).
-    code = "import sys, bench.gpu; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    # top-level modules, and trainyard's subpackages by name (trainyard.parallel)
+    code = ("import sys, bench.gpu; print(' '.join(sorted({'.'.join(m.split('.')[:2 if m.startswith('trainyard.') "
+            "else 1]) for m in sys.modules})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                           check=True)
     loaded = set(done.stdout.split())
-    assert "parallel" in loaded
-    assert not loaded & {"ray", "pydantic", "fastapi", "uvicorn", "yaml", "httpx", "api", "service", "actors"}
+    assert "trainyard.parallel" in loaded
+    assert not loaded & {"ray", "pydantic", "fastapi", "uvicorn", "yaml", "httpx", "trainyard.api", "trainyard.service",
+                         "trainyard.actors"}

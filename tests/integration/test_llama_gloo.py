@@ -16,6 +16,7 @@ import pytest
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
+from trainyard.parallel.checkpoint import step_dir
 from trainyard.parallel.plan import Plan, make_plan
 
 STEPS = 3
@@ -55,7 +56,7 @@ def runs(tmp_path_factory) -> dict[str, list[list[dict]]]:
     def run_of(name: str, plan: Plan, checkpoints: dict) -> PlanRun:
         resume = checkpoints.get("resume")
         return PlanRun(plan, save_after=(checkpoints["save"],) if "save" in checkpoints else (), root=str(out / name),
-                       resume=(str(out / resume[0]), resume[1]) if resume else None)
+                       resume=(str(step_dir(out / resume[0], resume[1])), resume[1]) if resume else None)
 
     results = run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()])
     return {name: stats_of(result) for name, result in zip(RUNS, results, strict=True)}
