@@ -95,11 +95,13 @@ def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, 
     return proc, client, job
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "defect found at integration (2026-11-24), open: after the SIGTERM restart the store showed the job PENDING at "
+KNOWN_RESTART_DEFECT = (
+    "open defect found at integration (2026-11-24): after the SIGTERM restart the store showed the job PENDING at "
     "step 54 while its relaunched coordinator was still starting (no step run), so the SIGKILL restart re-queued it "
-    "as 'admitted, never started' and recorded no second 'interrupted' event; the job still ends SUCCEEDED with "
-    "bit-identical losses and weights from its SIGTERM checkpoint"))
+    "as 'admitted, never started' and recorded no second 'interrupted' event; the job still ended SUCCEEDED with "
+    "bit-identical losses and weights, from its SIGTERM checkpoint")
+
+
 def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
     """Also: SIGTERM stops the service in seconds with exit code 0, its live job checkpointed and queued again
     with its waiting one, and none of its processes (the embedded Ray included) left behind."""
@@ -141,7 +143,9 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
         ours, theirs = _weights(client, job_id, tmp_path), _weights(client, reference, tmp_path)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
         kinds = [e["kind"] for e in client._call("GET", f"/api/jobs/{job_id}/events")]
-        assert kinds.count("interrupted") == 2, client._call("GET", f"/api/jobs/{job_id}/events")
+        assert kinds.count("interrupted") >= 1, client._call("GET", f"/api/jobs/{job_id}/events")
+        if kinds.count("interrupted") != 2:  # every check above holds; only this one meets the open defect
+            pytest.xfail(KNOWN_RESTART_DEFECT)
     finally:
         client.close()
         if proc.poll() is None:
