@@ -5,6 +5,9 @@ Client commands find the server and its token in the state directory that `serve
 `plan` needs no server: it validates the file and prints the plan locally. `logs` reads the ranks' logs
 (which the service reads from Ray) and `logs --follow` polls them; `metrics --plot` draws the rows with
 matplotlib (`service.plot`).
+
+Over 400 lines on purpose: one parser for every subcommand, each a short function beside its arguments, so the
+whole command line reads in one place; the work behind them lives elsewhere (`parallel.prepare`, the client).
 """
 
 from __future__ import annotations
