@@ -17,15 +17,9 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	$(BIN)/python -m trainyard.service.demo examples/demo.yaml
 
-# The HTTP tests (tests/e2e, one Ray) spend most of their time waiting on processes, so the unit and gloo tests
-# (no Ray) run beside them; their report is printed after the HTTP tests' own. Both must pass.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	@tmp=$$(mktemp -d); \
-	$(BIN)/python -m pytest -p no:cacheprovider --basetemp=$$tmp/t tests/unit tests/integration > $$tmp/log 2>&1 & \
-	local=$$!; $(BIN)/python -m pytest tests/e2e; e2e=$$?; wait $$local; rc=$$?; \
-	echo; echo "== unit and gloo tests (run beside the HTTP tests)"; cat $$tmp/log; rm -rf $$tmp; \
-	test $$e2e -eq 0 -a $$rc -eq 0
+	$(BIN)/python -m pytest
 
 # The minutes-long tests `make test` leaves out (elasticity on a two-node cluster).
 test-slow: $(STAMP)
