@@ -2,7 +2,7 @@
 
 `MoELayer` takes the place of the MLP in every `moe.every`-th block. A bias-free router scores the
 experts of each token; the token goes to its `top_k` best, and their softmax probabilities, renormalised
-over the chosen k, weigh the experts' outputs. Experts are the model family's expert module (`family.expert`:
+over the chosen k, weigh the experts' outputs. Experts are the model family's expert module (its stage class's `expert`:
 gpt2's GELU MLP, llama's SwiGLU), held in a ModuleDict keyed by their *global* index, so a parameter is named
 `blocks.3.moe.experts.5.fc.weight` on every layout and a rank holds only the experts it hosts.
 
@@ -79,7 +79,7 @@ class MoEContext:
 class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, experts: Iterable[int], expert: Callable[[ModelConfig], nn.Module]):
         """`experts`: the global indices of the experts this layer hosts; `expert(cfg)` builds one (the model
-        family's `ModelFamily.expert`: this module knows no family, as the families build it)."""
+        family's stage class's `expert`: this module knows no family, as the families build it)."""
         super().__init__()
         assert cfg.moe is not None
         self.cfg = cfg

@@ -5,8 +5,9 @@ trainer, the plan, the memory plan and tensor parallelism ask it; they never nam
 
 - rules: `check(config)` returns the family's own RuleErrors (the plan raises the first; the API: 422);
 - modules: `build_stage(cfg, layers, first=, last=, seed=, experts=)` builds one pipeline stage (see
-  `parallel.models.decoder.DecoderStage` for what a stage offers), `feed_forward(cfg)` and `expert(cfg)`
-  its dense feed-forward module and one MoE expert (`parallel.moe` builds its experts with it);
+  `parallel.models.decoder.DecoderStage` for what a stage offers), `feed_forward(cfg)` its dense feed-forward
+  module (one MoE expert is the stage class's `expert(cfg)`, by default the same module; `parallel.moe` is
+  handed it);
 - tensor parallelism: `tensor_parallel_plan(stage, sequence_parallel=)` returns the `parallelize_module`
   plan (which projections are column- or row-parallel, which norms sequence-parallel);
 - counting (pure arithmetic, for `parallel.memory` and MFU): `param_counts`, `embed_activations`,
@@ -62,10 +63,6 @@ class ModelFamily(ABC):
     @abstractmethod
     def feed_forward(self, cfg: ModelConfig) -> nn.Module:
         """A dense block's feed-forward module."""
-
-    def expert(self, cfg: ModelConfig) -> nn.Module:
-        """One expert of an MoE block: the dense feed-forward module, unless a family says otherwise."""
-        return self.feed_forward(cfg)
 
     @abstractmethod
     def tensor_parallel_plan(self, stage: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:

@@ -42,9 +42,9 @@ def _layer_check(rank: int, capacity_factor: float | None) -> dict:
     cfg = ModelConfig(n_layer=1, n_head=1, d_model=16, seq_len=T, moe=MoEConfig(
         experts=4, top_k=2, every=1, capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01))
     torch.manual_seed(0)
-    whole = MoELayer(cfg, range(4), family_of(cfg).expert)
+    whole = MoELayer(cfg, range(4), family_of(cfg).feed_forward)
     hosted = range(2 * rank, 2 * rank + 2)
-    mine = MoELayer(cfg, hosted, family_of(cfg).expert)
+    mine = MoELayer(cfg, hosted, family_of(cfg).feed_forward)
     mine.load_state_dict({k: v for k, v in whole.state_dict().items() if k in mine.state_dict()})
     whole.context = MoEContext(sequences_per_step=EP * B)
     mine.context = MoEContext(sequences_per_step=EP * B, ep_group=dist.group.WORLD)

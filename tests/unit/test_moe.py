@@ -19,7 +19,7 @@ def layer(top_k: int = 1, capacity_factor: float | None = None, aux: float = 0.0
     """A layer whose router is the identity (d_model = experts), so a token's logits are the token itself."""
     cfg = ModelConfig(n_layer=1, n_head=1, d_model=D, seq_len=T, moe=MoEConfig(
         experts=E, top_k=top_k, every=1, capacity_factor=capacity_factor, aux_loss_coef=aux, z_loss_coef=z))
-    moe = MoELayer(cfg, range(E), family_of(cfg).expert)
+    moe = MoELayer(cfg, range(E), family_of(cfg).feed_forward)
     with torch.no_grad():
         moe.router.weight.copy_(torch.eye(E))
     return moe

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from trainyard.parallel.config import ModelConfig
 from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.gpt2.counts import ffn_hidden
 from trainyard.parallel.models.gpt2.layers import MLP, CausalSelfAttention
 
 
@@ -26,7 +27,7 @@ class GPTStage(DecoderStage):
 
     @staticmethod
     def feed_forward(cfg: ModelConfig) -> nn.Module:
-        return MLP(cfg, cfg.ffn_hidden or 4 * cfg.d_model)
+        return MLP(cfg, ffn_hidden(cfg))
 
     def build_embeddings(self, cfg: ModelConfig) -> None:
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
