@@ -213,9 +213,10 @@ class ParallelConfig:
     """Pipeline schedule."""
     stage_layers: Annotated[list[Annotated[int, Gt(0), Le(4096)]], MinLen(1), MaxLen(4096)] | None = None
     """Blocks per virtual stage, in order (pp * vpp entries summing to n_layer); null splits evenly."""
-    zero: Literal[0, 1] = 0
+    zero: Literal[0, 1, 2, 3] = 0
     """1: ZeRO-1, each data-parallel rank keeps the optimizer state of its shard of the parameters only
-    (gradients reduce-scattered, parameters all-gathered after the step)."""
+    (gradients reduce-scattered, parameters all-gathered after the step); 2: ZeRO-2, the reduced gradients
+    too; 3: ZeRO-3, the parameters too, gathered per pipeline chunk around its forward and backward."""
     overlap_reduce: bool = True
     """Start each gradient bucket's reduction during backward, as soon as its gradients are final."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"

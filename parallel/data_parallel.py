@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from trainyard.parallel.fsdp import FsdpReducer, ShardedChunks
+from trainyard.parallel.optim import tp_copies
 from trainyard.parallel.sharding import Sharding
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
@@ -75,10 +77,15 @@ class _Bucket:
 
 
 def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,
-                 reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES) -> GradientReducer:
+                 reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES,
+                 sharded: ShardedChunks | None = None) -> GradientReducer | FsdpReducer:
     """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
-    nothing: every strategy keeps everything there."""
+    nothing: every strategy keeps everything there. ZeRO-2/3: the parameters FSDP2 sharded (`sharded`, see
+    `parallel.fsdp`) are reduced by FSDP2."""
     size = dist.get_world_size(group) if group is not None else 1
+    if sharding.shards_parameters and size > 1:
+        assert sharded is not None, "ZeRO-2/3 shards the chunks with parallel.fsdp.shard_chunks first"
+        return FsdpReducer(chunk_params, sharded)
     cls = ShardedGradientReducer if sharding.shards_optimizer_state and size > 1 else GradientReducer
     return cls(chunk_params, group, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
 
@@ -181,6 +188,11 @@ class GradientReducer:
     def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """The reduced gradients this rank holds after `finish`, each with its parameter."""
         return [(local_part(p.grad), p) for b in self.buckets for p in b.params]
+
+    @staticmethod
+    def tp_copies(p: torch.Tensor, tp: int) -> int:
+        """tp ranks holding the same local gradient as this rank's of `p` (1 if `p` is sharded over tp)."""
+        return tp_copies(p, tp)
 
     def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """What the optimizer updates, each with the parameter it belongs to: the parameters themselves."""

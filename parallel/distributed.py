@@ -36,6 +36,8 @@ class RankGroups:
     tp: dist.ProcessGroup | None = None
     tp_mesh: DeviceMesh | None = None
     """The 1-D tensor-parallel mesh DTensor shards over; None when tp = 1."""
+    dp_mesh: DeviceMesh | None = None
+    """The world mesh's data-parallel dimension (what FSDP2 shards over at ZeRO-2/3); None when dp = 1."""
     ep: dist.ProcessGroup | None = None
     """Expert parallelism: the ranks whose experts this rank's tokens may go to."""
     experts: dist.ProcessGroup | None = None
@@ -74,6 +76,7 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
 
     groups = RankGroups(rank=rank, dp=group("dp"), pp=group("pp"), pp_ranks=mesh["pp"].mesh.tolist(),
                         tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None,
+                        dp_mesh=mesh["dp"] if plan.dp > 1 else None,
                         checkpoint=dist.new_group(backend="gloo"))
     if plan.config.model.moe is not None:
         groups.ep = _subgroup(plan.ep_groups())

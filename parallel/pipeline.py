@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from trainyard.parallel.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.model import GPTStage
 from trainyard.parallel.schedules import COMM_KINDS, Action, ActionKind, virtual_stage
 
@@ -64,6 +65,8 @@ class _StepState:
     grads_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     live: int = 0
+    next_compute: list[Action | None] = field(default_factory=list)
+    """For each action, the forward or backward after it (what FSDP2 may start gathering)."""
 
 
 class PipelineExecutor:
@@ -71,15 +74,19 @@ class PipelineExecutor:
                  activation_shape: tuple[int, ...], device: torch.device, loss_scale: float,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
                  autocast: Callable[[], AbstractContextManager] = nullcontext,
-                 before_backward: Callable[[Action], None] | None = None):
+                 before_backward: Callable[[Action], None] | None = None, sharded: ShardedChunks | None = None):
         """`activation_shape` is what this rank holds between stages (its sequence slice under sp);
         `loss_context` wraps the last stage's loss and its backward (`loss_parallel` with tp); `autocast`
         wraps every forward and loss (bf16 autocast for `precision: bf16`); `before_backward` is called
-        before each backward (the trainer arms the gradient reduction before a chunk's last one)."""
+        before each backward (the trainer arms the gradient reduction before a chunk's last one); `sharded`: the
+        chunks' parameters are sharded by FSDP2 (ZeRO-2/3, `parallel.fsdp`), which is told before each forward
+        and backward which chunk computes now and which next, and whose gathered parameters the saved-tensor
+        meter does not count as activations."""
         self.chunks, self.pp_rank, self.pp, self.pp_ranks = chunks, pp_rank, pp, pp_ranks
         self.n_virtual = pp * len(chunks)
         self.activation_shape, self.device, self.loss_scale = activation_shape, device, loss_scale
         self.loss_context, self.autocast, self.before_backward = loss_context, autocast, before_backward
+        self.sharded = sharded
 
     def run(self, actions: list[Action], batch: Callable[[int], Batch]) -> tuple[torch.Tensor, PipelineTimings]:
         """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings.
@@ -88,8 +95,9 @@ class PipelineExecutor:
         if unknown:
             raise UnsupportedAction(f"the pipeline executor has no handler for action kind(s) {', '.join(unknown)} "
                                     f"(it runs {', '.join(k.name for k in HANDLERS)})")
-        state = _StepState(batch=batch, loss_sum=torch.zeros((), device=self.device))
-        meter = _SavedTensorMeter([p for chunk in self.chunks for p in chunk.parameters()])
+        state = _StepState(batch=batch, loss_sum=torch.zeros((), device=self.device),
+                           next_compute=next_computes(actions, lambda a: a.kind in COMPUTE_KINDS))
+        meter = _SavedTensorMeter([p for chunk in self.chunks for p in chunk.parameters()], self.sharded)
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             i = 0
@@ -104,6 +112,8 @@ class PipelineExecutor:
 
     def _run_forward(self, actions: list[Action], i: int, state: _StepState) -> int:
         t0 = time.perf_counter()
+        if self.sharded is not None:
+            self.sharded.before_compute(actions[i], state.next_compute[i])
         loss = self._forward(actions[i], state, state.batch)
         if loss is not None:
             state.loss_sum += loss.detach()
@@ -113,6 +123,8 @@ class PipelineExecutor:
 
     def _run_backward(self, actions: list[Action], i: int, state: _StepState) -> int:
         t0 = time.perf_counter()
+        if self.sharded is not None:
+            self.sharded.before_compute(actions[i], state.next_compute[i])
         self._backward(actions[i], state)
         state.timings.backward_s += time.perf_counter() - t0
         state.timings.peak_activations = max(state.timings.peak_activations, state.live)
@@ -194,11 +206,16 @@ class _SavedTensorMeter:
 
     Bytes are counted per storage, once however many saved tensors refer to it (q, k and v each save the
     same input; a view keeps its whole storage alive). Storages of parameters are skipped: they are held
-    anyway, whatever the schedule. A DTensor counts what this rank really holds, its local shard.
+    anyway, whatever the schedule. A DTensor counts what this rank really holds, its local shard. Parameters
+    FSDP2 gathered (`sharded`) are skipped too: they are counted as gathered parameters, and freed after the
+    chunk's compute whatever autograd saved.
     """
 
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], sharded: ShardedChunks | None = None):
         self.param_storage = {_local(p).untyped_storage().data_ptr() for p in params}
+        self.sharded = sharded
+        self.gathered: set[int] = set()
+        self.generation = -1
         self.storages: dict[int, list[int]] = {}
         """Address of each storage held -> [saved tensors referring to it, its bytes]."""
         self.live = 0
@@ -206,9 +223,16 @@ class _SavedTensorMeter:
 
     def pack(self, t: torch.Tensor) -> object:
         storage = _local(t).untyped_storage()
-        if storage.data_ptr() in self.param_storage:
+        if storage.data_ptr() in self.param_storage or self._gathered(storage.data_ptr()):
             return t
         return _Counted(t, storage.data_ptr(), storage.nbytes(), self)
+
+    def _gathered(self, address: int) -> bool:
+        if self.sharded is None:
+            return False
+        if self.generation != self.sharded.generation:  # something was gathered or freed since the last look
+            self.gathered, self.generation = self.sharded.gathered_storages(), self.sharded.generation
+        return address in self.gathered
 
     def unpack(self, packed: object) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Counted) else packed
@@ -255,3 +279,6 @@ HANDLERS: dict[ActionKind, Callable[[PipelineExecutor, list[Action], int, _StepS
     **{kind: PipelineExecutor._run_communication for kind in COMM_KINDS},
 }
 """Each action kind the executor runs -> its handler. A kind missing here is refused (UnsupportedAction)."""
+
+COMPUTE_KINDS = (ActionKind.FORWARD, ActionKind.BACKWARD)
+"""The kinds that compute with a chunk's parameters."""

@@ -38,9 +38,10 @@ from trainyard.parallel.data import (
 )
 from trainyard.parallel.data_parallel import GradientReducer, local_part, make_reducer
 from trainyard.parallel.distributed import RankGroups
+from trainyard.parallel.fsdp import shard_chunks
 from trainyard.parallel.models import family_of
 from trainyard.parallel.moe import MoEContext, moe_layers
-from trainyard.parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr, tp_copies
+from trainyard.parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
 from trainyard.parallel.optimizers import optimizer_kind
 from trainyard.parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.plan import Plan
@@ -106,14 +107,17 @@ class RankTrainer:
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
         par = cfg.parallel
         sets = {"dense": groups.dp, "router": groups.stage, "experts": groups.experts}
-        family = family_of(cfg.model)
+        family, sharding = family_of(cfg.model), sharding_for(par.zero)
+        # ZeRO-2/3: FSDP2 shards each chunk (and its routers and experts) over the same groups (parallel.fsdp).
+        self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
+                                    par.reduce_dtype) if sharding.shards_parameters else None
         self.reducers: dict[str, GradientReducer] = {}
         for kind, group in sets.items():
             per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
                          for chunk in self.chunks]
             if any(per_chunk):
-                self.reducers[kind] = make_reducer(per_chunk, group, sharding_for(par.zero),
-                                                   reduce_dtype=par.reduce_dtype)
+                self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
+                                                   sharded=self.sharded)
         self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer)
         self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
@@ -131,7 +135,8 @@ class RankTrainer:
             self.chunks, self.coords.pp, plan.pp, groups.pp_ranks, activation_shape=activation_shape(plan),
             device=device, loss_scale=1.0 / tokens_per_step, loss_context=loss_context(plan),
             autocast=autocast_context(cfg.precision, device),
-            before_backward=self._arm_reduction if par.overlap_reduce else None,
+            before_backward=self._arm_reduction if par.overlap_reduce or self.sharded else None,
+            sharded=self.sharded,
         )
 
     def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> torch.nn.Module:
@@ -196,6 +201,8 @@ class RankTrainer:
         for ids in batches:
             share = rank_share(ids, self.coords.dp, self.plan.dp, self.plan.microbatches)
             total += self.executor.run(self.forward_actions, _lazy_batches(self.val_dataset, share))[0]
+        if self.sharded is not None:  # ZeRO-2 keeps what a forward gathered: free it, the step updates shards
+            self.sharded.reshard()
         if not self.is_last_stage:
             return None
         if self.groups.dp is not None:
@@ -304,7 +311,7 @@ class RankTrainer:
         for kind, reducer in self.reducers.items():
             replicas = reducer.holders
             for grad, p in reducer.held_grads():
-                copies = replicas * (tp_copies(p, tp) if kind == "dense" else 1)
+                copies = replicas * (reducer.tp_copies(p, tp) if kind == "dense" else 1)
                 weighted.append((grad, 1.0 / copies))
         return weighted
 
