@@ -12,7 +12,8 @@ gradients and the optimizer state are split over a reducing group is the shardin
 registry's (`parallel.optimizers`).
 
 Model state (exact, counted by the model's family, `ModelFamily.param_counts`, from the shapes its stages
-have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever the precision; gradients live
+have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever the precision (with
+`parallel.zero: 2 | 3` a 1/N shard plus the chunks FSDP2 holds gathered at the peak: `param_bytes`); gradients live
 in fp32 flat buckets that hold every local parameter (4 B each, also under ZeRO-1, which keeps whole
 gradients and adds the reduced 1/N slice; see `parallel.data_parallel`); AdamW keeps two fp32 states per
 parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size
@@ -85,7 +86,7 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
     counts = param_counts(plan, plan.coords(rank).pp)
     chunks = [_chunk_activations(plan, pp_rank=plan.coords(rank).pp, chunk=c) for c in range(plan.vpp)]
     return RankMemory(
-        params=FP32 * counts.total,
+        params=param_bytes(plan, plan.coords(rank).pp),
         grads=gradient_bytes(plan, counts),
         optimizer=optimizer_bytes(plan, counts),
         activations=peak_activation_bytes(plan, plan.coords(rank).pp, [kept for kept, _ in chunks]),
@@ -95,13 +96,33 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
 
 def param_counts(plan: Plan, pp_rank: int) -> ParamCounts:
     """Exact local parameter counts of a rank's chunks (tied embeddings counted once), by the model's family."""
-    m, family = plan.config.model, family_of(plan.config.model)
     total = ParamCounts(dense=0, router=0, experts=0)
+    for counts in _chunk_counts(plan, pp_rank):
+        total += counts
+    return total
+
+
+def _chunk_counts(plan: Plan, pp_rank: int) -> list[ParamCounts]:
+    m, family = plan.config.model, family_of(plan.config.model)
+    out = []
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
         v = virtual_stage(pp_rank, c, plan.pp)
-        total += family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
-                                     ep=plan.ep)
-    return total
+        out.append(family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
+                                       ep=plan.ep))
+    return out
+
+
+def param_bytes(plan: Plan, pp_rank: int) -> int:
+    """fp32 parameters: every local one, or with ZeRO-2/3 the 1/N shard of each set reduced over N > 1 ranks
+    plus what is gathered whole at the step's peak (ZeRO-2: every chunk; ZeRO-3: one chunk computing and the
+    next one's gather in flight), each chunk counted whole with its MoE routers and experts (FSDP2 gathers
+    those one module at a time, so for an MoE chunk this is a bound)."""
+    sharding = sharding_for(plan.config.parallel.zero)
+    chunks = _chunk_counts(plan, pp_rank)
+    total = sum(chunks, ParamCounts(dense=0, router=0, experts=0))
+    kept = sum(sharding.param_elements(n, size) for n, size in _reduced_sets(plan, total))
+    gathered = sharding.gathered_elements([sum(n for n, size in _reduced_sets(plan, c) if size > 1) for c in chunks])
+    return FP32 * (kept + gathered)
 
 
 def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
@@ -114,12 +135,15 @@ def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
 def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     """fp32 buckets holding every local gradient; with ZeRO-1 also the reduced 1/N slice of them; with
     `reduce_dtype: bf16` the bf16 copies on the wire (every bucket's at once at worst, as the reduction
-    overlaps backward). A set reduced by no other rank (N = 1) is neither sharded nor sent."""
+    overlaps backward). ZeRO-2/3 keep the reduced 1/N shard only (the whole gradient of the chunk whose
+    backward is running lives until its reduce-scatter: a transient, not counted). A set reduced by no
+    other rank (N = 1) is neither sharded nor sent."""
     par, bytes_ = plan.config.parallel, 0
     sharding = sharding_for(par.zero)
     for n, size in _reduced_sets(plan, counts):
         held = sharding.gradient_elements(n, size)
-        bytes_ += FP32 * held + (BF16 * held if par.reduce_dtype == "bf16" and size > 1 else 0)
+        wire = par.reduce_dtype == "bf16" and size > 1 and not sharding.shards_parameters  # FSDP2's is transient
+        bytes_ += FP32 * held + (BF16 * held if wire else 0)
     return bytes_
 
 

@@ -39,11 +39,13 @@ def describe(plan: Plan) -> dict:
 
 def describe_memory(plan: Plan) -> dict:
     """The memory plan (`parallel.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
-    activations and recompute transient, their total, and the rank with the largest total."""
+    activations and recompute transient, their total, and the rank with the largest total; `zero` is the
+    sharding they were counted under (at 2 and 3, `params` is the shard plus the chunks gathered at the peak)."""
     ranks = estimate(plan.layout, plan.config)
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
-    return {"per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
+    return {"zero": plan.config.parallel.zero, "per_rank": per_rank,
+            "largest": max(per_rank, key=lambda m: m["total"])}
 
 
 def describe_schedule(plan: Plan) -> dict:

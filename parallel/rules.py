@@ -34,7 +34,8 @@ def degree_violations(config: JobConfig) -> list[PlanError]:
     """Every rule but the split of the blocks into stages: what must hold before the degrees mean anything
     (`make_plan` asks whether the cluster can hold that many workers before it splits the blocks)."""
     return [*model_violations(config), *expert_violations(config), *tensor_parallel_violations(config),
-            *size_violations(config), *batch_violations(config), *schedule_violations(config)]
+            *size_violations(config), *batch_violations(config), *schedule_violations(config),
+            *sharding_violations(config)]
 
 
 def size_violations(config: JobConfig) -> list[PlanError]:
@@ -144,4 +145,14 @@ def stage_layer_violations(config: JobConfig) -> list[PlanError]:
         return [PlanError("parallel.stage_layers", f"has {len(counts)} entries but pp x vpp = {n_stages} stages")]
     elif sum(counts) != n_layer:
         return [PlanError("parallel.stage_layers", f"sums to {sum(counts)} but n_layer={n_layer}")]
+    return []
+
+
+def sharding_violations(config: JobConfig) -> list[PlanError]:
+    """ZeRO-2/3 are FSDP2's (`parallel.fsdp`), which reduce-scatters each chunk's gradients during its backward:
+    there is no reduction left to run after backward."""
+    par = config.parallel
+    if par.zero >= 2 and not par.overlap_reduce:
+        return [PlanError("parallel.overlap_reduce", f"overlap_reduce=false needs zero <= 1 (zero={par.zero} "
+                                                     "reduce-scatters each chunk's gradients during its backward)")]
     return []

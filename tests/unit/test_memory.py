@@ -72,6 +72,29 @@ def test_zero1_keeps_the_optimizer_state_of_half_the_parameters_at_dp2():
     assert dense_zero.memory()[0].optimizer * 2 == pytest.approx(dense.memory()[0].optimizer, abs=16)
 
 
+def test_zero2_and_zero3_keep_a_quarter_at_dp4_and_gather_chunks():
+    base = plan_for(parallel={"dp": 4}).memory()[0]
+    zero2, zero3 = (plan_for(parallel={"dp": 4, "zero": z}).memory()[0] for z in (2, 3))
+    for z in (zero2, zero3):
+        assert z.grads == pytest.approx(base.grads / 4, abs=16)
+        assert z.optimizer == pytest.approx(base.optimizer / 4, abs=32)
+        assert z.params == pytest.approx(base.params * 5 / 4, abs=16)  # the shard and the one chunk, whole
+    # two chunks per rank: ZeRO-3 holds one gathered and the next one's gather, ZeRO-2 both all step
+    layout = {"dp": 2, "pp": 2, "vpp": 2, "microbatches": 2, "schedule": "interleaved-1f1b"}
+    full = plan_for(parallel=layout).memory()[0].params
+    assert plan_for(parallel={**layout, "zero": 2}).memory()[0].params == pytest.approx(full * 3 / 2, abs=16)
+    assert plan_for(parallel={**layout, "zero": 3}).memory()[0].params == pytest.approx(full * 3 / 2, abs=16)
+    three = plan_for(model={"n_layer": 6}, parallel={**layout, "vpp": 3, "zero": 3}).memory()[0]
+    whole = plan_for(model={"n_layer": 6}, parallel={**layout, "vpp": 3}).memory()[0]
+    assert whole.params / 2 < three.params < whole.params * 3 / 2  # a shard and two of three chunks
+
+
+def test_zero2_refuses_overlap_reduce_false_naming_the_field():
+    with pytest.raises(PlanError) as info:
+        plan_for(parallel={"dp": 2, "zero": 2, "overlap_reduce": False})
+    assert info.value.field == "parallel.overlap_reduce" and "zero=2" in info.value.message
+
+
 def test_a_bf16_reduction_adds_its_wire_copies_to_the_gradients():
     fp32, bf16 = plan_for(parallel={"dp": 2}), plan_for(parallel={"dp": 2, "reduce_dtype": "bf16"})
     assert bf16.memory()[0].grads == fp32.memory()[0].grads * 3 // 2
