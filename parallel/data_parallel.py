@@ -22,14 +22,16 @@ layers runs while backward computes the first. `finish()` starts what is left (a
 gradient in that backward, e.g. an expert no token reached) and waits for what is in flight.
 
 Sharding is a strategy (`parallel.sharding`, picked by `parallel.zero`), and `make_reducer` builds the
-reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (zero 0), and
-`ShardedGradientReducer` is ZeRO-1. A ZeRO-2 or ZeRO-3 entry adds its reducer beside them.
+reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (zero 0),
+`ShardedGradientReducer` is ZeRO-1, and ZeRO-2/3 are torch's FSDP2 (`parallel.fsdp.FsdpReducer`: the
+pipeline executor tells FSDP2 which chunk to gather and when a chunk's last backward comes, which is what
+DDP and plain FSDP usage lack here).
 
 ZeRO-1 (`ShardedGradientReducer`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
 the summed gradients of its 1/N slice of the bucket; the optimizer holds the parameters' pieces in that
 slice (views into the parameters, `optimizer_params`), so AdamW's state exists for 1/N of them; after the
-step `gather_params` all-gathers the slices and writes every parameter back whole. (FSDP2 would shard the
-parameters and gradients too, but it owns its own reduction and would not follow the pipeline's schedule.)
+step `gather_params` all-gathers the slices and writes every parameter back whole. (FSDP2 has no mode that
+shards the optimizer state alone: it always shards the parameters, which is ZeRO-2/3's trade, not ZeRO-1's.)
 
 Tensor-parallel parameters are DTensors: a bucket holds each one's local shard, and its `.grad` is a
 DTensor with the parameter's placements over that view. Autograd accumulates a DTensor gradient in place

@@ -3,7 +3,10 @@
 import typing
 
 import pytest
+from helpers import tiny_spec
+from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import ParallelConfig
+from trainyard.parallel.plan import can_move_in_memory, make_plan, resized
 from trainyard.parallel.sharding import SHARDINGS, sharding_for
 
 
@@ -36,3 +39,11 @@ def test_zero_2_and_3_keep_a_shard_of_everything_and_gather_chunks():
 def test_an_unknown_zero_value_names_the_field():
     with pytest.raises(ValueError, match="parallel.zero=4"):
         sharding_for(4)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_resize_keeps_the_state_in_memory_only_where_replicas_are_identical(zero):
+    elastic = {"dp": {"min": 1, "max": 4}, "microbatches": 4, "zero": zero}
+    config = parse_spec(tiny_spec(parallel=elastic, global_batch=8))
+    old, new = make_plan(resized(config, 2)), make_plan(resized(config, 4))
+    assert can_move_in_memory(old, new) == (zero == 0)  # ZeRO-1/2/3 shards move through a checkpoint
