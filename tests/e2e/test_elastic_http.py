@@ -1,5 +1,5 @@
 """Resize a running job through the real service: dp 2 -> 4 -> 1 with the state moved in memory, and a
-(pp=2, dp=2) ZeRO-1 job to dp=1 through a checkpoint. Each follows the loss curve of its fixed-size run
+(pp=2, dp=2) ZeRO-3 job (FSDP2 shards) to dp=1 through a checkpoint. Each follows the loss curve of its fixed-size run
 within 1e-4 per step and ends SUCCEEDED; the ranks that remain keep their actors (same actor ids); every
 resize is an event; a bad size is a 422 and a job that is not running a 409."""
 
@@ -12,7 +12,7 @@ from trainyard.service.client import ApiError
 STEPS = 60
 DP = tiny_spec(steps=STEPS, global_batch=8, parallel={"dp": 2, "microbatches": 2}, name="elastic-dp")
 PIPE = tiny_spec(model={"n_layer": 4}, steps=STEPS, global_batch=8, name="elastic-pp",
-                 parallel={"dp": 2, "pp": 2, "microbatches": 2, "zero": 1})
+                 parallel={"dp": 2, "pp": 2, "microbatches": 2, "zero": 3})
 
 
 def _actors(client, job_id: str) -> dict[str, str]:
