@@ -44,8 +44,14 @@ def describe_memory(plan: Plan) -> dict:
     ranks = estimate(plan.layout, plan.config)
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
-    return {"zero": plan.config.parallel.zero, "per_rank": per_rank,
-            "largest": max(per_rank, key=lambda m: m["total"])}
+    zero = plan.config.parallel.zero
+    out = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
+    if zero >= 2:
+        gathered = "every chunk of the rank, whole for the step" if zero == 2 else \
+            "the chunk computing and the next one being gathered"
+        out["note"] = (f"parallel.zero: {zero} (FSDP2): params are the 1/N shard kept between steps plus {gathered}; "
+                       "grads and optimizer are the 1/N shards")
+    return out
 
 
 def describe_schedule(plan: Plan) -> dict:

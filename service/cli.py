@@ -286,7 +286,7 @@ def format_memory(memory: dict) -> list[str]:
     for values, ranks in rows.items():
         label = f"{'ranks' if len(ranks) > 1 else 'rank'} {_ranks_text(ranks)}"
         lines.append(f"  {label:<{width}}" + "".join(f"{format_bytes(v):>13}" for v in values))
-    return lines
+    return lines + ([f"  {memory['note']}"] if memory.get("note") else [])
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -87,6 +87,8 @@ def test_zero2_and_zero3_keep_a_quarter_at_dp4_and_gather_chunks():
     three = plan_for(model={"n_layer": 6}, parallel={**layout, "vpp": 3, "zero": 3}).memory()[0]
     whole = plan_for(model={"n_layer": 6}, parallel={**layout, "vpp": 3}).memory()[0]
     assert whole.params / 2 < three.params < whole.params * 3 / 2  # a shard and two of three chunks
+    assert "parallel.zero: 3 (FSDP2): params are the 1/N shard" in format_plan(describe(
+        plan_for(parallel={"dp": 4, "zero": 3})))
 
 
 def test_zero2_refuses_overlap_reduce_false_naming_the_field():
