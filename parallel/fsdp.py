@@ -56,15 +56,20 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 class ShardedChunks:
     """A rank's chunks handed to FSDP2: which modules are wrapped, and the schedule's calls into them."""
 
-    def __init__(self, chunks: list[nn.Module], roots: list[FSDPModule | None], wrapped: list[FSDPModule],
+    def __init__(self, chunks: list[nn.Module], roots: list[FSDPModule | None], nested: list[list[FSDPModule]],
                  sharding: Sharding):
-        self.chunks, self.roots, self.wrapped, self.sharding = chunks, roots, wrapped, sharding
+        """`roots[c]`: chunk c wrapped on the dp mesh (None when dp = 1); `nested[c]`: its routers and experts
+        wrapped on their own groups."""
+        self.chunks, self.roots, self.sharding = chunks, roots, sharding
+        self.wrapped = [m for c, root in enumerate(roots) for m in ([root] if root is not None else []) + nested[c]]
+        # What the step's calls go to: a chunk's root (they recurse into what it holds), else its nested modules.
+        self.tops = [[root] if root is not None else nested[c] for c, root in enumerate(roots)]
         self.peak_gathered_bytes = 0
         """Most bytes of gathered parameters (whole, or in flight) held at once in the last step."""
         self.generation = 0
         """Bumped whenever a wrapped module may have gathered or freed parameters (the saved-tensor meter's cue
         to look again at which storages are parameters)."""
-        for module in wrapped:
+        for module in self.wrapped:
             module.register_forward_pre_hook(self._changed)
             module.register_forward_hook(self._changed)
 
@@ -75,18 +80,16 @@ class ShardedChunks:
     def start_step(self) -> None:
         """Before a step: everything sharded (an evaluation may have left ZeRO-2's chunks whole), and ZeRO-2's
         chunks kept whole after each backward until `arm` says the next one is their last."""
-        for root in self.roots:
-            if root is not None:
-                root.reshard()
-                root.set_reshard_after_backward(self.sharding.reshard_after_forward)
+        self.reshard()
+        for module in (m for top in self.tops for m in top):
+            module.set_reshard_after_backward(self.sharding.reshard_after_forward)
         self.peak_gathered_bytes = 0
         self.generation += 1
 
     def arm(self, chunk: int) -> None:
         """The next backward of `chunk` is its last in this step: free its parameters after it."""
-        root = self.roots[chunk]
-        if root is not None:
-            root.set_reshard_after_backward(True)
+        for module in self.tops[chunk]:
+            module.set_reshard_after_backward(True)
 
     def before_compute(self, action: Action, next_action: Action | None) -> None:
         """Before a forward or backward of `action.chunk`: gather it (a no-op when it is whole already) and start
@@ -101,9 +104,9 @@ class ShardedChunks:
         self._changed()
 
     def reshard(self) -> None:
-        for root in self.roots:
-            if root is not None:
-                root.reshard()
+        """Free every gathered parameter (`reshard` does not recurse: each wrapped module)."""
+        for module in self.wrapped:
+            module.reshard()
 
     def gathered_storages(self) -> set[int]:
         """Addresses of the storages that hold gathered (whole) parameters right now."""
@@ -141,21 +144,21 @@ def shard_chunks(chunks: list[nn.Module], dp_mesh: DeviceMesh | None, router_gro
     kwargs = {"reshard_after_forward": sharding.reshard_after_forward,
               "mp_policy": MixedPrecisionPolicy(reduce_dtype=WIRE_DTYPES[reduce_dtype])}
     roots: list[FSDPModule | None] = []
-    wrapped: list[FSDPModule] = []
+    nested: list[list[FSDPModule]] = []
 
     def wrap(module: nn.Module, mesh: DeviceMesh, **extra: object) -> FSDPModule:
         fsdp = fully_shard(module, mesh=mesh, **kwargs, **extra)
         fsdp.set_gradient_divide_factor(1.0)
         fsdp.set_force_sum_reduction_for_comms(True)
-        wrapped.append(fsdp)
         return fsdp
 
     for chunk in chunks:
         ignored: set[nn.Parameter] = set()
+        nested.append([])
         for _, layer in moe_layers(chunk):
             for module, mesh in [(layer.router, router_mesh), *((e, expert_mesh) for e in layer.experts.values())]:
                 if mesh is not None:
-                    wrap(module, mesh)
+                    nested[-1].append(wrap(module, mesh))
                 else:
                     ignored.update(module.parameters())
         if dp_mesh is None:
@@ -163,7 +166,7 @@ def shard_chunks(chunks: list[nn.Module], dp_mesh: DeviceMesh | None, router_gro
             continue
         roots.append(wrap(chunk, dp_mesh, ignored_params=ignored or None))
         register_fsdp_forward_method(chunk, "loss_sum")
-    return ShardedChunks(chunks, roots, wrapped, sharding)
+    return ShardedChunks(chunks, roots, nested, sharding)
 
 
 def _mesh(group: dist.ProcessGroup | None, device: str) -> DeviceMesh | None:
