@@ -28,8 +28,10 @@ What is ours, and why:
   reduce-scatters its gradients and FSDP2 adds them to the shard (DeepSpeed stage 2's scheme): a whole
   gradient exists only for the chunk whose backward is running, never across the step.
 
-Two private FSDP2 attributes are read, in `_param_groups` only, to count the bytes gathered right now (the
-memory meter and the pipeline's saved-tensor meter, which must not count gathered parameters as activations).
+FSDP2's private per-module state (`_param_groups`: each group's `fsdp_params` with their `all_gather_outputs`,
+and `_all_gather_result`, a gather in flight) is read in `ShardedChunks._refresh` and `_sample` only, to know
+which storages hold gathered parameters right now: the pipeline's saved-tensor meter must not count them as
+activations, and `peak_gathered_bytes` is what the memory plan's gathered chunks are checked against.
 """
 
 from __future__ import annotations
@@ -66,16 +68,38 @@ class ShardedChunks:
         self.tops = [[root] if root is not None else nested[c] for c, root in enumerate(roots)]
         self.peak_gathered_bytes = 0
         """Most bytes of gathered parameters (whole, or in flight) held at once in the last step."""
-        self.generation = 0
-        """Bumped whenever a wrapped module may have gathered or freed parameters (the saved-tensor meter's cue
-        to look again at which storages are parameters)."""
-        for module in self.wrapped:
+        self.gathered: set[int] = set()
+        """Addresses of the storages holding gathered (whole) parameters: what the saved-tensor meter skips."""
+        self._storages: dict[FSDPModule, dict[int, int]] = {}
+        self._held = 0
+        for module in self.wrapped:  # after FSDP2's own hooks: its pre-forward gathers, its post-forward frees
             module.register_forward_pre_hook(self._changed)
             module.register_forward_hook(self._changed)
 
-    def _changed(self, *_: object) -> None:
-        self.generation += 1
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+    def _changed(self, module: FSDPModule, *_: object) -> None:
+        self._refresh(module)
+        self._sample(self.roots)
+
+    def _refresh(self, module: FSDPModule) -> None:
+        """Look again at which storages of `module`'s parameters are gathered (allocated) now."""
+        old = self._storages.get(module, {})
+        new = {}
+        for group in _param_groups(module):
+            for p in group.fsdp_params:
+                for t in p.all_gather_outputs:
+                    if (n := t.untyped_storage().nbytes()) > 0:
+                        new[t.untyped_storage().data_ptr()] = n
+        self.gathered.difference_update(old)
+        self.gathered.update(new)
+        self._held += sum(new.values()) - sum(old.values())
+        self._storages[module] = new
+
+    def _sample(self, modules: Iterable[FSDPModule | None]) -> None:
+        """The peak so far, with the buffers of gathers in flight on `modules`."""
+        in_flight = sum(group._all_gather_result.all_gather_output.untyped_storage().nbytes()
+                        for module in modules if module is not None for group in _param_groups(module)
+                        if group._all_gather_result is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held + in_flight)
 
     def start_step(self) -> None:
         """Before a step: everything sharded (an evaluation may have left ZeRO-2's chunks whole), and ZeRO-2's
@@ -84,7 +108,6 @@ class ShardedChunks:
         for module in (m for top in self.tops for m in top):
             module.set_reshard_after_backward(self.sharding.reshard_after_forward)
         self.peak_gathered_bytes = 0
-        self.generation += 1
 
     def arm(self, chunk: int) -> None:
         """The next backward of `chunk` is its last in this step: free its parameters after it."""
@@ -93,7 +116,8 @@ class ShardedChunks:
 
     def before_compute(self, action: Action, next_action: Action | None) -> None:
         """Before a forward or backward of `action.chunk`: gather it (a no-op when it is whole already) and start
-        gathering the chunk the schedule computes next, if that is another one."""
+        gathering the chunk the schedule computes next, if that is another one. Then every module is looked at
+        again (a backward frees without a forward hook)."""
         root = self.roots[action.chunk]
         if root is not None:
             root.unshard()
@@ -101,32 +125,15 @@ class ShardedChunks:
             following = self.roots[next_action.chunk]
             if following is not None:
                 following.unshard(async_op=True)  # FSDP2 waits for it in that chunk's own unshard
-        self._changed()
+        for module in self.wrapped:
+            self._refresh(module)
+        self._sample(self.wrapped)
 
     def reshard(self) -> None:
         """Free every gathered parameter (`reshard` does not recurse: each wrapped module)."""
         for module in self.wrapped:
             module.reshard()
-
-    def gathered_storages(self) -> set[int]:
-        """Addresses of the storages that hold gathered (whole) parameters right now."""
-        return {t.untyped_storage().data_ptr() for group in self._groups() for p in group.fsdp_params
-                for t in p.all_gather_outputs if t.untyped_storage().nbytes() > 0}
-
-    def gathered_bytes(self) -> int:
-        """Bytes of whole parameters held right now, with the buffers of gathers in flight."""
-        total = 0
-        for group in self._groups():
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for p in group.fsdp_params
-                        for t in p.all_gather_outputs}
-            total += sum(storages.values())
-            pending = group._all_gather_result
-            if pending is not None:
-                total += pending.all_gather_output.untyped_storage().nbytes()
-        return total
-
-    def _groups(self) -> Iterable:
-        return (group for module in self.wrapped for group in _param_groups(module))
+            self._refresh(module)
 
 
 def _param_groups(module: FSDPModule) -> list:

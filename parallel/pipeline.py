@@ -214,8 +214,6 @@ class _SavedTensorMeter:
     def __init__(self, params: list[torch.Tensor], sharded: ShardedChunks | None = None):
         self.param_storage = {_local(p).untyped_storage().data_ptr() for p in params}
         self.sharded = sharded
-        self.gathered: set[int] = set()
-        self.generation = -1
         self.storages: dict[int, list[int]] = {}
         """Address of each storage held -> [saved tensors referring to it, its bytes]."""
         self.live = 0
@@ -223,16 +221,10 @@ class _SavedTensorMeter:
 
     def pack(self, t: torch.Tensor) -> object:
         storage = _local(t).untyped_storage()
-        if storage.data_ptr() in self.param_storage or self._gathered(storage.data_ptr()):
+        gathered = self.sharded.gathered if self.sharded is not None else ()
+        if storage.data_ptr() in self.param_storage or storage.data_ptr() in gathered:
             return t
         return _Counted(t, storage.data_ptr(), storage.nbytes(), self)
-
-    def _gathered(self, address: int) -> bool:
-        if self.sharded is None:
-            return False
-        if self.generation != self.sharded.generation:  # something was gathered or freed since the last look
-            self.gathered, self.generation = self.sharded.gathered_storages(), self.sharded.generation
-        return address in self.gathered
 
     def unpack(self, packed: object) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Counted) else packed
