@@ -43,12 +43,16 @@ sums shards that line up, since the group's ranks hold the same tp coordinate (o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.sharding import Sharding
+
+if TYPE_CHECKING:
+    from trainyard.parallel.powersgd import PowerSGD
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -75,11 +79,18 @@ class _Bucket:
 
 
 def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,
-                 reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES) -> GradientReducer:
+                 reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES,
+                 compressor: PowerSGD | None = None) -> GradientReducer:
     """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
-    nothing: every strategy keeps everything there."""
+    nothing: every strategy keeps everything there. `compressor` (`parallel.grad_compression`): the same
+    reducer with its buckets sent compressed (`parallel.powersgd`); a group of one rank sends nothing."""
     size = dist.get_world_size(group) if group is not None else 1
     cls = ShardedGradientReducer if sharding.shards_optimizer_state and size > 1 else GradientReducer
+    if compressor is not None and size > 1:
+        from trainyard.parallel.powersgd import compressed_reducer
+
+        return compressed_reducer(cls)(chunk_params, group, compressor, reduce_dtype=reduce_dtype,
+                                       bucket_bytes=bucket_bytes)
     return cls(chunk_params, group, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
 
 
@@ -124,6 +135,12 @@ class GradientReducer:
     def holders(self) -> int:
         """Ranks of the group that hold each reduced gradient this rank holds after `finish`."""
         return self.size
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank hands to the gradient collectives in a step (a ring all-reduce moves about twice
+        that, a reduce-scatter about once); a compressing reducer says what it sent in the last step."""
+        return sum(b.flat.numel() for b in self.buckets) * self.reduce_dtype.itemsize if self.group else 0
 
     @torch.no_grad()
     def zero_grad(self) -> None:
