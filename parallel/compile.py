@@ -25,8 +25,9 @@ without paying for code generation.
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -39,12 +40,20 @@ def compile_blocks(stage: nn.Module) -> nn.Module:
     set up on it); returns the stage."""
     full_recompute = bool(getattr(stage, "recompute_blocks", False))
     for block in stage.blocks.values():
-        if full_recompute:
-            # the checkpoint inside the compiled region, as torchtitan orders them
-            block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+        if full_recompute:  # the checkpoint inside the compiled region, as torchtitan orders them
+            block.forward = _checkpointed(block.forward)
         block.compile(backend=BACKEND)
     stage.recompute_blocks = False
     return stage
+
+
+def _checkpointed(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    # A plain function, not functools.partial(checkpoint, ...): dynamo does not trace into a partial of
+    # `checkpoint` (which is marked to skip when called from eager), and the block would run uncompiled.
+    def forward_recomputed(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(forward, x, use_reentrant=False)
+
+    return forward_recomputed
 
 
 def compile_seconds() -> float:
