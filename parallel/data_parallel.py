@@ -23,7 +23,9 @@ gradient in that backward, e.g. an expert no token reached) and waits for what i
 
 Sharding is a strategy (`parallel.sharding`, picked by `parallel.zero`), and `make_reducer` builds the
 reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (zero 0), and
-`ShardedGradientReducer` is ZeRO-1. A ZeRO-2 or ZeRO-3 entry adds its reducer beside them.
+`ShardedGradientReducer` is ZeRO-1. A ZeRO-2 or ZeRO-3 entry adds its reducer beside them. Gradient
+compression (`parallel.grad_compression`) is a compressor object handed to `make_reducer`, which picks the
+compressing variant of the strategy's reducer (`parallel.powersgd`).
 
 ZeRO-1 (`ShardedGradientReducer`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
 the summed gradients of its 1/N slice of the bucket; the optimizer holds the parameters' pieces in that
@@ -43,16 +45,13 @@ sums shards that line up, since the group's ranks hold the same tp coordinate (o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.sharding import Sharding
-
-if TYPE_CHECKING:
-    from trainyard.parallel.powersgd import PowerSGD
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -80,18 +79,23 @@ class _Bucket:
 
 def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,
                  reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES,
-                 compressor: PowerSGD | None = None) -> GradientReducer:
+                 compressor: Compressor | None = None) -> GradientReducer:
     """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
     nothing: every strategy keeps everything there. `compressor` (`parallel.grad_compression`): the same
     reducer with its buckets sent compressed (`parallel.powersgd`); a group of one rank sends nothing."""
     size = dist.get_world_size(group) if group is not None else 1
     cls = ShardedGradientReducer if sharding.shards_optimizer_state and size > 1 else GradientReducer
     if compressor is not None and size > 1:
-        from trainyard.parallel.powersgd import compressed_reducer
-
-        return compressed_reducer(cls)(chunk_params, group, compressor, reduce_dtype=reduce_dtype,
-                                       bucket_bytes=bucket_bytes)
+        return compressor.reducer_class(cls)(chunk_params, group, compressor, reduce_dtype=reduce_dtype,
+                                             bucket_bytes=bucket_bytes)
     return cls(chunk_params, group, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+
+
+class Compressor(Protocol):
+    """A gradient compressor (`parallel.powersgd.PowerSGD`): the reducer class that sends a strategy's
+    buckets compressed, built as `cls(chunk_params, group, compressor, reduce_dtype=, bucket_bytes=)`."""
+
+    def reducer_class(self, base: type[GradientReducer]) -> type[GradientReducer]: ...
 
 
 class GradientReducer:

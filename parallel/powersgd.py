@@ -50,14 +50,8 @@ import torch.distributed as dist
 from torch import nn
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.data_parallel import GradientReducer, ShardedGradientReducer, _Bucket, local_part
+from trainyard.parallel.reduction_bytes import approximation_rank
 from trainyard.parallel.seeds import derive_seed
-
-
-def approximation_rank(rows: int, cols: int, cfg: GradCompressionConfig) -> int | None:
-    """The rank a rows x cols gradient is compressed at, None when it is sent whole (torch's rule: compress
-    when rows x cols exceeds min_compression_rate x (rows + cols) x r)."""
-    r = min(cfg.rank, rows, cols)
-    return r if rows * cols > cfg.min_compression_rate * (rows + cols) * r else None
 
 
 def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
@@ -80,6 +74,13 @@ class PowerSGD:
     @property
     def active(self) -> bool:
         return self.step >= self.config.warmup_steps
+
+    def reducer_class(self, base: type[GradientReducer]) -> type[PowerSGDReducer]:
+        """The compressing variant of a sharding strategy's reducer (`parallel.rules` refuses the others)."""
+        variants = {GradientReducer: PowerSGDReducer, ShardedGradientReducer: ShardedPowerSGDReducer}
+        if base not in variants:
+            raise ValueError(f"PowerSGD does not compose with {base.__name__} (it needs whole gradients)")
+        return variants[base]
 
     def initial_q(self, key: tuple, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         gen = torch.Generator().manual_seed(derive_seed(self.seed, "powersgd", *key))
@@ -233,10 +234,3 @@ class PowerSGDReducer(GradientReducer):
 class ShardedPowerSGDReducer(PowerSGDReducer, ShardedGradientReducer):
     """ZeRO-1 with PowerSGD: the compressed all-reduce fills the whole bucket, this rank keeps its slice."""
 
-
-def compressed_reducer(base: type[GradientReducer]) -> type[PowerSGDReducer]:
-    """The compressing variant of a sharding strategy's reducer (`parallel.rules` refuses the others)."""
-    variants = {GradientReducer: PowerSGDReducer, ShardedGradientReducer: ShardedPowerSGDReducer}
-    if base not in variants:
-        raise ValueError(f"PowerSGD does not compose with {base.__name__} (it needs whole gradients on every rank)")
-    return variants[base]

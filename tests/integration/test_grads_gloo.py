@@ -21,6 +21,7 @@ from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.data_parallel import make_reducer
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.powersgd import PowerSGD
+from trainyard.parallel.reduction_bytes import reduction_bytes
 from trainyard.parallel.sharding import sharding_for
 
 FULL = {"kind": "powersgd", "rank": 64, "min_compression_rate": 0}
@@ -92,7 +93,15 @@ def runs() -> dict[str, list]:
     results = run_plans([PlanRun(plan, probe=math_probe if name == "dp2" else None,
                                  setup=use_aot_eager if name in compile_runs else None)
                          for name, plan in plans.items()])
-    return dict(zip(plans, results, strict=True))
+    return {name: Run(plan, result) for (name, plan), result in zip(plans.items(), results, strict=True)}
+
+
+class Run(list):
+    """One plan's [rank] results, with its plan."""
+
+    def __init__(self, plan, results):
+        super().__init__(results)
+        self.plan = plan
 
 
 def test_two_ranks_at_full_rank_get_the_exact_sum(runs):
@@ -146,15 +155,17 @@ def test_powersgd_at_rank_2_trains_on_a_tenth_of_the_bytes(runs):
     losses = last_stage_losses(stats)
     assert losses[-1] < losses[0] - 0.1
     uncompressed, *compressed = [s["reduce_bytes"] for s in stats[0]]  # step 0 is the warm-up
-    assert uncompressed == 4 * sum(p.numel() for p in _model_params(runs))
     assert max(compressed) < uncompressed / 10
+    # what `trainyard plan` says a rank sends is what it sent
+    planned = reduction_bytes(runs["dp2-powersgd-rank2"].plan)["per_stage"][0]
+    assert (planned["uncompressed"], planned["sent"]) == (uncompressed, compressed[0])
 
 
-def _model_params(runs) -> list[torch.Tensor]:
-    from trainyard.parallel.models import family_of
-
-    cfg = plan_for(model={"d_model": 64}).config.model
-    return list(family_of(cfg).build_stage(cfg, [0, 1], first=True, last=True, seed=0).parameters())
+def test_the_plan_counts_the_bytes_of_tensor_parallel_shards(runs):
+    planned = reduction_bytes(runs["dp2-tp2-powersgd-full"].plan)["per_stage"][0]
+    for rank in stats_of(runs["dp2-tp2-powersgd-full"]):
+        assert [s["reduce_bytes"] for s in rank] == [planned["sent"]] * 3
+    assert planned["sent"] > planned["uncompressed"]  # full rank sends more than the matrices themselves
 
 
 @pytest.mark.parametrize("eager", ["tp2-sp", "pp2-full"])
