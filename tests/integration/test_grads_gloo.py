@@ -1,11 +1,12 @@
 """PowerSGD gradient compression and `compile: true` on real gloo ranks, all plans in one spawned world.
 
 The compressor's math on two ranks (a probe on the dp=2 reference's world: the reducer on hand-set
-gradients), then whole runs: powersgd at full rank equals the uncompressed reduction (dp2, with ZeRO-1, with
-tp2), a rank-2 run trains and sends a small fraction of the bytes, and compiled blocks follow eager at tp=2
-with sp and at pp=2 with full recompute. The compile runs use the `aot_eager` backend (dynamo and
-AOTAutograd trace the blocks, DTensor and the checkpoint, no code is generated): inductor's C++ code
-generation costs half a minute per world on two cores; `make bench` runs inductor.
+gradients), then whole runs: powersgd at full rank equals the uncompressed reduction (dp2, and with ZeRO-1;
+dp2 tp2 runs in `make bench`: a world of four costs more here than it adds), a rank-2 run trains and sends
+a small fraction of the bytes (what the plan says it sends), and compiled blocks follow eager at tp=2 with
+sp and at pp=2 with full recompute. The compile runs use the `aot_eager` backend (dynamo and AOTAutograd
+trace the blocks, DTensor and the checkpoint; no code is generated): inductor's C++ code generation costs
+half a minute per world on two cores; `make bench` runs inductor.
 """
 
 from __future__ import annotations
@@ -75,18 +76,17 @@ def math_probe(driver, stats) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list]:
+    pp2_full = {"parallel": {"pp": 2, "microbatches": 2}, "activation_checkpointing": "full"}
     compile_runs = {
-        "tp2-sp": plan_for(parallel={"tp": 2, "sp": True}),
-        "tp2-sp-compiled": plan_for(parallel={"tp": 2, "sp": True}, compile=True),
-        "pp2-full": plan_for(parallel={"pp": 2, "microbatches": 2}, activation_checkpointing="full"),
-        "pp2-full-compiled": plan_for(parallel={"pp": 2, "microbatches": 2}, activation_checkpointing="full",
-                                      compile=True),
+        "tp2-sp": plan_for(2, parallel={"tp": 2, "sp": True}),
+        "tp2-sp-compiled": plan_for(2, parallel={"tp": 2, "sp": True}, compile=True),
+        "pp2-full": plan_for(2, **pp2_full),
+        "pp2-full-compiled": plan_for(2, **pp2_full, compile=True),
     }
     plans = {
         "dp2": plan_for(parallel={"dp": 2}),
         "dp2-powersgd-full": plan_for(parallel={"dp": 2, "grad_compression": FULL}),
         "dp2-zero1-powersgd-full": plan_for(parallel={"dp": 2, "zero": 1, "grad_compression": FULL}),
-        "dp2-tp2-powersgd-full": plan_for(parallel={"dp": 2, "tp": 2, "grad_compression": FULL}),
         "dp2-powersgd-rank2": plan_for(steps=8, model={"d_model": 64}, parallel={
             "dp": 2, "grad_compression": {"kind": "powersgd", "rank": 2, "warmup_steps": 1}}),
     } | compile_runs
@@ -142,7 +142,7 @@ def test_zero1_keeps_its_slice_of_the_compressed_sum(runs):
         assert relative_error(shard, whole[rank * shard.numel():][:shard.numel()]) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["dp2-powersgd-full", "dp2-zero1-powersgd-full", "dp2-tp2-powersgd-full"])
+@pytest.mark.parametrize("name", ["dp2-powersgd-full", "dp2-zero1-powersgd-full"])
 def test_powersgd_at_full_rank_follows_the_uncompressed_reduction(runs, name):
     reference = stats_of(runs["dp2"])
     got = stats_of(runs[name])
@@ -159,13 +159,6 @@ def test_powersgd_at_rank_2_trains_on_a_tenth_of_the_bytes(runs):
     # what `trainyard plan` says a rank sends is what it sent
     planned = reduction_bytes(runs["dp2-powersgd-rank2"].plan)["per_stage"][0]
     assert (planned["uncompressed"], planned["sent"]) == (uncompressed, compressed[0])
-
-
-def test_the_plan_counts_the_bytes_of_tensor_parallel_shards(runs):
-    planned = reduction_bytes(runs["dp2-tp2-powersgd-full"].plan)["per_stage"][0]
-    for rank in stats_of(runs["dp2-tp2-powersgd-full"]):
-        assert [s["reduce_bytes"] for s in rank] == [planned["sent"]] * 3
-    assert planned["sent"] > planned["uncompressed"]  # full rank sends more than the matrices themselves
 
 
 @pytest.mark.parametrize("eager", ["tp2-sp", "pp2-full"])
