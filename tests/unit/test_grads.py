@@ -53,3 +53,11 @@ def test_plan_shows_the_bytes_a_rank_sends_per_step():
         assert after["uncompressed"] == before["uncompressed"] and after["sent"] < before["sent"] / 10
     alone = describe(make_plan(parse_spec(tiny_spec())))["reduction"]["per_stage"]
     assert alone == [{"uncompressed": 0, "sent": 0}]  # dp=1: no other rank to reduce with
+
+
+def test_a_step_that_compiled_is_a_compile_event_of_the_job():
+    from trainyard.actors.telemetry import compile_event
+
+    event = compile_event({"step": 0, "compile_s": 12.5})
+    assert event is not None and (event["kind"], event["step"], event["compile_s"]) == ("compile", 0, 12.5)
+    assert compile_event({"step": 1}) is None
