@@ -12,11 +12,14 @@ is sent as two thin factors:
 
 so M' = P^ P^T (sum_i M_i): every rank gets the same rank-r approximation of the SUMMED gradient (our loss is
 normalised by the global token count, so the reduction sums; see `parallel.data_parallel`). Each rank's
-error is what its own gradient lost in the projection (the paper's local error memory), so the errors of a
-step add up to exactly (sum_i M_i) - M' and are sent later. Every other tensor (1-D ones, small matrices) is
-packed into one buffer and all-reduced whole, in `reduce_dtype`. The first `warmup_steps` steps reduce
-everything uncompressed (the plain reducer's path) and keep no error. r is min(rank, rows, cols): at full
-rank P^ spans M's columns and M' is the exact sum.
+error is what its own gradient lost in the projection (the paper's local error memory, as the authors'
+epfml/powersgd reducer computes it: before Q is reduced), so the errors of a step add up to exactly
+(sum_i M_i) - M' and are sent later (torch's hook keeps M_i - M'/N, which adds up to the same). At full
+rank, r = min(rows, cols) (r is min(rank, rows, cols)), P^ spans the sum's columns and M' is the exact sum;
+a rank's own error need not be zero then (its columns may leave that span), but the errors cancel.
+Every other tensor (1-D ones, small matrices) is packed into one buffer and all-reduced whole, in
+`reduce_dtype`. The first `warmup_steps` steps reduce everything uncompressed (the plain reducer's path)
+and keep no error.
 
 Q is warm-started (kept from the last step, as torch's default `warm_start`), and first drawn from a
 generator seeded by (job seed, bucket, parameter): every rank of a group draws the same Q without talking.
