@@ -3,7 +3,7 @@
 Run: `python -m bench.run --only savers_grads` (several minutes on 2 cores); torch and gloo, no Ray: every plan
 runs on spawned gloo ranks in one world (`parallel.local_world.run_plans`), one plan after the other.
 
-- PowerSGD rank 4 (10 warm-up steps) against the uncompressed reduction at dp=2 on the demo job
+- PowerSGD rank 4 (and rank 16; 10 warm-up steps) against the uncompressed reduction at dp=2 on the demo job
   (examples/demo.yaml: 4 blocks, d_model 128, the demo corpus, 400 steps): bytes a rank sends per step
   (`reduce_bytes`, after the warm-up), the loss at the end (mean of the last 20 steps) and the step time.
   Also powersgd at full rank at dp=2 tp=2 against the uncompressed run (largest relative loss difference).
@@ -54,11 +54,21 @@ def _largest_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+def _rank_rows(run, plain, whole: float, note: str) -> list[Row]:
+    sent = statistics.median(s["reduce_bytes"] for s in run[0].stats[POWERSGD["warmup_steps"]:])
+    loss, loss_plain = (statistics.mean(_losses(r)[-TAIL:]) for r in (run, plain))
+    return [Row("powersgd rank 16: bytes sent per step per rank vs uncompressed", sent, whole, ratio(sent, whole), "B",
+                note),
+            Row(f"powersgd rank 16: loss at the end (mean of last {TAIL} steps) vs uncompressed", loss, loss_plain,
+                ratio(loss, loss_plain), "", note)]
+
+
 def run_section(ctx: BenchContext) -> list[Row]:
     steps = 60 if ctx.quick else 400
     runs = {
         "plain": _plan(steps),
         "powersgd": _plan(steps, parallel={"grad_compression": POWERSGD}),
+        "powersgd-16": _plan(steps, parallel={"grad_compression": {**POWERSGD, "rank": 16}}),
         "tp2dp2": _plan(3, parallel={"tp": 2}),
         "tp2dp2-powersgd-full": _plan(3, parallel={"tp": 2, "grad_compression": {
             "kind": "powersgd", "rank": 128, "min_compression_rate": 0}}),
@@ -84,6 +94,7 @@ def run_section(ctx: BenchContext) -> list[Row]:
         Row("powersgd: step time vs uncompressed", _step_times(psgd, POWERSGD["warmup_steps"]),
             _step_times(plain, 1), ratio(_step_times(psgd, POWERSGD["warmup_steps"]), _step_times(plain, 1)), "s",
             note),
+        *_rank_rows(results["powersgd-16"], plain, whole, note.replace(f"rank {POWERSGD['rank']}", "rank 16")),
         Row("powersgd at full rank, dp=2 tp=2: largest relative loss difference vs uncompressed",
             _largest_difference(_losses(results["tp2dp2-powersgd-full"]), _losses(results["tp2dp2"])), None, None,
             "", "3 steps; every matrix compressed at rank >= its smaller side"),
