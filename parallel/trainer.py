@@ -164,7 +164,8 @@ class RankTrainer:
         return self.coords.pp == self.plan.pp - 1
 
     def train_step(self, step: int, microbatch_ids: list[list[int]]) -> StepStats:
-        start, compiled_before = time.perf_counter(), compile_seconds()
+        compiling = self.plan.config.compile
+        start, compiled_before = time.perf_counter(), compile_seconds() if compiling else 0.0
         if self.compressor is not None:
             self.compressor.step = step
         for reducer in self.reducers.values():
@@ -193,7 +194,7 @@ class RankTrainer:
                          early_reductions=sum(r.started_early for r in self.reducers.values()),
                          buckets=sum(len(r.buckets) for r in self.reducers.values()),
                          reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
-                         compile_s=compile_seconds() - compiled_before,
+                         compile_s=compile_seconds() - compiled_before if compiling else 0.0,
                          moe=self._moe_stats(), **asdict(timings))
 
     @torch.no_grad()
