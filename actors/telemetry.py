@@ -81,7 +81,12 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int) -> dic
         # Wall time between two steps' results that no rank spent computing.
         "coordinator_overhead_s": max(0.0, elapsed - max(r["compute_s"] for r in results)),
         **pipeline_metrics(results),
+        # Gradient bytes the busiest rank handed to the step's data-parallel reductions (PowerSGD's, compressed).
+        "reduce_bytes": max(r["reduce_bytes"] for r in results),
     }
+    compiled = max(r["compile_s"] for r in results)
+    if compiled > 0:
+        row["compile_s"] = compiled  # the slowest rank's torch.compile time in this step (`compile: true`)
     moe = moe_metrics(results)
     if moe:
         row["moe"] = moe
@@ -100,6 +105,13 @@ def checkpoint_event(row: dict) -> dict | None:
         return None
     return {"time": time.time(), "kind": "checkpoint", "step": row["step"] + 1,
             "blocked_s": row["checkpoint_blocked_s"]}
+
+
+def compile_event(row: dict) -> dict | None:
+    """The event of the blocks compiled during the step (`compile: true`: the first step, and any recompile)."""
+    if "compile_s" not in row:
+        return None
+    return {"time": time.time(), "kind": "compile", "step": row["step"], "compile_s": row["compile_s"]}
 
 
 def set_gauges(job_id: str, row: dict, steps: int) -> None:

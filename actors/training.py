@@ -18,7 +18,7 @@ import ray
 from trainyard.actors.policies import HANG_WINDOW
 from trainyard.actors.state import AtBoundary, Cancelled, Done, Outcome
 from trainyard.actors.storage import checkpoint_info
-from trainyard.actors.telemetry import checkpoint_event, make_row, set_gauges
+from trainyard.actors.telemetry import checkpoint_event, compile_event, make_row, set_gauges
 from trainyard.parallel import checkpoint
 from trainyard.parallel.data import global_batch_ids, open_dataset, rank_share
 from trainyard.parallel.export import export_model
@@ -83,9 +83,9 @@ async def run_steps(ctl: Controller) -> Outcome:
 
 def record(ctl: Controller, row: dict) -> None:
     """A finished step: its checkpoint event, the recovery it ends, its row, the gauges."""
-    event = checkpoint_event(row)
-    if event is not None:
-        ctl.journal.add_event(event)
+    for event in (compile_event(row), checkpoint_event(row)):
+        if event is not None:
+            ctl.journal.add_event(event)
     if ctl.failed_at is not None:
         now = time.time()
         ctl.journal.add_event({"time": now, "kind": "recovered", "step": row["step"] + 1,

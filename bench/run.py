@@ -22,7 +22,21 @@ from pathlib import Path
 
 from trainyard.service.client import ApiError
 
-from bench import checkpoint, data, dp, elastic, families, faults, perf, pipeline, poll, service_ops, signals, tp_memory
+from bench import (
+    checkpoint,
+    data,
+    dp,
+    elastic,
+    families,
+    faults,
+    perf,
+    pipeline,
+    poll,
+    savers_grads,
+    service_ops,
+    signals,
+    tp_memory,
+)
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -63,6 +77,7 @@ SECTIONS: dict[str, Section] = {
         Section("signals", "SIGTERM to the service's process group vs to its process", signals.run_section),
         Section("poll", "a poll at step 20,000 vs early; resume_from of a 2 GiB checkpoint", poll.run_section),
         Section("savers-zero", "ZeRO-2 and ZeRO-3 vs zero 0 (dp=2): memory and step time", savers_zero_section),
+        Section("savers_grads", "powersgd vs uncompressed; compile vs eager", savers_grads.run_section),
     )
 }
 

@@ -192,6 +192,23 @@ class DpRange:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GradCompressionConfig:
+    """PowerSGD (Vogels et al. 2019) on the data-parallel reduction: each large enough gradient matrix is sent
+    as two rank-`rank` factors, with error feedback (`parallel.powersgd`)."""
+
+    __pydantic_config__ = _STRICT
+    kind: Literal["powersgd"] = "powersgd"
+    """The compressor (the only one so far)."""
+    rank: Annotated[int, Gt(0), Le(4096)] = 4
+    """Rank of the approximation of each gradient matrix (a matrix of min(rows, cols) <= rank is exact)."""
+    warmup_steps: Steps = 0
+    """Steps reduced uncompressed first (the gradients change fastest early; torch's start_powerSGD_iter)."""
+    min_compression_rate: Annotated[float, Ge(0), Le(1e6)] = 2.0
+    """A matrix is compressed only when its elements exceed (rows + cols) x rank by this factor (torch's
+    default 2); the others, and every 1-D tensor, are reduced uncompressed. 0 compresses every matrix."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     __pydantic_config__ = _STRICT
     dp: Degree | DpRange = 1
@@ -221,6 +238,8 @@ class ParallelConfig:
     """Start each gradient bucket's reduction during backward, as soon as its gradients are final."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Type of the gradients on the wire between data-parallel ranks; bf16 halves the traffic."""
+    grad_compression: GradCompressionConfig | None = None
+    """Compress the gradients on the wire (`{kind: powersgd, rank: 4, warmup_steps: 10}`); null: none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,6 +346,8 @@ class JobConfig:
     """Recompute activations in backward instead of keeping them: `full` recomputes each block, `selective`
     only the attention core and the MLP's activation (Megatron's choice)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: bool = False
+    """torch.compile each transformer block on its own (regional compilation, as torchtitan does; inductor)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume_from: ResumeConfig | None = None
     """Start from another job's checkpoint (at any layout) and continue after its step."""

@@ -25,7 +25,9 @@ Sharding is a strategy (`parallel.sharding`, picked by `parallel.zero`), and `ma
 reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (zero 0),
 `ShardedGradientReducer` is ZeRO-1, and ZeRO-2/3 are torch's FSDP2 (`parallel.fsdp.FsdpReducer`: the
 pipeline executor tells FSDP2 which chunk to gather and when a chunk's last backward comes, which is what
-DDP and plain FSDP usage lack here).
+DDP and plain FSDP usage lack here). Gradient compression (`parallel.grad_compression`) is a compressor
+object handed to `make_reducer`, which picks the compressing variant of the strategy's reducer
+(`parallel.powersgd`).
 
 ZeRO-1 (`ShardedGradientReducer`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
 the summed gradients of its 1/N slice of the bucket; the optimizer holds the parameters' pieces in that
@@ -45,6 +47,7 @@ sums shards that line up, since the group's ranks hold the same tp coordinate (o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -80,16 +83,28 @@ class _Bucket:
 
 def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,
                  reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES,
-                 sharded: ShardedChunks | None = None) -> GradientReducer | FsdpReducer:
+                 sharded: ShardedChunks | None = None,
+                 compressor: Compressor | None = None) -> GradientReducer | FsdpReducer:
     """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
     nothing: every strategy keeps everything there. ZeRO-2/3: the parameters FSDP2 sharded (`sharded`, see
-    `parallel.fsdp`) are reduced by FSDP2."""
+    `parallel.fsdp`) are reduced by FSDP2. `compressor` (`parallel.grad_compression`): the same reducer with
+    its buckets sent compressed (`parallel.powersgd`); a group of one rank sends nothing."""
     size = dist.get_world_size(group) if group is not None else 1
     if sharding.shards_parameters and size > 1:
         assert sharded is not None, "ZeRO-2/3 shards the chunks with parallel.fsdp.shard_chunks first"
         return FsdpReducer(chunk_params, sharded)
     cls = ShardedGradientReducer if sharding.shards_optimizer_state and size > 1 else GradientReducer
+    if compressor is not None and size > 1:
+        return compressor.reducer_class(cls)(chunk_params, group, compressor, reduce_dtype=reduce_dtype,
+                                             bucket_bytes=bucket_bytes)
     return cls(chunk_params, group, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+
+
+class Compressor(Protocol):
+    """A gradient compressor (`parallel.powersgd.PowerSGD`): the reducer class that sends a strategy's
+    buckets compressed, built as `cls(chunk_params, group, compressor, reduce_dtype=, bucket_bytes=)`."""
+
+    def reducer_class(self, base: type[GradientReducer]) -> type[GradientReducer]: ...
 
 
 class GradientReducer:
@@ -133,6 +148,12 @@ class GradientReducer:
     def holders(self) -> int:
         """Ranks of the group that hold each reduced gradient this rank holds after `finish`."""
         return self.size
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank hands to the gradient collectives in a step (a ring all-reduce moves about twice
+        that, a reduce-scatter about once); a compressing reducer says what it sent in the last step."""
+        return sum(b.flat.numel() for b in self.buckets) * self.reduce_dtype.itemsize if self.group else 0
 
     @torch.no_grad()
     def zero_grad(self) -> None:

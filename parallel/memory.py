@@ -20,6 +20,9 @@ parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N o
 of the group that reduces them: dense parameters over dp, the MoE router over the stage's dp x tp ranks,
 experts over the ranks holding the same experts (dp / ep x tp).
 
+Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
+(`parallel.reduction_bytes.compression_state_bytes`).
+
 Activations are what autograd keeps for backward (the pipeline's `_SavedTensorMeter` measures the same
 thing, each storage once, parameters excluded). Per micro-batch and chunk the bytes follow from the
 tensors each op saves, read off the meter on CPU (torch 2.13) and written out term by term by the model's
@@ -44,6 +47,7 @@ from trainyard.parallel.layout import Layout
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
 from trainyard.parallel.optimizers import optimizer_kind
+from trainyard.parallel.reduction_bytes import compression_state_bytes
 from trainyard.parallel.schedules import ActionKind, virtual_stage
 from trainyard.parallel.sharding import sharding_for
 from trainyard.parallel.sizing import Sizing
@@ -87,7 +91,7 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
     chunks = [_chunk_activations(plan, pp_rank=plan.coords(rank).pp, chunk=c) for c in range(plan.vpp)]
     return RankMemory(
         params=param_bytes(plan, plan.coords(rank).pp),
-        grads=gradient_bytes(plan, counts),
+        grads=gradient_bytes(plan, counts) + compression_state_bytes(plan, plan.coords(rank).pp),
         optimizer=optimizer_bytes(plan, counts),
         activations=peak_activation_bytes(plan, plan.coords(rank).pp, [kept for kept, _ in chunks]),
         recompute=max(transient for _, transient in chunks),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from trainyard.parallel.memory import estimate
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.reduction_bytes import reduction_bytes
 from trainyard.parallel.schedule_sim import Costs, render_gantt, simulate
 from trainyard.parallel.schedules import format_actions
 
@@ -29,6 +30,7 @@ def describe(plan: Plan) -> dict:
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),
         "memory": describe_memory(plan),
+        "reduction": reduction_bytes(plan),
         "resources": {
             "per_worker": {"CPU": plan.cpus_per_worker, "GPU": plan.gpus_per_worker},
             "bundles": plan.bundles(),

@@ -35,7 +35,7 @@ def degree_violations(config: JobConfig) -> list[PlanError]:
     (`make_plan` asks whether the cluster can hold that many workers before it splits the blocks)."""
     return [*model_violations(config), *expert_violations(config), *tensor_parallel_violations(config),
             *size_violations(config), *batch_violations(config), *schedule_violations(config),
-            *sharding_violations(config)]
+            *sharding_violations(config), *compression_violations(config)]
 
 
 def size_violations(config: JobConfig) -> list[PlanError]:
@@ -155,4 +155,17 @@ def sharding_violations(config: JobConfig) -> list[PlanError]:
     if par.zero >= 2 and not par.overlap_reduce:
         return [PlanError("parallel.overlap_reduce", f"overlap_reduce=false needs zero <= 1 (zero={par.zero} "
                                                      "reduce-scatters each chunk's gradients during its backward)")]
+    return []
+
+
+def compression_violations(config: JobConfig) -> list[PlanError]:
+    """PowerSGD approximates whole gradient matrices and keeps a whole-size error per rank: it composes with
+    ZeRO-1 (whole gradients, sharded optimizer state), not with ZeRO-2/3, which keep only a shard of each
+    gradient (`parallel.powersgd`)."""
+    par = config.parallel
+    if par.grad_compression is not None and par.zero >= 2:
+        return [PlanError("parallel.grad_compression",
+                          f"powersgd needs every rank's whole gradients (it projects each gradient matrix and keeps "
+                          f"its error feedback whole); parallel.zero={par.zero} keeps only a shard of them: use "
+                          f"zero 0 or 1, or no grad_compression")]
     return []

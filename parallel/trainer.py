@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from trainyard.parallel import checkpoint, hf_checkpoint
+from trainyard.parallel.compile import compile_blocks, compile_seconds
 from trainyard.parallel.data import (
     Dataset,
     counted_targets,
@@ -45,6 +46,7 @@ from trainyard.parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_
 from trainyard.parallel.optimizers import optimizer_kind
 from trainyard.parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.powersgd import PowerSGD
 from trainyard.parallel.schedules import Action, ActionKind, virtual_stage
 from trainyard.parallel.sharding import sharding_for
 from trainyard.parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
@@ -74,6 +76,10 @@ class StepStats:
     """Gradient buckets whose reduction started during backward (overlapped), of `buckets`."""
     buckets: int
     """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
+    reduce_bytes: int
+    """Bytes this rank handed to the step's gradient reductions (payload; compressed with PowerSGD)."""
+    compile_s: float
+    """Seconds torch.compile spent compiling during this step (`compile: true`; the first steps)."""
     moe: dict[str, dict]
     """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
     routed to each expert), summed over the stage's ranks. Empty for a dense model."""
@@ -112,12 +118,13 @@ class RankTrainer:
         self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
                                     par.reduce_dtype) if sharding.shards_parameters else None
         self.reducers: dict[str, GradientReducer] = {}
+        self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
         for kind, group in sets.items():
             per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
                          for chunk in self.chunks]
             if any(per_chunk):
                 self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
-                                                   sharded=self.sharded)
+                                                   sharded=self.sharded, compressor=self.compressor)
         self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer)
         self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
@@ -150,6 +157,8 @@ class RankTrainer:
         if self.groups.tp_mesh is not None:
             apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.parallel.sp)
         stage.set_activation_checkpointing(cfg.activation_checkpointing)
+        if cfg.compile:
+            compile_blocks(stage)
         for _, layer in moe_layers(stage):
             layer.context = MoEContext(sequences_per_step=cfg.global_batch, tp_group=self.groups.tp,
                                        ep_group=self.groups.ep)
@@ -160,7 +169,10 @@ class RankTrainer:
         return self.coords.pp == self.plan.pp - 1
 
     def train_step(self, step: int, microbatch_ids: list[list[int]]) -> StepStats:
-        start = time.perf_counter()
+        compiling = self.plan.config.compile
+        start, compiled_before = time.perf_counter(), compile_seconds() if compiling else 0.0
+        if self.compressor is not None:
+            self.compressor.step = step
         for reducer in self.reducers.values():
             reducer.zero_grad()
         for _, layer in self.moe_layers:
@@ -186,6 +198,8 @@ class RankTrainer:
                          optimizer_bytes=self._optimizer_bytes(),
                          early_reductions=sum(r.started_early for r in self.reducers.values()),
                          buckets=sum(len(r.buckets) for r in self.reducers.values()),
+                         reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
+                         compile_s=compile_seconds() - compiled_before if compiling else 0.0,
                          moe=self._moe_stats(), **asdict(timings))
 
     @torch.no_grad()

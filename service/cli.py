@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainyard.parallel.reduction_bytes import format_reduction
 from trainyard.parallel.units import format_bytes
 from trainyard.service import state_dir as sd
 from trainyard.service.client import ApiError, Client
@@ -261,6 +262,7 @@ def format_plan(d: dict) -> str:
                      + "  ".join(str(g) for g in d["groups"]["tp"]))
     lines.append("stage layers: " + "  ".join(f"v{v}={layers}" for v, layers in enumerate(d["stage_layers"])))
     lines += format_memory(d["memory"])
+    lines += format_reduction(d["reduction"])
     s, c = d["schedule"], d["schedule"]["costs"]
     lines += [
         f"schedule {s['kind']}  (pp={s['pp']} vpp={s['vpp']} microbatches={s['microbatches']}; simulated with "

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 ReductionSet = Literal["dense", "router", "experts"]
+Matrix = tuple[int, int, ReductionSet]
+"""(rows, cols, reduction set) of a 2-D parameter's local shard."""
 
 
 class ModelFamily(ABC):
@@ -85,6 +87,12 @@ class ModelFamily(ABC):
     @abstractmethod
     def head_activations(self, cfg: ModelConfig, s: Shapes) -> int:
         """Bytes the final norm, the head and the loss keep, per micro-batch."""
+
+    @abstractmethod
+    def matrices(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
+                 ep: int) -> list[Matrix]:
+        """The local shape of every 2-D parameter of one stage at tensor-parallel degree tp, with its reduction
+        set (what gradient compression works on; the rest of `param_counts` is 1-D)."""
 
     @abstractmethod
     def embedding_params(self, cfg: ModelConfig) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
-from trainyard.parallel.models.base import ModelFamily
+from trainyard.parallel.models.base import Matrix, ModelFamily
 from trainyard.parallel.models.counting import ParamCounts, Shapes
 from trainyard.parallel.models.llama import counts
 
@@ -86,6 +86,10 @@ class Llama(ModelFamily):
     def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
                      ep: int) -> ParamCounts:
         return counts.param_counts(cfg, layers, first=first, last=last, tp=tp, ep=ep)
+
+    def matrices(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
+                 ep: int) -> list[Matrix]:
+        return counts.matrices(cfg, layers, first=first, last=last, tp=tp, ep=ep)
 
     def embedding_params(self, cfg: ModelConfig) -> int:
         return cfg.vocab_size * cfg.d_model

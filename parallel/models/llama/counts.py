@@ -51,6 +51,24 @@ def param_counts(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bo
     return ParamCounts(dense=dense, router=router, experts=experts)
 
 
+def matrices(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int, ep: int) -> list:
+    """(rows, cols, set) of each local weight matrix, as `param_counts` counts them (Linear weights: out x in)."""
+    d, vocab, f, kv = m.d_model, m.vocab_size, ffn_hidden(m), kv_width(m)
+    out: list = []
+    if first:
+        out.append((vocab // tp, d, "dense"))
+    for block in layers:
+        out += [(d // tp, d, "dense"), (kv // tp, d, "dense"), (kv // tp, d, "dense"), (d, d // tp, "dense")]
+        if m.is_moe_block(block):
+            out.append((m.moe.experts, d, "router"))
+            out += [(f, d, "experts"), (f, d, "experts"), (d, f, "experts")] * (m.moe.experts // ep)
+        else:
+            out += [(f // tp, d, "dense"), (f // tp, d, "dense"), (d, f // tp, "dense")]
+    if last and not (m.tie_embeddings and first):
+        out.append((vocab // tp, d, "dense"))
+    return out
+
+
 def embed_activations(m: ModelConfig, s: Shapes) -> int:
     return INDEX * s.tokens  # wte keeps the token ids
 

@@ -1,0 +1,170 @@
+"""PowerSGD gradient compression and `compile: true` on real gloo ranks, all plans in one spawned world.
+
+The compressor's math on two ranks (a probe on the dp=2 reference's world: the reducer on hand-set
+gradients), then whole runs: powersgd at full rank equals the uncompressed reduction (dp2, and with ZeRO-1;
+dp2 tp2 runs in `make bench`: a world of four costs more here than it adds), a rank-2 run trains and sends
+a small fraction of the bytes (what the plan says it sends), and compiled blocks follow eager at tp=2 with
+sp and at pp=2 with full recompute. The compile runs use the `aot_eager` backend (dynamo and AOTAutograd
+trace the blocks, DTensor and the checkpoint; no code is generated): inductor's C++ code generation costs
+half a minute per world on two cores; `make bench` runs inductor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
+from helpers import tiny_spec
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.config import GradCompressionConfig
+from trainyard.parallel.data_parallel import make_reducer
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.powersgd import PowerSGD
+from trainyard.parallel.reduction_bytes import reduction_bytes
+from trainyard.parallel.sharding import sharding_for
+
+FULL = {"kind": "powersgd", "rank": 64, "min_compression_rate": 0}
+"""Rank above every matrix's smaller side, and every matrix compressed: the approximation is exact."""
+
+
+def plan_for(steps=3, model=None, **spec):
+    return make_plan(parse_spec(tiny_spec(steps=steps, **({"model": model} if model else {}), **spec)))
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference relative to the expected tensor's largest value (fp32)."""
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def use_aot_eager() -> None:
+    import trainyard.parallel.compile as compile_
+
+    compile_.BACKEND = "aot_eager"
+
+
+def _grads(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 12, generator=gen), torch.randn(12, generator=gen)
+
+
+def _reduce(reducer, params, rank: int, step: int, compressor) -> dict:
+    compressor.step = step
+    reducer.zero_grad()
+    for p, g in zip(params, _grads(rank, step), strict=True):
+        p.grad.copy_(g)
+    reducer.finish()
+    state = reducer._states.get(0)
+    return {"w": params[0].grad.clone(), "b": params[1].grad.clone(), "bytes": reducer.wire_bytes,
+            "error": state.matrices[0].error.clone() if state else None,
+            "shard": reducer.buckets[0].shard.clone() if reducer.buckets[0].shard is not None else None}
+
+
+def math_probe(driver, stats) -> dict:
+    """The reducer on two ranks' known gradients: full rank, rank 1 with warm-up and error feedback, ZeRO-1."""
+    rank, out = dist.get_rank(), {}
+    for name, cfg, zero, steps in [("full", GradCompressionConfig(rank=12, min_compression_rate=0), 0, 1),
+                                   ("rank1", GradCompressionConfig(rank=1, warmup_steps=1), 0, 3),
+                                   ("zero1", GradCompressionConfig(rank=12, min_compression_rate=0), 1, 1)]:
+        params = [torch.nn.Parameter(torch.zeros(16, 12)), torch.nn.Parameter(torch.zeros(12))]
+        compressor = PowerSGD(cfg, seed=3)
+        reducer = make_reducer([params], dist.group.WORLD, sharding_for(zero), compressor=compressor)
+        out[name] = [_reduce(reducer, params, rank, step, compressor) for step in range(steps)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list]:
+    pp2_full = {"parallel": {"pp": 2, "microbatches": 2}, "activation_checkpointing": "full"}
+    compile_runs = {
+        "tp2-sp": plan_for(2, parallel={"tp": 2, "sp": True}),
+        "tp2-sp-compiled": plan_for(2, parallel={"tp": 2, "sp": True}, compile=True),
+        "pp2-full": plan_for(2, **pp2_full),
+        "pp2-full-compiled": plan_for(2, **pp2_full, compile=True),
+    }
+    plans = {
+        "dp2": plan_for(parallel={"dp": 2}),
+        "dp2-powersgd-full": plan_for(parallel={"dp": 2, "grad_compression": FULL}),
+        "dp2-zero1-powersgd-full": plan_for(parallel={"dp": 2, "zero": 1, "grad_compression": FULL}),
+        "dp2-powersgd-rank2": plan_for(steps=8, model={"d_model": 64}, parallel={
+            "dp": 2, "grad_compression": {"kind": "powersgd", "rank": 2, "warmup_steps": 1}}),
+    } | compile_runs
+    results = run_plans([PlanRun(plan, probe=math_probe if name == "dp2" else None,
+                                 setup=use_aot_eager if name in compile_runs else None)
+                         for name, plan in plans.items()])
+    return {name: Run(plan, result) for (name, plan), result in zip(plans.items(), results, strict=True)}
+
+
+class Run(list):
+    """One plan's [rank] results, with its plan."""
+
+    def __init__(self, plan, results):
+        super().__init__(results)
+        self.plan = plan
+
+
+def test_two_ranks_at_full_rank_get_the_exact_sum(runs):
+    sums = [a + b for a, b in zip(_grads(0, 0), _grads(1, 0), strict=True)]
+    for rank in (0, 1):
+        got = runs["dp2"][rank].probe["full"][0]
+        assert relative_error(got["w"], sums[0]) < 1e-4
+        torch.testing.assert_close(got["b"], sums[1])  # 1-D: sent whole
+    # Each rank keeps what its own gradient lost in the projection onto the sum's columns (not nothing: its
+    # columns leave that space), and the two errors cancel: nothing of the sum is lost.
+    errors = [runs["dp2"][rank].probe["full"][0]["error"] for rank in (0, 1)]
+    assert (errors[0] + errors[1]).abs().max() < 1e-4 * sums[0].abs().max()
+
+
+def test_error_feedback_keeps_what_the_approximation_lost(runs):
+    ranks = [runs["dp2"][r].probe["rank1"] for r in (0, 1)]
+    warm = ranks[0][0]
+    torch.testing.assert_close(warm["w"], _grads(0, 0)[0] + _grads(1, 0)[0])  # warm-up: uncompressed
+    assert warm["error"] is None and warm["bytes"] == (16 * 12 + 12) * 4
+    carried = torch.zeros(16, 12)
+    for step in (1, 2):
+        approx = ranks[0][step]["w"]
+        torch.testing.assert_close(approx, ranks[1][step]["w"])  # every rank gets the same approximation
+        assert torch.linalg.matrix_rank(approx) == 1
+        # The errors of a step add up to what the sum lost: sent + kept = this step's gradients + last errors
+        sent_and_kept = approx + ranks[0][step]["error"] + ranks[1][step]["error"]
+        assert relative_error(sent_and_kept, _grads(0, step)[0] + _grads(1, step)[0] + carried) < 1e-4
+        assert ranks[0][step]["error"].abs().max() > 0.1
+        carried = ranks[0][step]["error"] + ranks[1][step]["error"]
+        assert ranks[0][step]["bytes"] == (12 + 16 * 1 + 12 * 1) * 4  # the bias whole, P and Q
+
+
+def test_zero1_keeps_its_slice_of_the_compressed_sum(runs):
+    sums = [(a + b).reshape(-1) for a, b in zip(_grads(0, 0), _grads(1, 0), strict=True)]
+    whole = torch.cat(sums[::-1])  # a bucket holds its parameters in reverse order
+    for rank in (0, 1):
+        shard = runs["dp2"][rank].probe["zero1"][0]["shard"]
+        assert relative_error(shard, whole[rank * shard.numel():][:shard.numel()]) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["dp2-powersgd-full", "dp2-zero1-powersgd-full"])
+def test_powersgd_at_full_rank_follows_the_uncompressed_reduction(runs, name):
+    reference = stats_of(runs["dp2"])
+    got = stats_of(runs[name])
+    np.testing.assert_allclose(last_stage_losses(got), last_stage_losses(reference), rtol=1e-4)
+    np.testing.assert_allclose([s["grad_norm"] for s in got[0]], [s["grad_norm"] for s in reference[0]], rtol=1e-4)
+
+
+def test_powersgd_at_rank_2_trains_on_a_tenth_of_the_bytes(runs):
+    stats = stats_of(runs["dp2-powersgd-rank2"])
+    losses = last_stage_losses(stats)
+    assert losses[-1] < losses[0] - 0.1
+    uncompressed, *compressed = [s["reduce_bytes"] for s in stats[0]]  # step 0 is the warm-up
+    assert max(compressed) < uncompressed / 10
+    # what `trainyard plan` says a rank sends is what it sent
+    planned = reduction_bytes(runs["dp2-powersgd-rank2"].plan)["per_stage"][0]
+    assert (planned["uncompressed"], planned["sent"]) == (uncompressed, compressed[0])
+
+
+@pytest.mark.parametrize("eager", ["tp2-sp", "pp2-full"])
+def test_compiled_blocks_follow_eager(runs, eager):
+    reference, compiled = stats_of(runs[eager]), stats_of(runs[f"{eager}-compiled"])
+    np.testing.assert_allclose(last_stage_losses(compiled), last_stage_losses(reference), rtol=1e-5)
+    for ref_rank, rank in zip(reference, compiled, strict=True):
+        np.testing.assert_allclose([s["grad_norm"] for s in rank], [s["grad_norm"] for s in ref_rank], rtol=1e-5)
+        assert rank[0]["compile_s"] > 0 and ref_rank[0]["compile_s"] == 0  # the first step compiled the blocks
