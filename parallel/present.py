@@ -9,7 +9,7 @@ from __future__ import annotations
 from trainyard.parallel.memory import estimate
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.schedule_sim import Costs, render_gantt, simulate
-from trainyard.parallel.schedules import format_actions
+from trainyard.parallel.schedules import format_actions, placement_of
 
 
 def describe(plan: Plan) -> dict:
@@ -54,13 +54,15 @@ def describe_schedule(plan: Plan) -> dict:
     """
     c = plan.config.sim_costs
     result = simulate([list(actions) for actions in plan.schedule], plan.microbatches, plan.vpp,
-                      Costs(forward=c.forward, backward=c.backward, comm=c.comm))
+                      Costs(forward=c.forward, backward=c.backward, comm=c.comm, backward_weight=c.backward_weight),
+                      placement_of(plan.config.parallel.schedule))
     return {
         "kind": plan.config.parallel.schedule,
         "pp": plan.pp,
         "vpp": plan.vpp,
         "microbatches": plan.microbatches,
-        "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm},
+        "costs": {"forward": c.forward, "backward": c.backward, "backward_weight": c.backward_weight,
+                  "comm": c.comm},
         "stages": [format_actions(list(actions)) for actions in plan.schedule],
         "makespan": result.makespan,
         "bubble_fraction": result.bubble_fraction,

@@ -124,11 +124,14 @@ def tensor_parallel_violations(config: JobConfig) -> list[PlanError]:
 
 
 def schedule_violations(config: JobConfig) -> list[PlanError]:
-    par = config.parallel
+    par, costs = config.parallel, config.sim_costs
     try:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
+    if costs.backward_weight > costs.backward:
+        return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
+                                                       f"backward={costs.backward}: it is a part of the backward")]
     return []
 
 
