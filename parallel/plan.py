@@ -51,6 +51,7 @@ class Plan:
                                                                                "data-parallel rank.")
     ranks = property(lambda self: self.layout.ranks)
     stage_layers = property(lambda self: self.layout.stage_layers, doc="Global block indices of each virtual stage.")
+    placement = property(lambda self: self.layout.placement, doc="How virtual stages sit on the ranks.")
     schedule = property(lambda self: self.layout.schedule, doc="Each pipeline rank's action list (parallel.schedules).")
     gpus_per_worker = property(lambda self: self.layout.gpus_per_worker)
     cpus_per_worker = property(lambda self: self.layout.cpus_per_worker)
