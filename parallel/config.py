@@ -300,9 +300,9 @@ class SimCostsConfig:
     """Simulated time of one backward of one chunk."""
     comm: Annotated[float, Ge(0), Le(1e6)] = 0.0
     """Simulated time of one communication run (a batch of point-to-point messages sent together)."""
-    backward_weight: Annotated[float, Ge(0), Le(1e6)] = 1.0
-    """Of `backward`, the weight-gradient half's time (a zero-bubble schedule's W); the input-gradient half
-    (I) takes the rest, so it must not exceed `backward`."""
+    backward_weight: Annotated[float, Ge(0), Le(1e6)] | None = None
+    """Of `backward`, the time of the weight-gradient part (a zero-bubble schedule's W; null: half of it); the
+    input-gradient part (I) takes the rest, so it must not exceed `backward`."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -138,8 +138,8 @@ def can_move_in_memory(old: Plan, new: Plan) -> bool:
     """Whether a resize can keep the state in the surviving ranks' memory: every rank of one (pp, tp) shard
     holds the same parameters and optimizer state (no ZeRO slices, no expert parallelism), and only dp
     changes. Otherwise the state moves through a checkpoint."""
-    same = (old.pp, old.tp, old.vpp, old.config.parallel.stage_layers) == (new.pp, new.tp, new.vpp,
-                                                                            new.config.parallel.stage_layers)
+    same = (old.pp, old.tp, old.vpp, old.placement, old.config.parallel.stage_layers) == (
+        new.pp, new.tp, new.vpp, new.placement, new.config.parallel.stage_layers)
     return same and sharding_for(old.config.parallel.zero).replicas_identical and old.ep == 1 and new.ep == 1
 
 

@@ -129,7 +129,7 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
-    if costs.backward_weight > costs.backward:
+    if costs.backward_weight is not None and costs.backward_weight > costs.backward:
         return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
                                                        f"backward={costs.backward}: it is a part of the backward")]
     return []

@@ -48,14 +48,14 @@ class Costs:
     """One whole backward of one chunk (B)."""
     comm: float = 0.0
     """One communication run (its messages travel concurrently)."""
-    backward_weight: float = 1.0
-    """The weight-gradient half of a split backward (W); its input-gradient half (I) takes the rest of
-    `backward`."""
+    backward_weight: float | None = None
+    """The weight-gradient part of a split backward (W; None: half of `backward`); its input-gradient part
+    (I) takes the rest of `backward`."""
 
     def of(self, kind: ActionKind) -> float:
         """The time of one compute of this kind."""
-        return {F: self.forward, B: self.backward, BI: self.backward - self.backward_weight,
-                BW: self.backward_weight}[kind]
+        weight = self.backward / 2 if self.backward_weight is None else self.backward_weight
+        return {F: self.forward, B: self.backward, BI: self.backward - weight, BW: weight}[kind]
 
 
 @dataclass(frozen=True)
