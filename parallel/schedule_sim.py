@@ -120,7 +120,7 @@ def _check_rank(stages: list[list[Action]], rank: int, m: int, vpp: int, placeme
             neighbour = v - 1 if a.kind is F else v + 1
             if a.kind is not BW and 0 <= neighbour < n_virtual:
                 holder, holder_chunk = stage_location(neighbour, pp, placement)
-                if holder == rank:  # local hand-over (pp == 1)
+                if holder == rank:  # local hand-over (pp == 1, or the turn of a V)
                     needed = Action(F if a.kind is F else B, a.microbatch, holder_chunk)
                     done = {F} if a.kind is F else INPUT_GRAD_KINDS
                     ok = any((k, a.microbatch, holder_chunk) in seen for k in done)

@@ -18,7 +18,8 @@ Communication semantics the lists are built for: a maximal run of consecutive co
 posted as one `batch_isend_irecv` and waited on as a whole; a rank blocks there until the peer has posted the
 matching op of every message in the run. Messages between two ranks match strictly first-in-first-out per
 direction (no tags), so both ends list a channel's messages in the same order. When the neighbouring virtual
-stage is on the same rank (only with pp == 1) there is no communication action: the tensor is passed locally.
+stage is on the same rank (with pp == 1, or at the turn of a V) there is no communication action: the tensor is
+passed locally.
 
 Labels (`str(action)`): F3.1 / B3.1 run forward / backward of micro-batch 3 on local chunk 1 (I3.1 / W3.1:
 its input-gradient / weight-gradient half); sA3.1>2 sends
