@@ -265,7 +265,11 @@ class _SavedTensorMeter:
         storage = _local(t).untyped_storage()
         if storage.data_ptr() in self.param_storage:
             return t
-        return _Counted(t, storage.data_ptr(), storage.nbytes(), self)
+        # Detached: a node's own output saved with its history would keep the node alive through this hook
+        # (node -> packed -> tensor -> node), a cycle no garbage collector sees; the backward releases it when
+        # the node runs, but a split backward's input half keeps the graph, and its weight half never runs the
+        # input path's nodes. Autograd rebuilds the history on unpack.
+        return _Counted(t.detach(), storage.data_ptr(), storage.nbytes(), self)
 
     def unpack(self, packed: object) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Counted) else packed

@@ -43,6 +43,8 @@ LAYOUTS = {
     "moe-dp2-ep2-zero1-gpipe-selective": {"model": {"moe": MOE}, "activation_checkpointing": "selective",
                                           "parallel": {"dp": 2, "ep": 2, "zero": 1, "microbatches": 2,
                                                        "schedule": "gpipe"}},
+    # split backward: an activation is held until its weight half; the V puts the first and last stage on rank 0
+    "pp2-zbv-m4": {"parallel": {"pp": 2, "vpp": 2, "microbatches": 4, "schedule": "zbv"}},
 }
 
 

@@ -7,8 +7,9 @@ import torch
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.model import GPTStage, full_model
-from trainyard.parallel.pipeline import HANDLERS, PipelineExecutor, UnsupportedAction
+from trainyard.parallel.pipeline import HANDLERS, PipelineExecutor, UnsupportedAction, _SavedTensorMeter
 from trainyard.parallel.schedules import Action, ActionKind, build_schedule
+from trainyard.parallel.split_backward import backward_input, backward_weight
 
 CFG = parse_spec(tiny_spec(model={"n_layer": 4})).model
 
@@ -78,3 +79,23 @@ def test_a_split_backward_gives_the_full_models_gradients_each_accumulated_once_
         torch.testing.assert_close(grads[name], p.grad, msg=name)
     assert sorted(accumulated) == sorted(2 * list(grads))  # the reducer's hooks fire as in a whole backward
     assert timings.peak_activations == 2  # as the simulator counts: zbv on one rank is F F I W per micro-batch
+
+
+def test_a_split_backward_leaves_nothing_saved_once_both_halves_ran():
+    # scaled_dot_product_attention saves its own output: metered with its history, that node would keep itself
+    # alive after the weight half (which never runs the input path's nodes), one leak per micro-batch.
+    stage = GPTStage(CFG, [2, 3], first=False, last=True, seed=5)
+    params = list(stage.parameters())
+    meter = _SavedTensorMeter(params)
+    tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        for _ in range(2):
+            x = torch.randn(2, 16, CFG.d_model, requires_grad=True)
+            loss = stage.loss_sum(stage(x), tokens)
+            held = meter.live
+            dx, groups = backward_input(loss, None, x, params)
+            assert 0 < meter.live < held  # the loss's side of the graph is let go at once
+            del loss
+            backward_weight(groups, params)
+            del groups
+            assert meter.live == 0
