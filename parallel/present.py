@@ -63,6 +63,7 @@ def describe_schedule(plan: Plan) -> dict:
         "kind": plan.config.parallel.schedule,
         "pp": plan.pp,
         "vpp": plan.vpp,
+        "placement": plan.placement,  # which rank holds which virtual stage (parallel.schedules.virtual_stage)
         "microbatches": plan.microbatches,
         "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm, **split},
         "stages": [format_actions(list(actions)) for actions in plan.schedule],

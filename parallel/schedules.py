@@ -12,7 +12,9 @@ c*pp + r and an odd one (c+1)*pp - 1 - r, so the model runs down the ranks and b
 and 2pp-1-r, rank 0 both the first and the last. With pp == 1 both placements are the same.
 
 Split backward (zero-bubble kinds): a chunk's backward may run as I (the gradient of its input, what the
-previous stage waits for) then W (its weights' gradients, which can wait); B is both at once.
+previous stage waits for) then W (its weights' gradients, which can wait); B is both at once. torch's
+DualPipeV is not offered: its gain is running one micro-batch's forward beside another's backward to hide
+communication (torch's OVERLAP_F_B action), which an executor running one action at a time cannot do.
 
 Communication semantics the lists are built for: a maximal run of consecutive communication actions is
 posted as one `batch_isend_irecv` and waited on as a whole; a rank blocks there until the peer has posted the

@@ -107,6 +107,7 @@ def test_described_plan_shows_the_simulated_schedule(parallel, bubble, peaks):
     assert schedule["bubble_fraction"] == pytest.approx(bubble)
     assert schedule["peak_activations"] == peaks
     assert len(schedule["stages"]) == parallel["pp"] == len(schedule["gantt"].splitlines()) - 1
+    assert schedule["placement"] == ("v" if parallel.get("schedule") == "zbv" else "interleaved")
     split = {"backward_weight": 1.0} if parallel.get("schedule", "").startswith("zb") else {}
     assert schedule["costs"] == {"forward": 1.0, "backward": 2.0, "comm": 0.0, **split}
 
