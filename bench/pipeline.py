@@ -4,7 +4,9 @@ Two parts, side by side in one run:
 - **schedule time vs simulated makespan.** pp=4 ranks (spawned processes on gloo, no Ray) run the real
   `parallel.pipeline.PipelineExecutor` over the real action lists, with stages of a fixed synthetic cost:
   each chunk's forward sleeps FORWARD_S and its backward BACKWARD_S per stage (split evenly across the
-  vpp chunks of interleaved-1f1b), and moves a real activation tensor between ranks. Sleeping, not
+  vpp chunks of interleaved-1f1b and zbv), half of it in the input's gradient and half in the weight's, so a
+  split backward (zb-h1, zbv) sleeps each half in its own action, and moves a real activation tensor between
+  ranks. Sleeping, not
   computing, makes the cost exact and leaves the two cores free for communication, so the ratio measures
   what the executor adds to the schedule (point-to-point messages, bookkeeping, Python) and nothing else.
   A step's time is the slowest rank's schedule wall time after a barrier; the baseline is
@@ -26,7 +28,7 @@ from torch import nn
 from trainyard.parallel.local_world import spawn
 from trainyard.parallel.pipeline import PipelineExecutor
 from trainyard.parallel.schedule_sim import Costs, simulate
-from trainyard.parallel.schedules import build_schedule
+from trainyard.parallel.schedules import build_schedule, placement_of
 
 from bench.context import BenchContext
 from bench.results import Row, median, ratio
@@ -38,7 +40,7 @@ ACTIVATION_SHAPE = (2, 64, 64)  # a micro-batch's activation between stages: 32 
 STEPS, WARMUP_STEPS = 12, 2
 QUICK_STEPS = 6  # `--quick`
 TARGET_RATIO = 1.15
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
 
 MEMORY_SPEC: dict[str, Any] = {
     "name": "bench-pipeline-memory",
@@ -77,7 +79,9 @@ class _Sleep(torch.autograd.Function):
 
 
 class SyntheticChunk(nn.Module):
-    """A pipeline chunk whose forward and backward take a fixed time; same interface as GPTStage."""
+    """A pipeline chunk whose forward and backward take a fixed time; same interface as GPTStage. The
+    backward's time is half on the input's path and half on the weight's, which meet in one product, so the
+    input half of a split backward sleeps the first and its weight half the second."""
 
     def __init__(self, forward_s: float, backward_s: float):
         super().__init__()
@@ -86,8 +90,9 @@ class SyntheticChunk(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_floating_point():  # the first stage gets token ids: start from a fixed activation
-            x = torch.ones(ACTIVATION_SHAPE)
-        return _Sleep.apply(x * self.scale, self.forward_s, self.backward_s)
+            x = torch.ones(ACTIVATION_SHAPE, requires_grad=True)
+        return _Sleep.apply(x, self.forward_s, self.backward_s / 2) * _Sleep.apply(self.scale, 0.0,
+                                                                                    self.backward_s / 2)
 
     def loss_sum(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return out.sum()
@@ -99,7 +104,7 @@ def _rank_main(rank: int, port: int, kind: str, vpp: int, out_dir: str, steps: i
     chunks = [SyntheticChunk(FORWARD_S / vpp, BACKWARD_S / vpp) for _ in range(vpp)]
     actions = build_schedule(kind, PP, MICROBATCHES, vpp)[rank]
     executor = PipelineExecutor(chunks, rank, PP, list(range(PP)), ACTIVATION_SHAPE, torch.device("cpu"),
-                                loss_scale=1.0)
+                                loss_scale=1.0, placement=placement_of(kind))
     tokens = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     times = []
     for _ in range(steps):
@@ -116,8 +121,8 @@ def _schedule_row(ctx: BenchContext, kind: str, vpp: int) -> Row:
     per_rank = [torch.load(ctx.run_dir / f"{kind}-rank{r}.pt") for r in range(PP)]
     step_times = [max(rank_times[step] for rank_times in per_rank) for step in range(WARMUP_STEPS, steps)]
     measured = median(step_times)
-    costs = Costs(forward=FORWARD_S / vpp, backward=BACKWARD_S / vpp, comm=0.0)
-    sim = simulate(build_schedule(kind, PP, MICROBATCHES, vpp), MICROBATCHES, vpp, costs)
+    costs = Costs(forward=FORWARD_S / vpp, backward=BACKWARD_S / vpp, comm=0.0)  # W: half the backward
+    sim = simulate(build_schedule(kind, PP, MICROBATCHES, vpp), MICROBATCHES, vpp, costs, placement_of(kind))
     r = ratio(measured, sim.makespan)
     ctx.log(f"pipeline {kind:<17} measured {measured:.4f} s, simulated makespan {sim.makespan:.4f} s, ratio {r:.3f}")
     verdict = "meets" if r is not None and r <= TARGET_RATIO else "MISSES"

@@ -33,7 +33,7 @@ Steps = Annotated[int, Ge(0), Le(MAX_STEPS)]
 # an unknown field is an error, never silently ignored; inf and nan are refused like any other bad value
 _STRICT = {"extra": "forbid", "allow_inf_nan": False}
 
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
 
 
 class RuleError(ValueError):
@@ -221,7 +221,7 @@ class ParallelConfig:
     ep: Degree = 1
     """Expert-parallel ranks, carved out of dp: each hosts experts / ep experts of every MoE layer."""
     vpp: Degree = 1
-    """Virtual pipeline chunks per pipeline rank (interleaved-1f1b)."""
+    """Virtual pipeline chunks per pipeline rank (interleaved-1f1b; zbv needs 2)."""
     sp: bool = False
     """Sequence parallelism (with tp)."""
     microbatches: Annotated[int, Gt(0), Le(MAX_GLOBAL_BATCH)] = 1
@@ -320,6 +320,9 @@ class SimCostsConfig:
     """Simulated time of one backward of one chunk."""
     comm: Annotated[float, Ge(0), Le(1e6)] = 0.0
     """Simulated time of one communication run (a batch of point-to-point messages sent together)."""
+    backward_weight: Annotated[float, Ge(0), Le(1e6)] | None = None
+    """Of `backward`, the time of the weight-gradient part (a zero-bubble schedule's W; null: half of it); the
+    input-gradient part (I) takes the rest, so it must not exceed `backward`."""
 
 
 @dataclass(frozen=True, kw_only=True)

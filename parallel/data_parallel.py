@@ -92,7 +92,7 @@ def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGrou
     size = dist.get_world_size(group) if group is not None else 1
     if sharding.shards_parameters and size > 1:
         assert sharded is not None, "ZeRO-2/3 shards the chunks with parallel.fsdp.shard_chunks first"
-        return FsdpReducer(chunk_params, sharded)
+        return FsdpReducer(chunk_params, sharded, reduce_dtype)
     cls = ShardedGradientReducer if sharding.shards_optimizer_state and size > 1 else GradientReducer
     if compressor is not None and size > 1:
         return compressor.reducer_class(cls)(chunk_params, group, compressor, reduce_dtype=reduce_dtype,

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.moe import moe_layers
-from trainyard.parallel.schedules import Action
+from trainyard.parallel.schedules import Action, ActionKind
 from trainyard.parallel.sharding import Sharding
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -66,6 +66,8 @@ class ShardedChunks:
         self.wrapped = [m for c, root in enumerate(roots) for m in ([root] if root is not None else []) + nested[c]]
         # What the step's calls go to: a chunk's root (they recurse into what it holds), else its nested modules.
         self.tops = [[root] if root is not None else nested[c] for c, root in enumerate(roots)]
+        self.backwards = [0] * len(chunks)
+        """Backwards of each chunk in this step: each one reduce-scatters the chunk's gradients (`wire_bytes`)."""
         self.peak_gathered_bytes = 0
         """Most bytes of gathered parameters (whole, or in flight) held at once in the last step."""
         self.gathered: set[int] = set()
@@ -107,6 +109,7 @@ class ShardedChunks:
         self.reshard()
         for module in (m for top in self.tops for m in top):
             module.set_reshard_after_backward(self.sharding.reshard_after_forward)
+        self.backwards = [0] * len(self.chunks)
         self.peak_gathered_bytes = 0
 
     def arm(self, chunk: int) -> None:
@@ -118,6 +121,8 @@ class ShardedChunks:
         """Before a forward or backward of `action.chunk`: gather it (a no-op when it is whole already) and start
         gathering the chunk the schedule computes next, if that is another one. Then every module is looked at
         again (a backward frees without a forward hook)."""
+        if action.kind is ActionKind.BACKWARD:
+            self.backwards[action.chunk] += 1
         root = self.roots[action.chunk]
         if root is not None:
             root.unshard()
@@ -190,9 +195,20 @@ class FsdpReducer:
     """Each reduced gradient element is held by one rank of the group: its shard's."""
     started_early = 0
 
-    def __init__(self, chunk_params: list[list[nn.Parameter]], sharded: ShardedChunks):
+    def __init__(self, chunk_params: list[list[nn.Parameter]], sharded: ShardedChunks, reduce_dtype: str):
         self.params = [p for params in chunk_params for p in params]
         self.sharded = sharded
+        itemsize = (WIRE_DTYPES[reduce_dtype] or torch.float32).itemsize
+        # What one backward of each chunk hands to its reduce-scatters: the gradients of the rank's (tp-local)
+        # parameters, whole: the shard's elements times the group's size (dim 0 of the parameter's mesh).
+        self._chunk_wire = [sum(_local(p).numel() * p.device_mesh.size(0) for p in params) * itemsize
+                            for params in chunk_params]
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank handed to its reduce-scatters in the last step: every backward of a chunk sends the
+        chunk's whole local gradients (the parameter all-gathers are not counted)."""
+        return sum(n * b for n, b in zip(self.sharded.backwards, self._chunk_wire, strict=True))
 
     @property
     def buckets(self) -> list:

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainyard.parallel.schedules import Action, build_schedule
+from trainyard.parallel.schedules import Action, build_schedule, placement_of, virtual_stage
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,9 @@ class Layout:
     micro_batch_size: int = 1
     """Sequences per micro-batch on one data-parallel rank."""
     stage_layers: tuple[tuple[int, ...], ...] = ()
-    """Global block indices of each virtual stage v (rank v % pp holds chunk v // pp)."""
+    """Global block indices of each virtual stage v (`placement` says which rank and chunk hold it)."""
+    placement: str = "interleaved"
+    """How virtual stages sit on the ranks (`parallel.schedules.virtual_stage`): the schedule kind's."""
     schedule: tuple[tuple[Action, ...], ...] = ()
     """The action list each pipeline rank runs every step (index = pp rank); see parallel.schedules."""
     experts: int = 0
@@ -88,6 +90,7 @@ class Layout:
         return Layout(dp=dp, pp=pp, tp=tp, ep=ep, vpp=vpp, microbatches=microbatches,
                       micro_batch_size=micro_batch_size, stage_layers=stage_layers_of(layer_counts),
                       schedule=tuple(map(tuple, build_schedule(schedule, pp, microbatches, vpp))),
+                      placement=placement_of(schedule),
                       experts=experts, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker)
 
     @property
@@ -144,7 +147,7 @@ class Layout:
 
     def chunk_layers(self, pp_rank: int) -> list[tuple[int, ...]]:
         """The blocks of each chunk a pipeline rank holds, chunk 0 first."""
-        return [self.stage_layers[c * self.pp + pp_rank] for c in range(self.vpp)]
+        return [self.stage_layers[virtual_stage(pp_rank, c, self.pp, self.placement)] for c in range(self.vpp)]
 
     def bundle_of(self, rank: int) -> int:
         """The placement-group bundle a rank is placed in: its tensor-parallel group's, so the ranks of one

@@ -48,7 +48,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
 from trainyard.parallel.optimizers import optimizer_kind
 from trainyard.parallel.reduction_bytes import compression_state_bytes
-from trainyard.parallel.schedules import ActionKind, virtual_stage
+from trainyard.parallel.schedules import FREEING_KINDS, ActionKind, virtual_stage
 from trainyard.parallel.sharding import sharding_for
 from trainyard.parallel.sizing import Sizing
 
@@ -110,7 +110,7 @@ def _chunk_counts(plan: Plan, pp_rank: int) -> list[ParamCounts]:
     m, family = plan.config.model, family_of(plan.config.model)
     out = []
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
-        v = virtual_stage(pp_rank, c, plan.pp)
+        v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
         out.append(family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
                                        ep=plan.ep))
     return out
@@ -160,13 +160,13 @@ def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
 
 
 def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> int:
-    """Walk the rank's actions: a forward adds its chunk's bytes, the backward frees them."""
+    """Walk the rank's actions: a forward adds its chunk's bytes, the backward (or its weight half) frees them."""
     live = peak = 0
     for action in plan.schedule[pp_rank]:
         if action.kind is ActionKind.FORWARD:
             live += chunk_bytes[action.chunk]
             peak = max(peak, live)
-        elif action.kind is ActionKind.BACKWARD:
+        elif action.kind in FREEING_KINDS:
             live -= chunk_bytes[action.chunk]
     return peak
 
@@ -183,7 +183,7 @@ def _chunk_activations(plan: Plan, pp_rank: int, chunk: int) -> tuple[int, int]:
     """(bytes kept for backward by one micro-batch through this chunk, transient bytes of recomputation)."""
     m, mode = plan.config.model, plan.config.activation_checkpointing
     family, s = family_of(m), _shapes(plan)
-    v = virtual_stage(pp_rank, chunk, plan.pp)
+    v = virtual_stage(pp_rank, chunk, plan.pp, plan.placement)
     kept = transient = 0
     if v == 0:
         kept += family.embed_activations(m, s)

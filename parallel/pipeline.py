@@ -2,10 +2,11 @@
 
 The coordinator's schedule (`parallel.schedules`) gives each pipeline rank an ordered list of actions;
 this module only interprets it, dispatching each action by its kind through one table (`HANDLERS`):
-FORWARD/BACKWARD run one micro-batch through one local chunk; a run of consecutive communication actions
-is posted together as one `batch_isend_irecv` and waited on as a whole, which is the semantics the schedule
-simulator proves deadlock-free. A kind with no entry (a split backward, say, before its handler exists)
-raises `UnsupportedAction` rather than being run as something it is not. Activations and their gradients move
+FORWARD/BACKWARD run one micro-batch through one local chunk; BACKWARD_INPUT / BACKWARD_WEIGHT run the two
+halves of a split backward (`parallel.split_backward`: the input gradient, then later the weights'); a run of
+consecutive communication actions is posted together as one `batch_isend_irecv` and waited on as a whole,
+which is the semantics the schedule simulator proves deadlock-free. A kind with no entry raises
+`UnsupportedAction` rather than being run as something it is not. Activations and their gradients move
 with torch.distributed point-to-point (gloo or NCCL), so the CPU tests run the GPU code path.
 
 With tensor parallelism every tp rank of a stage runs the same actions and talks to the same tp rank of
@@ -31,7 +32,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.model import GPTStage
-from trainyard.parallel.schedules import COMM_KINDS, Action, ActionKind, virtual_stage
+from trainyard.parallel.schedules import COMM_KINDS, Action, ActionKind, stage_location, virtual_stage
+from trainyard.parallel.split_backward import ParamGroups, backward_input, backward_weight
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch
 
@@ -64,6 +66,10 @@ class _StepState:
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    weight_work: dict[tuple[int, int], ParamGroups | tuple[torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=dict)
+    """After a split backward's input half: what its weight half needs (virtual stage 0: the output and its
+    gradient, for the whole backward)."""
     live: int = 0
     next_compute: list[Action | None] = field(default_factory=list)
     """For each action, the forward or backward after it (what FSDP2 may start gathering)."""
@@ -74,15 +80,18 @@ class PipelineExecutor:
                  activation_shape: tuple[int, ...], device: torch.device, loss_scale: float,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
                  autocast: Callable[[], AbstractContextManager] = nullcontext,
-                 before_backward: Callable[[Action], None] | None = None, sharded: ShardedChunks | None = None):
+                 before_backward: Callable[[Action], None] | None = None, sharded: ShardedChunks | None = None,
+                 placement: str = "interleaved"):
         """`activation_shape` is what this rank holds between stages (its sequence slice under sp);
         `loss_context` wraps the last stage's loss and its backward (`loss_parallel` with tp); `autocast`
         wraps every forward and loss (bf16 autocast for `precision: bf16`); `before_backward` is called
-        before each backward (the trainer arms the gradient reduction before a chunk's last one); `sharded`: the
-        chunks' parameters are sharded by FSDP2 (ZeRO-2/3, `parallel.fsdp`), which is told before each forward
-        and backward which chunk computes now and which next, and whose gathered parameters the saved-tensor
-        meter does not count as activations."""
+        before each backward and each weight-gradient half (the trainer arms the gradient reduction before a
+        chunk's last one); `sharded`: the chunks' parameters are sharded by FSDP2 (ZeRO-2/3, `parallel.fsdp`),
+        which is told before each forward and backward which chunk computes now and which next, and whose
+        gathered parameters the saved-tensor meter does not count as activations; `placement` is how the
+        schedule places virtual stages (`schedules.virtual_stage`)."""
         self.chunks, self.pp_rank, self.pp, self.pp_ranks = chunks, pp_rank, pp, pp_ranks
+        self.placement = placement
         self.n_virtual = pp * len(chunks)
         self.activation_shape, self.device, self.loss_scale = activation_shape, device, loss_scale
         self.loss_context, self.autocast, self.before_backward = loss_context, autocast, before_backward
@@ -130,6 +139,18 @@ class PipelineExecutor:
         state.timings.peak_activations = max(state.timings.peak_activations, state.live)
         return i + 1
 
+    def _run_backward_input(self, actions: list[Action], i: int, state: _StepState) -> int:
+        t0 = time.perf_counter()
+        self._backward_input(actions[i], state)
+        state.timings.backward_s += time.perf_counter() - t0
+        return i + 1
+
+    def _run_backward_weight(self, actions: list[Action], i: int, state: _StepState) -> int:
+        t0 = time.perf_counter()
+        self._backward_weight(actions[i], state)
+        state.timings.backward_s += time.perf_counter() - t0
+        return i + 1
+
     def _run_communication(self, actions: list[Action], i: int, state: _StepState) -> int:
         t0, j = time.perf_counter(), i
         while j < len(actions) and actions[j].kind in COMM_KINDS:
@@ -139,14 +160,20 @@ class PipelineExecutor:
         return j
 
     def _virtual(self, chunk: int) -> int:
-        return virtual_stage(self.pp_rank, chunk, self.pp)
+        return virtual_stage(self.pp_rank, chunk, self.pp, self.placement)
+
+    def _local_neighbour(self, v: int) -> int | None:
+        """The local chunk holding virtual stage v if this rank holds it (then tensors are handed over
+        locally: always with pp == 1, and at the turn of a V), else None."""
+        rank, chunk = stage_location(v, self.pp, self.placement)
+        return chunk if rank == self.pp_rank else None
 
     def _forward(self, a: Action, state: _StepState, batch: Callable[[int], Batch]) -> torch.Tensor | None:
         key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)
         if v == 0:
             x = batch(a.microbatch)[0].to(self.device)
-        elif self.pp == 1:  # the previous virtual stage is on this rank: pass the activation locally
-            x = state.outputs[(a.microbatch, a.chunk - 1)].detach().requires_grad_()
+        elif (previous := self._local_neighbour(v - 1)) is not None:  # on this rank: pass it locally
+            x = state.outputs[(a.microbatch, previous)].detach().requires_grad_()
         else:
             x = state.inputs[key]
         state.inputs[key] = x
@@ -175,10 +202,41 @@ class PipelineExecutor:
         x = state.inputs.pop(key)
         state.live -= 1
         if v > 0:
-            if self.pp == 1:
-                state.grads_out[(a.microbatch, a.chunk - 1)] = x.grad
+            self._input_grad(a, v, x.grad, state)
+
+    def _input_grad(self, a: Action, v: int, grad: torch.Tensor, state: _StepState) -> None:
+        """Hand the gradient of a chunk's input to the previous virtual stage: locally, or to be sent."""
+        previous = self._local_neighbour(v - 1)
+        if previous is not None:
+            state.grads_out[(a.microbatch, previous)] = grad
+        else:
+            state.grads_in[(a.microbatch, a.chunk)] = grad
+
+    def _backward_input(self, a: Action, state: _StepState) -> None:
+        key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)
+        out, x = state.outputs.pop(key), state.inputs.pop(key)
+        grad = None if v == self.n_virtual - 1 else state.grads_out.pop(key)
+        if v == 0:  # no input gradient to compute: the weight half runs the whole backward
+            state.weight_work[key] = (out, grad)
+            return
+        with self.loss_context() if grad is None else nullcontext():
+            dx, groups = backward_input(out, grad, x, list(self.chunks[a.chunk].parameters()))
+        state.weight_work[key] = groups
+        self._input_grad(a, v, dx, state)
+
+    def _backward_weight(self, a: Action, state: _StepState) -> None:
+        if self.before_backward is not None:
+            self.before_backward(a)
+        key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)
+        work = state.weight_work.pop(key)
+        last = v == self.n_virtual - 1
+        with self.loss_context() if last else nullcontext():
+            if isinstance(work, tuple):
+                out, grad = work
+                out.backward(grad)
             else:
-                state.grads_in[key] = x.grad
+                backward_weight(work, list(self.chunks[a.chunk].parameters()))
+        state.live -= 1
 
     def _communicate(self, actions: list[Action], state: _StepState) -> None:
         ops, received = [], []
@@ -224,7 +282,11 @@ class _SavedTensorMeter:
         gathered = self.sharded.gathered if self.sharded is not None else ()
         if storage.data_ptr() in self.param_storage or storage.data_ptr() in gathered:
             return t
-        return _Counted(t, storage.data_ptr(), storage.nbytes(), self)
+        # Detached: a node's own output saved with its history would keep the node alive through this hook
+        # (node -> packed -> tensor -> node), a cycle no garbage collector sees; the backward releases it when
+        # the node runs, but a split backward's input half keeps the graph, and its weight half never runs the
+        # input path's nodes. Autograd rebuilds the history on unpack.
+        return _Counted(t.detach(), storage.data_ptr(), storage.nbytes(), self)
 
     def unpack(self, packed: object) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Counted) else packed
@@ -268,6 +330,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 HANDLERS: dict[ActionKind, Callable[[PipelineExecutor, list[Action], int, _StepState], int]] = {
     ActionKind.FORWARD: PipelineExecutor._run_forward,
     ActionKind.BACKWARD: PipelineExecutor._run_backward,
+    ActionKind.BACKWARD_INPUT: PipelineExecutor._run_backward_input,
+    ActionKind.BACKWARD_WEIGHT: PipelineExecutor._run_backward_weight,
     **{kind: PipelineExecutor._run_communication for kind in COMM_KINDS},
 }
 """Each action kind the executor runs -> its handler. A kind missing here is refused (UnsupportedAction)."""

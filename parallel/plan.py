@@ -51,6 +51,7 @@ class Plan:
                                                                                "data-parallel rank.")
     ranks = property(lambda self: self.layout.ranks)
     stage_layers = property(lambda self: self.layout.stage_layers, doc="Global block indices of each virtual stage.")
+    placement = property(lambda self: self.layout.placement, doc="How virtual stages sit on the ranks.")
     schedule = property(lambda self: self.layout.schedule, doc="Each pipeline rank's action list (parallel.schedules).")
     gpus_per_worker = property(lambda self: self.layout.gpus_per_worker)
     cpus_per_worker = property(lambda self: self.layout.cpus_per_worker)
@@ -137,8 +138,8 @@ def can_move_in_memory(old: Plan, new: Plan) -> bool:
     """Whether a resize can keep the state in the surviving ranks' memory: every rank of one (pp, tp) shard
     holds the same parameters and optimizer state (no ZeRO slices, no expert parallelism), and only dp
     changes. Otherwise the state moves through a checkpoint."""
-    same = (old.pp, old.tp, old.vpp, old.config.parallel.stage_layers) == (new.pp, new.tp, new.vpp,
-                                                                            new.config.parallel.stage_layers)
+    same = (old.pp, old.tp, old.vpp, old.placement, old.config.parallel.stage_layers) == (
+        new.pp, new.tp, new.vpp, new.placement, new.config.parallel.stage_layers)
     return same and sharding_for(old.config.parallel.zero).replicas_identical and old.ep == 1 and new.ep == 1
 
 

@@ -10,7 +10,7 @@ from trainyard.parallel.memory import estimate
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.reduction_bytes import reduction_bytes
 from trainyard.parallel.schedule_sim import Costs, render_gantt, simulate
-from trainyard.parallel.schedules import format_actions
+from trainyard.parallel.schedules import ActionKind, format_actions, placement_of
 
 
 def describe(plan: Plan) -> dict:
@@ -63,14 +63,19 @@ def describe_schedule(plan: Plan) -> dict:
     `parallel.schedules.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
     """
     c = plan.config.sim_costs
+    splits = any(a.kind is ActionKind.BACKWARD_WEIGHT for actions in plan.schedule for a in actions)
+    # W's share of the backward, shown where the schedule splits backwards (zb-h1, zbv)
+    split = {"backward_weight": c.backward / 2 if c.backward_weight is None else c.backward_weight} if splits else {}
     result = simulate([list(actions) for actions in plan.schedule], plan.microbatches, plan.vpp,
-                      Costs(forward=c.forward, backward=c.backward, comm=c.comm))
+                      Costs(forward=c.forward, backward=c.backward, comm=c.comm, backward_weight=c.backward_weight),
+                      placement_of(plan.config.parallel.schedule))
     return {
         "kind": plan.config.parallel.schedule,
         "pp": plan.pp,
         "vpp": plan.vpp,
+        "placement": plan.placement,  # which rank holds which virtual stage (parallel.schedules.virtual_stage)
         "microbatches": plan.microbatches,
-        "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm},
+        "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm, **split},
         "stages": [format_actions(list(actions)) for actions in plan.schedule],
         "makespan": result.makespan,
         "bubble_fraction": result.bubble_fraction,

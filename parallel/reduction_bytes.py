@@ -71,7 +71,8 @@ def reduction_bytes(plan: Sizing) -> dict:
     stages = []
     for pp in range(plan.pp):
         elements, matrices = _stage_matrices(plan, pp)
-        plain = sent = wire * elements
+        # ZeRO-2/3 (FSDP2) reduce-scatter a chunk's gradients at each of its backwards: once per micro-batch.
+        plain = sent = wire * elements * (cfg.parallel.microbatches if cfg.parallel.zero >= 2 else 1)
         for rows, cols, _ in matrices if compression is not None else []:
             r = approximation_rank(rows, cols, compression)
             if r is not None:

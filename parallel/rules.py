@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.models import family_of
-from trainyard.parallel.schedules import ScheduleError, check_schedule_args
+from trainyard.parallel.schedules import SCHEDULES, ScheduleError, check_schedule_args
 
 
 class PlanError(RuleError):
@@ -125,11 +125,23 @@ def tensor_parallel_violations(config: JobConfig) -> list[PlanError]:
 
 
 def schedule_violations(config: JobConfig) -> list[PlanError]:
-    par = config.parallel
+    par, costs = config.parallel, config.sim_costs
     try:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
+    if SCHEDULES[par.schedule].splits_backward and par.zero >= 2:
+        return [PlanError("parallel.schedule", f"{par.schedule} splits each backward into input and weight halves; "
+                                               f"parallel.zero={par.zero} (FSDP2, which gathers and reduces from its "
+                                               "own backward hooks) is not built to follow them: use zero 0 or 1, or "
+                                               "a schedule without split backward")]
+    if SCHEDULES[par.schedule].splits_backward and config.compile:
+        return [PlanError("compile", f"{par.schedule} splits each backward into input and weight halves, which "
+                                     "torch.compile'd blocks do not support; use compile: false or a schedule "
+                                     "without split backward")]
+    if costs.backward_weight is not None and costs.backward_weight > costs.backward:
+        return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
+                                                       f"backward={costs.backward}: it is a part of the backward")]
     return []
 
 

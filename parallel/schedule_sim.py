@@ -1,12 +1,12 @@
 """Schedule simulator: proves a set of per-rank action lists valid and deadlock-free, and times it.
 
-`simulate(stages, microbatches, vpp, costs)` takes one action list per pipeline rank (from
+`simulate(stages, microbatches, vpp, costs, placement)` takes one action list per pipeline rank (from
 `parallel.schedules.build_schedule`, or written by hand) and checks, in order:
 
-1. each rank on its own: every (micro-batch, chunk) is forwarded and backwarded exactly once, the backward
-   after its forward, every input is on hand before the compute that needs it, every message goes to or
-   comes from the rank that holds the neighbouring virtual stage, and every output that must leave the rank
-   is sent exactly once;
+1. each rank on its own: every (micro-batch, chunk) is forwarded and backwarded exactly once (a whole B, or a
+   split one: I then W), the backward after its forward, every input is on hand before the compute that needs
+   it, every message goes to or comes from the rank that holds the neighbouring virtual stage, and every
+   output that must leave the rank is sent exactly once;
 2. each channel src -> dst: the k-th send and the k-th receive carry the same payload (point-to-point
    messages match first-in-first-out, with no tags);
 3. the run: computes take their cost; a maximal run of consecutive communication actions is posted at once
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from trainyard.parallel.schedules import (
     COMM_KINDS,
+    FREEING_KINDS,
+    INPUT_GRAD_KINDS,
     SEND_KINDS,
     Action,
     ActionKind,
@@ -32,8 +34,10 @@ from trainyard.parallel.schedules import (
 )
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
-_INPUT_OF = {F: ActionKind.RECV_ACT, B: ActionKind.RECV_GRAD}  # what a compute needs from a remote neighbour
-_SENT_AFTER = {ActionKind.SEND_ACT: F, ActionKind.SEND_GRAD: B}  # the compute a send needs done first
+BI, BW = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+COMPUTE_KINDS = frozenset({F, B, BI, BW})
+_INPUT_OF = {F: ActionKind.RECV_ACT, B: ActionKind.RECV_GRAD, BI: ActionKind.RECV_GRAD}  # from a remote neighbour
+_SENT_AFTER = {ActionKind.SEND_ACT: {F}, ActionKind.SEND_GRAD: INPUT_GRAD_KINDS}  # one must be done before the send
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,17 @@ class Costs:
     forward: float = 1.0
     """One forward of one chunk."""
     backward: float = 2.0
-    """One backward of one chunk."""
+    """One whole backward of one chunk (B)."""
     comm: float = 0.0
     """One communication run (its messages travel concurrently)."""
+    backward_weight: float | None = None
+    """The weight-gradient part of a split backward (W; None: half of `backward`); its input-gradient part
+    (I) takes the rest of `backward`."""
+
+    def of(self, kind: ActionKind) -> float:
+        """The time of one compute of this kind."""
+        weight = self.backward / 2 if self.backward_weight is None else self.backward_weight
+        return {F: self.forward, B: self.backward, BI: self.backward - weight, BW: weight}[kind]
 
 
 @dataclass(frozen=True)
@@ -52,22 +64,23 @@ class SimResult:
     bubble_fraction: float
     """1 - total compute time / (pp * makespan)."""
     peak_activations: list[int]
-    """Per pp rank: most (micro-batch, chunk) activations held at once (forward done, backward not yet)."""
+    """Per pp rank: most (micro-batch, chunk) activations held at once (forward done, B or W not yet)."""
     timeline: list[list[tuple[float, float, Action]]]
     """Per pp rank: (start, end, action) of each compute, and of each communication action when comm > 0."""
 
 
 def simulate(stages: list[list[Action]], microbatches: int, vpp: int = 1,
-             costs: Costs = Costs()) -> SimResult:
-    """Check the per-rank lists (index = pp rank) and time them; ScheduleError on the first fault."""
+             costs: Costs = Costs(), placement: str = "interleaved") -> SimResult:
+    """Check the per-rank lists (index = pp rank) and time them; ScheduleError on the first fault. `placement`
+    is how virtual stages sit on the ranks (`parallel.schedules.virtual_stage`; `placement_of(kind)`)."""
     if not stages:
         raise ScheduleError("a schedule needs at least one pipeline rank")
-    peaks = [_check_rank(stages, rank, microbatches, vpp) for rank in range(len(stages))]
-    partners = _match_channels(stages)
+    peaks = [_check_rank(stages, rank, microbatches, vpp, placement) for rank in range(len(stages))]
+    partners = _match_channels(stages, placement)
     return _execute(stages, partners, peaks, costs)
 
 
-def _check_rank(stages: list[list[Action]], rank: int, m: int, vpp: int) -> int:
+def _check_rank(stages: list[list[Action]], rank: int, m: int, vpp: int, placement: str) -> int:
     """Static checks of one rank's list, in program order. Returns its peak of live activations."""
     pp, actions = len(stages), stages[rank]
     n_virtual = pp * vpp
@@ -85,39 +98,48 @@ def _check_rank(stages: list[list[Action]], rank: int, m: int, vpp: int) -> int:
         key = (a.kind, a.microbatch, a.chunk)
         if key in seen:
             raise fail(pos, a, f"duplicated {a.kind.name} of micro-batch {a.microbatch}, chunk {a.chunk}")
-        v = virtual_stage(rank, a.chunk, pp)
+        v = virtual_stage(rank, a.chunk, pp, placement)
         if a.kind in COMM_KINDS:
-            wrong_peer = _peer_problem(a, v, rank, pp, n_virtual)
+            wrong_peer = _peer_problem(a, v, rank, pp, n_virtual, placement)
             if wrong_peer:
                 raise fail(pos, a, wrong_peer)
-            done_first = _SENT_AFTER.get(a.kind)
-            if done_first is not None and (done_first, a.microbatch, a.chunk) not in seen:
-                raise fail(pos, a, f"sends before its {done_first.name} has produced the tensor")
+            done_first = _SENT_AFTER.get(a.kind, set())
+            if done_first and not any((k, a.microbatch, a.chunk) in seen for k in done_first):
+                names = " or ".join(sorted(k.name for k in done_first))
+                raise fail(pos, a, f"sends before its {names} has produced the tensor")
         else:
             if a.peer is not None:
                 raise fail(pos, a, "a compute action takes no peer")
-            if a.kind is B and (F, a.microbatch, a.chunk) not in seen:
-                raise fail(pos, a, "BACKWARD before its FORWARD")
+            if a.kind is not F and (F, a.microbatch, a.chunk) not in seen:
+                raise fail(pos, a, f"{a.kind.name} before its FORWARD")
+            other = {B: (BI, BW), BI: (B,), BW: (B,)}.get(a.kind, ())
+            if any((k, a.microbatch, a.chunk) in seen for k in other):
+                raise fail(pos, a, "a backward runs whole (B) or split (I then W), not both")
+            if a.kind is BW and (BI, a.microbatch, a.chunk) not in seen:
+                raise fail(pos, a, "BACKWARD_WEIGHT before its BACKWARD_INPUT")
             neighbour = v - 1 if a.kind is F else v + 1
-            if 0 <= neighbour < n_virtual:
-                holder, holder_chunk = stage_location(neighbour, pp)
-                if holder == rank:  # local hand-over (pp == 1)
-                    needed = Action(a.kind, a.microbatch, holder_chunk)
+            if a.kind is not BW and 0 <= neighbour < n_virtual:
+                holder, holder_chunk = stage_location(neighbour, pp, placement)
+                if holder == rank:  # local hand-over (pp == 1, or the turn of a V)
+                    needed = Action(F if a.kind is F else B, a.microbatch, holder_chunk)
+                    done = {F} if a.kind is F else INPUT_GRAD_KINDS
+                    ok = any((k, a.microbatch, holder_chunk) in seen for k in done)
                 else:
                     needed = Action(_INPUT_OF[a.kind], a.microbatch, a.chunk, holder)
-                if (needed.kind, needed.microbatch, needed.chunk) not in seen:
+                    ok = (needed.kind, needed.microbatch, needed.chunk) in seen
+                if not ok:
                     raise fail(pos, a, f"its input is not on hand yet (needs {needed} before it)")
-            live += 1 if a.kind is F else -1
+            live += 1 if a.kind is F else -(a.kind in FREEING_KINDS)
             peak = max(peak, live)
         seen.add(key)
 
     for mb in range(m):
         for chunk in range(vpp):
-            v = virtual_stage(rank, chunk, pp)
-            owed = [F, B]
-            if v + 1 < n_virtual and stage_location(v + 1, pp)[0] != rank:
+            v = virtual_stage(rank, chunk, pp, placement)
+            owed = [F, B] if (BI, mb, chunk) not in seen else [F, BI, BW]
+            if v + 1 < n_virtual and stage_location(v + 1, pp, placement)[0] != rank:
                 owed.append(ActionKind.SEND_ACT)
-            if v > 0 and stage_location(v - 1, pp)[0] != rank:
+            if v > 0 and stage_location(v - 1, pp, placement)[0] != rank:
                 owed.append(ActionKind.SEND_GRAD)
             for kind in owed:
                 if (kind, mb, chunk) not in seen:
@@ -126,12 +148,12 @@ def _check_rank(stages: list[list[Action]], rank: int, m: int, vpp: int) -> int:
     return peak
 
 
-def _peer_problem(a: Action, v: int, rank: int, pp: int, n_virtual: int) -> str | None:
+def _peer_problem(a: Action, v: int, rank: int, pp: int, n_virtual: int, placement: str) -> str | None:
     towards_next = a.kind in (ActionKind.SEND_ACT, ActionKind.RECV_GRAD)
     neighbour = v + 1 if towards_next else v - 1
     if not 0 <= neighbour < n_virtual:
         return f"virtual stage {v} has no {'next' if towards_next else 'previous'} stage to talk to"
-    expected = stage_location(neighbour, pp)[0]
+    expected = stage_location(neighbour, pp, placement)[0]
     if expected == rank:
         return f"virtual stage {neighbour} is on this rank: the tensor is passed locally, not communicated"
     if a.peer != expected:
@@ -139,9 +161,9 @@ def _peer_problem(a: Action, v: int, rank: int, pp: int, n_virtual: int) -> str 
     return None
 
 
-def _payload(a: Action, rank: int, pp: int) -> tuple[str, int, int]:
+def _payload(a: Action, rank: int, pp: int, placement: str) -> tuple[str, int, int]:
     """What travels: (act | grad, micro-batch, virtual stage that receives it)."""
-    v = virtual_stage(rank, a.chunk, pp)
+    v = virtual_stage(rank, a.chunk, pp, placement)
     if a.kind is ActionKind.SEND_ACT:
         return "act", a.microbatch, v + 1
     if a.kind is ActionKind.SEND_GRAD:
@@ -149,7 +171,7 @@ def _payload(a: Action, rank: int, pp: int) -> tuple[str, int, int]:
     return ("act" if a.kind is ActionKind.RECV_ACT else "grad"), a.microbatch, v
 
 
-def _match_channels(stages: list[list[Action]]) -> dict[tuple[int, int], tuple[int, int]]:
+def _match_channels(stages: list[list[Action]], placement: str) -> dict[tuple[int, int], tuple[int, int]]:
     """Pair the k-th send with the k-th receive of each channel; (rank, position) -> the partner's."""
     pp = len(stages)
     sends: dict[tuple[int, int], list[int]] = {}
@@ -165,7 +187,7 @@ def _match_channels(stages: list[list[Action]]) -> dict[tuple[int, int], tuple[i
         sent, received = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, (i, j) in enumerate(zip(sent, received, strict=False)):
             send, recv = stages[src][i], stages[dst][j]
-            if _payload(send, src, pp) != _payload(recv, dst, pp):
+            if _payload(send, src, pp, placement) != _payload(recv, dst, pp, placement):
                 raise ScheduleError(f"FIFO mismatch on channel {src}->{dst}: message #{k} is sent as {send} "
                                     f"(rank {src}, position {i}) but received as {recv} "
                                     f"(rank {dst}, position {j})")
@@ -212,7 +234,7 @@ def _execute(stages: list[list[Action]], partners: dict[tuple[int, int], tuple[i
                     if costs.comm > 0:
                         timeline[rank] += [(start, end, a) for a in stages[rank][lo:hi]]
                 else:
-                    end = now + (costs.forward if first.kind is F else costs.backward)
+                    end = now + costs.of(first.kind)
                     timeline[rank].append((now, end, first))
                 reached[rank].append(end)
                 progress = True
@@ -229,7 +251,7 @@ def _execute(stages: list[list[Action]], partners: dict[tuple[int, int], tuple[i
                          f"({stages[peer][peer_pos]})")
         raise ScheduleError("deadlock: " + "; ".join(waits))
     makespan = max(times[-1] for times in reached)
-    compute = sum(end - start for row in timeline for start, end, a in row if a.kind in (F, B))
+    compute = sum(end - start for row in timeline for start, end, a in row if a.kind in COMPUTE_KINDS)
     bubble = 1.0 - compute / (pp * makespan) if makespan > 0 else 0.0
     return SimResult(makespan, bubble, peaks, timeline)
 
@@ -246,6 +268,7 @@ def _steps(actions: list[Action]) -> list[tuple[int, int]]:
 
 _FORWARD_MARKS = "0123456789"
 _BACKWARD_MARKS = "abcdefghijklmnopqrstuvwxyz"
+_WEIGHT_MARKS = _BACKWARD_MARKS.upper()
 
 
 def render_gantt(result: SimResult, width: int = 100) -> str:
@@ -256,18 +279,21 @@ def render_gantt(result: SimResult, width: int = 100) -> str:
     for rank, intervals in enumerate(result.timeline):
         row = ["."] * width
         # Communication first, so compute drawn later wins a shared column.
-        for start, end, a in sorted(intervals, key=lambda iv: iv[2].kind in (F, B)):
+        for start, end, a in sorted(intervals, key=lambda iv: iv[2].kind in COMPUTE_KINDS):
             if a.kind is F:
                 mark = _FORWARD_MARKS[a.microbatch % len(_FORWARD_MARKS)]
-            elif a.kind is B:
+            elif a.kind in (B, BI):
                 mark = _BACKWARD_MARKS[a.microbatch % len(_BACKWARD_MARKS)]
+            elif a.kind is BW:
+                mark = _WEIGHT_MARKS[a.microbatch % len(_WEIGHT_MARKS)]
             else:
                 mark = "~"
             first = min(int(start / scale + 0.5), width - 1)
             last = max(first + 1, min(int(end / scale + 0.5), width))
             row[first:last] = mark * (last - first)
         rows.append(f"rank {rank:>2} |{''.join(row)}|")
-    legend = (f"legend: 0-9 forward of micro-batch (mod 10), a-z backward of micro-batch (mod 26), "
+    legend = (f"legend: 0-9 forward of micro-batch (mod 10), a-z backward (or its input-gradient half) of "
+              f"micro-batch (mod 26), A-Z weight-gradient half, "
               f"~ communication, . idle; 1 column = {scale:g} time units; makespan {result.makespan:g}, "
               f"bubble {result.bubble_fraction:.1%}")
     return "\n".join([*rows, legend])

@@ -5,16 +5,26 @@ compute order of the kind's entry in `SCHEDULES`. Workers run
 their list literally (`parallel.pipeline`); `parallel.schedule_sim` checks a list and times it. This module
 owns the compute order of each schedule kind and where the point-to-point messages go. Pure: no torch.
 
-Layout: rank r holds local chunks 0..vpp-1, which are virtual stages r, r+pp, r+2pp, ... (Megatron's
-interleaving), so virtual stage v lives on rank v % pp as local chunk v // pp.
+Layout (`placement`, set by the schedule kind): rank r holds local chunks 0..vpp-1. Interleaved (every kind
+but zbv): they are virtual stages r, r+pp, r+2pp, ... (Megatron's interleaving), so virtual stage v lives on rank
+v % pp as local chunk v // pp. V (zbv, as torch's `ScheduleZBVZeroBubble`): an even chunk c is virtual stage
+c*pp + r and an odd one (c+1)*pp - 1 - r, so the model runs down the ranks and back up: rank r holds stages r
+and 2pp-1-r, rank 0 both the first and the last. With pp == 1 both placements are the same.
+
+Split backward (zero-bubble kinds): a chunk's backward may run as I (the gradient of its input, what the
+previous stage waits for) then W (its weights' gradients, which can wait); B is both at once. torch's
+DualPipeV is not offered: its gain is running one micro-batch's forward beside another's backward to hide
+communication (torch's OVERLAP_F_B action), which an executor running one action at a time cannot do.
 
 Communication semantics the lists are built for: a maximal run of consecutive communication actions is
 posted as one `batch_isend_irecv` and waited on as a whole; a rank blocks there until the peer has posted the
 matching op of every message in the run. Messages between two ranks match strictly first-in-first-out per
 direction (no tags), so both ends list a channel's messages in the same order. When the neighbouring virtual
-stage is on the same rank (only with pp == 1) there is no communication action: the tensor is passed locally.
+stage is on the same rank (with pp == 1, or at the turn of a V) there is no communication action: the tensor is
+passed locally.
 
-Labels (`str(action)`): F3.1 / B3.1 run forward / backward of micro-batch 3 on local chunk 1; sA3.1>2 sends
+Labels (`str(action)`): F3.1 / B3.1 run forward / backward of micro-batch 3 on local chunk 1 (I3.1 / W3.1:
+its input-gradient / weight-gradient half); sA3.1>2 sends
 that chunk's output activation to rank 2; rA3.1<0 receives its input activation from rank 0; sG3.1>0 sends the
 gradient of its input to rank 0; rG3.1<2 receives the gradient of its output from rank 2.
 """
@@ -30,6 +40,8 @@ from dataclasses import dataclass
 class ActionKind(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     SEND_ACT = "sA"
     RECV_ACT = "rA"
     SEND_GRAD = "sG"
@@ -38,6 +50,10 @@ class ActionKind(enum.Enum):
 
 COMM_KINDS = frozenset({ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD})
 SEND_KINDS = frozenset({ActionKind.SEND_ACT, ActionKind.SEND_GRAD})
+INPUT_GRAD_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
+"""The computes that produce a chunk's input gradient (what SEND_GRAD sends)."""
+FREEING_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT})
+"""The computes after which a chunk's activation of a micro-batch is no longer held."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +102,14 @@ def check_schedule_args(kind: str, pp: int, microbatches: int, vpp: int) -> None
 def build_schedule(kind: str, pp: int, microbatches: int, vpp: int = 1) -> list[list[Action]]:
     """One ordered action list per pipeline rank (index = pp rank)."""
     check_schedule_args(kind, pp, microbatches, vpp)
-    order = SCHEDULES[kind].order
-    return _place_comm([order(pp, microbatches, vpp, rank) for rank in range(pp)], pp, vpp)
+    schedule = SCHEDULES[kind]
+    return place_comm([schedule.order(pp, microbatches, vpp, rank) for rank in range(pp)], pp, vpp,
+                      schedule.placement)
+
+
+def placement_of(kind: str) -> str:
+    """How a schedule kind places the virtual stages on the ranks: "interleaved" or "v"."""
+    return SCHEDULES[kind].placement
 
 
 def format_actions(actions: list[Action]) -> str:
@@ -107,7 +129,7 @@ def format_actions(actions: list[Action]) -> str:
     return " ".join(parts)
 
 
-_LABEL = re.compile(r"(F|B|sA|rA|sG|rG)(\d+)\.(\d+)(?:[<>](\d+))?")
+_LABEL = re.compile(r"(F|B|I|W|sA|rA|sG|rG)(\d+)\.(\d+)(?:[<>](\d+))?")
 
 
 def parse_actions(text: str) -> list[Action]:
@@ -122,19 +144,29 @@ def parse_actions(text: str) -> list[Action]:
     return actions
 
 
-def virtual_stage(rank: int, chunk: int, pp: int) -> int:
+PLACEMENTS = ("interleaved", "v")
+
+
+def virtual_stage(rank: int, chunk: int, pp: int, placement: str = "interleaved") -> int:
+    """The virtual stage a rank's local chunk is (see the module docstring for the two placements)."""
+    if placement == "v" and chunk % 2:
+        return (chunk + 1) * pp - 1 - rank
     return chunk * pp + rank
 
 
-def stage_location(v: int, pp: int) -> tuple[int, int]:
+def stage_location(v: int, pp: int, placement: str = "interleaved") -> tuple[int, int]:
     """(pp rank, local chunk) of virtual stage v."""
-    return v % pp, v // pp
+    chunk, offset = divmod(v, pp)
+    if placement == "v" and chunk % 2:
+        return pp - 1 - offset, chunk
+    return offset, chunk
 
 
-# --- compute orders: (FORWARD | BACKWARD, microbatch, local chunk), per rank; registered in SCHEDULES ---
+# --- compute orders: (F | B | I | W, microbatch, local chunk), per rank; registered in SCHEDULES ---
 
 Compute = tuple[ActionKind, int, int]
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+BI, BW = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 
 
 def _gpipe_order(m: int, vpp: int) -> list[Compute]:
@@ -182,13 +214,65 @@ def _interleaved_order(pp: int, m: int, vpp: int, rank: int) -> list[Compute]:
     return order + backwards[total - warmup:]
 
 
+def _zb_h1_order(pp: int, m: int, rank: int) -> list[Compute]:
+    # ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", the handcrafted schedule with 1F1B's memory):
+    # 1F1B's warm-up, then each backward split into I and W; rank r defers the W of its first r micro-batches,
+    # which fill the cool-down where 1F1B idles. The same order as torch's ScheduleInterleavedZeroBubble with
+    # one chunk per rank. Each rank holds at most pp activations (an activation is held until its W).
+    warmup = min(pp - rank - 1, m)
+    order: list[Compute] = [(F, mb, 0) for mb in range(warmup)]
+    weights = 0
+    for i in range(m):
+        if warmup + i < m:
+            order.append((F, warmup + i, 0))
+        order.append((BI, i, 0))
+        if i >= rank:
+            order.append((BW, weights, 0))
+            weights += 1
+    return order + [(BW, mb, 0) for mb in range(weights, m)]
+
+
+def _zbv_order(pp: int, m: int, rank: int) -> list[Compute]:
+    # ZB-V (the same paper, section 6; torch's ScheduleZBVZeroBubble, whose order this is): two chunks per rank
+    # in a V (chunk 0 is virtual stage rank, chunk 1 stage 2pp-1-rank). Built for max(m, 2pp-1) micro-batches,
+    # the fewest that fill the V, and the ones beyond m dropped, as torch does.
+    n = max(2 * pp - 1, m)
+    order: list[Compute] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (pp - rank) - 1):
+        order.append((F, f0, 0))
+        f0 += 1
+    for _ in range(rank):
+        order += [(F, f1, 1), (F, f0, 0)]
+        f0, f1 = f0 + 1, f1 + 1
+    for _ in range(pp - rank):
+        order += [(F, f1, 1), (BI, b1, 1), (BW, b1, 1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            order.append((F, f0, 0))
+            f0 += 1
+        order += [(BI, b0, 0), (BW, b0, 0), (F, f1, 1), (BI, b1, 1), (BW, b1, 1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        order += [(BI, b0, 0), (BI, b1, 1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(pp - rank):
+        order += [(BI, b0, 0), (BW, w0, 0)]
+        b0, w0 = b0 + 1, w0 + 1
+    order += [(BW, mb, 1) for mb in range(w1, b1)] + [(BW, mb, 0) for mb in range(w0, b0)]
+    return [c for c in order if c[1] < m]
+
+
 # --- communication placement ---
 
 # Integer reference costs for placement (forward 1, backward 2): every time is exact, so "both ranks are
 # between computes at the same instant" can be tested with ==.
-_PLACE_COST = {F: 1, B: 2}
+_PLACE_COST = {F: 1, B: 2, BI: 1, BW: 1}
 _MESSAGE_KINDS = {F: (ActionKind.SEND_ACT, ActionKind.RECV_ACT),
-                  B: (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)}
+                  B: (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD),
+                  BI: (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)}
 
 
 def _refuse_1f1b(pp: int, m: int, vpp: int) -> str | None:
@@ -210,6 +294,18 @@ def _refuse_interleaved(pp: int, m: int, vpp: int) -> str | None:
     return None
 
 
+def _refuse_zb_h1(pp: int, m: int, vpp: int) -> str | None:
+    if vpp != 1:
+        return f"zb-h1 needs vpp=1 (got vpp={vpp}); zbv runs two chunks per rank"
+    return None
+
+
+def _refuse_zbv(pp: int, m: int, vpp: int) -> str | None:
+    if vpp != 2:
+        return f"zbv needs vpp=2 (got vpp={vpp}): it places exactly two chunks per rank, in a V"
+    return None
+
+
 @dataclass(frozen=True)
 class Schedule:
     """One schedule kind: each rank's compute order, and why it cannot serve a (pp, microbatches, vpp)."""
@@ -219,18 +315,24 @@ class Schedule:
     """(pp, microbatches, vpp, rank) -> that rank's forwards and backwards in order."""
     refuse: Callable[[int, int, int], str | None] = lambda pp, m, vpp: None
     """(pp, microbatches, vpp) -> the reason it cannot build them, or None."""
+    placement: str = "interleaved"
+    """Which virtual stages each rank's chunks are (`virtual_stage`)."""
+    splits_backward: bool = False
+    """Its backwards are input (I) and weight (W) halves run apart (`parallel.split_backward`)."""
 
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("gpipe", lambda pp, m, vpp, rank: _gpipe_order(m, vpp)),
     Schedule("1f1b", lambda pp, m, vpp, rank: _one_f_one_b_order(pp, m, rank), _refuse_1f1b),
     Schedule("interleaved-1f1b", _interleaved_order, _refuse_interleaved),
+    Schedule("zb-h1", lambda pp, m, vpp, rank: _zb_h1_order(pp, m, rank), _refuse_zb_h1, splits_backward=True),
+    Schedule("zbv", lambda pp, m, vpp, rank: _zbv_order(pp, m, rank), _refuse_zbv, placement="v", splits_backward=True),
 )}
 """The schedule kinds `parallel.schedule` may name; a new one (zero-bubble, say) is a new entry."""
 SCHEDULE_KINDS = tuple(SCHEDULES)
 
 
-def _place_comm(orders: list[list[Compute]], pp: int, vpp: int) -> list[list[Action]]:
+def place_comm(orders: list[list[Compute]], pp: int, vpp: int, placement: str = "interleaved") -> list[list[Action]]:
     """Insert the sends and receives into the compute orders, so that the lists cannot deadlock.
 
     Runs the orders on an event clock with the reference costs. A message is exchanged at the first instant
@@ -252,7 +354,7 @@ def _place_comm(orders: list[list[Compute]], pp: int, vpp: int) -> list[list[Act
                 continue
             running[rank] = None
             on_hand[rank].add(job[1])
-            message = _message_from(job[1], rank, pp, vpp)
+            message = _message_from(job[1], rank, pp, vpp, placement)
             if message is None:
                 continue
             dst, send, recv = message
@@ -271,7 +373,7 @@ def _place_comm(orders: list[list[Compute]], pp: int, vpp: int) -> list[list[Act
 
         for rank in sorted(idle):
             if pos[rank] < len(orders[rank]) and _inputs_ready(orders[rank][pos[rank]], rank, pp, vpp,
-                                                               on_hand[rank]):
+                                                               on_hand[rank], placement):
                 kind, mb, chunk = orders[rank][pos[rank]]
                 out[rank].append(Action(kind, mb, chunk))
                 running[rank] = (now + _PLACE_COST[kind], orders[rank][pos[rank]])
@@ -286,20 +388,24 @@ def _place_comm(orders: list[list[Compute]], pp: int, vpp: int) -> list[list[Act
         now = min(ends)
 
 
-def _message_from(compute: Compute, rank: int, pp: int, vpp: int) -> tuple[int, Action, Action] | None:
+def _message_from(compute: Compute, rank: int, pp: int, vpp: int,
+                  placement: str) -> tuple[int, Action, Action] | None:
     """(destination rank, send, receive) of what this compute produces for its neighbour, if it has one."""
     kind, mb, chunk = compute
-    target = virtual_stage(rank, chunk, pp) + (1 if kind is F else -1)
-    if not 0 <= target < pp * vpp:
+    target = virtual_stage(rank, chunk, pp, placement) + (1 if kind is F else -1)
+    if kind is BW or not 0 <= target < pp * vpp:
         return None
-    dst, dst_chunk = stage_location(target, pp)
+    dst, dst_chunk = stage_location(target, pp, placement)
     send, recv = _MESSAGE_KINDS[kind]
     return dst, Action(send, mb, chunk, dst), Action(recv, mb, dst_chunk, rank)
 
 
-def _inputs_ready(compute: Compute, rank: int, pp: int, vpp: int, available: set[Compute]) -> bool:
+def _inputs_ready(compute: Compute, rank: int, pp: int, vpp: int, available: set[Compute],
+                  placement: str) -> bool:
     kind, mb, chunk = compute
-    v = virtual_stage(rank, chunk, pp)
+    v = virtual_stage(rank, chunk, pp, placement)
+    if kind is BW:
+        return (BI, mb, chunk) in available
     if kind is F:
         return v == 0 or (ActionKind.RECV_ACT, mb, chunk) in available
     last = v == pp * vpp - 1

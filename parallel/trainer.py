@@ -47,7 +47,7 @@ from trainyard.parallel.optimizers import optimizer_kind
 from trainyard.parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.powersgd import PowerSGD
-from trainyard.parallel.schedules import Action, ActionKind, virtual_stage
+from trainyard.parallel.schedules import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.sharding import sharding_for
 from trainyard.parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 
@@ -130,9 +130,9 @@ class RankTrainer:
         self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
         self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
         self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
-        # Where each chunk's gradients become final: its last backward in this rank's schedule.
+        # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
         self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
-                              if a.kind is ActionKind.BACKWARD}
+                              if a.kind in FREEING_KINDS}
         self.dataset = open_dataset(cfg)
         self.val_dataset = open_dataset(cfg, "val") if cfg.eval.every > 0 else None
         self.forward_actions = [a for a in plan.schedule[self.coords.pp] if a.kind in FORWARD_KINDS]
@@ -143,13 +143,13 @@ class RankTrainer:
             device=device, loss_scale=1.0 / tokens_per_step, loss_context=loss_context(plan),
             autocast=autocast_context(cfg.precision, device),
             before_backward=self._arm_reduction if par.overlap_reduce or self.sharded else None,
-            sharded=self.sharded,
+            sharded=self.sharded, placement=plan.placement,
         )
 
     def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> torch.nn.Module:
         """One model chunk: built whole from the seed (so every layout starts from the same weights), then
         sharded over tp. Gradient buckets and the optimizer come after, as they need the final parameters."""
-        v = virtual_stage(self.coords.pp, chunk, self.plan.pp)
+        v = virtual_stage(self.coords.pp, chunk, self.plan.pp, self.plan.placement)
         cfg = self.plan.config
         stage = family_of(cfg.model).build_stage(
             cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
@@ -166,7 +166,8 @@ class RankTrainer:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.coords.pp == self.plan.pp - 1
+        last = self.plan.n_virtual_stages - 1  # with the V placement (zbv) that is on pp rank 0
+        return stage_location(last, self.plan.pp, self.plan.placement)[0] == self.coords.pp
 
     def train_step(self, step: int, microbatch_ids: list[list[int]]) -> StepStats:
         compiling = self.plan.config.compile
@@ -311,7 +312,7 @@ class RankTrainer:
                    for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
 
     def _arm_reduction(self, action: Action) -> None:
-        """Before a chunk's last backward of the step: its gradients' reduction may start during it."""
+        """Before a chunk's last backward (B or W) of the step: its gradients' reduction may start during it."""
         if self.last_backward[action.chunk] == action.microbatch:
             for reducer in self.reducers.values():
                 reducer.arm(action.chunk)

@@ -55,6 +55,8 @@ LAYOUTS = {
     "pp2-vpp2-dp2-interleaved-zero3-bf16-full": {"precision": "bf16", "activation_checkpointing": "full",
                                                  "parallel": {"pp": 2, "vpp": 2, "dp": 2, "microbatches": 2,
                                                               "schedule": "interleaved-1f1b", "zero": 3}},
+    # split backward: an activation is held until its weight half; the V puts the first and last stage on rank 0
+    "pp2-zbv-m4": {"parallel": {"pp": 2, "vpp": 2, "microbatches": 4, "schedule": "zbv"}},
 }
 
 

@@ -109,6 +109,8 @@ LAYOUTS = [
     # tp ranks route their own slices of each sequence, and with ep send them to other dp ranks' experts
     {"dp": 2, "ep": 2, "tp": 2, "sp": True},
     {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe"},
+    # a split backward: the experts' and the router's weight gradients computed apart from the exchanges
+    {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2, "schedule": "zb-h1"},
 ]
 
 

@@ -8,6 +8,7 @@ from trainyard.parallel.memory import param_counts, peak_activation_bytes
 from trainyard.parallel.model import GPTStage
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 from trainyard.parallel.present import describe
+from trainyard.parallel.schedules import virtual_stage
 from trainyard.service.cli import format_plan
 from trainyard.service.ray_runtime import gpu_memory
 
@@ -25,7 +26,7 @@ def real_numel(plan, rank: int) -> int:
     pp = plan.coords(rank).pp
     params = {}
     for c, layers in enumerate(plan.chunk_layers(pp)):
-        v = c * plan.pp + pp
+        v = virtual_stage(pp, c, plan.pp, plan.placement)
         stage = GPTStage(plan.config.model, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, seed=0,
                          experts=plan.experts_of(rank))
         params |= {id(p): p.numel() for p in stage.parameters()}
@@ -38,7 +39,8 @@ def real_numel(plan, rank: int) -> int:
     {"parallel": {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "interleaved-1f1b"}},
     {"model": {"moe": MOE}, "parallel": {"dp": 2, "ep": 2, "pp": 2}},
     {"model": {"moe": {**MOE, "every": 1}}},
-], ids=["dense", "tied", "pp2-vpp2", "moe-ep2-pp2", "moe-every-block"])
+    {"parallel": {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "zbv"}},  # rank 0: first and last stage
+], ids=["dense", "tied", "pp2-vpp2", "moe-ep2-pp2", "moe-every-block", "pp2-zbv"])
 def test_parameter_counts_equal_the_real_stages(overrides):
     plan = plan_for(**overrides)
     for rank in range(plan.world_size):
@@ -116,7 +118,9 @@ def test_activation_checkpointing_lowers_the_activation_estimate(overrides):
 def test_the_activation_peak_follows_the_schedule():
     gpipe = plan_for(parallel={"pp": 2, "microbatches": 4, "schedule": "gpipe"})
     one_f_one_b = plan_for(parallel={"pp": 2, "microbatches": 4, "schedule": "1f1b"})
-    for plan in (gpipe, one_f_one_b):  # with one byte per chunk the walk is the simulator's count
+    zero_bubble = [plan_for(parallel={"pp": 2, "microbatches": 4, "schedule": "zb-h1"}),
+                   plan_for(parallel={"pp": 2, "vpp": 2, "microbatches": 4, "schedule": "zbv"})]
+    for plan in (gpipe, one_f_one_b, *zero_bubble):  # with one byte per chunk the walk is the simulator's count
         peaks = describe(plan)["schedule"]["peak_activations"]
         assert [peak_activation_bytes(plan, p, [1] * plan.vpp) for p in range(plan.pp)] == peaks
     # GPipe holds all 4 micro-batches on the first stage, 1F1B two

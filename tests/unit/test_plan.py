@@ -97,14 +97,19 @@ def test_each_pipeline_rank_gets_its_own_action_list():
     ({"pp": 4, "microbatches": 8, "schedule": "1f1b"}, 3 / 11, [4, 3, 2, 1]),
     ({"pp": 4, "vpp": 2, "microbatches": 8, "schedule": "interleaved-1f1b"}, 3 / 19, [11, 9, 7, 5]),
     ({"pp": 1, "microbatches": 4}, 0.0, [1]),
-], ids=["gpipe", "1f1b", "interleaved", "no-pipeline"])
+    # zero-bubble (F 1, I 1, W 1): ZB-H1's bubble is pp - 1 time units at 1F1B's peak memory
+    ({"pp": 4, "microbatches": 8, "schedule": "zb-h1"}, 3 / 27, [4, 4, 4, 4]),
+    ({"pp": 4, "vpp": 2, "microbatches": 8, "schedule": "zbv"}, 3 / 51, [8, 8, 8, 8]),
+], ids=["gpipe", "1f1b", "interleaved", "no-pipeline", "zb-h1", "zbv"])
 def test_described_plan_shows_the_simulated_schedule(parallel, bubble, peaks):
     schedule = describe(pipeline_plan(**parallel))["schedule"]
     assert schedule["kind"] == parallel.get("schedule", "1f1b")
     assert schedule["bubble_fraction"] == pytest.approx(bubble)
     assert schedule["peak_activations"] == peaks
     assert len(schedule["stages"]) == parallel["pp"] == len(schedule["gantt"].splitlines()) - 1
-    assert schedule["costs"] == {"forward": 1.0, "backward": 2.0, "comm": 0.0}
+    assert schedule["placement"] == ("v" if parallel.get("schedule") == "zbv" else "interleaved")
+    split = {"backward_weight": 1.0} if parallel.get("schedule", "").startswith("zb") else {}
+    assert schedule["costs"] == {"forward": 1.0, "backward": 2.0, "comm": 0.0, **split}
 
 
 def test_simulation_costs_come_from_the_spec():
@@ -120,11 +125,21 @@ def test_simulation_costs_come_from_the_spec():
     ({"pp": 2, "vpp": 1, "microbatches": 4, "schedule": "interleaved-1f1b"}, "interleaved-1f1b needs vpp >= 2"),
     ({"pp": 4, "vpp": 2, "microbatches": 2, "schedule": "interleaved-1f1b"}, "needs microbatches >= pp"),
     ({"pp": 1, "vpp": 2, "microbatches": 2, "schedule": "interleaved-1f1b"}, "needs pp >= 2"),
+    ({"pp": 2, "vpp": 1, "microbatches": 4, "schedule": "zbv"}, "zbv needs vpp=2"),
+    ({"pp": 2, "vpp": 2, "microbatches": 4, "schedule": "zb-h1"}, "zb-h1 needs vpp=1"),
 ])
 def test_schedules_a_kind_cannot_run_are_refused_naming_the_rule(parallel, rule):
     with pytest.raises(PlanError, match=rule) as err:
         pipeline_plan(**parallel)
     assert err.value.field == "parallel.schedule"
+
+
+def test_a_weight_gradient_cost_above_the_whole_backward_is_refused():
+    spec = tiny_spec(parallel={"pp": 2, "microbatches": 2, "schedule": "zb-h1"},
+                     sim_costs={"backward": 2, "backward_weight": 3})
+    with pytest.raises(PlanError, match="backward_weight=3.0 exceeds backward=2.0") as err:
+        make_plan(parse_spec(spec))
+    assert err.value.field == "sim_costs.backward_weight"
 
 
 def test_tied_embeddings_across_stages_are_refused():

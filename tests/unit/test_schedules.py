@@ -16,6 +16,7 @@ from trainyard.parallel.schedules import (
     check_schedule_args,
     format_actions,
     parse_actions,
+    placement_of,
 )
 
 # (pp, microbatches): multiples of pp, non-multiples, fewer micro-batches than ranks, and a single rank.
@@ -106,6 +107,8 @@ OFFERED = [  # every combination here must build and pass the simulator, whateve
     ("interleaved-1f1b", 2, 2, 2), ("interleaved-1f1b", 2, 3, 2), ("interleaved-1f1b", 2, 5, 3),
     ("interleaved-1f1b", 3, 4, 2), ("interleaved-1f1b", 3, 5, 3), ("interleaved-1f1b", 4, 6, 2),
     ("interleaved-1f1b", 4, 7, 2), ("interleaved-1f1b", 4, 13, 4), ("interleaved-1f1b", 5, 12, 2),
+    ("zb-h1", 1, 3, 1), ("zb-h1", 2, 1, 1), ("zb-h1", 3, 5, 1), ("zb-h1", 4, 2, 1), ("zb-h1", 4, 8, 1),
+    ("zbv", 1, 3, 2), ("zbv", 2, 1, 2), ("zbv", 2, 5, 2), ("zbv", 3, 4, 2), ("zbv", 4, 6, 2), ("zbv", 4, 9, 2),
 ]
 
 
@@ -114,8 +117,9 @@ def test_every_offered_combination_passes_the_simulator_under_any_costs(kind, pp
     check_schedule_args(kind, pp, m, vpp)
     stages = build_schedule(kind, pp, m, vpp)
     assert len(stages) == pp
-    for costs in (Costs(), Costs(1.0, 1.0, 0.0), Costs(2.0, 1.0, 0.5), Costs(0.5, 3.0, 1.0)):
-        result = simulate(stages, m, vpp, costs)
+    for costs in (Costs(), Costs(1.0, 1.0, 0.0), Costs(2.0, 1.0, 0.5), Costs(0.5, 3.0, 1.0),
+                  Costs(1.0, 3.0, 0.5, backward_weight=0.5)):
+        result = simulate(stages, m, vpp, costs, placement_of(kind))
         assert result.makespan > 0
         assert len(result.peak_activations) == pp
     if pp == 1:
@@ -123,7 +127,8 @@ def test_every_offered_combination_passes_the_simulator_under_any_costs(kind, pp
 
 
 @pytest.mark.parametrize(("kind", "pp", "m", "vpp", "why"), [
-    ("zero-bubble", 2, 4, 1, "unknown schedule 'zero-bubble'; expected one of gpipe, 1f1b, interleaved-1f1b"),
+    ("zero-bubble", 2, 4, 1, "unknown schedule 'zero-bubble'; expected one of gpipe, 1f1b, interleaved-1f1b, "
+                            "zb-h1, zbv"),
     ("1f1b", 2, 4, 2, "1f1b needs vpp=1 (got vpp=2); use interleaved-1f1b"),
     ("interleaved-1f1b", 2, 4, 1, "interleaved-1f1b needs vpp >= 2 (got vpp=1)"),
     ("interleaved-1f1b", 1, 4, 2, "interleaved-1f1b needs pp >= 2 (got pp=1)"),
