@@ -17,6 +17,7 @@ from helpers import REPO, tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.checkpoint import step_dir
 from trainyard.parallel.plan import Plan, make_plan
+from trainyard.parallel.reduction_bytes import reduction_bytes
 
 STEPS = 2
 MODEL = {"n_layer": 4, "n_head": 2, "d_model": 32}
@@ -111,3 +112,13 @@ def test_a_zero0_dp1_checkpoint_resumes_at_zero3(runs):
     resumed = runs["zero0-resumed-at-zero3"]
     assert len(resumed[0]) == STEPS - 1
     assert_follows(resumed, runs["reference"][0], first_step=1)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_the_bytes_each_rank_reduces_per_step_are_the_plans(runs, zero):
+    """Each backward of a chunk reduce-scatters its gradients: micro-batches x the local gradients."""
+    plan = RUNS[f"zero{zero}-tp"][0]
+    per_stage = reduction_bytes(plan)["per_stage"]
+    for rank, stats in enumerate(runs[f"zero{zero}-tp"]):
+        expected = per_stage[plan.coords(rank).pp]["sent"]
+        assert expected > 0 and stats[-1]["reduce_bytes"] == pytest.approx(expected, rel=0.01)
