@@ -166,7 +166,7 @@ class TrainOptimizer:
         for t, leaves in self.leaves.items():
             flat = {k: _local(v).reshape(-1) for k, v in view.state[t].items()}
             for leaf in leaves:
-                shape = leaf.held.shape
+                shape = _local(leaf.held).shape
                 values = {k: v[leaf.start:leaf.start + leaf.numel].view(shape) for k, v in flat.items()}
                 optimizer_states.load(self.kind, self._optimizer_of[id(leaf.held)], leaf.held, values)
                 if self.offload:
