@@ -26,6 +26,7 @@ from bench import checkpoint, data, dp, elastic, families, faults, perf, pipelin
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
+from bench.savers_optim import run_section as savers_optim
 from bench.service_job import BenchError
 
 RESULTS = BENCH / "results.json"
@@ -61,6 +62,7 @@ SECTIONS: dict[str, Section] = {
         Section("families", "a llama step vs a gpt2 step at equal parameter count", families.run_section),
         Section("signals", "SIGTERM to the service's process group vs to its process", signals.run_section),
         Section("poll", "a poll at step 20,000 vs early; resume_from of a 2 GiB checkpoint", poll.run_section),
+        Section("savers-optim", "adamw8bit, adafactor, optimizer and activation offload vs off", savers_optim),
     )
 }
 
