@@ -25,24 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.optimizers import ADAFACTOR, ADAMW8BIT, OptimizerKind
-
-
-def adamw8bit(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """torchao's AdamW8bit; its step is compiled on CUDA, run eagerly (the same ops) on CPU."""
-    from torchao.optim import AdamW8bit  # noqa: PLC0415 - lazily: only jobs that ask for it pay the import
-
-    class EagerOnCpuAdamW8bit(AdamW8bit):
-        @torch.no_grad()
-        def step(self, closure=None):
-            on_cpu = all(p.device.type == "cpu" for g in self.param_groups for p in g["params"])
-            if not on_cpu:
-                return super().step(closure)
-            with torch.compiler.set_stance("force_eager"):
-                return super().step(closure)
-
-    return EagerOnCpuAdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
 
 def empty_state(kind: OptimizerKind, optimizer: torch.optim.Optimizer, t: torch.Tensor) -> dict[str, torch.Tensor]:

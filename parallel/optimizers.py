@@ -44,7 +44,7 @@ def _build_adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimi
 
 
 def _build_adamw8bit(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    from trainyard.parallel.optimizer_states import adamw8bit
+    from trainyard.parallel.adamw8bit import adamw8bit
 
     return adamw8bit(groups, cfg)
 
