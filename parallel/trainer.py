@@ -223,6 +223,7 @@ class RankTrainer:
         by the caller before the job ends) waits for the write and commits."""
         self.finish_checkpoint()
         state, writer = self.checkpoint_state(), self.rank == 0
+        self._state_view = None  # a load fills and takes it back; a save only reads it (and keeps no copy)
         if background:
             finish = checkpoint.start_async_save(state, root, step, info, self.groups.checkpoint, writer)
             self._pending_checkpoint = (finish, root)
@@ -254,6 +255,7 @@ class RankTrainer:
         and its process groups across an in-memory resize (`adopt_state`)."""
         self.finish_checkpoint()
         state = self.checkpoint_state()
+        self._state_view = None
         return {"model": {k: local_part(t).detach() for k, t in state["model"].items()},
                 "optim": {k: {m: local_part(t) for m, t in v.items()} for k, v in state["optim"].items()}}
 
