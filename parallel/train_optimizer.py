@@ -27,6 +27,7 @@ the trainer does afterwards, and on parameters only (not ZeRO-1 slices).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -228,9 +229,8 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return host
 
 
-def _on(stream: torch.cuda.Stream | None):
-    import contextlib
-
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """Work queued on `stream` after what the current stream queued so far (nothing to do without CUDA)."""
     if stream is None:
         return contextlib.nullcontext()
     stream.wait_stream(torch.cuda.current_stream())
