@@ -31,6 +31,12 @@ term counts the whole T x T score matrix, as both sources do, though causal atte
 
     python -m bench.gpu --out gpu.json                # GPU: GPT-2 medium shape (406M parameters), bf16, 16 x 1024
     python -m bench.gpu --tiny --device cpu --steps 3 # seconds on a CPU: checks the code path, no numbers
+    python -m bench.gpu --offload --out gpu.json      # adds trainyard+offload: optimizer and activation offload
+
+With `--offload`, a side `trainyard+offload` runs the same job with `optimizer.offload` and `activation_offload`
+on (a second trainer on the same process group): its tokens/s against trainyard's is the offload's step-time
+cost, and `offload` in the result holds both trainers' device optimizer bytes, host bytes and peak saved
+activation bytes (the device saving), from their last step's StepStats.
 
 Never run in CI (`tests/integration/test_gpu_bench.py` runs only the tiny CPU mode, without timing claims).
 """
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -113,7 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = plan.config
     shares = _shares(plan)
     try:
-        sides = [_trainyard_side(plan, device, shares)]
+        first, driver, first_stats = _trainyard_side(plan, device, shares)
+        sides, offload_stats = [first], None
+        if args.offload:
+            offloaded = make_plan(dataclasses.replace(
+                cfg, optimizer=dataclasses.replace(cfg.optimizer, offload=True), activation_offload=True))
+            side, _, offload_stats = _trainyard_side(offloaded, device, shares, driver, "trainyard+offload")
+            sides.append(side)
         counts = _param_counts(sides[0].model)
         flops_per_token = family_of(cfg.model).flops_per_token(cfg.model)  # 6 N + 12 L d T
         peak = args.peak_tflops if args.peak_tflops is not None else _peak_tflops(device)
@@ -131,6 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutdown_distributed()
     result = _result(cfg, plan, device, precision, args, counts, flops_per_token, peak, times, losses, load_ms)
+    if offload_stats is not None:
+        keys = ("optimizer_bytes", "optimizer_host_bytes", "peak_activation_bytes")
+        result["offload"] = {"off": {k: first_stats[-1][k] for k in keys},
+                             "on": {k: offload_stats[-1][k] for k in keys}}
     print(_summary(result), flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -161,15 +178,21 @@ def _shares(plan: Plan) -> Shares:
     return [step_microbatches(plan, 0, step, num_samples) for step in range(cfg.steps)]
 
 
-def _trainyard_side(plan: Plan, device: torch.device, shares: Shares) -> Side:
-    trainer = RankDriver(plan, 0, "127.0.0.1", free_ports(1)[0], device, DIST_TIMEOUT_S).trainer
-    losses: list[float] = []
+def _trainyard_side(plan: Plan, device: torch.device, shares: Shares, driver: RankDriver | None = None,
+                    name: str = "trainyard") -> tuple[Side, RankDriver, list[dict]]:
+    """The trainer's side, its driver (a second side reuses it: `trainer_for`) and its steps' StepStats."""
+    if driver is None:
+        driver = RankDriver(plan, 0, "127.0.0.1", free_ports(1)[0], device, DIST_TIMEOUT_S)
+        trainer = driver.trainer
+    else:
+        trainer = driver.trainer_for(plan)
+    stats: list[dict] = []
 
     def step(i: int) -> None:
-        losses.append(trainer.train_step(i, shares[i]).loss)
+        stats.append(trainer.train_step(i, shares[i]).to_dict())
 
     (model,) = trainer.chunks  # world size 1: one stage holding the whole model
-    return Side("trainyard", model, step, lambda: list(losses))
+    return Side(name, model, step, lambda: [s["loss"] for s in stats]), driver, stats
 
 
 def _plain_side(cfg: JobConfig, device: torch.device, precision: str, batches: Batches,
@@ -358,6 +381,12 @@ def _summary(r: dict) -> str:
                  f"{r['loss_max_rel_diff']:.1e} (relative) at any step")
     lines.append(f"trainyard's batch reading and copy inside its step: {r['trainyard_batch_load_ms']:.2f} ms "
                  f"({100 * r['trainyard_batch_load_ms'] / ours['step_ms']:.1f}% of its step)")
+    if "offload" in r:
+        off, on = r["offload"]["off"], r["offload"]["on"]
+        lines.append(f"offload: device optimizer state {on['optimizer_bytes'] / 2**20:.1f} MiB (off: "
+                     f"{off['optimizer_bytes'] / 2**20:.1f}), host {on['optimizer_host_bytes'] / 2**20:.1f} MiB; peak "
+                     f"saved activations on the device {on['peak_activation_bytes'] / 2**20:.1f} MiB (off: "
+                     f"{off['peak_activation_bytes'] / 2**20:.1f})")
     if r["peak_memory_gib"] is not None:
         lines.append(f"peak device memory (every side's model and optimizer live): {r['peak_memory_gib']:.1f} GiB")
     return "\n".join(lines)
@@ -377,6 +406,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
                    help="recompute activations in backward, on every side (MFU still counts model FLOPs only)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block, on every side")
+    p.add_argument("--offload", action="store_true",
+                   help="add a side trainyard+offload: optimizer.offload and activation_offload on")
     p.add_argument("--diagnose", action="store_true",
                    help="also time plain+buckets and plain+sync: what the trainer's gradient buckets and per-step "
                         "reads cost")

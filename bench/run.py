@@ -40,6 +40,7 @@ from bench import (
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
+from bench.savers_optim import run_section as savers_optim
 from bench.savers_zero import run_section as savers_zero_section
 from bench.service_job import BenchError
 
@@ -78,6 +79,7 @@ SECTIONS: dict[str, Section] = {
         Section("poll", "a poll at step 20,000 vs early; resume_from of a 2 GiB checkpoint", poll.run_section),
         Section("savers-zero", "ZeRO-2 and ZeRO-3 vs zero 0 (dp=2): memory and step time", savers_zero_section),
         Section("savers_grads", "powersgd vs uncompressed; compile vs eager", savers_grads.run_section),
+        Section("savers-optim", "adamw8bit, adafactor, optimizer and activation offload vs off", savers_optim),
     )
 }
 

@@ -177,8 +177,12 @@ class OptimizerConfig:
     min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1
     grad_clip: Annotated[float, Ge(0), Le(1e9)] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
-    kind: Literal["adamw"] = "adamw"
-    """Which optimizer (`parallel.optimizers.OPTIMIZERS`): its update and the state it keeps per parameter."""
+    kind: Literal["adamw", "adamw8bit", "adafactor"] = "adamw"
+    """Which optimizer (`parallel.optimizers.OPTIMIZERS`): its update and the state it keeps per parameter.
+    adamw8bit: AdamW with block-wise 8-bit moments (torchao); adafactor: factored second moments, no first
+    moment, `lr` a relative step (torch's Adafactor)."""
+    offload: bool = False
+    """ZeRO-Offload: the optimizer's state lives in (pinned) host memory and its step runs on the CPU."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,6 +352,8 @@ class JobConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward instead of keeping them: `full` recomputes each block, `selective`
     only the attention core and the MLP's activation (Megatron's choice)."""
+    activation_offload: bool = False
+    """Keep the blocks' saved activations in (pinned) host memory until backward (torch's `save_on_cpu`)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: bool = False
     """torch.compile each transformer block on its own (regional compilation, as torchtitan does; inductor)."""

@@ -64,14 +64,26 @@ class RankMemory:
     """Most bytes saved for backward at once over the step (what `peak_activation_bytes` measures)."""
     recompute: int
     """Activation checkpointing: the activations of the region recomputed in backward, held transiently."""
+    host_optimizer: int = 0
+    """`optimizer.offload`: the optimizer's state in host memory, with host copies of what it updates and of
+    their gradients (`optimizer` is then 0)."""
+    host_activations: int = 0
+    """`activation_offload`: most bytes of the blocks' saved activations in host memory at once."""
 
     @property
     def total(self) -> int:
+        """Device bytes."""
         return self.params + self.grads + self.optimizer + self.activations + self.recompute
+
+    @property
+    def host(self) -> int:
+        return self.host_optimizer + self.host_activations
 
     def to_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "recompute": self.recompute, "total": self.total}
+                "activations": self.activations, "recompute": self.recompute, "total": self.total,
+                "host_optimizer": self.host_optimizer, "host_activations": self.host_activations,
+                "host_total": self.host}
 
 
 Plan = Sizing
@@ -88,13 +100,20 @@ def estimate(layout: Layout, config: JobConfig) -> list[RankMemory]:
 
 def rank_memory(plan: Plan, rank: int) -> RankMemory:
     counts = param_counts(plan, plan.coords(rank).pp)
-    chunks = [_chunk_activations(plan, pp_rank=plan.coords(rank).pp, chunk=c) for c in range(plan.vpp)]
+    pp = plan.coords(rank).pp
+    chunks = [_chunk_activations(plan, pp_rank=pp, chunk=c) for c in range(plan.vpp)]
+    offloaded = [_offloaded_activations(plan, pp, c) for c in range(plan.vpp)]
+    state = optimizer_bytes(plan, counts)
+    offload = plan.config.optimizer.offload
     return RankMemory(
-        params=param_bytes(plan, plan.coords(rank).pp),
-        grads=gradient_bytes(plan, counts) + compression_state_bytes(plan, plan.coords(rank).pp),
-        optimizer=optimizer_bytes(plan, counts),
-        activations=peak_activation_bytes(plan, plan.coords(rank).pp, [kept for kept, _ in chunks]),
+        params=param_bytes(plan, pp),
+        grads=gradient_bytes(plan, counts) + compression_state_bytes(plan, pp),
+        optimizer=0 if offload else state,
+        activations=peak_activation_bytes(plan, pp, [kept - host for (kept, _), host in zip(chunks, offloaded,
+                                                                                              strict=True)]),
         recompute=max(transient for _, transient in chunks),
+        host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
+        host_activations=peak_activation_bytes(plan, pp, offloaded),
     )
 
 
@@ -151,12 +170,32 @@ def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     return bytes_
 
 
-def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
-    """The optimizer's state (AdamW: exp_avg and exp_avg_sq, fp32) for the parameter elements whose state the
-    sharding strategy keeps on this rank (ZeRO-1: 1/N of each set, N its reducing group)."""
+def optimizer_elements(plan: Plan, counts: ParamCounts) -> int:
+    """The parameter elements whose optimizer state the sharding strategy keeps on this rank (ZeRO-1: 1/N of
+    each set, N its reducing group)."""
     sharding = sharding_for(plan.config.parallel.zero)
-    elements = sum(sharding.optimizer_elements(n, size) for n, size in _reduced_sets(plan, counts))
-    return optimizer_kind(plan.config.optimizer).state_bytes(elements)
+    return sum(sharding.optimizer_elements(n, size) for n, size in _reduced_sets(plan, counts))
+
+
+def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
+    """The optimizer's state for this rank's elements, by the registry (`parallel.optimizers`: AdamW 8 B per
+    element, adamw8bit about 2, adafactor about 8 / d_model): on the device, or with `optimizer.offload`
+    on the host."""
+    return optimizer_kind(plan.config.optimizer).state_bytes(optimizer_elements(plan, counts),
+                                                             plan.config.model.d_model)
+
+
+def _offloaded_activations(plan: Plan, pp_rank: int, chunk: int) -> int:
+    """`activation_offload`: the bytes of one micro-batch's chunk that the blocks save (those go to the host;
+    the embedding's and the head's stay on the device)."""
+    if not plan.config.activation_offload:
+        return 0
+    kept, _ = _chunk_activations(plan, pp_rank, chunk)
+    m, family, s = plan.config.model, family_of(plan.config.model), _shapes(plan)
+    v = virtual_stage(pp_rank, chunk, plan.pp)
+    stays = (family.embed_activations(m, s) if v == 0 else 0) + \
+        (family.head_activations(m, s) if v == plan.n_virtual_stages - 1 else 0)
+    return kept - stays
 
 
 def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> int:

@@ -23,7 +23,8 @@ from trainyard.parallel.optimizers import optimizer_kind
 
 def make_optimizer(params: Iterable[tuple[torch.Tensor, nn.Parameter]],
                    cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The spec's optimizer (AdamW) over (tensor to update, the parameter it belongs to) pairs: the parameters
+    """The spec's optimizer (`optimizer.kind`; the trainer's, with offload and factored pieces, is
+    `parallel.train_optimizer`'s) over (tensor to update, the parameter it belongs to) pairs: the parameters
     themselves, or with ZeRO-1 this rank's pieces of them. Weight decay on matrices and embeddings only (not
     on biases and norm gains), as the owning parameter's shape says.
 
@@ -51,8 +52,12 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's learning rate (torchao's optimizers keep it as a tensor, to be filled in place)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 @torch.no_grad()

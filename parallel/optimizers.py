@@ -1,14 +1,28 @@
 """The optimizer registry: each optimizer's per-parameter state and its bytes, and how to build it.
 
-`optimizer.kind` in the spec picks an entry. The memory plan asks it how many bytes of state a parameter
-costs (`parallel.memory`), the trainer and the checkpoint which tensors it keeps per parameter (saved as
-the parameter's moments, under the same names in every layout), and `parallel.optim.make_optimizer` builds
-it. 8-bit or factored states and offload are new entries with their own bytes and state names.
-Pure at import (the plan reads this without torch); `build` imports torch when it runs.
+`optimizer.kind` in the spec picks an entry. The memory plan asks it how many bytes of state a rank's
+parameters cost (`parallel.memory`), the checkpoint which tensors it keeps per parameter (saved under the
+parameter's name in the parameter's shape, fp32, in every layout: see `parallel.optimizer_states`), and
+`parallel.train_optimizer` builds it.
+
+- `adamw`: torch's AdamW (foreach): exp_avg and exp_avg_sq, fp32, 8 B per element.
+- `adamw8bit`: torchao's `AdamW8bit` (Dettmers et al. 2021): both moments block-wise quantized to 8 bits
+  (256-element blocks, an fp32 absmax scale per block, torchao's dynamic map), 2 B + 8/256 B per element;
+  torchao keeps tensors under 4096 elements (or not a multiple of 256: biases, norms, the odd ZeRO-1 slice)
+  in fp32, which the plan does not count (a fraction of a percent of a real model's state). Its step is
+  `torch.compile`d on CUDA as torchao intends and run eagerly on CPU (inductor's CPU compile costs tens
+  of seconds per tensor shape and the step is memory bound anyway).
+- `adafactor`: torch's `Adafactor` (Shazeer & Stern 2018): no first moment, the second moment of a matrix
+  factored into row and column means, O(rows + cols) fp32 per matrix (a vector keeps its full variance).
+  The factoring is per local piece (a tensor-parallel shard, a ZeRO-1 slice cut into whole rows): see
+  `parallel.optimizer_states`. Its `lr` is torch's relative step (times the parameter's RMS).
+
+Pure at import (the plan and the API read this without torch); the callables import torch when they run.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +33,8 @@ if TYPE_CHECKING:
     import torch
 
 FP32 = 4
+BLOCK_8BIT = 256
+"""torchao's block size for 8-bit states: one fp32 scale per this many elements."""
 
 
 def _build_adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -27,35 +43,52 @@ def _build_adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimi
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
 
 
-def _empty_adamw_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
+def _build_adamw8bit(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    from trainyard.parallel.adamw8bit import adamw8bit
+
+    return adamw8bit(groups, cfg)
+
+
+def _build_adafactor(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     import torch
 
-    return {"step": torch.tensor(0.0), **{k: torch.zeros_like(t, memory_format=torch.preserve_format)
-                                          for k in ADAMW.state}}
+    return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=False)
 
 
 @dataclass(frozen=True)
 class OptimizerKind:
     name: str
     state: tuple[str, ...]
-    """The tensors it keeps per parameter, each shaped like the parameter (besides a scalar step count)."""
-    state_bytes_per_element: int
-    """Bytes of all of `state` per parameter element."""
+    """The tensors the checkpoint keeps per parameter, each fp32 in the parameter's shape (the optimizer's
+    own state is converted to and from them: `parallel.optimizer_states`)."""
     build: Callable[[list[dict], OptimizerConfig], torch.optim.Optimizer]
     """Builds it over parameter groups (`{"params": [...], "weight_decay": ...}`) with the spec's settings."""
-    empty_state: Callable[[torch.Tensor], dict[str, torch.Tensor]]
-    """The state it would create for tensor `t` at its first step (a checkpoint before it, or a load,
-    needs the state to exist)."""
+    plan_bytes: Callable[[int, int], int]
+    """(parameter elements, d_model) -> bytes of state the memory plan counts for them."""
+    matrices: bool = False
+    """It wants each piece of a matrix as whole rows (2-D views), as factored states do."""
+    identity_state: bool = False
+    """Its own state tensors are the checkpoint's (fp32, the tensor's shape): saved and loaded in place."""
 
-    def state_bytes(self, elements: int) -> int:
-        """Bytes of state for `elements` parameter elements."""
-        return self.state_bytes_per_element * elements
+    def state_bytes(self, elements: int, d_model: int = 1) -> int:
+        """Bytes of state for `elements` parameter elements of a model of width `d_model`."""
+        return self.plan_bytes(elements, d_model)
 
 
-ADAMW = OptimizerKind(name="adamw", state=("exp_avg", "exp_avg_sq"), state_bytes_per_element=2 * FP32,
-                      build=_build_adamw, empty_state=_empty_adamw_state)
+def _adafactor_bytes(elements: int, d_model: int) -> int:
+    """Every matrix of a block has d_model (or a tp shard of a multiple of it) on one side: rows + cols of a
+    (d, k d) matrix is (1 + 1/k) n / d <= 2 n / d. An estimate (the vectors' full variances are left out)."""
+    return FP32 * math.ceil(2 * elements / max(1, d_model))
 
-OPTIMIZERS: dict[str, OptimizerKind] = {"adamw": ADAMW}
+
+ADAMW = OptimizerKind(name="adamw", state=("exp_avg", "exp_avg_sq"), build=_build_adamw,
+                      plan_bytes=lambda n, d: 2 * FP32 * n, identity_state=True)
+ADAMW8BIT = OptimizerKind(name="adamw8bit", state=("exp_avg", "exp_avg_sq"), build=_build_adamw8bit,
+                          plan_bytes=lambda n, d: 2 * (n + FP32 * math.ceil(n / BLOCK_8BIT)))
+ADAFACTOR = OptimizerKind(name="adafactor", state=("exp_avg_sq",), build=_build_adafactor,
+                          plan_bytes=_adafactor_bytes, matrices=True)
+
+OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAMW8BIT, ADAFACTOR)}
 
 
 def optimizer_kind(cfg: OptimizerConfig) -> OptimizerKind:

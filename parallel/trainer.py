@@ -42,14 +42,14 @@ from trainyard.parallel.distributed import RankGroups
 from trainyard.parallel.fsdp import shard_chunks
 from trainyard.parallel.models import family_of
 from trainyard.parallel.moe import MoEContext, moe_layers
-from trainyard.parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
-from trainyard.parallel.optimizers import optimizer_kind
+from trainyard.parallel.optim import clip_grad_norm, lr_at, set_lr
 from trainyard.parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.powersgd import PowerSGD
 from trainyard.parallel.schedules import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.sharding import sharding_for
 from trainyard.parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
+from trainyard.parallel.train_optimizer import StateView, TrainOptimizer
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,9 @@ class StepStats:
     peak_activations: int
     peak_activation_bytes: int
     optimizer_bytes: int
-    """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
+    """Bytes of optimizer state this rank holds on its device (with ZeRO-1, its slice's only; offloaded: 0)."""
+    optimizer_host_bytes: int
+    """Offloaded: bytes of optimizer state and of the host copies of parameters and gradients in host memory."""
     early_reductions: int
     """Gradient buckets whose reduction started during backward (overlapped), of `buckets`."""
     buckets: int
@@ -125,9 +127,9 @@ class RankTrainer:
             if any(per_chunk):
                 self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
                                                    sharded=self.sharded, compressor=self.compressor)
-        self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
-                                        cfg.optimizer)
-        self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
+        self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
+                                        cfg.optimizer, offload=cfg.optimizer.offload)
+        self._state_view: StateView | None = None
         self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
         self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
@@ -157,6 +159,7 @@ class RankTrainer:
         if self.groups.tp_mesh is not None:
             apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.parallel.sp)
         stage.set_activation_checkpointing(cfg.activation_checkpointing)
+        stage.set_activation_offload(cfg.activation_offload)
         if cfg.compile:
             compile_blocks(stage)
         for _, layer in moe_layers(stage):
@@ -194,9 +197,10 @@ class RankTrainer:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
             loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
         grad_norm = float(grad_norm)
+        device_bytes, host_bytes = self.optimizer.state_bytes()
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
                          pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,
-                         optimizer_bytes=self._optimizer_bytes(),
+                         optimizer_bytes=device_bytes, optimizer_host_bytes=host_bytes,
                          early_reductions=sum(r.started_early for r in self.reducers.values()),
                          buckets=sum(len(r.buckets) for r in self.reducers.values()),
                          reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
@@ -225,12 +229,13 @@ class RankTrainer:
         return float(total)
 
     def checkpoint_state(self) -> dict:
-        """This rank's part of a checkpoint (see parallel.checkpoint): its parameters and their AdamW moments,
-        under the unsharded model's names and in the parameters' shapes."""
-        self._init_optimizer_state()
+        """This rank's part of a checkpoint (see parallel.checkpoint): its parameters and their optimizer state
+        (AdamW's moments, or another kind's state in that form: `parallel.optimizer_states`), under the
+        unsharded model's names and in the parameters' shapes."""
         names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
-        state_keys = self.optimizer_kind.state
-        moments = {p: m for r in self.reducers.values() for p, m in r.moments(self.optimizer, state_keys).items()}
+        self._state_view = view = self.optimizer.export()
+        state_keys = self.optimizer.kind.state
+        moments = {p: m for r in self.reducers.values() for p, m in r.moments(view, state_keys).items()}
         return {"model": {name: p for p, name in names.items()},
                 "optim": {names[p]: m for p, m in moments.items()}}
 
@@ -240,6 +245,7 @@ class RankTrainer:
         by the caller before the job ends) waits for the write and commits."""
         self.finish_checkpoint()
         state, writer = self.checkpoint_state(), self.rank == 0
+        self._state_view = None  # a load fills and takes it back; a save only reads it (and keeps no copy)
         if background:
             finish = checkpoint.start_async_save(state, root, step, info, self.groups.checkpoint, writer)
             self._pending_checkpoint = (finish, root)
@@ -271,6 +277,7 @@ class RankTrainer:
         and its process groups across an in-memory resize (`adopt_state`)."""
         self.finish_checkpoint()
         state = self.checkpoint_state()
+        self._state_view = None
         return {"model": {k: local_part(t).detach() for k, t in state["model"].items()},
                 "optim": {k: {m: local_part(t) for m, t in v.items()} for k, v in state["optim"].items()}}
 
@@ -295,21 +302,12 @@ class RankTrainer:
         moments into the optimizer (with ZeRO-1, this rank's slices) and its step counter set to `step`."""
         names = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
         moments = {names[name]: m for name, m in state["optim"].items()}
+        assert self._state_view is not None  # the view checkpoint_state() exported, whose tensors were filled
         for reducer in self.reducers.values():
-            reducer.load_moments(self.optimizer, moments)
-        for tensor_state in self.optimizer.state.values():
-            tensor_state["step"].fill_(step)
-
-    def _init_optimizer_state(self) -> None:
-        """AdamW creates its state at the first step; a checkpoint before it (or a load) needs it now."""
-        for group in self.optimizer.param_groups:
-            for t in group["params"]:
-                if not self.optimizer.state[t]:
-                    self.optimizer.state[t] = self.optimizer_kind.empty_state(t)
-
-    def _optimizer_bytes(self) -> int:
-        return sum(local_part(t).numel() * t.element_size() for state in self.optimizer.state.values()
-                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+            reducer.load_moments(self._state_view, moments)
+        self._state_view.write_back()
+        self._state_view = None
+        self.optimizer.set_step(step)
 
     def _arm_reduction(self, action: Action) -> None:
         """Before a chunk's last backward (B or W) of the step: its gradients' reduction may start during it."""

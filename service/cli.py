@@ -275,19 +275,23 @@ def format_plan(d: dict) -> str:
 
 
 _MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "total")
+_HOST_COLUMNS = ("host_optimizer", "host_activations")
 
 
 def format_memory(memory: dict) -> list[str]:
     """The memory plan as a table, one row per set of ranks with the same numbers."""
     rows: dict[tuple[int, ...], list[int]] = {}
+    # total: device bytes; host bytes (optimizer and activation offload) in columns of their own, when any
+    columns = _MEMORY_COLUMNS + tuple(c for c in _HOST_COLUMNS if any(r.get(c) for r in memory["per_rank"]))
     for r in memory["per_rank"]:
-        rows.setdefault(tuple(r[c] for c in _MEMORY_COLUMNS), []).append(r["rank"])
+        rows.setdefault(tuple(r[c] for c in columns), []).append(r["rank"])
     width = max(12, *(len(_ranks_text(ranks)) + 6 for ranks in rows.values()))
     lines = ["memory per rank (estimated: what a rank holds at its peak, see the README's memory plan):",
-             f"  {'':<{width}}" + "".join(f"{c:>13}" for c in _MEMORY_COLUMNS)]
+             f"  {'':<{width}}" + "".join(f"{c:>{17 if c in _HOST_COLUMNS else 13}}" for c in columns)]
     for values, ranks in rows.items():
         label = f"{'ranks' if len(ranks) > 1 else 'rank'} {_ranks_text(ranks)}"
-        lines.append(f"  {label:<{width}}" + "".join(f"{format_bytes(v):>13}" for v in values))
+        lines.append(f"  {label:<{width}}" + "".join(f"{format_bytes(v):>{17 if c in _HOST_COLUMNS else 13}}"
+                                                     for c, v in zip(columns, values, strict=True)))
     return lines + ([f"  {memory['note']}"] if memory.get("note") else [])
 
 

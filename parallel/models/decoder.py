@@ -17,6 +17,7 @@ parameter draws from its own generator seeded by (seed, name).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
@@ -97,6 +98,7 @@ class DecoderStage(nn.Module):
                 self.lm_head.weight = self.wte.weight
         init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL)
         self.recompute_blocks = False
+        self.offload_blocks = False
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """none, full (recompute each block in backward: only block inputs are kept) or selective (each
@@ -106,12 +108,20 @@ class DecoderStage(nn.Module):
             if hasattr(module, "recompute"):
                 module.recompute = mode == "selective"
 
+    def set_activation_offload(self, on: bool) -> None:
+        """Keep what the blocks save for backward in host memory (pinned when CUDA is available) until their
+        backward needs it: torch's `save_on_cpu` (with recompute, what is still saved: the blocks' inputs
+        under full, the kept tensors under selective)."""
+        self.offload_blocks = on
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states (later stages) -> hidden states."""
         if self.first:
             x = self.embed(x)
-        for block in self.blocks.values():
-            x = checkpoint(block, x, use_reentrant=False) if self.recompute_blocks else block(x)
+        with (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if self.offload_blocks
+              else contextlib.nullcontext()):
+            for block in self.blocks.values():
+                x = checkpoint(block, x, use_reentrant=False) if self.recompute_blocks else block(x)
         return x
 
     def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

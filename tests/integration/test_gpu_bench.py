@@ -14,12 +14,15 @@ def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path
     precision = "bf16"  # the GPU's setting (fp32 takes the same path without autocast)
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu", "--precision", precision, "--warmup", "1",
-           "--steps", "2", "--rounds", "2", "--diagnose", "--peak-tflops", "1", "--out", str(out)]
+           "--steps", "2", "--rounds", "2", "--diagnose", "--offload", "--peak-tflops", "1", "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ratio trainyard / plain" in done.stdout
     result = json.loads(out.read_text())
-    assert set(result["sides"]) == {"trainyard", "plain", "plain+buckets", "plain+sync"}
+    assert set(result["sides"]) == {"trainyard", "trainyard+offload", "plain", "plain+buckets", "plain+sync"}
+    off, on = result["offload"]["off"], result["offload"]["on"]  # offload moves state and activations off the device
+    assert on["optimizer_bytes"] == 0 < off["optimizer_bytes"] < on["optimizer_host_bytes"]
+    assert on["peak_activation_bytes"] < off["peak_activation_bytes"]
     for side in result["sides"].values():
         assert side["tokens_per_s"] > 0 and side["mfu"] > 0 and side["ratio_to_plain"] > 0
         assert len(side["tokens_per_s_per_round"]) == 2

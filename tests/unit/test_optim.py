@@ -31,5 +31,7 @@ def test_the_optimizer_registry_knows_adamws_state_and_builds_it():
     state = optimizer.state[weight]
     assert set(kind.state) == {k for k, t in state.items() if t.dim() > 0}
     assert kind.state_bytes(weight.numel()) == sum(state[k].numel() * state[k].element_size() for k in kind.state)
-    empty = kind.empty_state(weight)
+    from trainyard.parallel.optimizer_states import empty_state
+
+    empty = empty_state(kind, optimizer, weight)
     assert set(empty) == set(state) and all(not t.any() for t in empty.values())

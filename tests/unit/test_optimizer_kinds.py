@@ -1,0 +1,129 @@
+"""The optimizer registry's kinds in-process: the state each really keeps against the bytes the registry
+claims, the checkpoint form's round trip (8-bit against torchao's own quantization, factored against the
+factors), the pieces a factored kind cuts a ZeRO-1 slice into, offload's host step against the plain one,
+and the memory plan's device/host split."""
+
+from __future__ import annotations
+
+import torch
+from trainyard.parallel.config import OptimizerConfig
+from trainyard.parallel.optimizer_states import export, load, tensor_bytes
+from trainyard.parallel.optimizers import ADAFACTOR, ADAMW, ADAMW8BIT, OPTIMIZERS
+from trainyard.parallel.train_optimizer import TrainOptimizer
+
+
+def _param(shape: tuple[int, ...], seed: int = 0) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
+    p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1))
+    return p
+
+
+def _stepped(kind: str, p: torch.nn.Parameter, steps: int = 2, **cfg) -> TrainOptimizer:
+    opt = TrainOptimizer([(p, p)], OptimizerConfig(kind=kind, **cfg))
+    for _ in range(steps):
+        opt.step()
+    return opt
+
+
+def test_each_kind_keeps_the_state_bytes_the_registry_claims():
+    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "adafactor"}
+    shape = (64, 256)
+    n = shape[0] * shape[1]
+    measured = {kind: _stepped(kind, _param(shape)).state_bytes()[0] for kind in OPTIMIZERS}
+    assert measured["adamw"] == ADAMW.state_bytes(n) == 8 * n
+    # 8-bit codes and a scale per 256-element block for both moments, plus torchao's two 256-entry maps
+    assert measured["adamw8bit"] == ADAMW8BIT.state_bytes(n) + 2 * 256 * 4
+    assert measured["adamw8bit"] <= 0.27 * measured["adamw"]
+    # factored: one fp32 per row and per column
+    assert measured["adafactor"] == 4 * (shape[0] + shape[1])
+    assert ADAFACTOR.state_bytes(n, d_model=shape[0]) >= measured["adafactor"]
+
+
+def test_8bit_state_round_trips_through_the_checkpoint_form_as_torchao_quantizes_it():
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    p = _param((32, 256))
+    opt = _stepped("adamw8bit", p)
+    inner = opt.optimizers[0]
+    state = inner.state[p]
+    assert isinstance(state["exp_avg"], OptimState8bit)
+    saved = export(ADAMW8BIT, inner, p)
+    # the checkpoint form is torchao's own dequantization, fp32 in the parameter's shape
+    assert saved["exp_avg"].dtype == torch.float32 and saved["exp_avg"].shape == p.shape
+    torch.testing.assert_close(saved["exp_avg_sq"], state["exp_avg_sq"].dequantize())
+    codes = state["exp_avg"].codes.clone()
+    state["exp_avg"].copy_(torch.zeros_like(saved["exp_avg"]))
+    load(ADAMW8BIT, inner, p, saved)
+    assert torch.equal(state["exp_avg"].codes, codes)  # re-quantizing a dequantized state gives its codes back
+    # and against fp32 AdamW after the same steps: within the 8-bit quantization error
+    ref = _param((32, 256))
+    reference = _stepped("adamw", ref)
+    assert (saved["exp_avg"] - reference.optimizers[0].state[ref]["exp_avg"]).abs().max() < 0.02
+
+
+def test_factored_state_round_trips_and_refactors_exactly():
+    p = _param((16, 24))
+    opt = _stepped("adafactor", p)
+    inner, (leaf,) = opt.optimizers[0], opt.leaves[p]  # a whole matrix: one leaf, a 2-D view of p
+    state = inner.state[leaf.held]
+    rows, cols = state["row_var"].clone(), state["col_var"].clone()
+    assert rows.shape == (16, 1) and cols.shape == (1, 24)
+    v = export(ADAFACTOR, inner, leaf.held)["exp_avg_sq"]
+    assert v.shape == p.shape
+    state["row_var"].zero_()
+    state["col_var"].zero_()
+    load(ADAFACTOR, inner, leaf.held, {"exp_avg_sq": v})
+    torch.testing.assert_close(state["row_var"], rows)
+    torch.testing.assert_close(state["col_var"], cols)
+
+
+def test_a_factored_kind_cuts_a_zero1_slice_into_whole_rows_and_partial_ones():
+    p = _param((6, 10))
+    piece = p.detach().view(-1)[7:53]  # starts in row 0 and ends in row 5, as a ZeRO-1 slice may
+    piece.grad = p.grad.view(-1)[7:53]
+    opt = TrainOptimizer([(piece, p)], OptimizerConfig(kind="adafactor"))
+    leaves = opt.leaves[piece]
+    assert [(leaf.start, tuple(leaf.tensor.shape)) for leaf in leaves] == [(0, (3,)), (3, (4, 10)), (43, (3,))]
+    before = p.detach().clone()
+    opt.step()
+    changed = (p.detach() != before).view(-1)
+    assert changed[7:53].all() and not changed[:7].any() and not changed[53:].any()  # the update lands in p
+    assert set(opt.export().state[piece]) == {"exp_avg_sq"} and opt.export().state[piece]["exp_avg_sq"].shape == (46,)
+
+
+def test_offloaded_step_equals_the_plain_one_and_moves_the_state_to_the_host():
+    plain, offloaded = _param((8, 16)), _param((8, 16))
+    a = _stepped("adamw", plain, steps=3)
+    b = TrainOptimizer([(offloaded, offloaded)], OptimizerConfig(), offload=True)
+    for _ in range(3):
+        b.step()
+    assert torch.equal(plain, offloaded)
+    assert b.state_bytes() == (0, a.state_bytes()[0] + 2 * 4 * plain.numel())
+    assert all(t is not offloaded for o in b.optimizers for g in o.param_groups for t in g["params"])
+
+
+def test_tensor_bytes_counts_what_a_tensor_subclass_holds():
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    state = OptimState8bit.zeros((4, 512), signed=True, block_size=256)
+    assert tensor_bytes(state) == 4 * 512 + 4 * 8 + 4 * 256
+    assert tensor_bytes(torch.tensor(1.0)) == 0
+
+
+def test_the_memory_plan_splits_device_and_host_bytes():
+    from helpers import tiny_spec
+    from trainyard.api.spec import parse_spec
+    from trainyard.parallel.memory import estimate
+    from trainyard.parallel.plan import make_plan
+
+    def memory(**kw):
+        config = parse_spec(tiny_spec(**kw))
+        return estimate(make_plan(config).layout, config)[0]
+
+    base, offload = memory(), memory(optimizer={"offload": True}, activation_offload=True)
+    assert offload.optimizer == 0 and offload.host_optimizer == base.optimizer + 2 * base.params
+    assert offload.activations + offload.host_activations == base.activations
+    assert 0 < offload.activations < base.activations and offload.total < base.total
+    assert base.host == 0 and offload.to_dict()["host_total"] == offload.host
+    assert memory(optimizer={"kind": "adamw8bit"}).optimizer < 0.27 * base.optimizer
+    assert memory(optimizer={"kind": "adafactor"}).optimizer < 0.1 * base.optimizer
