@@ -107,8 +107,19 @@ class TrainOptimizer:
     def _all_leaves(self) -> list[Leaf]:
         return [leaf for leaves in self.leaves.values() for leaf in leaves]
 
+    def _link_grads(self) -> None:
+        """Each view leaf's `.grad`: the same view of its owner's gradient (a bucket's view, kept for the job,
+        or with ZeRO-2/3 the sharded gradient FSDP2 makes anew in every backward)."""
+        for t, leaves in self.leaves.items():
+            if t.grad is None or leaves[0].tensor is t:
+                continue
+            flat = _local(t.grad).reshape(-1)
+            for leaf in leaves:
+                leaf.tensor.grad = flat[leaf.start:leaf.start + leaf.numel].view(_local(leaf.tensor).shape)
+
     @torch.no_grad()
     def step(self) -> None:
+        self._link_grads()
         if not self.offload:
             for o in self.optimizers:
                 o.step()
@@ -189,8 +200,8 @@ def _leaves(t: torch.Tensor, p: nn.Parameter, matrices: bool) -> list[Leaf]:
     rows at either end as 1-D views (t is the parameter, or a ZeRO-1 slice of its local part)."""
     if not matrices:
         return [Leaf(owner=t, start=0, tensor=t, held=t)]
-    local, grad = _local(t).detach(), _local(t.grad)
-    flat, gflat = local.reshape(-1), grad.reshape(-1)
+    local = _local(t).detach()
+    flat = local.reshape(-1)
     n = flat.numel()
     cuts = [0, n]
     if p.dim() >= 2:
@@ -201,10 +212,9 @@ def _leaves(t: torch.Tensor, p: nn.Parameter, matrices: bool) -> list[Leaf]:
             cuts = sorted({0, first, last, n})
     leaves = []
     for a, b in zip(cuts, cuts[1:], strict=False):
-        view, gview = flat[a:b], gflat[a:b]
+        view = flat[a:b]
         if p.dim() >= 2 and (b - a) % cols == 0 and (a + offset) % cols == 0:
-            view, gview = view.view(-1, cols), gview.view(-1, cols)
-        view.grad = gview
+            view = view.view(-1, cols)
         leaves.append(Leaf(owner=t, start=a, tensor=view, held=view))
     return leaves
 
