@@ -179,7 +179,10 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
     @app.post("/api/plans", dependencies=guarded)
     def plan(spec: SubmittedSpec) -> dict:
         """Validate a spec and return its plan with the resources it needs vs the cluster's; creates nothing."""
+        spec, ranking = manager.choose_layout(spec)
         described = describe(manager.plan(spec))
+        if ranking is not None:
+            described["planner"] = ranking
         cluster = manager.cluster()
         described["resources"]["available"] = {"CPU": cluster.cpus, "GPU": cluster.gpus,
                                                "nodes": len(cluster.nodes)}

@@ -155,6 +155,9 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
         if limits[0] > limits[1]:
             raise PlanError("parallel.dp", f"min={limits[0]} is more than max={limits[1]}")
         return replace(make_plan(resized(config, limits[0]), cluster), dp_range=limits)
+    if config.parallel == "auto":
+        raise PlanError("parallel", "parallel: auto is resolved by the planner (the service's submit, `trainyard "
+                                    "plan --auto`) before a plan is made")
     _raise_first(degree_violations(config))
     par = config.parallel
     if cluster is not None:  # before the blocks are split: a job too large for the cluster is told that first

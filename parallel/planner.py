@@ -406,3 +406,25 @@ def no_fit_error(config: JobConfig, cluster: ClusterResources, search: _Search) 
                                  f"(dp={par.dp} pp={par.pp} tp={par.tp} microbatches={par.microbatches}) but a rank "
                                  f"may hold {format_size(have)} ({search.margin:.0%} kept free); would fit with: "
                                  + "; ".join(fixes) + " (the search already tried " + ", ".join(tried) + ")")
+
+
+def choose(config: JobConfig, cluster: ClusterResources, machine: MachineCosts, *, top: int = 5,
+           margin: float = DEFAULT_MARGIN) -> tuple[JobConfig, PlannerResult]:
+    """`parallel: auto` resolved: the fastest layout that `parallel.plan.make_plan` admits on the cluster (the
+    exact memory plan of every rank), as the config to run, noted as chosen automatically with its predicted
+    step time; and the ranking. Raises PlanError when none fits."""
+    from trainyard.parallel.config import PlannerNote
+    from trainyard.parallel.plan import make_plan
+
+    base = replace(config, parallel=ParallelConfig()) if config.parallel == "auto" else config
+    result = plan_layouts(base, cluster, machine, top=top, margin=margin)
+    refused: PlanError | None = None
+    for cand in result.candidates:
+        try:
+            make_plan(cand.config, cluster)
+        except PlanError as e:
+            refused = refused or e
+            continue
+        note = PlannerNote(chosen_automatically=True, predicted_step_s=cand.step_s, node_type=machine.node_type)
+        return replace(cand.config, planned=note), result
+    raise refused or PlanError("parallel", "no layout fits")
