@@ -150,14 +150,14 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     anything that grows with the job's sizes is built (the plan itself is bounded by MAX_WORKERS and
     MAX_SCHEDULE_CHUNKS), so any spec is answered in milliseconds.
     """
+    if config.parallel == "auto":
+        raise PlanError("parallel", "parallel: auto is resolved by the planner (the service's submit, `trainyard "
+                                    "plan --auto`) before a plan is made")
     limits = dp_range(config)
     if limits is not None:  # laid out at its smallest size, which is what must fit to start
         if limits[0] > limits[1]:
             raise PlanError("parallel.dp", f"min={limits[0]} is more than max={limits[1]}")
         return replace(make_plan(resized(config, limits[0]), cluster), dp_range=limits)
-    if config.parallel == "auto":
-        raise PlanError("parallel", "parallel: auto is resolved by the planner (the service's submit, `trainyard "
-                                    "plan --auto`) before a plan is made")
     _raise_first(degree_violations(config))
     par = config.parallel
     if cluster is not None:  # before the blocks are split: a job too large for the cluster is told that first
