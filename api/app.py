@@ -25,7 +25,7 @@ from trainyard.api.models import (
     ScaleRequest,
     job_info,
 )
-from trainyard.api.spec import SubmittedSpec, describe_error
+from trainyard.api.spec import SubmittedSpec, describe_error, relevant_errors
 from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
 from trainyard.parallel.present import describe
 from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
@@ -52,7 +52,7 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
     @app.exception_handler(RequestValidationError)
     async def _invalid_spec(_: Request, exc: RequestValidationError) -> JSONResponse:
         detail = []
-        for err in exc.errors():
+        for err in relevant_errors(exc.errors()):
             field, msg = describe_error(err)
             loc = ["body", *field.split(".")] if err["type"] == "rule" else list(err["loc"])
             detail.append({"loc": loc, "field": field, "msg": msg, "type": err["type"]})
