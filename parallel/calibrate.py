@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from trainyard.parallel.admission import ClusterResources
 from trainyard.parallel.cost_model import Fit, MachineCosts, default_gpu_costs
 
 CACHE_FILE = "calibration.json"
-MATMUL_SIZES = (8, 32, 64, 128, 256)
+MATMUL_SIZES = (8, 64, 256, 512)
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
 OPTIMIZER_ELEMENTS = (1 << 14, 1 << 17, 1 << 20)
 REPEATS = 5
@@ -74,17 +73,21 @@ def measure(world: int = 2, key: str = "") -> MachineCosts:
         spawn(_rank, world, world, out)
         raw = json.loads((Path(out) / "rank0.json").read_text())
     fits = {name: Fit.fit([tuple(p) for p in points]) for name, points in raw.items()}
+    # a matmul: the latency of the smallest (a kernel's fixed cost), the throughput of the largest beyond it
+    (_, small), (flops, large) = raw["matmul"][0], raw["matmul"][-1]
+    fits["matmul"] = Fit(latency_s=small, per_s=flops / max(large - small, 1e-12))
     return MachineCosts(node_type=key, world=world, measured=raw, **fits)
 
 
 def _timed(fn, repeats: int = REPEATS) -> float:
-    fn()  # warm-up
+    """The fastest of `repeats` runs after a warm-up: on a shared machine, interference only adds time."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _rank(rank: int, port: int, world: int, out: str) -> None:

@@ -147,6 +147,9 @@ class ExtraContext:
 
 
 OPTION_EXTRAS: dict[tuple[str, object], Callable[[ExtraContext], tuple[str, float]]] = {
+    # ZeRO-1 and -2 all-gather the updated parameters after the step, where no backward hides it
+    ("parallel.zero", 1): lambda c: ("zero parameter all-gather", _param_gather(c)),
+    ("parallel.zero", 2): lambda c: ("zero parameter all-gather", _param_gather(c)),
     # ZeRO-3 gathers every parameter before each micro-batch's forward and again before its backward
     ("parallel.zero", 3): lambda c: ("zero-3 parameter gathers", 2 * c.layout.microbatches * c.layout.vpp * c.machine
                                      .collective("allgather", 4 * c.params / c.layout.vpp, c.layout.dp)),
@@ -157,6 +160,10 @@ OPTION_EXTRAS: dict[tuple[str, object], Callable[[ExtraContext], tuple[str, floa
                                              * c.machine.p2p.time(c.activation_bytes)),
 }
 """(dotted option, value) -> (name, seconds per step) the option adds; one line per option that needs one."""
+
+
+def _param_gather(c: ExtraContext) -> float:
+    return c.machine.collective("allgather", 4 * c.params, c.layout.dp)
 
 
 def option_value(config: JobConfig, path: str) -> object:
