@@ -72,11 +72,16 @@ def measure(world: int = 2, key: str = "") -> MachineCosts:
     with tempfile.TemporaryDirectory(prefix="calibrate-") as out:
         spawn(_rank, world, world, out)
         raw = json.loads((Path(out) / "rank0.json").read_text())
-    fits = {name: Fit.fit([tuple(p) for p in points]) for name, points in raw.items()}
-    # a matmul: the latency of the smallest (a kernel's fixed cost), the throughput of the largest beyond it
-    (_, small), (flops, large) = raw["matmul"][0], raw["matmul"][-1]
-    fits["matmul"] = Fit(latency_s=small, per_s=flops / max(large - small, 1e-12))
+    # Two points per fit: the latency is the smallest size's time (a fixed cost per call), the throughput the
+    # slope to the largest. A least-squares line over all sizes lets the large sizes' noise swing the intercept
+    # (often below zero), and the planner's ranking at small sizes hangs on that intercept.
+    fits = {name: _two_point(points) for name, points in raw.items()}
     return MachineCosts(node_type=key, world=world, measured=raw, **fits)
+
+
+def _two_point(points: list[list[float]]) -> Fit:
+    (small_size, small), (large_size, large) = points[0], points[-1]
+    return Fit(latency_s=small, per_s=(large_size - small_size) / max(large - small, 1e-12))
 
 
 def _timed(fn, repeats: int = REPEATS) -> float:

@@ -120,3 +120,14 @@ def test_fit_recovers_latency_and_throughput_and_the_cache_is_keyed_by_node_type
     assert machine_costs(tmp_path, cluster) == cached  # no measuring: the cache answers
     gpu = ClusterResources(nodes=(NodeResources(cpus=8, gpus=8, gpu_memory=80 * 2**30),))
     assert machine_costs(tmp_path, gpu).node_type == node_type(gpu) != cached.node_type
+
+
+def test_a_metrics_row_carries_the_prediction_beside_the_measured_step_time():
+    from trainyard.actors.telemetry import make_row
+
+    rank = {"loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "compute_s": 0.2, "pp_rank": 0, "dp_rank": 0, "tp_rank": 0,
+            "forward_s": 0.05, "backward_s": 0.1, "schedule_s": 0.15, "peak_activations": 1,
+            "peak_activation_bytes": 2**20, "moe": {}}
+    row = make_row(3, [rank], elapsed=0.25, tokens=512, predicted_step_s=0.2)
+    assert row["predicted_step_s"] == 0.2 and row["step_time_s"] == 0.25
+    assert "predicted_step_s" not in make_row(3, [rank], elapsed=0.25, tokens=512)
