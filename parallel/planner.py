@@ -14,6 +14,11 @@ Branch and bound: each (degrees, micro-batches, schedule, vpp) gets a cheap lowe
 the schedule simulator (cached per schedule, pp, vpp, micro-batches and cost ratios) asked, until the next
 bound cannot beat the `top`-th best time found. The predicted step time is the simulated makespan with the
 cost model's per-chunk costs (`parallel.cost_model`) plus the terms outside the pipeline. Pure: no torch.
+
+Left out of the search, by hand: layouts using half the cluster or less, uneven stages (pp and pp x vpp must
+divide n_layer), pipelines with fewer micro-batches than stages, more than MAX_VPP chunks per rank or
+MAX_SEARCH_CHUNKS chunk forwards per step; elastic dp ranges. The memory check reads the first, middle and
+last stage (the winner is then checked on every rank by `parallel.plan.make_plan` in `choose`).
 """
 
 from __future__ import annotations
