@@ -115,12 +115,28 @@ def run_section(ctx) -> list:  # noqa: ANN001 - BenchContext
     return [Row(*r) for r in _rows(ctx.log)]
 
 
+def planning_time_1024() -> float:
+    """Seconds the planner takes for a Llama-7B-like model on 128 nodes of 8 80-GiB GPUs (default GPU costs)."""
+    from trainyard.parallel.config import ModelConfig
+    from trainyard.parallel.cost_model import default_gpu_costs
+    from trainyard.parallel.planner import plan_layouts
+
+    llama = JobConfig(model=ModelConfig(family="llama", n_layer=32, n_head=32, d_model=4096, vocab_size=32000,
+                                        seq_len=4096), steps=1, global_batch=1024, precision="bf16")
+    cluster = ClusterResources(nodes=(NodeResources(cpus=64, gpus=8, memory=2**40, gpu_memory=80 * 2**30),) * 128)
+    start = time.perf_counter()
+    plan_layouts(llama, cluster, default_gpu_costs())
+    return time.perf_counter() - start
+
+
 def _rows(log) -> list[tuple]:  # noqa: ANN001
+    seconds = planning_time_1024()
+    log(f"planning a 7B Llama on 1024 GPUs: {seconds:.2f} s (a fresh process: no schedule cached)")
+    rows = [("planner: time to plan a 7B Llama on 1024 GPUs", seconds, 2.0, None, "s", "fresh caches")]
     start = time.perf_counter()
     machine = measure(2, "bench")
     log(f"calibrated in {time.perf_counter() - start:.0f} s: matmul {machine.matmul.per_s / 1e9:.2f} GFLOP/s, "
         f"all-reduce {machine.allreduce.per_s / 1e9:.2f} GB/s + {machine.allreduce.latency_s * 1e6:.0f} us")
-    rows = []
     for name, model in SIZES.items():
         log(f"{name}: {model}")
         r = measure_size(model, machine, log)
