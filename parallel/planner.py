@@ -388,7 +388,7 @@ def why_lost(c: Candidate, best: Candidate) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms" if seconds < 10 else f"{seconds:.3g} s"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def no_fit_error(config: JobConfig, cluster: ClusterResources, search: _Search) -> PlanError:

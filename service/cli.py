@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --auto: plan for this many nodes like the options below (default: this machine)")
     s.add_argument("--gpus-per-node", type=int, default=0)
     s.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    s.add_argument("--cpus-per-node", type=float, default=0, help="default: this machine's")
+    s.add_argument("--cpus-per-node", type=float, default=0,
+                   help="default: 8 per GPU with --gpus-per-node, else this machine's")
     s.add_argument("--state-dir", default=None, help="where the calibration cache lives (default: the service's)")
     s.set_defaults(func=_plan)
 
@@ -239,7 +240,8 @@ def _choose(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - JobConf
     from trainyard.service.state_dir import resolve
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    node = NodeResources(cpus=args.cpus_per_node or float(os.cpu_count() or 1), gpus=args.gpus_per_node,
+    cpus = args.cpus_per_node or (8.0 * args.gpus_per_node if args.gpus_per_node else float(os.cpu_count() or 1))
+    node = NodeResources(cpus=cpus, gpus=args.gpus_per_node,
                          memory=float(memory), gpu_memory=args.gpu_memory_gib * 2**30 if args.gpus_per_node else 0.0)
     cluster = ClusterResources(nodes=(node,) * max(args.nodes, 1))
     chosen, result = choose(config, cluster, machine_costs(resolve(args.state_dir), cluster))
