@@ -77,7 +77,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-memory-gib", type=float, default=80.0)
     s.add_argument("--cpus-per-node", type=float, default=0,
                    help="default: 8 per GPU with --gpus-per-node, else this machine's")
-    s.add_argument("--state-dir", default=None, help="where the calibration cache lives (default: the service's)")
     s.set_defaults(func=_plan)
 
     for name, func, text in (("status", _status, "show a job"), ("follow", _follow_cmd, "follow a job"),
