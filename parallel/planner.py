@@ -146,10 +146,18 @@ def _schedule(kind: str, pp: int, m: int, vpp: int) -> tuple[tuple, ...]:
     return tuple(map(tuple, build_schedule(kind, pp, m, vpp)))
 
 
+def _placement(kind: str) -> dict:
+    """How a schedule kind seats its virtual stages, as the keyword the layout and the simulator take (none
+    while every kind is interleaved; a kind with its own `placement`, a V, passes it on)."""
+    placement = getattr(SCHEDULES[kind], "placement", "interleaved")
+    return {"placement": placement} if placement != "interleaved" else {}
+
+
 @functools.lru_cache(maxsize=65536)
 def _simulated(kind: str, pp: int, vpp: int, m: int, backward: float, comm: float) -> tuple[float, float]:
     """(makespan in forwards, bubble fraction) of a schedule with forward 1 and these cost ratios."""
-    result = simulate([list(a) for a in _schedule(kind, pp, m, vpp)], m, vpp, Costs(1.0, backward, comm))
+    result = simulate([list(a) for a in _schedule(kind, pp, m, vpp)], m, vpp, Costs(1.0, backward, comm),
+                      **_placement(kind))
     return result.makespan, result.bubble_fraction
 
 
@@ -265,7 +273,8 @@ class _Search:
                       micro_batch_size=config.global_batch // (par.dp * par.microbatches),
                       stage_layers=stage_layers_of(counts),
                       schedule=_schedule(par.schedule, par.pp, par.microbatches, par.vpp) if with_schedule else (),
-                      experts=moe.experts if moe else 0, gpus_per_worker=self.gpus, cpus_per_worker=self.cpus)
+                      experts=moe.experts if moe else 0, gpus_per_worker=self.gpus, cpus_per_worker=self.cpus,
+                      **_placement(par.schedule))
 
     def rank_capacity(self, layout: Layout) -> float:
         """Bytes a rank may hold (admission's rule: one GPU's memory, or a CPU rank's share of its node's); 0:
