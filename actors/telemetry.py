@@ -68,8 +68,10 @@ class Rows:
         append_metrics_log(self.root, row)
 
 
-def make_row(step: int, results: list[dict], elapsed: float, tokens: int) -> dict:
-    """One step's row from every rank's results."""
+def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
+             predicted_step_s: float | None = None) -> dict:
+    """One step's row from every rank's results; `predicted_step_s`: the planner's prediction of the step time
+    (`parallel: auto`), carried beside the measured `step_time_s` so a wrong cost model shows."""
     last = next(r for r in results if r["loss"] is not None)
     row = {
         "step": step,
@@ -87,6 +89,8 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int) -> dic
     compiled = max(r["compile_s"] for r in results)
     if compiled > 0:
         row["compile_s"] = compiled  # the slowest rank's torch.compile time in this step (`compile: true`)
+    if predicted_step_s is not None:
+        row["predicted_step_s"] = predicted_step_s
     moe = moe_metrics(results)
     if moe:
         row["moe"] = moe

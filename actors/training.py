@@ -72,7 +72,7 @@ async def run_steps(ctl: Controller) -> Outcome:
         deadline = ctl.hang.deadline(ctl.rows.recent_step_times(HANG_WINDOW)) if plain else cfg.fault.step_timeout_s
         results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
         now = time.perf_counter()
-        record(ctl, make_row(step, results, now - start, tokens))
+        record(ctl, make_row(step, results, now - start, tokens, cfg.planned and cfg.planned.predicted_step_s))
         start, refs, done = now, upcoming, step + 1
         ctl.step_started = time.time()
         if not refs:

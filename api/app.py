@@ -25,7 +25,7 @@ from trainyard.api.models import (
     ScaleRequest,
     job_info,
 )
-from trainyard.api.spec import SubmittedSpec, describe_error
+from trainyard.api.spec import SubmittedSpec, describe_error, relevant_errors
 from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
 from trainyard.parallel.present import describe
 from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
@@ -52,7 +52,7 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
     @app.exception_handler(RequestValidationError)
     async def _invalid_spec(_: Request, exc: RequestValidationError) -> JSONResponse:
         detail = []
-        for err in exc.errors():
+        for err in relevant_errors(exc.errors()):
             field, msg = describe_error(err)
             loc = ["body", *field.split(".")] if err["type"] == "rule" else list(err["loc"])
             detail.append({"loc": loc, "field": field, "msg": msg, "type": err["type"]})
@@ -179,7 +179,10 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
     @app.post("/api/plans", dependencies=guarded)
     def plan(spec: SubmittedSpec) -> dict:
         """Validate a spec and return its plan with the resources it needs vs the cluster's; creates nothing."""
+        spec, ranking = manager.choose_layout(spec)
         described = describe(manager.plan(spec))
+        if ranking is not None:
+            described["planner"] = ranking
         cluster = manager.cluster()
         described["resources"]["available"] = {"CPU": cluster.cpus, "GPU": cluster.gpus,
                                                "nodes": len(cluster.nodes)}

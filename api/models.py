@@ -67,6 +67,8 @@ class MetricsRow(BaseModel):
     """Mean token loss on the validation data, on the steps `eval.every` picks and the last."""
     checkpoint_blocked_s: float | None = None
     """On a step that saved a checkpoint: how long the save held the step up (with async, the staging)."""
+    predicted_step_s: float | None = None
+    """A layout the planner chose (`parallel: auto`): the step time its cost model predicted, beside step_time_s."""
 
 
 class RankLog(BaseModel):

@@ -24,16 +24,27 @@ class SpecError(ValueError):
         self.errors = errors
 
 
-_UNION_MEMBERS = {"constrained-int", "int", "DpRange"}
+_UNION_MEMBERS = {"constrained-int", "int", "DpRange", "ParallelConfig"}
 """The names pydantic puts into an error's location for the member of a union it tried (`parallel.dp` is a
 number or {min, max}): not fields, so left out of the dotted path."""
+
+
+_AUTO = "literal['auto']"
+"""The other member of `parallel` (a layout or `auto`): a mapping that fails as a layout also fails as `auto`,
+which says nothing the layout's own errors do not."""
+
+
+def relevant_errors(errors: list[dict]) -> list[dict]:
+    """The errors to report: those of `parallel`'s `auto` member only when nothing else went wrong."""
+    others = [e for e in errors if _AUTO not in map(str, e["loc"])]
+    return others or errors
 
 
 def describe_error(error: dict) -> tuple[str, str]:
     """(dotted field, message) from one pydantic error, with unknown fields said plainly."""
     if error["type"] == "rule":  # a RuleError raised while the spec was read (see `SubmittedSpec`)
         return error["ctx"]["field"], error["ctx"]["message"]
-    loc = [str(p) for p in error["loc"] if p != "body" and p not in _UNION_MEMBERS]
+    loc = [str(p) for p in error["loc"] if p != "body" and p not in _UNION_MEMBERS and p != _AUTO]
     if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         return ".".join(loc), f"unknown field '{loc[-1]}'"
     return ".".join(loc), error["msg"]
@@ -43,7 +54,7 @@ def parse_spec(obj: Any) -> JobConfig:
     try:
         return SPEC_ADAPTER.validate_python(obj)
     except ValidationError as e:
-        raise SpecError([describe_error(err) for err in e.errors()]) from None
+        raise SpecError([describe_error(err) for err in relevant_errors(e.errors())]) from None
 
 
 def parse_submitted_spec(obj: Any) -> JobConfig:

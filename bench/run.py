@@ -37,6 +37,7 @@ from bench import (
     signals,
     tp_memory,
 )
+from bench import planner as planner_bench
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -80,6 +81,8 @@ SECTIONS: dict[str, Section] = {
         Section("savers-zero", "ZeRO-2 and ZeRO-3 vs zero 0 (dp=2): memory and step time", savers_zero_section),
         Section("savers_grads", "powersgd vs uncompressed; compile vs eager", savers_grads.run_section),
         Section("savers-optim", "adamw8bit, adafactor, optimizer and activation offload vs off", savers_optim),
+        Section("planner", "the planner's predicted vs measured step times over a grid of layouts",
+                planner_bench.run_section),
     )
 }
 

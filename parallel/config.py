@@ -330,6 +330,19 @@ class SimCostsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlannerNote:
+    """What the planner chose for a spec that said `parallel: auto` (the service writes it on submit)."""
+
+    __pydantic_config__ = _STRICT
+    chosen_automatically: bool = True
+    """The layout in `parallel` was chosen by the planner (`parallel.planner`), not written by hand."""
+    predicted_step_s: Annotated[float, Ge(0), Le(1e9)] | None = None
+    """The step time the planner's cost model predicted; the job's metrics rows carry it beside the measured."""
+    node_type: Annotated[str, MaxLen(256)] | None = None
+    """The node type whose calibration the prediction used."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     """A training job, as submitted."""
 
@@ -354,7 +367,10 @@ class JobConfig:
     only the attention core and the MLP's activation (Megatron's choice)."""
     activation_offload: bool = False
     """Keep the blocks' saved activations in (pinned) host memory until backward (torch's `save_on_cpu`)."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelConfig | Literal["auto"] = field(default_factory=ParallelConfig)
+    """The layout, or `auto`: the service's planner (`parallel.planner`) chooses one on submit and stores it."""
+    planned: PlannerNote | None = None
+    """Set by the planner when it chose the layout (`parallel: auto`); null for a layout written by hand."""
     compile: bool = False
     """torch.compile each transformer block on its own (regional compilation, as torchtitan does; inductor)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -151,6 +151,9 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     anything that grows with the job's sizes is built (the plan itself is bounded by MAX_WORKERS and
     MAX_SCHEDULE_CHUNKS), so any spec is answered in milliseconds.
     """
+    if config.parallel == "auto":
+        raise PlanError("parallel", "parallel: auto is resolved by the planner (the service's submit, `trainyard "
+                                    "plan --auto`) before a plan is made")
     limits = dp_range(config)
     if limits is not None:  # laid out at its smallest size, which is what must fit to start
         if limits[0] > limits[1]:

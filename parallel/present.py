@@ -31,6 +31,8 @@ def describe(plan: Plan) -> dict:
         "schedule": describe_schedule(plan),
         "memory": describe_memory(plan),
         "reduction": reduction_bytes(plan),
+        "chosen": ({"automatically": True, "predicted_step_s": plan.config.planned.predicted_step_s,
+                    "node_type": plan.config.planned.node_type} if plan.config.planned else {"automatically": False}),
         "resources": {
             "per_worker": {"CPU": plan.cpus_per_worker, "GPU": plan.gpus_per_worker},
             "bundles": plan.bundles(),

@@ -70,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--costs", metavar="F,B[,C]", type=_costs,
                    help="simulate the schedule with these per-chunk forward, backward (and communication) costs "
                         "instead of the spec's sim_costs (default 1,2,0)")
+    s.add_argument("--auto", action="store_true",
+                   help="let the planner choose the layout (as `parallel: auto` does) and show its top five")
+    s.add_argument("--nodes", type=int, default=0,
+                   help="with --auto: plan for this many nodes like the options below (default: this machine)")
+    s.add_argument("--gpus-per-node", type=int, default=0)
+    s.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    s.add_argument("--cpus-per-node", type=float, default=0,
+                   help="default: 8 per GPU with --gpus-per-node, else this machine's")
     s.set_defaults(func=_plan)
 
     for name, func, text in (("status", _status, "show a job"), ("follow", _follow_cmd, "follow a job"),
@@ -201,7 +209,12 @@ def _plan(args: argparse.Namespace) -> int:
         spec = read_spec_file(args.file)
         if args.costs:
             spec["sim_costs"] = {**spec.get("sim_costs", {}), **args.costs}
+        ranking = None
+        if args.auto:
+            spec["parallel"] = "auto"
         config = parse_submitted_spec(spec)
+        if config.parallel == "auto":
+            config, ranking = _choose(config, args)
         plan = make_plan(config)
         open_dataset(config)
     except SpecError as e:
@@ -211,8 +224,41 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     described = describe(plan)
+    if ranking is not None:
+        described["planner"] = ranking
     print(json.dumps(described, indent=2) if args.json else format_plan(described))
     return 0
+
+
+def _choose(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - JobConfig; imported lazily
+    """`parallel: auto` resolved locally: a described cluster (--nodes ...) or this machine."""
+    import os
+
+    from trainyard.parallel.admission import ClusterResources, NodeResources
+    from trainyard.parallel.calibrate import machine_costs
+    from trainyard.parallel.planner import choose
+    from trainyard.service.state_dir import resolve
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpus = args.cpus_per_node or (8.0 * args.gpus_per_node if args.gpus_per_node else float(os.cpu_count() or 1))
+    node = NodeResources(cpus=cpus, gpus=args.gpus_per_node,
+                         memory=float(memory), gpu_memory=args.gpu_memory_gib * 2**30 if args.gpus_per_node else 0.0)
+    cluster = ClusterResources(nodes=(node,) * max(args.nodes, 1))
+    chosen, result = choose(config, cluster, machine_costs(resolve(args.state_dir), cluster))
+    return chosen, result.to_dict()
+
+
+def format_ranking(ranking: dict) -> list[str]:
+    """The planner's top layouts: predicted step time, memory per rank, why each lost to the first."""
+    lines = [f"planner: {ranking['enumerated']} layouts enumerated, {ranking['evaluated']} evaluated, costs of "
+             f"{ranking['node_type']}; best first:"]
+    for i, c in enumerate(ranking["candidates"], start=1):
+        lay = c["layout"]
+        text = " ".join(f"{k.rpartition('.')[2]}={v}" for k, v in lay.items())
+        why = f"  -- {c['reason']}" if c["reason"] else "  (chosen)"
+        lines.append(f"  {i}. {c['predicted_step_s'] * 1e3:10.2f} ms/step  {format_bytes(c['memory_per_rank']):>10}"
+                     f"/rank  bubble {c['bubble_fraction']:.0%}  {text}{why}")
+    return lines
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -245,7 +291,12 @@ def _span(ids: list[int]) -> str:
 
 def format_plan(d: dict) -> str:
     deg = d["degrees"]
-    lines = [
+    lines = format_ranking(d["planner"]) if "planner" in d else []
+    chosen = d.get("chosen", {})
+    if chosen.get("automatically"):
+        lines.append(f"layout chosen automatically (predicted step time {chosen['predicted_step_s'] * 1e3:.2f} ms "
+                     f"on {chosen['node_type']})")
+    lines += [
         f"world size {d['world_size']}  (dp={deg['dp']} pp={deg['pp']} tp={deg['tp']} ep={deg['ep']} vpp={deg['vpp']})",
         f"micro-batches per step per dp rank: {d['microbatches']} of {d['micro_batch_size']} sequences",
         f"resources needed: {d['resources']['needed']}  (per worker {d['resources']['per_worker']})",

@@ -103,6 +103,18 @@ class JobManager:
         self.resume_point(config)
         return plan
 
+    def choose_layout(self, config: JobConfig) -> tuple[JobConfig, dict | None]:
+        """`parallel: auto` resolved by the planner with this cluster's calibrated costs (measured on first
+        use, `parallel.calibrate`): the config to run and the ranking (None for a layout written by hand)."""
+        if config.parallel != "auto":
+            return config, None
+        from trainyard.parallel.calibrate import machine_costs
+        from trainyard.parallel.planner import choose
+
+        cluster = cluster_resources()
+        chosen, result = choose(config, cluster, machine_costs(self.data_dir, cluster))
+        return chosen, result.to_dict()
+
     # --- where a job's files live ---------------------------------------------------------------
 
     def checkpoint_root(self, job_id: str, config: JobConfig) -> Path:
@@ -121,6 +133,7 @@ class JobManager:
 
     def submit(self, config: JobConfig) -> str:
         """Validate and queue the job; returns at once (the admission thread starts it when it fits)."""
+        config, _ = self.choose_layout(config)
         plan = self.plan(config)
         job_id = uuid.uuid4().hex[:12]
         with self._lock:  # the count and the insert together, so concurrent submits cannot overshoot

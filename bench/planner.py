@@ -1,0 +1,155 @@
+"""Section "planner": the planner's predicted step times against measured ones, over a grid of layouts.
+
+Run: `python -m bench.run --only planner` (a few minutes on 2 cores), or `python -m bench.planner` for the table
+alone. Calibrates this machine (`parallel.calibrate.measure`, a 2-rank gloo world), then for each of two model
+sizes runs a grid of at least 12 layouts of 1 or 2 ranks (dp, pp with gpipe / 1f1b / interleaved, tp with and
+without sp, micro-batches, ZeRO-1, activation checkpointing) plus the planner's own choice on this machine's
+cluster (one node, 2 CPUs), all in one spawned gloo world (`parallel.local_world.run_plans`), and compares:
+Spearman's rank correlation of predicted vs measured step time (the Done-when wants >= 0.8), and the chosen
+layout's measured time over the fastest measured (<= 1.10). A step's time is the slowest rank's `compute_s`;
+each layout's is the fastest of its steps after the first (on a
+shared machine interference only adds time; the calibration takes the fastest of its repeats likewise).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.admission import ClusterResources, NodeResources
+from trainyard.parallel.calibrate import measure
+from trainyard.parallel.config import JobConfig
+from trainyard.parallel.cost_model import MachineCosts
+from trainyard.parallel.local_world import PlanRun, run_plans
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.planner import choose, predict_step
+
+STEPS = 6
+SIZES = {
+    "small": {"n_layer": 4, "n_head": 4, "d_model": 128, "vocab_size": 256, "seq_len": 64},
+    "medium": {"n_layer": 4, "n_head": 8, "d_model": 384, "vocab_size": 512, "seq_len": 128},
+}
+GLOBAL_BATCH = 8
+GRID: list[dict] = [
+    {"parallel": {}},
+    {"parallel": {"microbatches": 4}},
+    {"parallel": {"dp": 2}},
+    {"parallel": {"dp": 2, "microbatches": 2}},
+    {"parallel": {"dp": 2, "zero": 1}},
+    {"parallel": {"dp": 2}, "activation_checkpointing": "full"},
+    {"parallel": {"pp": 2, "microbatches": 2, "schedule": "gpipe"}},
+    {"parallel": {"pp": 2, "microbatches": 4}},
+    {"parallel": {"pp": 2, "microbatches": 8}},
+    {"parallel": {"pp": 2, "vpp": 2, "microbatches": 4, "schedule": "interleaved-1f1b"}},
+    {"parallel": {"tp": 2}},
+    {"parallel": {"tp": 2, "sp": True}},
+    {"parallel": {"tp": 2, "microbatches": 2}},
+    {"parallel": {}, "activation_checkpointing": "selective"},
+]
+CLUSTER = ClusterResources(nodes=(NodeResources(cpus=2, gpus=0, memory=8 * 2**30),))
+
+
+def _config(model: dict, variant: dict) -> JobConfig:
+    return parse_spec({"model": model, "steps": STEPS, "global_batch": GLOBAL_BATCH, **variant})
+
+
+def _label(config: JobConfig) -> str:
+    p = config.parallel
+    text = f"dp{p.dp} pp{p.pp} tp{p.tp}" + (" sp" if p.sp else "") + f" m{p.microbatches}"
+    if p.pp > 1:
+        text += f" {p.schedule}" + (f" vpp{p.vpp}" if p.vpp > 1 else "")
+    if p.zero:
+        text += f" zero{p.zero}"
+    if config.activation_checkpointing != "none":
+        text += f" ckpt-{config.activation_checkpointing}"
+    return text
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):  # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else 0.0
+
+
+def measure_size(model: dict, machine: MachineCosts, log=print) -> dict:
+    """Predicted and measured step times of the grid and of the planner's choice for one model size."""
+    chosen, _ = choose(_config(model, {"parallel": "auto"}), CLUSTER, machine)
+    configs = [_config(model, v) for v in GRID]
+    labels = [_label(c) for c in configs]
+    if _label(chosen) not in labels:
+        configs.append(chosen)
+        labels.append(_label(chosen))
+    plans = [make_plan(c) for c in configs]
+    predicted = [predict_step(p.config, p.layout, machine, node_gpus=2) for p in plans]
+    results = run_plans([PlanRun(plan=p) for p in plans])
+    measured = [min(max(rank.stats[s]["compute_s"] for rank in ranks) for s in range(1, STEPS)) for ranks in results]
+    best = min(measured)
+    chosen_at = labels.index(_label(chosen))
+    for label, pred, meas in zip(labels, predicted, measured, strict=True):
+        log(f"  {label:<40} predicted {pred * 1e3:8.2f} ms  measured {meas * 1e3:8.2f} ms")
+    return {"labels": labels, "predicted": predicted, "measured": measured,
+            "spearman": spearman(predicted, measured), "chosen": labels[chosen_at],
+            "chosen_over_fastest": measured[chosen_at] / best, "fastest": labels[measured.index(best)]}
+
+
+def run_section(ctx) -> list:  # noqa: ANN001 - BenchContext
+    from bench.results import Row
+
+    return [Row(*r) for r in _rows(ctx.log)]
+
+
+def planning_time_1024() -> float:
+    """Seconds the planner takes for a Llama-7B-like model on 128 nodes of 8 80-GiB GPUs (default GPU costs)."""
+    from trainyard.parallel.config import ModelConfig
+    from trainyard.parallel.cost_model import default_gpu_costs
+    from trainyard.parallel.planner import plan_layouts
+
+    llama = JobConfig(model=ModelConfig(family="llama", n_layer=32, n_head=32, d_model=4096, vocab_size=32000,
+                                        seq_len=4096), steps=1, global_batch=1024, precision="bf16")
+    cluster = ClusterResources(nodes=(NodeResources(cpus=64, gpus=8, memory=2**40, gpu_memory=80 * 2**30),) * 128)
+    start = time.perf_counter()
+    plan_layouts(llama, cluster, default_gpu_costs())
+    return time.perf_counter() - start
+
+
+def _rows(log) -> list[tuple]:  # noqa: ANN001
+    seconds = planning_time_1024()
+    log(f"planning a 7B Llama on 1024 GPUs: {seconds:.2f} s (a fresh process: no schedule cached)")
+    rows = [("planner: time to plan a 7B Llama on 1024 GPUs", seconds, 2.0, None, "s", "fresh caches")]
+    start = time.perf_counter()
+    machine = measure(2, "bench")
+    log(f"calibrated in {time.perf_counter() - start:.0f} s: matmul {machine.matmul.per_s / 1e9:.2f} GFLOP/s, "
+        f"all-reduce {machine.allreduce.per_s / 1e9:.2f} GB/s + {machine.allreduce.latency_s * 1e6:.0f} us")
+    for name, model in SIZES.items():
+        log(f"{name}: {model}")
+        r = measure_size(model, machine, log)
+        log(f"{name}: Spearman {r['spearman']:.2f} over {len(r['labels'])} layouts; chosen {r['chosen']} is "
+            f"{r['chosen_over_fastest']:.2f}x the fastest measured ({r['fastest']})")
+        rows.append((f"planner {name}: Spearman predicted vs measured step time", r["spearman"], 0.8, None, "rho",
+                     f"{len(r['labels'])} layouts, 2 CPU ranks, gloo"))
+        rows.append((f"planner {name}: chosen layout / fastest measured", r["chosen_over_fastest"], 1.1, None, "x",
+                     f"chosen {r['chosen']}, fastest {r['fastest']}"))
+    return rows
+
+
+if __name__ == "__main__":
+    for row in _rows(lambda text: print(text, flush=True)):
+        print(row)
+    sys.exit(0)

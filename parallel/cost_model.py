@@ -1,0 +1,237 @@
+"""The cost model: a laid-out job's step time from measured machine costs, term by term.
+
+`MachineCosts` holds what a calibration run measured on one node type (`parallel.calibrate`): matmul time
+as latency + FLOPs / throughput, the all-reduce, point-to-point and all-to-all times as latency + bytes /
+bandwidth, and the optimizer's time per parameter element. `step_costs(layout, config, machine)` turns a
+layout into the per-chunk forward / backward / point-to-point costs the schedule simulator takes plus the
+terms outside the pipeline (the data-parallel reduction not hidden behind backward, the optimizer step,
+the options' own extras); `parallel.planner` simulates the schedule with them and adds the rest.
+
+What is written by hand and why: the FLOPs of a chunk come from the family's `flops_per_token` (6 N + 12 L
+d T), shared out over the blocks; the collectives' message sizes are Megatron's (two activation all-reduces
+per block forward and two in backward under tp; two all-to-alls per MoE block each way under ep; one
+activation per micro-batch between pipeline stages; every local gradient once per step over dp). Options
+that change the time in their own way are one line each in `OPTION_EXTRAS` (a new `parallel.zero` level or
+an offload adds its entry there). Ignored: kernel fusion and overlap inside a chunk, stragglers, contention
+between groups sharing a link, the first step's warm-up. Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from trainyard.parallel.config import JobConfig
+from trainyard.parallel.layout import Layout
+from trainyard.parallel.memory import param_counts
+from trainyard.parallel.sharding import sharding_for
+from trainyard.parallel.sizing import Sizing
+
+OPS_PER_BLOCK = 16
+"""Kernels (matmuls, norms, activations, adds) one block forward launches: each pays the matmul latency."""
+RECOMPUTE_EXTRA = {"none": 0.0, "selective": 0.15, "full": 1.0}
+"""Forwards re-run in backward per `activation_checkpointing` mode, as a fraction of the forward (an unknown
+mode: a whole forward)."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """time = latency_s + size / per_s (size: bytes, FLOPs or elements; fitted by least squares)."""
+
+    latency_s: float
+    per_s: float
+
+    def time(self, size: float) -> float:
+        return self.latency_s + size / self.per_s if size > 0 else 0.0
+
+    @staticmethod
+    def fit(points: list[tuple[float, float]]) -> Fit:
+        """Least squares of (size, seconds); latency clamped at 0, throughput at a positive value."""
+        n = len(points)
+        mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+        sxx = sum((x - mx) ** 2 for x, _ in points)
+        slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else 0.0
+        if slope <= 0:  # flat (noise): all latency, a throughput from the largest size
+            x, y = max(points)
+            return Fit(latency_s=max(my, 0.0), per_s=x / max(y, 1e-12) * 1e3)
+        return Fit(latency_s=max(my - slope * mx, 0.0), per_s=1.0 / slope)
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """One node type's measured costs (`parallel.calibrate` measures them; JSON via to_dict/from_dict)."""
+
+    node_type: str
+    matmul: Fit
+    """One matmul: latency + FLOPs / FLOP/s (one device, the thread count a rank gets)."""
+    allreduce: Fit
+    """An all-reduce of `world` ranks: latency + bytes / bytes/s."""
+    p2p: Fit
+    """One point-to-point message."""
+    alltoall: Fit
+    """An all-to-all of `world` ranks, by the bytes each rank holds."""
+    optimizer: Fit
+    """The optimizer step, by parameter elements."""
+    world: int = 2
+    """Ranks the collectives were measured with."""
+    inter_node_factor: float = 1.0
+    """Bandwidth between nodes / within one (a group spanning nodes is this much slower; 1: unmeasured)."""
+    measured: dict = field(default_factory=dict)
+    """The raw points each fit came from."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> MachineCosts:
+        fits = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
+        return MachineCosts(node_type=d["node_type"], world=d.get("world", 2),
+                            inter_node_factor=d.get("inter_node_factor", 1.0), measured=d.get("measured", {}),
+                            **fits)
+
+    def collective(self, kind: str, nbytes: float, n: int, spans_nodes: bool = False) -> float:
+        """One collective of `n` ranks moving `nbytes` per rank, scaled from the measured world by the ring's
+        traffic: all-reduce 2(n-1)/n, all-to-all (n-1)/n, all-gather / reduce-scatter (n-1)/n."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        base = {"allreduce": self.allreduce, "alltoall": self.alltoall, "allgather": self.allreduce}[kind]
+        w = max(self.world, 2)
+        traffic = {"allreduce": 2, "alltoall": 1, "allgather": 1}[kind]
+        measured_traffic = {"allreduce": 2, "alltoall": 1, "allgather": 2}[kind] * (w - 1) / w
+        bus = base.per_s * measured_traffic * (self.inter_node_factor if spans_nodes else 1.0)
+        return base.latency_s * (n - 1) / (w - 1) + traffic * (n - 1) / n * nbytes / bus
+
+
+def default_gpu_costs(node_type: str = "unmeasured GPU") -> MachineCosts:
+    """Costs to plan with before a calibration ran on a GPU node type (H100-like orders of magnitude)."""
+    return MachineCosts(node_type=node_type, matmul=Fit(10e-6, 400e12), allreduce=Fit(30e-6, 150e9),
+                        p2p=Fit(20e-6, 100e9), alltoall=Fit(30e-6, 100e9), optimizer=Fit(50e-6, 2e10),
+                        world=8, inter_node_factor=0.15)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A layout's costs: the simulator's per-chunk ones and the terms outside the pipeline, in seconds."""
+
+    forward: float
+    """One forward of the slowest chunk, tp/ep collectives included."""
+    backward: float
+    comm: float
+    """One point-to-point run between pipeline stages."""
+    compute_per_chunk: float
+    """forward + backward of one chunk without their collectives (what the bubble is measured against)."""
+    tp_per_chunk: float
+    """tp all-reduces (or sp gathers) of one chunk's forward and backward."""
+    ep_per_chunk: float
+    """ep all-to-alls of one chunk's forward and backward."""
+    dp_exposed: float
+    """The gradient reduction not hidden behind backward."""
+    optimizer: float
+    extras: dict[str, float]
+    """The options' own terms (OPTION_EXTRAS), by name."""
+
+
+@dataclass(frozen=True)
+class ExtraContext:
+    """What an option's extra-time hook may read."""
+
+    layout: Layout
+    config: JobConfig
+    machine: MachineCosts
+    params: int
+    """Local parameter elements of the largest stage."""
+    optimizer_elements: int
+    activation_bytes: int
+    """Activation bytes of one micro-batch through the slowest chunk."""
+
+
+OPTION_EXTRAS: dict[tuple[str, object], Callable[[ExtraContext], tuple[str, float]]] = {
+    # ZeRO-1 and -2 all-gather the updated parameters after the step, where no backward hides it
+    ("parallel.zero", 1): lambda c: ("zero parameter all-gather", _param_gather(c)),
+    ("parallel.zero", 2): lambda c: ("zero parameter all-gather", _param_gather(c)),
+    # ZeRO-3 gathers every parameter before each micro-batch's forward and again before its backward
+    ("parallel.zero", 3): lambda c: ("zero-3 parameter gathers", 2 * c.layout.microbatches * c.layout.vpp * c.machine
+                                     .collective("allgather", 4 * c.params / c.layout.vpp, c.layout.dp)),
+    # the optimizer steps on the host: the gradients go down and the parameters come back over the host link
+    ("optimizer.offload", True): lambda c: ("optimizer offload", 2 * c.machine.p2p.time(4 * c.params)),
+    # each micro-batch's activations go to the host after its forward and come back before its backward
+    ("activation_offload", True): lambda c: ("activation offload", 2 * c.layout.microbatches * c.layout.vpp
+                                             * c.machine.p2p.time(c.activation_bytes)),
+}
+"""(dotted option, value) -> (name, seconds per step) the option adds; one line per option that needs one."""
+
+
+def _param_gather(c: ExtraContext) -> float:
+    return c.machine.collective("allgather", 4 * c.params, c.layout.dp)
+
+
+def option_value(config: JobConfig, path: str) -> object:
+    """The value of a dotted option (`parallel.zero`) in a config; None when the config has no such field."""
+    obj: object = config
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node_gpus: int = 0) -> StepCosts:
+    """The layout's per-chunk and per-step costs on this machine (`node_gpus`: devices per node, for whether
+    a group spans nodes; 0: one node)."""
+    m, par, fam = config.model, config.parallel, _family(config)
+    tokens = layout.micro_batch_size * m.seq_len
+    act_bytes = 2 if config.precision == "bf16" else 4
+    fpt_fwd = fam.flops_per_token(m) / 3
+    head_fwd = 2 * m.vocab_size * m.d_model
+    block_fwd = max(fpt_fwd - head_fwd, 0.0) / m.n_layer
+    n_stages = layout.n_virtual_stages
+    per_stage = [len(layers) for layers in layout.stage_layers] or [m.n_layer // n_stages]
+    heaviest = max(range(n_stages), key=lambda v: per_stage[v] * block_fwd + (head_fwd if v == n_stages - 1 else 0))
+    blocks = per_stage[heaviest]
+    flops = (blocks * block_fwd + (head_fwd if heaviest == n_stages - 1 else 0)) * tokens / layout.tp
+    ops = max(blocks, 1) * OPS_PER_BLOCK
+    fwd = ops * machine.matmul.latency_s + flops / machine.matmul.per_s
+    recompute = RECOMPUTE_EXTRA.get(config.activation_checkpointing, 1.0)
+    bwd = (2 + recompute) * fwd
+
+    within = node_gpus or layout.world_size
+    act = tokens * m.d_model * act_bytes
+    tp_one = machine.collective("allreduce", act, layout.tp, spans_nodes=layout.tp > within)
+    tp_f, tp_b = 2 * blocks * tp_one, (2 + 2 * (recompute >= 1)) * blocks * tp_one
+    moe_blocks = sum(m.is_moe_block(b) for b in layout.stage_layers[heaviest]) if layout.stage_layers else 0
+    ep_one = 0.0
+    if m.moe is not None and layout.ep > 1:
+        sent = tokens / layout.tp * m.moe.top_k * m.d_model * act_bytes
+        ep_one = machine.collective("alltoall", sent, layout.ep, spans_nodes=layout.ep * layout.tp > within)
+    ep_f, ep_b = 2 * moe_blocks * ep_one, 2 * moe_blocks * ep_one
+    message = act / layout.tp if par.sp else act
+    comm = machine.p2p.time(message) * (1 if layout.dp * layout.tp * layout.pp <= within else 1 / machine
+                                        .inter_node_factor) if layout.pp > 1 else 0.0
+
+    sizing = Sizing(layout, config)
+    stages = dict.fromkeys((0, layout.pp // 2, layout.pp - 1))  # the embedding's, a middle one, the head's
+    counts = max((param_counts(sizing, p) for p in stages), key=lambda c: c.total)
+    grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
+    reduce = machine.collective("allreduce", grad_bytes, layout.dp, spans_nodes=layout.dp * layout.tp > within)
+    hidden = (bwd + tp_b) * layout.vpp if par.overlap_reduce else 0.0  # the last micro-batch's backward
+    elements = sharding_for(par.zero).optimizer_elements(counts.total, layout.dp)
+    context = ExtraContext(layout=layout, config=config, machine=machine, params=counts.total,
+                           optimizer_elements=elements, activation_bytes=int(act * blocks * 8))
+    extras = dict(hook(context) for (path, value), hook in OPTION_EXTRAS.items()
+                  if option_value(config, path) == value)
+    return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,
+                     tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b, dp_exposed=max(reduce - hidden, 0.0),
+                     optimizer=machine.optimizer.time(elements), extras=extras)
+
+
+def _family(config: JobConfig):
+    from trainyard.parallel.models import family_of
+
+    return family_of(config.model)
+
+
+def ratio_key(value: float) -> float:
+    """A cost ratio rounded to two significant digits (the simulator cache's key)."""
+    if value <= 0:
+        return 0.0
+    digits = 1 - math.floor(math.log10(value))
+    return round(value, digits)

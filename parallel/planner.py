@@ -1,0 +1,444 @@
+"""The automatic layout planner (`parallel: auto`): the valid layouts of a job on a cluster, ranked by
+predicted step time.
+
+`plan_layouts(config, cluster, machine)` enumerates degree tuples (dp, pp, tp, ep, sp), micro-batch counts,
+schedules with their vpp (`parallel.schedules.SCHEDULES`) and, for each, the searched options (`SEARCHED`:
+the values of `parallel.zero` in `parallel.sharding.SHARDINGS`, the `activation_checkpointing` modes read off
+the config's Literal, and any offload switch the config has), so a new registry entry joins the search with
+no change here. Options that change the training's numbers (the optimizer kind, gradient compression, the
+reduce dtype, local SGD) stay as the user wrote them.
+
+Branch and bound: each (degrees, micro-batches, schedule, vpp) gets a cheap lower bound on its step time
+(FLOPs / throughput plus the pipeline's fill); they are taken in bound order, and only then are the rules
+(`parallel.rules.violations`), the memory plan (`parallel.memory.estimate`, with `margin` kept free) and
+the schedule simulator (cached per schedule, pp, vpp, micro-batches and cost ratios) asked, until the next
+bound cannot beat the `top`-th best time found. The predicted step time is the simulated makespan with the
+cost model's per-chunk costs (`parallel.cost_model`) plus the terms outside the pipeline. Pure: no torch.
+
+Left out of the search, by hand: layouts using half the cluster or less, uneven stages (pp and pp x vpp must
+divide n_layer), pipelines with fewer micro-batches than stages, more than MAX_VPP chunks per rank or
+MAX_SEARCH_CHUNKS chunk forwards per step; elastic dp ranges. The memory check reads the first, middle and
+last stage (the winner is then checked on every rank by `parallel.plan.make_plan` in `choose`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import math
+import typing
+from dataclasses import dataclass, replace
+
+from trainyard.parallel.admission import ClusterResources
+from trainyard.parallel.config import JobConfig, ParallelConfig
+from trainyard.parallel.cost_model import OPS_PER_BLOCK, MachineCosts, StepCosts, option_value, ratio_key, step_costs
+from trainyard.parallel.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
+from trainyard.parallel.memory import rank_memory
+from trainyard.parallel.models import family_of
+from trainyard.parallel.optimizers import OPTIMIZERS, optimizer_kind
+from trainyard.parallel.rules import PlanError, violations
+from trainyard.parallel.schedule_sim import Costs, simulate
+from trainyard.parallel.schedules import SCHEDULES, build_schedule
+from trainyard.parallel.sharding import SHARDINGS
+from trainyard.parallel.sizing import Sizing
+from trainyard.parallel.units import format_size
+
+MAX_VPP = 4
+"""Virtual chunks per pipeline rank tried (more rarely pays: each adds a point-to-point run per micro-batch)."""
+MAX_SEARCH_CHUNKS = 2048
+"""pp x vpp x microbatches tried at most (the simulator's cost grows with it; more rarely pays)."""
+DEFAULT_MARGIN = 0.1
+"""Memory kept free on each rank beyond the memory plan's estimate (what it does not count: allocator
+caches, kernels' transients)."""
+
+
+def _literal_values(owner: type, name: str) -> tuple:
+    hints = typing.get_type_hints(owner)
+    return tuple(v for arg in [hints[name]] for v in typing.get_args(arg) if not isinstance(v, type))
+
+
+SEARCHED: dict[str, typing.Callable[[], tuple]] = {
+    "parallel.zero": lambda: tuple(z for z in _literal_values(ParallelConfig, "zero") if z in SHARDINGS),
+    "activation_checkpointing": lambda: _literal_values(JobConfig, "activation_checkpointing"),
+    "optimizer.offload": lambda: (False, True),
+    "activation_offload": lambda: (False, True),
+    "parallel.activation_offload": lambda: (False, True),
+}
+"""Dotted option -> the values the search tries (an option the config does not have is skipped): one line
+per option. Layout-only options: none changes the training's numbers."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ranked layout: the concrete config and what the planner predicts of it."""
+
+    config: JobConfig
+    step_s: float
+    memory_bytes: int
+    """The largest rank's estimated memory."""
+    bubble: float
+    """Simulated bubble fraction of the schedule."""
+    terms: dict[str, float]
+    """Seconds per step of each part: compute, bubble, tp, ep, dp, optimizer, the options' extras."""
+    reason: str = ""
+    """Why it lost to the winner (empty for the winner)."""
+
+    def layout_summary(self) -> dict:
+        par = self.config.parallel
+        out = {"dp": par.dp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "vpp": par.vpp, "sp": par.sp,
+               "microbatches": par.microbatches, "schedule": par.schedule}
+        out.update({path: option_value(self.config, path) for path in _searched_paths(self.config)})
+        return out
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout_summary(), "predicted_step_s": self.step_s,
+                "memory_per_rank": self.memory_bytes, "bubble_fraction": self.bubble, "terms": self.terms,
+                "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class PlannerResult:
+    candidates: list[Candidate]
+    """The best `top`, best first."""
+    enumerated: int
+    """Base layouts (degrees, micro-batches, schedule, vpp) enumerated."""
+    evaluated: int
+    """Layouts whose memory and schedule were computed (the rest were pruned by their bound)."""
+    node_type: str
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def to_dict(self) -> dict:
+        return {"node_type": self.node_type, "enumerated": self.enumerated, "evaluated": self.evaluated,
+                "candidates": [c.to_dict() for c in self.candidates]}
+
+
+def _searched_paths(config: JobConfig) -> list[str]:
+    return [path for path in SEARCHED if _has_field(config, path)]
+
+
+def _has_field(config: JobConfig, path: str) -> bool:
+    obj: object = config
+    for part in path.split("."):
+        if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _with(config: JobConfig, path: str, value: object) -> JobConfig:
+    head, _, rest = path.partition(".")
+    if not rest:
+        return replace(config, **{head: value})
+    return replace(config, **{head: _with(getattr(config, head), rest, value)})
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule(kind: str, pp: int, m: int, vpp: int) -> tuple[tuple, ...]:
+    return tuple(map(tuple, build_schedule(kind, pp, m, vpp)))
+
+
+def _placement(kind: str) -> dict:
+    """How a schedule kind seats its virtual stages, as the keyword the layout and the simulator take (none
+    while every kind is interleaved; a kind with its own `placement`, a V, passes it on)."""
+    placement = getattr(SCHEDULES[kind], "placement", "interleaved")
+    return {"placement": placement} if placement != "interleaved" else {}
+
+
+@functools.lru_cache(maxsize=65536)
+def _simulated(kind: str, pp: int, vpp: int, m: int, backward: float, comm: float) -> tuple[float, float]:
+    """(makespan in forwards, bubble fraction) of a schedule with forward 1 and these cost ratios."""
+    result = simulate([list(a) for a in _schedule(kind, pp, m, vpp)], m, vpp, Costs(1.0, backward, comm),
+                      **_placement(kind))
+    return result.makespan, result.bubble_fraction
+
+
+class _Sizing(Sizing):
+    """A Sizing whose rank coordinates are arithmetic (the layout's own grid is built on first use: thousands
+    of ranks, for the one rank per stage the memory plan asks about)."""
+
+    def coords(self, rank: int) -> RankCoords:
+        layout = self.layout
+        pp, rest = divmod(rank, layout.dp * layout.tp)
+        dp, tp = divmod(rest, layout.tp)
+        return RankCoords(rank=rank, pp=pp, tp=tp, dp=dp)
+
+
+@dataclass(frozen=True, order=True)
+class _Base:
+    bound: float
+    dp: int
+    pp: int
+    tp: int
+    ep: int
+    sp: bool
+    m: int
+    kind: str
+    vpp: int
+
+
+class _Search:
+    def __init__(self, config: JobConfig, cluster: ClusterResources, machine: MachineCosts, margin: float):
+        self.config, self.cluster, self.machine, self.margin = config, cluster, machine, margin
+        self.gpus = 1 if cluster.gpus > 0 else 0
+        if config.resources.gpus_per_worker != "auto":
+            self.gpus = config.resources.gpus_per_worker
+        self.cpus = config.resources.cpus_per_worker
+        nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes]
+        self.nodes = nodes
+        per_node = [n.gpus if self.gpus else math.floor(n.cpus / self.cpus + 1e-9) for n in cluster.nodes]
+        self.node_ranks = max(per_node, default=0)
+        self.smallest: tuple[int, JobConfig] | None = None
+        self.paths = _searched_paths(config)
+        self.values = {path: SEARCHED[path]() for path in self.paths}
+        self.evaluated = 0
+
+    def capacity(self, tp: int) -> int:
+        return Gang.of(self.cpus, self.gpus, tp=tp, groups=1).placeable(self.nodes) * tp
+
+    def bases(self) -> list[_Base]:
+        c, m = self.config, self.config.model
+        fpt = family_of(m).flops_per_token(m)
+        tokens = c.global_batch * m.seq_len
+        self.params = fpt / 6 * 0.9  # the matmul parameters, about (flops_per_token = 6 N + attention)
+        out = []
+        tps = [t for t in _divisors(m.n_head) if m.vocab_size % t == 0 and self.capacity(t) >= t]
+        for tp in tps:
+            cap = self.capacity(tp)
+            for dp in _divisors(c.global_batch):
+                if dp * tp > cap:
+                    break
+                eps = [e for e in _divisors(dp) if m.moe.experts % e == 0] if m.moe else [1]
+                for pp in range(cap // (2 * dp * tp) + 1, min(m.n_layer, cap // (dp * tp)) + 1):
+                    if m.n_layer % pp:
+                        continue  # even stages only (the planner does not search uneven stage_layers)
+                    micro = [mb for mb in _divisors(c.global_batch // dp)
+                             if pp * mb <= MAX_SEARCH_CHUNKS and (pp == 1 or mb >= pp)]
+                    for sp, ep, mb in itertools.product((False, True) if tp > 1 else (False,), eps, micro):
+                        for kind, vpp in self._schedules(pp, mb):
+                            out.append(_Base(self._bound(fpt, tokens, dp, pp, tp, mb, vpp), dp, pp, tp, ep, sp, mb,
+                                             kind, vpp))
+        return out
+
+    def _schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
+        n_layer = self.config.model.n_layer
+        vpps = range(1, MAX_VPP + 1) if pp > 1 else (1,)  # one rank: virtual chunks only add hand-overs
+        return [(kind, vpp) for kind, s in SCHEDULES.items() for vpp in vpps
+                if n_layer % (pp * vpp) == 0 and pp * vpp * m <= MAX_SEARCH_CHUNKS and s.refuse(pp, m, vpp) is None]
+
+    def _bound(self, fpt: float, tokens: int, dp: int, pp: int, tp: int, m: int, vpp: int) -> float:
+        """About a lower bound of the step time: the rank's share of the FLOPs (3 x forward) and of the kernels'
+        latencies, the pipeline's fill of pp - 1 chunk forwards before the last stage starts, and the gradient
+        all-reduce of the rank's share of the parameters beyond what one micro-batch's backward hides."""
+        mm, n_layer = self.machine.matmul, self.config.model.n_layer
+        flops = fpt * tokens / (dp * pp * tp)
+        compute = flops / mm.per_s + 3 * m * OPS_PER_BLOCK * max(n_layer // pp, 1) * mm.latency_s
+        grads = 4 * self.params / (pp * tp) * (0.5 if self.config.parallel.reduce_dtype == "bf16" else 1)
+        reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
+        mb_tokens = tokens // (dp * m)
+        act = mb_tokens * self.config.model.d_model * (2 if self.config.precision == "bf16" else 4)
+        tp_comm = 4 * n_layer * m * self.machine.collective("allreduce", act, tp) / pp
+        shards = [SHARDINGS[z].optimizer_elements(int(self.params / (pp * tp)), dp)
+                  for z in self.values.get("parallel.zero", (self.config.parallel.zero,))]
+        optimizer = self.machine.optimizer.time(min(shards))
+        hidden = 0.8 * (compute + tp_comm) / m  # one micro-batch's backward, with some room for uneven stages
+        return (compute + tp_comm) * (1 + (pp - 1) / (3 * m * vpp)) + max(reduce - hidden, 0.0) + optimizer
+
+    def variants(self, base: _Base) -> list[JobConfig]:
+        par = replace(self.config.parallel, dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,
+                      vpp=base.vpp, microbatches=base.m, schedule=base.kind, stage_layers=None)
+        config = replace(self.config, parallel=par)
+        paths = self.paths
+        values = []
+        for path in paths:
+            vals = self.values[path]
+            if path == "parallel.zero" and base.dp == 1:
+                vals = vals[:1]  # no data-parallel group to shard over: every level is level 0
+            values.append(vals)
+        return [functools.reduce(lambda cfg, pv: _with(cfg, *pv), zip(paths, combo, strict=True), config)
+                for combo in itertools.product(*values)]
+
+    def layout(self, config: JobConfig, with_schedule: bool = True) -> Layout:
+        par, moe = config.parallel, config.model.moe
+        counts = even_layer_counts(config.model.n_layer, par.pp * par.vpp)
+        return Layout(dp=par.dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
+                      micro_batch_size=config.global_batch // (par.dp * par.microbatches),
+                      stage_layers=stage_layers_of(counts),
+                      schedule=_schedule(par.schedule, par.pp, par.microbatches, par.vpp) if with_schedule else (),
+                      experts=moe.experts if moe else 0, gpus_per_worker=self.gpus, cpus_per_worker=self.cpus,
+                      **_placement(par.schedule))
+
+    def rank_capacity(self, layout: Layout) -> float:
+        """Bytes a rank may hold (admission's rule: one GPU's memory, or a CPU rank's share of its node's); 0:
+        unknown."""
+        if layout.gpus_per_worker:
+            return max((n.gpu_memory for n in self.cluster.nodes if n.gpus > 0), default=0.0)
+        gang = layout.gang
+        shares = [n.memory / (layout.tp * held) for n in self.cluster.nodes
+                  if n.memory > 0 and (held := min(gang.count, gang.placeable([{"CPU": n.cpus, "GPU": n.gpus}])))]
+        return max(shares, default=0.0)
+
+    def evaluate(self, config: JobConfig, cutoff: float = math.inf) -> Candidate | None:
+        """The layout's prediction; None when it breaks a rule, does not fit, or cannot beat `cutoff` (checked
+        with the pipeline's fill before the simulator runs)."""
+        if violations(config):
+            return None
+        self.evaluated += 1
+        costs = step_costs(self.layout(config, with_schedule=False), config, self.machine, node_gpus=self.node_ranks)
+        if lower_bound(config.parallel, costs) >= cutoff:
+            return None
+        layout = self.layout(config)
+        have = self.rank_capacity(layout) * (1 - self.margin)
+        sizing = _Sizing(layout, config)
+        memory = 0
+        for stage in dict.fromkeys((0, layout.pp - 1, layout.pp // 2)):  # the first holds most activations,
+            memory = max(memory, rank_memory(sizing, layout.rank_of(stage, 0, 0)).total)  # the last the head
+            if have > 0 and memory > have:
+                break
+        if self.smallest is None or memory < self.smallest[0]:
+            self.smallest = (memory, config)
+        if have > 0 and memory > have:
+            return None
+        return predict(layout, config, costs, memory)
+
+
+def lower_bound(layout: Layout | ParallelConfig, costs: StepCosts) -> float:
+    """The step time no schedule beats with these costs: every chunk's forward and backward on one rank, after
+    the pp - 1 forwards and hand-overs the last stage waits for before its first one, and the terms outside."""
+    busy = layout.microbatches * layout.vpp * (costs.forward + costs.backward)
+    fill = (layout.pp - 1) * (costs.forward + costs.comm)
+    return busy + fill + costs.dp_exposed + costs.optimizer + sum(costs.extras.values())
+
+
+def predict(layout: Layout, config: JobConfig, costs: StepCosts, memory: int = 0) -> Candidate:
+    """The predicted step of a layout from its costs: the simulated makespan plus what runs outside it."""
+    m, vpp = layout.microbatches, layout.vpp
+    f = max(costs.forward, 1e-12)
+    if layout.pp > 1:
+        span, bubble = _simulated(config.parallel.schedule, layout.pp, vpp, m, ratio_key(costs.backward / f),
+                                  ratio_key(costs.comm / f))
+        makespan = span * f
+    else:
+        makespan, bubble = m * vpp * (costs.forward + costs.backward), 0.0
+    busy = m * vpp * (costs.forward + costs.backward)
+    terms = {"compute": m * vpp * costs.compute_per_chunk, "bubble": max(makespan - busy, 0.0),
+             "tp all-reduce": m * vpp * costs.tp_per_chunk, "ep all-to-all": m * vpp * costs.ep_per_chunk,
+             "dp all-reduce": costs.dp_exposed, "optimizer": costs.optimizer, **costs.extras}
+    step = makespan + costs.dp_exposed + costs.optimizer + sum(costs.extras.values())
+    return Candidate(config=config, step_s=step, memory_bytes=memory, bubble=bubble, terms=terms)
+
+
+def predict_step(config: JobConfig, layout: Layout, machine: MachineCosts, node_gpus: int = 0) -> float:
+    """A fixed layout's predicted step time (item 4: the job's rows carry it beside the measured one)."""
+    return predict(layout, config, step_costs(layout, config, machine, node_gpus=node_gpus)).step_s
+
+
+def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineCosts, *, top: int = 5,
+                 margin: float = DEFAULT_MARGIN) -> PlannerResult:
+    """The `top` fastest layouts that keep the rules and fit, best first, each with why it lost to the best.
+    Raises PlanError (field `parallel`) when none fits, naming the smallest per-rank memory found and what
+    would make it fit."""
+    search = _Search(config, cluster, machine, margin)
+    bases = search.bases()
+    enumerated = len(bases)
+    heapq.heapify(bases)
+    found: list[Candidate] = []
+    while bases:
+        base = heapq.heappop(bases)
+        cutoff = found[2 * top - 1].step_s if len(found) >= 2 * top else math.inf  # room for duplicates
+        if base.bound >= cutoff:
+            break
+        for variant in search.variants(base):
+            cand = search.evaluate(variant, cutoff)
+            if cand is not None:
+                found.append(cand)
+        found = sorted(found, key=lambda c: (c.step_s, c.memory_bytes))[: 8 * top]
+    if not found:
+        raise no_fit_error(config, cluster, search)
+    found = _distinct(found)
+    best = found[0]
+    ranked = [best] + [replace(c, reason=why_lost(c, best)) for c in found[1:top]]
+    return PlannerResult(candidates=ranked, enumerated=enumerated,
+                         evaluated=search.evaluated, node_type=machine.node_type)
+
+
+def _distinct(found: list[Candidate]) -> list[Candidate]:
+    """One of each set of layouts that differ only in a schedule that cannot matter (one pipeline rank)."""
+    seen, out = set(), []
+    for c in found:
+        summary = c.layout_summary()
+        if c.config.parallel.pp == 1:
+            summary["schedule"] = ""
+        key = tuple(summary.items())
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def why_lost(c: Candidate, best: Candidate) -> str:
+    """The part of the step where the runner-up loses most to the winner."""
+    if c.step_s <= best.step_s:
+        return f"same predicted step time; more memory per rank ({format_size(c.memory_bytes)} vs " \
+               f"{format_size(best.memory_bytes)})"
+    name = max(set(c.terms) | set(best.terms), key=lambda k: c.terms.get(k, 0.0) - best.terms.get(k, 0.0))
+    if name == "bubble":
+        return f"bubble {c.bubble:.0%} vs {best.bubble:.0%} ({_ms(c.terms['bubble'] - best.terms['bubble'])} more)"
+    more = c.terms.get(name, 0.0) - best.terms.get(name, 0.0)
+    return f"{name} {_ms(more)}/step more"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def no_fit_error(config: JobConfig, cluster: ClusterResources, search: _Search) -> PlanError:
+    if search.smallest is None:
+        return PlanError("parallel", f"no layout keeps the rules on this cluster ({len(cluster.nodes)} node(s), "
+                                     f"{cluster.gpus:g} GPU, {cluster.cpus:g} CPU): check global_batch, n_head and "
+                                     "n_layer against the cluster's size")
+    memory, smallest = search.smallest
+    layout = search.layout(smallest)
+    have = search.rank_capacity(layout) * (1 - search.margin)
+    par = smallest.parallel
+    nodes = math.ceil(len(cluster.nodes) * memory / max(have, 1.0))
+    fixes = [f"more nodes (about {nodes} of this kind, if the model splits that far)"]
+    kind = optimizer_kind(config.optimizer)
+    fixes += [f"optimizer.kind: {name} ({o.state_bytes_per_element} B of state per parameter instead of "
+              f"{kind.state_bytes_per_element})" for name, o in OPTIMIZERS.items()
+              if o.state_bytes_per_element < kind.state_bytes_per_element]
+    tried = [f"{path} in {list(SEARCHED[path]())}" for path in _searched_paths(config)]
+    return PlanError("parallel", f"no layout fits: the smallest per-rank memory found is {format_size(memory)} "
+                                 f"(dp={par.dp} pp={par.pp} tp={par.tp} microbatches={par.microbatches}) but a rank "
+                                 f"may hold {format_size(have)} ({search.margin:.0%} kept free); would fit with: "
+                                 + "; ".join(fixes) + " (the search already tried " + ", ".join(tried) + ")")
+
+
+def choose(config: JobConfig, cluster: ClusterResources, machine: MachineCosts, *, top: int = 5,
+           margin: float = DEFAULT_MARGIN) -> tuple[JobConfig, PlannerResult]:
+    """`parallel: auto` resolved: the fastest layout that `parallel.plan.make_plan` admits on the cluster (the
+    exact memory plan of every rank), as the config to run, noted as chosen automatically with its predicted
+    step time; and the ranking. Raises PlanError when none fits."""
+    from trainyard.parallel.config import PlannerNote
+    from trainyard.parallel.plan import make_plan
+
+    base = replace(config, parallel=ParallelConfig()) if config.parallel == "auto" else config
+    result = plan_layouts(base, cluster, machine, top=top, margin=margin)
+    refused: PlanError | None = None
+    for cand in result.candidates:
+        try:
+            make_plan(cand.config, cluster)
+        except PlanError as e:
+            refused = refused or e
+            continue
+        note = PlannerNote(chosen_automatically=True, predicted_step_s=cand.step_s, node_type=machine.node_type)
+        return replace(cand.config, planned=note), result
+    raise refused or PlanError("parallel", "no layout fits")

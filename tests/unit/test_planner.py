@@ -1,0 +1,133 @@
+"""The automatic layout planner (`parallel: auto`): what it enumerates keeps the rules and fits, its ranking
+follows made-up costs in the obvious cases, it answers for a 1024-GPU cluster, and a model that fits no layout
+is refused with the numbers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from trainyard.api.spec import parse_spec, spec_to_dict
+from trainyard.parallel.admission import ClusterResources, NodeResources
+from trainyard.parallel.calibrate import CACHE_FILE, machine_costs, node_type
+from trainyard.parallel.config import JobConfig, ModelConfig
+from trainyard.parallel.cost_model import Fit, MachineCosts, default_gpu_costs
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.planner import choose, plan_layouts
+from trainyard.parallel.rules import PlanError, violations
+
+MiB = 2**20
+
+
+def machine(**over: Fit) -> MachineCosts:
+    fits = dict(matmul=Fit(0.0, 1e9), allreduce=Fit(0.0, 1e9), p2p=Fit(0.0, 1e9), alltoall=Fit(0.0, 1e9),
+                optimizer=Fit(0.0, 1e9))
+    return MachineCosts(node_type="test", **{**fits, **over})
+
+
+def cpu_cluster(cpus: float = 4, memory: float = 64 * 2**30, nodes: int = 1) -> ClusterResources:
+    return ClusterResources(nodes=(NodeResources(cpus=cpus, gpus=0, memory=memory),) * nodes)
+
+
+def config(**model) -> JobConfig:
+    return JobConfig(model=ModelConfig(**{"n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 32, **model}), steps=1,
+                     global_batch=8)
+
+
+def test_every_layout_it_returns_keeps_the_rules_and_is_admitted():
+    cfg = config(n_head=6, d_model=96)  # tp may be 1, 2 (divides 6 heads and 256 vocabulary), never 3 or 6
+    result = plan_layouts(cfg, cpu_cluster(cpus=6), machine())
+    assert len(result.candidates) == 5 and result.evaluated <= result.enumerated * 8
+    for cand in result.candidates:
+        assert violations(cand.config) == []
+        assert cand.config.parallel.tp in (1, 2)
+        assert make_plan(cand.config, cpu_cluster(cpus=6)).world_size <= 6
+    times = [c.step_s for c in result.candidates]
+    assert times == sorted(times)
+    assert all(c.reason for c in result.candidates[1:]) and not result.candidates[0].reason
+
+
+def test_a_layout_that_does_not_fit_is_dropped():
+    cfg = config(n_layer=8, d_model=256, n_head=8, vocab_size=4096)
+    roomy = plan_layouts(cfg, cpu_cluster(cpus=2), machine())
+    need = roomy.best.memory_bytes
+    # a node whose memory, shared by 2 ranks, leaves each rank less than the roomy winner needs (10% kept free)
+    tight_cluster = cpu_cluster(cpus=2, memory=2 * need * 0.95)
+    tight = plan_layouts(cfg, tight_cluster, machine())
+    assert tight.best.memory_bytes < need
+    assert all(c.memory_bytes <= 0.9 * 0.95 * need for c in tight.candidates)
+
+
+def test_ranking_follows_the_costs_in_the_obvious_cases():
+    cfg = config(n_layer=8)
+    cluster = cpu_cluster(cpus=2)
+    # a dear all-reduce: the winner reduces nothing over dp or tp, it pipelines
+    slow_reduce = plan_layouts(cfg, cluster, machine(allreduce=Fit(1.0, 1e3))).best.config.parallel
+    assert (slow_reduce.dp, slow_reduce.tp, slow_reduce.pp) == (1, 1, 2)
+    # a dear point-to-point link: no pipeline
+    slow_p2p = plan_layouts(cfg, cluster, machine(p2p=Fit(1.0, 1e3))).best.config.parallel
+    assert slow_p2p.pp == 1
+    # pipelines only (dear all-reduce, free messages): more micro-batches, less bubble, wins
+    pipelines = plan_layouts(cfg, cluster, machine(allreduce=Fit(1.0, 1e3), p2p=Fit(0.0, 1e12)), top=40)
+    best = pipelines.best
+    fewer = next(c for c in pipelines.candidates if c.config.parallel.microbatches == 2 and c.config.parallel.pp == 2
+                 and c.config.activation_checkpointing == best.config.activation_checkpointing)
+    assert best.config.parallel.pp == 2 and best.config.parallel.microbatches == 8
+    assert best.bubble < fewer.bubble and fewer.step_s > best.step_s
+    assert fewer.reason.startswith("bubble ")
+
+
+def test_a_1024_gpu_cluster_gets_an_answer():
+    llama = JobConfig(model=ModelConfig(family="llama", n_layer=32, n_head=32, d_model=4096, vocab_size=32000,
+                                        seq_len=4096), steps=1, global_batch=1024, precision="bf16")
+    cluster = ClusterResources(nodes=(NodeResources(cpus=64, gpus=8, memory=2**40, gpu_memory=80 * 2**30),) * 128)
+    result = plan_layouts(llama, cluster, default_gpu_costs())
+    best = result.best.config.parallel
+    assert best.dp * best.pp * best.tp > 512  # uses the cluster
+    assert best.tp <= 8  # a tensor-parallel group stays on one node
+    assert result.best.memory_bytes <= 0.9 * 80 * 2**30
+    assert make_plan(result.best.config, cluster).world_size == best.dp * best.pp * best.tp
+
+
+def test_a_model_that_fits_no_layout_is_refused_with_the_smallest_memory_and_what_would_fit():
+    cfg = config(n_layer=2, d_model=512, n_head=8, vocab_size=8192)
+    with pytest.raises(PlanError) as e:
+        plan_layouts(cfg, cpu_cluster(cpus=2, memory=4 * MiB), machine())
+    assert e.value.field == "parallel"
+    assert "smallest per-rank memory found is" in e.value.message and "MiB" in e.value.message
+    assert "more nodes" in e.value.message and "parallel.zero in [0, 1]" in e.value.message
+
+
+def test_auto_is_read_from_a_spec_resolved_by_choose_and_noted_on_the_config():
+    spec = {"model": {"n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 32}, "steps": 1, "parallel": "auto"}
+    cfg = parse_spec(spec)
+    assert cfg.parallel == "auto"
+    with pytest.raises(PlanError, match="resolved by the planner"):
+        make_plan(cfg)
+    chosen, result = choose(cfg, cpu_cluster(cpus=2), machine())
+    assert chosen.planned.chosen_automatically and chosen.planned.predicted_step_s == result.best.step_s
+    assert parse_spec(spec_to_dict(chosen)) == chosen  # what the store keeps reads back the same
+    assert make_plan(chosen, cpu_cluster(cpus=2)).world_size == chosen.parallel.dp * chosen.parallel.pp
+
+
+def test_fit_recovers_latency_and_throughput_and_the_cache_is_keyed_by_node_type(tmp_path):
+    fit = Fit.fit([(x, 1e-3 + x / 1e9) for x in (1e3, 1e6, 4e6)])
+    assert fit.latency_s == pytest.approx(1e-3, rel=1e-6) and fit.per_s == pytest.approx(1e9, rel=1e-6)
+    cluster = cpu_cluster(cpus=2)
+    cached = replace(machine(), node_type=node_type(cluster))
+    (tmp_path / CACHE_FILE).write_text(json.dumps({cached.node_type: cached.to_dict()}))
+    assert machine_costs(tmp_path, cluster) == cached  # no measuring: the cache answers
+    gpu = ClusterResources(nodes=(NodeResources(cpus=8, gpus=8, gpu_memory=80 * 2**30),))
+    assert machine_costs(tmp_path, gpu).node_type == node_type(gpu) != cached.node_type
+
+
+def test_a_metrics_row_carries_the_prediction_beside_the_measured_step_time():
+    from trainyard.actors.telemetry import make_row
+
+    rank = {"loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "compute_s": 0.2, "pp_rank": 0, "dp_rank": 0, "tp_rank": 0,
+            "forward_s": 0.05, "backward_s": 0.1, "schedule_s": 0.15, "peak_activations": 1,
+            "peak_activation_bytes": 2**20, "moe": {}}
+    row = make_row(3, [rank], elapsed=0.25, tokens=512, predicted_step_s=0.2)
+    assert row["predicted_step_s"] == 0.2 and row["step_time_s"] == 0.25
+    assert "predicted_step_s" not in make_row(3, [rank], elapsed=0.25, tokens=512)
