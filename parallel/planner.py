@@ -412,9 +412,10 @@ def no_fit_error(config: JobConfig, cluster: ClusterResources, search: _Search) 
     nodes = math.ceil(len(cluster.nodes) * memory / max(have, 1.0))
     fixes = [f"more nodes (about {nodes} of this kind, if the model splits that far)"]
     kind = optimizer_kind(config.optimizer)
-    fixes += [f"optimizer.kind: {name} ({o.state_bytes_per_element} B of state per parameter instead of "
-              f"{kind.state_bytes_per_element})" for name, o in OPTIMIZERS.items()
-              if o.state_bytes_per_element < kind.state_bytes_per_element]
+    d, n = config.model.d_model, 10**6  # state bytes per parameter, over a million parameters
+    per_param = {name: o.state_bytes(n, d) / n for name, o in OPTIMIZERS.items()}
+    fixes += [f"optimizer.kind: {name} (about {b:.2g} B of state per parameter instead of {per_param[kind.name]:.2g})"
+              for name, b in per_param.items() if b < per_param[kind.name]]
     tried = [f"{path} in {list(SEARCHED[path]())}" for path in _searched_paths(config)]
     return PlanError("parallel", f"no layout fits: the smallest per-rank memory found is {format_size(memory)} "
                                  f"(dp={par.dp} pp={par.pp} tp={par.tp} microbatches={par.microbatches}) but a rank "

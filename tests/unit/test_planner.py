@@ -4,6 +4,7 @@ is refused with the numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import replace
 
@@ -38,7 +39,9 @@ def config(**model) -> JobConfig:
 def test_every_layout_it_returns_keeps_the_rules_and_is_admitted():
     cfg = config(n_head=6, d_model=96)  # tp may be 1, 2 (divides 6 heads and 256 vocabulary), never 3 or 6
     result = plan_layouts(cfg, cpu_cluster(cpus=6), machine())
-    assert len(result.candidates) == 5 and result.evaluated <= result.enumerated * 8
+    # 48 option combinations per base layout (zero 0-3 x 3 recompute modes x 2 offloads x 2); the bounds prune
+    # all but about a quarter of them
+    assert len(result.candidates) == 5 and result.evaluated <= result.enumerated * 16
     for cand in result.candidates:
         assert violations(cand.config) == []
         assert cand.config.parallel.tp in (1, 2)
@@ -69,10 +72,16 @@ def test_ranking_follows_the_costs_in_the_obvious_cases():
     slow_p2p = plan_layouts(cfg, cluster, machine(p2p=Fit(1.0, 1e3))).best.config.parallel
     assert slow_p2p.pp == 1
     # pipelines only (dear all-reduce, free messages): more micro-batches, less bubble, wins
-    pipelines = plan_layouts(cfg, cluster, machine(allreduce=Fit(1.0, 1e3), p2p=Fit(0.0, 1e12)), top=40)
+    pipelines = plan_layouts(cfg, cluster, machine(allreduce=Fit(1.0, 1e3), p2p=Fit(0.0, 1e12)), top=400)
     best = pipelines.best
-    fewer = next(c for c in pipelines.candidates if c.config.parallel.microbatches == 2 and c.config.parallel.pp == 2
-                 and c.config.activation_checkpointing == best.config.activation_checkpointing)
+
+    def same_but_microbatches(c) -> bool:  # the same schedule and options, 2 micro-batches
+        return (dataclasses.replace(c.config.parallel, microbatches=best.config.parallel.microbatches)
+                == best.config.parallel and c.config.parallel.microbatches == 2
+                and dataclasses.replace(c.config, parallel=best.config.parallel, planned=best.config.planned)
+                == best.config)
+
+    fewer = next(c for c in pipelines.candidates if same_but_microbatches(c))
     assert best.config.parallel.pp == 2 and best.config.parallel.microbatches == 8
     assert best.bubble < fewer.bubble and fewer.step_s > best.step_s
     assert fewer.reason.startswith("bubble ")
@@ -96,7 +105,7 @@ def test_a_model_that_fits_no_layout_is_refused_with_the_smallest_memory_and_wha
         plan_layouts(cfg, cpu_cluster(cpus=2, memory=4 * MiB), machine())
     assert e.value.field == "parallel"
     assert "smallest per-rank memory found is" in e.value.message and "MiB" in e.value.message
-    assert "more nodes" in e.value.message and "parallel.zero in [0, 1]" in e.value.message
+    assert "more nodes" in e.value.message and "parallel.zero in [0, 1, 2, 3]" in e.value.message
 
 
 def test_auto_is_read_from_a_spec_resolved_by_choose_and_noted_on_the_config():
@@ -127,7 +136,7 @@ def test_a_metrics_row_carries_the_prediction_beside_the_measured_step_time():
 
     rank = {"loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "compute_s": 0.2, "pp_rank": 0, "dp_rank": 0, "tp_rank": 0,
             "forward_s": 0.05, "backward_s": 0.1, "schedule_s": 0.15, "peak_activations": 1,
-            "peak_activation_bytes": 2**20, "moe": {}}
+            "peak_activation_bytes": 2**20, "moe": {}, "reduce_bytes": 0, "compile_s": 0.0}
     row = make_row(3, [rank], elapsed=0.25, tokens=512, predicted_step_s=0.2)
     assert row["predicted_step_s"] == 0.2 and row["step_time_s"] == 0.25
     assert "predicted_step_s" not in make_row(3, [rank], elapsed=0.25, tokens=512)
