@@ -137,8 +137,8 @@ def race_stop_and_delete(http, job_id: str) -> list[int]:
 
 def test_concurrent_stop_and_delete_never_answer_5xx_and_the_service_keeps_working(client):
     http = client._http
-    for _ in range(3):
-        job_id = client.submit(tiny_spec(steps=100_000))
+    ids = [client.submit(tiny_spec(steps=100_000)) for _ in range(3)]  # one rank each: they run side by side
+    for job_id in ids:
         wait_for(lambda j=job_id: client.job(j)["step"] >= 1, what="the job to run")
         codes = race_stop_and_delete(http, job_id)
         assert set(codes) <= {200, 204, 404, 409} and 204 in codes, codes
