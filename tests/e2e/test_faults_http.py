@@ -15,7 +15,9 @@ from trainyard.parallel.export import MODEL_FILE
 from trainyard.service.client import ApiError
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3},
-                 parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 3})
+                 parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 30})
+HANG_FLOOR_S = 3
+"""The hang drill's job only: a step that waits on another job's start is no hang of the others."""
 DRILLS = {"kill": [("kill_worker", 1, 4)], "hang": [("hang_worker", 2, 4)], "coordinator": [("kill_coordinator", 0, 4)],
           # a failure during a recovery is one more failure, not the end: rank 1 dies at step 4, then rank 0 while
           # the ranks load the checkpoint in that recovery (before, the second failure failed the job: the
@@ -28,7 +30,9 @@ def runs(service) -> dict[str, tuple[dict, list[dict]]]:
     """Every drill's job and an uninterrupted one, submitted at once (two run at a time, the others queue: one
     job's startup or recovery overlaps another's steps); each drill is scheduled once its job runs."""
     client = service.client()
-    jobs = {name: client.submit({**SPEC, "name": name}) for name in ("reference", *DRILLS)}
+    jobs = {name: client.submit({**SPEC, "name": name} | ({"fault": {**SPEC["fault"], "hang_floor_s": HANG_FLOOR_S}}
+                                                          if name == "hang" else {}))
+            for name in ("reference", *DRILLS)}
     for name, drills in DRILLS.items():
         wait_for(lambda j=jobs[name]: client.job(j)["status"] == "RUNNING", 300, f"the {name} job to run")
         for kind, rank, at_step in drills:
