@@ -212,5 +212,7 @@ def test_a_job_admitted_but_never_started_is_queued_again_after_a_restart(ray_se
     try:
         job = wait_terminal(svc.client(), "admitted")
         assert job["status"] == "SUCCEEDED"
+        interrupted = [e for e in svc.client().events("admitted") if e["kind"] == "interrupted"]
+        assert len(interrupted) == 1 and "while the job was being started" in interrupted[0]["cause"]
     finally:
         svc.shutdown()
