@@ -62,17 +62,18 @@ class Coordinator:
             await self.start()
         return self.controller.report(since, events_from)
 
-    async def stop(self, grace_s: float = STOP_GRACE_S, suspend: bool = False) -> dict:
+    async def stop(self, grace_s: float = STOP_GRACE_S, suspend: bool = False, since: int = 0) -> dict:
         """End the run at the next step boundary, with a final checkpoint and the model exported; if that
-        takes longer than `grace_s` (a hung step), cancel it. Returns the final poll. `suspend`: the service is
-        going down, the job is not over: the final checkpoint is what it goes on from later; no model."""
+        takes longer than `grace_s` (a hung step), cancel it. Returns the final poll (the metrics rows of steps
+        >= `since`: those the service has not read yet). `suspend`: the service is going down, the job is not
+        over: the final checkpoint is what it goes on from later; no model."""
         if self._task is not None and not self._task.done():
             self.controller.request_stop(suspend)
             done, _ = await asyncio.wait({self._task}, timeout=grace_s)
             if not done:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
-        return self.controller.report(self.controller.start_step)
+        return self.controller.report(since)  # (`start_step` is now the stop's step: no row is at or after it)
 
     async def scale(self, dp: int, reason: str = "request") -> dict:
         """Go to `dp` data-parallel replicas at the next step boundary; the resources of added ranks are

@@ -85,6 +85,10 @@ class JobManager:
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._wake = threading.Event()
+        # Ray builds its serialization context on the first call with arguments, importing pydantic.v1 as it
+        # does; in the admission thread, racing the API's thread importing pydantic, that import once failed
+        # (KeyError: 'pydantic.v1') and failed the job being admitted. Build it here, before any thread.
+        ray.put(None)
         self._reconcile()
         self._threads = [threading.Thread(target=self._loop, args=(body, wake), name=f"trainyard{body.__name__}",
                                           daemon=True)
@@ -190,8 +194,9 @@ class JobManager:
             if coordinator is None:  # still in the queue: nothing runs and nothing is reserved
                 self.store.update(job_id, status=JobStatus.STOPPED)
                 return self.get(job_id)
+            since = self._cursors.setdefault(job_id, Cursor(step=0)).step
         try:
-            self._apply(job_id, ray.get(coordinator.stop.remote(), timeout=timeout_s))
+            self._apply(job_id, ray.get(coordinator.stop.remote(since=since), timeout=timeout_s))
         except Exception as e:  # noqa: BLE001 - killing the coordinator below releases everything
             log.warning("job %s: stop did not finish cleanly (%s); killing its coordinator", job_id, e)
         self._finish(job_id, JobStatus.STOPPED)
@@ -261,19 +266,24 @@ class JobManager:
             thread.join(timeout=RESERVE_TIMEOUT_S + 5)
         with self._lock:
             live = dict(self._coordinators)
+            read = {job_id: cursor.step for job_id, cursor in self._cursors.items()}
         if self.detach_jobs:
             log.info("%d live jobs go on without the service; the next start reattaches to them", len(live))
             return
         # The jobs are not over: each writes a final checkpoint and goes back into the queue, to go on from it
         # when the service comes back.
-        stops = {job_id: coordinator.stop.remote(suspend=True) for job_id, coordinator in live.items()}
+        stops = {job_id: coordinator.stop.remote(suspend=True, since=read.get(job_id, 0))
+                 for job_id, coordinator in live.items()}
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for job_id, ref in stops.items():
             try:
                 report = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
                 if report["metrics"]:
                     self.store.add_metrics(job_id, report["metrics"])
-                self.store.update(job_id, events=report["events"])
+                # The step too: the job goes on from the final checkpoint, which is at this step. Without it the
+                # store kept the last poll's step, and the job seemed to jump ahead when its next coordinator
+                # first answered, before it had run a step.
+                self.store.update(job_id, step=report["step"], events=report["events"])
             except Exception as e:  # noqa: BLE001
                 log.warning("job %s: no final checkpoint at shutdown (%s); it goes on from its latest", job_id, e)
             self.store.interrupt(job_id, {"time": time.time(), "kind": "interrupted",
@@ -408,16 +418,20 @@ class JobManager:
     def _reconcile(self) -> None:
         for job in self.store.list():
             if job.status is JobStatus.PENDING and job.admitted_at is not None:
-                # Admitted but never started: its reservation died with Ray, or (detached) is given back here.
+                if self._reattach(job):  # a joined cluster: its coordinator is still verifying its start point
+                    continue
+                # Admitted but not yet running: its reservation died with Ray, or (detached) is given back here.
+                # Its coordinator may have been verifying the point to start from; the job was interrupted too.
                 with contextlib.suppress(Exception):
                     remove_placement_group(ray.util.get_placement_group(placement_group_name(job.job_id)))
-                self.store.requeue(job.job_id)
+                self.store.requeue(job.job_id, {"time": time.time(), "kind": "interrupted",
+                                                "cause": "the service stopped while the job was being started; it "
+                                                         "goes on from its latest checkpoint, if any"})
             elif not job.status.is_terminal and job.status is not JobStatus.PENDING and not self._reattach(job):
                 # The service went down without stopping it (killed): it goes on from its latest checkpoint.
                 self.store.interrupt(job.job_id, {"time": time.time(), "kind": "interrupted",
                                                   "cause": "the service stopped while the job ran; it goes on "
                                                            "from its latest checkpoint"})
-
 
     def _reattach(self, job: JobRecord) -> bool:
         """Follow a job whose coordinator outlived the previous service (a joined cluster); False if none."""

@@ -195,11 +195,14 @@ class JobStore:
             if cursor.rowcount > 0:
                 self._insert_events(job_id, [event])
 
-    def requeue(self, job_id: str) -> None:
-        """Put an admitted job that never started back into the queue (its resources were given back)."""
+    def requeue(self, job_id: str, event: dict) -> None:
+        """Put an admitted job that never started back into the queue (its resources were given back), and add
+        `event` to its history."""
         with self._lock:
-            self._db.execute("UPDATE jobs SET admitted_at = NULL, updated_at = ? WHERE job_id = ? AND status = ?",
-                             (time.time(), job_id, JobStatus.PENDING.value))
+            cursor = self._db.execute("UPDATE jobs SET admitted_at = NULL, updated_at = ? WHERE job_id = ? AND "
+                                      "status = ?", (time.time(), job_id, JobStatus.PENDING.value))
+            if cursor.rowcount > 0:
+                self._insert_events(job_id, [event])
 
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:

@@ -1,7 +1,8 @@
 """Lose a worker, lose nothing, through the real service (uvicorn, Ray, gloo): fault drills kill or hang a
-rank of a (dp=2, pp=2) job that checkpoints every three steps, or kill its coordinator; the job recovers from
-its latest checkpoint and ends SUCCEEDED with losses and final weights bit-identical to an uninterrupted
-run, and its events list the failure and the recovery time."""
+rank of a (dp=2, pp=2) job that checkpoints every three steps, or kill its coordinator, or kill a rank and then
+another during that recovery (fault.max_failures=2); the job recovers from its latest checkpoint and ends
+SUCCEEDED with losses and final weights bit-identical to an uninterrupted run, and its events list the
+failures and the recovery time."""
 
 from __future__ import annotations
 
@@ -14,24 +15,34 @@ from trainyard.parallel.export import MODEL_FILE
 from trainyard.service.client import ApiError
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3},
-                 parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 3})
-DRILLS = {"kill": ("kill_worker", 1), "hang": ("hang_worker", 2), "coordinator": ("kill_coordinator", 0)}
-
-
-def _run(client, drill: tuple[str, int] | None) -> tuple[dict, list[dict]]:
-    job_id = client.submit(SPEC)
-    if drill is not None:
-        wait_for(lambda: client.job(job_id)["status"] == "RUNNING", 120, "the job to run")
-        client._call("POST", f"/api/jobs/{job_id}/faults", json={"kind": drill[0], "rank": drill[1], "at_step": 4})
-    job = wait_terminal(client, job_id, timeout_s=300)
-    assert job["status"] == "SUCCEEDED", job["error"]
-    return job, client.metrics(job_id)
+                 parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 30})
+HANG_FLOOR_S = 3
+"""The hang drill's job only: a step that waits on another job's start is no hang of the others."""
+DRILLS = {"kill": [("kill_worker", 1, 4)], "hang": [("hang_worker", 2, 4)], "coordinator": [("kill_coordinator", 0, 4)],
+          # a failure during a recovery is one more failure, not the end: rank 1 dies at step 4, then rank 0 while
+          # the ranks load the checkpoint in that recovery (before, the second failure failed the job: the
+          # recovery ran inside the handler of the first)
+          "twice": [("kill_worker_in_recovery", 0, 0), ("kill_worker", 1, 4)]}
 
 
 @pytest.fixture(scope="module")
 def runs(service) -> dict[str, tuple[dict, list[dict]]]:
+    """Every drill's job and an uninterrupted one, submitted at once (two run at a time, the others queue: one
+    job's startup or recovery overlaps another's steps); each drill is scheduled once its job runs."""
     client = service.client()
-    out = {"reference": _run(client, None)} | {name: _run(client, drill) for name, drill in DRILLS.items()}
+    jobs = {name: client.submit({**SPEC, "name": name} | ({"fault": {**SPEC["fault"], "hang_floor_s": HANG_FLOOR_S}}
+                                                          if name == "hang" else {}))
+            for name in ("reference", *DRILLS)}
+    for name, drills in DRILLS.items():
+        wait_for(lambda j=jobs[name]: client.job(j)["status"] == "RUNNING", 300, f"the {name} job to run")
+        for kind, rank, at_step in drills:
+            client._call("POST", f"/api/jobs/{jobs[name]}/faults",
+                         json={"kind": kind, "rank": rank, "at_step": at_step})
+    out = {}
+    for name, job_id in jobs.items():
+        job = wait_terminal(client, job_id, timeout_s=300)
+        assert job["status"] == "SUCCEEDED", (name, job["error"], client.events(job_id))
+        out[name] = job, client.metrics(job_id)
     client.close()
     return out
 
@@ -47,25 +58,37 @@ def test_the_job_recovers_bit_identically(runs, drill, client, tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
-@pytest.mark.parametrize("drill", DRILLS)
+@pytest.mark.parametrize("drill", ["kill", "hang", "coordinator"])
 def test_events_list_the_failure_and_the_recovery_time(runs, drill, client):
     job, _ = runs[drill]
     events = client._call("GET", f"/api/jobs/{job['job_id']}/events")
     failures = [e for e in events if e["kind"] == "failure"]
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert len(failures) == 1 and len(recovered) == 1
-    failure = failures[0]
+    failure, rank = failures[0], DRILLS[drill][0][1]
     if drill == "coordinator":  # no rank failed; all died with the coordinator that owned them
         assert failure["ranks"] == [] and "the coordinator died" in failure["cause"]
     else:
-        assert failure["ranks"] == [DRILLS[drill][1]] or drill == "hang"  # a hang also stalls the ranks on it
-        assert DRILLS[drill][1] in failure["ranks"]
+        assert failure["ranks"] == [rank] or drill == "hang"  # a hang also stalls the ranks on it
+        assert rank in failure["ranks"]
     # The rank fails as it starts step 4; its peers may notice while they finish step 3 (then no step is lost).
     assert failure["restore_step"] == 3 and failure["step"] in (3, 4)
     assert failure["steps_lost"] == failure["step"] - 3
     assert ("hung" if drill == "hang" else "died") in failure["cause"]
     assert 0 < recovered[0]["recovery_s"] < 120
     assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3, 6]
+
+
+def test_a_rank_killed_during_a_recovery_is_recovered_from_too(runs, client):
+    job, _ = runs["twice"]
+    events = client.events(job["job_id"])
+    failures = [e for e in events if e["kind"] == "failure"]
+    assert [f["failure"] for f in failures] == [1, 2]
+    assert 1 in failures[0]["ranks"] and "died" in failures[0]["cause"]
+    assert failures[1]["ranks"] == [0] and "loading the checkpoint of step 3" in failures[1]["cause"]
+    assert all(f["restore_step"] == 3 for f in failures)
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert len(recovered) == 1 and recovered[0]["failure"] == 2
 
 
 def test_drills_are_refused_unless_the_service_allows_them(ray_session, tmp_path):

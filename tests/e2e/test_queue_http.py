@@ -137,8 +137,8 @@ def race_stop_and_delete(http, job_id: str) -> list[int]:
 
 def test_concurrent_stop_and_delete_never_answer_5xx_and_the_service_keeps_working(client):
     http = client._http
-    for _ in range(3):
-        job_id = client.submit(tiny_spec(steps=100_000))
+    ids = [client.submit(tiny_spec(steps=100_000)) for _ in range(3)]  # one rank each: they run side by side
+    for job_id in ids:
         wait_for(lambda j=job_id: client.job(j)["step"] >= 1, what="the job to run")
         codes = race_stop_and_delete(http, job_id)
         assert set(codes) <= {200, 204, 404, 409} and 204 in codes, codes
@@ -212,5 +212,7 @@ def test_a_job_admitted_but_never_started_is_queued_again_after_a_restart(ray_se
     try:
         job = wait_terminal(svc.client(), "admitted")
         assert job["status"] == "SUCCEEDED"
+        interrupted = [e for e in svc.client().events("admitted") if e["kind"] == "interrupted"]
+        assert len(interrupted) == 1 and "while the job was being started" in interrupted[0]["cause"]
     finally:
         svc.shutdown()

@@ -83,6 +83,8 @@ def test_stopping_a_running_job_releases_its_actors_and_placement_group_and_then
     assert len(names) == 3 and all(live_actor(n) for n in names)  # the coordinator and two workers
     job = client.stop(running)
     assert job["status"] == "STOPPED" and job["step"] < STEPS
+    # every step's row, those run since the service's last poll too (the stop's report once held none of them)
+    assert [r["step"] for r in client.metrics(running)] == list(range(job["step"]))
     wait_for(lambda: not any(live_actor(n) for n in names), 30, "actors to be gone")
     wait_for(lambda: placement_group_state(running) == "REMOVED", 30, "placement group removal")
     assert client.job(running)["status"] == "STOPPED"

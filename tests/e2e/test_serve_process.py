@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import ray
 import torch
 from helpers import REPO, tiny_spec, wait_for, wait_terminal
@@ -45,7 +44,7 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple
     where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", "4"]
     # A session of its own, as systemd runs a service: a signal to its process group reaches nothing of ours.
     proc = subprocess.Popen([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(state), "serve",
-                             "--port", str(port), *where], cwd=REPO, env=env, stdout=log.open("wb"),
+                             "--port", str(port), *where], cwd=REPO, env=env, stdout=log.open("ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
     try:
@@ -70,9 +69,11 @@ def _weights(client: Client, job_id: str, where: Path) -> dict:
 def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, client: Client,
                    ray_address: str | None = None,
                    while_down: Callable[[int, int, list[int], int], None] | None = None
-                   ) -> tuple[subprocess.Popen, Client, dict]:
+                   ) -> tuple[subprocess.Popen, Client]:
     """SIGTERM the service once the job made 15 more steps, start it again, SIGKILL it 15 steps later, start it
-    again; returns the new service and the job once it ended. `while_down(signal, exit code, the old service's
+    again; returns the new service. (After a SIGTERM the service's step of a job is the step of its final
+    checkpoint, which it goes on from: 15 more steps after a restart are steps the new coordinator ran.)
+    `while_down(signal, exit code, the old service's
     processes, the job's last step the service reported)` runs while no service is up."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         running, past = client, client.job(job_id)["step"] + 15
@@ -89,17 +90,7 @@ def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, 
         # After SIGKILL, the embedded Ray's daemons are orphans until the next start removes them.
         proc, client = start_serve(state, log, ray_address)
         wait_for(lambda o=ours: not any(alive(p) for p in o), 60, "the old service's processes to exit")
-    job = wait_for(lambda: (j := client.job(job_id))["status"] in ("SUCCEEDED", "FAILED") and j, 300,
-                   "the job to finish after two restarts")
-    assert job["status"] == "SUCCEEDED", job["error"]
-    return proc, client, job
-
-
-KNOWN_RESTART_DEFECT = (
-    "open defect found at integration (2026-11-24): after the SIGTERM restart the store showed the job PENDING at "
-    "step 54 while its relaunched coordinator was still starting (no step run), so the SIGKILL restart re-queued it "
-    "as 'admitted, never started' and recorded no second 'interrupted' event; the job still ended SUCCEEDED with "
-    "bit-identical losses and weights, from its SIGTERM checkpoint")
+    return proc, client
 
 
 def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
@@ -114,16 +105,19 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
         assert code == 0, log.read_text()[-3000:]
         assert len(ours) >= 4  # at least Ray's GCS and raylet, and the job's workers
         wait_for(lambda: not any(alive(p) for p in ours), 30, "the service's processes to exit")
+        # The live job wrote its final checkpoint as it stopped, at or after the last step the service saw.
+        saved = checkpoint.committed_steps(state / "checkpoints" / job_id)
+        assert saved and saved[-1] >= seen, saved
         store = JobStore(state / "jobs.db")
         try:
             assert store.get(job_id).queued  # to go on when the service is back
             assert store.get(job_id).events[-1]["kind"] == "interrupted"
             assert store.get(waiting).queued
+            # ... from that checkpoint, whose step the store shows (it showed the last poll's, behind it, and the
+            # step jumped when the next coordinator first answered, before it had run a step)
+            assert store.get(job_id).step == saved[-1], (store.get(job_id).step, saved)
         finally:
             store.close()
-        # The live job wrote its final checkpoint as it stopped, at or after the last step the service saw.
-        saved = checkpoint.committed_steps(state / "checkpoints" / job_id)
-        assert saved and saved[-1] >= seen, saved
 
     try:
         reference = client.submit(SURVIVOR)
@@ -134,7 +128,9 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
         waiting = client.submit(tiny_spec(steps=3, name="waiting", resources={"cpus_per_worker": 3}))
         wait_for(lambda: client.job(job_id)["step"] >= 1, 180, f"job {job_id} to run")
         assert client.job(waiting)["queue_position"] == 1
-        proc, client, job = _restart_twice(state, log, job_id, proc, client, while_down=after_sigterm)
+        proc, client = _restart_twice(state, log, job_id, proc, client, while_down=after_sigterm)
+        job = wait_terminal(client, job_id, 300)
+        assert job["status"] == "SUCCEEDED", job["error"]
         assert wait_terminal(client, waiting)["status"] == "SUCCEEDED"  # it waited through both restarts
         # a job that ended before the restarts is kept as it was, its metrics rows too
         assert client.job(reference)["status"] == "SUCCEEDED" and client.metrics(reference) == before
@@ -143,9 +139,7 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
         ours, theirs = _weights(client, job_id, tmp_path), _weights(client, reference, tmp_path)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
         kinds = [e["kind"] for e in client._call("GET", f"/api/jobs/{job_id}/events")]
-        assert kinds.count("interrupted") >= 1, client._call("GET", f"/api/jobs/{job_id}/events")
-        if kinds.count("interrupted") != 2:  # every check above holds; only this one meets the open defect
-            pytest.xfail(KNOWN_RESTART_DEFECT)
+        assert kinds.count("interrupted") == 2, client._call("GET", f"/api/jobs/{job_id}/events")
     finally:
         client.close()
         if proc.poll() is None:
@@ -158,14 +152,18 @@ def test_on_a_joined_cluster_the_service_reattaches_to_the_running_job(ray_sessi
     service that comes back follows them again (every step's row kept, the one run's losses)."""
     state, log = tmp_path / "state", tmp_path / "serve.log"
     proc, client = start_serve(state, log, ray.get_runtime_context().gcs_address)
-    spec = {**SURVIVOR, "steps": 400}  # it trains on while the service restarts: it must not end before
+    spec = {**SURVIVOR, "steps": 100_000}  # it trains on while the service restarts, until it is stopped
     try:
         job_id = client.submit(spec)
         wait_for(lambda: client.job(job_id)["ranks"], 120, "the job's workers")
         workers = [r["actor_id"] for r in client.job(job_id)["ranks"]]
-        proc, client, job = _restart_twice(state, log, job_id, proc, client, ray.get_runtime_context().gcs_address)
-        assert [r["actor_id"] for r in job["ranks"]] == workers  # the same actors all along
-        assert [r["step"] for r in client.metrics(job_id)] == list(range(spec["steps"]))
+        proc, client = _restart_twice(state, log, job_id, proc, client, ray.get_runtime_context().gcs_address)
+        past = client.job(job_id)["step"] + 2
+        wait_for(lambda: client.job(job_id)["step"] >= past, 120, "two more steps followed")
+        assert [r["actor_id"] for r in client.job(job_id)["ranks"]] == workers  # the same actors all along
+        assert client.stop(job_id)["status"] == "STOPPED"
+        rows = [r["step"] for r in client.metrics(job_id)]
+        assert rows == list(range(len(rows))) and len(rows) >= past  # every step's row, once
         kinds = [e["kind"] for e in client._call("GET", f"/api/jobs/{job_id}/events")]
         assert kinds.count("reattached") == 2 and "interrupted" not in kinds and "failure" not in kinds
     finally:

@@ -1,6 +1,6 @@
 """A two-node Ray cluster (`ray.cluster_utils.Cluster`, fake GPUs) that `trainyard serve --ray-address` joins:
-each tensor-parallel group lands on one node and a 3D job spans both nodes; then a node is lost under an elastic
-job, which shrinks to the replica left and trains on (a shorter node-loss check than
+each tensor-parallel group lands on one node and a (pp=2, tp=2) job spans both nodes; then a node is lost under an
+elastic job, which shrinks to the replica left and trains on (a shorter node-loss check than
 tests/e2e/test_elastic_cluster.py's shrink-and-grow-back story; both are in `make test-slow`)."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ def two_node_cluster():
     from ray.cluster_utils import Cluster
 
     os.environ["RAY_AUTH_MODE"] = "disabled"  # tests only: the product keeps Ray's token auth on
-    # 4 CPUs and 4 (fake) GPUs per node: a dp=2 x pp=2 x tp=2 job needs 4 bundles of 2 CPU + 2 GPU, so at
-    # most 2 fit on a node and the job must use both.
+    # 4 CPUs and 2 (fake) GPUs per node: a pp=2 x tp=2 job needs 2 bundles of 2 CPU + 2 GPU, so one fits on a
+    # node and the job must use both.
     # Ray notices a lost node after two missed health checks half a second apart (not tens of seconds).
     fast_health_checks = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
     cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 4, "num_gpus": 4, "include_dashboard": False,
+                      head_node_args={"num_cpus": 4, "num_gpus": 2, "include_dashboard": False,
                                       "object_store_memory": 100 * 2**20, "_system_config": fast_health_checks})
-    cluster.add_node(num_cpus=4, num_gpus=4, object_store_memory=100 * 2**20)
+    cluster.add_node(num_cpus=4, num_gpus=2, object_store_memory=100 * 2**20)
     cluster.wait_for_nodes()
     yield cluster
     cluster.shutdown()
@@ -43,14 +43,14 @@ def serve(two_node_cluster, tmp_path_factory):
 def test_a_job_is_placed_across_two_nodes_with_each_tp_group_on_one(serve):
     client = serve
     cluster = client.cluster()
-    assert cluster["nodes"] == 2 and cluster["gpus"] == 8
-    spec = tiny_spec(steps=2, model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2})
+    assert cluster["nodes"] == 2 and cluster["gpus"] == 4
+    spec = tiny_spec(steps=2, model={"n_layer": 4}, parallel={"pp": 2, "tp": 2, "microbatches": 2})
     plan = client.plan(spec)
-    assert plan["resources"]["bundles"] == [{"CPU": 2.0, "GPU": 2.0}] * 4
+    assert plan["resources"]["bundles"] == [{"CPU": 2.0, "GPU": 2.0}] * 2
     job = wait_terminal(client, client.submit(spec), timeout_s=300)
     assert job["status"] == "SUCCEEDED", job["error"]
     node_of = {r["rank"]: r["node_id"] for r in job["ranks"]}
-    assert len(node_of) == 8 and len(set(node_of.values())) == 2
+    assert len(node_of) == 4 and len(set(node_of.values())) == 2
     for group in plan["groups"]["tp"]:
         assert len({node_of[r] for r in group}) == 1, f"tp group {group} spans nodes"
     assert all(r["device"] == "cpu" for r in job["ranks"])  # fake GPUs: gloo on CPU, the GPU code path

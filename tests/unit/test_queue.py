@@ -65,8 +65,8 @@ def test_a_claimed_job_leaves_the_queue_and_cannot_be_claimed_twice(store):
     add(store, "a")
     assert store.claim("a") and not store.claim("a")
     assert store.queue() == [] and store.get("a").admitted_at is not None
-    store.requeue("a")
-    assert [j.job_id for j in store.queue()] == ["a"]
+    store.requeue("a", {"time": 1.0, "kind": "interrupted"})
+    assert [j.job_id for j in store.queue()] == ["a"] and store.get("a").events[-1]["kind"] == "interrupted"
 
 
 def test_a_stopped_or_deleted_job_cannot_be_claimed(store):
