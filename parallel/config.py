@@ -267,9 +267,10 @@ class EvalConfig:
 @dataclass(frozen=True, kw_only=True)
 class FaultConfig:
     __pydantic_config__ = _STRICT
-    max_failures: Annotated[int, Ge(0), Le(1000)] = 0
-    """Failures (a rank that raises, dies or hangs) the job recovers from, each from its latest checkpoint;
-    the next one fails the job."""
+    max_failures: Annotated[int, Ge(0), Le(1000)] = 3
+    """Failures (a rank that raises, dies or hangs) the job recovers from, each from a live replica's state or
+    its latest checkpoint; the next one fails the job. 0: the first failure fails the job (a deterministic
+    error is then not retried)."""
     step_timeout_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 300.0
     """A step that takes longer has hung, whatever its history (a hung collective never hangs the service)."""
     hang_factor: Annotated[float, Gt(1), Le(1e4)] = 10.0
