@@ -58,6 +58,7 @@ class Worker:
 
     def load_checkpoint(self, directory: str, step: int) -> None:
         assert self.driver is not None, "setup() must run before load_checkpoint()"
+        self._kept = None  # a recovery that kept this rank's state went through the checkpoint instead
         with self._traceback_to_stderr(f"loading the checkpoint of step {step}"):
             self.driver.load(Path(directory), step)
 
@@ -88,13 +89,18 @@ class Worker:
             print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
 
-    def keep_state(self) -> None:
-        """Before an in-memory resize: hold this rank's parameters and optimizer state, then leave the process
-        groups (`adopt_state` takes them into the trainer of the new layout)."""
-        assert self.driver is not None
-        with self._traceback_to_stderr("keeping the state for a resize"):
-            self._kept = self.driver.trainer.local_state()
+    def keep_state(self, after_failure: bool = False) -> int | None:
+        """Before an in-memory resize, or after a failure (a live replica's state may spare the job its
+        checkpoint): hold this rank's parameters and optimizer state, then leave the process groups
+        (`adopt_state` takes them into the trainer of the new layout). Returns the steps that state holds (None:
+        unknown, e.g. the failure came while it was being replaced; it is then no source for anyone)."""
+        steps = None
+        if self.driver is not None:
+            with self._traceback_to_stderr("keeping the state"):
+                self._kept = self.driver.trainer.local_state(finish_saves=not after_failure)
+                steps = self.driver.trainer.steps_done
         self.reset()
+        return steps
 
     def adopt_state(self, step: int, source: int | None) -> None:
         assert self.driver is not None

@@ -281,6 +281,9 @@ class FaultConfig:
     """Elastic jobs: how long the resources of a lost node may take to come back before the job shrinks."""
     grow_interval_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 10.0
     """Elastic jobs below their max: how often to look for free resources to grow into."""
+    from_replica: bool = True
+    """Recover from a live data-parallel replica when every (pp, tp) shard still has one holding the state of
+    the failed step (no step lost, no checkpoint needed); else, and with false, from the latest checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -119,6 +119,9 @@ class RankTrainer:
         self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
         self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
         self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
+        self.steps_done: int | None = 0
+        """The steps the parameters and moments hold; None while they are being replaced or stepped (a failure
+        then leaves them half-done), so a recovery takes state only from a rank that knows its step."""
         # Where each chunk's gradients become final: its last backward in this rank's schedule.
         self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
                               if a.kind is ActionKind.BACKWARD}
@@ -167,9 +170,11 @@ class RankTrainer:
         grad_norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
+        self.steps_done = None
         self.optimizer.step()
         for reducer in self.reducers.values():
             reducer.gather_params()
+        self.steps_done = step + 1
         loss = None
         if self.is_last_stage:
             if self.groups.dp is not None:
@@ -240,14 +245,16 @@ class RankTrainer:
     @torch.no_grad()
     def load_checkpoint(self, directory: Path, step: int) -> None:
         """Take parameters and optimizer state from the checkpoint of `step`, whatever layout wrote it."""
-        state = self.checkpoint_state()
+        state, self.steps_done = self.checkpoint_state(), None
         checkpoint.load(state, directory, self.groups.checkpoint)
         self._took_state(state, step)
 
-    def local_state(self) -> dict:
+    def local_state(self, finish_saves: bool = True) -> dict:
         """This rank's parameters and AdamW moments as plain local tensors (not copies), to outlive the trainer
-        and its process groups across an in-memory resize (`adopt_state`)."""
-        self.finish_checkpoint()
+        and its process groups across an in-memory resize or a recovery from a live replica (`adopt_state`).
+        `finish_saves=False` after a failure: a background save is left unfinished (its peers may be gone)."""
+        if finish_saves:
+            self.finish_checkpoint()
         state = self.checkpoint_state()
         return {"model": {k: local_part(t).detach() for k, t in state["model"].items()},
                 "optim": {k: {m: local_part(t) for m, t in v.items()} for k, v in state["optim"].items()}}
@@ -256,7 +263,7 @@ class RankTrainer:
         """Take parameters and moments after `step` steps from `kept` (this rank's own, from `local_state` in
         the layout before a resize), then, when `source` is set, from that global rank of this rank's
         data-parallel group (a broadcast, so new ranks get the state of a surviving replica)."""
-        state = self.checkpoint_state()
+        state, self.steps_done = self.checkpoint_state(), None
         tensors = [(("model", k), local_part(t)) for k, t in sorted(state["model"].items())]
         tensors += [(("optim", k, m), local_part(t)) for k, v in sorted(state["optim"].items())
                     for m, t in sorted(v.items())]
@@ -277,6 +284,7 @@ class RankTrainer:
             reducer.load_moments(self.optimizer, moments)
         for tensor_state in self.optimizer.state.values():
             tensor_state["step"].fill_(step)
+        self.steps_done = step
 
     def _init_optimizer_state(self) -> None:
         """AdamW creates its state at the first step; a checkpoint before it (or a load) needs it now."""

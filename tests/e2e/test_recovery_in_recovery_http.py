@@ -8,7 +8,8 @@ from __future__ import annotations
 from helpers import tiny_spec, wait_for, wait_terminal
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3}, name="twice",
-                 parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 3})
+                 parallel={"dp": 2, "pp": 2, "microbatches": 2},
+                 fault={"max_failures": 2, "hang_floor_s": 3, "from_replica": False})  # the checkpoint path
 
 
 def test_a_rank_killed_during_a_recovery_is_recovered_from_too(client):
