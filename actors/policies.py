@@ -78,8 +78,10 @@ class HangPolicy:
 
 def replicas_may_recover(plan: Plan) -> bool:
     """Whether a failure may be recovered from a live replica: asked for (fault.from_replica), there are
-    replicas, and each replica of a (pp, tp) shard holds the whole state (no ZeRO slices, no expert parallelism)."""
-    return plan.config.fault.from_replica and plan.dp > 1 and can_move_in_memory(plan, plan)
+    replicas, each replica of a (pp, tp) shard holds the whole state (no ZeRO slices, no expert parallelism), and
+    the replicas hold the same state (local_sgd and diloco replicas differ between synchronisations)."""
+    return (plan.config.fault.from_replica and plan.dp > 1 and can_move_in_memory(plan, plan)
+            and plan.config.parallel.sync.kind == "allreduce")
 
 
 def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[int, int] | None:

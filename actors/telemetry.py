@@ -81,6 +81,8 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int) -> dic
         # Wall time between two steps' results that no rank spent computing.
         "coordinator_overhead_s": max(0.0, elapsed - max(r["compute_s"] for r in results)),
         **pipeline_metrics(results),
+        # The most any rank all-reduced across the data-parallel replicas (parallel.sync).
+        "cross_replica_bytes": max(r.get("cross_replica_bytes", 0) for r in results),
     }
     moe = moe_metrics(results)
     if moe:

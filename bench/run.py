@@ -22,7 +22,21 @@ from pathlib import Path
 
 from trainyard.service.client import ApiError
 
-from bench import checkpoint, data, dp, elastic, families, faults, perf, pipeline, poll, service_ops, signals, tp_memory
+from bench import (
+    checkpoint,
+    data,
+    dp,
+    elastic,
+    families,
+    faults,
+    perf,
+    pipeline,
+    poll,
+    service_ops,
+    signals,
+    sync,
+    tp_memory,
+)
 from bench.context import BENCH, BenchContext
 from bench.machine import describe, machine_info
 from bench.results import Row, load, markdown_table, merge, save
@@ -61,6 +75,8 @@ SECTIONS: dict[str, Section] = {
         Section("families", "a llama step vs a gpt2 step at equal parameter count", families.run_section),
         Section("signals", "SIGTERM to the service's process group vs to its process", signals.run_section),
         Section("poll", "a poll at step 20,000 vs early; resume_from of a 2 GiB checkpoint", poll.run_section),
+        Section("sync", "diloco and local SGD vs all-reduce (dp=4; dp=2 pp=2): loss at equal tokens vs bytes "
+                        "across replicas", sync.run_section),
     )
 }
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from annotated_types import Ge, Gt, Le, MaxLen, MinLen
+from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 
 # Every number a spec carries is bounded: integers so that sums and products of them stay far inside int64
 # (the store's INTEGER and torch's index type) and every loop a plan runs stays small, floats finite (JSON
@@ -192,6 +192,23 @@ class DpRange:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """How data-parallel replicas (each a whole pp x tp group) keep in step (`parallel.sync`)."""
+
+    __pydantic_config__ = _STRICT
+    kind: Literal["allreduce", "local_sgd", "diloco"] = "allreduce"
+    """allreduce: gradients summed every step; local_sgd: each replica steps on its own share of the batch and
+    the parameters are averaged every `every` steps; diloco: the averaged change since the last sync (the
+    pseudo-gradient) goes through an outer Nesterov SGD (`parallel.sync`)."""
+    every: Annotated[int, Gt(0), Le(MAX_STEPS)] = 1
+    """local_sgd, diloco: steps between synchronisations (H)."""
+    outer_lr: Annotated[float, Gt(0), Le(1e3)] = 0.7
+    """diloco: the outer SGD's learning rate (DiLoCo's 0.7)."""
+    outer_momentum: Annotated[float, Ge(0), Lt(1)] = 0.9
+    """diloco: the outer SGD's Nesterov momentum (0: plain SGD)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     __pydantic_config__ = _STRICT
     dp: Degree | DpRange = 1
@@ -220,6 +237,8 @@ class ParallelConfig:
     """Start each gradient bucket's reduction during backward, as soon as its gradients are final."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Type of the gradients on the wire between data-parallel ranks; bf16 halves the traffic."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """How the replicas keep in step: every step (allreduce) or every H steps (local_sgd, diloco)."""
 
 
 @dataclass(frozen=True, kw_only=True)

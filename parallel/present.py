@@ -6,10 +6,11 @@ schedule simulator). Byte counts are formatted by `parallel.units`, which the CL
 
 from __future__ import annotations
 
-from trainyard.parallel.memory import estimate
+from trainyard.parallel.memory import estimate, param_counts
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.schedule_sim import Costs, render_gantt, simulate
 from trainyard.parallel.schedules import format_actions
+from trainyard.parallel.sync import cross_replica_bytes
 
 
 def describe(plan: Plan) -> dict:
@@ -29,6 +30,7 @@ def describe(plan: Plan) -> dict:
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),
         "memory": describe_memory(plan),
+        "sync": describe_sync(plan),
         "resources": {
             "per_worker": {"CPU": plan.cpus_per_worker, "GPU": plan.gpus_per_worker},
             "bundles": plan.bundles(),
@@ -44,6 +46,17 @@ def describe_memory(plan: Plan) -> dict:
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
     return {"per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
+
+
+def describe_sync(plan: Plan) -> dict:
+    """How the replicas keep in step (`parallel.sync`) and the bytes each rank all-reduces across them per step,
+    on average (the payload: gradients every step, or parameters once per `every` steps), per pipeline stage."""
+    sync, par = plan.config.parallel.sync, plan.config.parallel
+    wire = 2 if par.reduce_dtype == "bf16" else 4
+    per_stage = [cross_replica_bytes(sync, param_counts(plan, s).total, plan.dp, wire) for s in range(plan.pp)]
+    return {"kind": sync.kind, **({"every": sync.every} if sync.kind != "allreduce" else {}),
+            **({"outer_lr": sync.outer_lr, "outer_momentum": sync.outer_momentum} if sync.kind == "diloco" else {}),
+            "cross_replica_bytes_per_step": per_stage}
 
 
 def describe_schedule(plan: Plan) -> dict:

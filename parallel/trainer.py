@@ -36,7 +36,7 @@ from trainyard.parallel.data import (
     step_counted_targets,
     validation_batches,
 )
-from trainyard.parallel.data_parallel import GradientReducer, local_part, make_reducer
+from trainyard.parallel.data_parallel import WIRE_DTYPES, GradientReducer, local_part, make_reducer
 from trainyard.parallel.distributed import RankGroups
 from trainyard.parallel.models import family_of
 from trainyard.parallel.moe import MoEContext, moe_layers
@@ -46,6 +46,13 @@ from trainyard.parallel.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.schedules import Action, ActionKind, virtual_stage
 from trainyard.parallel.sharding import sharding_for
+from trainyard.parallel.sync import (
+    ReplicaSync,
+    averages_optimizer_state,
+    cross_replica_bytes,
+    is_local,
+    syncs_after,
+)
 from trainyard.parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 
 
@@ -76,6 +83,9 @@ class StepStats:
     moe: dict[str, dict]
     """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
     routed to each expert), summed over the stage's ranks. Empty for a dense model."""
+    cross_replica_bytes: int = 0
+    """Bytes this rank all-reduced across the data-parallel replicas in this step (gradients with allreduce,
+    parameters at a local_sgd or diloco sync; `parallel.sync`)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,7 +115,9 @@ class RankTrainer:
         # Each set of gradients is summed over the ranks that computed parts of it (see parallel.moe): dense
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
         par = cfg.parallel
-        sets = {"dense": groups.dp, "router": groups.stage, "experts": groups.experts}
+        # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
+        self.local_sync = is_local(par.sync) and plan.dp > 1
+        sets = {"dense": None if self.local_sync else groups.dp, "router": groups.stage, "experts": groups.experts}
         family = family_of(cfg.model)
         self.reducers: dict[str, GradientReducer] = {}
         for kind, group in sets.items():
@@ -117,7 +129,15 @@ class RankTrainer:
         self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer)
         self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
-        self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
+        self.norm_group = _replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
+        named = [(name, local_part(p)) for chunk in self.chunks for name, p in chunk.named_parameters()]
+        self.sync = ReplicaSync(par.sync, [p for _, p in named], groups.dp, plan.dp) if self.local_sync else None
+        self._sync_names = [name for name, _ in named]
+        dense = self.reducers.get("dense")
+        dense_params = sum(local_part(p).numel() for b in dense.buckets for p in b.params) if dense else 0
+        self._dense_bytes = int(cross_replica_bytes(par.sync, dense_params, plan.dp,
+                                                    WIRE_DTYPES[par.reduce_dtype].itemsize))
+        """Gradient bytes all-reduced across the replicas per step (allreduce)."""
         self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
         self.steps_done: int | None = 0
         """The steps the parameters and moments hold; None while they are being replaced or stepped (a failure
@@ -163,7 +183,7 @@ class RankTrainer:
             reducer.zero_grad()
         for _, layer in self.moe_layers:
             layer.stats.zero_()
-        self.executor.loss_scale = self._loss_scale(step)
+        self.executor.loss_scale = self._loss_scale(step, microbatch_ids)
         loss_sum, timings = self._forward_backward(microbatch_ids)
         for reducer in self.reducers.values():
             reducer.finish()
@@ -174,11 +194,18 @@ class RankTrainer:
         self.optimizer.step()
         for reducer in self.reducers.values():
             reducer.gather_params()
+        sent = 0 if self.local_sync else self._dense_bytes
+        cfg = self.plan.config
+        if self.sync is not None and syncs_after(step, cfg.parallel.sync, cfg.steps):
+            checkpointed = averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every, cfg.steps)
+            sent = self.sync.synchronise(self._inner_state() if checkpointed else [])
         self.steps_done = step + 1
         loss = None
         if self.is_last_stage:
             if self.groups.dp is not None:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
+                if self.local_sync:  # each replica's loss is its own share's mean: the global batch's is their mean
+                    loss_sum /= self.plan.dp
             loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
         grad_norm = float(grad_norm)
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
@@ -186,7 +213,7 @@ class RankTrainer:
                          optimizer_bytes=self._optimizer_bytes(),
                          early_reductions=sum(r.started_early for r in self.reducers.values()),
                          buckets=sum(len(r.buckets) for r in self.reducers.values()),
-                         moe=self._moe_stats(), **asdict(timings))
+                         moe=self._moe_stats(), cross_replica_bytes=sent, **asdict(timings))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -214,8 +241,11 @@ class RankTrainer:
         names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
         state_keys = self.optimizer_kind.state
         moments = {p: m for r in self.reducers.values() for p, m in r.moments(self.optimizer, state_keys).items()}
-        return {"model": {name: p for p, name in names.items()},
-                "optim": {names[p]: m for p, m in moments.items()}}
+        state = {"model": {name: p for p, name in names.items()}, "optim": {names[p]: m for p, m in moments.items()}}
+        outer = self.sync.outer_state() if self.sync is not None else []
+        if outer:  # diloco's outer momentum; its anchor is the parameters, as checkpoints are taken at syncs
+            state["sync"] = dict(zip(self._sync_names, outer, strict=True))
+        return state
 
     def save_checkpoint(self, root: Path, step: int, info: dict, *, background: bool = False) -> None:
         """Write the state after `step` steps as checkpoint `step` under root (collective). In the background,
@@ -284,7 +314,16 @@ class RankTrainer:
             reducer.load_moments(self.optimizer, moments)
         for tensor_state in self.optimizer.state.values():
             tensor_state["step"].fill_(step)
+        if self.sync is not None:
+            self.sync.took_state()
         self.steps_done = step
+
+    def _inner_state(self) -> list[torch.Tensor]:
+        """This rank's optimizer state tensors (its moments), which a local_sgd or diloco sync a checkpoint follows
+        averages across the replicas."""
+        keys = self.optimizer_kind.state
+        return [local_part(self.optimizer.state[t][k]) for group in self.optimizer.param_groups
+                for t in group["params"] for k in keys]
 
     def _init_optimizer_state(self) -> None:
         """AdamW creates its state at the first step; a checkpoint before it (or a load) needs it now."""
@@ -327,12 +366,17 @@ class RankTrainer:
         return {block: layer.summarize(row, sequences) for (block, layer), row in zip(self.moe_layers, stats,
                                                                                        strict=True)}
 
-    def _loss_scale(self, step: int) -> float:
+    def _loss_scale(self, step: int, microbatch_ids: list[list[int]]) -> float:
         """1 / the step's global count of targets that count (at least 1: a batch of masked targets only
-        has loss 0)."""
+        has loss 0). local_sgd, diloco: of this replica's share, whose mean gradient it steps on alone."""
+        cfg = self.plan.config
+        if self.local_sync:
+            if not has_loss_mask(self.dataset):
+                return self.plan.dp / (cfg.global_batch * cfg.model.seq_len)
+            return 1.0 / max(1, counted_targets(self.dataset, [i for ids in microbatch_ids for i in ids]))
         if not has_loss_mask(self.dataset):
-            return 1.0 / (self.plan.config.global_batch * self.plan.config.model.seq_len)
-        return 1.0 / max(1, step_counted_targets(self.plan.config, self.dataset, step))
+            return 1.0 / (cfg.global_batch * cfg.model.seq_len)
+        return 1.0 / max(1, step_counted_targets(cfg, self.dataset, step))
 
     def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
         return self.executor.run(self.actions, _lazy_batches(self.dataset, microbatch_ids))
@@ -348,3 +392,13 @@ def _lazy_batches(dataset: Dataset, microbatch_ids: list[list[int]]) -> Callable
         return loaded[mb]
 
     return batch
+
+
+def _replica_group(plan: Plan) -> dist.ProcessGroup | None:
+    """The ranks of this rank's data-parallel replica (its whole pp x tp group), each rank creating every one;
+    None when a replica is one rank. A local_sgd or diloco replica clips its own gradients' norm over it."""
+    replicas = [[plan.rank_of(p, t, d) for p in range(plan.pp) for t in range(plan.tp)] for d in range(plan.dp)]
+    if len(replicas[0]) == 1:
+        return None
+    mine, _ = dist.new_subgroups_by_enumeration(replicas)
+    return mine
