@@ -22,6 +22,7 @@ to sync, the bytes it sends) come first; `ReplicaSync` runs the collective on a 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainyard.parallel.config import SyncConfig
@@ -62,6 +63,15 @@ def cross_replica_bytes(cfg: SyncConfig, local_params: int, dp: int, wire_bytes:
     if is_local(cfg):
         return FP32 * local_params / cfg.every
     return float(wire_bytes * local_params)
+
+
+def saved_outer_state(directory: Path) -> bool:
+    """Whether the checkpoint in `directory` holds diloco's outer momentum (one of an allreduce job does not: a
+    diloco job resumed from it starts its momentum at zero)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return any(key.startswith("sync.") for key in keys)
 
 
 class ReplicaSync:

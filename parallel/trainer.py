@@ -51,6 +51,7 @@ from trainyard.parallel.sync import (
     averages_optimizer_state,
     cross_replica_bytes,
     is_local,
+    saved_outer_state,
     syncs_after,
 )
 from trainyard.parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
@@ -276,6 +277,8 @@ class RankTrainer:
     def load_checkpoint(self, directory: Path, step: int) -> None:
         """Take parameters and optimizer state from the checkpoint of `step`, whatever layout wrote it."""
         state, self.steps_done = self.checkpoint_state(), None
+        if "sync" in state and not saved_outer_state(directory):
+            del state["sync"]  # an allreduce job's checkpoint: diloco's outer momentum starts at zero
         checkpoint.load(state, directory, self.groups.checkpoint)
         self._took_state(state, step)
 

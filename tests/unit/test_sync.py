@@ -48,3 +48,14 @@ def test_combinations_that_do_not_compose_are_refused_naming_the_field(overrides
     with pytest.raises(PlanError) as info:
         make_plan(parse_spec(tiny_spec(**overrides)))
     assert info.value.field == field and words in str(info.value)
+
+
+def test_a_checkpoint_says_whether_it_holds_the_outer_momentum(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from trainyard.parallel.sync import saved_outer_state
+
+    weights = {"h.0.w": torch.ones(2)}
+    dcp.save({"model": weights}, checkpoint_id=tmp_path / "allreduce", no_dist=True)
+    dcp.save({"model": weights, "sync": {"h.0.w": torch.zeros(2)}}, checkpoint_id=tmp_path / "diloco", no_dist=True)
+    assert not saved_outer_state(tmp_path / "allreduce") and saved_outer_state(tmp_path / "diloco")
