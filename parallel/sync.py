@@ -30,6 +30,7 @@ from trainyard.parallel.config import SyncConfig
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from trainyard.parallel.plan import Plan
 
 FP32 = 4
 LOCAL_KINDS = ("local_sgd", "diloco")
@@ -74,14 +75,29 @@ def saved_outer_state(directory: Path) -> bool:
     return any(key.startswith("sync.") for key in keys)
 
 
+def replica_group(plan: Plan) -> dist.ProcessGroup | None:
+    """This rank's data-parallel replica (its whole pp x tp group) as a process group, every rank creating every
+    replica's; None when a replica is one rank. A local_sgd or diloco replica clips its gradients' norm over it."""
+    import torch.distributed as dist
+
+    replicas = [[plan.rank_of(p, t, d) for p in range(plan.pp) for t in range(plan.tp)] for d in range(plan.dp)]
+    if len(replicas[0]) == 1:
+        return None
+    mine, _ = dist.new_subgroups_by_enumeration(replicas)
+    return mine
+
+
 class ReplicaSync:
-    """One rank's part of the synchronisations of a local_sgd or diloco job: `params` are this rank's (its
-    local shards), `group` the data-parallel group of its (pp, tp) shard."""
+    """One rank's part of the synchronisations of a local_sgd or diloco job: `params` are this rank's parameters
+    (DTensors with tp; the math runs on their local shards), `group` the data-parallel group of its (pp, tp)
+    shard."""
 
     def __init__(self, cfg: SyncConfig, params: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int):
         import torch
+        from torch.distributed.tensor import DTensor
 
-        self.cfg, self.params, self.group, self.dp = cfg, params, group, dp
+        self.cfg, self.group, self.dp, self.layouts = cfg, group, dp, params
+        self.params = [p.to_local() if isinstance(p, DTensor) else p for p in params]
         self.anchor: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
         if cfg.kind == "diloco":
@@ -132,9 +148,11 @@ class ReplicaSync:
                 a.copy_(p)
 
     def outer_state(self) -> list[torch.Tensor]:
-        """The outer optimizer's momentum buffers, one per parameter (diloco with momentum; created at zero, as
-        SGD's first step would), for a checkpoint."""
+        """The outer optimizer's momentum buffers, one per parameter and laid out like it (a DTensor with tp, so
+        a checkpoint stores each shard once), for a checkpoint (diloco with momentum; created at zero, as SGD's
+        first step would)."""
         import torch
+        from torch.distributed.tensor import DTensor
 
         if self.outer is None or self.cfg.outer_momentum == 0:
             return []
@@ -142,4 +160,6 @@ class ReplicaSync:
             state = self.outer.state[a]
             if state.get("momentum_buffer") is None:
                 state["momentum_buffer"] = torch.zeros_like(a)
-        return [self.outer.state[a]["momentum_buffer"] for a in self.anchor]
+        return [DTensor.from_local(self.outer.state[a]["momentum_buffer"], p.device_mesh, p.placements, shape=p.shape,
+                                   stride=p.stride(), run_check=False) if isinstance(p, DTensor)
+                else self.outer.state[a]["momentum_buffer"] for a, p in zip(self.anchor, self.layouts, strict=True)]

@@ -5,7 +5,9 @@ spawned processes in tests and under Ray actors in the service. A step: run this
 (forward and backward of each micro-batch through its chunks, activations exchanged with neighbouring
 stages; with pp = 1 this is plain gradient accumulation; the tensor-parallel collectives run inside the
 layers), sum gradients across data-parallel replicas, clip the global norm (summed across tp shards and the
-pipeline), set the learning rate and take an AdamW step.
+pipeline), set the learning rate and take an AdamW step. With `parallel.sync` local_sgd or diloco the replicas
+step apart instead (no gradient sum across them; each steps on its own share's mean gradient and clips its own
+norm), and `parallel.sync.ReplicaSync` averages their parameters every H steps.
 
 The loss of every micro-batch is divided by the global batch's count of targets that count (all of its
 tokens; with a loss mask, the assistant/completion ones: `parallel.data.step_counted_targets`, worked out on
@@ -51,6 +53,7 @@ from trainyard.parallel.sync import (
     averages_optimizer_state,
     cross_replica_bytes,
     is_local,
+    replica_group,
     saved_outer_state,
     syncs_after,
 )
@@ -130,8 +133,8 @@ class RankTrainer:
         self.optimizer = make_optimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer)
         self.optimizer_kind = optimizer_kind(cfg.optimizer)  # the state it keeps per parameter (the moments)
-        self.norm_group = _replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
-        named = [(name, local_part(p)) for chunk in self.chunks for name, p in chunk.named_parameters()]
+        self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
+        named = [(name, p) for chunk in self.chunks for name, p in chunk.named_parameters()]
         self.sync = ReplicaSync(par.sync, [p for _, p in named], groups.dp, plan.dp) if self.local_sync else None
         self._sync_names = [name for name, _ in named]
         dense = self.reducers.get("dense")
@@ -396,12 +399,3 @@ def _lazy_batches(dataset: Dataset, microbatch_ids: list[list[int]]) -> Callable
 
     return batch
 
-
-def _replica_group(plan: Plan) -> dist.ProcessGroup | None:
-    """The ranks of this rank's data-parallel replica (its whole pp x tp group), each rank creating every one;
-    None when a replica is one rank. A local_sgd or diloco replica clips its own gradients' norm over it."""
-    replicas = [[plan.rank_of(p, t, d) for p in range(plan.pp) for t in range(plan.tp)] for d in range(plan.dp)]
-    if len(replicas[0]) == 1:
-        return None
-    mine, _ = dist.new_subgroups_by_enumeration(replicas)
-    return mine
