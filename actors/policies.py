@@ -99,6 +99,23 @@ def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[
     return sources
 
 
+def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: tuple[dict, ...]
+               ) -> tuple[dict[int, int], int] | None:
+    """Where a recovery from live replicas goes on: (`replica_sources`, the step), or None. The replicas hold
+    the failed step `step`; or, when the rank that died had finished that step but its answer was lost with it,
+    the step after, if the ranks that answered say all the step's row needs (a loss, and the first pipeline's
+    stages: `telemetry.make_row`)."""
+    sources = replica_sources(plan, kept, step)
+    if sources is not None:
+        return sources, step
+    first_pipeline = {r["pp_rank"] for r in answered if r["dp_rank"] == 0 and r["tp_rank"] == 0}
+    if first_pipeline == set(range(plan.pp)) and any(r["loss"] is not None for r in answered):
+        sources = replica_sources(plan, kept, step + 1)
+        if sources is not None:
+            return sources, step + 1
+    return None
+
+
 @dataclass(frozen=True)
 class NoopDecision:
     reason: str = ""

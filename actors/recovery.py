@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 import ray
 from trainyard.actors.calls import Failure
-from trainyard.actors.policies import largest_size, replica_sources, replicas_may_recover
+from trainyard.actors.policies import largest_size, live_point, replicas_may_recover
 from trainyard.actors.state import Point, Ready, Recovering, Resizing
 from trainyard.actors.storage import checkpoint_info
+from trainyard.actors.telemetry import make_row
 from trainyard.parallel import checkpoint
 from trainyard.parallel.plan import Plan, can_move_in_memory, make_plan, resized
 
@@ -47,8 +48,13 @@ async def recover(ctl: Controller, state: Recovering) -> Ready:
     began = time.time()
     live = state.counted and replicas_may_recover(old)  # a node lost for good may shrink the job: checkpoint
     kept = await ctl.group.tear_down(failure, ctl.upcoming, keep_state=live)
-    sources = replica_sources(old, kept, failure.step) if live else None
-    _record_failure(ctl, state, sources is not None)
+    point = live_point(old, kept, failure.step, failure.answered) if live else None
+    sources = point[0] if point else None
+    if point and point[1] > failure.step:  # the failed step did finish: its row from the ranks that answered
+        cfg = old.config
+        ctl.rows.add(make_row(failure.step, list(failure.answered), failure.waited_s,
+                              cfg.global_batch * cfg.model.seq_len))
+    _record_failure(ctl, state, point[1] if point else None)
     shrunk = await _ride_node_loss(ctl, failure) if not state.counted else None
     if shrunk is not None:  # an elastic job lost a node for good: go on with the replicas left
         new, replicas = shrunk
@@ -103,14 +109,14 @@ async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, sourc
     ctl.rows.trim(ctl.start_step)
 
 
-def _record_failure(ctl: Controller, state: Recovering, from_replica: bool) -> None:
+def _record_failure(ctl: Controller, state: Recovering, replica_step: int | None) -> None:
     """The failure as an event (and, when counted, its cause against fault.max_failures); the job goes on from
     a live replica at the failed step, or from the restore point. Recovery time counts from the failure."""
     failure, restore = state.failure, state.restore
     if state.counted:
         ctl.journal.add_cause(failure.cause)
-    restore_step = failure.step if from_replica else restore[1] if restore else 0
-    source = "replica" if from_replica else "checkpoint" if restore else "start"
+    restore_step = replica_step if replica_step is not None else restore[1] if restore else 0
+    source = "replica" if replica_step is not None else "checkpoint" if restore else "start"
     ctl.failed_at, ctl.start_step = failure.failed_at, restore_step
     blamed = list(failure.blamed)
     ctl.journal.add_event({

@@ -20,6 +20,7 @@ from trainyard.actors.policies import (
     Resize,
     ResizeDecision,
     ResizeDesk,
+    live_point,
     replica_sources,
     replicas_may_recover,
 )
@@ -267,3 +268,13 @@ def test_each_rank_takes_the_state_of_the_lowest_live_replica_of_its_shard_at_th
 ], ids=["one-replica", "zero1", "asked-not-to"])
 def test_no_recovery_from_a_replica_that_does_not_hold_the_whole_state(spec):
     assert not replicas_may_recover(make_plan(parse_spec(tiny_spec(**spec))))
+
+
+def test_replicas_one_step_ahead_are_taken_when_the_answers_hold_the_lost_step_row():
+    # rank 1 died after finishing step 4, its answer lost with it: rank 0 finished step 4 too (it holds 5 steps)
+    plan = make_plan(parse_spec(tiny_spec(parallel={"dp": 2})))
+    row_of_rank_0 = {"pp_rank": 0, "dp_rank": 0, "tp_rank": 0, "loss": 2.5}
+    assert live_point(plan, {0: 4}, 4, ()) == ({0: 0, 1: 0}, 4)
+    assert live_point(plan, {0: 5}, 4, (row_of_rank_0,)) == ({0: 0, 1: 0}, 5)
+    assert live_point(plan, {0: 5}, 4, ()) is None  # no row for step 4: back to the checkpoint
+    assert live_point(plan, {0: 6}, 4, (row_of_rank_0,)) is None
