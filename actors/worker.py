@@ -35,6 +35,9 @@ class Worker:
         torch.set_num_threads(max(1, threads))
         self.driver: RankDriver | None = None
         self._kept: dict | None = None
+        self._step_failed = False
+        """A step raised here: the steps queued after it are refused until the recovery sets this rank up again
+        (one would block on the peers the failure left waiting, and hold up the recovery's call behind it)."""
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process-group store."""
@@ -47,6 +50,7 @@ class Worker:
         """Join the job's process groups as `rank` (its rank so far when None; a resize may renumber it) and
         build this rank's trainer."""
         self.rank = self.rank if rank is None else rank
+        self._step_failed = False
         with self._traceback_to_stderr("setup"):
             self.driver = RankDriver(plan, self.rank, master_addr, master_port)
         context = ray.get_runtime_context()
@@ -68,11 +72,17 @@ class Worker:
         (`save`: root, info, background). The row says how long the checkpoint blocked the step. `drill` is a
         fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns)."""
         assert self.driver is not None, "setup() must run before run_step()"
+        if self._step_failed:
+            raise RuntimeError(f"rank {self.rank} did not run step {step}: an earlier step failed here")
         if drill is not None:
             _run_drill(drill, self.rank, step)
-        with self._traceback_to_stderr(f"step {step}"):
-            request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
-            return self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
+        try:
+            with self._traceback_to_stderr(f"step {step}"):
+                request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
+                return self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
+        except Exception:
+            self._step_failed = True
+            raise
 
     def final_checkpoint(self, root: str, steps_done: int, info: dict, saved: bool) -> float:
         """The state at the job's end as a checkpoint (unless the last step just saved it), every save
@@ -111,7 +121,7 @@ class Worker:
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into
         a new rendezvous (recovery reuses the ranks that are alive and answering)."""
-        self.driver = None
+        self.driver, self._step_failed = None, False
         shutdown_distributed()  # the driver's groups, also those of a setup that failed half-way
 
     def shutdown(self) -> None:
