@@ -9,10 +9,11 @@ killed rank's replica gives it the state of the failed step, no checkpoint read,
 events: `recovery_s`, the seconds from the failure being noticed to the next finished step (the ranks torn
 down and brought back, the checkpoint loaded, the lost step run again), and `waited_s`, the seconds from the
 failed step's start until the failure was noticed: for a kill, Ray's report plus the grace the coordinator
-gives the other ranks; for a hang, the hang detector's deadline (fault.hang_factor x the median step, at least fault.hang_floor_s). A coordinator's
-death counts from its last recorded step instead: `waited_s` until Ray restarted it, `recovery_s` until the
-next finished step (its whole restart included). Each drill runs `ctx.rounds` times (at most 3); the rows
-are medians, and every run must end SUCCEEDED with the uninterrupted run's losses.
+gives the other ranks; for a hang, the hang detector's deadline (fault.hang_factor x the median step, at least
+fault.hang_floor_s). A coordinator's death counts from its last recorded step instead: `waited_s` until Ray
+restarted it, `recovery_s` until the next finished step (its whole restart included). Each drill runs
+`ctx.rounds` times (at most 3); the rows are medians, and every run must end SUCCEEDED with the uninterrupted
+run's losses.
 
 Then the service itself is restarted under a longer job, by SIGTERM and by SIGKILL (`bench.restarts`): the
 seconds SIGTERM takes to end the process, and from launching the new process to the job's next finished step.
