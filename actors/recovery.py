@@ -48,11 +48,13 @@ async def recover(ctl: Controller, state: Recovering) -> Ready:
     began = time.time()
     live = state.counted and replicas_may_recover(old)  # a node lost for good may shrink the job: checkpoint
     kept = await ctl.group.tear_down(failure, ctl.upcoming, keep_state=live)
-    point = live_point(old, kept, failure.step, failure.answered) if live else None
+    answered = _answers(old, failure, kept)
+    steps = {rank: held for rank, (held, _) in kept.items()}
+    point = live_point(old, steps, failure.step, answered) if live else None
     sources = point[0] if point else None
-    if point and point[1] > failure.step:  # the failed step did finish: its row from the ranks that answered
+    if point and point[1] > failure.step:  # the failed step did finish: its row from the ranks' answers
         cfg = old.config
-        ctl.rows.add(make_row(failure.step, list(failure.answered), failure.waited_s,
+        ctl.rows.add(make_row(failure.step, list(answered), failure.waited_s,
                               cfg.global_batch * cfg.model.seq_len))
     _record_failure(ctl, state, point[1] if point else None)
     shrunk = await _ride_node_loss(ctl, failure) if not state.counted else None
@@ -107,6 +109,17 @@ async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, sourc
     else:
         await ctl.group.load(restore)
     ctl.rows.trim(ctl.start_step)
+
+
+def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, dict | None]]) -> tuple[dict, ...]:
+    """What the ranks returned for the failed step: the answers that came back, and those the failure cut short
+    (each kept rank's last finished step, `Worker.keep_state`). A failed call other than a step's answered
+    other things."""
+    def of_the_step(row: object) -> bool:
+        return isinstance(row, dict) and "pp_rank" in row and row.get("step") == failure.step
+
+    rows = [r for r in failure.answered if of_the_step(r)] + [last for _, last in kept.values() if of_the_step(last)]
+    return tuple({plan.rank_of(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r for r in rows}.values())
 
 
 def _record_failure(ctl: Controller, state: Recovering, replica_step: int | None) -> None:

@@ -35,6 +35,8 @@ class Worker:
         torch.set_num_threads(max(1, threads))
         self.driver: RankDriver | None = None
         self._kept: dict | None = None
+        self._last: dict | None = None
+        """What this rank's last finished step returned (a recovery may need it: its answer can be lost)."""
         self._step_failed = False
         """A step raised here: the steps queued after it are refused until the recovery sets this rank up again
         (one would block on the peers the failure left waiting, and hold up the recovery's call behind it)."""
@@ -79,7 +81,8 @@ class Worker:
         try:
             with self._traceback_to_stderr(f"step {step}"):
                 request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
-                return self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
+                self._last = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
+                return self._last
         except Exception:
             self._step_failed = True
             raise
@@ -99,18 +102,19 @@ class Worker:
             print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
 
-    def keep_state(self, after_failure: bool = False) -> int | None:
+    def keep_state(self, after_failure: bool = False) -> tuple[int | None, dict | None]:
         """Before an in-memory resize, or after a failure (a live replica's state may spare the job its
         checkpoint): hold this rank's parameters and optimizer state, then leave the process groups
         (`adopt_state` takes them into the trainer of the new layout). Returns the steps that state holds (None:
-        unknown, e.g. the failure came while it was being replaced; it is then no source for anyone)."""
-        steps = None
+        unknown, e.g. the failure came while it was being replaced; it is then no source for anyone) and what
+        this rank's last finished step returned."""
+        steps, last = None, self._last
         if self.driver is not None:
             with self._traceback_to_stderr("keeping the state"):
                 self._kept = self.driver.trainer.local_state(finish_saves=not after_failure)
                 steps = self.driver.trainer.steps_done
         self.reset()
-        return steps
+        return steps, last
 
     def adopt_state(self, step: int, source: int | None) -> None:
         assert self.driver is not None
@@ -121,7 +125,7 @@ class Worker:
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into
         a new rendezvous (recovery reuses the ranks that are alive and answering)."""
-        self.driver, self._step_failed = None, False
+        self.driver, self._step_failed, self._last = None, False, None
         shutdown_distributed()  # the driver's groups, also those of a setup that failed half-way
 
     def shutdown(self) -> None:

@@ -96,12 +96,13 @@ class WorkerGroup:
             ray.kill(self.workers[rank], no_restart=True)
             self.workers[rank] = None
 
-    async def tear_down(self, failure: Failure, upcoming: list, keep_state: bool = False) -> dict[int, int | None]:
+    async def tear_down(self, failure: Failure, upcoming: list, keep_state: bool = False
+                        ) -> dict[int, tuple[int | None, dict | None]]:
         """After a failure: ranks that raised are reset (and kept), every other rank is killed. `keep_state`: the
         kept ranks hold their state (`Worker.keep_state`), and when a rank died, the ranks still blocked on it are
         given the same chance (a peer's death breaks their collective within moments; one that stays blocked is
-        killed after RESET_TIMEOUT_S). Returns the kept ranks and the steps their state holds (None: unknown, or
-        not kept)."""
+        killed after RESET_TIMEOUT_S). Returns the kept ranks, the steps their state holds (None: unknown, or not
+        kept) and what their last finished step returned (`Worker.keep_state`)."""
         for ref in upcoming:  # the step queued ahead: not to run on the ranks kept
             try:
                 ray.cancel(ref)
@@ -117,10 +118,10 @@ class WorkerGroup:
                                         else self.workers[r].reset.remote()): r
                   for r in reusable if self.workers[r] is not None}
         done, late = await asyncio.wait(resets, timeout=RESET_TIMEOUT_S) if resets else (set(), set())
-        kept: dict[int, int | None] = {}
+        kept: dict[int, tuple[int | None, dict | None]] = {}
         for task in done | late:
             if task in done and task.exception() is None:
-                kept[resets[task]] = task.result()
+                kept[resets[task]] = task.result() if keep_state else (None, None)
             else:  # a rank that cannot even reset is replaced
                 task.cancel()
                 self.kill(resets[task])
