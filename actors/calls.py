@@ -25,9 +25,11 @@ class StepFailed(RuntimeError):
     """A call that failed on some ranks: which ones died, raised, or never answered (hung or blocked)."""
 
     def __init__(self, message: str, *, dead: tuple[int, ...] = (), raised: tuple[int, ...] = (),
-                 pending: tuple[int, ...] = (), blamed: tuple[int, ...] = ()):
+                 pending: tuple[int, ...] = (), blamed: tuple[int, ...] = (), answered: tuple[dict, ...] = ()):
         super().__init__(message)
         self.dead, self.raised, self.pending, self.blamed = dead, raised, pending, blamed
+        self.answered = answered
+        """What the ranks that did finish the call returned."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,15 @@ class Failure:
     """The step the job was at."""
     coordinator: bool = False
     """The coordinator's own process died: every rank died with it."""
+    answered: tuple[dict, ...] = ()
+    """The results of the ranks that finished the failed call (a step's StepStats dicts)."""
 
     @classmethod
     def of(cls, error: StepFailed, step: int, call_began: float) -> Failure:
         now = time.time()
         return cls(cause=str(error), blamed=error.blamed, dead=error.dead, raised=error.raised,
-                   pending=error.pending, failed_at=now, waited_s=now - call_began, step=step)
+                   pending=error.pending, failed_at=now, waited_s=now - call_began, step=step,
+                   answered=error.answered)
 
     @property
     def reusable(self) -> set[int]:
@@ -91,8 +96,9 @@ async def call_all(refs: list, what: str, timeout: float, plan: Plan, ranks: lis
     if failures:
         dead = tuple(sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)))
         raised = tuple(sorted(set(failures) - set(dead)))
+        answered = tuple(t.result() for t in done if t.exception() is None)
         raise StepFailed(describe_failure(failures, what, plan, ranks), dead=dead, raised=raised, pending=late,
-                         blamed=dead or raised[:1])
+                         blamed=dead or raised[:1], answered=answered)
     if pending:
         rule = ("fault.hang_factor x the median recent step, at least fault.hang_floor_s" if hang and
                 timeout < plan.config.fault.step_timeout_s else "fault.step_timeout_s")

@@ -239,7 +239,10 @@ class Controller:
         if self.state.status is not JobStatus.RUNNING or self.desk.claimed_by or self.desk.ready:
             state = "resizing already" if self.desk.claimed_by or self.desk.ready else str(self.state.status)
             return {"refused": f"job {self.job_id} is {state}; only a RUNNING job can be resized"}
-        limits = self.plan.dp_range
+        limits, sync = self.plan.dp_range, self.plan.config.parallel.sync.kind
+        if sync != "allreduce" and dp != self.plan.dp:
+            raise PlanError("parallel.sync", f"a {sync} job is not resized: its replicas differ between "
+                                             "synchronisations, and a resize copies one replica's state")
         if limits is not None and not limits[0] <= dp <= limits[1]:
             raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
                                            f"max: {limits[1]}}}")

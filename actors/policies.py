@@ -5,6 +5,8 @@ reason, and reads nothing but its arguments, so the tests drive them directly.
 - `FailurePolicy`: a failure is recovered from (`RECOVER`, counted against `fault.max_failures`), ridden
   (`RIDE`: an elastic job lost a node; not counted) or ends the job (`RAISE`).
 - `HangPolicy`: how long a step may take before it counts as hung.
+- `replica_sources`: after a failure, which live data-parallel replica gives each rank its state (or none:
+  the job goes back to its checkpoint).
 - `FixedScaling` / `ElasticScaling`: whether to resize, from what is free in the cluster.
 - `ResizeDesk`: the one place a resize is decided, whoever asks (a `scale` request, the elastic grower): a
   request claims the desk before it waits for resources and is refused while another holds it, so two
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from trainyard.parallel.config import FaultConfig
-from trainyard.parallel.plan import Plan, PlanError, make_plan, resized
+from trainyard.parallel.plan import Plan, PlanError, can_move_in_memory, make_plan, resized
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -72,6 +74,46 @@ class HangPolicy:
             return self.fault.step_timeout_s
         median = recent[len(recent) // 2]
         return min(self.fault.step_timeout_s, max(self.fault.hang_floor_s, self.fault.hang_factor * median))
+
+
+def replicas_may_recover(plan: Plan) -> bool:
+    """Whether a failure may be recovered from a live replica: asked for (fault.from_replica), there are
+    replicas, each replica of a (pp, tp) shard holds the whole state (no ZeRO slices, no expert parallelism), and
+    the replicas hold the same state (local_sgd and diloco replicas differ between synchronisations)."""
+    return (plan.config.fault.from_replica and plan.dp > 1 and can_move_in_memory(plan, plan)
+            and plan.config.parallel.sync.kind == "allreduce")
+
+
+def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[int, int] | None:
+    """For every rank, the global rank whose kept state it takes: the lowest data-parallel replica of its
+    (pp, tp) shard whose state holds exactly `step` steps (the step that failed: no step is lost). None when a
+    shard has no such replica (all died, or their state is of another step): the job goes back to its
+    checkpoint. `kept`: the ranks that kept their state after the failure and the steps it holds."""
+    sources = {}
+    for rank in range(plan.world_size):
+        c = plan.coords(rank)
+        live = [d for d in range(plan.dp) if kept.get(plan.rank_of(c.pp, c.tp, d)) == step]
+        if not live:
+            return None
+        sources[rank] = plan.rank_of(c.pp, c.tp, live[0])
+    return sources
+
+
+def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: tuple[dict, ...]
+               ) -> tuple[dict[int, int], int] | None:
+    """Where a recovery from live replicas goes on: (`replica_sources`, the step), or None. The replicas hold
+    the failed step `step`; or, when the rank that died had finished that step but its answer was lost with it,
+    the step after, if the ranks that answered say all the step's row needs (a loss, and the first pipeline's
+    stages: `telemetry.make_row`)."""
+    sources = replica_sources(plan, kept, step)
+    if sources is not None:
+        return sources, step
+    first_pipeline = {r["pp_rank"] for r in answered if r["dp_rank"] == 0 and r["tp_rank"] == 0}
+    if first_pipeline == set(range(plan.pp)) and any(r["loss"] is not None for r in answered):
+        sources = replica_sources(plan, kept, step + 1)
+        if sources is not None:
+            return sources, step + 1
+    return None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ died with it), and a resize asked for (`scale` or the elastic grower).
      resize, the kept ranks hold their state in memory (or it goes through a checkpoint of this step)
   2. take the new layout, if any: kept ranks renumbered, removed ones killed, slots moved
   3. create the missing ranks, rendezvous, set every rank up
-  4. take the state: load the restore point, or move it in memory (new ranks get it by broadcast)
+  4. take the state: load the restore point, or move it in memory (new ranks get it by broadcast); after a
+     failure, when every (pp, tp) shard still has a data-parallel replica holding the state of the failed step
+     (`policies.replica_sources`), that replica is the source: the job resumes at the failed step, no step
+     lost and no checkpoint read (torchft's idea); else it goes back to the restore point
   5. forget the metrics rows that will be run again, and record the resize
 """
 
@@ -21,9 +24,10 @@ from typing import TYPE_CHECKING
 
 import ray
 from trainyard.actors.calls import Failure
-from trainyard.actors.policies import largest_size
+from trainyard.actors.policies import largest_size, live_point, replicas_may_recover
 from trainyard.actors.state import Point, Ready, Recovering, Resizing
 from trainyard.actors.storage import checkpoint_info
+from trainyard.actors.telemetry import make_row
 from trainyard.parallel import checkpoint
 from trainyard.parallel.plan import Plan, can_move_in_memory, make_plan, resized
 
@@ -42,13 +46,23 @@ async def recover(ctl: Controller, state: Recovering) -> Ready:
     """Bring the job back after a failure, from `state.restore`."""
     failure, old = state.failure, ctl.plan
     began = time.time()
-    _record_failure(ctl, state)
-    await ctl.group.tear_down(failure, ctl.upcoming)
+    live = state.counted and replicas_may_recover(old)  # a node lost for good may shrink the job: checkpoint
+    kept = await ctl.group.tear_down(failure, ctl.upcoming, keep_state=live)
+    answered = _answers(old, failure, kept)
+    steps = {rank: held for rank, (held, _) in kept.items()}
+    point = live_point(old, steps, failure.step, answered) if live else None
+    sources = point[0] if point else None
+    if point and point[1] > failure.step:  # the failed step did finish: its row from the ranks' answers
+        cfg = old.config
+        ctl.rows.add(make_row(failure.step, list(answered), failure.waited_s,
+                              cfg.global_batch * cfg.model.seq_len))
+    _record_failure(ctl, state, point[1] if point else None)
     shrunk = await _ride_node_loss(ctl, failure) if not state.counted else None
     if shrunk is not None:  # an elastic job lost a node for good: go on with the replicas left
         new, replicas = shrunk
         ctl.group.keep_replicas(replicas, new)
-    await _rejoin(ctl, state.restore, in_memory=False, kill_in_recovery=ctl.drills.in_recovery(failure.step))
+    await _rejoin(ctl, None if sources else state.restore, in_memory=sources is not None, sources=sources,
+                  kill_in_recovery=ctl.drills.in_recovery(failure.step))
     if shrunk is not None:
         _resize_event(ctl, old, ctl.plan, "node lost", began, began, "checkpoint")
     return READY
@@ -75,45 +89,57 @@ async def resize(ctl: Controller, state: Resizing) -> Ready:
         restore = (str(checkpoint.step_dir(Path(root), step)), step)
     ctl.group.take(new, kept)
     ctl.group.move_slots(new)
-    await _rejoin(ctl, restore, in_memory=in_memory, grew=new.dp > old.dp)
+    sources = {r: new.rank_of(new.coords(r).pp, new.coords(r).tp, 0) for r in range(new.world_size)}
+    await _rejoin(ctl, restore, in_memory=in_memory, sources=sources if new.dp > old.dp else None)
     _resize_event(ctl, old, new, state.reason, state.asked, began, "memory" if in_memory else "checkpoint")
     return READY
 
 
-async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, grew: bool = False,
+async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, sources: dict[int, int] | None = None,
                   kill_in_recovery: list[int] = ()) -> None:
-    """Steps 3 to 5 of the sequence."""
+    """Steps 3 to 5 of the sequence. `sources`: in memory, the rank each rank takes the state from by broadcast
+    (None: each keeps its own)."""
     await ctl.group.start()
     for rank in kill_in_recovery:  # the drill: a rank's process dies as the ranks take the state
         log.warning("job %s: fault drill kill_worker_in_recovery on rank %d", ctl.job_id, rank)
         ray.kill(ctl.group.workers[rank], no_restart=True)
     if in_memory:
-        plan = ctl.plan
-        await ctl.group.call([w.adopt_state.remote(ctl.start_step, plan.rank_of(plan.coords(r).pp, plan.coords(r).tp, 0)
-                                                   if grew else None) for r, w in enumerate(ctl.group.workers)],
-                             "moving the state")
+        await ctl.group.call([w.adopt_state.remote(ctl.start_step, sources[r] if sources else None)
+                              for r, w in enumerate(ctl.group.workers)], "moving the state")
     else:
         await ctl.group.load(restore)
     ctl.rows.trim(ctl.start_step)
 
 
-def _record_failure(ctl: Controller, state: Recovering) -> None:
+def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, dict | None]]) -> tuple[dict, ...]:
+    """What the ranks returned for the failed step: the answers that came back, and those the failure cut short
+    (each kept rank's last finished step, `Worker.keep_state`). A failed call other than a step's answered
+    other things."""
+    def of_the_step(row: object) -> bool:
+        return isinstance(row, dict) and "pp_rank" in row and row.get("step") == failure.step
+
+    rows = [r for r in failure.answered if of_the_step(r)] + [last for _, last in kept.values() if of_the_step(last)]
+    return tuple({plan.rank_of(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r for r in rows}.values())
+
+
+def _record_failure(ctl: Controller, state: Recovering, replica_step: int | None) -> None:
     """The failure as an event (and, when counted, its cause against fault.max_failures); the job goes on from
-    the restore point. Recovery time counts from the failure."""
+    a live replica at the failed step, or from the restore point. Recovery time counts from the failure."""
     failure, restore = state.failure, state.restore
     if state.counted:
         ctl.journal.add_cause(failure.cause)
-    restore_step = restore[1] if restore else 0
+    restore_step = replica_step if replica_step is not None else restore[1] if restore else 0
+    source = "replica" if replica_step is not None else "checkpoint" if restore else "start"
     ctl.failed_at, ctl.start_step = failure.failed_at, restore_step
     blamed = list(failure.blamed)
     ctl.journal.add_event({
         "time": failure.failed_at, "kind": "failure", "cause": failure.cause, "ranks": blamed,
         "waited_s": failure.waited_s, "nodes": sorted({ctl.group.rank_info(r).get("node", "") for r in blamed}),
         "step": failure.step, "steps_lost": max(0, failure.step - restore_step), "restore_step": restore_step,
-        "failure": len(ctl.journal.causes),
+        "recovered_from": source, "failure": len(ctl.journal.causes),
     })
-    log.warning("job %s: failure %d (%s); recovering from step %d", ctl.job_id, len(ctl.journal.causes),
-                failure.cause.splitlines()[0], restore_step)
+    log.warning("job %s: failure %d (%s); recovering from step %d (%s)", ctl.job_id, len(ctl.journal.causes),
+                failure.cause.splitlines()[0], restore_step, source)
 
 
 async def _ride_node_loss(ctl: Controller, failure: Failure) -> tuple[Plan, list[int]] | None:

@@ -85,6 +85,8 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
         **pipeline_metrics(results),
         # Gradient bytes the busiest rank handed to the step's data-parallel reductions (PowerSGD's, compressed).
         "reduce_bytes": max(r["reduce_bytes"] for r in results),
+        # The most any rank all-reduced across the data-parallel replicas (parallel.sync).
+        "cross_replica_bytes": max(r.get("cross_replica_bytes", 0) for r in results),
     }
     compiled = max(r["compile_s"] for r in results)
     if compiled > 0:

@@ -35,6 +35,11 @@ class Worker:
         torch.set_num_threads(max(1, threads))
         self.driver: RankDriver | None = None
         self._kept: dict | None = None
+        self._last: dict | None = None
+        """What this rank's last finished step returned (a recovery may need it: its answer can be lost)."""
+        self._step_failed = False
+        """A step raised here: the steps queued after it are refused until the recovery sets this rank up again
+        (one would block on the peers the failure left waiting, and hold up the recovery's call behind it)."""
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process-group store."""
@@ -47,6 +52,7 @@ class Worker:
         """Join the job's process groups as `rank` (its rank so far when None; a resize may renumber it) and
         build this rank's trainer."""
         self.rank = self.rank if rank is None else rank
+        self._step_failed = False
         with self._traceback_to_stderr("setup"):
             self.driver = RankDriver(plan, self.rank, master_addr, master_port)
         context = ray.get_runtime_context()
@@ -58,6 +64,7 @@ class Worker:
 
     def load_checkpoint(self, directory: str, step: int) -> None:
         assert self.driver is not None, "setup() must run before load_checkpoint()"
+        self._kept = None  # a recovery that kept this rank's state went through the checkpoint instead
         with self._traceback_to_stderr(f"loading the checkpoint of step {step}"):
             self.driver.load(Path(directory), step)
 
@@ -67,11 +74,18 @@ class Worker:
         (`save`: root, info, background). The row says how long the checkpoint blocked the step. `drill` is a
         fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns)."""
         assert self.driver is not None, "setup() must run before run_step()"
+        if self._step_failed:
+            raise RuntimeError(f"rank {self.rank} did not run step {step}: an earlier step failed here")
         if drill is not None:
             _run_drill(drill, self.rank, step)
-        with self._traceback_to_stderr(f"step {step}"):
-            request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
-            return self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
+        try:
+            with self._traceback_to_stderr(f"step {step}"):
+                request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
+                self._last = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
+                return self._last
+        except Exception:
+            self._step_failed = True
+            raise
 
     def final_checkpoint(self, root: str, steps_done: int, info: dict, saved: bool) -> float:
         """The state at the job's end as a checkpoint (unless the last step just saved it), every save
@@ -88,13 +102,19 @@ class Worker:
             print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
 
-    def keep_state(self) -> None:
-        """Before an in-memory resize: hold this rank's parameters and optimizer state, then leave the process
-        groups (`adopt_state` takes them into the trainer of the new layout)."""
-        assert self.driver is not None
-        with self._traceback_to_stderr("keeping the state for a resize"):
-            self._kept = self.driver.trainer.local_state()
+    def keep_state(self, after_failure: bool = False) -> tuple[int | None, dict | None]:
+        """Before an in-memory resize, or after a failure (a live replica's state may spare the job its
+        checkpoint): hold this rank's parameters and optimizer state, then leave the process groups
+        (`adopt_state` takes them into the trainer of the new layout). Returns the steps that state holds (None:
+        unknown, e.g. the failure came while it was being replaced; it is then no source for anyone) and what
+        this rank's last finished step returned."""
+        steps, last = None, self._last
+        if self.driver is not None:
+            with self._traceback_to_stderr("keeping the state"):
+                self._kept = self.driver.trainer.local_state(finish_saves=not after_failure)
+                steps = self.driver.trainer.steps_done
         self.reset()
+        return steps, last
 
     def adopt_state(self, step: int, source: int | None) -> None:
         assert self.driver is not None
@@ -105,7 +125,7 @@ class Worker:
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into
         a new rendezvous (recovery reuses the ranks that are alive and answering)."""
-        self.driver = None
+        self.driver, self._step_failed, self._last = None, False, None
         shutdown_distributed()  # the driver's groups, also those of a setup that failed half-way
 
     def shutdown(self) -> None:

@@ -96,23 +96,36 @@ class WorkerGroup:
             ray.kill(self.workers[rank], no_restart=True)
             self.workers[rank] = None
 
-    async def tear_down(self, failure: Failure, upcoming: list) -> None:
-        """After a failure: ranks that raised are reset (and kept), every other rank is killed."""
+    async def tear_down(self, failure: Failure, upcoming: list, keep_state: bool = False
+                        ) -> dict[int, tuple[int | None, dict | None]]:
+        """After a failure: ranks that raised are reset (and kept), every other rank is killed. `keep_state`: the
+        kept ranks hold their state (`Worker.keep_state`), and when a rank died, the ranks still blocked on it are
+        given the same chance (a peer's death breaks their collective within moments; one that stays blocked is
+        killed after RESET_TIMEOUT_S). Returns the kept ranks, the steps their state holds (None: unknown, or not
+        kept) and what their last finished step returned (`Worker.keep_state`)."""
         for ref in upcoming:  # the step queued ahead: not to run on the ranks kept
             try:
                 ray.cancel(ref)
             except Exception:  # noqa: BLE001 - already run or gone
                 pass
         reusable = failure.reusable
+        if keep_state and failure.dead:
+            reusable |= set(failure.pending) - set(failure.dead)
         for rank in range(len(self.workers)):  # first, so that no kept rank waits on them
             if rank not in reusable:
                 self.kill(rank)
-        resets = {r: self.workers[r].reset.remote() for r in reusable if self.workers[r] is not None}
-        for rank, ref in resets.items():
-            try:
-                await asyncio.wait_for(asyncio.ensure_future(ref), RESET_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - a rank that cannot even reset is replaced
-                self.kill(rank)
+        resets = {asyncio.ensure_future(self.workers[r].keep_state.remote(after_failure=True) if keep_state
+                                        else self.workers[r].reset.remote()): r
+                  for r in reusable if self.workers[r] is not None}
+        done, late = await asyncio.wait(resets, timeout=RESET_TIMEOUT_S) if resets else (set(), set())
+        kept: dict[int, tuple[int | None, dict | None]] = {}
+        for task in done | late:
+            if task in done and task.exception() is None:
+                kept[resets[task]] = task.result() if keep_state else (None, None)
+            else:  # a rank that cannot even reset is replaced
+                task.cancel()
+                self.kill(resets[task])
+        return kept
 
     def take(self, new: Plan, kept: dict[int, int]) -> None:
         """Go to the layout `new`: the ranks in `kept` (old rank -> new rank) keep their actor, every other is

@@ -3,14 +3,17 @@ after its service restarts.
 
 A (dp=2, pp=2, m=2) job checkpointing every 3 steps runs through a real `trainyard serve
 --allow-fault-injection` subprocess; a drill kills or hangs one rank, or kills the job's coordinator, at a
-step that neither saves nor evaluates. From the job's events: `recovery_s`, the seconds from the failure
-being noticed to the next finished step (the ranks torn down and brought back, the checkpoint loaded, the
-lost step run again), and `waited_s`, the seconds from the failed step's start until the failure was
-noticed: for a kill, Ray's report plus the grace the coordinator gives the other ranks; for a hang, the hang
-detector's deadline (fault.hang_factor x the median step, at least fault.hang_floor_s). A coordinator's
-death counts from its last recorded step instead: `waited_s` until Ray restarted it, `recovery_s` until the
-next finished step (its whole restart included). Each drill runs `ctx.rounds` times (at most 3); the rows
-are medians, and every run must end SUCCEEDED with the uninterrupted run's losses.
+step that neither saves nor evaluates; these jobs set `fault.from_replica: false`, so they measure the
+checkpoint path. The kill is then run again on a job that recovers from a live replica (the default): the
+killed rank's replica gives it the state of the failed step, no checkpoint read, no step lost. From the job's
+events: `recovery_s`, the seconds from the failure being noticed to the next finished step (the ranks torn
+down and brought back, the checkpoint loaded, the lost step run again), and `waited_s`, the seconds from the
+failed step's start until the failure was noticed: for a kill, Ray's report plus the grace the coordinator
+gives the other ranks; for a hang, the hang detector's deadline (fault.hang_factor x the median step, at least
+fault.hang_floor_s). A coordinator's death counts from its last recorded step instead: `waited_s` until Ray
+restarted it, `recovery_s` until the next finished step (its whole restart included). Each drill runs
+`ctx.rounds` times (at most 3); the rows are medians, and every run must end SUCCEEDED with the uninterrupted
+run's losses.
 
 Then the service itself is restarted under a longer job, by SIGTERM and by SIGKILL (`bench.restarts`): the
 seconds SIGTERM takes to end the process, and from launching the new process to the job's next finished step.
@@ -31,8 +34,12 @@ SPEC = {
     "model": {"n_layer": 4, "n_head": 2, "d_model": 64, "seq_len": 32},
     "steps": 12, "global_batch": 8, "checkpoint": {"every": 3},
     "parallel": {"dp": 2, "pp": 2, "microbatches": 2},
-    "fault": {"max_failures": 1},  # the default floor: fault.hang_floor_s = 5 s
+    "fault": {"max_failures": 1, "from_replica": False},  # the default floor: fault.hang_floor_s = 5 s
 }
+"""The checkpoint path: recovery goes back to the latest checkpoint."""
+REPLICA_SPEC = {**SPEC, "name": "drill-replica", "fault": {"max_failures": 1}}
+"""Recovery from a live replica (fault.from_replica, the default): the killed rank's replica gives it the state of
+the failed step; no checkpoint read, no step lost."""
 RESTART_SPEC = {**SPEC, "name": "restart", "steps": 300, "checkpoint": {"every": 10}}
 """Long enough to be running through both restarts (each 20 steps or more after the job went on)."""
 DRILLS = (("kill_worker", 1), ("hang_worker", 2), ("kill_coordinator", 0))  # the coordinator drill ignores rank
@@ -51,6 +58,7 @@ def run_section(ctx: BenchContext) -> list[Row]:
         rows = []
         for kind, rank in DRILLS:
             rows += _drill_rows(ctx, svc, kind, rank, rounds, reference)
+        rows += _drill_rows(ctx, svc, "kill_worker", 1, rounds, reference, REPLICA_SPEC, "from a live replica")
         restart_reference = [r["loss"] for r in svc.run_job(RESTART_SPEC)]
     measured = [m for i in range(rounds)
                 for m in restarts.run_round(ctx, ctx.run_dir / f"restart-{i}", RESTART_SPEC, restart_reference)]
@@ -58,24 +66,26 @@ def run_section(ctx: BenchContext) -> list[Row]:
 
 
 def _drill_rows(ctx: BenchContext, svc: TrainyardService, kind: str, rank: int, rounds: int,
-                reference: list[float]) -> list[Row]:
-    recovery, waited = [], []
+                reference: list[float], spec: dict = SPEC, source: str = "") -> list[Row]:
+    recovery, waited, sources = [], [], []
+    label = f"{kind} ({source})" if source else kind
     for i in range(rounds):
-        events, losses = _drill(svc, kind, rank)
+        events, losses = _drill(svc, kind, rank, spec)
         if losses != reference:
             raise BenchError(f"{kind} round {i}: the losses differ from the uninterrupted run's")
         failure = next(e for e in events if e["kind"] == "failure")
+        sources.append(f"{failure['recovered_from']}, {failure['steps_lost']} lost")
         if kind == "kill_coordinator" and failure["ranks"]:
             raise BenchError(f"{kind} round {i}: the failure names ranks {failure['ranks']}, not the coordinator")
         recovery.append(next(e for e in events if e["kind"] == "recovered")["recovery_s"])
         waited.append(failure["waited_s"])
-        ctx.log(f"{kind} round {i}: noticed after {failure['waited_s']:.2f} s, recovered in "
+        ctx.log(f"{label} round {i}: noticed after {failure['waited_s']:.2f} s, recovered in "
                 f"{recovery[-1]:.2f} s ({failure['steps_lost']} step lost)")
     waited_what, recovery_what = WHAT.get(kind, DEFAULT_WHAT)
     return [
-        Row(f"{kind}: {recovery_what}", median(recovery), None, None, "s",
-            f"median of {rounds}: {_values(recovery)}; target <= 10 s"),
-        Row(f"{kind}: {waited_what}", median(waited), None, None, "s", f"median of {rounds}: {_values(waited)}"),
+        Row(f"{label}: {recovery_what}", median(recovery), None, None, "s",
+            f"median of {rounds}: {_values(recovery)}; target <= 10 s; recovered from: {'; '.join(sources)}"),
+        Row(f"{label}: {waited_what}", median(waited), None, None, "s", f"median of {rounds}: {_values(waited)}"),
     ]
 
 
@@ -98,9 +108,9 @@ def _values(values: Iterable[float]) -> str:
     return ", ".join(f"{v:.2f}" for v in values)
 
 
-def _drill(svc: TrainyardService, kind: str, rank: int) -> tuple[list[dict], list[float]]:
+def _drill(svc: TrainyardService, kind: str, rank: int, spec: dict) -> tuple[list[dict], list[float]]:
     client = svc.client
-    job_id = client.submit(SPEC)
+    job_id = client.submit(spec)
     deadline = time.monotonic() + 300
     while client.job(job_id)["status"] == "PENDING":
         if time.monotonic() > deadline:

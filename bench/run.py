@@ -35,6 +35,7 @@ from bench import (
     savers_grads,
     service_ops,
     signals,
+    sync,
     tp_memory,
 )
 from bench import planner as planner_bench
@@ -83,6 +84,8 @@ SECTIONS: dict[str, Section] = {
         Section("savers-optim", "adamw8bit, adafactor, optimizer and activation offload vs off", savers_optim),
         Section("planner", "the planner's predicted vs measured step times over a grid of layouts",
                 planner_bench.run_section),
+        Section("sync", "diloco and local SGD vs all-reduce (dp=4; dp=2 pp=2): loss at equal tokens vs bytes "
+                        "across replicas", sync.run_section),
     )
 }
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from annotated_types import Ge, Gt, Le, MaxLen, MinLen
+from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 
 # Every number a spec carries is bounded: integers so that sums and products of them stay far inside int64
 # (the store's INTEGER and torch's index type) and every loop a plan runs stays small, floats finite (JSON
@@ -213,6 +213,23 @@ class GradCompressionConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """How data-parallel replicas (each a whole pp x tp group) keep in step (`parallel.sync`)."""
+
+    __pydantic_config__ = _STRICT
+    kind: Literal["allreduce", "local_sgd", "diloco"] = "allreduce"
+    """allreduce: gradients summed every step; local_sgd: each replica steps on its own share of the batch and
+    the parameters are averaged every `every` steps; diloco: the averaged change since the last sync (the
+    pseudo-gradient) goes through an outer Nesterov SGD (`parallel.sync`)."""
+    every: Annotated[int, Gt(0), Le(MAX_STEPS)] = 1
+    """local_sgd, diloco: steps between synchronisations (H)."""
+    outer_lr: Annotated[float, Gt(0), Le(1e3)] = 0.7
+    """diloco: the outer SGD's learning rate (DiLoCo's 0.7)."""
+    outer_momentum: Annotated[float, Ge(0), Lt(1)] = 0.9
+    """diloco: the outer SGD's Nesterov momentum (0: plain SGD)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     __pydantic_config__ = _STRICT
     dp: Degree | DpRange = 1
@@ -244,6 +261,8 @@ class ParallelConfig:
     """Type of the gradients on the wire between data-parallel ranks; bf16 halves the traffic."""
     grad_compression: GradCompressionConfig | None = None
     """Compress the gradients on the wire (`{kind: powersgd, rank: 4, warmup_steps: 10}`); null: none."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """How the replicas keep in step: every step (allreduce) or every H steps (local_sgd, diloco)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,9 +310,10 @@ class EvalConfig:
 @dataclass(frozen=True, kw_only=True)
 class FaultConfig:
     __pydantic_config__ = _STRICT
-    max_failures: Annotated[int, Ge(0), Le(1000)] = 0
-    """Failures (a rank that raises, dies or hangs) the job recovers from, each from its latest checkpoint;
-    the next one fails the job."""
+    max_failures: Annotated[int, Ge(0), Le(1000)] = 3
+    """Failures (a rank that raises, dies or hangs) the job recovers from, each from a live replica's state or
+    its latest checkpoint; the next one fails the job. 0: the first failure fails the job (a deterministic
+    error is then not retried)."""
     step_timeout_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 300.0
     """A step that takes longer has hung, whatever its history (a hung collective never hangs the service)."""
     hang_factor: Annotated[float, Gt(1), Le(1e4)] = 10.0
@@ -304,6 +324,9 @@ class FaultConfig:
     """Elastic jobs: how long the resources of a lost node may take to come back before the job shrinks."""
     grow_interval_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 10.0
     """Elastic jobs below their max: how often to look for free resources to grow into."""
+    from_replica: bool = True
+    """Recover from a live data-parallel replica when every (pp, tp) shard still has one holding the state of
+    the failed step (no step lost, no checkpoint needed); else, and with false, from the latest checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)

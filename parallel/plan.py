@@ -158,6 +158,10 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     if limits is not None:  # laid out at its smallest size, which is what must fit to start
         if limits[0] > limits[1]:
             raise PlanError("parallel.dp", f"min={limits[0]} is more than max={limits[1]}")
+        if config.parallel.sync.kind != "allreduce":
+            raise PlanError("parallel.sync", f"{config.parallel.sync.kind} cannot run with an elastic parallel.dp: "
+                                             "a resize copies one replica's state to the others, and these "
+                                             "replicas differ between synchronisations")
         return replace(make_plan(resized(config, limits[0]), cluster), dp_range=limits)
     _raise_first(degree_violations(config))
     par = config.parallel

@@ -6,11 +6,12 @@ schedule simulator). Byte counts are formatted by `parallel.units`, which the CL
 
 from __future__ import annotations
 
-from trainyard.parallel.memory import estimate
+from trainyard.parallel.memory import estimate, param_counts
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.reduction_bytes import reduction_bytes
 from trainyard.parallel.schedule_sim import Costs, render_gantt, simulate
 from trainyard.parallel.schedules import ActionKind, format_actions, placement_of
+from trainyard.parallel.sync import cross_replica_bytes
 
 
 def describe(plan: Plan) -> dict:
@@ -33,6 +34,7 @@ def describe(plan: Plan) -> dict:
         "reduction": reduction_bytes(plan),
         "chosen": ({"automatically": True, "predicted_step_s": plan.config.planned.predicted_step_s,
                     "node_type": plan.config.planned.node_type} if plan.config.planned else {"automatically": False}),
+        "sync": describe_sync(plan),
         "resources": {
             "per_worker": {"CPU": plan.cpus_per_worker, "GPU": plan.gpus_per_worker},
             "bundles": plan.bundles(),
@@ -56,6 +58,17 @@ def describe_memory(plan: Plan) -> dict:
         out["note"] = (f"parallel.zero: {zero} (FSDP2): params are the 1/N shard kept between steps plus {gathered}; "
                        "grads and optimizer are the 1/N shards")
     return out
+
+
+def describe_sync(plan: Plan) -> dict:
+    """How the replicas keep in step (`parallel.sync`) and the bytes each rank all-reduces across them per step,
+    on average (the payload: gradients every step, or parameters once per `every` steps), per pipeline stage."""
+    sync, par = plan.config.parallel.sync, plan.config.parallel
+    wire = 2 if par.reduce_dtype == "bf16" else 4
+    per_stage = [cross_replica_bytes(sync, param_counts(plan, s).total, plan.dp, wire) for s in range(plan.pp)]
+    return {"kind": sync.kind, **({"every": sync.every} if sync.kind != "allreduce" else {}),
+            **({"outer_lr": sync.outer_lr, "outer_momentum": sync.outer_momentum} if sync.kind == "diloco" else {}),
+            "cross_replica_bytes_per_step": per_stage}
 
 
 def describe_schedule(plan: Plan) -> dict:

@@ -35,7 +35,7 @@ def degree_violations(config: JobConfig) -> list[PlanError]:
     (`make_plan` asks whether the cluster can hold that many workers before it splits the blocks)."""
     return [*model_violations(config), *expert_violations(config), *tensor_parallel_violations(config),
             *size_violations(config), *batch_violations(config), *schedule_violations(config),
-            *sharding_violations(config), *compression_violations(config)]
+            *sharding_violations(config), *compression_violations(config), *sync_violations(config)]
 
 
 def size_violations(config: JobConfig) -> list[PlanError]:
@@ -143,6 +143,27 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
         return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
                                                        f"backward={costs.backward}: it is a part of the backward")]
     return []
+
+
+def sync_violations(config: JobConfig) -> list[PlanError]:
+    """local_sgd and diloco replicas step alone between synchronisations: each must hold its whole state."""
+    sync, par = config.parallel.sync, config.parallel
+    if sync.kind == "allreduce":
+        return []
+    errors = []
+    if par.zero > 0:
+        errors.append(PlanError("parallel.sync", f"{sync.kind} needs parallel.zero: 0 (zero={par.zero} shards the "
+                                                 "optimizer state across the replicas, and a replica that steps "
+                                                 "alone needs all of it)"))
+    if config.model.moe is not None:
+        errors.append(PlanError("parallel.sync", f"{sync.kind} does not compose with model.moe yet (router and "
+                                                 "expert gradients are reduced across the replicas every step)"))
+    every = config.checkpoint.every
+    if every and every % sync.every:
+        errors.append(PlanError("checkpoint.every", f"checkpoint.every={every} is not a multiple of "
+                                                    f"parallel.sync.every={sync.every}: a checkpoint holds one model, "
+                                                    "which the replicas share only right after a synchronisation"))
+    return errors
 
 
 def stage_layer_violations(config: JobConfig) -> list[PlanError]:

@@ -5,7 +5,9 @@ spawned processes in tests and under Ray actors in the service. A step: run this
 (forward and backward of each micro-batch through its chunks, activations exchanged with neighbouring
 stages; with pp = 1 this is plain gradient accumulation; the tensor-parallel collectives run inside the
 layers), sum gradients across data-parallel replicas, clip the global norm (summed across tp shards and the
-pipeline), set the learning rate and take an AdamW step.
+pipeline), set the learning rate and take an AdamW step. With `parallel.sync` local_sgd or diloco the replicas
+step apart instead (no gradient sum across them; each steps on its own share's mean gradient and clips its own
+norm), and `parallel.sync.ReplicaSync` averages their parameters every H steps.
 
 The loss of every micro-batch is divided by the global batch's count of targets that count (all of its
 tokens; with a loss mask, the assistant/completion ones: `parallel.data.step_counted_targets`, worked out on
@@ -48,6 +50,14 @@ from trainyard.parallel.plan import Plan
 from trainyard.parallel.powersgd import PowerSGD
 from trainyard.parallel.schedules import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.sharding import sharding_for
+from trainyard.parallel.sync import (
+    ReplicaSync,
+    averages_optimizer_state,
+    is_local,
+    replica_group,
+    saved_outer_state,
+    syncs_after,
+)
 from trainyard.parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 from trainyard.parallel.train_optimizer import StateView, TrainOptimizer
 
@@ -85,6 +95,9 @@ class StepStats:
     moe: dict[str, dict]
     """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
     routed to each expert), summed over the stage's ranks. Empty for a dense model."""
+    cross_replica_bytes: int = 0
+    """Bytes this rank all-reduced across the data-parallel replicas in this step (gradients with allreduce,
+    parameters at a local_sgd or diloco sync; `parallel.sync`)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,7 +127,9 @@ class RankTrainer:
         # Each set of gradients is summed over the ranks that computed parts of it (see parallel.moe): dense
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
         par = cfg.parallel
-        sets = {"dense": groups.dp, "router": groups.stage, "experts": groups.experts}
+        # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
+        self.local_sync = is_local(par.sync) and plan.dp > 1
+        sets = {"dense": None if self.local_sync else groups.dp, "router": groups.stage, "experts": groups.experts}
         family, sharding = family_of(cfg.model), sharding_for(par.zero)
         # ZeRO-2/3: FSDP2 shards each chunk (and its routers and experts) over the same groups (parallel.fsdp).
         self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
@@ -130,8 +145,14 @@ class RankTrainer:
         self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer, offload=cfg.optimizer.offload)
         self._state_view: StateView | None = None
-        self.norm_group = dist.group.WORLD if plan.world_size > 1 else None
+        self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
+        named = [(name, p) for chunk in self.chunks for name, p in chunk.named_parameters()]
+        self.sync = ReplicaSync(par.sync, [p for _, p in named], groups.dp, plan.dp) if self.local_sync else None
+        self._sync_names = [name for name, _ in named]
         self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
+        self.steps_done: int | None = 0
+        """The steps the parameters and moments hold; None while they are being replaced or stepped (a failure
+        then leaves them half-done), so a recovery takes state only from a rank that knows its step."""
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
         self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
                               if a.kind in FREEING_KINDS}
@@ -181,20 +202,34 @@ class RankTrainer:
             reducer.zero_grad()
         for _, layer in self.moe_layers:
             layer.stats.zero_()
-        self.executor.loss_scale = self._loss_scale(step)
+        self.executor.loss_scale = self._loss_scale(step, microbatch_ids)
         loss_sum, timings = self._forward_backward(microbatch_ids)
         for reducer in self.reducers.values():
             reducer.finish()
         grad_norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
+        self.steps_done = None
         self.optimizer.step()
         for reducer in self.reducers.values():
             reducer.gather_params()
+        # Across the replicas: the dense gradients' reduction every step (what it handed to its collectives), or
+        # local_sgd / diloco's syncs.
+        sent = 0 if self.local_sync or "dense" not in self.reducers else self.reducers["dense"].wire_bytes
+        cfg = self.plan.config
+        if self.sync is not None and syncs_after(step, cfg.parallel.sync, cfg.steps):
+            checkpointed = averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every, cfg.steps)
+            view = self.optimizer.export() if checkpointed else None
+            sent = self.sync.synchronise(self._inner_state(view) if view is not None else [])
+            if view is not None:
+                view.write_back()
+        self.steps_done = step + 1
         loss = None
         if self.is_last_stage:
             if self.groups.dp is not None:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
+                if self.local_sync:  # each replica's loss is its own share's mean: the global batch's is their mean
+                    loss_sum /= self.plan.dp
             loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
         grad_norm = float(grad_norm)
         device_bytes, host_bytes = self.optimizer.state_bytes()
@@ -205,7 +240,7 @@ class RankTrainer:
                          buckets=sum(len(r.buckets) for r in self.reducers.values()),
                          reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
                          compile_s=compile_seconds() - compiled_before if compiling else 0.0,
-                         moe=self._moe_stats(), **asdict(timings))
+                         moe=self._moe_stats(), cross_replica_bytes=sent, **asdict(timings))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -236,8 +271,11 @@ class RankTrainer:
         self._state_view = view = self.optimizer.export()
         state_keys = self.optimizer.kind.state
         moments = {p: m for r in self.reducers.values() for p, m in r.moments(view, state_keys).items()}
-        return {"model": {name: p for p, name in names.items()},
-                "optim": {names[p]: m for p, m in moments.items()}}
+        state = {"model": {name: p for p, name in names.items()}, "optim": {names[p]: m for p, m in moments.items()}}
+        outer = self.sync.outer_state() if self.sync is not None else []
+        if outer:  # diloco's outer momentum; its anchor is the parameters, as checkpoints are taken at syncs
+            state["sync"] = dict(zip(self._sync_names, outer, strict=True))
+        return state
 
     def save_checkpoint(self, root: Path, step: int, info: dict, *, background: bool = False) -> None:
         """Write the state after `step` steps as checkpoint `step` under root (collective). In the background,
@@ -268,14 +306,18 @@ class RankTrainer:
     @torch.no_grad()
     def load_checkpoint(self, directory: Path, step: int) -> None:
         """Take parameters and optimizer state from the checkpoint of `step`, whatever layout wrote it."""
-        state = self.checkpoint_state()
+        state, self.steps_done = self.checkpoint_state(), None
+        if "sync" in state and not saved_outer_state(directory):
+            del state["sync"]  # an allreduce job's checkpoint: diloco's outer momentum starts at zero
         checkpoint.load(state, directory, self.groups.checkpoint)
         self._took_state(state, step)
 
-    def local_state(self) -> dict:
+    def local_state(self, finish_saves: bool = True) -> dict:
         """This rank's parameters and AdamW moments as plain local tensors (not copies), to outlive the trainer
-        and its process groups across an in-memory resize (`adopt_state`)."""
-        self.finish_checkpoint()
+        and its process groups across an in-memory resize or a recovery from a live replica (`adopt_state`).
+        `finish_saves=False` after a failure: a background save is left unfinished (its peers may be gone)."""
+        if finish_saves:
+            self.finish_checkpoint()
         state = self.checkpoint_state()
         self._state_view = None
         return {"model": {k: local_part(t).detach() for k, t in state["model"].items()},
@@ -285,7 +327,7 @@ class RankTrainer:
         """Take parameters and moments after `step` steps from `kept` (this rank's own, from `local_state` in
         the layout before a resize), then, when `source` is set, from that global rank of this rank's
         data-parallel group (a broadcast, so new ranks get the state of a surviving replica)."""
-        state = self.checkpoint_state()
+        state, self.steps_done = self.checkpoint_state(), None
         tensors = [(("model", k), local_part(t)) for k, t in sorted(state["model"].items())]
         tensors += [(("optim", k, m), local_part(t)) for k, v in sorted(state["optim"].items())
                     for m, t in sorted(v.items())]
@@ -308,6 +350,15 @@ class RankTrainer:
         self._state_view.write_back()
         self._state_view = None
         self.optimizer.set_step(step)
+        if self.sync is not None:
+            self.sync.took_state()
+        self.steps_done = step
+
+    @staticmethod
+    def _inner_state(view: StateView) -> list[torch.Tensor]:
+        """This rank's optimizer state (its moments, in the checkpoint's form: `view`), which a local_sgd or diloco
+        sync a checkpoint follows averages across the replicas."""
+        return [local_part(t) for state in view.state.values() for t in state.values()]
 
     def _arm_reduction(self, action: Action) -> None:
         """Before a chunk's last backward (B or W) of the step: its gradients' reduction may start during it."""
@@ -339,12 +390,17 @@ class RankTrainer:
         return {block: layer.summarize(row, sequences) for (block, layer), row in zip(self.moe_layers, stats,
                                                                                        strict=True)}
 
-    def _loss_scale(self, step: int) -> float:
+    def _loss_scale(self, step: int, microbatch_ids: list[list[int]]) -> float:
         """1 / the step's global count of targets that count (at least 1: a batch of masked targets only
-        has loss 0)."""
+        has loss 0). local_sgd, diloco: of this replica's share, whose mean gradient it steps on alone."""
+        cfg = self.plan.config
+        if self.local_sync:
+            if not has_loss_mask(self.dataset):
+                return self.plan.dp / (cfg.global_batch * cfg.model.seq_len)
+            return 1.0 / max(1, counted_targets(self.dataset, [i for ids in microbatch_ids for i in ids]))
         if not has_loss_mask(self.dataset):
-            return 1.0 / (self.plan.config.global_batch * self.plan.config.model.seq_len)
-        return 1.0 / max(1, step_counted_targets(self.plan.config, self.dataset, step))
+            return 1.0 / (cfg.global_batch * cfg.model.seq_len)
+        return 1.0 / max(1, step_counted_targets(cfg, self.dataset, step))
 
     def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
         return self.executor.run(self.actions, _lazy_batches(self.dataset, microbatch_ids))
@@ -360,3 +416,4 @@ def _lazy_batches(dataset: Dataset, microbatch_ids: list[list[int]]) -> Callable
         return loaded[mb]
 
     return batch
+

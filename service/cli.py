@@ -314,6 +314,10 @@ def format_plan(d: dict) -> str:
     lines.append("stage layers: " + "  ".join(f"v{v}={layers}" for v, layers in enumerate(d["stage_layers"])))
     lines += format_memory(d["memory"])
     lines += format_reduction(d["reduction"])
+    sync = d["sync"]
+    lines.append(f"replica sync {sync['kind']}" + (f" every {sync['every']} steps" if "every" in sync else "")
+                 + ": bytes all-reduced across replicas per step, per stage: "
+                 + "  ".join(format_bytes(b) for b in sync["cross_replica_bytes_per_step"]))
     s, c = d["schedule"], d["schedule"]["costs"]
     lines += [
         f"schedule {s['kind']}  (pp={s['pp']} vpp={s['vpp']} microbatches={s['microbatches']}; simulated with "

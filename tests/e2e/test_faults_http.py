@@ -15,7 +15,8 @@ from trainyard.parallel.export import MODEL_FILE
 from trainyard.service.client import ApiError
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3},
-                 parallel={"dp": 2, "pp": 2, "microbatches": 2}, fault={"max_failures": 2, "hang_floor_s": 30})
+                 parallel={"dp": 2, "pp": 2, "microbatches": 2},
+                 fault={"max_failures": 2, "hang_floor_s": 30, "from_replica": False})  # the checkpoint path
 HANG_FLOOR_S = 3
 """The hang drill's job only: a step that waits on another job's start is no hang of the others."""
 DRILLS = {"kill": [("kill_worker", 1, 4)], "hang": [("hang_worker", 2, 4)], "coordinator": [("kill_coordinator", 0, 4)],

@@ -22,7 +22,8 @@ def run_cli(service, *args: str) -> int:
 @pytest.fixture(scope="module")
 def failing(service, tmp_path_factory) -> tuple[str, int]:
     """A dp=2 job, just submitted, whose rank 1 reads a bad token in step 0: (job id, the token's offset)."""
-    spec, offset = with_one_bad_token(tiny_spec(parallel={"dp": 2}, model={"vocab_size": 300}, steps=3),
+    spec, offset = with_one_bad_token(tiny_spec(parallel={"dp": 2}, model={"vocab_size": 300}, steps=3,
+                                                fault={"max_failures": 0}),
                                       tmp_path_factory.mktemp("bad"), bad_dp_rank=1, bad_microbatch=0)
     client = service.client()
     job_id = client.submit(spec)

@@ -38,7 +38,8 @@ def test_a_stage_that_raises_fails_the_job_while_its_neighbour_waits_for_it(clie
     # stage 1 blocks receiving micro-batch 1's activation. The job must end FAILED with stage 0's error.
     spec, offset = with_one_bad_token(
         pipeline_spec(pp=2, microbatches=2, schedule="1f1b") | {"model": {"n_layer": 4, "n_head": 2, "d_model": 32,
-                                                                         "vocab_size": 300, "seq_len": 16}},
+                                                                         "vocab_size": 300, "seq_len": 16},
+                                                                "fault": {"max_failures": 0}},
         tmp_path, bad_dp_rank=0, bad_microbatch=1)
     job = wait_terminal(client, client.submit(spec))
     assert job["status"] == "FAILED"

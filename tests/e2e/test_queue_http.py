@@ -152,7 +152,7 @@ def test_concurrent_stop_and_delete_never_answer_5xx_and_the_service_keeps_worki
 
 
 def test_a_killed_worker_fails_its_job_naming_the_rank_whose_process_died(client):
-    job_id = client.submit(tiny_spec(steps=100_000, parallel={"dp": 2}))
+    job_id = client.submit(tiny_spec(steps=100_000, parallel={"dp": 2}, fault={"max_failures": 0}))
     job = wait_for(lambda: (j := client.job(job_id))["step"] >= 1 and len(j["ranks"]) == 2 and j, what="two ranks")
     victim = job["ranks"][1]
     assert victim["name"] == "pp0-tp0-dp1" and victim["node"]

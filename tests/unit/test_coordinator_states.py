@@ -20,6 +20,9 @@ from trainyard.actors.policies import (
     Resize,
     ResizeDecision,
     ResizeDesk,
+    live_point,
+    replica_sources,
+    replicas_may_recover,
 )
 from trainyard.actors.state import (
     Admitted,
@@ -243,3 +246,35 @@ def test_a_claim_is_dropped_when_the_job_changed_while_its_resources_were_reserv
 
     desk, answer = asyncio.run(scenario())
     assert "the job changed" in answer and desk.ready is None and desk.claimed_by is None
+
+
+def test_each_rank_takes_the_state_of_the_lowest_live_replica_of_its_shard_at_the_failed_step():
+    plan = make_plan(parse_spec(tiny_spec(model={"n_layer": 4}, global_batch=12,
+                                         parallel={"dp": 3, "pp": 2, "microbatches": 2})))
+    assert replicas_may_recover(plan)
+    rank = plan.rank_of
+    # Stage 0's replica 0 died; stage 1's replica 0 kept a state of another step (it is no source).
+    kept = {rank(0, 0, 1): 4, rank(0, 0, 2): 4, rank(1, 0, 0): 5, rank(1, 0, 2): 4}
+    sources = replica_sources(plan, kept, step=4)
+    assert sources == {r: rank(0, 0, 1) if plan.coords(r).pp == 0 else rank(1, 0, 2) for r in range(plan.world_size)}
+    # No replica of stage 1 holds step 4 (None: its state was being replaced): back to the checkpoint.
+    assert replica_sources(plan, {rank(0, 0, 1): 4, rank(1, 0, 2): None}, step=4) is None
+
+
+@pytest.mark.parametrize("spec", [
+    {"parallel": {"dp": 1}},
+    {"parallel": {"dp": 2, "zero": 1}},  # each replica holds a slice of the optimizer state
+    {"parallel": {"dp": 2}, "fault": {"from_replica": False}},
+], ids=["one-replica", "zero1", "asked-not-to"])
+def test_no_recovery_from_a_replica_that_does_not_hold_the_whole_state(spec):
+    assert not replicas_may_recover(make_plan(parse_spec(tiny_spec(**spec))))
+
+
+def test_replicas_one_step_ahead_are_taken_when_the_answers_hold_the_lost_step_row():
+    # rank 1 died after finishing step 4, its answer lost with it: rank 0 finished step 4 too (it holds 5 steps)
+    plan = make_plan(parse_spec(tiny_spec(parallel={"dp": 2})))
+    row_of_rank_0 = {"pp_rank": 0, "dp_rank": 0, "tp_rank": 0, "loss": 2.5}
+    assert live_point(plan, {0: 4}, 4, ()) == ({0: 0, 1: 0}, 4)
+    assert live_point(plan, {0: 5}, 4, (row_of_rank_0,)) == ({0: 0, 1: 0}, 5)
+    assert live_point(plan, {0: 5}, 4, ()) is None  # no row for step 4: back to the checkpoint
+    assert live_point(plan, {0: 6}, 4, (row_of_rank_0,)) is None

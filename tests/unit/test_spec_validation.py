@@ -45,6 +45,7 @@ def test_only_model_size_and_steps_are_required():
     assert {f for f, _ in errors} == {"model", "steps"}
     config = parse_spec({"model": {"n_layer": 1, "n_head": 1, "d_model": 8}, "steps": 1})
     assert config.parallel.dp == config.parallel.pp == config.parallel.tp == config.parallel.ep == 1
+    assert config.fault.max_failures == 3  # a job without a fault section survives a few failures
 
 
 def test_unknown_field_is_named():

@@ -1,0 +1,78 @@
+"""Section `sync`: replicas that synchronise every H steps (`parallel.sync`: local_sgd, diloco) against
+all-reduce data parallelism: the loss reached at equal tokens against the bytes each rank sends across the
+replicas per step.
+
+Run: `python -m bench.run --only sync`; spawned gloo ranks (torch alone, no Ray), every variant a plan of one
+world of four processes (`parallel.local_world.run_plans`), one after the other; a few minutes on 2 cores.
+
+The demo job's model and corpus (examples/demo.yaml: a 4-block byte-level GPT on examples/corpus.txt) at dp=4,
+global batch 16, STEPS steps, the same seed, so every variant sees the same samples in the same order: all-reduce,
+then diloco (outer_lr 0.7, Nesterov momentum 0.9, DiLoCo's) at every = 1, 4, 8, 16, and local_sgd at every 8;
+then all-reduce and diloco every 8 at (dp=2, pp=2). A row per variant: the training loss (the mean over the
+last TAIL steps; a local replica's loss is that of its own parameters on its share of the batch) and the
+validation loss after the last step (which synchronises, so it is one model's), beside the bytes each rank
+all-reduced across the replicas per step (the payload, `StepStats.cross_replica_bytes`, averaged over the
+run), and its ratio to all-reduce's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.local_world import PlanRun, run_plans
+from trainyard.parallel.plan import make_plan
+
+from bench.context import BENCH, BenchContext
+from bench.results import Row, ratio
+
+STEPS, TAIL = 240, 20
+SPEC: dict[str, Any] = {
+    "name": "bench-sync", "seed": 1234,
+    "model": {"n_layer": 4, "n_head": 4, "d_model": 128, "vocab_size": 256, "seq_len": 64},
+    "data": {"kind": "text", "path": str(BENCH.parent / "examples" / "corpus.txt")},
+    "optimizer": {"lr": 3.0e-3, "weight_decay": 0.1, "warmup_steps": 20, "grad_clip": 1.0},
+    "eval": {"every": STEPS, "batches": 4},
+    "steps": STEPS, "global_batch": 16,
+}
+DILOCO = {"kind": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9}
+DP4 = {"dp": 4}
+PP2 = {"dp": 2, "pp": 2, "microbatches": 2}
+VARIANTS: dict[str, tuple[dict, dict]] = {  # name -> (parallel layout, sync)
+    "allreduce dp=4": (DP4, {}),
+    **{f"diloco every={h} dp=4": (DP4, {**DILOCO, "every": h}) for h in (1, 4, 8, 16)},
+    "local_sgd every=8 dp=4": (DP4, {"kind": "local_sgd", "every": 8}),
+    "allreduce dp=2 pp=2": (PP2, {}),
+    "diloco every=8 dp=2 pp=2": (PP2, {**DILOCO, "every": 8}),
+}
+REFERENCE = {"dp=4": "allreduce dp=4", "dp=2 pp=2": "allreduce dp=2 pp=2"}
+
+
+def _plan(parallel: dict, sync: dict):
+    return make_plan(parse_spec({**SPEC, "parallel": {**parallel, **({"sync": sync} if sync else {})}}))
+
+
+def measure(stats_by_rank: list[list[dict]]) -> dict[str, float]:
+    """A run's tail training loss, final validation loss and mean cross-replica bytes per step (the most of any
+    rank's)."""
+    last = next(stats for stats in stats_by_rank if stats[0]["loss"] is not None)
+    sent = [max(rank[s]["cross_replica_bytes"] for rank in stats_by_rank) for s in range(len(last))]
+    return {"loss": sum(s["loss"] for s in last[-TAIL:]) / TAIL, "val_loss": last[-1]["val_loss"],
+            "bytes": sum(sent) / len(sent)}
+
+
+def run_section(ctx: BenchContext) -> list[Row]:
+    runs = [PlanRun(_plan(*layout), evaluate_after=(STEPS,)) for layout in VARIANTS.values()]
+    results = run_plans(runs)
+    measured = {name: measure([r.stats for r in result]) for name, result in zip(VARIANTS, results, strict=True)}
+    rows = []
+    for name, m in measured.items():
+        ref = measured[REFERENCE["dp=4" if name.endswith("dp=4") else "dp=2 pp=2"]]
+        ctx.log(f"{name}: loss {m['loss']:.4f}, val_loss {m['val_loss']:.4f}, {m['bytes']:.0f} B/step")
+        rows.append(Row(f"{name}: training loss (mean of the last {TAIL} steps)", m["loss"], ref["loss"],
+                        ratio(m["loss"], ref["loss"]), "loss",
+                        f"val_loss {m['val_loss']:.4f} vs {ref['val_loss']:.4f} (ratio "
+                        f"{m['val_loss'] / ref['val_loss']:.3f}); cross-replica bytes per step per rank "
+                        f"{m['bytes'] / 2**10:.1f} KiB vs {ref['bytes'] / 2**10:.1f} KiB (ratio "
+                        f"{m['bytes'] / ref['bytes']:.3f}); {STEPS} steps, global batch 16, equal tokens"))
+    return rows

@@ -1,0 +1,139 @@
+"""Replicas that step apart (`parallel.sync`) on real gloo ranks, without Ray, all plans in one spawned world:
+
+- the exact checks: with an inner step linear in the gradient (SGD, no clipping) local_sgd every=1, and diloco
+  every=1 with outer_lr 1 and no momentum, equal all-reduce data parallelism within 1e-5 (averaging the
+  replicas' parameters after a step is then averaging their gradients before it; AdamW is not linear, so
+  there the three differ by design);
+- diloco every=4 at (dp=2, pp=2) with AdamW matches a reference computed in one process: two replicas as two
+  one-rank trainers, each stepping on its share of the global batch, and the outer Nesterov step written out
+  by hand (not torch's SGD, which `parallel.sync` uses): losses and final parameters within 1e-5;
+- that run checkpoints after its first sync, and a run resumed from there (the outer momentum is in the
+  checkpoint, the anchor is the parameters) follows it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
+from helpers import tiny_spec
+from trainyard.api.spec import parse_spec
+from trainyard.parallel import optimizers
+from trainyard.parallel.checkpoint import step_dir
+from trainyard.parallel.data import global_batch_ids, open_dataset, rank_share
+from trainyard.parallel.plan import make_plan
+
+STEPS, BATCH, EVERY, OUTER_LR, MOMENTUM = 8, 8, 4, 0.7, 0.9
+
+
+def plan_for(parallel: dict, sync: dict | None = None, global_batch: int = BATCH, **spec):
+    par = {**parallel, **({"sync": sync} if sync else {})}
+    return make_plan(parse_spec(tiny_spec(steps=STEPS, global_batch=global_batch, parallel=par, **spec)))
+
+
+def _sgd(groups, cfg):
+    return torch.optim.SGD(groups, lr=cfg.lr)
+
+
+def use_sgd() -> None:
+    """The ranks' inner optimizer is plain SGD (setup runs in each rank process before its trainer)."""
+    optimizers.OPTIMIZERS["adamw"] = replace(optimizers.ADAMW, build=_sgd, state=())
+
+
+def use_adamw() -> None:
+    optimizers.OPTIMIZERS["adamw"] = optimizers.ADAMW
+
+
+def final_params(driver, stats) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for chunk in driver.trainer.chunks for name, p in chunk.named_parameters()}
+
+
+def two_replicas_by_hand(driver, stats) -> dict:
+    """The reference: replicas 0 and 1 of a dp=2 job as two one-rank trainers (this plan has half the global
+    batch, so each steps on its share's mean gradient), H local AdamW steps each, then the outer step; the job
+    checkpoints at every sync, so the replicas also average their AdamW moments there."""
+    plan = driver.plan
+    replicas = [driver.trainer_for(plan) for _ in range(2)]
+    params = [[p for chunk in r.chunks for p in chunk.parameters()] for r in replicas]
+    names = [name for chunk in replicas[0].chunks for name, _ in chunk.named_parameters()]
+    anchor = [p.detach().clone() for p in params[0]]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    num_samples, losses = open_dataset(plan.config).num_samples, []
+    for step in range(STEPS):
+        ids = global_batch_ids(plan.config.seed, step, BATCH, num_samples)
+        step_losses = [r.train_step(step, rank_share(ids, i, 2, plan.microbatches)).loss
+                       for i, r in enumerate(replicas)]
+        losses.append(sum(step_losses) / 2)
+        if (step + 1) % EVERY == 0:
+            with torch.no_grad():
+                for k in range(len(anchor)):
+                    moments = [r.optimizer.state[params[i][k]] for i, r in enumerate(replicas)]
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        mean = (moments[0][key] + moments[1][key]) / 2
+                        for m in moments:
+                            m[key].copy_(mean)
+                for k, a in enumerate(anchor):
+                    delta = a - (params[0][k] + params[1][k]) / 2
+                    momentum[k] = MOMENTUM * momentum[k] + delta
+                    a -= OUTER_LR * (delta + MOMENTUM * momentum[k])  # Nesterov
+                    for p in params:
+                        p[k].copy_(a)
+    return {"losses": losses, "params": dict(zip(names, anchor, strict=True))}
+
+
+NO_CLIP = {"optimizer": {"lr": 0.05, "grad_clip": 0.0, "warmup_steps": 2}}
+EXACT = {
+    "allreduce": plan_for({"dp": 2}, **NO_CLIP),
+    "local_sgd": plan_for({"dp": 2}, {"kind": "local_sgd", "every": 1}, **NO_CLIP),
+    "diloco": plan_for({"dp": 2}, {"kind": "diloco", "every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}, **NO_CLIP),
+}
+DILOCO = {"kind": "diloco", "every": EVERY, "outer_lr": OUTER_LR, "outer_momentum": MOMENTUM}
+SAVES = {"checkpoint": {"every": EVERY}}  # the syncs a checkpoint follows average the inner optimizer state too
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("checkpoints"))
+    named = [(key, PlanRun(plan, setup=use_sgd, probe=final_params)) for key, plan in EXACT.items()]
+    named += [
+        ("diloco-pp2", PlanRun(plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO, **SAVES), setup=use_adamw,
+                               probe=final_params, save_after=(EVERY,), root=root)),
+        ("resumed", PlanRun(plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO, **SAVES), setup=use_adamw,
+                            resume=(str(step_dir(Path(root), EVERY)), EVERY))),
+        ("by-hand", PlanRun(plan_for({"microbatches": 2}, global_batch=BATCH // 2), steps=range(0),
+                            setup=use_adamw, probe=two_replicas_by_hand)),
+    ]
+    results = run_plans([run for _, run in named])
+    return {key: r for (key, _), r in zip(named, results, strict=True)}
+
+
+@pytest.mark.parametrize("kind", ["local_sgd", "diloco"])
+def test_synchronising_every_step_equals_all_reduce_with_a_linear_inner_step(runs, kind):
+    reference, local = runs["allreduce"], runs[kind]
+    np.testing.assert_allclose(last_stage_losses(stats_of(local)), last_stage_losses(stats_of(reference)), rtol=1e-5)
+    for rank in (0, 1):
+        for name, p in reference[rank].probe.items():
+            torch.testing.assert_close(local[rank].probe[name], p, rtol=1e-5, atol=1e-6)
+    # the replicas send their parameters once per step instead of their gradients: the same bytes here
+    assert [s["cross_replica_bytes"] for s in local[0].stats] == [s["cross_replica_bytes"] for s in reference[0].stats]
+
+
+def test_diloco_at_dp2_pp2_matches_two_replicas_and_the_outer_step_by_hand(runs):
+    run, by_hand = runs["diloco-pp2"], runs["by-hand"][0].probe
+    np.testing.assert_allclose(last_stage_losses(stats_of(run)), by_hand["losses"], rtol=1e-5)
+    for rank in range(4):
+        for name, p in run[rank].probe.items():
+            torch.testing.assert_close(p, by_hand["params"][name], rtol=1e-5, atol=1e-6)
+    sent = [s["cross_replica_bytes"] for s in run[0].stats]
+    assert [b > 0 for b in sent] == [False, False, False, True] * 2  # parameters cross only at the syncs
+    first_stage_params = sum(p.numel() for p in run[0].probe.values())
+    assert sent[EVERY - 1] == 3 * 4 * first_stage_params  # parameters and, a checkpoint following, two moments
+
+
+def test_a_diloco_run_resumed_from_its_checkpoint_follows_it_exactly(runs):
+    original, resumed = last_stage_losses(stats_of(runs["diloco-pp2"])), last_stage_losses(stats_of(runs["resumed"]))
+    assert resumed == original[EVERY:]

@@ -1,0 +1,61 @@
+"""`parallel.sync`'s pure rules: when replicas synchronise, the bytes they send, and the combinations the plan
+refuses (422, naming the field and the rule). The numerics run on gloo: tests/integration/test_sync_gloo.py."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import tiny_spec
+from trainyard.api.spec import parse_spec
+from trainyard.parallel.config import SyncConfig
+from trainyard.parallel.plan import PlanError, make_plan
+from trainyard.parallel.present import describe
+from trainyard.parallel.sync import cross_replica_bytes, syncs_after
+
+
+def test_replicas_synchronise_every_h_steps_and_after_the_last():
+    cfg = SyncConfig(kind="diloco", every=4)
+    assert [s for s in range(10) if syncs_after(s, cfg, steps=10)] == [3, 7, 9]
+    assert not any(syncs_after(s, SyncConfig(), steps=10) for s in range(10))  # allreduce syncs gradients
+
+
+def test_local_replicas_send_the_parameters_once_per_h_steps():
+    allreduce = cross_replica_bytes(SyncConfig(), 1000, dp=4)
+    assert allreduce == 4000 and cross_replica_bytes(SyncConfig(), 1000, dp=4, wire_bytes=2) == 2000
+    assert cross_replica_bytes(SyncConfig(kind="local_sgd", every=8), 1000, dp=4) == allreduce / 8
+    assert cross_replica_bytes(SyncConfig(kind="diloco", every=8), 1000, dp=1) == 0
+
+
+def test_the_plan_shows_the_bytes_per_step_of_each_stage():
+    def sync_of(sync):
+        spec = tiny_spec(model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "microbatches": 2, "sync": sync})
+        return describe(make_plan(parse_spec(spec)))["sync"]
+
+    allreduce, diloco = sync_of({}), sync_of({"kind": "diloco", "every": 8})
+    assert diloco["kind"] == "diloco" and diloco["every"] == 8 and len(diloco["cross_replica_bytes_per_step"]) == 2
+    assert diloco["cross_replica_bytes_per_step"] == [b / 8 for b in allreduce["cross_replica_bytes_per_step"]]
+
+
+@pytest.mark.parametrize(("overrides", "field", "words"), [
+    ({"parallel": {"dp": 2, "zero": 1, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync", "zero"),
+    ({"model": {"n_layer": 2, "moe": {"experts": 2, "top_k": 1, "every": 2}},
+      "parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4}}}, "parallel.sync", "model.moe"),
+    ({"parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4}}, "checkpoint": {"every": 6}},
+     "checkpoint.every", "multiple of parallel.sync.every=4"),
+    ({"parallel": {"dp": {"min": 1, "max": 2}, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync",
+     "elastic"),
+], ids=["zero1", "moe", "checkpoint-mid-round", "elastic"])
+def test_combinations_that_do_not_compose_are_refused_naming_the_field(overrides, field, words):
+    with pytest.raises(PlanError) as info:
+        make_plan(parse_spec(tiny_spec(**overrides)))
+    assert info.value.field == field and words in str(info.value)
+
+
+def test_a_checkpoint_says_whether_it_holds_the_outer_momentum(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from trainyard.parallel.sync import saved_outer_state
+
+    weights = {"h.0.w": torch.ones(2)}
+    dcp.save({"model": weights}, checkpoint_id=tmp_path / "allreduce", no_dist=True)
+    dcp.save({"model": weights, "sync": {"h.0.w": torch.zeros(2)}}, checkpoint_id=tmp_path / "diloco", no_dist=True)
+    assert not saved_outer_state(tmp_path / "allreduce") and saved_outer_state(tmp_path / "diloco")
