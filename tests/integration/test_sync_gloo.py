@@ -70,12 +70,15 @@ def two_replicas_by_hand(driver, stats) -> dict:
         losses.append(sum(step_losses) / 2)
         if (step + 1) % EVERY == 0:
             with torch.no_grad():
+                views = [r.optimizer.export() for r in replicas]  # the moments, in the checkpoint's form
                 for k in range(len(anchor)):
-                    moments = [r.optimizer.state[params[i][k]] for i, r in enumerate(replicas)]
+                    moments = [view.state[params[i][k]] for i, view in enumerate(views)]
                     for key in ("exp_avg", "exp_avg_sq"):
                         mean = (moments[0][key] + moments[1][key]) / 2
                         for m in moments:
                             m[key].copy_(mean)
+                for view in views:
+                    view.write_back()
                 for k, a in enumerate(anchor):
                     delta = a - (params[0][k] + params[1][k]) / 2
                     momentum[k] = MOMENTUM * momentum[k] + delta
