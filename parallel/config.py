@@ -8,6 +8,9 @@ receives them frozen. Rules that relate several fields (divisibility, capabiliti
 Plain dataclasses (not pydantic models) so that `parallel/` stays free of web types; pydantic reads the
 `Annotated` constraints and `__pydantic_config__` when it validates (the checkpoint's config gives the
 field `async_` its spec name, `async`, a Python keyword).
+
+(Over 400 lines: it is the whole JobSpec, one small dataclass per section with a docstring per field; split
+across files, the one schema a user reads would be scattered.)
 """
 
 from __future__ import annotations

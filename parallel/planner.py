@@ -19,6 +19,9 @@ Left out of the search, by hand: layouts using half the cluster or less, uneven 
 divide n_layer), pipelines with fewer micro-batches than stages, more than MAX_VPP chunks per rank or
 MAX_SEARCH_CHUNKS chunk forwards per step; elastic dp ranges. The memory check reads the first, middle and
 last stage (the winner is then checked on every rank by `parallel.plan.make_plan` in `choose`).
+
+(Over 400 lines: the search (enumeration, bounds, evaluation) and the explanation of its answer (why each
+runner-up lost, what would make a model fit) read the same state; the cost arithmetic is `parallel.cost_model`.)
 """
 
 from __future__ import annotations

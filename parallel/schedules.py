@@ -27,6 +27,10 @@ Labels (`str(action)`): F3.1 / B3.1 run forward / backward of micro-batch 3 on l
 its input-gradient / weight-gradient half); sA3.1>2 sends
 that chunk's output activation to rank 2; rA3.1<0 receives its input activation from rank 0; sG3.1>0 sends the
 gradient of its input to rank 0; rG3.1<2 receives the gradient of its output from rank 2.
+
+(Over 400 lines: the action vocabulary, the placement of virtual stages and every schedule kind's compute
+order sit together because the orders are written in that vocabulary and checked against each other; a new
+kind is one more order function and one registry entry.)
 """
 
 from __future__ import annotations

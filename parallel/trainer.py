@@ -13,6 +13,10 @@ The loss of every micro-batch is divided by the global batch's count of targets 
 tokens; with a loss mask, the assistant/completion ones: `parallel.data.step_counted_targets`, worked out on
 every rank from the step's sample ids) before backward, so summed gradients equal the gradient of the
 global mean loss whatever the layout.
+
+(Over 400 lines: one rank's state and step, where the strategies meet (sharding, compression, sync,
+split backward, offload) and the checkpoint's form of that state; each strategy's own logic lives in its
+module, what is left here is how they are wired for a step.)
 """
 
 from __future__ import annotations
