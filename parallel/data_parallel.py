@@ -290,7 +290,7 @@ class ShardedGradientReducer(GradientReducer):
                     flat[self.rank * b.shard.numel() + s:][:n] = optimizer.state[piece][key]
                 dist.all_reduce(flat, group=self.group)  # each slice is non-zero on one rank only
                 for p, a in zip(b.params, b.offsets, strict=True):
-                    out[p][key] = _like(p, flat[a:a + local_part(p).numel()].view_as(local_part(p)))
+                    out[p][key] = like_param(p, flat[a:a + local_part(p).numel()].view_as(local_part(p)))
         return out
 
     @torch.no_grad()
@@ -315,7 +315,7 @@ class ShardedGradientReducer(GradientReducer):
                 local.view(-1).copy_(everything[a:a + local.numel()])
 
 
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` as a tensor laid out like parameter `p`: a DTensor with its placements when p is one."""
     if not isinstance(p, DTensor):
         return local

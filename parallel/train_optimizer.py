@@ -36,6 +36,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from trainyard.parallel import optimizer_states
 from trainyard.parallel.config import OptimizerConfig
+from trainyard.parallel.data_parallel import like_param as _like
+from trainyard.parallel.data_parallel import local_part as _local
 from trainyard.parallel.optimizers import OptimizerKind, optimizer_kind
 
 OFFLOAD_CHUNK = 2**24
@@ -247,11 +249,3 @@ def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     return torch.cuda.stream(stream)
 
 
-def _like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, DTensor):
-        return local
-    return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
