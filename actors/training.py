@@ -20,8 +20,6 @@ from trainyard.actors.state import AtBoundary, Cancelled, Done, Outcome
 from trainyard.actors.storage import checkpoint_info
 from trainyard.actors.telemetry import checkpoint_event, compile_event, make_row, set_gauges
 from trainyard.parallel import checkpoint
-from trainyard.parallel.data import global_batch_ids, open_dataset, rank_share
-from trainyard.parallel.export import export_model
 
 if TYPE_CHECKING:
     from trainyard.actors.controller import Controller
@@ -30,8 +28,7 @@ log = logging.getLogger("trainyard.coordinator")
 
 
 async def run_steps(ctl: Controller) -> Outcome:
-    plan, cfg = ctl.plan, ctl.plan.config
-    num_samples = open_dataset(cfg).num_samples
+    cfg = ctl.plan.config
     tokens = cfg.global_batch * cfg.model.seq_len
     root, info = ctl.storage.checkpoint_root, checkpoint_info(cfg)
 
@@ -43,11 +40,11 @@ async def run_steps(ctl: Controller) -> Outcome:
         return cfg.eval.every > 0 and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps)
 
     def submit(step: int) -> list[ray.ObjectRef]:
-        ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
         save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(step) else None
         drills = ctl.drills.due_on_ranks(step)
-        return [w.run_step.remote(step, rank_share(ids, plan.coords(r).dp, plan.dp, plan.microbatches),
-                                  evaluates(step), save, drills.get(r))
+        # Each rank draws its own share of the step's global batch (a function of seed and step): the coordinator
+        # needs neither the data nor torch, so it starts in a fraction of a second.
+        return [w.run_step.remote(step, None, evaluates(step), save, drills.get(r))
                 for r, w in enumerate(ctl.group.workers)]
 
     done = ctl.start_step
@@ -104,10 +101,16 @@ async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
     if ctl.suspend:
         return Done()
     directory = checkpoint.step_dir(Path(root), steps_done)
-    path = await asyncio.to_thread(export_model, cfg, directory, steps_done, Path(ctl.storage.model_path))
+    path = await asyncio.to_thread(_export, cfg, directory, steps_done, Path(ctl.storage.model_path))
     ctl.model = {"path": str(path), "step": steps_done}
     log.info("job %s: model after step %d exported to %s", ctl.job_id, steps_done, path)
     return Done()
+
+
+def _export(cfg, directory: Path, steps_done: int, model_path: Path) -> Path:
+    from trainyard.parallel.export import export_model  # imports torch: only as a job ends, not as it starts
+
+    return export_model(cfg, directory, steps_done, model_path)
 
 
 class Drills:

@@ -19,17 +19,23 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
-import torch
-from trainyard.parallel.distributed import shutdown_distributed
-from trainyard.parallel.driver import RankDriver, Save
 from trainyard.parallel.plan import Plan
+
+if TYPE_CHECKING:
+    from trainyard.parallel.driver import RankDriver
+
+# torch and the trainer are imported in the rank's process when it is created, not where the class is defined:
+# the coordinator creates workers from this class and must not pay seconds of torch import as each job starts.
 
 
 @ray.remote
 class Worker:
     def __init__(self, job_id: str, rank: int, threads: int):
+        import torch
+
         self.job_id, self.rank = job_id, rank
         # Ray sets OMP_NUM_THREADS from the CPU request; a fractional request would give 0 or 1 anyway.
         torch.set_num_threads(max(1, threads))
@@ -53,6 +59,8 @@ class Worker:
         build this rank's trainer."""
         self.rank = self.rank if rank is None else rank
         self._step_failed = False
+        from trainyard.parallel.driver import RankDriver
+
         with self._traceback_to_stderr("setup"):
             self.driver = RankDriver(plan, self.rank, master_addr, master_port)
         context = ray.get_runtime_context()
@@ -68,17 +76,20 @@ class Worker:
         with self._traceback_to_stderr(f"loading the checkpoint of step {step}"):
             self.driver.load(Path(directory), step)
 
-    def run_step(self, step: int, microbatch_ids: list[list[int]], evaluate: bool = False,
+    def run_step(self, step: int, microbatch_ids: list[list[int]] | None, evaluate: bool = False,
                  save: dict | None = None, drill: str | None = None) -> dict:
         """One training step; then, if asked, the validation loss and a checkpoint of the state after it
         (`save`: root, info, background). The row says how long the checkpoint blocked the step. `drill` is a
-        fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns)."""
+        fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns). `microbatch_ids` None:
+        this rank's share of the step's global batch, drawn here from (seed, step)."""
         assert self.driver is not None, "setup() must run before run_step()"
         if self._step_failed:
             raise RuntimeError(f"rank {self.rank} did not run step {step}: an earlier step failed here")
         if drill is not None:
             _run_drill(drill, self.rank, step)
         try:
+            from trainyard.parallel.driver import Save
+
             with self._traceback_to_stderr(f"step {step}"):
                 request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
                 self._last = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
@@ -125,6 +136,8 @@ class Worker:
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into
         a new rendezvous (recovery reuses the ranks that are alive and answering)."""
+        from trainyard.parallel.distributed import shutdown_distributed
+
         self.driver, self._step_failed, self._last = None, False, None
         shutdown_distributed()  # the driver's groups, also those of a setup that failed half-way
 

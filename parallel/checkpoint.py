@@ -32,11 +32,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+# torch.distributed.checkpoint is imported by the functions that save and load (in the ranks): the coordinator
+# and the service use the file-level half (steps, manifests, verification) and must not pay torch's import.
 
 MANIFEST = "trainyard.json"
+MODEL_FILE = "model.safetensors"
+"""The consolidated model a finished job exports (`parallel.export`); named here, where the service reads it
+without importing torch."""
 _PREFIX = "step_"
 _TMP = ".tmp"
 
@@ -120,6 +127,8 @@ def save(state: dict, root: Path, step: int, info: dict, group: dist.ProcessGrou
 
     Collective over `group`. `info` goes into the manifest (config, anything a resuming job checks)."""
     tmp = _fresh_tmp(root, step, group, is_writer)
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(state, checkpoint_id=tmp, process_group=group)
     if is_writer:
         commit(tmp, step_dir(root, step), {**info, "step": step})
@@ -131,6 +140,8 @@ def start_async_save(state: dict, root: Path, step: int, info: dict, group: dist
     thread, which also commits it); returns `finish()`, which waits until it is committed and raises what
     went wrong. Collective over `group`."""
     tmp = _fresh_tmp(root, step, group, is_writer)
+    import torch.distributed.checkpoint as dcp
+
     pending = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
     future = getattr(pending, "upload_completion", pending)  # a Future, or newer torch's AsyncSaveResponse
     done, errors = threading.Event(), []
@@ -162,12 +173,16 @@ def _fresh_tmp(root: Path, step: int, group: dist.ProcessGroup | None, is_writer
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     if group is not None:
+        import torch.distributed as dist
+
         dist.barrier(group=group)
     return tmp
 
 
 def load(state: dict, directory: Path, group: dist.ProcessGroup | None) -> None:
     """Fill `state`'s tensors in place from the checkpoint, resharding to this layout. Collective."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.load(state, checkpoint_id=directory, process_group=group)
 
 

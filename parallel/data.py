@@ -34,13 +34,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.seeds import derive_seed
 from trainyard.parallel.token_dir import DTYPES, Manifest, Segments, check_directory, open_streams
 
 if TYPE_CHECKING:
+    import torch
     from trainyard.parallel.plan import Plan
+
+# torch is imported where a tensor is made (in the ranks), not here: the service opens datasets to check a job at
+# submit, and must not pay torch's import for that.
 
 
 class DatasetError(RuleError):
@@ -74,6 +77,8 @@ class TokenDataset:
         return len(self.tokens) - self.seq_len
 
     def sample(self, i: int) -> torch.Tensor:
+        import torch
+
         window = torch.from_numpy(np.asarray(self.tokens[i : i + self.seq_len + 1], dtype=np.int64))
         bad = window >= self.vocab_size
         if bad.any():
@@ -85,6 +90,8 @@ class TokenDataset:
         """Which of sample i's seq_len targets count in the loss (None: all of them)."""
         if self.mask is None:
             return None
+        import torch
+
         return torch.from_numpy(np.asarray(self.mask[i + 1 : i + self.seq_len + 1], dtype=np.bool_))
 
 
@@ -96,6 +103,8 @@ class SyntheticDataset:
     num_samples: int = 1 << 30
 
     def sample(self, i: int) -> torch.Tensor:
+        import torch
+
         gen = torch.Generator().manual_seed(derive_seed(self.seed, "synthetic", i))
         return torch.randint(self.vocab_size, (self.seq_len + 1,), generator=gen)
 
@@ -266,6 +275,8 @@ def validation_batches(config: JobConfig, num_samples: int) -> list[list[int]]:
 
 def global_batch_ids(seed: int, step: int, global_batch: int, num_samples: int) -> list[int]:
     """Sample ids of step `step`'s global batch: a function of (seed, step) only."""
+    import torch
+
     gen = torch.Generator().manual_seed(derive_seed(seed, "batch", step))
     return torch.randint(num_samples, (global_batch,), generator=gen).tolist()
 
@@ -288,6 +299,8 @@ def rank_share(ids: list[int], dp_rank: int, dp: int, microbatches: int) -> list
 
 def load_batch(ds: Dataset, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (len(ids), seq_len) int64; targets the loss does not count are IGNORE."""
+    import torch
+
     seqs = torch.stack([ds.sample(i) for i in ids])
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
     if has_loss_mask(ds):

@@ -22,11 +22,10 @@ from pydantic import TypeAdapter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from trainyard.parallel.checkpoint import MODEL_FILE as MODEL_FILE  # the file export_model writes
 from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, write_hf_dir
 from trainyard.parallel.model import full_model
-
-MODEL_FILE = "model.safetensors"
 
 
 def export_model(config: JobConfig, checkpoint_dir: Path, step: int, out: Path) -> Path:
@@ -41,13 +40,11 @@ def export_model(config: JobConfig, checkpoint_dir: Path, step: int, out: Path) 
     os.replace(tmp, out)
     return out
 
-
 def exported_config(path: Path) -> tuple[ModelConfig, int]:
     """The model config and step an exported file records in its metadata."""
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()
     return TypeAdapter(ModelConfig).validate_python(json.loads(metadata["config"])), int(metadata["step"])
-
 
 def load_exported(path: str | Path) -> nn.Module:
     """The trained model of an exported file, for any model the file's config describes (MoE included)."""
@@ -55,7 +52,6 @@ def load_exported(path: str | Path) -> nn.Module:
     model = full_model(cfg, 0)
     model.load_state_dict(load_file(str(path)), strict=True)
     return model
-
 
 def export_hf(path: Path, out: Path, *, tokenizer_from: Path | None = None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:

@@ -42,7 +42,6 @@ from trainyard.api.spec import parse_spec, spec_to_dict
 from trainyard.parallel import checkpoint
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.data import open_dataset
-from trainyard.parallel.export import MODEL_FILE
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resized
 from trainyard.service import queue
 from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
@@ -126,7 +125,7 @@ class JobManager:
         return base / job_id
 
     def model_path(self, job_id: str) -> Path:
-        return self.data_dir / "models" / job_id / MODEL_FILE
+        return self.data_dir / "models" / job_id / checkpoint.MODEL_FILE
 
     def resume_point(self, config: JobConfig) -> tuple[str, int] | None:
         """The checkpoint `resume_from` names, checked without hashing it (see `service.resume`)."""
