@@ -80,3 +80,13 @@ def test_the_plan_and_its_presentation_load_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PARALLEL.parent)
     assert out.stdout.strip() == "False"
+
+
+def test_the_coordinator_and_the_service_start_without_torch():
+    """Every job's coordinator process imports its module as the job starts, and `trainyard serve` its service
+    at every start: torch's seconds of import belong in the ranks (and in an export), not on those paths."""
+    code = ("import sys; import trainyard.actors.coordinator, trainyard.service.manager, trainyard.service.server; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PARALLEL.parent)
+    assert out.stdout.strip() == "False"
