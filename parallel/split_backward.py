@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+
+# torch.distributed.pipelining is imported by the two functions that use it: importing it pulls in torch._dynamo
+# (about a fifth of a rank's start-up imports), which a rank that never splits a backward does not need.
 
 ParamGroups = list[dict[str, Any]]
 
@@ -33,12 +35,16 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     what `backward_weight` needs to finish the backward later."""
     if out._is_view():  # torch detaches the output in place to free its graph, which a view cannot be
         out = out.clone()
+    from torch.distributed.pipelining._backward import stage_backward_input
+
     (dx,), groups = stage_backward_input([out], None if grad is None else [grad], [x], iter(params))
     return dx, groups
 
 
 def backward_weight(groups: ParamGroups, params: list[torch.nn.Parameter]) -> None:
     """Accumulate the parameters' gradients into `.grad` (hooks firing) from what `backward_input` kept."""
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
     param_of = {_get_grad_fn_or_grad_acc(p): p for p in params}
     for group in groups:
         nodes = group.pop("intermediates")
