@@ -88,9 +88,10 @@ def client(service):
 
 @pytest.fixture(scope="session")
 def three_d_job(service) -> tuple[dict, list[dict]]:
-    """One finished (dp=2, pp=2, tp=2) job of 8 ranks, 1F1B over two micro-batches, and its metrics rows: the
-    flagship of the pipeline and tensor-parallel files (their layouts' numerics are checked on gloo), and of the
-    llama family through the service (grouped-query attention: 4 heads, 2 key/value heads, one per tp rank)."""
+    """One finished (dp=2, pp=2, tp=2, ep=2) job of 8 ranks, 1F1B over two micro-batches, and its metrics rows: the
+    flagship of the pipeline, tensor-parallel and MoE files (their layouts' numerics are checked on gloo), and of
+    the llama family through the service (grouped-query attention: 4 heads, 2 key/value heads, one per tp rank;
+    4 experts, 2 per ep rank)."""
     from helpers import THREE_D_SPEC, run_all
 
     client = service.client()

@@ -42,9 +42,12 @@ def tiny_spec(**overrides) -> dict:
     return spec
 
 
-THREE_D_SPEC = tiny_spec(model={"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2}, global_batch=8, steps=3,
-                         parallel={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "schedule": "1f1b"})
-"""The flagship 3D job through the service (`three_d_job` in conftest.py)."""
+THREE_D_SPEC = tiny_spec(model={"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2,
+                                "moe": {"experts": 4, "top_k": 2, "every": 2}},
+                         global_batch=8, steps=3,
+                         parallel={"dp": 2, "pp": 2, "tp": 2, "ep": 2, "microbatches": 2, "schedule": "1f1b"})
+"""The flagship job through the service (`three_d_job` in conftest.py): llama with grouped-query attention and
+mixture-of-experts blocks (1 and 3, one on each stage) at (dp2, pp2, tp2, ep2)."""
 
 
 def wait_terminal(client, job_id: str, timeout_s: float = 180.0) -> dict:

@@ -26,7 +26,7 @@ def spec(parallel: dict, **top) -> dict:
 @pytest.fixture(scope="module")
 def originals(service) -> dict[str, tuple[dict, list[dict]]]:
     client = service.client()
-    out = run_all(client, {"dense": spec({"dp": 2, "tp": 2}, checkpoint={"every": 3, "async": True})})
+    out = run_all(client, {"dense": spec({"tp": 2}, checkpoint={"every": 3, "async": True})})
     client.close()
     return out
 
@@ -35,7 +35,7 @@ def originals(service) -> dict[str, tuple[dict, list[dict]]]:
 def resumed(service, originals) -> dict[str, tuple[dict, list[dict]]]:
     client = service.client()
     dense = originals["dense"][0]["job_id"]
-    out = run_all(client, {"dense-same": spec({"dp": 2, "tp": 2}, resume_from={"job_id": dense, "step": 3})})
+    out = run_all(client, {"dense-same": spec({"tp": 2}, resume_from={"job_id": dense, "step": 3})})
     client.close()
     return out
 
@@ -84,7 +84,7 @@ def test_the_exported_model_loads_into_full_model_and_gives_the_final_val_loss(o
 def test_resume_rules_are_422_naming_the_field(originals, client, resume, field, text):
     resume = {**resume, "job_id": originals["dense"][0]["job_id"] if resume["job_id"] == "@dense"
               else resume["job_id"]}
-    response = client._http.post("/api/jobs", json=spec({"dp": 2, "tp": 2}, resume_from=resume))
+    response = client._http.post("/api/jobs", json=spec({"tp": 2}, resume_from=resume))
     assert response.status_code == 422
     assert any(d["field"] == field and text in d["msg"] for d in response.json()["detail"]), response.json()
 

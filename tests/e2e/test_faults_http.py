@@ -1,5 +1,5 @@
 """Lose a worker, lose nothing, through the real service (uvicorn, Ray, gloo): fault drills kill or hang a
-rank of a (dp=2, pp=2) job that checkpoints every three steps, or kill its coordinator, or kill a rank and then
+rank of a (pp=2) job that checkpoints every three steps, or kill its coordinator, or kill a rank and then
 another during that recovery (fault.max_failures=2); the job recovers from its latest checkpoint and ends
 SUCCEEDED with losses and final weights bit-identical to an uninterrupted run, and its events list the
 failures and the recovery time."""
@@ -15,11 +15,11 @@ from trainyard.parallel.export import MODEL_FILE
 from trainyard.service.client import ApiError
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3},
-                 parallel={"dp": 2, "pp": 2, "microbatches": 2},
+                 parallel={"pp": 2, "microbatches": 2},
                  fault={"max_failures": 2, "hang_floor_s": 30, "from_replica": False})  # the checkpoint path
 HANG_FLOOR_S = 3
 """The hang drill's job only: a step that waits on another job's start is no hang of the others."""
-DRILLS = {"kill": [("kill_worker", 1, 4)], "hang": [("hang_worker", 2, 4)], "coordinator": [("kill_coordinator", 0, 4)],
+DRILLS = {"kill": [("kill_worker", 1, 4)], "hang": [("hang_worker", 0, 4)], "coordinator": [("kill_coordinator", 0, 4)],
           # a failure during a recovery is one more failure, not the end: rank 1 dies at step 4, then rank 0 while
           # the ranks load the checkpoint in that recovery (before, the second failure failed the job: the
           # recovery ran inside the handler of the first)

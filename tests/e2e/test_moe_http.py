@@ -1,12 +1,12 @@
-"""A mixture-of-experts job through the real service (uvicorn, Ray, gloo): one expert-parallel pipeline job
-(dp=2, ep=2, pp=2) whose metrics carry every MoE layer's per-expert load, whose workers are named by the experts
-they host, and the plan and rules of the API. The numerics (every layout on the single-rank curve, dropless
+"""A mixture-of-experts job through the real service (uvicorn, Ray, gloo): the flagship job (`three_d_job`: llama
+at dp=2, ep=2, pp=2, tp=2) carries every MoE layer's per-expert load in its metrics and names its workers by the
+experts they host; and the plan and rules of the API. The numerics (every layout on the single-rank curve, dropless
 and with a capacity factor, recomputed blocks) are checked on gloo: tests/integration/test_moe_gloo.py."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import run_all, tiny_spec
+from helpers import tiny_spec
 from trainyard.actors.naming import worker_name
 
 TOKENS_PER_STEP = 8 * 16  # global_batch x seq_len
@@ -17,16 +17,8 @@ def moe_spec(**parallel) -> dict:
     return tiny_spec(model={"n_layer": 4, "moe": moe}, global_batch=8, steps=3, parallel=parallel)
 
 
-@pytest.fixture(scope="module")
-def finished(service) -> tuple[dict, list[dict]]:
-    client = service.client()
-    out = run_all(client, {"job": moe_spec(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")})["job"]
-    client.close()
-    return out
-
-
-def test_metrics_give_every_moe_layers_load_summing_to_the_tokens_routed(finished):
-    _, rows = finished
+def test_metrics_give_every_moe_layers_load_summing_to_the_tokens_routed(three_d_job):
+    _, rows = three_d_job
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[-1]["loss"] < rows[0]["loss"]
     for row in rows:
@@ -38,10 +30,10 @@ def test_metrics_give_every_moe_layers_load_summing_to_the_tokens_routed(finishe
             assert 1.0 <= layer["aux_loss"] < 4.0 and layer["z_loss"] > 0
 
 
-def test_workers_are_named_by_the_experts_they_host(finished):
-    job, _ = finished
-    assert [r["name"] for r in job["ranks"]] == ["pp0-tp0-dp0-experts0-1", "pp0-tp0-dp1-experts2-3",
-                                                 "pp1-tp0-dp0-experts0-1", "pp1-tp0-dp1-experts2-3"]
+def test_workers_are_named_by_the_experts_they_host(three_d_job):
+    job, _ = three_d_job
+    assert [r["name"] for r in job["ranks"]][:4] == ["pp0-tp0-dp0-experts0-1", "pp0-tp1-dp0-experts0-1",
+                                                     "pp0-tp0-dp1-experts2-3", "pp0-tp1-dp1-experts2-3"]
     assert worker_name(job["job_id"], "pp1-tp0-dp1-experts2-3") in job["actors"]
 
 

@@ -15,7 +15,7 @@ def pipeline_spec(**parallel) -> dict:
 
 def test_pipeline_metrics_report_bubble_and_per_stage_times(three_d_job):
     job, rows = three_d_job
-    assert worker_name(job["job_id"], "pp1-tp1-dp1") in job["actors"]
+    assert worker_name(job["job_id"], "pp1-tp1-dp1-experts2-3") in job["actors"]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:
         assert 0.0 <= row["bubble_fraction"] < 1.0

@@ -55,7 +55,7 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple
 
 
 SURVIVOR = tiny_spec(model={"n_layer": 4}, steps=120, checkpoint={"every": 10}, name="survivor",
-                     parallel={"dp": 2, "pp": 2, "microbatches": 2})
+                     parallel={"pp": 2, "microbatches": 2})
 
 
 def _losses(client: Client, job_id: str) -> list[float]:
@@ -124,7 +124,7 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
         wait_for(lambda: client.job(reference)["status"] == "SUCCEEDED", 300, "the uninterrupted run")
         before = client.metrics(reference)
         job_id = client.submit(SURVIVOR)
-        # more CPUs than the 4 the survivor leaves free: it waits in the queue
+        # more CPUs than the 2 of 4 the survivor leaves free: it waits in the queue
         waiting = client.submit(tiny_spec(steps=3, name="waiting", resources={"cpus_per_worker": 3}))
         wait_for(lambda: client.job(job_id)["step"] >= 1, 180, f"job {job_id} to run")
         assert client.job(waiting)["queue_position"] == 1

@@ -1,6 +1,6 @@
-"""Tensor, sequence and 3D parallelism through the real service (uvicorn, Ray, gloo): a (dp=2, pp=2, tp=2) llama
-job trains, follows its one-rank curve and shows where each rank runs; the plan shows the tp groups and bundles;
-the rules are 422s. Every layout's numerics against the single rank are checked on gloo
+"""Tensor, sequence and 3D parallelism through the real service (uvicorn, Ray, gloo): a (dp=2, pp=2, tp=2, ep=2)
+llama MoE job trains, follows its one-rank curve and shows where each rank runs; the plan shows the tp groups and
+bundles; the rules are 422s. Every layout's numerics against the single rank are checked on gloo
 (tests/integration/test_tensor_parallel_gloo.py, test_llama_gloo.py)."""
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ def tp_spec(**parallel) -> dict:
 def test_a_3d_job_trains_and_shows_every_rank_and_its_node(three_d_job):
     job, rows = three_d_job
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["loss"] < rows[0]["loss"]
-    assert [r["name"] for r in job["ranks"]] == [f"pp{p}-tp{t}-dp{d}" for p in range(2) for d in range(2)
-                                                 for t in range(2)]
+    assert [r["name"] for r in job["ranks"]] == [f"pp{p}-tp{t}-dp{d}-experts{2 * d}-{2 * d + 1}" for p in range(2)
+                                                 for d in range(2) for t in range(2)]
     assert all(r["node"] and r["node_id"] and r["pid"] for r in job["ranks"])
     assert len(job["actors"]) == 1 + 8
 
 
 def test_the_3d_llama_job_follows_its_single_rank_curve(three_d_job):
-    """Through the real service, llama with grouped-query attention at (dp2, pp2, tp2, 1f1b) gives the losses of
-    the same job on one rank (run on a gloo rank by the same driver the workers use) within 1e-4."""
+    """Through the real service, llama with grouped-query attention and experts at (dp2, pp2, tp2, ep2, 1f1b) gives
+    the losses of the same job on one rank (run on a gloo rank by the same driver the workers use) within 1e-4."""
     _, rows = three_d_job
     one_rank = make_plan(parse_spec({**THREE_D_SPEC, "parallel": {}}))
     (result,) = run_plan(PlanRun(one_rank))
