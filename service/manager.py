@@ -86,8 +86,10 @@ class JobManager:
         self._wake = threading.Event()
         # Ray builds its serialization context on the first call with arguments, importing pydantic.v1 as it
         # does; in the admission thread, racing the API's thread importing pydantic, that import once failed
-        # (KeyError: 'pydantic.v1') and failed the job being admitted. Build it here, before any thread.
-        ray.put(None)
+        # (KeyError: 'pydantic.v1') and failed the job being admitted. Build it here, before any thread (the service
+        # connects to Ray first; a manager without Ray, as in unit tests, must not start one).
+        if ray.is_initialized():
+            ray.put(None)
         self._reconcile()
         self._threads = [threading.Thread(target=self._loop, args=(body, wake), name=f"trainyard{body.__name__}",
                                           daemon=True)
