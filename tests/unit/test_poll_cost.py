@@ -54,7 +54,7 @@ class Follow:
                 "statements": self.statements - statements, "changes": self.store._db.total_changes - changes}
 
 
-LONG = 4_000
+LONG = 1_000
 """Steps of the long job (the bench follows one of 20,000; the counts do not depend on the length)."""
 
 
