@@ -1,6 +1,6 @@
-"""Running it like a service, end to end: a rank that raises fails the job with its traceback; the ranks' logs
-(read from Ray, also after the job ended) and the CLI that follows them. (Ray's Prometheus export of a running
-job: test_running_job_http.py.)"""
+"""Running it like a service, end to end: a pipeline stage that raises fails the job with its traceback while its
+neighbour waits for it; the ranks' logs (read from Ray, also after the job ended) and the CLI that follows them.
+(Ray's Prometheus export of a running job: test_running_job_http.py.)"""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ def run_cli(service, *args: str) -> int:
 
 @pytest.fixture(scope="module")
 def failing(service, tmp_path_factory) -> tuple[str, int]:
-    """A dp=2 job, just submitted, whose rank 1 reads a bad token in step 0: (job id, the token's offset)."""
-    spec, offset = with_one_bad_token(tiny_spec(parallel={"dp": 2}, model={"vocab_size": 300}, steps=3,
-                                                fault={"max_failures": 0}),
-                                      tmp_path_factory.mktemp("bad"), bad_dp_rank=1, bad_microbatch=0)
+    """A (pp=2, 1F1B) job, just submitted, whose micro-batch 1 holds a bad token: stage 0 (rank 0) fails reading it
+    in step 0, after sending micro-batch 0 on, and stage 1 (rank 1) blocks receiving micro-batch 1's activation.
+    (job id, the token's offset)"""
+    spec, offset = with_one_bad_token(tiny_spec(parallel={"pp": 2, "microbatches": 2, "schedule": "1f1b"},
+                                                model={"vocab_size": 300}, steps=3, fault={"max_failures": 0}),
+                                      tmp_path_factory.mktemp("bad"), bad_dp_rank=0, bad_microbatch=1)
     client = service.client()
     job_id = client.submit(spec)
     client.close()
@@ -33,7 +35,7 @@ def failing(service, tmp_path_factory) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def two_rank_job(service, failing) -> str:
-    """The failing job once it ended (both its ranks started, and logged, before rank 1 failed)."""
+    """The failing job once it ended (both its ranks started, and logged, before rank 0 failed)."""
     client = service.client()
     assert wait_terminal(client, failing[0])["status"] == "FAILED"
     client.close()
@@ -45,37 +47,37 @@ def placement_group_state(job_id: str) -> str | None:
     return states[-1] if states else None
 
 
-def test_a_failing_rank_fails_the_job_its_log_holds_the_traceback_and_the_cli_follows_it(service, client, failing,
-                                                                                         capsys):
-    # Only rank 1 reads the bad token: it raises in step 0 while rank 0 waits in the all-reduce for a peer that
-    # has died, until the coordinator kills both. The job must still end, FAILED, with rank 1's error. Following
+def test_a_failing_stage_fails_the_job_its_log_holds_the_traceback_and_the_cli_follows_it(service, client, failing,
+                                                                                          capsys):
+    # Only rank 0 reads the bad token: it raises in step 0 while rank 1 waits for its activation from a peer that
+    # has died, until the coordinator kills both. The job must still end, FAILED, with rank 0's error. Following
     # starts at submit, so the CLI waits for the workers, then the lines.
     job_id, offset = failing
-    assert run_cli(service, "logs", job_id, "--rank", "1", "--follow") == 0
+    assert run_cli(service, "logs", job_id, "--rank", "0", "--follow") == 0
     followed = capsys.readouterr().out.splitlines()
     job = wait_terminal(client, job_id)
     assert job["status"] == "FAILED"
-    assert "rank 1 (pp0-tp0-dp1) failed in step 0" in job["error"]
+    assert "rank 0 (pp0-tp0-dp0) failed in step 0" in job["error"]
     assert "Traceback" in job["error"] and f"token id 300 at offset {offset}" in job["error"]
     wait_for(lambda: not any(live_actor(n) for n in job["actors"]), 30, "actors to be gone")
     wait_for(lambda: placement_group_state(job_id) == "REMOVED", 30, "placement group removal")
 
     # After the job ended (its actors are dead), Ray still serves the logs.
-    rank1 = client.logs(job_id, rank=1)["ranks"][0]
-    assert rank1["name"] == "pp0-tp0-dp1" and rank1["error"] is None
-    assert "rank 1 failed in step 0:" in rank1["lines"] and TRACEBACK in rank1["lines"]
-    assert any(f"token id 300 at offset {offset}" in line for line in rank1["lines"])
-    assert followed == rank1["lines"]  # every line once, in order, none missing
+    rank0 = client.logs(job_id, rank=0)["ranks"][0]
+    assert rank0["name"] == "pp0-tp0-dp0" and rank0["error"] is None
+    assert "rank 0 failed in step 0:" in rank0["lines"] and TRACEBACK in rank0["lines"]
+    assert any(f"token id 300 at offset {offset}" in line for line in rank0["lines"])
+    assert followed == rank0["lines"]  # every line once, in order, none missing
     both = client.logs(job_id)["ranks"]
     assert [r["rank"] for r in both] == [0, 1]
-    assert not any("Traceback" in line for line in both[0]["lines"])
+    assert not any("Traceback" in line for line in both[1]["lines"])
 
-    last_two = client.logs(job_id, rank=1, tail=2)["ranks"][0]
-    assert last_two["lines"] == rank1["lines"][-2:] and last_two["next"] == rank1["next"] == len(rank1["lines"])
-    assert client.logs(job_id, rank=1, since=rank1["next"])["ranks"][0]["lines"] == []
+    last_two = client.logs(job_id, rank=0, tail=2)["ranks"][0]
+    assert last_two["lines"] == rank0["lines"][-2:] and last_two["next"] == rank0["next"] == len(rank0["lines"])
+    assert client.logs(job_id, rank=0, since=rank0["next"])["ranks"][0]["lines"] == []
 
     assert run_cli(service, "logs", job_id) == 0
-    assert f"[rank 1 pp0-tp0-dp1] {TRACEBACK}" in capsys.readouterr().out.splitlines()
+    assert f"[rank 0 pp0-tp0-dp0] {TRACEBACK}" in capsys.readouterr().out.splitlines()
 
 
 def test_an_ended_jobs_rank_logs_say_where_each_rank_ran(client, two_rank_job):

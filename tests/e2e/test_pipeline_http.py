@@ -1,11 +1,12 @@
 """Pipeline jobs through the real service: a (dp=2, pp=2, tp=2) job's metrics report the bubble and per-stage
-times; the plan shows the schedule; a stage that raises fails the job while its neighbour waits for it. Every
-schedule and layout against the single rank's losses is checked on gloo (tests/integration/test_pipeline_gloo.py)."""
+times; the plan shows the schedule. (A stage that raises fails the job while its neighbour waits for it:
+tests/e2e/test_ops_http.py, whose failing job is a pipeline.) Every schedule and layout against the single rank's
+losses is checked on gloo (tests/integration/test_pipeline_gloo.py)."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import live_actor, tiny_spec, wait_for, wait_terminal, with_one_bad_token
+from helpers import tiny_spec
 from trainyard.actors.naming import worker_name
 
 
@@ -31,18 +32,3 @@ def test_plan_endpoint_shows_the_schedule(client):
     assert schedule["kind"] == "interleaved-1f1b" and len(schedule["stages"]) == 4
     assert schedule["bubble_fraction"] == pytest.approx(3 / (2 * 6 + 3))
     assert len(schedule["peak_activations"]) == 4
-
-
-def test_a_stage_that_raises_fails_the_job_while_its_neighbour_waits_for_it(client, tmp_path):
-    # Micro-batch 1 holds a bad token: stage 0 fails reading it, after sending micro-batch 0 on, and
-    # stage 1 blocks receiving micro-batch 1's activation. The job must end FAILED with stage 0's error.
-    spec, offset = with_one_bad_token(
-        pipeline_spec(pp=2, microbatches=2, schedule="1f1b") | {"model": {"n_layer": 4, "n_head": 2, "d_model": 32,
-                                                                         "vocab_size": 300, "seq_len": 16},
-                                                                "fault": {"max_failures": 0}},
-        tmp_path, bad_dp_rank=0, bad_microbatch=1)
-    job = wait_terminal(client, client.submit(spec))
-    assert job["status"] == "FAILED"
-    assert "rank 0 (pp0-tp0-dp0) failed in step 0" in job["error"]
-    assert "Traceback" in job["error"] and f"token id 300 at offset {offset}" in job["error"]
-    wait_for(lambda: not any(live_actor(name) for name in job["actors"]), 30, "actors to be gone")
