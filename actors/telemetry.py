@@ -138,12 +138,12 @@ def set_gauges(job_id: str, row: dict, steps: int) -> None:
 
 
 def pipeline_metrics(results: list[dict]) -> dict:
-    """Per-stage timings of the first pipeline (data-parallel and tensor-parallel rank 0), and its measured
-    bubble fraction.
+    """Per-stage timings of the first pipeline (tensor-parallel rank 0 of the lowest data-parallel replica with
+    every stage among the results: after a failure, any whole one), and its measured bubble fraction.
 
     bubble = 1 - (time the stages spent computing) / (pp x the longest stage's schedule wall time).
     """
-    stages = sorted((r for r in results if r["dp_rank"] == 0 and r["tp_rank"] == 0), key=lambda r: r["pp_rank"])
+    stages = sorted(_first_pipeline(results), key=lambda r: r["pp_rank"])
     busy = sum(r["forward_s"] + r["backward_s"] for r in stages)
     span = max(r["schedule_s"] for r in stages)
     return {
@@ -155,9 +155,18 @@ def pipeline_metrics(results: list[dict]) -> dict:
     }
 
 
+def _first_pipeline(results: list[dict]) -> list[dict]:
+    """The tensor-parallel rank 0 of every stage of the lowest data-parallel replica whose stages all answered."""
+    from trainyard.actors.policies import complete_pipeline
+
+    pp = 1 + max(r["pp_rank"] for r in results)
+    d = complete_pipeline(results, pp)
+    return [r for r in results if r["dp_rank"] == d and r["tp_rank"] == 0]
+
+
 def moe_metrics(results: list[dict]) -> dict[str, dict]:
     """Each MoE layer's statistics, keyed by its block index; every rank of a stage holds the stage's sums, so
-    the first pipeline's ranks have them all."""
-    stages = (r for r in results if r["dp_rank"] == 0 and r["tp_rank"] == 0)
+    one pipeline's ranks have them all."""
+    stages = _first_pipeline(results)
     layers = {layer: values for r in stages for layer, values in r["moe"].items()}
     return dict(sorted(layers.items(), key=lambda item: int(item[0])))
