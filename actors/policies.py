@@ -8,6 +8,8 @@ reason, and reads nothing but its arguments, so the tests drive them directly.
 - `replica_sources`, `live_point`, `replicas_to_replace`: after a failure, which live data-parallel replica
   gives each rank its state (or none: the job goes back to its checkpoint), and which ranks are replaced so
   that none stays blocked on a dead peer.
+- `replicas_to_drop`: local_sgd, diloco: the replicas dropped from the round after a failure, the others
+  stepping on (or none: the job recovers as from any failure).
 - `FixedScaling` / `ElasticScaling`: whether to resize, from what is free in the cluster.
 - `ResizeDesk`: the one place a resize is decided, whoever asks (a `scale` request, the elastic grower): a
   request claims the desk before it waits for resources and is refused while another holds it, so two
@@ -114,6 +116,21 @@ def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: tup
         if sources is not None:
             return sources, step + 1
     return None
+
+
+def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict[int, int]) -> set[int] | None:
+    """local_sgd, diloco: the replicas to drop from the round after a failure (those holding a rank that died;
+    `parallel.sync` says how they rejoin), or None, and the job recovers as from any failure: no rank died (a
+    hang), every replica holds a dead rank, a rank of another replica raised (it was in a sync with the dead
+    one, so its state is half-synchronised), or a replica is dropped already."""
+    from trainyard.parallel.sync import is_local
+
+    if not is_local(plan.config.parallel.sync) or plan.dp == 1 or not dead or dropped:
+        return None
+    broken = {plan.coords(r).dp for r in dead}
+    if len(broken) == plan.dp or any(plan.coords(r).dp not in broken for r in raised):
+        return None
+    return broken
 
 
 def complete_pipeline(results: tuple[dict, ...] | list[dict], pp: int) -> int | None:

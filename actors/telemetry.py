@@ -71,11 +71,16 @@ class Rows:
 def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
              predicted_step_s: float | None = None) -> dict:
     """One step's row from every rank's results; `predicted_step_s`: the planner's prediction of the step time
-    (`parallel: auto`), carried beside the measured `step_time_s` so a wrong cost model shows."""
+    (`parallel: auto`), carried beside the measured `step_time_s` so a wrong cost model shows. The answers of
+    a replica that sat the step out or only rejoined at its sync (`RankDriver.step`) are left out; the loss is
+    the mean over the replicas' when they differ (local_sgd, diloco with a replica dropped: each has its own)."""
+    sent = max(r.get("cross_replica_bytes", 0) for r in results)
+    results = [r for r in results if not (r.get("sat_out") or r.get("rejoined"))]
     last = next(r for r in results if r["loss"] is not None)
+    losses = list({r["dp_rank"]: r["loss"] for r in results if r["loss"] is not None}.values())
     row = {
         "step": step,
-        "loss": last["loss"],
+        "loss": last["loss"] if len(set(losses)) == 1 else sum(losses) / len(losses),
         "lr": last["lr"],
         "grad_norm": last["grad_norm"],
         "tokens_per_s": tokens / elapsed,
@@ -86,7 +91,7 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
         # Gradient bytes the busiest rank handed to the step's data-parallel reductions (PowerSGD's, compressed).
         "reduce_bytes": max(r["reduce_bytes"] for r in results),
         # The most any rank all-reduced across the data-parallel replicas (parallel.sync).
-        "cross_replica_bytes": max(r.get("cross_replica_bytes", 0) for r in results),
+        "cross_replica_bytes": sent,
     }
     compiled = max(r["compile_s"] for r in results)
     if compiled > 0:

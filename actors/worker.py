@@ -69,10 +69,11 @@ class Worker:
             self.driver.load(Path(directory), step)
 
     def run_step(self, step: int, microbatch_ids: list[list[int]], evaluate: bool = False,
-                 save: dict | None = None, drill: str | None = None) -> dict:
+                 save: dict | None = None, drill: str | None = None, round_: dict | None = None) -> dict:
         """One training step; then, if asked, the validation loss and a checkpoint of the state after it
         (`save`: root, info, background). The row says how long the checkpoint blocked the step. `drill` is a
-        fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns)."""
+        fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns). `round_`: who takes
+        part while a replica is dropped (`RankDriver.step`)."""
         assert self.driver is not None, "setup() must run before run_step()"
         if self._step_failed:
             raise RuntimeError(f"rank {self.rank} did not run step {step}: an earlier step failed here")
@@ -81,7 +82,7 @@ class Worker:
         try:
             with self._traceback_to_stderr(f"step {step}"):
                 request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
-                self._last = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
+                self._last = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request, round_=round_)
                 return self._last
         except Exception:
             self._step_failed = True

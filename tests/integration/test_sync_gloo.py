@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
+from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel import optimizers
@@ -29,6 +29,13 @@ from trainyard.parallel.plan import make_plan
 
 STEPS, BATCH, EVERY, OUTER_LR, MOMENTUM = 8, 8, 4, 0.7, 0.9
 
+
+def last_stage_losses(per_rank: list[list[dict]]) -> list[float]:
+    """Each step's loss as the coordinator reports it: the mean of the replicas' last-stage losses (a local_sgd or
+    diloco replica's is its own share's; with allreduce they are all the global batch's)."""
+    per_replica = {stats[0]["dp_rank"]: stats for stats in per_rank if stats[0]["loss"] is not None}
+    return [sum(stats[s]["loss"] for stats in per_replica.values()) / len(per_replica)
+            for s in range(len(next(iter(per_replica.values()))))]
 
 def plan_for(parallel: dict, sync: dict | None = None, global_batch: int = BATCH, **spec):
     par = {**parallel, **({"sync": sync} if sync else {})}

@@ -43,3 +43,34 @@ def test_any_whole_pipeline_makes_the_row_of_a_step_whose_answer_died_with_a_ran
     assert row["loss"] == 2.5 and row["stage_forward_s"] == [0.1, 0.1]
     both = [answer(0, 0, forward_s=0.3), answer(1, 0, forward_s=0.3), *answered]
     assert make_row(6, both, elapsed=0.5, tokens=256)["stage_forward_s"] == [0.3, 0.3]  # replica 0's when whole
+
+
+def test_a_dropped_replica_sits_out_until_the_next_sync_and_rejoins_in_it():
+    from trainyard.parallel.config import SyncConfig
+    from trainyard.parallel.sync import rejoin_step, round_of
+
+    cfg = SyncConfig(kind="diloco", every=8)
+    assert rejoin_step(5, cfg, steps=20) == 7 and rejoin_step(8, cfg, steps=20) == 15
+    assert rejoin_step(17, cfg, steps=20) == 19  # the last step always syncs
+    dropped = {2: 7}
+    assert [round_of(s, 4, dropped) for s in (5, 6)] == [((0, 1, 3), ())] * 2
+    assert round_of(7, 4, dropped) == ((0, 1, 3), (2,))  # it takes part in the sync, with weight 0
+    assert round_of(8, 4, dropped) is None and round_of(8, 4, {}) is None
+
+
+def test_only_a_local_sync_replica_whose_rank_died_alone_is_dropped():
+    from trainyard.actors.policies import replicas_to_drop
+
+    def plan_of(sync, **parallel):
+        return make_plan(parse_spec(tiny_spec(model={"n_layer": 4}, global_batch=16,
+                                              parallel={"dp": 4, **parallel, "sync": sync})))
+
+    diloco = plan_of({"kind": "diloco", "every": 8})
+    assert replicas_to_drop(diloco, {2}, set(), {}) == {2}
+    assert replicas_to_drop(diloco, {2}, {0}, {}) is None  # rank 0 raised: it was in a sync with rank 2
+    assert replicas_to_drop(diloco, set(), {2}, {}) is None  # a hang or an error: no replica lost
+    assert replicas_to_drop(diloco, {0, 1, 2, 3}, set(), {}) is None
+    assert replicas_to_drop(diloco, {1}, set(), {2: 7}) is None  # one dropped already: the checkpoint
+    assert replicas_to_drop(plan_of({"kind": "allreduce"}), {2}, set(), {}) is None
+    pp2 = plan_of({"kind": "local_sgd", "every": 4}, pp=2, microbatches=2)
+    assert replicas_to_drop(pp2, {pp2.rank_of(1, 0, 3)}, {pp2.rank_of(0, 0, 3)}, {}) == {3}
