@@ -89,13 +89,14 @@ async def run_steps(ctl: Controller) -> Outcome:
     return AtBoundary(done, saved=saves_after(done - 1))
 
 
-def record(ctl: Controller, row: dict, results: list[dict]) -> None:
+def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> None:
     """A finished step: its checkpoint event, the recovery it ends, the replicas it gave back (local_sgd,
-    diloco: the steps each replica holds, and the rejoin of a dropped one), its row, the gauges."""
+    diloco: from the ranks' `results`, the steps each replica holds, and the rejoin of a dropped one), its row,
+    the gauges."""
     from trainyard.parallel.sync import is_local
 
     plan = ctl.plan
-    if is_local(plan.config.parallel.sync) and plan.dp > 1:
+    if results is not None and is_local(plan.config.parallel.sync) and plan.dp > 1:
         if len(ctl.replica_steps) != plan.dp:
             ctl.replica_steps = [row["step"]] * plan.dp
         back = sorted(d for d, at in ctl.dropped.items() if at == row["step"])
