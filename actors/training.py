@@ -123,7 +123,13 @@ def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> Non
 async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
     """The final checkpoint, then (unless the service suspends the job) the model consolidated from it into one
     safetensors file."""
-    root, cfg = ctl.storage.checkpoint_root, ctl.plan.config
+    root, cfg, plan = ctl.storage.checkpoint_root, ctl.plan.config, ctl.plan
+    if ctl.dropped:  # stopped while a replica sat out: it takes a live replica's state, so the checkpoint is one
+        live = min(d for d in range(plan.dp) if d not in ctl.dropped)
+        await ctl.group.call([w.take_replica_state.remote(
+            steps_done, plan.rank_of(plan.coords(r).pp, plan.coords(r).tp, live), plan.coords(r).dp in ctl.dropped)
+            for r, w in enumerate(ctl.group.workers)], "a live replica's state for the dropped one")
+        ctl.dropped = {}
     await ctl.group.call([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved)
                           for w in ctl.group.workers], "the final checkpoint")
     if ctl.suspend:

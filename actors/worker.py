@@ -123,6 +123,12 @@ class Worker:
             self.driver.trainer.adopt_state(self._kept, step, source)
         self._kept = None
 
+    def take_replica_state(self, step: int, source: int, receiving: bool) -> None:
+        """local_sgd, diloco: a dropped replica's ranks take the state of a live one (`RankTrainer`'s)."""
+        assert self.driver is not None
+        with self._traceback_to_stderr("taking a live replica's state"):
+            self.driver.trainer.take_replica_state(step, source, receiving)
+
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into
         a new rendezvous (recovery reuses the ranks that are alive and answering)."""
