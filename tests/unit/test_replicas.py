@@ -1,6 +1,8 @@
 """The pure parts of recovering from live replicas at (dp, pp) > 1 (`actors.policies`, `actors.telemetry`): which
 ranks are replaced so that none stays blocked on a dead peer, and which answers make the failed step's row (any
-whole pipeline, not only replica 0's)."""
+whole pipeline, not only replica 0's); and of replicas that fail alone (local_sgd, diloco: `parallel.sync`,
+`policies.replicas_to_drop`): which replicas take part in a round, when a dropped one rejoins, and which
+failures drop a replica rather than go back to the checkpoint."""
 
 from __future__ import annotations
 
