@@ -77,7 +77,8 @@ async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
     dead = list(failure.blamed)
     ctl.journal.add_event({
         "time": failure.failed_at, "kind": "failure", "cause": failure.cause, "ranks": dead,
-        "waited_s": failure.waited_s, "step": step, "steps_lost": 0, "restore_step": resumed,
+        "waited_s": failure.waited_s, "nodes": sorted({ctl.group.rank_info(r).get("node", "") for r in dead}),
+        "step": step, "steps_lost": 0, "restore_step": resumed,
         "recovered_from": "replicas_left", "failure": len(ctl.journal.causes)})
     ctl.journal.add_event({"time": time.time(), "kind": "replica_dropped", "step": step, "replicas": sorted(broken),
                            "ranks": dead, "rejoins_after_step": rejoins})
