@@ -84,6 +84,12 @@ class Controller:
         self.model: dict | None = None
         self.failed_at: float | None = None
         self.upcoming: list = []
+        self.inflight: tuple[int, list] = (-1, [])
+        """The step being waited for and its calls (a replica dropped after a failure lets the others finish it)."""
+        self.dropped: dict[int, int] = {}
+        """local_sgd, diloco: replicas dropped after a failure -> the step whose sync they rejoin at."""
+        self.replica_steps: list[int] = []
+        """local_sgd, diloco: the steps each replica's state holds (the rows carry them: `replica_steps`)."""
         self.step_started = time.time()
         """When the step being waited for became the one waited for (the last step's results came back)."""
 

@@ -5,8 +5,11 @@ reason, and reads nothing but its arguments, so the tests drive them directly.
 - `FailurePolicy`: a failure is recovered from (`RECOVER`, counted against `fault.max_failures`), ridden
   (`RIDE`: an elastic job lost a node; not counted) or ends the job (`RAISE`).
 - `HangPolicy`: how long a step may take before it counts as hung.
-- `replica_sources`: after a failure, which live data-parallel replica gives each rank its state (or none:
-  the job goes back to its checkpoint).
+- `replica_sources`, `live_point`, `replicas_to_replace`: after a failure, which live data-parallel replica
+  gives each rank its state (or none: the job goes back to its checkpoint), and which ranks are replaced so
+  that none stays blocked on a dead peer.
+- `replicas_to_drop`: local_sgd, diloco: the replicas dropped from the round after a failure, the others
+  stepping on (or none: the job recovers as from any failure).
 - `FixedScaling` / `ElasticScaling`: whether to resize, from what is free in the cluster.
 - `ResizeDesk`: the one place a resize is decided, whoever asks (a `scale` request, the elastic grower): a
   request claims the desk before it waits for resources and is refused while another holds it, so two
@@ -103,17 +106,54 @@ def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: tup
                ) -> tuple[dict[int, int], int] | None:
     """Where a recovery from live replicas goes on: (`replica_sources`, the step), or None. The replicas hold
     the failed step `step`; or, when the rank that died had finished that step but its answer was lost with it,
-    the step after, if the ranks that answered say all the step's row needs (a loss, and the first pipeline's
-    stages: `telemetry.make_row`)."""
+    the step after, if the ranks that answered say all the step's row needs (a loss, and every stage of one
+    pipeline, any replica's: `telemetry.make_row`)."""
     sources = replica_sources(plan, kept, step)
     if sources is not None:
         return sources, step
-    first_pipeline = {r["pp_rank"] for r in answered if r["dp_rank"] == 0 and r["tp_rank"] == 0}
-    if first_pipeline == set(range(plan.pp)) and any(r["loss"] is not None for r in answered):
+    if complete_pipeline(answered, plan.pp) is not None and any(r["loss"] is not None for r in answered):
         sources = replica_sources(plan, kept, step + 1)
         if sources is not None:
             return sources, step + 1
     return None
+
+
+def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict[int, int]) -> set[int] | None:
+    """local_sgd, diloco: the replicas to drop from the round after a failure (those holding a rank that died;
+    `parallel.sync` says how they rejoin), or None, and the job recovers as from any failure: no rank died (a
+    hang), every replica holds a dead rank, a rank of another replica raised (it was in a sync with the dead
+    one, so its state is half-synchronised), or a replica is dropped already."""
+    from trainyard.parallel.sync import is_local
+
+    if not is_local(plan.config.parallel.sync) or plan.dp == 1 or not dead or dropped:
+        return None
+    broken = {plan.coords(r).dp for r in dead}
+    if len(broken) == plan.dp or any(plan.coords(r).dp not in broken for r in raised):
+        return None
+    return broken
+
+
+def complete_pipeline(results: tuple[dict, ...] | list[dict], pp: int) -> int | None:
+    """The lowest data-parallel replica whose every stage (tensor-parallel rank 0) is among `results` (a step's
+    answers), or None."""
+    stages: dict[int, set[int]] = {}
+    for r in results:
+        if r["tp_rank"] == 0:
+            stages.setdefault(r["dp_rank"], set()).add(r["pp_rank"])
+    return min((d for d, got in stages.items() if len(got) == pp), default=None)
+
+
+def replicas_to_replace(plan: Plan, dead: set[int]) -> set[int]:
+    """After ranks died, the ranks of every data-parallel replica (pp x tp group) holding a dead one, when some
+    replica holds none: they are replaced, not kept. A rank of such a replica may be blocked on its dead peer,
+    and the ranks of the whole replicas left may be blocked on it in turn (a data-parallel all-reduce); only a
+    process's exit frees them, as it closes its gloo connections (gloo's `abort()` does not interrupt a blocked
+    collective, nor does leaving the process groups while their objects live on). Empty when every replica
+    holds a dead rank (nothing would be left to take the state from)."""
+    broken = {plan.coords(r).dp for r in dead}
+    if len(broken) == plan.dp:
+        return set()
+    return {r for r in range(plan.world_size) if plan.coords(r).dp in broken}
 
 
 @dataclass(frozen=True)

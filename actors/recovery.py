@@ -11,6 +11,7 @@ died with it), and a resize asked for (`scale` or the elastic grower).
      (`policies.replica_sources`), that replica is the source: the job resumes at the failed step, no step
      lost and no checkpoint read (torchft's idea); else it goes back to the restore point
   5. forget the metrics rows that will be run again, and record the resize
+local_sgd and diloco jobs may instead drop the failed replica from the round (`actors.replica_drop`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ class Unrecoverable(RuntimeError):
 
 
 async def recover(ctl: Controller, state: Recovering) -> Ready:
-    """Bring the job back after a failure, from `state.restore`."""
+    """Bring the job back after a failure, from `state.restore` (local_sgd, diloco: or drop the failed replica
+    from the round, the others going on: `drop_replicas`)."""
+    from trainyard.actors.replica_drop import drop_replicas
+
+    if await drop_replicas(ctl, state):
+        return READY
+    ctl.dropped, ctl.replica_steps = {}, []
     failure, old = state.failure, ctl.plan
     began = time.time()
     live = state.counted and replicas_may_recover(old)  # a node lost for good may shrink the job: checkpoint

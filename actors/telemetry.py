@@ -71,11 +71,16 @@ class Rows:
 def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
              predicted_step_s: float | None = None) -> dict:
     """One step's row from every rank's results; `predicted_step_s`: the planner's prediction of the step time
-    (`parallel: auto`), carried beside the measured `step_time_s` so a wrong cost model shows."""
+    (`parallel: auto`), carried beside the measured `step_time_s` so a wrong cost model shows. The answers of
+    a replica that sat the step out or only rejoined at its sync (`RankDriver.step`) are left out; the loss is
+    the mean over the replicas' when they differ (local_sgd, diloco with a replica dropped: each has its own)."""
+    sent = max(r.get("cross_replica_bytes", 0) for r in results)
+    results = [r for r in results if not (r.get("sat_out") or r.get("rejoined"))]
     last = next(r for r in results if r["loss"] is not None)
+    losses = list({r["dp_rank"]: r["loss"] for r in results if r["loss"] is not None}.values())
     row = {
         "step": step,
-        "loss": last["loss"],
+        "loss": last["loss"] if len(set(losses)) == 1 else sum(losses) / len(losses),
         "lr": last["lr"],
         "grad_norm": last["grad_norm"],
         "tokens_per_s": tokens / elapsed,
@@ -86,7 +91,7 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
         # Gradient bytes the busiest rank handed to the step's data-parallel reductions (PowerSGD's, compressed).
         "reduce_bytes": max(r["reduce_bytes"] for r in results),
         # The most any rank all-reduced across the data-parallel replicas (parallel.sync).
-        "cross_replica_bytes": max(r.get("cross_replica_bytes", 0) for r in results),
+        "cross_replica_bytes": sent,
     }
     compiled = max(r["compile_s"] for r in results)
     if compiled > 0:
@@ -138,12 +143,12 @@ def set_gauges(job_id: str, row: dict, steps: int) -> None:
 
 
 def pipeline_metrics(results: list[dict]) -> dict:
-    """Per-stage timings of the first pipeline (data-parallel and tensor-parallel rank 0), and its measured
-    bubble fraction.
+    """Per-stage timings of the first pipeline (tensor-parallel rank 0 of the lowest data-parallel replica with
+    every stage among the results: after a failure, any whole one), and its measured bubble fraction.
 
     bubble = 1 - (time the stages spent computing) / (pp x the longest stage's schedule wall time).
     """
-    stages = sorted((r for r in results if r["dp_rank"] == 0 and r["tp_rank"] == 0), key=lambda r: r["pp_rank"])
+    stages = sorted(_first_pipeline(results), key=lambda r: r["pp_rank"])
     busy = sum(r["forward_s"] + r["backward_s"] for r in stages)
     span = max(r["schedule_s"] for r in stages)
     return {
@@ -155,9 +160,18 @@ def pipeline_metrics(results: list[dict]) -> dict:
     }
 
 
+def _first_pipeline(results: list[dict]) -> list[dict]:
+    """The tensor-parallel rank 0 of every stage of the lowest data-parallel replica whose stages all answered."""
+    from trainyard.actors.policies import complete_pipeline
+
+    pp = 1 + max(r["pp_rank"] for r in results)
+    d = complete_pipeline(results, pp)
+    return [r for r in results if r["dp_rank"] == d and r["tp_rank"] == 0]
+
+
 def moe_metrics(results: list[dict]) -> dict[str, dict]:
     """Each MoE layer's statistics, keyed by its block index; every rank of a stage holds the stage's sums, so
-    the first pipeline's ranks have them all."""
-    stages = (r for r in results if r["dp_rank"] == 0 and r["tp_rank"] == 0)
+    one pipeline's ranks have them all."""
+    stages = _first_pipeline(results)
     layers = {layer: values for r in stages for layer, values in r["moe"].items()}
     return dict(sorted(layers.items(), key=lambda item: int(item[0])))

@@ -28,7 +28,9 @@ log = logging.getLogger("trainyard.coordinator")
 
 
 async def run_steps(ctl: Controller) -> Outcome:
-    cfg = ctl.plan.config
+    from trainyard.parallel.sync import round_of
+
+    plan, cfg = ctl.plan, ctl.plan.config
     tokens = cfg.global_batch * cfg.model.seq_len
     root, info = ctl.storage.checkpoint_root, checkpoint_info(cfg)
 
@@ -42,9 +44,13 @@ async def run_steps(ctl: Controller) -> Outcome:
     def submit(step: int) -> list[ray.ObjectRef]:
         save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(step) else None
         drills = ctl.drills.due_on_ranks(step)
+        taking_part = round_of(step, plan.dp, ctl.dropped)  # None: every replica steps
+        round_ = None if taking_part is None else {"live": taking_part[0], "rejoining": taking_part[1]}
+        # A validation pass needs every replica: while one sits out, it waits for the rejoin.
+        evaluate = evaluates(step) and (taking_part is None or set(taking_part[1]) == set(ctl.dropped))
         # Each rank draws its own share of the step's global batch (a function of seed and step): the coordinator
         # needs neither the data nor torch, so it starts in a fraction of a second.
-        return [w.run_step.remote(step, None, evaluates(step), save, drills.get(r))
+        return [w.run_step.remote(step, None, evaluate, save, drills.get(r), round_)
                 for r, w in enumerate(ctl.group.workers)]
 
     done = ctl.start_step
@@ -67,9 +73,11 @@ async def run_steps(ctl: Controller) -> Outcome:
         # the first step after a (re)start, a recovery or a resize: it includes the ranks' warm-up.
         plain = not (saves_after(step) or evaluates(step)) and step > ctl.start_step
         deadline = ctl.hang.deadline(ctl.rows.recent_step_times(HANG_WINDOW)) if plain else cfg.fault.step_timeout_s
+        ctl.inflight = (step, refs)
         results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
         now = time.perf_counter()
-        record(ctl, make_row(step, results, now - start, tokens, cfg.planned and cfg.planned.predicted_step_s))
+        record(ctl, make_row(step, results, now - start, tokens, cfg.planned and cfg.planned.predicted_step_s),
+               results)
         start, refs, done = now, upcoming, step + 1
         ctl.step_started = time.time()
         if not refs:
@@ -78,8 +86,25 @@ async def run_steps(ctl: Controller) -> Outcome:
     return AtBoundary(done, saved=saves_after(done - 1))
 
 
-def record(ctl: Controller, row: dict) -> None:
-    """A finished step: its checkpoint event, the recovery it ends, its row, the gauges."""
+def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> None:
+    """A finished step: its checkpoint event, the recovery it ends, the replicas it gave back (local_sgd,
+    diloco: from the ranks' `results`, the steps each replica holds, and the rejoin of a dropped one), its row,
+    the gauges."""
+    from trainyard.parallel.sync import is_local
+
+    plan = ctl.plan
+    if results is not None and is_local(plan.config.parallel.sync) and plan.dp > 1:
+        if len(ctl.replica_steps) != plan.dp:
+            ctl.replica_steps = [row["step"]] * plan.dp
+        back = sorted(d for d, at in ctl.dropped.items() if at == row["step"])
+        if back:
+            ctl.journal.add_event({"time": time.time(), "kind": "replica_rejoined", "step": row["step"] + 1,
+                                   "replicas": back,
+                                   "steps_missed": [row["step"] + 1 - ctl.replica_steps[d] for d in back]})
+            ctl.dropped = {d: at for d, at in ctl.dropped.items() if at != row["step"]}
+        for d in {r["dp_rank"] for r in results if not r.get("sat_out")}:
+            ctl.replica_steps[d] = row["step"] + 1
+        row["replica_steps"] = list(ctl.replica_steps)
     for event in (compile_event(row), checkpoint_event(row)):
         if event is not None:
             ctl.journal.add_event(event)
@@ -95,7 +120,13 @@ def record(ctl: Controller, row: dict) -> None:
 async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
     """The final checkpoint, then (unless the service suspends the job) the model consolidated from it into one
     safetensors file."""
-    root, cfg = ctl.storage.checkpoint_root, ctl.plan.config
+    root, cfg, plan = ctl.storage.checkpoint_root, ctl.plan.config, ctl.plan
+    if ctl.dropped:  # stopped while a replica sat out: it takes a live replica's state, so the checkpoint is one
+        live = min(d for d in range(plan.dp) if d not in ctl.dropped)
+        await ctl.group.call([w.take_replica_state.remote(
+            steps_done, plan.rank_of(plan.coords(r).pp, plan.coords(r).tp, live), plan.coords(r).dp in ctl.dropped)
+            for r, w in enumerate(ctl.group.workers)], "a live replica's state for the dropped one")
+        ctl.dropped = {}
     await ctl.group.call([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved)
                           for w in ctl.group.workers], "the final checkpoint")
     if ctl.suspend:

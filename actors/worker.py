@@ -77,11 +77,12 @@ class Worker:
             self.driver.load(Path(directory), step)
 
     def run_step(self, step: int, microbatch_ids: list[list[int]] | None, evaluate: bool = False,
-                 save: dict | None = None, drill: str | None = None) -> dict:
+                 save: dict | None = None, drill: str | None = None, round_: dict | None = None) -> dict:
         """One training step; then, if asked, the validation loss and a checkpoint of the state after it
         (`save`: root, info, background). The row says how long the checkpoint blocked the step. `drill` is a
         fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns). `microbatch_ids` None:
-        this rank's share of the step's global batch, drawn here from (seed, step)."""
+        this rank's share of the step's global batch, drawn here from (seed, step). `round_`: who takes part while a
+        replica is dropped (`RankDriver.step`)."""
         assert self.driver is not None, "setup() must run before run_step()"
         if self._step_failed:
             raise RuntimeError(f"rank {self.rank} did not run step {step}: an earlier step failed here")
@@ -92,7 +93,7 @@ class Worker:
 
             with self._traceback_to_stderr(f"step {step}"):
                 request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
-                self._last = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request)
+                self._last = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request, round_=round_)
                 return self._last
         except Exception:
             self._step_failed = True
@@ -132,6 +133,12 @@ class Worker:
         with self._traceback_to_stderr("taking the state after a resize"):
             self.driver.trainer.adopt_state(self._kept, step, source)
         self._kept = None
+
+    def take_replica_state(self, step: int, source: int, receiving: bool) -> None:
+        """local_sgd, diloco: a dropped replica's ranks take the state of a live one (`RankTrainer`'s)."""
+        assert self.driver is not None
+        with self._traceback_to_stderr("taking a live replica's state"):
+            self.driver.trainer.take_replica_state(step, source, receiving)
 
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into

@@ -99,18 +99,25 @@ class WorkerGroup:
     async def tear_down(self, failure: Failure, upcoming: list, keep_state: bool = False
                         ) -> dict[int, tuple[int | None, dict | None]]:
         """After a failure: ranks that raised are reset (and kept), every other rank is killed. `keep_state`: the
-        kept ranks hold their state (`Worker.keep_state`), and when a rank died, the ranks still blocked on it are
-        given the same chance (a peer's death breaks their collective within moments; one that stays blocked is
-        killed after RESET_TIMEOUT_S). Returns the kept ranks, the steps their state holds (None: unknown, or not
-        kept) and what their last finished step returned (`Worker.keep_state`)."""
+        kept ranks hold their state (`Worker.keep_state`), and when a rank died, every rank alive is given the same
+        chance, except those of a replica holding a dead rank, which are replaced (their exit frees the ranks
+        blocked on them; one that stays blocked is killed after RESET_TIMEOUT_S). Returns the kept ranks,
+        the steps their state holds (None: unknown, or not kept) and what their last finished step returned
+        (`Worker.keep_state`)."""
         for ref in upcoming:  # the step queued ahead: not to run on the ranks kept
             try:
                 ray.cancel(ref)
             except Exception:  # noqa: BLE001 - already run or gone
                 pass
+        from trainyard.actors.policies import replicas_to_replace
+
         reusable = failure.reusable
         if keep_state and failure.dead:
-            reusable |= set(failure.pending) - set(failure.dead)
+            # Every rank alive may hold the state, those that answered the failed step too (they are in the next
+            # one). The replicas of the dead ranks are replaced whole: their ranks may be blocked on the dead
+            # ones, and the other replicas' on them, which only their exit frees (`policies.replicas_to_replace`).
+            reusable = set(range(len(self.workers))) - set(failure.dead)
+            reusable -= replicas_to_replace(self.plan, set(failure.dead))
         for rank in range(len(self.workers)):  # first, so that no kept rank waits on them
             if rank not in reusable:
                 self.kill(rank)

@@ -8,11 +8,14 @@ world of four processes (`parallel.local_world.run_plans`), one after the other;
 The demo job's model and corpus (examples/demo.yaml: a 4-block byte-level GPT on examples/corpus.txt) at dp=4,
 global batch 16, STEPS steps, the same seed, so every variant sees the same samples in the same order: all-reduce,
 then diloco (outer_lr 0.7, Nesterov momentum 0.9, DiLoCo's) at every = 1, 4, 8, 16, and local_sgd at every 8;
-then all-reduce and diloco every 8 at (dp=2, pp=2). A row per variant: the training loss (the mean over the
-last TAIL steps; a local replica's loss is that of its own parameters on its share of the batch) and the
-validation loss after the last step (which synchronises, so it is one model's), beside the bytes each rank
-all-reduced across the replicas per step (the payload, `StepStats.cross_replica_bytes`, averaged over the
-run), and its ratio to all-reduce's.
+then all-reduce and diloco every 8 at (dp=2, pp=2). A row per variant: the loss of the synchronised model at
+equal tokens, as DiLoCo's paper compares it (the validation loss after the last step, and its mean over the
+EVALS points, each a multiple of every H, so one model's) and the training loss of the synchronised model (the
+global batch's loss at the SYNCED steps, each the first after a sync), beside the training loss of the inner
+steps (the
+mean over the last TAIL steps; a local replica's loss is that of its own drifting parameters on its share of
+the batch, averaged over the replicas), the bytes each rank all-reduced across the replicas per step (the
+payload, `StepStats.cross_replica_bytes`, averaged over the run), and their ratios to all-reduce's.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from bench.context import BENCH, BenchContext
 from bench.results import Row, ratio
 
 STEPS, TAIL = 240, 20
+EVALS = (80, 160, 240)
+"""Step counts after which the validation loss is taken: multiples of 16, so every variant has just synchronised."""
+SYNCED = tuple(range(STEPS - 80, STEPS, 16))
+"""Steps whose training loss is the synchronised model's: each follows a sync of every variant (16 is a multiple of
+every H), so every replica computes it with the synchronised parameters, before the step's update; their mean
+over the replicas is the global batch's loss of that one model."""
 SPEC: dict[str, Any] = {
     "name": "bench-sync", "seed": 1234,
     "model": {"n_layer": 4, "n_head": 4, "d_model": 128, "vocab_size": 256, "seq_len": 64},
@@ -55,24 +64,34 @@ def _plan(parallel: dict, sync: dict):
 def measure(stats_by_rank: list[list[dict]]) -> dict[str, float]:
     """A run's tail training loss, final validation loss and mean cross-replica bytes per step (the most of any
     rank's)."""
-    last = next(stats for stats in stats_by_rank if stats[0]["loss"] is not None)
-    sent = [max(rank[s]["cross_replica_bytes"] for rank in stats_by_rank) for s in range(len(last))]
-    return {"loss": sum(s["loss"] for s in last[-TAIL:]) / TAIL, "val_loss": last[-1]["val_loss"],
-            "bytes": sum(sent) / len(sent)}
+    last = [stats for stats in stats_by_rank if stats[0]["loss"] is not None]  # the replicas' last stages
+    steps = len(last[0])
+    sent = [max(rank[s]["cross_replica_bytes"] for rank in stats_by_rank) for s in range(steps)]
+    loss = [sum(rank[s]["loss"] for rank in last) / len(last) for s in range(steps - TAIL, steps)]
+    vals = [s["val_loss"] for s in last[0] if s.get("val_loss") is not None]
+    synced = [sum(rank[s]["loss"] for rank in last) / len(last) for s in SYNCED]
+    return {"loss": sum(loss) / TAIL, "val_loss": vals[-1], "val_mean": sum(vals) / len(vals),
+            "synced_loss": sum(synced) / len(synced), "bytes": sum(sent) / len(sent)}
 
 
 def run_section(ctx: BenchContext) -> list[Row]:
-    runs = [PlanRun(_plan(*layout), evaluate_after=(STEPS,)) for layout in VARIANTS.values()]
+    runs = [PlanRun(_plan(*layout), evaluate_after=EVALS) for layout in VARIANTS.values()]
     results = run_plans(runs)
     measured = {name: measure([r.stats for r in result]) for name, result in zip(VARIANTS, results, strict=True)}
     rows = []
     for name, m in measured.items():
         ref = measured[REFERENCE["dp=4" if name.endswith("dp=4") else "dp=2 pp=2"]]
-        ctx.log(f"{name}: loss {m['loss']:.4f}, val_loss {m['val_loss']:.4f}, {m['bytes']:.0f} B/step")
-        rows.append(Row(f"{name}: training loss (mean of the last {TAIL} steps)", m["loss"], ref["loss"],
-                        ratio(m["loss"], ref["loss"]), "loss",
-                        f"val_loss {m['val_loss']:.4f} vs {ref['val_loss']:.4f} (ratio "
-                        f"{m['val_loss'] / ref['val_loss']:.3f}); cross-replica bytes per step per rank "
+        ctx.log(f"{name}: val_loss {m['val_loss']:.4f} (mean at {EVALS}: {m['val_mean']:.4f}), synchronised "
+                f"model's training loss at steps {SYNCED} {m['synced_loss']:.4f}, inner training loss "
+                f"{m['loss']:.4f}, {m['bytes']:.0f} B/step")
+        rows.append(Row(f"{name}: synchronised model's val_loss after {STEPS} steps", m["val_loss"],
+                        ref["val_loss"], ratio(m["val_loss"], ref["val_loss"]), "loss",
+                        f"val_loss mean at steps {EVALS} {m['val_mean']:.4f} vs {ref['val_mean']:.4f} (ratio "
+                        f"{m['val_mean'] / ref['val_mean']:.3f}); synchronised model's training loss at steps {SYNCED} "
+                        f"{m['synced_loss']:.4f} vs {ref['synced_loss']:.4f} (ratio "
+                        f"{m['synced_loss'] / ref['synced_loss']:.3f}); inner steps' training loss (mean of the last "
+                        f"{TAIL}) {m['loss']:.4f} vs {ref['loss']:.4f} (ratio {m['loss'] / ref['loss']:.3f}); "
+                        f"cross-replica bytes per step per rank "
                         f"{m['bytes'] / 2**10:.1f} KiB vs {ref['bytes'] / 2**10:.1f} KiB (ratio "
                         f"{m['bytes'] / ref['bytes']:.3f}); {STEPS} steps, global batch 16, equal tokens"))
     return rows

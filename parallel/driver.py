@@ -55,12 +55,26 @@ class RankDriver:
         return step_microbatches(self.plan, self.rank, step, self._num_samples)
 
     def step(self, step: int, microbatch_ids: list[list[int]] | None = None, *, evaluate: bool = False,
-             save: Save | None = None) -> dict:
+             save: Save | None = None, round_: dict | None = None) -> dict:
         """One training step (on this rank's own share of the step's batch unless `microbatch_ids` are given),
         then, if asked, the validation loss and a checkpoint of the state after it: the StepStats as a dict,
-        with `val_loss` and `checkpoint_blocked_s` (how long the save blocked) when they were asked for."""
+        with `val_loss` and `checkpoint_blocked_s` (how long the save blocked) when they were asked for.
+        `round_` (local_sgd, diloco, while a replica is dropped: `parallel.sync.round_of`): the `live` replicas
+        step; one `rejoining` at this step's sync takes part in it, then takes the state of the lowest live
+        replica; any other sits the step out (its answer says so: `sat_out`)."""
         ids = self.microbatches(step) if microbatch_ids is None else microbatch_ids
-        stats = self.trainer.train_step(step, ids).to_dict()
+        mine = self.plan.coords(self.rank)
+        live, rejoining = (None, ()) if round_ is None else (tuple(round_["live"]), tuple(round_["rejoining"]))
+        if live is not None and mine.dp not in live + rejoining:
+            return {"step": step, "dp_rank": mine.dp, "sat_out": True}
+        if mine.dp in rejoining:
+            sent = self.trainer.sit_in_sync(step, live)
+            stats = {"step": step, "dp_rank": mine.dp, "rejoined": True, "cross_replica_bytes": sent}
+        else:
+            stats = self.trainer.train_step(step, ids, live).to_dict()
+        if rejoining:
+            source = self.plan.rank_of(mine.pp, mine.tp, min(live))
+            self.trainer.take_replica_state(step + 1, source, receiving=mine.dp in rejoining)
         if evaluate:
             stats["val_loss"] = self.trainer.evaluate()
         if save is not None:

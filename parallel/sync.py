@@ -14,6 +14,18 @@ Each replica's inner optimizer state stays its own, except at the syncs a checkp
 replicas also average it, so the checkpoint (which holds one copy of what the replicas share) is the whole
 state, and a resumed run follows the uninterrupted one exactly (both average at those steps).
 
+Replicas that fail alone (local_sgd, diloco): between syncs no replica waits on another, so when a rank dies
+its replica (its whole pp x tp group) is dropped from the round and the others go on stepping. The design,
+smaller than torchft's (whose Manager reconfigures its process groups for every quorum and heals a peer
+from another's state over HTTP): the coordinator (`actors.recovery`) lets the survivors finish the failed step
+and the one queued after it, replaces the dropped replica's ranks and sets the world up again (every rank;
+the survivors keep their own state, and are paused only for that rendezvous), then drives the survivors' steps
+while the rebuilt replica sits out (`round_of`: its ranks answer at once, running nothing). At the next sync
+(`rejoin_step`) the rebuilt ranks take part in it with weight 0 (`ReplicaSync.synchronise(live=...)` averages
+over the live replicas only), then take the whole state (parameters, inner moments, outer momentum) by
+broadcast from the lowest live replica, and the round is whole again. While a replica sits out, nothing
+crosses replicas but that sync (each replica's loss is its own; a validation pass waits for the rejoin).
+
 Written by hand: torch has no local SGD. torchft has LocalSGD and DiLoCo, but as wrappers over its own
 fault-tolerant manager (lighthouse, quorum, its process groups); the math here is torchft's: the outer
 optimizer is torch's own SGD (nesterov) over the anchor, its `.grad` the pseudo-gradient. The pure rules (when
@@ -45,6 +57,22 @@ def syncs_after(step: int, cfg: SyncConfig, steps: int) -> bool:
     """Whether the replicas synchronise their parameters after step `step` (0-based): every `every` steps, and
     after the job's last step (so the final state, and every checkpoint, is one model)."""
     return is_local(cfg) and ((step + 1) % cfg.every == 0 or step + 1 == steps)
+
+
+def rejoin_step(after: int, cfg: SyncConfig, steps: int) -> int:
+    """The step whose sync a replica dropped before step `after` (the survivors' next step) rejoins at: the
+    first sync at or after it (the last step always syncs)."""
+    return next(s for s in range(after, steps) if syncs_after(s, cfg, steps))
+
+
+def round_of(step: int, dp: int, dropped: dict[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Who takes part in `step` while replicas are dropped (`dropped`: replica -> its `rejoin_step`): the live
+    replicas (they step) and those rejoining at this step's sync; None when every replica steps (a whole
+    round). A dropped replica neither steps nor syncs before its rejoin step, and steps again after it."""
+    out = {d: at for d, at in dropped.items() if at >= step}
+    if not out:
+        return None
+    return tuple(d for d in range(dp) if d not in out), tuple(sorted(d for d, at in out.items() if at == step))
 
 
 def averages_optimizer_state(step: int, cfg: SyncConfig, checkpoint_every: int, steps: int) -> bool:
@@ -108,24 +136,30 @@ class ReplicaSync:
     def bytes_per_sync(self) -> int:
         return FP32 * sum(p.numel() for p in self.params)
 
-    def synchronise(self, optimizer_state: list[torch.Tensor] = ()) -> int:
+    def synchronise(self, optimizer_state: list[torch.Tensor] = (), live: tuple[int, ...] | None = None,
+                    replica: int = 0) -> int:
         """Average the parameters over the replicas (diloco: then the outer step, and every replica takes the new
-        anchor), and the tensors of `optimizer_state` in place; the bytes this rank all-reduced."""
+        anchor), and the tensors of `optimizer_state` in place; the bytes this rank all-reduced. `live`: the
+        replicas in the round when some are dropped (`round_of`); this rank's replica `replica`, if not among
+        them, adds nothing (it is rejoining, and takes the result from a live replica after)."""
         import torch
         import torch.distributed as dist
 
+        count = self.dp if live is None else len(live)
+        adds = live is None or replica in live
         with torch.no_grad():
             if optimizer_state and self.group is not None:
-                state = torch.cat([t.reshape(-1) for t in optimizer_state])
+                state = torch.cat([t.reshape(-1) for t in optimizer_state]) * float(adds)
                 dist.all_reduce(state, group=self.group)
-                state /= self.dp
+                state /= count
                 for t, mean in zip(optimizer_state, torch.split(state, [t.numel() for t in optimizer_state]),
                                    strict=True):
                     t.copy_(mean.view_as(t))
             flat = torch.cat([p.reshape(-1) for p in self.params])
             if self.group is not None:
+                flat *= float(adds)
                 dist.all_reduce(flat, group=self.group)
-                flat /= self.dp
+                flat /= count
             mean = torch.split(flat, [p.numel() for p in self.params])
             if self.outer is None:
                 for p, m in zip(self.params, mean, strict=True):
@@ -146,6 +180,12 @@ class ReplicaSync:
         with torch.no_grad():
             for a, p in zip(self.anchor, self.params, strict=True):
                 a.copy_(p)
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """The outer momentum buffers as local tensors (created at zero if the outer step has not run)."""
+        if not self.outer_state():
+            return []
+        return [self.outer.state[a]["momentum_buffer"] for a in self.anchor]
 
     def outer_state(self) -> list[torch.Tensor]:
         """The outer optimizer's momentum buffers, one per parameter and laid out like it (a DTensor with tp, so

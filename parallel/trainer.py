@@ -197,7 +197,10 @@ class RankTrainer:
         last = self.plan.n_virtual_stages - 1  # with the V placement (zbv) that is on pp rank 0
         return stage_location(last, self.plan.pp, self.plan.placement)[0] == self.coords.pp
 
-    def train_step(self, step: int, microbatch_ids: list[list[int]]) -> StepStats:
+    def train_step(self, step: int, microbatch_ids: list[list[int]], live: tuple[int, ...] | None = None
+                   ) -> StepStats:
+        """One step; `live`: the replicas in the round when some are dropped (`parallel.sync.round_of`): the
+        sync averages over them."""
         compiling = self.plan.config.compile
         start, compiled_before = time.perf_counter(), compile_seconds() if compiling else 0.0
         if self.compressor is not None:
@@ -224,16 +227,16 @@ class RankTrainer:
         if self.sync is not None and syncs_after(step, cfg.parallel.sync, cfg.steps):
             checkpointed = averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
-            sent = self.sync.synchronise(self._inner_state(view) if view is not None else [])
+            sent = self.sync.synchronise(self._inner_state(view) if view is not None else [], live, self.coords.dp)
             if view is not None:
                 view.write_back()
         self.steps_done = step + 1
         loss = None
         if self.is_last_stage:
-            if self.groups.dp is not None:
+            # local_sgd, diloco: each replica's loss is its own share's mean (the coordinator averages them), so that
+            # nothing crosses the replicas between syncs and a replica can fail alone.
+            if self.groups.dp is not None and not self.local_sync:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
-                if self.local_sync:  # each replica's loss is its own share's mean: the global batch's is their mean
-                    loss_sum /= self.plan.dp
             loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
         grad_norm = float(grad_norm)
         device_bytes, host_bytes = self.optimizer.state_bytes()
@@ -245,6 +248,31 @@ class RankTrainer:
                          reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
                          compile_s=compile_seconds() - compiled_before if compiling else 0.0,
                          moe=self._moe_stats(), cross_replica_bytes=sent, **asdict(timings))
+
+    def sit_in_sync(self, step: int, live: tuple[int, ...]) -> int:
+        """A rejoining replica's part of the sync after `step`, which it did not step: it adds nothing to the
+        averages (`ReplicaSync.synchronise`); `take_replica_state` then gives it the result. The bytes sent."""
+        assert self.sync is not None
+        cfg = self.plan.config
+        view = self.optimizer.export() if averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every,
+                                                                   cfg.steps) else None
+        self.steps_done = None
+        return self.sync.synchronise(self._inner_state(view) if view is not None else [], live, self.coords.dp)
+
+    @torch.no_grad()
+    def take_replica_state(self, step: int, source: int, receiving: bool) -> None:
+        """After the sync a dropped replica rejoins at: its ranks (`receiving`) take the state after `step` steps
+        (parameters, moments, diloco's outer momentum) by broadcast from global rank `source` of their
+        data-parallel group; the other live replicas keep their own (they receive into scratch copies)."""
+        state = self.checkpoint_state()
+        tensors = [local_part(t) for _, t in sorted(state["model"].items())]
+        tensors += [local_part(t) for _, v in sorted(state["optim"].items()) for _, t in sorted(v.items())]
+        tensors += self.sync.momentum_buffers() if self.sync is not None else []
+        for t in tensors:
+            dist.broadcast(t if receiving or self.rank == source else t.clone(), src=source, group=self.groups.dp)
+        if receiving:
+            self._took_state(state, step)
+        self._state_view = None
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

@@ -1,7 +1,9 @@
 """Recovery from a live replica, through the real service (uvicorn, Ray, gloo): a dp=2 all-reduce job with no
-`fault` section and no checkpoint loses rank 1 at step 20 (a kill_worker drill); rank 0, the other replica of
-the same shard, still holds the state of step 20, so the new rank 1 takes it by broadcast and the job resumes
-at step 20: no step lost, no checkpoint read, losses and final weights bit-identical to an uninterrupted run."""
+`fault` section (so this is also issue 32's "a job with no fault section survives one kill_worker drill": the
+default fault.max_failures is 3) and no checkpoint loses rank 1 at step 20 (a kill_worker drill); rank 0, the
+other replica of the same shard, still holds the state of step 20, so the new rank 1 takes it by broadcast and
+the job resumes at step 20: no step lost, no checkpoint read, losses and final weights bit-identical to an
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ def test_a_killed_rank_takes_the_state_of_its_live_replica_and_no_step_is_lost(c
     failure = failures[0]
     assert failure["ranks"] == [1] and "died" in failure["cause"]
     assert failure["recovered_from"] == "replica"
-    assert (failure["step"], failure["restore_step"], failure["steps_lost"]) == (20, 20, 0)
+    # The death is charged to step 20, or to step 19 when rank 1's answer to it was lost with it (rank 0 then
+    # holds step 20, and the row of step 19 is made from the answers that came back): resumed at 20 either way.
+    assert failure["step"] in (19, 20) and (failure["restore_step"], failure["steps_lost"]) == (20, 0)
     assert [e["kind"] for e in events].count("recovered") == 1
 
     ref_rows, rows = client.metrics(reference), client.metrics(drilled)

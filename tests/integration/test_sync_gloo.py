@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
+from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel import optimizers
@@ -29,6 +29,13 @@ from trainyard.parallel.plan import make_plan
 
 STEPS, BATCH, EVERY, OUTER_LR, MOMENTUM = 8, 8, 4, 0.7, 0.9
 
+
+def last_stage_losses(per_rank: list[list[dict]]) -> list[float]:
+    """Each step's loss as the coordinator reports it: the mean of the replicas' last-stage losses (a local_sgd or
+    diloco replica's is its own share's; with allreduce they are all the global batch's)."""
+    per_replica = {stats[0]["dp_rank"]: stats for stats in per_rank if stats[0]["loss"] is not None}
+    return [sum(stats[s]["loss"] for stats in per_replica.values()) / len(per_replica)
+            for s in range(len(next(iter(per_replica.values()))))]
 
 def plan_for(parallel: dict, sync: dict | None = None, global_batch: int = BATCH, **spec):
     par = {**parallel, **({"sync": sync} if sync else {})}
@@ -50,6 +57,31 @@ def use_adamw() -> None:
 
 def final_params(driver, stats) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for chunk in driver.trainer.chunks for name, p in chunk.named_parameters()}
+
+
+def _state(driver) -> dict[str, torch.Tensor]:
+    """A copy of this rank's whole state: parameters, inner moments, diloco's outer momentum."""
+    trainer = driver.trainer
+    kept = trainer.local_state()
+    state = {f"model.{k}": t.clone() for k, t in kept["model"].items()}
+    state |= {f"optim.{k}.{m}": t.clone() for k, v in kept["optim"].items() for m, t in v.items()}
+    return state | {f"outer.{i}": t.clone() for i, t in enumerate(trainer.sync.momentum_buffers())}
+
+
+def drop_and_rejoin(driver, stats) -> dict:
+    """Replica 1 sits out steps 2 and 3 (as after a failure: `parallel.sync.round_of`) and rejoins in step 3's sync
+    (every=4); every step after is a whole round again. The state before, at and after the rejoin."""
+    out = {"losses": []}
+    for step in range(STEPS):
+        if step == 2:
+            out["before"] = _state(driver)
+        taking_part = {2: {"live": (0,), "rejoining": ()}, 3: {"live": (0,), "rejoining": (1,)}}.get(step)
+        out["losses"].append(driver.step(step, round_=taking_part).get("loss"))
+        if step == 2:
+            out["sat_out"] = _state(driver)
+        if step == EVERY - 1:
+            out["rejoined"] = _state(driver)
+    return out
 
 
 def two_replicas_by_hand(driver, stats) -> dict:
@@ -107,6 +139,8 @@ def runs(tmp_path_factory) -> dict:
                                probe=final_params, save_after=(EVERY,), root=root)),
         ("resumed", PlanRun(plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO, **SAVES), setup=use_adamw,
                             resume=(str(step_dir(Path(root), EVERY)), EVERY))),
+        ("dropped", PlanRun(plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO), steps=range(0), setup=use_adamw,
+                            probe=drop_and_rejoin)),
         ("by-hand", PlanRun(plan_for({"microbatches": 2}, global_batch=BATCH // 2), steps=range(0),
                             setup=use_adamw, probe=two_replicas_by_hand)),
     ]
@@ -140,3 +174,17 @@ def test_diloco_at_dp2_pp2_matches_two_replicas_and_the_outer_step_by_hand(runs)
 def test_a_diloco_run_resumed_from_its_checkpoint_follows_it_exactly(runs):
     original, resumed = last_stage_losses(stats_of(runs["diloco-pp2"])), last_stage_losses(stats_of(runs["resumed"]))
     assert resumed == original[EVERY:]
+
+
+def test_a_dropped_replica_sits_out_then_takes_the_live_replicas_state_in_the_sync(runs):
+    by_rank = [r.probe for r in runs["dropped"]]
+    rank_of = plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO).rank_of
+    for pp in range(2):
+        live, dropped = by_rank[rank_of(pp, 0, 0)], by_rank[rank_of(pp, 0, 1)]
+        assert not all(torch.equal(live["sat_out"][n], t) for n, t in live["before"].items())  # replica 0 stepped
+        for name, before in dropped["before"].items():
+            assert torch.equal(dropped["sat_out"][name], before), name  # replica 1 ran nothing in step 2
+            assert torch.equal(dropped["rejoined"][name], live["rejoined"][name]), name  # then took replica 0's
+    live, dropped = by_rank[rank_of(1, 0, 0)]["losses"], by_rank[rank_of(1, 0, 1)]["losses"]
+    assert all(loss is not None for loss in live)  # the live replica stepped throughout, the other did not
+    assert [loss is None for loss in dropped] == [s in (2, 3) for s in range(STEPS)]

@@ -1,0 +1,89 @@
+"""Replicas that fail alone (local_sgd, diloco; issue 32): after a rank died, its replica is dropped from the
+round and the others go on stepping; it rejoins at the next sync from their state (`parallel.sync` says how
+the round and the rejoin run on the ranks; `policies.replicas_to_drop` when a failure allows it).
+
+The coordinator's part, in `drop_replicas`:
+  1. the other replicas finish the failed step and the one queued after it (between syncs they wait on no
+     other replica); their rows are recorded (`replica_steps` shows the dropped replica standing still)
+  2. the dropped replicas' ranks are killed, the others hold their own state and leave the process groups
+  3. new ranks for the dropped replicas; every rank joins the new process groups; the others take their own
+     state back (the new ranks take none yet); the job goes on at the step after those two
+  4. until the rejoin step (`sync.rejoin_step`, the next sync) `actors.training` drives the others' steps while
+     the dropped replicas sit out (`sync.round_of`); `training.record` writes `replica_rejoined` after it.
+Events: `failure` (recovered_from `replicas_left`, no step lost) and `replica_dropped`. The failure counts
+against `fault.max_failures` like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from trainyard.actors.calls import StepFailed
+from trainyard.actors.policies import replicas_to_drop
+from trainyard.actors.recovery import _rejoin
+from trainyard.actors.state import Recovering
+from trainyard.actors.telemetry import make_row
+from trainyard.actors.training import record
+from trainyard.parallel.sync import rejoin_step
+
+if TYPE_CHECKING:
+    from trainyard.actors.controller import Controller
+
+log = logging.getLogger("trainyard.coordinator")
+
+
+async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
+    """Drop the failed replicas and go on with the others (True), or leave the failure to the recovery that
+    restores the job (False: nothing was torn down)."""
+    failure, plan, cfg = state.failure, ctl.plan, ctl.plan.config
+    step, refs = ctl.inflight
+    broken = replicas_to_drop(plan, set(failure.dead), set(failure.raised), ctl.dropped) if state.counted else None
+    if broken is None or step != failure.step or len(refs) != plan.world_size:
+        return False
+    others = [r for r in range(plan.world_size) if plan.coords(r).dp not in broken]
+    ahead = ctl.upcoming if len(ctl.upcoming) == plan.world_size else []
+    try:
+        current = await ctl.group.call([refs[r] for r in others], f"step {step} on the replicas left")
+        later = await ctl.group.call([ahead[r] for r in others], f"step {step + 1} on the replicas left") \
+            if ahead else []
+    except StepFailed:
+        return False
+    resumed = step + (2 if later else 1)
+    if resumed >= cfg.steps:
+        return False
+    tokens = cfg.global_batch * cfg.model.seq_len
+    answers = {(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r for r in failure.answered
+               if isinstance(r, dict) and r.get("step") == step and "pp_rank" in r}
+    answers |= {(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r for r in current if "pp_rank" in r}
+    record(ctl, make_row(step, list(answers.values()), failure.waited_s, tokens), list(answers.values()))
+    if later:
+        record(ctl, make_row(step + 1, later, time.time() - failure.failed_at, tokens), later)
+
+    for rank in range(plan.world_size):
+        if rank not in others:
+            ctl.group.kill(rank)
+    held = await ctl.group.call([ctl.group.workers[r].keep_state.remote(after_failure=True) for r in others],
+                                "keeping the state of the replicas left")
+    if any(steps != resumed for steps, _ in held):
+        raise StepFailed(f"the replicas left hold {sorted({s for s, _ in held}, key=str)} steps, not {resumed}",
+                         dead=failure.dead)
+
+    ctl.journal.add_cause(failure.cause)
+    rejoins = rejoin_step(resumed, cfg.parallel.sync, cfg.steps)
+    ctl.dropped = {d: rejoins for d in sorted(broken)}
+    ctl.failed_at, ctl.start_step = failure.failed_at, resumed
+    dead = list(failure.blamed)
+    ctl.journal.add_event({
+        "time": failure.failed_at, "kind": "failure", "cause": failure.cause, "ranks": dead,
+        "waited_s": failure.waited_s, "nodes": sorted({ctl.group.rank_info(r).get("node", "") for r in dead}),
+        "step": step, "steps_lost": 0, "restore_step": resumed,
+        "recovered_from": "replicas_left", "failure": len(ctl.journal.causes)})
+    ctl.journal.add_event({"time": time.time(), "kind": "replica_dropped", "step": step, "replicas": sorted(broken),
+                           "ranks": dead, "rejoins_after_step": rejoins})
+    log.warning("job %s: failure %d (%s); replicas %s dropped, the others go on at step %d, rejoin after step %d",
+                ctl.job_id, len(ctl.journal.causes), failure.cause.splitlines()[0], sorted(broken), resumed,
+                rejoins)
+    await _rejoin(ctl, None, in_memory=True, kill_in_recovery=ctl.drills.in_recovery(step))
+    return True
