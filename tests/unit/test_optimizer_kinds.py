@@ -61,6 +61,31 @@ def test_8bit_state_round_trips_through_the_checkpoint_form_as_torchao_quantizes
     assert (saved["exp_avg"] - reference.optimizers[0].state[ref]["exp_avg"]).abs().max() < 0.02
 
 
+def test_adafactor_steps_as_transformers_adafactor_does():
+    """The outside reference: HF's Adafactor with a plain lr (no relative step, no parameter scaling, no first
+    moment), on the same matrix, vector and gradients, under a changing lr (the job's schedule) and weight
+    decay."""
+    from transformers.optimization import Adafactor as HFAdafactor
+
+    ours, theirs = [_param((16, 24)), _param((24,), seed=2)], [_param((16, 24)), _param((24,), seed=2)]
+    opt = OPTIMIZERS["adafactor"].build([{"params": ours, "weight_decay": 0.1}], OptimizerConfig(kind="adafactor"))
+    ref = HFAdafactor(theirs, lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False,
+                      beta1=None, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(7)
+    for step, lr in enumerate([1e-3, 3e-2, 1e-2, 5e-3, 2e-3]):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = b.grad = torch.randn(a.shape, generator=gen) * 10.0 ** -step  # the clipping bites early
+        for g in (*opt.param_groups, *ref.param_groups):
+            g["lr"] = lr
+        opt.step()
+        ref.step()
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert any((a - _param(a.shape, s)).abs().max() > 1e-2 for a, s in zip(ours, (0, 2), strict=True))
+    torch.testing.assert_close(opt.state[ours[0]]["row_var"].view(-1), ref.state[theirs[0]]["exp_avg_sq_row"])
+    torch.testing.assert_close(opt.state[ours[0]]["col_var"].view(-1), ref.state[theirs[0]]["exp_avg_sq_col"])
+
+
 def test_factored_state_round_trips_and_refactors_exactly():
     p = _param((16, 24))
     opt = _stepped("adafactor", p)
