@@ -32,11 +32,11 @@ class Adafactor(torch.optim.Optimizer):
     """Factored second moments, update clipping, a plain lr, no first moment (module doc)."""
 
     def __init__(self, params, lr: float = 1e-3, eps: tuple[float, float] = (1e-30, 1e-3), d: float = 1.0,
-                 decay_rate: float = -0.8, weight_decay: float = 0.0):
+                 decay_rate: float = -0.8, weight_decay: float = 0.0, scale_parameter: bool = False):
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
         super().__init__(params, {"lr": lr, "eps": eps, "d": d, "decay_rate": decay_rate,
-                                  "weight_decay": weight_decay})
+                                  "weight_decay": weight_decay, "scale_parameter": scale_parameter})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -45,10 +45,13 @@ class Adafactor(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, eps1, wd = group["lr"], group["eps"][0], group["weight_decay"]
+            eps1, wd = group["eps"][0], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                lr = group["lr"]
+                if group["scale_parameter"]:  # HF's option: the step relative to the parameter's RMS
+                    lr *= max(group["eps"][1], float(p.float().norm(2) / p.numel() ** 0.5))
                 grad = p.grad.float()
                 state = self.state[p]
                 if not state:
