@@ -20,7 +20,7 @@ LAYOUT = {"dp": 2, "tp": 2, "zero": 1}
 # d_model 64: the block matrices' tp shards and ZeRO-1 slices hold >= 4096 elements, which torchao quantizes
 MODEL = {"n_layer": 2, "n_head": 2, "d_model": 64}
 OPTIMIZERS = {"adamw8bit": {"kind": "adamw8bit"},
-              "adafactor": {"kind": "adafactor", "lr": 3e-3, "weight_decay": 0.0}}
+              "adafactor": {"kind": "adafactor", "lr": 0.05, "weight_decay": 0.0}}
 
 
 def plan_for(optimizer: dict, parallel: dict, **more):
