@@ -17,8 +17,8 @@ state are torch's `Adafactor`'s (step, row_var and col_var with the reduced dime
 vector), which `parallel.optimizer_states` exports and loads.
 
 Why scale_parameter: on the demo job at 400 steps (BENCHMARKS.md, section savers-optim) the plain lr did
-best at 1e-3, 62% above AdamW's loss, the parameter-relative step at lr 0.1 13% above: LayerNorm gains
-(RMS 1) then move as fast as they want and zero-initialised biases slowly.
+best at 1e-3, 62% above AdamW's loss; the parameter-relative step reached AdamW's loss (at lr 0.07): with it
+LayerNorm gains (RMS 1) move fast and zero-initialised biases slowly, as Adafactor's authors meant.
 
 Written by hand because torch's `torch.optim.Adafactor` cannot be configured into it: its step is always
 relative with lr capped at 1/sqrt(t) on top of the schedule (37% above AdamW at its best lr, 0.1); HF's
