@@ -18,6 +18,9 @@ class BenchContext:
     """Override of how many alternating rounds a section runs (None: the section's default)."""
     quick: bool = False
     """`--quick`: a section may also run fewer steps or smaller sizes (its rows then say so)."""
+    cases: tuple[str, ...] = ()
+    """`--case`: run only these of a section's cases (a section that has cases names them; empty: all). Only
+    the rows it then returns replace their namesakes in results.json; the section's other rows stay."""
 
     def log(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)

@@ -47,12 +47,15 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def merge(old: dict[str, Any], rows_by_section: dict[str, list[Row]], meta_by_section: dict[str, dict[str, Any]],
-          machine: dict[str, Any], order: Sequence[str]) -> dict[str, Any]:
-    """Replace the rows and metadata of the sections just run; keep every other section's; order by `order`."""
+          machine: dict[str, Any], order: Sequence[str], partial: bool = False) -> dict[str, Any]:
+    """Replace the rows and metadata of the sections just run; keep every other section's; order by `order`.
+    `partial` (some of a section's cases were run): replace only the rows of the same names."""
     def rank(section: str) -> int:
         return order.index(section) if section in order else len(order)
 
-    kept = [r for r in old.get("rows", []) if r.get("section") not in rows_by_section]
+    fresh = {(name, r.name) for name, rows in rows_by_section.items() for r in rows}
+    kept = [r for r in old.get("rows", []) if r.get("section") not in rows_by_section
+            or (partial and (r.get("section"), r.get("name")) not in fresh)]
     new = [replace(r, section=name).to_dict() for name, rows in rows_by_section.items() for r in rows]
     sections = {**old.get("sections", {}), **meta_by_section}
     return {

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         section = SECTIONS[name]
         print(f"\n== {name}: {section.title}", flush=True)
         rounds = args.rounds or (QUICK_ROUNDS.get(name, 1) if args.quick else None)
-        ctx = BenchContext(run_dir=run_root / name, rounds=rounds, quick=args.quick)
+        ctx = BenchContext(run_dir=run_root / name, rounds=rounds, quick=args.quick, cases=tuple(args.case or ()))
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         try:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         meta[name] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
                       "quick": args.quick, "rounds": rounds,
                       "machine": machine, "scratch": str(ctx.run_dir.relative_to(BENCH.parent))}
-    save(out, merge(load(out), rows, meta, machine, order=list(SECTIONS)))
+    save(out, merge(load(out), rows, meta, machine, order=list(SECTIONS), partial=bool(args.case)))
     print(f"\n{markdown_table([r for name in names for r in rows[name]])}")
     print(f"\nrows written to {out}; total wall time {time.perf_counter() - start:.0f} s")
     return 0
@@ -128,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", choices=list(SECTIONS),
                    help="run only this section (repeatable); other sections' rows in the results file are kept")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds per section (default: its own)")
+    p.add_argument("--case", action="append", default=None,
+                   help="run only this case of the sections that have cases (repeatable: savers_grads: powersgd, "
+                        "compile; savers-optim: its variants); only the rows measured replace their namesakes")
     p.add_argument("--quick", action="store_true",
                    help=f"a pass under 5 minutes: sections {', '.join(QUICK_SECTIONS)} (unless --only), one or two "
                         "rounds, fewer steps; results to bench/results-quick.json (unless --out)")

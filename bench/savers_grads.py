@@ -2,6 +2,7 @@
 
 Run: `python -m bench.run --only savers_grads` (several minutes on 2 cores); torch and gloo, no Ray: every plan
 runs on spawned gloo ranks in one world (`parallel.local_world.run_plans`), one plan after the other.
+`--case powersgd` or `--case compile` runs one half.
 
 - PowerSGD rank 4 (and rank 16; 10 warm-up steps) against the uncompressed reduction at dp=2 on the demo job
   (examples/demo.yaml: 4 blocks, d_model 128, the demo corpus, 400 steps): bytes a rank sends per step
@@ -24,6 +25,7 @@ from trainyard.parallel.plan import Plan, make_plan
 
 from bench.context import REPO, BenchContext
 from bench.results import Row, ratio
+from bench.service_job import BenchError
 
 DEMO = REPO / "examples" / "demo.yaml"
 POWERSGD = {"kind": "powersgd", "rank": 4, "warmup_steps": 10}
@@ -63,24 +65,43 @@ def _rank_rows(run, plain, whole: float, note: str) -> list[Row]:
                 ratio(loss, loss_plain), "", note)]
 
 
+CASES = ("powersgd", "compile")
+
+
 def run_section(ctx: BenchContext) -> list[Row]:
     steps = 60 if ctx.quick else 400
-    runs = {
-        "plain": _plan(steps),
-        "powersgd": _plan(steps, parallel={"grad_compression": POWERSGD}),
-        "powersgd-16": _plan(steps, parallel={"grad_compression": {**POWERSGD, "rank": 16}}),
-        "tp2dp2": _plan(3, parallel={"tp": 2}),
-        "tp2dp2-powersgd-full": _plan(3, parallel={"tp": 2, "grad_compression": {
-            "kind": "powersgd", "rank": 128, "min_compression_rate": 0}}),
-        "eager-tp2": _plan(COMPILE_STEPS, parallel={"dp": 1, "tp": 2}),
-        "compiled-tp2": _plan(COMPILE_STEPS, parallel={"dp": 1, "tp": 2}, compile=True),
-        "eager-dp2": _plan(COMPILE_STEPS),
-        "compiled-dp2": _plan(COMPILE_STEPS, compile=True),
-    }
+    cases = ctx.cases or CASES
+    if set(cases) - set(CASES):
+        raise BenchError(f"savers_grads: cases are {CASES}, not {sorted(set(cases) - set(CASES))}")
+    runs = {}
+    if "powersgd" in cases:
+        runs |= {
+            "plain": _plan(steps),
+            "powersgd": _plan(steps, parallel={"grad_compression": POWERSGD}),
+            "powersgd-16": _plan(steps, parallel={"grad_compression": {**POWERSGD, "rank": 16}}),
+            "tp2dp2": _plan(3, parallel={"tp": 2}),
+            "tp2dp2-powersgd-full": _plan(3, parallel={"tp": 2, "grad_compression": {
+                "kind": "powersgd", "rank": 128, "min_compression_rate": 0}}),
+        }
+    if "compile" in cases:
+        runs |= {
+            "eager-tp2": _plan(COMPILE_STEPS, parallel={"dp": 1, "tp": 2}),
+            "compiled-tp2": _plan(COMPILE_STEPS, parallel={"dp": 1, "tp": 2}, compile=True),
+            "eager-dp2": _plan(COMPILE_STEPS),
+            "compiled-dp2": _plan(COMPILE_STEPS, compile=True),
+        }
     ctx.log(f"running {len(runs)} plans on spawned gloo ranks ({steps} steps for powersgd)")
     results = dict(zip(runs, run_plans([PlanRun(plan) for plan in runs.values()]), strict=True))
-    rows = []
+    rows = _powersgd_rows(results, steps) if "powersgd" in cases else []
+    if "compile" in cases:
+        rows += _compile_rows(ctx, results)
+    for row in rows:
+        ctx.log(f"{row.name}: {row.ours} vs {row.baseline}")
+    return rows
 
+
+def _powersgd_rows(results, steps: int) -> list[Row]:
+    rows = []
     plain, psgd = results["plain"], results["powersgd"]
     sent = statistics.median(s["reduce_bytes"] for s in psgd[0].stats[POWERSGD["warmup_steps"]:])
     whole = statistics.median(s["reduce_bytes"] for s in plain[0].stats)
@@ -89,6 +110,8 @@ def run_section(ctx: BenchContext) -> list[Row]:
             f"bytes: payload a rank hands to its reductions per step")
     rows += [
         Row("powersgd: bytes sent per step per rank vs uncompressed", sent, whole, ratio(sent, whole), "B", note),
+        Row("powersgd: bytes sent over the whole run per rank vs uncompressed", *_totals(psgd, plain), "B",
+            "the warm-up steps included"),
         Row(f"powersgd: loss at the end (mean of last {TAIL} steps) vs uncompressed", loss_psgd, loss_plain,
             ratio(loss_psgd, loss_plain), "", note),
         Row("powersgd: step time vs uncompressed", _step_times(psgd, POWERSGD["warmup_steps"]),
@@ -99,6 +122,27 @@ def run_section(ctx: BenchContext) -> list[Row]:
             _largest_difference(_losses(results["tp2dp2-powersgd-full"]), _losses(results["tp2dp2"])), None, None,
             "", "3 steps; every matrix compressed at rank >= its smaller side"),
     ]
+    return rows
+
+
+def _totals(run, plain) -> tuple[float, float, float | None]:
+    ours, base = (sum(s["reduce_bytes"] for s in r[0].stats) for r in (run, plain))
+    return ours, base, ratio(ours, base)
+
+
+def sweep(steps: int, settings: dict[str, dict | None]) -> None:
+    """Print the end loss and bytes of the demo job at dp=2 under each `grad_compression` setting (None:
+    uncompressed), run side by side in one world: how BENCHMARKS.md's warm-up and rank sweep was measured."""
+    names = list(settings)
+    plans = [_plan(steps, **({"parallel": {"grad_compression": c}} if c else {})) for c in settings.values()]
+    for name, result in zip(names, run_plans([PlanRun(plan) for plan in plans]), strict=True):
+        losses, sent = _losses(result), [s["reduce_bytes"] for s in result[0].stats]
+        print(f"{name}: {settings[name]}: loss (mean of last {TAIL}) {statistics.mean(losses[-TAIL:]):.4f}; "
+              f"bytes per step (median) {statistics.median(sent):.0f}, over the run {sum(sent)}", flush=True)
+
+
+def _compile_rows(ctx: BenchContext, results) -> list[Row]:
+    rows = []
     for layout in ("tp2", "dp2"):
         eager, compiled = results[f"eager-{layout}"], results[f"compiled-{layout}"]
         t_eager, t_compiled = _step_times(eager, 2), _step_times(compiled, 2)
@@ -109,6 +153,11 @@ def run_section(ctx: BenchContext) -> list[Row]:
         ctx.log(f"compile {layout}: {t_compiled:.3f} s vs eager {t_eager:.3f} s; {note}")
         rows.append(Row(f"compile: true, step time vs eager at {layout}", t_compiled, t_eager,
                         ratio(t_compiled, t_eager), "s", note))
-    for row in rows:
-        ctx.log(f"{row.name}: {row.ours} vs {row.baseline}")
     return rows
+
+
+if __name__ == "__main__":  # python -m bench.savers_grads STEPS '{"name": {grad_compression} or null, ...}'
+    import json
+    import sys
+
+    sweep(int(sys.argv[1]), json.loads(sys.argv[2]))

@@ -183,7 +183,7 @@ class OptimizerConfig:
     kind: Literal["adamw", "adamw8bit", "adafactor"] = "adamw"
     """Which optimizer (`parallel.optimizers.OPTIMIZERS`): its update and the state it keeps per parameter.
     adamw8bit: AdamW with block-wise 8-bit moments (torchao); adafactor: factored second moments, no first
-    moment, `lr` a relative step (torch's Adafactor)."""
+    moment, update clipping, `lr` a step relative to each tensor's RMS (`parallel.adafactor`)."""
     offload: bool = False
     """ZeRO-Offload: the optimizer's state lives in (pinned) host memory and its step runs on the CPU."""
 

@@ -15,9 +15,9 @@ AdamW's whatever the optimizer, and its bytes as measured.
   columns that gives back row_var and col_var exactly (v's row means are row_var, its column means
   col_var); a piece of other rows (another tp degree, another ZeRO-1 cut) gets the factors of its part of
   the same rank-1 estimate, whose product is that part exactly. The factoring is per local piece, not over
-  the whole parameter: Adafactor's statistics (row and column means, the parameter's RMS, the update's
-  RMS for clipping) are those of what this rank holds, as torch's Adafactor computes them on local
-  tensors, so layouts that cut a matrix differently train slightly different (equally valid) Adafactors.
+  the whole parameter: Adafactor's statistics (row and column means, the update's RMS for clipping) are
+  those of what this rank holds (`parallel.adafactor` steps local tensors), so layouts that cut a matrix
+  differently train slightly different (equally valid) Adafactors.
   Making them global would need a collective per statistic per tensor inside the step.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from trainyard.parallel import adafactor
 from trainyard.parallel.optimizers import ADAFACTOR, ADAMW8BIT, OptimizerKind
 
 
@@ -35,11 +36,7 @@ def empty_state(kind: OptimizerKind, optimizer: torch.optim.Optimizer, t: torch.
     if kind is ADAMW8BIT:
         return {"step": step, "exp_avg": optimizer._new_buffer(t, True), "exp_avg_sq": optimizer._new_buffer(t, False)}
     if kind is ADAFACTOR:
-        if t.dim() < 2:
-            return {"step": step, "variance": torch.zeros_like(t)}
-        rows, cols = list(t.shape), list(t.shape)
-        rows[-1], cols[-2] = 1, 1
-        return {"step": step, "row_var": t.new_zeros(rows), "col_var": t.new_zeros(cols)}
+        return adafactor.empty_state(t)
     return {"step": step, **{k: torch.zeros_like(t, memory_format=torch.preserve_format) for k in kind.state}}
 
 

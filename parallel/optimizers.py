@@ -12,10 +12,12 @@ parameter's name in the parameter's shape, fp32, in every layout: see `parallel.
   in fp32, which the plan does not count (a fraction of a percent of a real model's state). Its step is
   `torch.compile`d on CUDA as torchao intends and run eagerly on CPU (inductor's CPU compile costs tens
   of seconds per tensor shape and the step is memory bound anyway).
-- `adafactor`: torch's `Adafactor` (Shazeer & Stern 2018): no first moment, the second moment of a matrix
-  factored into row and column means, O(rows + cols) fp32 per matrix (a vector keeps its full variance).
-  The factoring is per local piece (a tensor-parallel shard, a ZeRO-1 slice cut into whole rows): see
-  `parallel.optimizer_states`. Its `lr` is torch's relative step (times the parameter's RMS).
+- `adafactor`: Adafactor (Shazeer & Stern 2018) as HF transformers runs it with `relative_step=False`
+  (`parallel.adafactor`: no first moment, update clipping d = 1, `lr` under the job's schedule times each
+  tensor's RMS (at least 1e-3: HF's default `scale_parameter`), decoupled weight decay): the second moment
+  of a matrix factored into row and column means, O(rows + cols) fp32 per matrix (a vector keeps its full
+  variance). The factoring is per local piece (a tensor-parallel
+  shard, a ZeRO-1 slice cut into whole rows): see `parallel.optimizer_states`.
 
 Pure at import (the plan and the API read this without torch); the callables import torch when they run.
 """
@@ -50,9 +52,9 @@ def _build_adamw8bit(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Op
 
 
 def _build_adafactor(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    import torch
+    from trainyard.parallel.adafactor import Adafactor
 
-    return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=False)
+    return Adafactor(groups, lr=cfg.lr, scale_parameter=True)
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,58 @@ def _reduce(reducer, params, rank: int, step: int, compressor) -> dict:
             "shard": reducer.buckets[0].shard.clone() if reducer.buckets[0].shard is not None else None}
 
 
+class _Bucket:
+    """What torch's `powerSGD_hook` reads of DDP's GradBucket (which Python cannot construct): one flat
+    buffer with the gradients as views of it."""
+
+    def __init__(self, grads: list[torch.Tensor]):
+        self.flat = torch.cat([g.reshape(-1) for g in grads])
+        sizes, offsets = [g.numel() for g in grads], np.cumsum([0, *[g.numel() for g in grads]])
+        self.grads = [self.flat[o:o + n].view(g.shape) for o, n, g in zip(offsets, sizes, grads, strict=False)]
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.grads
+
+
+TORCH_STEPS, TORCH_WARMUP = 5, 2
+"""Steps of the comparison with torch's hook; its warm-up (torch refuses fewer than 2 with error feedback)."""
+
+
+def torch_probe(rank: int) -> dict:
+    """Our reducer and torch's own `powerSGD_hook` (error feedback, warm start) on the same gradients from
+    the same first Q, rank 2: what each hands back per step (ours sums, torch's averages)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    q0 = torch.randn(12, 2, generator=torch.Generator().manual_seed(5))
+    params = [torch.nn.Parameter(torch.zeros(16, 12)), torch.nn.Parameter(torch.zeros(12))]
+    compressor = PowerSGD(GradCompressionConfig(rank=2, warmup_steps=TORCH_WARMUP), seed=3)
+    compressor.initial_q = lambda key, cols, r, like: q0.clone()
+    reducer = make_reducer([params], dist.group.WORLD, sharding_for(0), compressor=compressor)
+    state = PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=2,
+                          start_powerSGD_iter=TORCH_WARMUP)
+    state.p_memory_dict[0], state.q_memory_dict[0] = torch.empty(16 * 2), q0.reshape(-1).clone()  # warm: our Q
+    ours, theirs = [], []
+    for step in range(TORCH_STEPS):
+        ours.append(_reduce(reducer, params, rank, step, compressor))
+        bucket = _Bucket(list(_grads(rank, step)))
+        powerSGD_hook(state, bucket).wait()
+        theirs.append([g.clone() for g in bucket.gradients()])
+    return {"ours": [(o["w"], o["b"]) for o in ours], "torch": theirs}
+
+
 def math_probe(driver, stats) -> dict:
-    """The reducer on two ranks' known gradients: full rank, rank 1 with warm-up and error feedback, ZeRO-1."""
-    rank, out = dist.get_rank(), {}
+    """The reducer on two ranks' known gradients: full rank, rank 1 with warm-up and error feedback, ZeRO-1;
+    and against torch's own PowerSGD hook."""
+    rank, out = dist.get_rank(), {"torch": torch_probe(dist.get_rank())}
     for name, cfg, zero, steps in [("full", GradCompressionConfig(rank=12, min_compression_rate=0), 0, 1),
                                    ("rank1", GradCompressionConfig(rank=1, warmup_steps=1), 0, 3),
                                    ("zero1", GradCompressionConfig(rank=12, min_compression_rate=0), 1, 1)]:
@@ -134,6 +183,20 @@ def test_error_feedback_keeps_what_the_approximation_lost(runs):
         assert ranks[0][step]["error"].abs().max() > 0.1
         carried = ranks[0][step]["error"] + ranks[1][step]["error"]
         assert ranks[0][step]["bytes"] == (12 + 16 * 1 + 12 * 1) * 4  # the bias whole, P and Q
+
+
+def test_compressed_reduction_equals_torchs_powersgd_hook(runs):
+    """The outside reference: torch's `powerSGD_hook` (DDP's, averaging) on the same gradients from the same
+    Q, warm-up, then compressed steps with error feedback and warm start: ours is its sum, step for step."""
+    for rank in (0, 1):
+        probe = runs["dp2"][rank].probe["torch"]
+        for step, ((w, b), (tw, tb)) in enumerate(zip(probe["ours"], probe["torch"], strict=True)):
+            assert relative_error(w / 2, tw) < 1e-5, step
+            torch.testing.assert_close(b / 2, tb)
+            if step >= TORCH_WARMUP:
+                assert torch.linalg.matrix_rank(w) == 2  # compressed
+        last = _grads(0, TORCH_STEPS - 1)[0] + _grads(1, TORCH_STEPS - 1)[0]
+        assert relative_error(probe["ours"][-1][0], last) > 0.05  # not the exact sum: it did compress
 
 
 def test_zero1_keeps_its_slice_of_the_compressed_sum(runs):

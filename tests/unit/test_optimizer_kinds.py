@@ -5,7 +5,9 @@ and the memory plan's device/host split."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from trainyard.parallel.adafactor import Adafactor
 from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.optimizer_states import export, load, tensor_bytes
 from trainyard.parallel.optimizers import ADAFACTOR, ADAMW, ADAMW8BIT, OPTIMIZERS
@@ -59,6 +61,34 @@ def test_8bit_state_round_trips_through_the_checkpoint_form_as_torchao_quantizes
     ref = _param((32, 256))
     reference = _stepped("adamw", ref)
     assert (saved["exp_avg"] - reference.optimizers[0].state[ref]["exp_avg"]).abs().max() < 0.02
+
+
+@pytest.mark.parametrize("scale_parameter", [True, False])
+def test_adafactor_steps_as_transformers_adafactor_does(scale_parameter):
+    """The outside reference: HF's Adafactor without its relative step and first moment (with the step
+    relative to the parameter's RMS, as the registry builds it, and without), on the same matrix, vector and
+    gradients, under a changing lr (the job's schedule) and weight decay."""
+    from transformers.optimization import Adafactor as HFAdafactor
+
+    ours, theirs = [_param((16, 24)), _param((24,), seed=2)], [_param((16, 24)), _param((24,), seed=2)]
+    groups = [{"params": ours, "weight_decay": 0.1}]
+    opt = (OPTIMIZERS["adafactor"].build(groups, OptimizerConfig(kind="adafactor")) if scale_parameter
+           else Adafactor(groups, scale_parameter=False))
+    ref = HFAdafactor(theirs, lr=1e-3, scale_parameter=scale_parameter, relative_step=False, warmup_init=False,
+                      beta1=None, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(7)
+    for step, lr in enumerate([1e-3, 3e-2, 1e-2, 5e-3, 2e-3] if not scale_parameter else [0.1, 0.5, 0.3, 0.2, 0.1]):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = b.grad = torch.randn(a.shape, generator=gen) * 10.0 ** -step  # the clipping bites early
+        for g in (*opt.param_groups, *ref.param_groups):
+            g["lr"] = lr
+        opt.step()
+        ref.step()
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert any((a - _param(a.shape, s)).abs().max() > 1e-2 for a, s in zip(ours, (0, 2), strict=True))
+    torch.testing.assert_close(opt.state[ours[0]]["row_var"].view(-1), ref.state[theirs[0]]["exp_avg_sq_row"])
+    torch.testing.assert_close(opt.state[ours[0]]["col_var"].view(-1), ref.state[theirs[0]]["exp_avg_sq_col"])
 
 
 def test_factored_state_round_trips_and_refactors_exactly():
