@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 from trainyard.actors import recovery, training
 from trainyard.actors.calls import Failure, StepFailed
-from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log
+from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
 from trainyard.actors.policies import (
     FailureAction,
     FailurePolicy,
@@ -191,8 +191,9 @@ class Controller:
         return CallFailed(failure, restore, node_lost)
 
     def restore_point(self) -> Point | None:
-        """Where a recovery goes on from: the latest valid checkpoint, else the resume point, else the start."""
-        found = checkpoint.latest_valid(self.root)
+        """Where a recovery goes on from: the latest valid checkpoint with every step before it in the metrics log,
+        else the resume point, else the start."""
+        found = checkpoint.latest_valid(self.root, at_most=steps_logged(self.root))
         return (str(found.directory), found.step) if found else self.storage.resume
 
     def _start_point(self) -> Point | None:
@@ -210,7 +211,7 @@ class Controller:
             self.journal.add_event({"time": time.time(), "kind": "verified", "step": resume[1],
                                     "verify_s": time.time() - began})
             return resume
-        found = checkpoint.latest_valid(self.root)
+        found = checkpoint.latest_valid(self.root, at_most=steps_logged(self.root))
         if found is None:
             raise Unrecoverable(f"the checkpoint to start from ({resume[0]}) is damaged: {problem}")
         self.start_step = found.step

@@ -97,6 +97,16 @@ def read_metrics_log(root: Path) -> list[dict]:
     return [rows[step] for step in sorted(rows)]
 
 
+def steps_logged(root: Path) -> int | None:
+    """One past the last step whose row the metrics log holds (None: no row yet): the latest checkpoint a job may
+    go on from. A checkpoint after it is committed by the ranks during a step, before the coordinator appends that
+    step's row; a process killed in between (the service's embedded Ray under SIGKILL, a coordinator's death)
+    leaves a checkpoint ahead of the rows, and going on from it would lose the rows in between for good. Going on
+    from an earlier one trains those steps again, to the same numbers, and writes their rows."""
+    steps = [row["step"] for row in _lines(root / METRICS_LOG)]
+    return max(steps) + 1 if steps else None
+
+
 def mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime

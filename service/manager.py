@@ -36,6 +36,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from trainyard.actors.coordinator import Coordinator, JobStorage
+from trainyard.actors.journal import steps_logged
 from trainyard.actors.naming import coordinator_name, placement_group_name
 from trainyard.actors.state import JobStatus
 from trainyard.api.spec import parse_spec, spec_to_dict
@@ -319,8 +320,9 @@ class JobManager:
             config = parse_spec(job.spec)
             plan = make_plan(config, cluster_resources())
             root = self.checkpoint_root(job.job_id, config)
-            # A job the service's restart interrupted goes on from its own (hashed by the coordinator).
-            own = checkpoint.latest_valid(root, hashes=False)
+            # A job the service's restart interrupted goes on from its own (hashed by the coordinator), the latest
+            # with every step before it in the coordinator's metrics log (`steps_logged`).
+            own = checkpoint.latest_valid(root, at_most=steps_logged(root), hashes=False)
             resume = (str(own.directory), own.step) if own else self.resume_point(config)
             storage = JobStorage(checkpoint_root=str(root), model_path=str(self.model_path(job.job_id)),
                                  resume=resume, events=tuple(job.events))
