@@ -15,18 +15,24 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from trainyard.parallel.admission import ClusterResources
+from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig
 from trainyard.parallel.cost_model import Fit, MachineCosts, default_gpu_costs
 
 CACHE_FILE = "calibration.json"
 MATMUL_SIZES = (8, 64, 256, 512)
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
 OPTIMIZER_ELEMENTS = (1 << 14, 1 << 17, 1 << 20)
-REPEATS = 5
+REPEATS = 7
+CONTENTION_RANKS = 4
+"""Up to how many ranks busy at once the contention is measured (a CPU node runs this many or fewer here)."""
+CONTENTION_MATMUL, CONTENTION_LOOP = 192, 8
 
 
 def node_type(cluster: ClusterResources) -> str:
@@ -65,18 +71,86 @@ def machine_costs(state_dir: Path, cluster: ClusterResources, world: int = 2) ->
     return costs
 
 
-def measure(world: int = 2, key: str = "") -> MachineCosts:
-    """Spawn `world` ranks and time the pieces; rank 0's medians, fitted."""
+def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -> MachineCosts:
+    """Spawn the ranks and time the pieces (rank 0's medians, fitted), then the trainer's fixed costs on tiny
+    models (`measure_fixed`). `world`: the ranks the collectives are measured with; `node_ranks`: up to how
+    many ranks busy at once the contention is measured (the most a node of this type runs)."""
     from trainyard.parallel.local_world import spawn
 
+    ranks = max(world, node_ranks)
     with tempfile.TemporaryDirectory(prefix="calibrate-") as out:
-        spawn(_rank, world, world, out)
+        spawn(_rank, ranks, world, ranks, out)
         raw = json.loads((Path(out) / "rank0.json").read_text())
+    alone, *_ = together = raw.pop("contention")  # rank 0's time with k = 1, 2, ... ranks busy
+    contention = tuple(t / alone for t in together)
     # Two points per fit: the latency is the smallest size's time (a fixed cost per call), the throughput the
     # slope to the largest. A least-squares line over all sizes lets the large sizes' noise swing the intercept
     # (often below zero), and the planner's ranking at small sizes hangs on that intercept.
     fits = {name: _two_point(points) for name, points in raw.items()}
-    return MachineCosts(node_type=key, world=world, measured=raw, **fits)
+    costs = MachineCosts(node_type=key, world=world, measured=raw, contention=contention, **fits)
+    return measure_fixed(costs)
+
+
+TINY_MODEL = {"n_head": 2, "d_model": 16, "vocab_size": 64, "seq_len": 8}
+"""The tiny models whose steps are all fixed cost (their FLOPs take microseconds)."""
+TINY_BATCH, FIXED_STEPS, FIXED_REPEATS = 4, 5, 3
+FIXED_RUNS: dict[str, tuple[int, dict]] = {
+    "L2 m1": (2, {}),
+    "L2 m4": (2, {"microbatches": 4}),
+    "L8 m4": (8, {"microbatches": 4}),
+    "L4 m2 tp2": (4, {"microbatches": 2, "tp": 2}),
+    "L4 m2 tp2 sp": (4, {"microbatches": 2, "tp": 2, "sp": True}),
+}
+"""name -> (blocks, parallel options) of the tiny runs `measure_fixed` times; its arithmetic reads them."""
+
+
+def measure_fixed(costs: MachineCosts) -> MachineCosts:
+    """The trainer's fixed costs, from the real trainer (`parallel.local_world.run_plans`) on tiny models:
+    per block from 2 vs 8 blocks, per micro-batch from 1 vs 4 micro-batches, per step from what is left of the
+    shortest, tensor and sequence parallelism's extra per block from tp = 2 (its time divided by the measured
+    contention of 2 ranks, less its all-reduces' latency, which the cost model counts apart). Each run is
+    repeated round-robin; a run's time is the median over its steps after the first (slowest rank's)."""
+    from trainyard.parallel.local_world import PlanRun, run_plans
+    from trainyard.parallel.plan import make_plan
+
+    plans = [make_plan(_tiny(blocks, par)) for blocks, par in FIXED_RUNS.values()]
+    results = run_plans([PlanRun(plan=p) for _ in range(FIXED_REPEATS) for p in plans])
+    step: dict[str, float] = {}
+    share: list[float] = []
+    for i, name in enumerate(FIXED_RUNS):
+        runs = results[i::len(plans)]
+        step[name] = statistics.median(max(r.stats[s]["compute_s"] for r in ranks)
+                                       for ranks in runs for s in range(1, FIXED_STEPS))
+        if name == "L8 m4":
+            share += [r[0].stats[s]["backward_s"] / max(r[0].stats[s]["forward_s"] + r[0].stats[s]["backward_s"],
+                                                         1e-12) for r in runs for s in range(1, FIXED_STEPS)]
+    return fixed_from_steps(costs, step, statistics.median(share))
+
+
+def fixed_from_steps(costs: MachineCosts, step: dict[str, float], backward_share: float) -> MachineCosts:
+    """The fixed-cost terms from the tiny runs' step times (FIXED_RUNS' names; pure arithmetic)."""
+    block = max((step["L8 m4"] - step["L2 m4"]) / (4 * 6), 0.0)
+    microbatch = max((step["L2 m4"] - step["L2 m1"]) / 3 - 2 * block, 0.0)
+    optimizer = costs.optimizer.time(_tiny_params(2))
+    fixed_step = max(step["L2 m1"] - microbatch - 2 * block - optimizer, 0.0)
+    tp1 = step["L2 m1"] + microbatch + (2 * 4 - 2) * block  # the same tiny model at tp = 1: 4 blocks, 2 micro-batches
+    act = TINY_BATCH // 2 * TINY_MODEL["seq_len"] * TINY_MODEL["d_model"] * 4
+    slow = costs.slowdown(2)
+    tp_block = max((step["L4 m2 tp2"] / slow - tp1) / 8 - 4 * costs.collective("allreduce", act, 2), 0.0)
+    sp_block = max((step["L4 m2 tp2 sp"] - step["L4 m2 tp2"]) / slow / 8, 0.0)
+    return replace(costs, block_s=block, microbatch_s=microbatch, step_s=fixed_step, tp_block_s=tp_block,
+                   sp_block_s=sp_block, backward_share=min(max(backward_share, 0.0), 1.0),
+                   measured={**costs.measured, "fixed_steps": step})
+
+
+def _tiny(blocks: int, par: dict) -> JobConfig:
+    return JobConfig(model=ModelConfig(n_layer=blocks, **TINY_MODEL), steps=FIXED_STEPS, global_batch=TINY_BATCH,
+                     parallel=ParallelConfig(**par))
+
+
+def _tiny_params(blocks: int) -> int:
+    d, v, t = TINY_MODEL["d_model"], TINY_MODEL["vocab_size"], TINY_MODEL["seq_len"]
+    return blocks * 12 * d * d + 2 * v * d + t * d
 
 
 def _two_point(points: list[list[float]]) -> Fit:
@@ -85,32 +159,41 @@ def _two_point(points: list[list[float]]) -> Fit:
 
 
 def _timed(fn, repeats: int = REPEATS) -> float:
-    """The fastest of `repeats` runs after a warm-up: on a shared machine, interference only adds time."""
+    """The median of `repeats` runs after a warm-up: the statistic the planner's step times are judged by (on
+    a shared machine the fastest run would hide what waiting for a busy peer costs a collective)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
-def _rank(rank: int, port: int, world: int, out: str) -> None:
+def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    points: dict[str, list[tuple[float, float]]] = {"matmul": [], "allreduce": [], "p2p": [], "alltoall": [],
-                                                    "optimizer": []}
-    for n in MATMUL_SIZES:
-        a, b = torch.randn(n * 4, n), torch.randn(n, n)
-        points["matmul"].append((2 * n * 4 * n * n, _timed(lambda a=a, b=b: a @ b)))
-    for size in MESSAGE_BYTES:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    group = dist.new_group(list(range(world)))  # the collectives' ranks; the others wait at the barriers
+    points: dict[str, list] = {"matmul": [], "allreduce": [], "p2p": [], "alltoall": [], "optimizer": [],
+                               "contention": []}
+    if rank == 0:  # one rank alone: compute's own speed
+        for n in MATMUL_SIZES:
+            a, b = torch.randn(n * 4, n), torch.randn(n, n)
+            points["matmul"].append((2 * n * 4 * n * n, _timed(lambda a=a, b=b: a @ b)))
+        for n in OPTIMIZER_ELEMENTS:
+            p = torch.nn.Parameter(torch.randn(n))
+            p.grad = torch.randn(n)
+            opt = torch.optim.AdamW([p], foreach=True)
+            points["optimizer"].append((n, _timed(opt.step)))
+    dist.barrier()
+    for size in MESSAGE_BYTES if rank < world else ():
         t = torch.zeros(size // 4)
-        dist.barrier()
-        points["allreduce"].append((size, _timed(lambda t=t: dist.all_reduce(t))))
-        dist.barrier()
+        dist.barrier(group=group)
+        points["allreduce"].append((size, _timed(lambda t=t: dist.all_reduce(t, group=group))))
+        dist.barrier(group=group)
         peer = rank ^ 1
 
         def ping(t=t, peer=peer):
@@ -124,16 +207,22 @@ def _rank(rank: int, port: int, world: int, out: str) -> None:
                 dist.send(t, peer)
 
         points["p2p"].append((size, _timed(ping) / 2))
-        dist.barrier()
+        dist.barrier(group=group)
         src, dst = torch.zeros(size // 4 // world * world), torch.zeros(size // 4 // world * world)
-        points["alltoall"].append((size, _timed(lambda s=src, d=dst: dist.all_to_all_single(d, s))))
-    for n in OPTIMIZER_ELEMENTS:
-        p = torch.nn.Parameter(torch.randn(n))
-        p.grad = torch.randn(n)
-        opt = torch.optim.AdamW([p], foreach=True)
-        points["optimizer"].append((n, _timed(opt.step)))
+        points["alltoall"].append((size, _timed(lambda s=src, d=dst: dist.all_to_all_single(d, s, group=group))))
+    # k ranks computing at once (k = 1 .. all): how much each is slowed by sharing the node's cores
+    a, b = torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL), torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL)
+
+    def work(a=a, b=b) -> None:
+        for _ in range(CONTENTION_LOOP):
+            a @ b
+
+    for k in range(1, ranks + 1):
+        dist.barrier()
+        if rank < k:
+            points["contention"].append(_timed(work))
+        dist.barrier()
     if rank == 0:
         (Path(out) / "rank0.json").write_text(json.dumps(points))
     dist.barrier()
     dist.destroy_process_group()
-
