@@ -32,7 +32,7 @@ OPTIMIZER_ELEMENTS = (1 << 14, 1 << 17, 1 << 20)
 REPEATS = 7
 CONTENTION_RANKS = 4
 """Up to how many ranks busy at once the contention is measured (a CPU node runs this many or fewer here)."""
-CONTENTION_MATMUL, CONTENTION_LOOP = 192, 8
+CONTENTION_MATMUL, CONTENTION_LOOP = 192, 40
 
 
 def node_type(cluster: ClusterResources) -> str:
@@ -93,23 +93,27 @@ def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -
 
 TINY_MODEL = {"n_head": 2, "d_model": 16, "vocab_size": 64, "seq_len": 8}
 """The tiny models whose steps are all fixed cost (their FLOPs take microseconds)."""
-TINY_BATCH, FIXED_STEPS, FIXED_REPEATS = 4, 5, 3
+TINY_BATCH, FIXED_STEPS, FIXED_REPEATS = 8, 6, 3
+ONE_RANK = {"L2 m1": (2, 1), "L2 m4": (2, 4), "L4 m2": (4, 2), "L8 m1": (8, 1), "L8 m4": (8, 4)}
+"""Tiny one-rank runs: name -> (blocks, micro-batches); their step times are fitted as step + m x (micro-batch +
+blocks x block) by least squares."""
 FIXED_RUNS: dict[str, tuple[int, dict]] = {
-    "L2 m1": (2, {}),
-    "L2 m4": (2, {"microbatches": 4}),
-    "L8 m4": (8, {"microbatches": 4}),
+    **{name: (blocks, {"microbatches": m}) for name, (blocks, m) in ONE_RANK.items()},
     "L4 m2 tp2": (4, {"microbatches": 2, "tp": 2}),
     "L4 m2 tp2 sp": (4, {"microbatches": 2, "tp": 2, "sp": True}),
+    "L2 m2 pp2": (2, {"microbatches": 2, "pp": 2}),
+    "L2 m8 pp2": (2, {"microbatches": 8, "pp": 2}),
 }
 """name -> (blocks, parallel options) of the tiny runs `measure_fixed` times; its arithmetic reads them."""
 
 
 def measure_fixed(costs: MachineCosts) -> MachineCosts:
-    """The trainer's fixed costs, from the real trainer (`parallel.local_world.run_plans`) on tiny models:
-    per block from 2 vs 8 blocks, per micro-batch from 1 vs 4 micro-batches, per step from what is left of the
-    shortest, tensor and sequence parallelism's extra per block from tp = 2 (its time divided by the measured
-    contention of 2 ranks, less its all-reduces' latency, which the cost model counts apart). Each run is
-    repeated round-robin; a run's time is the median over its steps after the first (slowest rank's)."""
+    """The trainer's fixed costs, from the real trainer (`parallel.local_world.run_plans`) on tiny models (whose
+    FLOPs take microseconds): per block, per micro-batch and per step from one-rank runs of 2 to 8 blocks and 1
+    to 4 micro-batches; tensor and sequence parallelism's extra per block from tp = 2, and a pipeline's extra
+    per micro-batch (its hand-overs and waits) from pp = 2 at 2 and 8 micro-batches, each divided by the
+    measured contention of 2 ranks. The runs are repeated round-robin (a burst of load falls on all of them);
+    a run's time is the median over its steps after each run's first (the slowest rank's)."""
     from trainyard.parallel.local_world import PlanRun, run_plans
     from trainyard.parallel.plan import make_plan
 
@@ -121,7 +125,7 @@ def measure_fixed(costs: MachineCosts) -> MachineCosts:
         runs = results[i::len(plans)]
         step[name] = statistics.median(max(r.stats[s]["compute_s"] for r in ranks)
                                        for ranks in runs for s in range(1, FIXED_STEPS))
-        if name == "L8 m4":
+        if name in ONE_RANK:
             share += [r[0].stats[s]["backward_s"] / max(r[0].stats[s]["forward_s"] + r[0].stats[s]["backward_s"],
                                                          1e-12) for r in runs for s in range(1, FIXED_STEPS)]
     return fixed_from_steps(costs, step, statistics.median(share))
@@ -129,18 +133,40 @@ def measure_fixed(costs: MachineCosts) -> MachineCosts:
 
 def fixed_from_steps(costs: MachineCosts, step: dict[str, float], backward_share: float) -> MachineCosts:
     """The fixed-cost terms from the tiny runs' step times (FIXED_RUNS' names; pure arithmetic)."""
-    block = max((step["L8 m4"] - step["L2 m4"]) / (4 * 6), 0.0)
-    microbatch = max((step["L2 m4"] - step["L2 m1"]) / 3 - 2 * block, 0.0)
-    optimizer = costs.optimizer.time(_tiny_params(2))
-    fixed_step = max(step["L2 m1"] - microbatch - 2 * block - optimizer, 0.0)
-    tp1 = step["L2 m1"] + microbatch + (2 * 4 - 2) * block  # the same tiny model at tp = 1: 4 blocks, 2 micro-batches
-    act = TINY_BATCH // 2 * TINY_MODEL["seq_len"] * TINY_MODEL["d_model"] * 4
+    fixed_step, microbatch, block = _least_squares([((1.0, m, m * blocks), step[name])
+                                                    for name, (blocks, m) in ONE_RANK.items()])
+    block, microbatch = max(block, 0.0), max(microbatch, 0.0)
+    fixed_step = max(fixed_step - costs.optimizer.time(_tiny_params(2)), 0.0)
+
+    def one_rank(blocks: int, m: int) -> float:
+        return fixed_step + m * (microbatch + blocks * block)
+
     slow = costs.slowdown(2)
-    tp_block = max((step["L4 m2 tp2"] / slow - tp1) / 8 - 4 * costs.collective("allreduce", act, 2), 0.0)
+    act = TINY_BATCH // 2 * TINY_MODEL["seq_len"] * TINY_MODEL["d_model"] * 4
+    tp_block = max((step["L4 m2 tp2"] / slow - one_rank(4, 2)) / 8 - 4 * costs.collective("allreduce", act, 2), 0.0)
     sp_block = max((step["L4 m2 tp2 sp"] - step["L4 m2 tp2"]) / slow / 8, 0.0)
+    # pp = 2, one block a stage: each more micro-batch adds one chunk's forward and backward on each stage's
+    # critical path, and its hand-overs
+    pp_micro = max((step["L2 m8 pp2"] - step["L2 m2 pp2"]) / slow / 6 - (microbatch + block)
+                   - 2 * costs.p2p.time(act), 0.0)
     return replace(costs, block_s=block, microbatch_s=microbatch, step_s=fixed_step, tp_block_s=tp_block,
-                   sp_block_s=sp_block, backward_share=min(max(backward_share, 0.0), 1.0),
+                   sp_block_s=sp_block, pp_microbatch_s=pp_micro, backward_share=min(max(backward_share, 0.0), 1.0),
                    measured={**costs.measured, "fixed_steps": step})
+
+
+def _least_squares(rows: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
+    """x minimising |A x - b| for rows (A's row, b) (normal equations, Gauss-Jordan; a few unknowns)."""
+    n = len(rows[0][0])
+    ata = [[sum(a[i] * a[j] for a, _ in rows) for j in range(n)] + [sum(a[i] * b for a, b in rows)]
+           for i in range(n)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(ata[r][c]))
+        ata[c], ata[pivot] = ata[pivot], ata[c]
+        for r in range(n):
+            if r != c and ata[c][c]:
+                f = ata[r][c] / ata[c][c]
+                ata[r] = [x - f * y for x, y in zip(ata[r], ata[c], strict=True)]
+    return tuple(ata[i][n] / ata[i][i] if ata[i][i] else 0.0 for i in range(n))
 
 
 def _tiny(blocks: int, par: dict) -> JobConfig:
@@ -217,11 +243,15 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
         for _ in range(CONTENTION_LOOP):
             a @ b
 
-    for k in range(1, ranks + 1):
-        dist.barrier()
-        if rank < k:
-            points["contention"].append(_timed(work))
-        dist.barrier()
+    times: dict[int, list[float]] = {k: [] for k in range(1, ranks + 1)}
+    for _ in range(REPEATS):  # round-robin over k: a burst of load falls on every k alike
+        for k in times:
+            dist.barrier()
+            if rank < k:
+                times[k].append(_timed(work, repeats=1))
+            dist.barrier()
+    if rank == 0:
+        points["contention"] = [statistics.median(t) for t in times.values()]
     if rank == 0:
         (Path(out) / "rank0.json").write_text(json.dumps(points))
     dist.barrier()

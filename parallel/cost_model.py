@@ -98,6 +98,9 @@ class MachineCosts:
     latency, as measured on a tiny model at tp = 2), beyond the collectives' bytes / bandwidth."""
     sp_block_s: float = 0.0
     """Extra fixed seconds per block and micro-batch of sequence parallelism on top of tp_block_s."""
+    pp_microbatch_s: float = 0.0
+    """Extra fixed seconds per chunk and micro-batch at pp > 1 (the executor's hand-overs and their waits, as
+    measured on a tiny model at pp = 2), beyond the point-to-point messages' own time."""
     backward_share: float = 2 / 3
     """The part of the fixed costs spent in backward (the rest in forward)."""
     contention: tuple[float, ...] = ()
@@ -118,8 +121,8 @@ class MachineCosts:
     @staticmethod
     def from_dict(d: dict) -> MachineCosts:
         fits = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
-        fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "backward_share")
-                 if k in d}
+        fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
+                                   "backward_share") if k in d}
         return MachineCosts(node_type=d["node_type"], world=d.get("world", 2),
                             inter_node_factor=d.get("inter_node_factor", 1.0), measured=d.get("measured", {}),
                             contention=tuple(d.get("contention", ())), **fixed, **fits)
@@ -223,7 +226,7 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     blocks = per_stage[heaviest]
     flops = (blocks * block_fwd + (head_fwd if heaviest == n_stages - 1 else 0)) * tokens / layout.tp
     slow = machine.slowdown(min(layout.world_size, node_gpus or layout.world_size))  # ranks sharing a node
-    fixed_fwd, fixed_bwd = fixed_costs(machine, blocks, layout.tp, par.sp)
+    fixed_fwd, fixed_bwd = fixed_costs(machine, blocks, layout.tp, par.sp, layout.pp)
     recompute = RECOMPUTE_EXTRA.get(config.activation_checkpointing, 1.0)
     fwd = slow * (fixed_fwd + flops / machine.matmul.per_s)
     bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * flops / machine.matmul.per_s)
@@ -258,11 +261,12 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
                      optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras)
 
 
-def fixed_costs(machine: MachineCosts, blocks: int, tp: int, sp: bool) -> tuple[float, float]:
+def fixed_costs(machine: MachineCosts, blocks: int, tp: int, sp: bool, pp: int = 1) -> tuple[float, float]:
     """(forward, backward) fixed seconds of one chunk of `blocks` blocks for one micro-batch on one rank alone:
-    the measured per-chunk and per-block costs, with tensor (and sequence) parallelism's extra per block."""
+    the measured per-chunk and per-block costs, with tensor (and sequence) parallelism's extra per block and a
+    pipeline's extra per chunk."""
     per_block = machine.block_s + (machine.tp_block_s + (machine.sp_block_s if sp else 0.0) if tp > 1 else 0.0)
-    total = machine.microbatch_s + max(blocks, 1) * per_block
+    total = machine.microbatch_s + (machine.pp_microbatch_s if pp > 1 else 0.0) + max(blocks, 1) * per_block
     return (1 - machine.backward_share) * total, machine.backward_share * total
 
 

@@ -252,7 +252,7 @@ class _Search:
         mm, n_layer, world = self.machine.matmul, self.config.model.n_layer, dp * pp * tp
         slow = self.machine.slowdown(min(world, self.node_ranks or world))
         flops = fpt * tokens / world
-        fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False))
+        fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False, pp))
         compute = slow * (flops / mm.per_s + m * fixed)
         grads = 4 * self.params / (pp * tp) * (0.5 if self.config.parallel.reduce_dtype == "bf16" else 1)
         reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
