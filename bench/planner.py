@@ -25,16 +25,16 @@ from pathlib import Path
 
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.admission import ClusterResources, NodeResources
-from trainyard.parallel.calibrate import measure
+from trainyard.parallel.calibrate import measure, quartile
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.cost_model import MachineCosts
 from trainyard.parallel.local_world import PlanRun, run_plans
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.planner import choose, predict_step
 
-STEPS = 4
+STEPS = 5
 """Steps per run (the first of each run is not counted)."""
-REPEATS = 3
+REPEATS = 4
 """Runs of each layout, round-robin over the grid."""
 SIZES = {
     "small": {"n_layer": 4, "n_head": 4, "d_model": 128, "vocab_size": 256, "seq_len": 64},
@@ -120,27 +120,25 @@ def measure_size(model: dict, machine: MachineCosts, log=print) -> dict:
     load_before = os.getloadavg()[0]
     results = run_plans([PlanRun(plan=p) for _ in range(REPEATS) for p in plans])  # round-robin
     load_after = os.getloadavg()[0]
-    measured, spread = [], []
-    for i in range(len(plans)):
-        steps = [max(rank.stats[s]["compute_s"] for rank in ranks) for ranks in results[i::len(plans)]
-                 for s in range(1, STEPS)]
-        measured.append(statistics.median(steps))
-        spread.append((min(steps), max(steps)))
-    best = min(measured)
-    chosen_at = labels.index(_label(chosen))
-    log("| layout | predicted ms | measured ms (median) | min-max ms |\n|---|---:|---:|---:|")
-    for label, pred, meas, (lo, hi) in zip(labels, predicted, measured, spread, strict=True):
-        mark = " (chosen by the planner)" if label == labels[chosen_at] else ""
-        log(f"| {label}{mark} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {lo * 1e3:.0f}-{hi * 1e3:.0f} |")
+    steps = [[max(rank.stats[s]["compute_s"] for rank in ranks) for ranks in results[i::len(plans)]
+              for s in range(1, STEPS)] for i in range(len(plans))]
     RAW.parent.mkdir(parents=True, exist_ok=True)  # every step time, for a later look (not in git)
     RAW.with_name(f"planner-{model['d_model']}.json").write_text(json.dumps(
         {"model": model, "labels": labels, "predicted": predicted, "load": [load_before, load_after],
-         "machine": machine.to_dict(), "steps": [[[r.stats[s]["compute_s"] for s in range(STEPS)] for r in ranks]
-                                                 for ranks in results]}))
-    return {"labels": labels, "predicted": predicted, "measured": measured, "spread": spread,
-            "spearman": spearman(predicted, measured), "chosen": labels[chosen_at],
-            "chosen_over_fastest": measured[chosen_at] / best, "fastest": labels[measured.index(best)],
-            "load": (load_before, load_after)}
+         "machine": machine.to_dict(), "steps": steps}))
+    chosen_at = labels.index(_label(chosen))
+    out = {"labels": labels, "predicted": predicted, "chosen": labels[chosen_at], "load": (load_before, load_after)}
+    for stat, fn in (("median", statistics.median), ("quartile", quartile)):
+        measured = [fn(t) for t in steps]
+        best = min(measured)
+        out[stat] = {"measured": measured, "spearman": spearman(predicted, measured),
+                     "chosen_over_fastest": measured[chosen_at] / best, "fastest": labels[measured.index(best)]}
+    log("| layout | predicted ms | measured ms, median | lower quartile | min-max |\n|---|---:|---:|---:|---:|")
+    for i, label in enumerate(labels):
+        mark = " (chosen by the planner)" if i == chosen_at else ""
+        log(f"| {label}{mark} | {predicted[i] * 1e3:.1f} | {out['median']['measured'][i] * 1e3:.1f} | "
+            f"{out['quartile']['measured'][i] * 1e3:.1f} | {min(steps[i]) * 1e3:.0f}-{max(steps[i]) * 1e3:.0f} |")
+    return out
 
 
 def describe(m: MachineCosts) -> str:
@@ -186,14 +184,16 @@ def _rows(log) -> list[tuple]:  # noqa: ANN001
     for name, model in SIZES.items():
         log(f"{name}: {model}")
         r = measure_size(model, machine, log)
-        log(f"{name}: Spearman {r['spearman']:.2f} over {len(r['labels'])} layouts; chosen {r['chosen']} is "
-            f"{r['chosen_over_fastest']:.2f}x the fastest measured ({r['fastest']}); load average "
-            f"{r['load'][0]:.1f} -> {r['load'][1]:.1f}")
-        note = f"{len(r['labels'])} layouts of 1-4 CPU ranks, gloo; load {r['load'][0]:.1f} -> {r['load'][1]:.1f}"
-        rows.append((f"planner {name}: Spearman predicted vs measured step time", r["spearman"], 0.8, None, "rho",
-                     note))
-        rows.append((f"planner {name}: chosen layout / fastest measured", r["chosen_over_fastest"], 1.1, None, "x",
-                     f"chosen {r['chosen']}, fastest {r['fastest']}"))
+        for stat in ("median", "quartile"):
+            q = r[stat]
+            log(f"{name} ({stat} steps): Spearman {q['spearman']:.2f} over {len(r['labels'])} layouts; chosen "
+                f"{r['chosen']} is {q['chosen_over_fastest']:.2f}x the fastest measured ({q['fastest']})")
+            note = (f"{len(r['labels'])} layouts of 1-4 CPU ranks, gloo, {stat} of {REPEATS * (STEPS - 1)} steps; "
+                    f"load {r['load'][0]:.1f} -> {r['load'][1]:.1f}")
+            rows.append((f"planner {name}: Spearman predicted vs measured step time ({stat})", q["spearman"], 0.8,
+                         None, "rho", note))
+            rows.append((f"planner {name}: chosen layout / fastest measured ({stat})", q["chosen_over_fastest"], 1.1,
+                         None, "x", f"chosen {r['chosen']}, fastest {q['fastest']}"))
     return rows
 
 

@@ -72,7 +72,7 @@ def machine_costs(state_dir: Path, cluster: ClusterResources, world: int = 2) ->
 
 
 def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -> MachineCosts:
-    """Spawn the ranks and time the pieces (rank 0's medians, fitted), then the trainer's fixed costs on tiny
+    """Spawn the ranks and time the pieces (rank 0's lower quartiles, fitted), then the trainer's fixed costs on tiny
     models (`measure_fixed`). `world`: the ranks the collectives are measured with; `node_ranks`: up to how
     many ranks busy at once the contention is measured (the most a node of this type runs)."""
     from trainyard.parallel.local_world import spawn
@@ -113,7 +113,7 @@ def measure_fixed(costs: MachineCosts) -> MachineCosts:
     to 4 micro-batches; tensor and sequence parallelism's extra per block from tp = 2, and a pipeline's extra
     per micro-batch (its hand-overs and waits) from pp = 2 at 2 and 8 micro-batches, each divided by the
     measured contention of 2 ranks. The runs are repeated round-robin (a burst of load falls on all of them);
-    a run's time is the median over its steps after each run's first (the slowest rank's)."""
+    a run's time is the lower quartile over its steps after each run's first (the slowest rank's)."""
     from trainyard.parallel.local_world import PlanRun, run_plans
     from trainyard.parallel.plan import make_plan
 
@@ -123,8 +123,8 @@ def measure_fixed(costs: MachineCosts) -> MachineCosts:
     share: list[float] = []
     for i, name in enumerate(FIXED_RUNS):
         runs = results[i::len(plans)]
-        step[name] = statistics.median(max(r.stats[s]["compute_s"] for r in ranks)
-                                       for ranks in runs for s in range(1, FIXED_STEPS))
+        step[name] = quartile(max(r.stats[s]["compute_s"] for r in ranks) for ranks in runs
+                              for s in range(1, FIXED_STEPS))
         if name in ONE_RANK:
             share += [r[0].stats[s]["backward_s"] / max(r[0].stats[s]["forward_s"] + r[0].stats[s]["backward_s"],
                                                          1e-12) for r in runs for s in range(1, FIXED_STEPS)]
@@ -184,16 +184,24 @@ def _two_point(points: list[list[float]]) -> Fit:
     return Fit(latency_s=small, per_s=(large_size - small_size) / max(large - small, 1e-12))
 
 
+def quartile(values) -> float:
+    """The lower quartile: on a shared machine interference only adds time, and it comes in bursts; the lower
+    quartile is the undisturbed cost without resting on the one luckiest run (the minimum)."""
+    values = sorted(values)
+    at = (len(values) - 1) / 4
+    low = int(at)
+    return values[low] + (values[min(low + 1, len(values) - 1)] - values[low]) * (at - low)
+
+
 def _timed(fn, repeats: int = REPEATS) -> float:
-    """The median of `repeats` runs after a warm-up: the statistic the planner's step times are judged by (on
-    a shared machine the fastest run would hide what waiting for a busy peer costs a collective)."""
+    """The lower quartile of `repeats` runs after a warm-up."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return quartile(times)
 
 
 def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
@@ -251,7 +259,7 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
                 times[k].append(_timed(work, repeats=1))
             dist.barrier()
     if rank == 0:
-        points["contention"] = [statistics.median(t) for t in times.values()]
+        points["contention"] = [quartile(t) for t in times.values()]
     if rank == 0:
         (Path(out) / "rank0.json").write_text(json.dumps(points))
     dist.barrier()
