@@ -32,7 +32,7 @@ OPTIMIZER_ELEMENTS = (1 << 14, 1 << 17, 1 << 20)
 REPEATS = 7
 CONTENTION_RANKS = 4
 """Up to how many ranks busy at once the contention is measured (a CPU node runs this many or fewer here)."""
-CONTENTION_MATMUL, CONTENTION_LOOP = 192, 40
+CONTENTION_MATMUL, CONTENTION_LOOP, CONTENTION_ROUNDS = 192, 40, 21
 
 
 def node_type(cluster: ClusterResources) -> str:
@@ -252,11 +252,14 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
             a @ b
 
     times: dict[int, list[float]] = {k: [] for k in range(1, ranks + 1)}
-    for _ in range(REPEATS):  # round-robin over k: a burst of load falls on every k alike
+    work()
+    for _ in range(CONTENTION_ROUNDS):  # round-robin over k: a burst of load falls on every k alike
         for k in times:
             dist.barrier()
             if rank < k:
-                times[k].append(_timed(work, repeats=1))
+                start = time.perf_counter()
+                work()
+                times[k].append(time.perf_counter() - start)
             dist.barrier()
     if rank == 0:
         points["contention"] = [quartile(t) for t in times.values()]
