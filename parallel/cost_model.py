@@ -165,6 +165,7 @@ class StepCosts:
     dp_exposed: float
     """The gradient reduction not hidden behind backward."""
     optimizer: float
+    """The optimizer step and the step's measured fixed cost (`MachineCosts.step_s`), slowed by contention."""
     extras: dict[str, float]
     """The options' own terms (OPTION_EXTRAS), by name."""
 

@@ -9,7 +9,8 @@ no change here. Options that change the training's numbers (the optimizer kind, 
 reduce dtype, local SGD) stay as the user wrote them.
 
 Branch and bound: each (degrees, micro-batches, schedule, vpp) gets a cheap lower bound on its step time
-(FLOPs / throughput plus the pipeline's fill); they are taken in bound order, and only then are the rules
+(FLOPs / throughput and the measured fixed costs, slowed by the ranks sharing a node, plus the pipeline's
+fill); they are taken in bound order, and only then are the rules
 (`parallel.rules.violations`), the memory plan (`parallel.memory.estimate`, with `margin` kept free) and
 the schedule simulator (cached per schedule, pp, vpp, micro-batches and cost ratios) asked, until the next
 bound cannot beat the `top`-th best time found. The predicted step time is the simulated makespan with the
