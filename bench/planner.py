@@ -148,7 +148,7 @@ def describe(m: MachineCosts) -> str:
             f"{m.allreduce.per_s / 1e9:.2f} GB/s; p2p {m.p2p.latency_s * ms:.2f} ms + {m.p2p.per_s / 1e9:.2f} GB/s; "
             f"fixed: block {m.block_s * ms:.2f} ms, micro-batch {m.microbatch_s * ms:.2f} ms, step "
             f"{m.step_s * ms:.2f} ms, tp block +{m.tp_block_s * ms:.2f} ms, sp block +{m.sp_block_s * ms:.2f} ms, "
-            f"pp micro-batch +{m.pp_microbatch_s * ms:.2f} ms, "
+            f"pp micro-batch +{m.pp_microbatch_s * ms:.2f} ms, dp step +{m.dp_step_s * ms:.2f} ms, "
             f"backward share {m.backward_share:.2f}; contention 1-{len(m.contention)} ranks "
             + ", ".join(f"{c:.2f}" for c in m.contention))
 

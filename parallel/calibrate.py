@@ -103,6 +103,7 @@ FIXED_RUNS: dict[str, tuple[int, dict]] = {
     "L4 m2 tp2 sp": (4, {"microbatches": 2, "tp": 2, "sp": True}),
     "L2 m2 pp2": (2, {"microbatches": 2, "pp": 2}),
     "L2 m8 pp2": (2, {"microbatches": 8, "pp": 2}),
+    "L2 m1 dp2": (2, {"dp": 2}),
 }
 """name -> (blocks, parallel options) of the tiny runs `measure_fixed` times; its arithmetic reads them."""
 
@@ -111,9 +112,10 @@ def measure_fixed(costs: MachineCosts) -> MachineCosts:
     """The trainer's fixed costs, from the real trainer (`parallel.local_world.run_plans`) on tiny models (whose
     FLOPs take microseconds): per block, per micro-batch and per step from one-rank runs of 2 to 8 blocks and 1
     to 4 micro-batches; tensor and sequence parallelism's extra per block from tp = 2, and a pipeline's extra
-    per micro-batch (its hand-overs and waits) from pp = 2 at 2 and 8 micro-batches, each divided by the
-    measured contention of 2 ranks. The runs are repeated round-robin (a burst of load falls on all of them);
-    a run's time is the lower quartile over its steps after each run's first (the slowest rank's)."""
+    per micro-batch (its hand-overs and waits) from pp = 2 at 2 and 8 micro-batches, and data parallelism's
+    extra per step (beyond its all-reduce) from dp = 2, each divided by the measured contention of 2 ranks.
+    The runs are repeated round-robin (a burst of load falls on all of them); a run's time is the lower
+    quartile over its steps after each run's first (the slowest rank's)."""
     from trainyard.parallel.local_world import PlanRun, run_plans
     from trainyard.parallel.plan import make_plan
 
@@ -149,8 +151,13 @@ def fixed_from_steps(costs: MachineCosts, step: dict[str, float], backward_share
     # critical path, and its hand-overs
     pp_micro = max((step["L2 m8 pp2"] - step["L2 m2 pp2"]) / slow / 6 - (microbatch + block)
                    - 2 * costs.p2p.time(act), 0.0)
+    # dp = 2 at the same micro-batch size: the gradient reduction's fixed cost beyond its all-reduce (buckets,
+    # hooks, waiting for the peer), per step
+    grads = 4 * _tiny_params(2)
+    dp_step = max(step["L2 m1 dp2"] / slow - one_rank(2, 1) - costs.collective("allreduce", grads, 2), 0.0)
     return replace(costs, block_s=block, microbatch_s=microbatch, step_s=fixed_step, tp_block_s=tp_block,
-                   sp_block_s=sp_block, pp_microbatch_s=pp_micro, backward_share=min(max(backward_share, 0.0), 1.0),
+                   sp_block_s=sp_block, pp_microbatch_s=pp_micro, dp_step_s=dp_step,
+                   backward_share=min(max(backward_share, 0.0), 1.0),
                    measured={**costs.measured, "fixed_steps": step})
 
 

@@ -101,6 +101,9 @@ class MachineCosts:
     pp_microbatch_s: float = 0.0
     """Extra fixed seconds per chunk and micro-batch at pp > 1 (the executor's hand-overs and their waits, as
     measured on a tiny model at pp = 2), beyond the point-to-point messages' own time."""
+    dp_step_s: float = 0.0
+    """Extra fixed seconds per step at dp > 1 (the gradient reduction's buckets, hooks and waits for the peers,
+    as measured on a tiny model at dp = 2), beyond the all-reduces' own time."""
     backward_share: float = 2 / 3
     """The part of the fixed costs spent in backward (the rest in forward)."""
     contention: tuple[float, ...] = ()
@@ -122,7 +125,7 @@ class MachineCosts:
     def from_dict(d: dict) -> MachineCosts:
         fits = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
         fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
-                                   "backward_share") if k in d}
+                                   "dp_step_s", "backward_share") if k in d}
         return MachineCosts(node_type=d["node_type"], world=d.get("world", 2),
                             inter_node_factor=d.get("inter_node_factor", 1.0), measured=d.get("measured", {}),
                             contention=tuple(d.get("contention", ())), **fixed, **fits)
@@ -252,13 +255,15 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
     reduce = machine.collective("allreduce", grad_bytes, layout.dp, spans_nodes=layout.dp * layout.tp > within)
     hidden = (bwd + tp_b) * layout.vpp if par.overlap_reduce else 0.0  # the last micro-batch's backward
+    dp_fixed = slow * machine.dp_step_s if layout.dp > 1 else 0.0
     elements = sharding_for(par.zero).optimizer_elements(counts.total, layout.dp)
     context = ExtraContext(layout=layout, config=config, machine=machine, params=counts.total,
                            optimizer_elements=elements, activation_bytes=int(act * blocks * 8))
     extras = dict(hook(context) for (path, value), hook in OPTION_EXTRAS.items()
                   if option_value(config, path) == value)
     return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,
-                     tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b, dp_exposed=max(reduce - hidden, 0.0),
+                     tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
+                     dp_exposed=max(reduce - hidden, 0.0) + dp_fixed,
                      optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras)
 
 

@@ -264,7 +264,8 @@ class _Search:
                   for z in self.values.get("parallel.zero", (self.config.parallel.zero,))]
         optimizer = slow * (self.machine.optimizer.time(min(shards)) + self.machine.step_s)
         hidden = 0.8 * (compute + tp_comm) / m  # one micro-batch's backward, with some room for uneven stages
-        return (compute + tp_comm) * (1 + (pp - 1) / (3 * m * vpp)) + max(reduce - hidden, 0.0) + optimizer
+        dp_fixed = slow * self.machine.dp_step_s if dp > 1 else 0.0
+        return (compute + tp_comm) * (1 + (pp - 1) / (3 * m * vpp)) + max(reduce - hidden, 0.0) + dp_fixed + optimizer
 
     def variants(self, base: _Base) -> list[JobConfig]:
         par = replace(self.config.parallel, dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,

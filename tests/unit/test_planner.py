@@ -171,7 +171,7 @@ def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
 
 
 def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
-    from trainyard.parallel.calibrate import ONE_RANK, fixed_from_steps
+    from trainyard.parallel.calibrate import ONE_RANK, _tiny_params, fixed_from_steps
 
     base = replace(machine(), contention=(1.0, 2.0))
     block, micro, step, tp_block, sp_block, pp_micro = 1e-3, 3e-3, 5e-3, 8e-3, 2e-3, 4e-3
@@ -185,12 +185,14 @@ def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
     steps = {name: one_rank(blocks, m) + (1e-4 if i % 2 else -1e-4) for i, (name, (blocks, m)) in
              enumerate(ONE_RANK.items())}  # a little noise: least squares averages it
     steps |= {"L4 m2 tp2": 2.0 * (one_rank(4, 2) + 8 * tp_block), "L2 m2 pp2": pp2(2), "L2 m8 pp2": pp2(8),
-              "L4 m2 tp2 sp": 2.0 * (one_rank(4, 2) + 8 * (tp_block + sp_block))}
+              "L4 m2 tp2 sp": 2.0 * (one_rank(4, 2) + 8 * (tp_block + sp_block)),
+              "L2 m1 dp2": 2.0 * (one_rank(2, 1) + 6e-3) + base.collective("allreduce", 4 * _tiny_params(2), 2)}
     got = fixed_from_steps(base, steps, 0.6)
     assert got.block_s == pytest.approx(block, rel=0.05) and got.microbatch_s == pytest.approx(micro, rel=0.05)
     assert got.step_s == pytest.approx(step, rel=0.05)
     assert got.tp_block_s == pytest.approx(tp_block, rel=0.02) and got.sp_block_s == pytest.approx(sp_block)
     assert got.pp_microbatch_s == pytest.approx(pp_micro, rel=0.05)
+    assert got.dp_step_s == pytest.approx(6e-3 + base.collective("allreduce", 4 * _tiny_params(2), 2) / 2, rel=0.05)
     assert got.backward_share == 0.6 and got.measured["fixed_steps"] == steps
     assert MachineCosts.from_dict(json.loads(json.dumps(got.to_dict()))) == got
     old = {k: v for k, v in machine().to_dict().items() if k in ("node_type", "matmul", "allreduce", "p2p", "alltoall",
