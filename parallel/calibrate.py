@@ -81,7 +81,7 @@ def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -
     with tempfile.TemporaryDirectory(prefix="calibrate-") as out:
         spawn(_rank, ranks, world, ranks, out)
         raw = json.loads((Path(out) / "rank0.json").read_text())
-    alone, *_ = together = raw.pop("contention")  # rank 0's time with k = 1, 2, ... ranks busy
+    alone, *_ = together = raw.pop("contention")  # the slowest busy rank's time with k = 1, 2, ... busy
     contention = tuple(t / alone for t in together)
     # Two points per fit: the latency is the smallest size's time (a fixed cost per call), the throughput the
     # slope to the largest. A least-squares line over all sizes lets the large sizes' noise swing the intercept
@@ -251,7 +251,8 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
         dist.barrier(group=group)
         src, dst = torch.zeros(size // 4 // world * world), torch.zeros(size // 4 // world * world)
         points["alltoall"].append((size, _timed(lambda s=src, d=dst: dist.all_to_all_single(d, s, group=group))))
-    # k ranks computing at once (k = 1 .. all): how much each is slowed by sharing the node's cores
+    # k ranks computing at once (k = 1 .. all): how much the slowest of them is slowed by sharing the node's
+    # cores (with other processes too: the more ranks, the likelier one of them waits for a core)
     a, b = torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL), torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL)
 
     def work(a=a, b=b) -> None:
@@ -260,14 +261,17 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
 
     times: dict[int, list[float]] = {k: [] for k in range(1, ranks + 1)}
     work()
+    slowest = torch.zeros(1)
     for _ in range(CONTENTION_ROUNDS):  # round-robin over k: a burst of load falls on every k alike
         for k in times:
             dist.barrier()
+            slowest.zero_()
             if rank < k:
                 start = time.perf_counter()
                 work()
-                times[k].append(time.perf_counter() - start)
-            dist.barrier()
+                slowest += time.perf_counter() - start
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a synchronous step waits for its slowest rank
+            times[k].append(float(slowest))
     if rank == 0:
         points["contention"] = [quartile(t) for t in times.values()]
     if rank == 0:
