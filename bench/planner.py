@@ -1,32 +1,41 @@
 """Section "planner": the planner's predicted step times against measured ones, over a grid of layouts.
 
-Run: `python -m bench.run --only planner` (a few minutes on 2 cores), or `python -m bench.planner` for the table
-alone. Calibrates this machine (`parallel.calibrate.measure`, a 2-rank gloo world), then for each of two model
-sizes runs a grid of at least 12 layouts of 1 or 2 ranks (dp, pp with gpipe / 1f1b / interleaved, tp with and
-without sp, micro-batches, ZeRO-1, activation checkpointing) plus the planner's own choice on this machine's
-cluster (one node, 2 CPUs), all in one spawned gloo world (`parallel.local_world.run_plans`), and compares:
-Spearman's rank correlation of predicted vs measured step time (the Done-when wants >= 0.8), and the chosen
-layout's measured time over the fastest measured (<= 1.10). A step's time is the slowest rank's `compute_s`;
-each layout's is the fastest of its steps after the first (on a
-shared machine interference only adds time; the calibration takes the fastest of its repeats likewise).
+Run: `python -m bench.run --only planner` (about ten minutes on 2 busy cores), or `python -m bench.planner` for
+the table alone. Calibrates this machine first (`parallel.calibrate.measure`: matmuls, optimizer, the
+collectives at a few sizes, compute's slowdown with 1-4 ranks busy at once, and the trainer's fixed costs on
+tiny models; nothing of the grid below), then for each of two model sizes runs a grid of 18 layouts of 1, 2 or
+4 ranks (dp, pp with gpipe / 1f1b / interleaved / zb-h1, tp with and without sp, their products, micro-batches,
+ZeRO-1, activation checkpointing) plus the planner's own choice for the cluster the service reports here (one
+node of 4 logical CPUs on 2 cores, as `trainyard serve --num-cpus 4`), in one spawned gloo world
+(`parallel.local_world.run_plans`). The layouts are run round-robin, REPEATS times each, so a burst of load
+from other processes falls on all of them rather than on one; a layout's step time is the median over its
+repeats' steps after each run's first (a step: the slowest rank's `compute_s`). Compared: Spearman's rank
+correlation of predicted vs measured step time (the Done-when wants >= 0.8) and the chosen layout's measured
+time over the fastest measured (<= 1.10). The load average is printed before and after each size.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.admission import ClusterResources, NodeResources
-from trainyard.parallel.calibrate import measure
+from trainyard.parallel.calibrate import measure, quartile
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.cost_model import MachineCosts
 from trainyard.parallel.local_world import PlanRun, run_plans
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.planner import choose, predict_step
 
-STEPS = 6
+STEPS = 5
+"""Steps per run (the first of each run is not counted)."""
+REPEATS = 4
+"""Runs of each layout, round-robin over the grid."""
 SIZES = {
     "small": {"n_layer": 4, "n_head": 4, "d_model": 128, "vocab_size": 256, "seq_len": 64},
     "medium": {"n_layer": 4, "n_head": 8, "d_model": 384, "vocab_size": 512, "seq_len": 128},
@@ -35,6 +44,7 @@ GLOBAL_BATCH = 8
 GRID: list[dict] = [
     {"parallel": {}},
     {"parallel": {"microbatches": 4}},
+    {"parallel": {}, "activation_checkpointing": "selective"},
     {"parallel": {"dp": 2}},
     {"parallel": {"dp": 2, "microbatches": 2}},
     {"parallel": {"dp": 2, "zero": 1}},
@@ -43,12 +53,17 @@ GRID: list[dict] = [
     {"parallel": {"pp": 2, "microbatches": 4}},
     {"parallel": {"pp": 2, "microbatches": 8}},
     {"parallel": {"pp": 2, "vpp": 2, "microbatches": 4, "schedule": "interleaved-1f1b"}},
+    {"parallel": {"pp": 2, "microbatches": 4, "schedule": "zb-h1"}},
     {"parallel": {"tp": 2}},
     {"parallel": {"tp": 2, "sp": True}},
-    {"parallel": {"tp": 2, "microbatches": 2}},
-    {"parallel": {}, "activation_checkpointing": "selective"},
+    {"parallel": {"dp": 4}},
+    {"parallel": {"dp": 2, "pp": 2, "microbatches": 2}},
+    {"parallel": {"pp": 4, "microbatches": 4}},
+    {"parallel": {"dp": 2, "tp": 2}},
 ]
-CLUSTER = ClusterResources(nodes=(NodeResources(cpus=2, gpus=0, memory=8 * 2**30),))
+NODE_RANKS = 4
+RAW = Path(__file__).parent / ".runs" / "planner.json"
+CLUSTER = ClusterResources(nodes=(NodeResources(cpus=NODE_RANKS, gpus=0, memory=8 * 2**30),))
 
 
 def _config(model: dict, variant: dict) -> JobConfig:
@@ -64,6 +79,10 @@ def _label(config: JobConfig) -> str:
         text += f" zero{p.zero}"
     if config.activation_checkpointing != "none":
         text += f" ckpt-{config.activation_checkpointing}"
+    if config.optimizer.offload:
+        text += " optimizer-offload"
+    if config.activation_offload:
+        text += " activation-offload"
     return text
 
 
@@ -97,16 +116,41 @@ def measure_size(model: dict, machine: MachineCosts, log=print) -> dict:
         configs.append(chosen)
         labels.append(_label(chosen))
     plans = [make_plan(c) for c in configs]
-    predicted = [predict_step(p.config, p.layout, machine, node_gpus=2) for p in plans]
-    results = run_plans([PlanRun(plan=p) for p in plans])
-    measured = [min(max(rank.stats[s]["compute_s"] for rank in ranks) for s in range(1, STEPS)) for ranks in results]
-    best = min(measured)
+    predicted = [predict_step(p.config, p.layout, machine, node_gpus=NODE_RANKS) for p in plans]
+    load_before = os.getloadavg()[0]
+    results = run_plans([PlanRun(plan=p) for _ in range(REPEATS) for p in plans])  # round-robin
+    load_after = os.getloadavg()[0]
+    steps = [[max(rank.stats[s]["compute_s"] for rank in ranks) for ranks in results[i::len(plans)]
+              for s in range(1, STEPS)] for i in range(len(plans))]
+    RAW.parent.mkdir(parents=True, exist_ok=True)  # every step time, for a later look (not in git)
+    RAW.with_name(f"planner-{model['d_model']}.json").write_text(json.dumps(
+        {"model": model, "labels": labels, "predicted": predicted, "load": [load_before, load_after],
+         "machine": machine.to_dict(), "steps": steps}))
     chosen_at = labels.index(_label(chosen))
-    for label, pred, meas in zip(labels, predicted, measured, strict=True):
-        log(f"  {label:<40} predicted {pred * 1e3:8.2f} ms  measured {meas * 1e3:8.2f} ms")
-    return {"labels": labels, "predicted": predicted, "measured": measured,
-            "spearman": spearman(predicted, measured), "chosen": labels[chosen_at],
-            "chosen_over_fastest": measured[chosen_at] / best, "fastest": labels[measured.index(best)]}
+    out = {"labels": labels, "predicted": predicted, "chosen": labels[chosen_at], "load": (load_before, load_after)}
+    for stat, fn in (("median", statistics.median), ("quartile", quartile)):
+        measured = [fn(t) for t in steps]
+        best = min(measured)
+        out[stat] = {"measured": measured, "spearman": spearman(predicted, measured),
+                     "chosen_over_fastest": measured[chosen_at] / best, "fastest": labels[measured.index(best)]}
+    log("| layout | predicted ms | measured ms, median | lower quartile | min-max |\n|---|---:|---:|---:|---:|")
+    for i, label in enumerate(labels):
+        mark = " (chosen by the planner)" if i == chosen_at else ""
+        log(f"| {label}{mark} | {predicted[i] * 1e3:.1f} | {out['median']['measured'][i] * 1e3:.1f} | "
+            f"{out['quartile']['measured'][i] * 1e3:.1f} | {min(steps[i]) * 1e3:.0f}-{max(steps[i]) * 1e3:.0f} |")
+    return out
+
+
+def describe(m: MachineCosts) -> str:
+    """The calibrated terms in one line."""
+    ms = 1e3
+    return (f"matmul {m.matmul.per_s / 1e9:.1f} GFLOP/s; all-reduce {m.allreduce.latency_s * ms:.2f} ms + "
+            f"{m.allreduce.per_s / 1e9:.2f} GB/s; p2p {m.p2p.latency_s * ms:.2f} ms + {m.p2p.per_s / 1e9:.2f} GB/s; "
+            f"fixed: block {m.block_s * ms:.2f} ms, micro-batch {m.microbatch_s * ms:.2f} ms, step "
+            f"{m.step_s * ms:.2f} ms, tp block +{m.tp_block_s * ms:.2f} ms, sp block +{m.sp_block_s * ms:.2f} ms, "
+            f"pp micro-batch +{m.pp_microbatch_s * ms:.2f} ms, dp step +{m.dp_step_s * ms:.2f} ms, "
+            f"backward share {m.backward_share:.2f}; contention 1-{len(m.contention)} ranks "
+            + ", ".join(f"{c:.2f}" for c in m.contention))
 
 
 def run_section(ctx) -> list:  # noqa: ANN001 - BenchContext
@@ -115,8 +159,9 @@ def run_section(ctx) -> list:  # noqa: ANN001 - BenchContext
     return [Row(*r) for r in _rows(ctx.log)]
 
 
-def planning_time_1024() -> float:
-    """Seconds the planner takes for a Llama-7B-like model on 128 nodes of 8 80-GiB GPUs (default GPU costs)."""
+def planning_time_1024() -> tuple[float, float]:
+    """(wall, CPU) seconds the planner takes for a Llama-7B-like model on 128 nodes of 8 80-GiB GPUs (default GPU
+    costs): on a loaded machine the wall time is mostly waiting for a core, the CPU time is the planner's."""
     from trainyard.parallel.config import ModelConfig
     from trainyard.parallel.cost_model import default_gpu_costs
     from trainyard.parallel.planner import plan_layouts
@@ -124,28 +169,34 @@ def planning_time_1024() -> float:
     llama = JobConfig(model=ModelConfig(family="llama", n_layer=32, n_head=32, d_model=4096, vocab_size=32000,
                                         seq_len=4096), steps=1, global_batch=1024, precision="bf16")
     cluster = ClusterResources(nodes=(NodeResources(cpus=64, gpus=8, memory=2**40, gpu_memory=80 * 2**30),) * 128)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     plan_layouts(llama, cluster, default_gpu_costs())
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _rows(log) -> list[tuple]:  # noqa: ANN001
-    seconds = planning_time_1024()
-    log(f"planning a 7B Llama on 1024 GPUs: {seconds:.2f} s (a fresh process: no schedule cached)")
-    rows = [("planner: time to plan a 7B Llama on 1024 GPUs", seconds, 2.0, None, "s", "fresh caches")]
-    start = time.perf_counter()
-    machine = measure(2, "bench")
-    log(f"calibrated in {time.perf_counter() - start:.0f} s: matmul {machine.matmul.per_s / 1e9:.2f} GFLOP/s, "
-        f"all-reduce {machine.allreduce.per_s / 1e9:.2f} GB/s + {machine.allreduce.latency_s * 1e6:.0f} us")
+    seconds, cpu = planning_time_1024()
+    log(f"planning a 7B Llama on 1024 GPUs: {seconds:.2f} s wall, {cpu:.2f} s CPU (a fresh process: no schedule "
+        f"cached; load {os.getloadavg()[0]:.1f})")
+    rows = [("planner: time to plan a 7B Llama on 1024 GPUs", seconds, 2.0, None, "s",
+             f"fresh caches; {cpu:.2f} s of CPU time; load {os.getloadavg()[0]:.1f}")]
+    start, load = time.perf_counter(), os.getloadavg()[0]
+    machine = measure(2, "bench", node_ranks=NODE_RANKS)
+    log(f"calibrated in {time.perf_counter() - start:.0f} s (load {load:.1f} -> {os.getloadavg()[0]:.1f}): "
+        f"{describe(machine)}")
     for name, model in SIZES.items():
         log(f"{name}: {model}")
         r = measure_size(model, machine, log)
-        log(f"{name}: Spearman {r['spearman']:.2f} over {len(r['labels'])} layouts; chosen {r['chosen']} is "
-            f"{r['chosen_over_fastest']:.2f}x the fastest measured ({r['fastest']})")
-        rows.append((f"planner {name}: Spearman predicted vs measured step time", r["spearman"], 0.8, None, "rho",
-                     f"{len(r['labels'])} layouts, 2 CPU ranks, gloo"))
-        rows.append((f"planner {name}: chosen layout / fastest measured", r["chosen_over_fastest"], 1.1, None, "x",
-                     f"chosen {r['chosen']}, fastest {r['fastest']}"))
+        for stat in ("median", "quartile"):
+            q = r[stat]
+            log(f"{name} ({stat} steps): Spearman {q['spearman']:.2f} over {len(r['labels'])} layouts; chosen "
+                f"{r['chosen']} is {q['chosen_over_fastest']:.2f}x the fastest measured ({q['fastest']})")
+            note = (f"{len(r['labels'])} layouts of 1-4 CPU ranks, gloo, {stat} of {REPEATS * (STEPS - 1)} steps; "
+                    f"load {r['load'][0]:.1f} -> {r['load'][1]:.1f}")
+            rows.append((f"planner {name}: Spearman predicted vs measured step time ({stat})", q["spearman"], 0.8,
+                         None, "rho", note))
+            rows.append((f"planner {name}: chosen layout / fastest measured ({stat})", q["chosen_over_fastest"], 1.1,
+                         None, "x", f"chosen {r['chosen']}, fastest {q['fastest']}"))
     return rows
 
 

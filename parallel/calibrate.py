@@ -15,18 +15,24 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from trainyard.parallel.admission import ClusterResources
+from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig
 from trainyard.parallel.cost_model import Fit, MachineCosts, default_gpu_costs
 
 CACHE_FILE = "calibration.json"
 MATMUL_SIZES = (8, 64, 256, 512)
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)
 OPTIMIZER_ELEMENTS = (1 << 14, 1 << 17, 1 << 20)
-REPEATS = 5
+REPEATS = 7
+CONTENTION_RANKS = 4
+"""Up to how many ranks busy at once the contention is measured (a CPU node runs this many or fewer here)."""
+CONTENTION_MATMUL, CONTENTION_LOOP, CONTENTION_ROUNDS = 192, 40, 21
 
 
 def node_type(cluster: ClusterResources) -> str:
@@ -65,18 +71,119 @@ def machine_costs(state_dir: Path, cluster: ClusterResources, world: int = 2) ->
     return costs
 
 
-def measure(world: int = 2, key: str = "") -> MachineCosts:
-    """Spawn `world` ranks and time the pieces; rank 0's medians, fitted."""
+def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -> MachineCosts:
+    """Spawn the ranks and time the pieces (rank 0's lower quartiles, fitted), then the trainer's fixed costs on tiny
+    models (`measure_fixed`). `world`: the ranks the collectives are measured with; `node_ranks`: up to how
+    many ranks busy at once the contention is measured (the most a node of this type runs)."""
     from trainyard.parallel.local_world import spawn
 
+    ranks = max(world, node_ranks)
     with tempfile.TemporaryDirectory(prefix="calibrate-") as out:
-        spawn(_rank, world, world, out)
+        spawn(_rank, ranks, world, ranks, out)
         raw = json.loads((Path(out) / "rank0.json").read_text())
+    alone, *_ = together = raw.pop("contention")  # the slowest busy rank's time with k = 1, 2, ... busy
+    contention = tuple(t / alone for t in together)
     # Two points per fit: the latency is the smallest size's time (a fixed cost per call), the throughput the
     # slope to the largest. A least-squares line over all sizes lets the large sizes' noise swing the intercept
     # (often below zero), and the planner's ranking at small sizes hangs on that intercept.
     fits = {name: _two_point(points) for name, points in raw.items()}
-    return MachineCosts(node_type=key, world=world, measured=raw, **fits)
+    costs = MachineCosts(node_type=key, world=world, measured=raw, contention=contention, **fits)
+    return measure_fixed(costs)
+
+
+TINY_MODEL = {"n_head": 2, "d_model": 16, "vocab_size": 64, "seq_len": 8}
+"""The tiny models whose steps are all fixed cost (their FLOPs take microseconds)."""
+TINY_BATCH, FIXED_STEPS, FIXED_REPEATS = 8, 6, 3
+ONE_RANK = {"L2 m1": (2, 1), "L2 m4": (2, 4), "L4 m2": (4, 2), "L8 m1": (8, 1), "L8 m4": (8, 4)}
+"""Tiny one-rank runs: name -> (blocks, micro-batches); their step times are fitted as step + m x (micro-batch +
+blocks x block) by least squares."""
+FIXED_RUNS: dict[str, tuple[int, dict]] = {
+    **{name: (blocks, {"microbatches": m}) for name, (blocks, m) in ONE_RANK.items()},
+    "L4 m2 tp2": (4, {"microbatches": 2, "tp": 2}),
+    "L4 m2 tp2 sp": (4, {"microbatches": 2, "tp": 2, "sp": True}),
+    "L2 m2 pp2": (2, {"microbatches": 2, "pp": 2}),
+    "L2 m8 pp2": (2, {"microbatches": 8, "pp": 2}),
+    "L2 m1 dp2": (2, {"dp": 2}),
+}
+"""name -> (blocks, parallel options) of the tiny runs `measure_fixed` times; its arithmetic reads them."""
+
+
+def measure_fixed(costs: MachineCosts) -> MachineCosts:
+    """The trainer's fixed costs, from the real trainer (`parallel.local_world.run_plans`) on tiny models (whose
+    FLOPs take microseconds): per block, per micro-batch and per step from one-rank runs of 2 to 8 blocks and 1
+    to 4 micro-batches; tensor and sequence parallelism's extra per block from tp = 2, and a pipeline's extra
+    per micro-batch (its hand-overs and waits) from pp = 2 at 2 and 8 micro-batches, and data parallelism's
+    extra per step (beyond its all-reduce) from dp = 2, each divided by the measured contention of 2 ranks.
+    The runs are repeated round-robin (a burst of load falls on all of them); a run's time is the lower
+    quartile over its steps after each run's first (the slowest rank's)."""
+    from trainyard.parallel.local_world import PlanRun, run_plans
+    from trainyard.parallel.plan import make_plan
+
+    plans = [make_plan(_tiny(blocks, par)) for blocks, par in FIXED_RUNS.values()]
+    results = run_plans([PlanRun(plan=p) for _ in range(FIXED_REPEATS) for p in plans])
+    step: dict[str, float] = {}
+    share: list[float] = []
+    for i, name in enumerate(FIXED_RUNS):
+        runs = results[i::len(plans)]
+        step[name] = quartile(max(r.stats[s]["compute_s"] for r in ranks) for ranks in runs
+                              for s in range(1, FIXED_STEPS))
+        if name in ONE_RANK:
+            share += [r[0].stats[s]["backward_s"] / max(r[0].stats[s]["forward_s"] + r[0].stats[s]["backward_s"],
+                                                         1e-12) for r in runs for s in range(1, FIXED_STEPS)]
+    return fixed_from_steps(costs, step, statistics.median(share))
+
+
+def fixed_from_steps(costs: MachineCosts, step: dict[str, float], backward_share: float) -> MachineCosts:
+    """The fixed-cost terms from the tiny runs' step times (FIXED_RUNS' names; pure arithmetic)."""
+    fixed_step, microbatch, block = _least_squares([((1.0, m, m * blocks), step[name])
+                                                    for name, (blocks, m) in ONE_RANK.items()])
+    block, microbatch = max(block, 0.0), max(microbatch, 0.0)
+    fixed_step = max(fixed_step - costs.optimizer.time(_tiny_params(2)), 0.0)
+
+    def one_rank(blocks: int, m: int) -> float:
+        return fixed_step + m * (microbatch + blocks * block)
+
+    slow = costs.slowdown(2)
+    act = TINY_BATCH // 2 * TINY_MODEL["seq_len"] * TINY_MODEL["d_model"] * 4
+    tp_block = max((step["L4 m2 tp2"] / slow - one_rank(4, 2)) / 8 - 4 * costs.collective("allreduce", act, 2), 0.0)
+    sp_block = max((step["L4 m2 tp2 sp"] - step["L4 m2 tp2"]) / slow / 8, 0.0)
+    # pp = 2, one block a stage: each more micro-batch adds one chunk's forward and backward on each stage's
+    # critical path, and its hand-overs
+    pp_micro = max((step["L2 m8 pp2"] - step["L2 m2 pp2"]) / slow / 6 - (microbatch + block)
+                   - 2 * costs.p2p.time(act), 0.0)
+    # dp = 2 at the same micro-batch size: the gradient reduction's fixed cost beyond its all-reduce (buckets,
+    # hooks, waiting for the peer), per step
+    grads = 4 * _tiny_params(2)
+    dp_step = max(step["L2 m1 dp2"] / slow - one_rank(2, 1) - costs.collective("allreduce", grads, 2), 0.0)
+    return replace(costs, block_s=block, microbatch_s=microbatch, step_s=fixed_step, tp_block_s=tp_block,
+                   sp_block_s=sp_block, pp_microbatch_s=pp_micro, dp_step_s=dp_step,
+                   backward_share=min(max(backward_share, 0.0), 1.0),
+                   measured={**costs.measured, "fixed_steps": step})
+
+
+def _least_squares(rows: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
+    """x minimising |A x - b| for rows (A's row, b) (normal equations, Gauss-Jordan; a few unknowns)."""
+    n = len(rows[0][0])
+    ata = [[sum(a[i] * a[j] for a, _ in rows) for j in range(n)] + [sum(a[i] * b for a, b in rows)]
+           for i in range(n)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(ata[r][c]))
+        ata[c], ata[pivot] = ata[pivot], ata[c]
+        for r in range(n):
+            if r != c and ata[c][c]:
+                f = ata[r][c] / ata[c][c]
+                ata[r] = [x - f * y for x, y in zip(ata[r], ata[c], strict=True)]
+    return tuple(ata[i][n] / ata[i][i] if ata[i][i] else 0.0 for i in range(n))
+
+
+def _tiny(blocks: int, par: dict) -> JobConfig:
+    return JobConfig(model=ModelConfig(n_layer=blocks, **TINY_MODEL), steps=FIXED_STEPS, global_batch=TINY_BATCH,
+                     parallel=ParallelConfig(**par))
+
+
+def _tiny_params(blocks: int) -> int:
+    d, v, t = TINY_MODEL["d_model"], TINY_MODEL["vocab_size"], TINY_MODEL["seq_len"]
+    return blocks * 12 * d * d + 2 * v * d + t * d
 
 
 def _two_point(points: list[list[float]]) -> Fit:
@@ -84,33 +191,50 @@ def _two_point(points: list[list[float]]) -> Fit:
     return Fit(latency_s=small, per_s=(large_size - small_size) / max(large - small, 1e-12))
 
 
+def quartile(values) -> float:
+    """The lower quartile: on a shared machine interference only adds time, and it comes in bursts; the lower
+    quartile is the undisturbed cost without resting on the one luckiest run (the minimum)."""
+    values = sorted(values)
+    at = (len(values) - 1) / 4
+    low = int(at)
+    return values[low] + (values[min(low + 1, len(values) - 1)] - values[low]) * (at - low)
+
+
 def _timed(fn, repeats: int = REPEATS) -> float:
-    """The fastest of `repeats` runs after a warm-up: on a shared machine, interference only adds time."""
+    """The lower quartile of `repeats` runs after a warm-up."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return quartile(times)
 
 
-def _rank(rank: int, port: int, world: int, out: str) -> None:
+def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    points: dict[str, list[tuple[float, float]]] = {"matmul": [], "allreduce": [], "p2p": [], "alltoall": [],
-                                                    "optimizer": []}
-    for n in MATMUL_SIZES:
-        a, b = torch.randn(n * 4, n), torch.randn(n, n)
-        points["matmul"].append((2 * n * 4 * n * n, _timed(lambda a=a, b=b: a @ b)))
-    for size in MESSAGE_BYTES:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    group = dist.new_group(list(range(world)))  # the collectives' ranks; the others wait at the barriers
+    points: dict[str, list] = {"matmul": [], "allreduce": [], "p2p": [], "alltoall": [], "optimizer": [],
+                               "contention": []}
+    if rank == 0:  # one rank alone: compute's own speed
+        for n in MATMUL_SIZES:
+            a, b = torch.randn(n * 4, n), torch.randn(n, n)
+            points["matmul"].append((2 * n * 4 * n * n, _timed(lambda a=a, b=b: a @ b)))
+        for n in OPTIMIZER_ELEMENTS:
+            p = torch.nn.Parameter(torch.randn(n))
+            p.grad = torch.randn(n)
+            opt = torch.optim.AdamW([p], foreach=True)
+            points["optimizer"].append((n, _timed(opt.step)))
+    dist.barrier()
+    for size in MESSAGE_BYTES if rank < world else ():
         t = torch.zeros(size // 4)
-        dist.barrier()
-        points["allreduce"].append((size, _timed(lambda t=t: dist.all_reduce(t))))
-        dist.barrier()
+        dist.barrier(group=group)
+        points["allreduce"].append((size, _timed(lambda t=t: dist.all_reduce(t, group=group))))
+        dist.barrier(group=group)
         peer = rank ^ 1
 
         def ping(t=t, peer=peer):
@@ -124,16 +248,33 @@ def _rank(rank: int, port: int, world: int, out: str) -> None:
                 dist.send(t, peer)
 
         points["p2p"].append((size, _timed(ping) / 2))
-        dist.barrier()
+        dist.barrier(group=group)
         src, dst = torch.zeros(size // 4 // world * world), torch.zeros(size // 4 // world * world)
-        points["alltoall"].append((size, _timed(lambda s=src, d=dst: dist.all_to_all_single(d, s))))
-    for n in OPTIMIZER_ELEMENTS:
-        p = torch.nn.Parameter(torch.randn(n))
-        p.grad = torch.randn(n)
-        opt = torch.optim.AdamW([p], foreach=True)
-        points["optimizer"].append((n, _timed(opt.step)))
+        points["alltoall"].append((size, _timed(lambda s=src, d=dst: dist.all_to_all_single(d, s, group=group))))
+    # k ranks computing at once (k = 1 .. all): how much the slowest of them is slowed by sharing the node's
+    # cores (with other processes too: the more ranks, the likelier one of them waits for a core)
+    a, b = torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL), torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL)
+
+    def work(a=a, b=b) -> None:
+        for _ in range(CONTENTION_LOOP):
+            a @ b
+
+    times: dict[int, list[float]] = {k: [] for k in range(1, ranks + 1)}
+    work()
+    slowest = torch.zeros(1)
+    for _ in range(CONTENTION_ROUNDS):  # round-robin over k: a burst of load falls on every k alike
+        for k in times:
+            dist.barrier()
+            slowest.zero_()
+            if rank < k:
+                start = time.perf_counter()
+                work()
+                slowest += time.perf_counter() - start
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a synchronous step waits for its slowest rank
+            times[k].append(float(slowest))
+    if rank == 0:
+        points["contention"] = [quartile(t) for t in times.values()]
     if rank == 0:
         (Path(out) / "rank0.json").write_text(json.dumps(points))
     dist.barrier()
     dist.destroy_process_group()
-

@@ -2,7 +2,10 @@
 
 `MachineCosts` holds what a calibration run measured on one node type (`parallel.calibrate`): matmul time
 as latency + FLOPs / throughput, the all-reduce, point-to-point and all-to-all times as latency + bytes /
-bandwidth, and the optimizer's time per parameter element. `step_costs(layout, config, machine)` turns a
+bandwidth (alpha-beta), the optimizer's time per parameter element, the trainer's fixed costs (per block and
+per chunk of each micro-batch, per step, and the extra per block of tensor parallelism's DTensors and of
+sequence parallelism), and how much slower compute runs when k ranks share one node (`contention`: ranks
+sharing CPU cores; 1 where each rank has its own device). `step_costs(layout, config, machine)` turns a
 layout into the per-chunk forward / backward / point-to-point costs the schedule simulator takes plus the
 terms outside the pipeline (the data-parallel reduction not hidden behind backward, the optimizer step,
 the options' own extras); `parallel.planner` simulates the schedule with them and adds the rest.
@@ -12,8 +15,10 @@ d T), shared out over the blocks; the collectives' message sizes are Megatron's 
 per block forward and two in backward under tp; two all-to-alls per MoE block each way under ep; one
 activation per micro-batch between pipeline stages; every local gradient once per step over dp). Options
 that change the time in their own way are one line each in `OPTION_EXTRAS` (a new `parallel.zero` level or
-an offload adds its entry there). Ignored: kernel fusion and overlap inside a chunk, stragglers, contention
-between groups sharing a link, the first step's warm-up. Pure arithmetic: no torch.
+an offload adds its entry there). The fixed costs and the contention are measured, not written here; before a
+node type is calibrated (`default_gpu_costs`) a block's fixed cost is OPS_PER_BLOCK kernels' latency.
+Ignored: kernel fusion and overlap inside a chunk, stragglers, contention between groups sharing a link, the
+first step's warm-up. Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from trainyard.parallel.sharding import sharding_for
 from trainyard.parallel.sizing import Sizing
 
 OPS_PER_BLOCK = 16
-"""Kernels (matmuls, norms, activations, adds) one block forward launches: each pays the matmul latency."""
+"""Kernels (matmuls, norms, activations, adds) one block forward launches (forward and backward: 3x): the
+fixed cost of a block on a node type not calibrated yet (`default_gpu_costs`)."""
 RECOMPUTE_EXTRA = {"none": 0.0, "selective": 0.15, "full": 1.0}
 """Forwards re-run in backward per `activation_checkpointing` mode, as a fraction of the forward (an unknown
 mode: a whole forward)."""
@@ -79,6 +85,38 @@ class MachineCosts:
     """Bandwidth between nodes / within one (a group spanning nodes is this much slower; 1: unmeasured)."""
     measured: dict = field(default_factory=dict)
     """The raw points each fit came from."""
+    block_s: float = 0.0
+    """Fixed seconds of one block's forward and backward for one micro-batch on one rank alone (Python, kernel
+    launches, autograd: what a tiny model's step costs per block), beyond its FLOPs."""
+    microbatch_s: float = 0.0
+    """Fixed seconds of one chunk's forward and backward for one micro-batch beyond its blocks (the executor's
+    actions, embedding, head and loss at no size)."""
+    step_s: float = 0.0
+    """Fixed seconds of a step beyond its micro-batches (zeroing, clipping, the optimizer's launch, the loss)."""
+    tp_block_s: float = 0.0
+    """Extra fixed seconds per block and micro-batch at tp > 1 (DTensor's per-op cost and its collectives'
+    latency, as measured on a tiny model at tp = 2), beyond the collectives' bytes / bandwidth."""
+    sp_block_s: float = 0.0
+    """Extra fixed seconds per block and micro-batch of sequence parallelism on top of tp_block_s."""
+    pp_microbatch_s: float = 0.0
+    """Extra fixed seconds per chunk and micro-batch at pp > 1 (the executor's hand-overs and their waits, as
+    measured on a tiny model at pp = 2), beyond the point-to-point messages' own time."""
+    dp_step_s: float = 0.0
+    """Extra fixed seconds per step at dp > 1 (the gradient reduction's buckets, hooks and waits for the peers,
+    as measured on a tiny model at dp = 2), beyond the all-reduces' own time."""
+    backward_share: float = 2 / 3
+    """The part of the fixed costs spent in backward (the rest in forward)."""
+    contention: tuple[float, ...] = ()
+    """Compute's slowdown with k = 1, 2, ... ranks busy on one node at once (index k - 1), over one rank
+    alone; () or past the end: 1 (each rank has its own device) or proportionally from the last."""
+
+    def slowdown(self, ranks: int) -> float:
+        """How much slower compute runs with `ranks` ranks on one node than with one (at least 1)."""
+        if not self.contention or ranks <= 1:
+            return 1.0
+        if ranks <= len(self.contention):
+            return max(self.contention[ranks - 1], 1.0)
+        return max(self.contention[-1] * ranks / len(self.contention), 1.0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,9 +124,11 @@ class MachineCosts:
     @staticmethod
     def from_dict(d: dict) -> MachineCosts:
         fits = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
+        fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
+                                   "dp_step_s", "backward_share") if k in d}
         return MachineCosts(node_type=d["node_type"], world=d.get("world", 2),
                             inter_node_factor=d.get("inter_node_factor", 1.0), measured=d.get("measured", {}),
-                            **fits)
+                            contention=tuple(d.get("contention", ())), **fixed, **fits)
 
     def collective(self, kind: str, nbytes: float, n: int, spans_nodes: bool = False) -> float:
         """One collective of `n` ranks moving `nbytes` per rank, scaled from the measured world by the ring's
@@ -107,7 +147,7 @@ def default_gpu_costs(node_type: str = "unmeasured GPU") -> MachineCosts:
     """Costs to plan with before a calibration ran on a GPU node type (H100-like orders of magnitude)."""
     return MachineCosts(node_type=node_type, matmul=Fit(10e-6, 400e12), allreduce=Fit(30e-6, 150e9),
                         p2p=Fit(20e-6, 100e9), alltoall=Fit(30e-6, 100e9), optimizer=Fit(50e-6, 2e10),
-                        world=8, inter_node_factor=0.15)
+                        world=8, inter_node_factor=0.15, block_s=3 * OPS_PER_BLOCK * 10e-6)
 
 
 @dataclass(frozen=True)
@@ -128,6 +168,7 @@ class StepCosts:
     dp_exposed: float
     """The gradient reduction not hidden behind backward."""
     optimizer: float
+    """The optimizer step and the step's measured fixed cost (`MachineCosts.step_s`), slowed by contention."""
     extras: dict[str, float]
     """The options' own terms (OPTION_EXTRAS), by name."""
 
@@ -188,10 +229,11 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     heaviest = max(range(n_stages), key=lambda v: per_stage[v] * block_fwd + (head_fwd if v == n_stages - 1 else 0))
     blocks = per_stage[heaviest]
     flops = (blocks * block_fwd + (head_fwd if heaviest == n_stages - 1 else 0)) * tokens / layout.tp
-    ops = max(blocks, 1) * OPS_PER_BLOCK
-    fwd = ops * machine.matmul.latency_s + flops / machine.matmul.per_s
+    slow = machine.slowdown(min(layout.world_size, node_gpus or layout.world_size))  # ranks sharing a node
+    fixed_fwd, fixed_bwd = fixed_costs(machine, blocks, layout.tp, par.sp, layout.pp)
     recompute = RECOMPUTE_EXTRA.get(config.activation_checkpointing, 1.0)
-    bwd = (2 + recompute) * fwd
+    fwd = slow * (fixed_fwd + flops / machine.matmul.per_s)
+    bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * flops / machine.matmul.per_s)
 
     within = node_gpus or layout.world_size
     act = tokens * m.d_model * act_bytes
@@ -213,14 +255,25 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
     reduce = machine.collective("allreduce", grad_bytes, layout.dp, spans_nodes=layout.dp * layout.tp > within)
     hidden = (bwd + tp_b) * layout.vpp if par.overlap_reduce else 0.0  # the last micro-batch's backward
+    dp_fixed = slow * machine.dp_step_s if layout.dp > 1 else 0.0
     elements = sharding_for(par.zero).optimizer_elements(counts.total, layout.dp)
     context = ExtraContext(layout=layout, config=config, machine=machine, params=counts.total,
                            optimizer_elements=elements, activation_bytes=int(act * blocks * 8))
     extras = dict(hook(context) for (path, value), hook in OPTION_EXTRAS.items()
                   if option_value(config, path) == value)
     return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,
-                     tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b, dp_exposed=max(reduce - hidden, 0.0),
-                     optimizer=machine.optimizer.time(elements), extras=extras)
+                     tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
+                     dp_exposed=max(reduce - hidden, 0.0) + dp_fixed,
+                     optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras)
+
+
+def fixed_costs(machine: MachineCosts, blocks: int, tp: int, sp: bool, pp: int = 1) -> tuple[float, float]:
+    """(forward, backward) fixed seconds of one chunk of `blocks` blocks for one micro-batch on one rank alone:
+    the measured per-chunk and per-block costs, with tensor (and sequence) parallelism's extra per block and a
+    pipeline's extra per chunk."""
+    per_block = machine.block_s + (machine.tp_block_s + (machine.sp_block_s if sp else 0.0) if tp > 1 else 0.0)
+    total = machine.microbatch_s + (machine.pp_microbatch_s if pp > 1 else 0.0) + max(blocks, 1) * per_block
+    return (1 - machine.backward_share) * total, machine.backward_share * total
 
 
 def _family(config: JobConfig):

@@ -9,13 +9,14 @@ no change here. Options that change the training's numbers (the optimizer kind, 
 reduce dtype, local SGD) stay as the user wrote them.
 
 Branch and bound: each (degrees, micro-batches, schedule, vpp) gets a cheap lower bound on its step time
-(FLOPs / throughput plus the pipeline's fill); they are taken in bound order, and only then are the rules
+(FLOPs / throughput and the measured fixed costs, slowed by the ranks sharing a node, plus the pipeline's
+fill); they are taken in bound order, and only then are the rules
 (`parallel.rules.violations`), the memory plan (`parallel.memory.estimate`, with `margin` kept free) and
 the schedule simulator (cached per schedule, pp, vpp, micro-batches and cost ratios) asked, until the next
 bound cannot beat the `top`-th best time found. The predicted step time is the simulated makespan with the
 cost model's per-chunk costs (`parallel.cost_model`) plus the terms outside the pipeline. Pure: no torch.
 
-Left out of the search, by hand: layouts using half the cluster or less, uneven stages (pp and pp x vpp must
+Left out of the search, by hand: uneven stages (pp and pp x vpp must
 divide n_layer), pipelines with fewer micro-batches than stages, more than MAX_VPP chunks per rank or
 MAX_SEARCH_CHUNKS chunk forwards per step; elastic dp ranges. The memory check reads the first, middle and
 last stage (the winner is then checked on every rank by `parallel.plan.make_plan` in `choose`).
@@ -36,7 +37,14 @@ from dataclasses import dataclass, replace
 
 from trainyard.parallel.admission import ClusterResources
 from trainyard.parallel.config import JobConfig, ParallelConfig
-from trainyard.parallel.cost_model import OPS_PER_BLOCK, MachineCosts, StepCosts, option_value, ratio_key, step_costs
+from trainyard.parallel.cost_model import (
+    MachineCosts,
+    StepCosts,
+    fixed_costs,
+    option_value,
+    ratio_key,
+    step_costs,
+)
 from trainyard.parallel.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
 from trainyard.parallel.memory import rank_memory
 from trainyard.parallel.models import family_of
@@ -220,7 +228,8 @@ class _Search:
                 if dp * tp > cap:
                     break
                 eps = [e for e in _divisors(dp) if m.moe.experts % e == 0] if m.moe else [1]
-                for pp in range(cap // (2 * dp * tp) + 1, min(m.n_layer, cap // (dp * tp)) + 1):
+                for pp in range(1, min(m.n_layer, cap // (dp * tp)) + 1):  # every world size: fewer ranks
+                    # can be faster (fixed costs, ranks sharing cores), and the bounds prune the slow ones
                     if m.n_layer % pp:
                         continue  # even stages only (the planner does not search uneven stage_layers)
                     micro = [mb for mb in _divisors(c.global_batch // dp)
@@ -241,9 +250,11 @@ class _Search:
         """About a lower bound of the step time: the rank's share of the FLOPs (3 x forward) and of the kernels'
         latencies, the pipeline's fill of pp - 1 chunk forwards before the last stage starts, and the gradient
         all-reduce of the rank's share of the parameters beyond what one micro-batch's backward hides."""
-        mm, n_layer = self.machine.matmul, self.config.model.n_layer
-        flops = fpt * tokens / (dp * pp * tp)
-        compute = flops / mm.per_s + 3 * m * OPS_PER_BLOCK * max(n_layer // pp, 1) * mm.latency_s
+        mm, n_layer, world = self.machine.matmul, self.config.model.n_layer, dp * pp * tp
+        slow = self.machine.slowdown(min(world, self.node_ranks or world))
+        flops = fpt * tokens / world
+        fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False, pp))
+        compute = slow * (flops / mm.per_s + m * fixed)
         grads = 4 * self.params / (pp * tp) * (0.5 if self.config.parallel.reduce_dtype == "bf16" else 1)
         reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
         mb_tokens = tokens // (dp * m)
@@ -251,9 +262,10 @@ class _Search:
         tp_comm = 4 * n_layer * m * self.machine.collective("allreduce", act, tp) / pp
         shards = [SHARDINGS[z].optimizer_elements(int(self.params / (pp * tp)), dp)
                   for z in self.values.get("parallel.zero", (self.config.parallel.zero,))]
-        optimizer = self.machine.optimizer.time(min(shards))
+        optimizer = slow * (self.machine.optimizer.time(min(shards)) + self.machine.step_s)
         hidden = 0.8 * (compute + tp_comm) / m  # one micro-batch's backward, with some room for uneven stages
-        return (compute + tp_comm) * (1 + (pp - 1) / (3 * m * vpp)) + max(reduce - hidden, 0.0) + optimizer
+        dp_fixed = slow * self.machine.dp_step_s if dp > 1 else 0.0
+        return (compute + tp_comm) * (1 + (pp - 1) / (3 * m * vpp)) + max(reduce - hidden, 0.0) + dp_fixed + optimizer
 
     def variants(self, base: _Base) -> list[JobConfig]:
         par = replace(self.config.parallel, dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,

@@ -140,3 +140,61 @@ def test_a_metrics_row_carries_the_prediction_beside_the_measured_step_time():
     row = make_row(3, [rank], elapsed=0.25, tokens=512, predicted_step_s=0.2)
     assert row["predicted_step_s"] == 0.2 and row["step_time_s"] == 0.25
     assert "predicted_step_s" not in make_row(3, [rank], elapsed=0.25, tokens=512)
+
+
+def test_compute_is_slowed_by_the_measured_contention_of_ranks_sharing_a_node():
+    shared = replace(machine(), contention=(1.0, 0.97, 1.5, 2.0), block_s=1e-3)
+    assert [shared.slowdown(k) for k in (1, 2, 3, 4, 8)] == [1.0, 1.0, 1.5, 2.0, 4.0]  # never below 1; past: pro rata
+    assert machine().slowdown(64) == 1.0  # nothing measured: a device per rank
+    cfg = replace(config(), parallel=replace(config().parallel, dp=4))
+    layout = make_plan(cfg).layout
+    from trainyard.parallel.cost_model import step_costs
+
+    one_node, own_nodes = step_costs(layout, cfg, shared, node_gpus=4), step_costs(layout, cfg, shared, node_gpus=1)
+    assert one_node.forward == pytest.approx(2 * own_nodes.forward)
+    assert one_node.backward == pytest.approx(2 * own_nodes.backward)
+
+
+def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
+    from trainyard.parallel.cost_model import fixed_costs
+
+    m = replace(machine(), block_s=1e-3, microbatch_s=4e-3, tp_block_s=10e-3, sp_block_s=2e-3, backward_share=0.75)
+    assert sum(fixed_costs(m, 3, 1, False)) == pytest.approx(4e-3 + 3e-3)
+    forward, backward = fixed_costs(m, 3, 2, True)
+    assert forward + backward == pytest.approx(4e-3 + 3 * 13e-3) and backward == pytest.approx(3 * forward)
+    # more micro-batches cost their fixed part each: a 1-rank step at m=4 over m=1
+    cfg = config(d_model=8, n_head=2, seq_len=4)
+    one = plan_layouts(cfg, cpu_cluster(cpus=1), m, top=400).candidates
+    by_m = {c.config.parallel.microbatches: c.step_s for c in one if c.config.activation_checkpointing == "none"
+            and c.config.parallel.zero == 0 and not c.config.optimizer.offload and not c.config.activation_offload}
+    assert by_m[4] - by_m[1] == pytest.approx(3 * (4e-3 + 4 * 1e-3), rel=0.05)
+
+
+def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
+    from trainyard.parallel.calibrate import ONE_RANK, _tiny_params, fixed_from_steps
+
+    base = replace(machine(), contention=(1.0, 2.0))
+    block, micro, step, tp_block, sp_block, pp_micro = 1e-3, 3e-3, 5e-3, 8e-3, 2e-3, 4e-3
+
+    def one_rank(blocks: int, m: int) -> float:
+        return step + m * (micro + blocks * block)
+
+    def pp2(m: int) -> float:  # one block a stage: (m + 1) chunks on the critical path
+        return 2.0 * (step + (m + 1) * (micro + block + pp_micro))
+
+    steps = {name: one_rank(blocks, m) + (1e-4 if i % 2 else -1e-4) for i, (name, (blocks, m)) in
+             enumerate(ONE_RANK.items())}  # a little noise: least squares averages it
+    steps |= {"L4 m2 tp2": 2.0 * (one_rank(4, 2) + 8 * tp_block), "L2 m2 pp2": pp2(2), "L2 m8 pp2": pp2(8),
+              "L4 m2 tp2 sp": 2.0 * (one_rank(4, 2) + 8 * (tp_block + sp_block)),
+              "L2 m1 dp2": 2.0 * (one_rank(2, 1) + 6e-3) + base.collective("allreduce", 4 * _tiny_params(2), 2)}
+    got = fixed_from_steps(base, steps, 0.6)
+    assert got.block_s == pytest.approx(block, rel=0.05) and got.microbatch_s == pytest.approx(micro, rel=0.05)
+    assert got.step_s == pytest.approx(step, rel=0.05)
+    assert got.tp_block_s == pytest.approx(tp_block, rel=0.02) and got.sp_block_s == pytest.approx(sp_block)
+    assert got.pp_microbatch_s == pytest.approx(pp_micro, rel=0.05)
+    assert got.dp_step_s == pytest.approx(6e-3 + base.collective("allreduce", 4 * _tiny_params(2), 2) / 2, rel=0.05)
+    assert got.backward_share == 0.6 and got.measured["fixed_steps"] == steps
+    assert MachineCosts.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+    old = {k: v for k, v in machine().to_dict().items() if k in ("node_type", "matmul", "allreduce", "p2p", "alltoall",
+                                                                   "optimizer", "world")}
+    assert MachineCosts.from_dict(old) == machine()  # a cache written before these terms still reads
