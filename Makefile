@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
 
 # The minutes-long tests `make test` leaves out (elasticity on a two-node cluster).
 test-slow: $(STAMP)

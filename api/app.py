@@ -28,7 +28,7 @@ from trainyard.api.models import (
 from trainyard.api.spec import SubmittedSpec, describe_error, relevant_errors
 from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
 from trainyard.parallel.present import describe
-from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
+from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
 
 if TYPE_CHECKING:
     from trainyard.service.manager import JobManager
@@ -82,14 +82,22 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
     async def _queue_full(_: Request, exc: QueueFull) -> JSONResponse:
         return JSONResponse(status_code=429, content={"detail": str(exc)})
 
+    @app.exception_handler(Calibrating)
+    async def _calibrating(_: Request, exc: Calibrating) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": str(exc)},
+                            headers={"Retry-After": str(exc.retry_after_s)})
+
     guarded = [Depends(authorized)]
 
     @app.get("/healthz")
     def healthz() -> dict:
         return {"ok": True}
 
+    calibrating = {503: {"description": "`parallel: auto`: this node type's costs are being measured; retry "
+                                        "after the Retry-After header's seconds"}}
+
     @app.post("/api/jobs", status_code=201, dependencies=guarded,
-              responses={429: {"description": "the queue is full (`trainyard serve --max-queued`)"}})
+              responses={429: {"description": "the queue is full (`trainyard serve --max-queued`)"}, **calibrating})
     def submit(spec: SubmittedSpec) -> JobCreated:
         """Validate the spec and queue the job (PENDING); it starts when the whole job's resources are free."""
         return JobCreated(job_id=manager.submit(spec))
@@ -176,7 +184,7 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
     def delete(job_id: str) -> None:
         manager.delete(job_id)
 
-    @app.post("/api/plans", dependencies=guarded)
+    @app.post("/api/plans", dependencies=guarded, responses=calibrating)
     def plan(spec: SubmittedSpec) -> dict:
         """Validate a spec and return its plan with the resources it needs vs the cluster's; creates nothing."""
         spec, ranking = manager.choose_layout(spec)

@@ -53,8 +53,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_costs(state_dir: Path, cluster: ClusterResources, world: int = 2) -> MachineCosts:
-    """The cached costs of the cluster's node type, measured (and cached) on first use."""
+def cached_costs(state_dir: Path, cluster: ClusterResources) -> MachineCosts | None:
+    """The cluster's node type's costs if they need no measuring (cached, or a GPU node type's defaults), else
+    None: what the service asks on a request's path, which must not wait for a measurement."""
     key = node_type(cluster)
     path = Path(state_dir) / CACHE_FILE
     cache = json.loads(path.read_text()) if path.exists() else {}
@@ -62,10 +63,21 @@ def machine_costs(state_dir: Path, cluster: ClusterResources, world: int = 2) ->
         return MachineCosts.from_dict(cache[key])
     if cluster.gpus > 0:
         return default_gpu_costs(key)
+    return None
+
+
+def machine_costs(state_dir: Path, cluster: ClusterResources, world: int = 2) -> MachineCosts:
+    """The cached costs of the cluster's node type, measured (and cached) on first use."""
+    known = cached_costs(state_dir, cluster)
+    if known is not None:
+        return known
+    key = node_type(cluster)
+    path = Path(state_dir) / CACHE_FILE
     costs = measure(world, key)
+    cache = json.loads(path.read_text()) if path.exists() else {}
     cache[key] = costs.to_dict()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cache, indent=2))
     os.replace(tmp, path)
     return costs

@@ -1,4 +1,4 @@
-"""Errors of the job manager that the API maps to HTTP statuses (404, 409, 429). No Ray import here, so
+"""Errors of the job manager that the API maps to HTTP statuses (404, 409, 429, 503). No Ray import here, so
 the API can register its handlers without loading the manager."""
 
 
@@ -16,3 +16,12 @@ class JobConflict(RuntimeError):
 
 class QueueFull(RuntimeError):
     """The queue holds as many waiting jobs as the service allows (`trainyard serve --max-queued`)."""
+
+
+class Calibrating(RuntimeError):
+    """`parallel: auto` needs this node type's measured costs, which are being measured (in the background: a
+    request never waits a minute for them); retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -45,6 +45,7 @@ from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.data import open_dataset
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resized
 from trainyard.service import queue
+from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
 from trainyard.service.follow import Cursor, apply_report
 from trainyard.service.logs import read_rank_log
@@ -78,6 +79,7 @@ class JobManager:
         self.max_queued = max_queued
         self.admit = admit
         self._coordinators: dict[str, ray.actor.ActorHandle] = {}
+        self.calibrations = Calibrations(self.data_dir)
         self._placement_groups: dict[str, PlacementGroup] = {}
         self._polls: dict[str, ray.ObjectRef] = {}
         self._cursors: dict[str, Cursor] = {}
@@ -111,14 +113,14 @@ class JobManager:
 
     def choose_layout(self, config: JobConfig) -> tuple[JobConfig, dict | None]:
         """`parallel: auto` resolved by the planner with this cluster's calibrated costs (measured on first
-        use, `parallel.calibrate`): the config to run and the ranking (None for a layout written by hand)."""
+        use, in the background: `service.calibration`): the config to run and the ranking (None for a layout
+        written by hand). Raises Calibrating while the costs are being measured."""
         if config.parallel != "auto":
             return config, None
-        from trainyard.parallel.calibrate import machine_costs
         from trainyard.parallel.planner import choose
 
         cluster = cluster_resources()
-        chosen, result = choose(config, cluster, machine_costs(self.data_dir, cluster))
+        chosen, result = choose(config, cluster, self.calibrations.costs(cluster))
         return chosen, result.to_dict()
 
     # --- where a job's files live ---------------------------------------------------------------

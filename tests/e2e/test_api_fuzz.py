@@ -9,6 +9,8 @@ well under a minute and fails the same way twice.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import schemathesis
 from conftest import start_service
@@ -24,7 +26,16 @@ EXAMPLES = 50
 
 @pytest.fixture(scope="module")
 def fuzzed_service(ray_session, tmp_path_factory):
-    svc = start_service(tmp_path_factory.mktemp("fuzz"), admit=False, allow_fault_injection=False)
+    """Its node type's costs are in the calibration cache already, so `parallel: auto` specs reach the planner
+    (without, they are a 503 while the costs are measured: tests/unit/test_calibration_in_background.py)."""
+    from trainyard.parallel.calibrate import CACHE_FILE, node_type
+    from trainyard.parallel.cost_model import default_gpu_costs
+    from trainyard.service.ray_runtime import cluster_resources
+
+    state = tmp_path_factory.mktemp("fuzz")
+    key = node_type(cluster_resources())
+    (state / CACHE_FILE).write_text(json.dumps({key: default_gpu_costs(key).to_dict()}))
+    svc = start_service(state, admit=False, allow_fault_injection=False)
     yield svc
     svc.shutdown()
 
