@@ -7,7 +7,6 @@ next step the moment it finishes this one, so the round trip to the coordinator 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -132,16 +131,11 @@ async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
     if ctl.suspend:
         return Done()
     directory = checkpoint.step_dir(Path(root), steps_done)
-    path = await asyncio.to_thread(_export, cfg, directory, steps_done, Path(ctl.storage.model_path))
+    # Rank 0 exports: it has torch loaded, and the coordinator need not import it as the job ends.
+    path = Path(await ctl.group.workers[0].export_model.remote(str(directory), steps_done, ctl.storage.model_path))
     ctl.model = {"path": str(path), "step": steps_done}
     log.info("job %s: model after step %d exported to %s", ctl.job_id, steps_done, path)
     return Done()
-
-
-def _export(cfg, directory: Path, steps_done: int, model_path: Path) -> Path:
-    from trainyard.parallel.export import export_model  # imports torch: only as a job ends, not as it starts
-
-    return export_model(cfg, directory, steps_done, model_path)
 
 
 class Drills:

@@ -106,6 +106,15 @@ class Worker:
         with self._traceback_to_stderr("the final checkpoint"):
             return self.driver.final_checkpoint(Path(root), steps_done, info, saved)
 
+    def export_model(self, directory: str, steps_done: int, out: str) -> str:
+        """The model of the checkpoint in `directory` as one safetensors file at `out` (`parallel.export`); its
+        path. Rank 0 does it for the coordinator, which does not import torch."""
+        from trainyard.parallel.export import export_model
+
+        assert self.driver is not None
+        with self._traceback_to_stderr("exporting the model"):
+            return str(export_model(self.driver.plan.config, Path(directory), steps_done, Path(out)))
+
     @contextlib.contextmanager
     def _traceback_to_stderr(self, what: str) -> Iterator[None]:
         try:
