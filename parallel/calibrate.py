@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -72,15 +73,21 @@ def machine_costs(state_dir: Path, cluster: ClusterResources, world: int = 2) ->
     if known is not None:
         return known
     key = node_type(cluster)
-    path = Path(state_dir) / CACHE_FILE
     costs = measure(world, key)
+    store_costs(state_dir, key, costs)
+    return costs
+
+
+def store_costs(state_dir: Path, key: str, costs: MachineCosts) -> None:
+    """Cache `costs` for node type `key`, atomically: a request reading the cache meanwhile (`cached_costs`)
+    sees the file before or after, never half of it."""
+    path = Path(state_dir) / CACHE_FILE
     cache = json.loads(path.read_text()) if path.exists() else {}
     cache[key] = costs.to_dict()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(cache, indent=2))
     os.replace(tmp, path)
-    return costs
 
 
 def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -> MachineCosts:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import ray
 import torch
 from helpers import REPO, tiny_spec, wait_for, wait_terminal
@@ -35,6 +36,27 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+_services: list[subprocess.Popen] = []
+"""Every service `start_serve` started, in order."""
+
+
+@pytest.fixture(autouse=True)
+def _no_service_left_behind():
+    """Every service a test of this module started is stopped with the test, also when it failed in the middle
+    of a restart, whose newest service the test itself no longer holds (it once left one running, with its
+    embedded Ray, after a failure)."""
+    first = len(_services)
+    yield
+    for proc in _services[first:]:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple[subprocess.Popen, Client]:
     """`trainyard serve` in a subprocess on a free port: an embedded Ray (4 CPUs), or joining `ray_address`."""
     with socket.socket() as s:
@@ -46,6 +68,7 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple
     proc = subprocess.Popen([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(state), "serve",
                              "--port", str(port), *where], cwd=REPO, env=env, stdout=log.open("ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
+    _services.append(proc)
 
     try:
         return proc, wait_ready(proc, state, port, timeout_s=180)  # the demo's own readiness wait
@@ -141,10 +164,7 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(tmp_path):
         kinds = [e["kind"] for e in client._call("GET", f"/api/jobs/{job_id}/events")]
         assert kinds.count("interrupted") == 2, client._call("GET", f"/api/jobs/{job_id}/events")
     finally:
-        client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+        client.close()  # the service itself is stopped by `_no_service_left_behind`
 
 
 def test_on_a_joined_cluster_the_service_reattaches_to_the_running_job(ray_session, tmp_path):
@@ -167,10 +187,7 @@ def test_on_a_joined_cluster_the_service_reattaches_to_the_running_job(ray_sessi
         kinds = [e["kind"] for e in client._call("GET", f"/api/jobs/{job_id}/events")]
         assert kinds.count("reattached") == 2 and "interrupted" not in kinds and "failure" not in kinds
     finally:
-        client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+        client.close()  # the service itself is stopped by `_no_service_left_behind`
 
 
 def test_serve_on_a_taken_port_fails_at_once_saying_so(tmp_path):

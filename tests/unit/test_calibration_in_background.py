@@ -4,14 +4,13 @@ as is every request while it runs, and none starts a second one; once cached, th
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
 from helpers import tiny_spec, wait_for
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.admission import ClusterResources, NodeResources
-from trainyard.parallel.calibrate import CACHE_FILE, cached_costs, node_type
+from trainyard.parallel.calibrate import cached_costs, node_type, store_costs
 from trainyard.parallel.cost_model import default_gpu_costs
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import Calibrating
@@ -26,7 +25,8 @@ def test_the_first_request_starts_the_measurement_and_none_waits_for_it(tmp_path
         calls.append(cluster)
         assert release.wait(30)
         key = node_type(cluster)
-        (state_dir / CACHE_FILE).write_text(json.dumps({key: default_gpu_costs(key).to_dict()}))
+        # as the product writes it (atomically): a plain write_text was once read half-written, by the wait below
+        store_costs(state_dir, key, default_gpu_costs(key))
 
     calibrations = Calibrations(tmp_path, measure)
     for _ in range(3):
