@@ -106,7 +106,23 @@ PLAIN = PlainVariant("plain")
 DIAGNOSTICS = (PlainVariant("plain+buckets", buckets=True), PlainVariant("plain+sync", sync=True))
 
 
-def main(argv: list[str] | None = None) -> dict:
+@dataclass
+class Setup:
+    """What every harness here starts from: the options, the device (and how to wait for it), the plan, and
+    every step's sample ids."""
+
+    args: argparse.Namespace
+    device: torch.device
+    precision: str
+    plan: Plan
+    shares: Shares
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def setup_from_args(argv: list[str] | None = None) -> Setup:
     args = _parser().parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -117,8 +133,13 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         torch.set_num_threads(args.threads)
     plan = _plan(args, device, precision)
+    return Setup(args, device, precision, plan, _shares(plan))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    setup = setup_from_args(argv)
+    args, device, precision, plan, shares = setup.args, setup.device, setup.precision, setup.plan, setup.shares
     cfg = plan.config
-    shares = _shares(plan)
     try:
         first, driver, first_stats = _trainyard_side(plan, device, shares)
         sides, offload_stats = [first], None
