@@ -18,7 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from pydantic import TypeAdapter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -42,6 +41,8 @@ def export_model(config: JobConfig, checkpoint_dir: Path, step: int, out: Path) 
 
 def exported_config(path: Path) -> tuple[ModelConfig, int]:
     """The model config and step an exported file records in its metadata."""
+    from pydantic import TypeAdapter  # here: the training path (a rank, bench.gpu) runs with torch alone
+
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()
     return TypeAdapter(ModelConfig).validate_python(json.loads(metadata["config"])), int(metadata["step"])
