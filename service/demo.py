@@ -46,13 +46,19 @@ def main() -> int:
         print(f"error: {e} (the service's log: {log_path})", file=sys.stderr)
         return 2
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server, signal.SIGINT, 60)
         log.close()
         print("service shut down")
+
+
+def stop(server: subprocess.Popen, sig: int, timeout_s: float) -> None:
+    """Send `sig` to the service and wait for it to exit; kill it if it has not in `timeout_s`."""
+    server.send_signal(sig)
+    try:
+        server.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
 def wait_ready(server: subprocess.Popen, state: Path, port: int, timeout_s: float) -> Client:

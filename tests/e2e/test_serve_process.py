@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from trainyard.parallel import checkpoint
 from trainyard.parallel.export import MODEL_FILE
 from trainyard.service.client import ApiError, Client
-from trainyard.service.demo import wait_ready
+from trainyard.service.demo import stop, wait_ready
 from trainyard.service.ray_runtime import descendants
 from trainyard.service.store import JobStore
 
@@ -49,12 +49,7 @@ def _no_service_left_behind():
     yield
     for proc in _services[first:]:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, signal.SIGTERM, 120)
 
 
 def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple[subprocess.Popen, Client]:
