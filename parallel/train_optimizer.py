@@ -95,7 +95,8 @@ class TrainOptimizer:
                            "weight_decay": wd} for sharded in (False, True)]
                 groups = [g for g in groups if g["params"]]
                 if groups:
-                    self.optimizers.append(self.kind.build(groups, cfg, host=offload))
+                    built = self.kind.build(groups, cfg, host=True) if offload else self.kind.build(groups, cfg)
+                    self.optimizers.append(built)
         self._optimizer_of = {id(t): o for o in self.optimizers for g in o.param_groups for t in g["params"]}
         self._stream = torch.cuda.Stream() if offload and self.cuda else None
         leaf_of_held = {id(leaf.held): leaf for leaf in self._all_leaves()}
