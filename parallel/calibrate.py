@@ -90,6 +90,17 @@ def store_costs(state_dir: Path, key: str, costs: MachineCosts) -> None:
     os.replace(tmp, path)
 
 
+def contention_from(together: list[float], cores: int) -> tuple[float, ...]:
+    """Compute's slowdown with k = 1, 2, ... ranks busy (index k - 1) from the slowest busy rank's time with k
+    busy, over the time alone: at least k / cores, since k one-threaded ranks on `cores` cores cannot each have
+    more than cores / k of one. The timed bursts are milliseconds long, and the barrier releases the ranks a
+    little apart, so their lower quartile can catch ranks that hardly overlapped: 4 ranks on this machine's 2
+    cores once measured 1.52, and the planner then chose dp=4, measured 1.6x slower than the dp=2 it ranked
+    second (BENCHMARKS.md, section `planner`)."""
+    alone = together[0]
+    return tuple(max(t / alone, k / cores, 1.0) for k, t in enumerate(together, start=1))
+
+
 def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -> MachineCosts:
     """Spawn the ranks and time the pieces (rank 0's lower quartiles, fitted), then the trainer's fixed costs on tiny
     models (`measure_fixed`). `world`: the ranks the collectives are measured with; `node_ranks`: up to how
@@ -100,8 +111,7 @@ def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -
     with tempfile.TemporaryDirectory(prefix="calibrate-") as out:
         spawn(_rank, ranks, world, ranks, out)
         raw = json.loads((Path(out) / "rank0.json").read_text())
-    alone, *_ = together = raw.pop("contention")  # the slowest busy rank's time with k = 1, 2, ... busy
-    contention = tuple(t / alone for t in together)
+    contention = contention_from(raw.pop("contention"), len(os.sched_getaffinity(0)))
     # Two points per fit: the latency is the smallest size's time (a fixed cost per call), the throughput the
     # slope to the largest. A least-squares line over all sizes lets the large sizes' noise swing the intercept
     # (often below zero), and the planner's ranking at small sizes hangs on that intercept.

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from trainyard.api.spec import parse_spec, spec_to_dict
 from trainyard.parallel.admission import ClusterResources, NodeResources
-from trainyard.parallel.calibrate import CACHE_FILE, machine_costs, node_type
+from trainyard.parallel.calibrate import CACHE_FILE, contention_from, machine_costs, node_type
 from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.cost_model import Fit, MachineCosts, default_gpu_costs
 from trainyard.parallel.plan import make_plan
@@ -118,6 +118,13 @@ def test_auto_is_read_from_a_spec_resolved_by_choose_and_noted_on_the_config():
     assert chosen.planned.chosen_automatically and chosen.planned.predicted_step_s == result.best.step_s
     assert parse_spec(spec_to_dict(chosen)) == chosen  # what the store keeps reads back the same
     assert make_plan(chosen, cpu_cluster(cpus=2)).world_size == chosen.parallel.dp * chosen.parallel.pp
+
+
+def test_contention_is_never_below_what_the_cores_allow():
+    # measured on 2 cores (2026-11-24): 4 one-threaded ranks "1.52x" alone, which the cores cannot give
+    assert contention_from([10.0, 10.5, 14.9, 15.2], cores=2) == pytest.approx((1.0, 1.05, 1.5, 2.0))
+    assert contention_from([10.0, 12.0, 30.0], cores=8) == pytest.approx((1.0, 1.2, 3.0))  # measured above it
+    assert contention_from([10.0, 9.0], cores=4) == (1.0, 1.0)  # never faster than alone
 
 
 def test_fit_recovers_latency_and_throughput_and_the_cache_is_keyed_by_node_type(tmp_path):
