@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         peak = args.peak_tflops if args.peak_tflops is not None else _peak_tflops(device)
         print(_header(cfg, plan, device, precision, counts, flops_per_token, peak, args), flush=True)
         dataset = open_dataset(cfg)
-        batches = [[tuple(t.to(device) for t in load_batch(dataset, ids)) for ids in step] for step in shares]
+        batches = device_batches(dataset, device, shares)
         variants = (PLAIN, *DIAGNOSTICS) if args.diagnose else (PLAIN,)
         sides += [_plain_side(cfg, device, precision, batches, v) for v in variants]
         if args.compile:
@@ -292,6 +292,11 @@ def _timed(side: Side, steps: range, device: torch.device) -> float:
         side.step(step)
     _sync(device)
     return time.perf_counter() - start
+
+
+def device_batches(dataset: Dataset, device: torch.device, shares: Shares) -> Batches:
+    """Every step's micro-batches, loaded and already on the device (the plain loop's input)."""
+    return [[tuple(t.to(device) for t in load_batch(dataset, ids)) for ids in step] for step in shares]
 
 
 def _batch_load_ms(dataset: Dataset, device: torch.device, shares: Shares) -> float:

@@ -19,9 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     setup = g.setup_from_args(argv)
     out = os.environ.get("OUT", "/tmp")
     side, _, _ = g._trainyard_side(setup.plan, setup.device, setup.shares)
-    dataset = g.open_dataset(setup.plan.config)
-    batches = [[tuple(t.to(setup.device) for t in g.load_batch(dataset, ids)) for ids in step]
-               for step in setup.shares]
+    batches = g.device_batches(g.open_dataset(setup.plan.config), setup.device, setup.shares)
     plain = g._plain_side(setup.plan.config, setup.device, setup.plan.config.precision, batches, g.PLAIN)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
     for s in (side, plain):

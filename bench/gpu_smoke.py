@@ -60,13 +60,17 @@ def config(name: str, device: torch.device) -> JobConfig:
 def run(name: str, device: torch.device, where: Path) -> list[float]:
     """The variant's 4 losses, after checking that a resumed 4th step equals the straight one and exporting."""
     plan = make_plan(config(name, device))
-    driver = RankDriver(plan, 0, "127.0.0.1", free_ports(1)[0], device, 300.0)
+
+    def new_rank() -> RankDriver:
+        return RankDriver(plan, 0, "127.0.0.1", free_ports(1)[0], device, 300.0)
+
+    driver = new_rank()
     straight = [s["loss"] for s in driver.run(range(STEPS))]
     driver.close()
-    driver = RankDriver(plan, 0, "127.0.0.1", free_ports(1)[0], device, 300.0)
+    driver = new_rank()
     driver.run(range(STEPS - 1), save_after=(STEPS - 1,), save=Save(where / "ckpt", {"job": name}))
     driver.close()
-    driver = RankDriver(plan, 0, "127.0.0.1", free_ports(1)[0], device, 300.0)
+    driver = new_rank()
     checkpoint = step_dir(where / "ckpt", STEPS - 1)
     driver.load(checkpoint, STEPS - 1)
     resumed = driver.step(STEPS - 1)["loss"]

@@ -58,8 +58,7 @@ def cached_costs(state_dir: Path, cluster: ClusterResources) -> MachineCosts | N
     """The cluster's node type's costs if they need no measuring (cached, or a GPU node type's defaults), else
     None: what the service asks on a request's path, which must not wait for a measurement."""
     key = node_type(cluster)
-    path = Path(state_dir) / CACHE_FILE
-    cache = json.loads(path.read_text()) if path.exists() else {}
+    cache = _read_cache(state_dir)
     if key in cache:
         return MachineCosts.from_dict(cache[key])
     if cluster.gpus > 0:
@@ -82,12 +81,17 @@ def store_costs(state_dir: Path, key: str, costs: MachineCosts) -> None:
     """Cache `costs` for node type `key`, atomically: a request reading the cache meanwhile (`cached_costs`)
     sees the file before or after, never half of it."""
     path = Path(state_dir) / CACHE_FILE
-    cache = json.loads(path.read_text()) if path.exists() else {}
+    cache = _read_cache(state_dir)
     cache[key] = costs.to_dict()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(cache, indent=2))
     os.replace(tmp, path)
+
+
+def _read_cache(state_dir: Path) -> dict:
+    path = Path(state_dir) / CACHE_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def contention_from(together: list[float], cores: int) -> tuple[float, ...]:

@@ -67,9 +67,9 @@ class OptimizerKind:
     """The tensors the checkpoint keeps per parameter, each fp32 in the parameter's shape (the optimizer's
     own state is converted to and from them: `parallel.optimizer_states`)."""
     build: Callable[..., torch.optim.Optimizer]
-    """`build(groups, cfg)`: builds it over parameter groups (`{"params": [...], "weight_decay": ...}`) with the
-    spec's settings; offloaded, `build(groups, cfg, host=True)`: the parameters are host copies (AdamW then takes
-    torch's fused CPU kernel)."""
+    """`build(groups, cfg, host=False)`: builds it over parameter groups (`{"params": [...], "weight_decay": ...}`)
+    with the spec's settings; `host`: the parameters are offloaded host copies (AdamW then takes torch's fused
+    CPU kernel). Every kind takes `host`, whether or not it builds differently there."""
     plan_bytes: Callable[[int, int], int]
     """(parameter elements, d_model) -> bytes of state the memory plan counts for them."""
     matrices: bool = False

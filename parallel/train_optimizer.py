@@ -95,8 +95,7 @@ class TrainOptimizer:
                            "weight_decay": wd} for sharded in (False, True)]
                 groups = [g for g in groups if g["params"]]
                 if groups:
-                    built = self.kind.build(groups, cfg, host=True) if offload else self.kind.build(groups, cfg)
-                    self.optimizers.append(built)
+                    self.optimizers.append(self.kind.build(groups, cfg, host=offload))
         self._optimizer_of = {id(t): o for o in self.optimizers for g in o.param_groups for t in g["params"]}
         self._stream = torch.cuda.Stream() if offload and self.cuda else None
         leaf_of_held = {id(leaf.held): leaf for leaf in self._all_leaves()}

@@ -42,7 +42,7 @@ def plan_for(parallel: dict, sync: dict | None = None, global_batch: int = BATCH
     return make_plan(parse_spec(tiny_spec(steps=STEPS, global_batch=global_batch, parallel=par, **spec)))
 
 
-def _sgd(groups, cfg):
+def _sgd(groups, cfg, host=False):
     return torch.optim.SGD(groups, lr=cfg.lr)
 
 
