@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, dashboard: 
         ctx = ray.init(address=address, namespace=NAMESPACE)
         return RayInfo(address=address, dashboard_url=_url(ctx.dashboard_url), embedded=False)
     os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet that ray.init starts
-    with _daemons_in_their_own_process_group():
+    with _daemons_in_their_own_process_group(), _agent_port_clear_of_other_clusters():
         ctx = ray.init(
             address="local",  # a cluster of its own, even where a `ray start` of someone else's runs here
             num_cpus=num_cpus or max(os.cpu_count() or 1, MIN_EMBEDDED_CPUS),
@@ -107,6 +108,44 @@ def _daemons_in_their_own_process_group() -> Iterator[None]:
         yield
     finally:
         services.ConsolePopen = original
+
+
+@contextlib.contextmanager
+def _agent_port_clear_of_other_clusters() -> Iterator[None]:
+    """While it lasts, a cluster that `ray.init` starts gives its dashboard agent any free port when the fixed
+    default (52365) is taken, as it is by any other Ray running on the machine (a `ray start`, another service,
+    a test session's). `ray.init` has no argument for that port, and on a taken one the agent retried for 3.4 s,
+    which the raylet, and so the service's start, waited for, and then ran without its HTTP server. Through
+    `ray._private.parameter.RayParams`, the class `ray.init` describes a new node with (private: if it moves,
+    the port stays Ray's default, as before). The agent's gRPC port, the one the log API reads through, is
+    random anyway."""
+    parameter = getattr(getattr(ray, "_private", None), "parameter", None)
+    original = getattr(parameter, "RayParams", None)
+    default = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    port = getattr(default, "DEFAULT_DASHBOARD_AGENT_LISTEN_PORT", None)
+    if original is None or port is None or _port_free(port):
+        yield
+        return
+
+    class AnyAgentPort(original):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("dashboard_agent_listen_port", None)  # Ray's node start then binds port 0
+            super().__init__(*args, **kwargs)
+
+    parameter.RayParams = AnyAgentPort
+    try:
+        yield
+    finally:
+        parameter.RayParams = original
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def cluster_resources() -> ClusterResources:

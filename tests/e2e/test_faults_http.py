@@ -1,8 +1,9 @@
-"""Lose a worker, lose nothing, through the real service (uvicorn, Ray, gloo): fault drills kill or hang a
-rank of a (pp=2) job that checkpoints every three steps, or kill its coordinator, or kill a rank and then
-another during that recovery (fault.max_failures=2); the job recovers from its latest checkpoint and ends
-SUCCEEDED with losses and final weights bit-identical to an uninterrupted run, and its events list the
-failures and the recovery time."""
+"""Lose a worker, lose nothing, through the real service (uvicorn, Ray, gloo): fault drills hang a rank of a
+(pp=2) job that checkpoints every three steps, or kill its coordinator, or kill a rank and then another during
+that recovery (fault.max_failures=2); the job recovers from its latest checkpoint and ends SUCCEEDED with losses
+and final weights bit-identical to an uninterrupted run, and its events list the failures and the recovery time.
+(The plain kill of one rank is the "twice" drill's first failure: a drill of its own would be a fifth job, one
+more than the test cluster's 8 CPUs run at once, for no claim that drill does not check.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"eve
                  fault={"max_failures": 2, "hang_floor_s": 30, "from_replica": False})  # the checkpoint path
 HANG_FLOOR_S = 3
 """The hang drill's job only: a step that waits on another job's start is no hang of the others."""
-DRILLS = {"kill": [("kill_worker", 1, 4)], "hang": [("hang_worker", 0, 4)], "coordinator": [("kill_coordinator", 0, 4)],
+DRILLS = {"hang": [("hang_worker", 0, 4)], "coordinator": [("kill_coordinator", 0, 4)],
           # a failure during a recovery is one more failure, not the end: rank 1 dies at step 4, then rank 0 while
           # the ranks load the checkpoint in that recovery (before, the second failure failed the job: the
           # recovery ran inside the handler of the first)
@@ -28,8 +29,8 @@ DRILLS = {"kill": [("kill_worker", 1, 4)], "hang": [("hang_worker", 0, 4)], "coo
 
 @pytest.fixture(scope="module")
 def runs(service) -> dict[str, tuple[dict, list[dict]]]:
-    """Every drill's job and an uninterrupted one, submitted at once (two run at a time, the others queue: one
-    job's startup or recovery overlaps another's steps); each drill is scheduled once its job runs."""
+    """Every drill's job and an uninterrupted one, submitted at once (four pp=2 jobs: the test cluster's 8 CPUs
+    run them side by side); each drill is scheduled once its job runs."""
     client = service.client()
     jobs = {name: client.submit({**SPEC, "name": name} | ({"fault": {**SPEC["fault"], "hang_floor_s": HANG_FLOOR_S}}
                                                           if name == "hang" else {}))
@@ -59,25 +60,29 @@ def test_the_job_recovers_bit_identically(runs, drill, client, tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
-@pytest.mark.parametrize("drill", ["kill", "hang", "coordinator"])
+def _check_first_failure(events: list[dict], failure: dict, cause: str) -> None:
+    """The drill struck as its rank started step 4 (its peers may notice while they finish step 3: then no step is
+    lost), the job went back to the checkpoint of step 3 and took less than two minutes to recover."""
+    assert failure["restore_step"] == 3 and failure["step"] in (3, 4)
+    assert failure["steps_lost"] == failure["step"] - 3
+    assert cause in failure["cause"]
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert len(recovered) == 1 and 0 < recovered[0]["recovery_s"] < 120
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3, 6]
+
+
+@pytest.mark.parametrize("drill", ["hang", "coordinator"])
 def test_events_list_the_failure_and_the_recovery_time(runs, drill, client):
     job, _ = runs[drill]
     events = client._call("GET", f"/api/jobs/{job['job_id']}/events")
     failures = [e for e in events if e["kind"] == "failure"]
-    recovered = [e for e in events if e["kind"] == "recovered"]
-    assert len(failures) == 1 and len(recovered) == 1
+    assert len(failures) == 1
     failure, rank = failures[0], DRILLS[drill][0][1]
     if drill == "coordinator":  # no rank failed; all died with the coordinator that owned them
         assert failure["ranks"] == [] and "the coordinator died" in failure["cause"]
     else:
-        assert failure["ranks"] == [rank] or drill == "hang"  # a hang also stalls the ranks on it
-        assert rank in failure["ranks"]
-    # The rank fails as it starts step 4; its peers may notice while they finish step 3 (then no step is lost).
-    assert failure["restore_step"] == 3 and failure["step"] in (3, 4)
-    assert failure["steps_lost"] == failure["step"] - 3
-    assert ("hung" if drill == "hang" else "died") in failure["cause"]
-    assert 0 < recovered[0]["recovery_s"] < 120
-    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3, 6]
+        assert rank in failure["ranks"]  # with its peers: a hang stalls the ranks waiting on it too
+    _check_first_failure(events, failure, "hung" if drill == "hang" else "died")
 
 
 def test_a_rank_killed_during_a_recovery_is_recovered_from_too(runs, client):
@@ -85,11 +90,12 @@ def test_a_rank_killed_during_a_recovery_is_recovered_from_too(runs, client):
     events = client.events(job["job_id"])
     failures = [e for e in events if e["kind"] == "failure"]
     assert [f["failure"] for f in failures] == [1, 2]
-    assert 1 in failures[0]["ranks"] and "died" in failures[0]["cause"]
-    assert failures[1]["ranks"] == [0] and "loading the checkpoint of step 3" in failures[1]["cause"]
-    assert all(f["restore_step"] == 3 for f in failures)
+    assert failures[0]["ranks"] == [1]  # the kill at step 4 ...
+    _check_first_failure(events, failures[0], "died")
+    assert failures[1]["ranks"] == [0] and "loading the checkpoint of step 3" in failures[1]["cause"]  # ... and then
+    assert failures[1]["restore_step"] == 3
     recovered = [e for e in events if e["kind"] == "recovered"]
-    assert len(recovered) == 1 and recovered[0]["failure"] == 2
+    assert recovered[0]["failure"] == 2  # one recovery, from both
 
 
 def test_drills_are_refused_unless_the_service_allows_them(ray_session, tmp_path):

@@ -13,15 +13,28 @@ from trainyard.service.store import JobRecord, JobStore
 
 
 def test_jobs_live_when_the_service_died_are_queued_again_on_start(ray_session, tmp_path):
+    """... and a job that had ended is kept as it was, its metrics rows and events too."""
     store = JobStore(tmp_path / "jobs.db")
     store.insert(JobRecord(job_id="orphan", name="x", status=JobStatus.RUNNING, spec=tiny_spec(), steps=4,
                            needs={"bundle": {"CPU": 1.0}, "count": 1}))
+    store.insert(JobRecord(job_id="ended", name="y", status=JobStatus.SUCCEEDED, spec=tiny_spec(), steps=2, step=2,
+                           needs={"bundle": {"CPU": 1.0}, "count": 1}, ended_at=1.0,
+                           events=[{"time": 1.0, "kind": "checkpoint", "step": 2}]))
+    rows = [{"step": i, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 900.0, "step_time_s": 0.1}
+            for i, loss in enumerate((5.5, 5.25))]
+    store.add_metrics("ended", rows)
     store.close()
     svc = start_service(tmp_path, admit=False)  # keep it queued, to look at it
     try:
-        job = svc.client().job("orphan")
+        client = svc.client()
+        job = client.job("orphan")
         assert job["status"] == "PENDING" and job["queue_position"] == 1 and job["error"] is None
         assert svc.manager.events("orphan")[-1]["kind"] == "interrupted"
+        ended = client.job("ended")
+        assert (ended["status"], ended["step"], ended["ended_at"], ended["queue_position"]) == ("SUCCEEDED", 2, 1.0,
+                                                                                                 None)
+        assert [{k: v for k, v in r.items() if v is not None} for r in client.metrics("ended")] == rows
+        assert client.events("ended") == [{"time": 1.0, "kind": "checkpoint", "step": 2}]
     finally:
         svc.shutdown()
 
