@@ -92,23 +92,33 @@ def test_two_jobs_that_cannot_run_together_run_one_after_the_other_in_priority_o
 
 
 def test_waiting_jobs_are_still_waiting_after_a_restart_and_then_run(ray_session, tmp_path):
+    """... and a job admitted but never started (the service died between reserving its resources and starting
+    it) is queued again and runs too."""
     svc = start_service(tmp_path, admit=False)
     ids = {p: svc.client().submit(tiny_spec(steps=2, name=f"p{p}", priority=p)) for p in (0, 2, 1)}
     svc.shutdown()
+    store = JobStore(tmp_path / "jobs.db")
+    store.insert(JobRecord(job_id="admitted", name="x", status=JobStatus.PENDING, spec=tiny_spec(steps=2), steps=2,
+                           needs={"bundle": {"CPU": 1.0}, "count": 1}))
+    assert store.claim("admitted")
+    store.close()
 
     svc = start_service(tmp_path, admit=False)
     try:
         jobs = {p: svc.client().job(i) for p, i in ids.items()}
         assert {p: (j["status"], j["queue_position"]) for p, j in jobs.items()} == {
             2: ("PENDING", 1), 1: ("PENDING", 2), 0: ("PENDING", 3)}
+        assert svc.client().job("admitted")["queue_position"] == 4
     finally:
         svc.shutdown()
 
     svc = start_service(tmp_path)
     try:
-        done = {p: wait_terminal(svc.client(), i) for p, i in ids.items()}
+        done = {p: wait_terminal(svc.client(), i) for p, i in {**ids, "admitted": "admitted"}.items()}
         assert {j["status"] for j in done.values()} == {"SUCCEEDED"}
         assert done[2]["admitted_at"] < done[1]["admitted_at"] < done[0]["admitted_at"]
+        interrupted = [e for e in svc.client().events("admitted") if e["kind"] == "interrupted"]
+        assert len(interrupted) == 1 and "while the job was being started" in interrupted[0]["cause"]
     finally:
         svc.shutdown()
 
@@ -200,19 +210,3 @@ def test_a_stop_racing_admission_never_leaks_a_coordinator_or_a_placement_group(
     groups = [pg for pg in ray.util.placement_group_table().values() if pg["name"].split("/")[-1] in ids]
     wait_for(lambda: all(ray.util.placement_group_table()[pg["placement_group_id"]]["state"] == "REMOVED"
                          for pg in groups), 60, "placement groups to be removed")
-
-
-def test_a_job_admitted_but_never_started_is_queued_again_after_a_restart(ray_session, tmp_path):
-    store = JobStore(tmp_path / "jobs.db")
-    store.insert(JobRecord(job_id="admitted", name="x", status=JobStatus.PENDING, spec=tiny_spec(steps=2), steps=2,
-                           needs={"bundle": {"CPU": 1.0}, "count": 1}))
-    assert store.claim("admitted")  # the service died between reserving its resources and starting it
-    store.close()
-    svc = start_service(tmp_path)
-    try:
-        job = wait_terminal(svc.client(), "admitted")
-        assert job["status"] == "SUCCEEDED"
-        interrupted = [e for e in svc.client().events("admitted") if e["kind"] == "interrupted"]
-        assert len(interrupted) == 1 and "while the job was being started" in interrupted[0]["cause"]
-    finally:
-        svc.shutdown()
