@@ -53,13 +53,14 @@ def _no_service_left_behind():
             stop(proc, signal.SIGTERM, 120)
 
 
-def start_serve(state: Path, log: Path, ray_address: str | None = None) -> tuple[subprocess.Popen, Client]:
-    """`trainyard serve` in a subprocess on a free port: an embedded Ray (4 CPUs), or joining `ray_address`."""
+def start_serve(state: Path, log: Path, ray_address: str | None = None, cpus: int = 4
+                ) -> tuple[subprocess.Popen, Client]:
+    """`trainyard serve` in a subprocess on a free port: an embedded Ray (`cpus` CPUs), or joining `ray_address`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # tests only: the product keeps Ray's token auth on
-    where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", "4"]
+    where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", str(cpus)]
     # A session of its own, as systemd runs a service: a signal to its process group reaches nothing of ours.
     proc = subprocess.Popen([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(state), "serve",
                              "--port", str(port), *where], cwd=REPO, env=env, stdout=log.open("ab"),
@@ -87,13 +88,13 @@ def _weights(client: Client, job_id: str, where: Path) -> dict:
 
 def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, client: Client,
                    ray_address: str | None = None,
-                   while_down: Callable[[int, int, list[int], int], None] | None = None
+                   while_down: Callable[[int, int, list[int], int], None] | None = None, last_cpus: int = 4
                    ) -> tuple[subprocess.Popen, Client]:
     """SIGTERM the service once the job made 15 more steps, start it again, SIGKILL it 15 steps later, start it
-    again; returns the new service. (After a SIGTERM the service's step of a job is the step of its final
-    checkpoint, which it goes on from: 15 more steps after a restart are steps the new coordinator ran.)
-    `while_down(signal, exit code, the old service's
-    processes, the job's last step the service reported)` runs while no service is up."""
+    again (an embedded Ray of `last_cpus` CPUs that time); returns the new service. (After a SIGTERM the service's
+    step of a job is the step of its final checkpoint, which it goes on from: 15 more steps after a restart are
+    steps the new coordinator ran.) `while_down(signal, exit code, the old service's processes, the job's last step
+    the service reported)` runs while no service is up."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         running, past = client, client.job(job_id)["step"] + 15
         wait_for(lambda c=running, p=past: c.job(job_id)["step"] >= p, 300, f"the job to pass step {past}")
@@ -107,7 +108,7 @@ def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, 
         if while_down is not None:
             while_down(sig, code, ours, seen)
         # After SIGKILL, the embedded Ray's daemons are orphans until the next start removes them.
-        proc, client = start_serve(state, log, ray_address)
+        proc, client = start_serve(state, log, ray_address, last_cpus if sig == signal.SIGKILL else 4)
         wait_for(lambda o=ours: not any(alive(p) for p in o), 60, "the old service's processes to exit")
     return proc, client
 
@@ -148,10 +149,11 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(service, tmp_pat
         waiting = client.submit(tiny_spec(steps=3, name="waiting", resources={"cpus_per_worker": 3}))
         wait_for(lambda: client.job(job_id)["step"] >= 1, 180, f"job {job_id} to run")
         assert client.job(waiting)["queue_position"] == 1
-        proc, client = _restart_twice(state, log, job_id, proc, client, while_down=after_sigterm)
+        # The last start has a CPU more: the waiting job runs beside the survivor once both are queued again.
+        proc, client = _restart_twice(state, log, job_id, proc, client, while_down=after_sigterm, last_cpus=5)
         job = wait_terminal(client, job_id, 300)
         assert job["status"] == "SUCCEEDED", job["error"]
-        assert wait_terminal(client, waiting)["status"] == "SUCCEEDED"  # it waited through both restarts
+        assert wait_terminal(client, waiting)["status"] == "SUCCEEDED"  # it waited through the restarts, then ran
         assert {j["job_id"] for j in client.jobs()} == {job_id, waiting}
         assert wait_terminal(uninterrupted, reference)["status"] == "SUCCEEDED"
         assert _losses(client, job_id) == _losses(uninterrupted, reference)
