@@ -73,7 +73,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, dashboard: 
         ctx = ray.init(address=address, namespace=NAMESPACE)
         return RayInfo(address=address, dashboard_url=_url(ctx.dashboard_url), embedded=False)
     os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet that ray.init starts
-    with _daemons_in_their_own_process_group(), _agent_port_clear_of_other_clusters():
+    with _daemons_in_their_own_process_group(), agent_port_clear_of_other_clusters():
         ctx = ray.init(
             address="local",  # a cluster of its own, even where a `ray start` of someone else's runs here
             num_cpus=num_cpus or max(os.cpu_count() or 1, MIN_EMBEDDED_CPUS),
@@ -111,11 +111,12 @@ def _daemons_in_their_own_process_group() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _agent_port_clear_of_other_clusters() -> Iterator[None]:
+def agent_port_clear_of_other_clusters() -> Iterator[None]:
     """While it lasts, a cluster that `ray.init` starts gives its dashboard agent any free port when the fixed
     default (52365) is taken, as it is by any other Ray running on the machine (a `ray start`, another service,
     a test session's). `ray.init` has no argument for that port, and on a taken one the agent retried for 3.4 s,
-    which the raylet, and so the service's start, waited for, and then ran without its HTTP server. Through
+    which the raylet, and so the service's start, waited for, and then ran without its HTTP server: Ray's log API
+    then answered "Agent for node id ... doesn't exist", and `trainyard logs` had no lines. Through
     `ray._private.parameter.RayParams`, the class `ray.init` describes a new node with (private: if it moves,
     the port stays Ray's default, as before). The agent's gRPC port, the one the log API reads through, is
     random anyway."""

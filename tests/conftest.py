@@ -16,14 +16,17 @@ from helpers import wait_for
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     import ray
+    from trainyard.service.ray_runtime import agent_port_clear_of_other_clusters
 
     os.environ["RAY_AUTH_MODE"] = "disabled"  # tests only: the product keeps Ray's token auth on
     # The dashboard serves Ray's log API, which the logs endpoint reads, as in the product's embedded Ray. Metrics
     # reach Ray's Prometheus export every 2 s instead of 10 (the export test waits for them). A Ray of its own, as
-    # the product's embedded one: `address=None` would join whatever RAY_ADDRESS or /tmp/ray/ray_current_cluster
-    # names (a `ray start` on the machine, or one that died and left the file), and fail on `num_cpus`.
-    ray.init(address="local", num_cpus=8, object_store_memory=100 * 1024 * 1024, include_dashboard=True,
-             namespace="trainyard", log_to_driver=False, _system_config={"metrics_report_interval_ms": 2000})
+    # the product's embedded one, also where another Ray runs on the machine: `address=None` would join whatever
+    # RAY_ADDRESS or /tmp/ray/ray_current_cluster names (a `ray start`, or one that died and left the file) and
+    # fail on `num_cpus`; and its dashboard agent needs a port of its own, or the log API finds no agent.
+    with agent_port_clear_of_other_clusters():
+        ray.init(address="local", num_cpus=8, object_store_memory=100 * 1024 * 1024, include_dashboard=True,
+                 namespace="trainyard", log_to_driver=False, _system_config={"metrics_report_interval_ms": 2000})
     yield
     ray.shutdown()
 

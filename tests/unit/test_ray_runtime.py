@@ -13,7 +13,7 @@ DEFAULT = ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
 
 
 def _agent_port() -> int | None:
-    with ray_runtime._agent_port_clear_of_other_clusters():
+    with ray_runtime.agent_port_clear_of_other_clusters():
         return parameter.RayParams().dashboard_agent_listen_port
 
 
