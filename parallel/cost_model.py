@@ -17,6 +17,10 @@ activation per micro-batch between pipeline stages; every local gradient once pe
 that change the time in their own way are one line each in `OPTION_EXTRAS` (a new `parallel.zero` level or
 an offload adds its entry there). The fixed costs and the contention are measured, not written here; before a
 node type is calibrated (`default_gpu_costs`) a block's fixed cost is OPS_PER_BLOCK kernels' latency.
+On a node whose ranks share CPU cores (a measured `contention`), a collective is CPU work on those same cores:
+it is slowed as compute is, by the node's slowdown over the one it was measured at (`comm_share`), and the
+data-parallel reduction hides behind nothing, since no core is idle to run it during the backward (on this
+2-core machine 4 ranks measured up to 2.6x their prediction before: BENCHMARKS.md, section `planner`).
 Ignored: kernel fusion and overlap inside a chunk, stragglers, contention between groups sharing a link, the
 first step's warm-up. Pure arithmetic: no torch.
 """
@@ -130,6 +134,11 @@ class MachineCosts:
                             inter_node_factor=d.get("inter_node_factor", 1.0), measured=d.get("measured", {}),
                             contention=tuple(d.get("contention", ())), **fixed, **fits)
 
+    def comm_share(self, ranks: int) -> float:
+        """How much slower collectives run with `ranks` ranks on one node than at the world they were measured
+        at: on shared CPU cores as compute is (1 where each rank has its own device)."""
+        return self.slowdown(ranks) / self.slowdown(self.world) if self.contention else 1.0
+
     def collective(self, kind: str, nbytes: float, n: int, spans_nodes: bool = False) -> float:
         """One collective of `n` ranks moving `nbytes` per rank, scaled from the measured world by the ring's
         traffic: all-reduce 2(n-1)/n, all-to-all (n-1)/n, all-gather / reduce-scatter (n-1)/n."""
@@ -185,6 +194,8 @@ class ExtraContext:
     optimizer_elements: int
     activation_bytes: int
     """Activation bytes of one micro-batch through the slowest chunk."""
+    comm_share: float = 1.0
+    """The factor on every collective and copy of this layout (`MachineCosts.comm_share`)."""
 
 
 OPTION_EXTRAS: dict[tuple[str, object], Callable[[ExtraContext], tuple[str, float]]] = {
@@ -192,19 +203,20 @@ OPTION_EXTRAS: dict[tuple[str, object], Callable[[ExtraContext], tuple[str, floa
     ("parallel.zero", 1): lambda c: ("zero parameter all-gather", _param_gather(c)),
     ("parallel.zero", 2): lambda c: ("zero parameter all-gather", _param_gather(c)),
     # ZeRO-3 gathers every parameter before each micro-batch's forward and again before its backward
-    ("parallel.zero", 3): lambda c: ("zero-3 parameter gathers", 2 * c.layout.microbatches * c.layout.vpp * c.machine
-                                     .collective("allgather", 4 * c.params / c.layout.vpp, c.layout.dp)),
+    ("parallel.zero", 3): lambda c: ("zero-3 parameter gathers", 2 * c.layout.microbatches * c.layout.vpp
+                                     * c.comm_share * c.machine.collective("allgather", 4 * c.params / c.layout.vpp,
+                                                                           c.layout.dp)),
     # the optimizer steps on the host: the gradients go down and the parameters come back over the host link
-    ("optimizer.offload", True): lambda c: ("optimizer offload", 2 * c.machine.p2p.time(4 * c.params)),
+    ("optimizer.offload", True): lambda c: ("optimizer offload", 2 * c.comm_share * c.machine.p2p.time(4 * c.params)),
     # each micro-batch's activations go to the host after its forward and come back before its backward
     ("activation_offload", True): lambda c: ("activation offload", 2 * c.layout.microbatches * c.layout.vpp
-                                             * c.machine.p2p.time(c.activation_bytes)),
+                                             * c.comm_share * c.machine.p2p.time(c.activation_bytes)),
 }
 """(dotted option, value) -> (name, seconds per step) the option adds; one line per option that needs one."""
 
 
 def _param_gather(c: ExtraContext) -> float:
-    return c.machine.collective("allgather", 4 * c.params, c.layout.dp)
+    return c.comm_share * c.machine.collective("allgather", 4 * c.params, c.layout.dp)
 
 
 def option_value(config: JobConfig, path: str) -> object:
@@ -229,7 +241,8 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     heaviest = max(range(n_stages), key=lambda v: per_stage[v] * block_fwd + (head_fwd if v == n_stages - 1 else 0))
     blocks = per_stage[heaviest]
     flops = (blocks * block_fwd + (head_fwd if heaviest == n_stages - 1 else 0)) * tokens / layout.tp
-    slow = machine.slowdown(min(layout.world_size, node_gpus or layout.world_size))  # ranks sharing a node
+    on_node = min(layout.world_size, node_gpus or layout.world_size)  # ranks sharing a node
+    slow, share = machine.slowdown(on_node), machine.comm_share(on_node)
     fixed_fwd, fixed_bwd = fixed_costs(machine, blocks, layout.tp, par.sp, layout.pp)
     recompute = RECOMPUTE_EXTRA.get(config.activation_checkpointing, 1.0)
     fwd = slow * (fixed_fwd + flops / machine.matmul.per_s)
@@ -237,28 +250,30 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
 
     within = node_gpus or layout.world_size
     act = tokens * m.d_model * act_bytes
-    tp_one = machine.collective("allreduce", act, layout.tp, spans_nodes=layout.tp > within)
+    tp_one = share * machine.collective("allreduce", act, layout.tp, spans_nodes=layout.tp > within)
     tp_f, tp_b = 2 * blocks * tp_one, (2 + 2 * (recompute >= 1)) * blocks * tp_one
     moe_blocks = sum(m.is_moe_block(b) for b in layout.stage_layers[heaviest]) if layout.stage_layers else 0
     ep_one = 0.0
     if m.moe is not None and layout.ep > 1:
         sent = tokens / layout.tp * m.moe.top_k * m.d_model * act_bytes
-        ep_one = machine.collective("alltoall", sent, layout.ep, spans_nodes=layout.ep * layout.tp > within)
+        ep_one = share * machine.collective("alltoall", sent, layout.ep, spans_nodes=layout.ep * layout.tp > within)
     ep_f, ep_b = 2 * moe_blocks * ep_one, 2 * moe_blocks * ep_one
     message = act / layout.tp if par.sp else act
-    comm = machine.p2p.time(message) * (1 if layout.dp * layout.tp * layout.pp <= within else 1 / machine
+    comm = share * machine.p2p.time(message) * (1 if layout.dp * layout.tp * layout.pp <= within else 1 / machine
                                         .inter_node_factor) if layout.pp > 1 else 0.0
 
     sizing = Sizing(layout, config)
     stages = dict.fromkeys((0, layout.pp // 2, layout.pp - 1))  # the embedding's, a middle one, the head's
     counts = max((param_counts(sizing, p) for p in stages), key=lambda c: c.total)
     grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
-    reduce = machine.collective("allreduce", grad_bytes, layout.dp, spans_nodes=layout.dp * layout.tp > within)
-    hidden = (bwd + tp_b) * layout.vpp if par.overlap_reduce else 0.0  # the last micro-batch's backward
+    reduce = share * machine.collective("allreduce", grad_bytes, layout.dp, spans_nodes=layout.dp * layout.tp > within)
+    # behind the last micro-batch's backward, unless the ranks' cores are all busy with it (shared CPU cores)
+    overlaps = par.overlap_reduce and not (machine.contention and slow > 1.0)
+    hidden = (bwd + tp_b) * layout.vpp if overlaps else 0.0
     dp_fixed = slow * machine.dp_step_s if layout.dp > 1 else 0.0
     elements = sharding_for(par.zero).optimizer_elements(counts.total, layout.dp)
     context = ExtraContext(layout=layout, config=config, machine=machine, params=counts.total,
-                           optimizer_elements=elements, activation_bytes=int(act * blocks * 8))
+                           optimizer_elements=elements, activation_bytes=int(act * blocks * 8), comm_share=share)
     extras = dict(hook(context) for (path, value), hook in OPTION_EXTRAS.items()
                   if option_value(config, path) == value)
     return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,

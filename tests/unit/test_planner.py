@@ -162,6 +162,26 @@ def test_compute_is_slowed_by_the_measured_contention_of_ranks_sharing_a_node():
     assert one_node.backward == pytest.approx(2 * own_nodes.backward)
 
 
+def test_collectives_on_shared_cpu_cores_are_slowed_as_compute_and_hide_behind_nothing():
+    """4 ranks on a 2-core node measured up to 2.6x their prediction (BENCHMARKS.md, section `planner`): gloo's
+    collectives are CPU work on the ranks' own busy cores. Where each rank has its own device, nothing changes."""
+    from trainyard.parallel.cost_model import step_costs
+
+    slow_link = dict(allreduce=Fit(1e-3, 1e8), p2p=Fit(1e-3, 1e8))
+    shared = replace(machine(**slow_link), contention=(1.0, 1.25, 1.6, 2.5), world=2)  # measured at 2 ranks
+    devices = machine(**slow_link)
+    assert shared.comm_share(2) == 1.0 and shared.comm_share(4) == pytest.approx(2.5 / 1.25)
+    assert devices.comm_share(4) == 1.0
+    cfg = replace(config(), parallel=replace(config().parallel, dp=2, tp=2))
+    no_overlap = replace(cfg, parallel=replace(cfg.parallel, overlap_reduce=False))
+    layout = make_plan(cfg).layout
+    on_cores, on_devices = step_costs(layout, cfg, shared, node_gpus=4), step_costs(layout, cfg, devices, node_gpus=4)
+    assert on_cores.tp_per_chunk == pytest.approx(2.0 * on_devices.tp_per_chunk)
+    reduce = step_costs(layout, no_overlap, devices, node_gpus=4).dp_exposed  # the whole reduction, not hidden
+    assert on_devices.dp_exposed < reduce  # behind the last backward (here wholly)
+    assert on_cores.dp_exposed == pytest.approx(2.0 * reduce)  # slowed as compute, and behind nothing
+
+
 def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
     from trainyard.parallel.cost_model import fixed_costs
 
