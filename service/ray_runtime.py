@@ -92,22 +92,12 @@ def _daemons_in_their_own_process_group() -> Iterator[None]:
     killed service still takes them along; through `ray._private.services.ConsolePopen`, the class Ray spawns
     its daemons with (private: if it ever moves, the daemons simply stay in the service's group)."""
     services = getattr(getattr(ray, "_private", None), "services", None)
-    original = getattr(services, "ConsolePopen", None)
     fate_sharing = sys.platform.startswith("linux") and ray._private.utils.detect_fate_sharing_support()
-    if original is None or not fate_sharing:
+    if getattr(services, "ConsolePopen", None) is None or not fate_sharing:
         yield
         return
-
-    class OwnGroupPopen(original):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("process_group", 0)
-            super().__init__(*args, **kwargs)
-
-    services.ConsolePopen = OwnGroupPopen
-    try:
+    with _constructed_with(services, "ConsolePopen", process_group=0):
         yield
-    finally:
-        services.ConsolePopen = original
 
 
 @contextlib.contextmanager
@@ -118,26 +108,32 @@ def agent_port_clear_of_other_clusters() -> Iterator[None]:
     which the raylet, and so the service's start, waited for, and then ran without its HTTP server: Ray's log API
     then answered "Agent for node id ... doesn't exist", and `trainyard logs` had no lines. Through
     `ray._private.parameter.RayParams`, the class `ray.init` describes a new node with (private: if it moves,
-    the port stays Ray's default, as before). The agent's gRPC port, the one the log API reads through, is
-    random anyway."""
+    the port stays Ray's default, as before). The agent's other (gRPC) port is random already."""
     parameter = getattr(getattr(ray, "_private", None), "parameter", None)
-    original = getattr(parameter, "RayParams", None)
     default = getattr(getattr(ray, "_private", None), "ray_constants", None)
     port = getattr(default, "DEFAULT_DASHBOARD_AGENT_LISTEN_PORT", None)
-    if original is None or port is None or _port_free(port):
+    if getattr(parameter, "RayParams", None) is None or port is None or _port_free(port):
         yield
         return
+    with _constructed_with(parameter, "RayParams", dashboard_agent_listen_port=None):  # Ray's start binds port 0
+        yield
 
-    class AnyAgentPort(original):
+
+@contextlib.contextmanager
+def _constructed_with(owner: object, name: str, **defaults: object) -> Iterator[None]:
+    """While it lasts, the class `owner.name` (one of Ray's private ones, looked up at each use) is a subclass
+    whose constructor takes `defaults` for the keyword arguments its caller does not pass."""
+    original = getattr(owner, name)
+
+    class WithDefaults(original):
         def __init__(self, *args, **kwargs):
-            kwargs.setdefault("dashboard_agent_listen_port", None)  # Ray's node start then binds port 0
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, **{**defaults, **kwargs})
 
-    parameter.RayParams = AnyAgentPort
+    setattr(owner, name, WithDefaults)
     try:
         yield
     finally:
-        parameter.RayParams = original
+        setattr(owner, name, original)
 
 
 def _port_free(port: int) -> bool:
