@@ -174,16 +174,18 @@ class OptimizerConfig:
     weight_decay: Annotated[float, Ge(0), Le(1e3)] = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms)."""
     beta1: Annotated[float, Ge(0), Le(1)] = 0.9
+    """AdamW's first-moment decay; sgd's momentum."""
     beta2: Annotated[float, Ge(0), Le(1)] = 0.95
     warmup_steps: Steps = 10
     """Linear warm-up from 0 to `lr`; afterwards cosine decay to `min_lr_ratio * lr` at the last step."""
     min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1
     grad_clip: Annotated[float, Ge(0), Le(1e9)] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
-    kind: Literal["adamw", "adamw8bit", "adafactor"] = "adamw"
+    kind: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
     """Which optimizer (`parallel.optimizers.OPTIMIZERS`): its update and the state it keeps per parameter.
     adamw8bit: AdamW with block-wise 8-bit moments (torchao); adafactor: factored second moments, no first
-    moment, update clipping, `lr` a step relative to each tensor's RMS (`parallel.adafactor`)."""
+    moment, update clipping, `lr` a step relative to each tensor's RMS (`parallel.adafactor`); sgd: SGD with
+    momentum `beta1` (0: plain SGD), linear in the gradient."""
     offload: bool = False
     """ZeRO-Offload: the optimizer's state lives in (pinned) host memory and its step runs on the CPU."""
 

@@ -179,7 +179,7 @@ def optimizer_elements(plan: Plan, counts: ParamCounts) -> int:
 
 def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
     """The optimizer's state for this rank's elements, by the registry (`parallel.optimizers`: AdamW 8 B per
-    element, adamw8bit about 2, adafactor about 8 / d_model): on the device, or with `optimizer.offload`
+    element, adamw8bit about 2, adafactor about 8 / d_model, sgd 4): on the device, or with `optimizer.offload`
     on the host."""
     return optimizer_kind(plan.config.optimizer).state_bytes(optimizer_elements(plan, counts),
                                                              plan.config.model.d_model)

@@ -18,6 +18,11 @@ parameter's name in the parameter's shape, fp32, in every layout: see `parallel.
   of a matrix factored into row and column means, O(rows + cols) fp32 per matrix (a vector keeps its full
   variance). The factoring is per local piece (a tensor-parallel
   shard, a ZeRO-1 slice cut into whole rows): see `parallel.optimizer_states`.
+- `sgd`: torch's SGD (foreach) with heavy-ball momentum `beta1` (0: plain SGD): one momentum buffer, fp32, 4 B
+  per element (kept, zeros, also at momentum 0, so that every layout's checkpoint has the same tensors). Weight
+  decay enters the gradient (torch's SGD), which without momentum is the same as decoupled decay. Its update is
+  linear in the gradient: with it and no clipping, averaging the replicas' parameters after a step
+  (`parallel.sync` at every=1) is averaging their gradients before it, the exact check of local SGD.
 
 Pure at import (the plan and the API read this without torch); the callables import torch when they run.
 """
@@ -60,6 +65,12 @@ def _build_adafactor(groups: list[dict], cfg: OptimizerConfig, host: bool = Fals
     return Adafactor(groups, lr=cfg.lr, scale_parameter=True)
 
 
+def _build_sgd(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1, foreach=True)
+
+
 @dataclass(frozen=True)
 class OptimizerKind:
     name: str
@@ -94,8 +105,10 @@ ADAMW8BIT = OptimizerKind(name="adamw8bit", state=("exp_avg", "exp_avg_sq"), bui
                           plan_bytes=lambda n, d: 2 * (n + FP32 * math.ceil(n / BLOCK_8BIT)))
 ADAFACTOR = OptimizerKind(name="adafactor", state=("exp_avg_sq",), build=_build_adafactor,
                           plan_bytes=_adafactor_bytes, matrices=True)
+SGD = OptimizerKind(name="sgd", state=("momentum_buffer",), build=_build_sgd, plan_bytes=lambda n, d: FP32 * n,
+                    identity_state=True)
 
-OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAMW8BIT, ADAFACTOR)}
+OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAMW8BIT, ADAFACTOR, SGD)}
 
 
 def optimizer_kind(cfg: OptimizerConfig) -> OptimizerKind:

@@ -150,7 +150,8 @@ class TrainOptimizer:
     def set_step(self, step: int) -> None:
         for o in self.optimizers:
             for state in o.state.values():
-                state["step"].fill_(step)
+                if "step" in state:  # SGD keeps no step counter
+                    state["step"].fill_(step)
 
     @torch.no_grad()
     def export(self) -> StateView:

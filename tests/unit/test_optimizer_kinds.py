@@ -10,7 +10,7 @@ import torch
 from trainyard.parallel.adafactor import Adafactor
 from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.optimizer_states import export, load, tensor_bytes
-from trainyard.parallel.optimizers import ADAFACTOR, ADAMW, ADAMW8BIT, OPTIMIZERS
+from trainyard.parallel.optimizers import ADAFACTOR, ADAMW, ADAMW8BIT, OPTIMIZERS, SGD
 from trainyard.parallel.train_optimizer import TrainOptimizer
 
 
@@ -28,7 +28,7 @@ def _stepped(kind: str, p: torch.nn.Parameter, steps: int = 2, **cfg) -> TrainOp
 
 
 def test_each_kind_keeps_the_state_bytes_the_registry_claims():
-    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "adafactor"}
+    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "adafactor", "sgd"}
     shape = (64, 256)
     n = shape[0] * shape[1]
     measured = {kind: _stepped(kind, _param(shape)).state_bytes()[0] for kind in OPTIMIZERS}
@@ -39,6 +39,33 @@ def test_each_kind_keeps_the_state_bytes_the_registry_claims():
     # factored: one fp32 per row and per column
     assert measured["adafactor"] == 4 * (shape[0] + shape[1])
     assert ADAFACTOR.state_bytes(n, d_model=shape[0]) >= measured["adafactor"]
+    assert measured["sgd"] == SGD.state_bytes(n) == 4 * n  # one momentum buffer
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_sgd_steps_as_torchs_sgd_and_its_momentum_round_trips(momentum):
+    """The outside reference: torch's SGD with the same momentum and (coupled) weight decay on a matrix, the
+    vector beside it without decay; then the momentum buffer through the checkpoint form and back."""
+    ours, theirs = [_param((8, 16)), _param((16,), seed=2)], [_param((8, 16)), _param((16,), seed=2)]
+    opt = TrainOptimizer([(p, p) for p in ours], OptimizerConfig(kind="sgd", lr=0.1, beta1=momentum))
+    ref = torch.optim.SGD([{"params": theirs[:1], "weight_decay": 0.1}, {"params": theirs[1:], "weight_decay": 0.0}],
+                          lr=0.1, momentum=momentum)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = b.grad = torch.randn(a.shape, generator=gen)
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    inner, p = opt.optimizers[0], ours[0]
+    opt.init_state()  # as before a checkpoint: at momentum 0 torch's SGD keeps no buffer of its own
+    saved = {k: v.clone() for k, v in export(SGD, inner, p).items()}
+    expected = ref.state[theirs[0]]["momentum_buffer"] if momentum else torch.zeros_like(p)  # kept, unused at 0
+    torch.testing.assert_close(saved["momentum_buffer"], expected)
+    inner.state[p]["momentum_buffer"].zero_()
+    load(SGD, inner, p, saved)
+    torch.testing.assert_close(inner.state[p]["momentum_buffer"], expected)
 
 
 def test_8bit_state_round_trips_through_the_checkpoint_form_as_torchao_quantizes_it():

@@ -73,7 +73,7 @@ def test_unknown_schedule_kind_is_refused():
 
 
 def test_unknown_optimizer_kind_is_refused():
-    assert "optimizer.kind" in [f for f, _ in spec_error(tiny_spec(optimizer={"kind": "sgd"}))]
+    assert "optimizer.kind" in [f for f, _ in spec_error(tiny_spec(optimizer={"kind": "lion"}))]
 
 
 def test_global_batch_must_divide_by_dp_times_microbatches():
