@@ -130,11 +130,14 @@ def _totals(run, plain) -> tuple[float, float, float | None]:
     return ours, base, ratio(ours, base)
 
 
-def sweep(steps: int, settings: dict[str, dict | None]) -> None:
+def sweep(steps: int, settings: dict[str, dict | None], optimizer: dict | None = None) -> None:
     """Print the end loss and bytes of the demo job at dp=2 under each `grad_compression` setting (None:
-    uncompressed), run side by side in one world: how BENCHMARKS.md's warm-up and rank sweep was measured."""
+    uncompressed), run side by side in one world: how BENCHMARKS.md's warm-up and rank sweep was measured.
+    `optimizer`: settings over the demo's `optimizer` section, for every run (e.g. `{"kind": "sgd", "lr": 0.1}`)."""
     names = list(settings)
-    plans = [_plan(steps, **({"parallel": {"grad_compression": c}} if c else {})) for c in settings.values()]
+    spec = yaml.safe_load(Path(DEMO).read_text())
+    more = {"optimizer": {**spec["optimizer"], **optimizer}} if optimizer else {}
+    plans = [_plan(steps, **more, **({"parallel": {"grad_compression": c}} if c else {})) for c in settings.values()]
     for name, result in zip(names, run_plans([PlanRun(plan) for plan in plans]), strict=True):
         losses, sent = _losses(result), [s["reduce_bytes"] for s in result[0].stats]
         print(f"{name}: {settings[name]}: loss (mean of last {TAIL}) {statistics.mean(losses[-TAIL:]):.4f}; "
@@ -156,8 +159,8 @@ def _compile_rows(ctx: BenchContext, results) -> list[Row]:
     return rows
 
 
-if __name__ == "__main__":  # python -m bench.savers_grads STEPS '{"name": {grad_compression} or null, ...}'
+if __name__ == "__main__":  # python -m bench.savers_grads STEPS '{"name": {grad_compression} or null, ...}' [OPTIMIZER]
     import json
     import sys
 
-    sweep(int(sys.argv[1]), json.loads(sys.argv[2]))
+    sweep(int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
