@@ -19,7 +19,8 @@ parameter's name in the parameter's shape, fp32, in every layout: see `parallel.
   variance). The factoring is per local piece (a tensor-parallel
   shard, a ZeRO-1 slice cut into whole rows): see `parallel.optimizer_states`.
 - `sgd`: torch's SGD (foreach) with heavy-ball momentum `beta1` (0: plain SGD): one momentum buffer, fp32, 4 B
-  per element (kept, zeros, also at momentum 0, so that every layout's checkpoint has the same tensors). Weight
+  per element (at momentum 0 a buffer of zeros, made with the optimizer and never read, so that the state, its
+  bytes and every checkpoint have the same tensors at any momentum). Weight
   decay enters the gradient (torch's SGD), which without momentum is the same as decoupled decay. Its update is
   linear in the gradient: with it and no clipping, averaging the replicas' parameters after a step
   (`parallel.sync` at every=1) is averaging their gradients before it, the exact check of local SGD.
@@ -68,7 +69,12 @@ def _build_adafactor(groups: list[dict], cfg: OptimizerConfig, host: bool = Fals
 def _build_sgd(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
     import torch
 
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1, foreach=True)
+    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1, foreach=True)
+    if cfg.beta1 == 0:  # torch's SGD then neither reads nor writes a buffer: zeros from the start, as the plan counts
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def test_sgd_steps_as_torchs_sgd_and_its_momentum_round_trips(momentum):
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
     inner, p = opt.optimizers[0], ours[0]
-    opt.init_state()  # as before a checkpoint: at momentum 0 torch's SGD keeps no buffer of its own
+    assert opt.state_bytes()[0] == SGD.state_bytes(sum(t.numel() for t in ours))  # at momentum 0 too (zeros)
     saved = {k: v.clone() for k, v in export(SGD, inner, p).items()}
     expected = ref.state[theirs[0]]["momentum_buffer"] if momentum else torch.zeros_like(p)  # kept, unused at 0
     torch.testing.assert_close(saved["momentum_buffer"], expected)
