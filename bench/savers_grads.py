@@ -38,7 +38,8 @@ def _plan(steps: int, **overrides) -> Plan:
     spec["data"]["path"] = str(REPO / spec["data"]["path"])
     spec["steps"] = steps
     parallel = {**spec["parallel"], **overrides.pop("parallel", {})}
-    return make_plan(parse_spec({**spec, **overrides, "parallel": parallel}))
+    optimizer = {**spec["optimizer"], **overrides.pop("optimizer", {})}
+    return make_plan(parse_spec({**spec, **overrides, "parallel": parallel, "optimizer": optimizer}))
 
 
 def _losses(results) -> list[float]:
@@ -135,9 +136,8 @@ def sweep(steps: int, settings: dict[str, dict | None], optimizer: dict | None =
     uncompressed), run side by side in one world: how BENCHMARKS.md's warm-up and rank sweep was measured.
     `optimizer`: settings over the demo's `optimizer` section, for every run (e.g. `{"kind": "sgd", "lr": 0.1}`)."""
     names = list(settings)
-    spec = yaml.safe_load(Path(DEMO).read_text())
-    more = {"optimizer": {**spec["optimizer"], **optimizer}} if optimizer else {}
-    plans = [_plan(steps, **more, **({"parallel": {"grad_compression": c}} if c else {})) for c in settings.values()]
+    plans = [_plan(steps, optimizer=optimizer or {}, **({"parallel": {"grad_compression": c}} if c else {}))
+             for c in settings.values()]
     for name, result in zip(names, run_plans([PlanRun(plan) for plan in plans]), strict=True):
         losses, sent = _losses(result), [s["reduce_bytes"] for s in result[0].stats]
         print(f"{name}: {settings[name]}: loss (mean of last {TAIL}) {statistics.mean(losses[-TAIL:]):.4f}; "

@@ -20,10 +20,10 @@ parameter's name in the parameter's shape, fp32, in every layout: see `parallel.
   shard, a ZeRO-1 slice cut into whole rows): see `parallel.optimizer_states`.
 - `sgd`: torch's SGD (foreach) with heavy-ball momentum `beta1` (0: plain SGD): one momentum buffer, fp32, 4 B
   per element (at momentum 0 a buffer of zeros, made with the optimizer and never read, so that the state, its
-  bytes and every checkpoint have the same tensors at any momentum). Weight
-  decay enters the gradient (torch's SGD), which without momentum is the same as decoupled decay. Its update is
-  linear in the gradient: with it and no clipping, averaging the replicas' parameters after a step
-  (`parallel.sync` at every=1) is averaging their gradients before it, the exact check of local SGD.
+  bytes and every checkpoint have the same tensors at any momentum). Weight decay enters the gradient (torch's
+  SGD), which without momentum is the same as decoupled decay. Its update is linear in the gradient: with it
+  and no clipping, averaging the replicas' parameters after a step (`parallel.sync` at every=1) is averaging
+  their gradients before it, the exact check of local SGD.
 
 Pure at import (the plan and the API read this without torch); the callables import torch when they run.
 """

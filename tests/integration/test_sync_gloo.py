@@ -1,10 +1,9 @@
 """Replicas that step apart (`parallel.sync`) on real gloo ranks, without Ray, all plans in one spawned world:
 
 - the exact checks: with an inner step linear in the gradient (`optimizer.kind: sgd`, with momentum, no
-  clipping) local_sgd every=1, and diloco
-  every=1 with outer_lr 1 and no momentum, equal all-reduce data parallelism within 1e-5 (averaging the
-  replicas' parameters after a step is then averaging their gradients before it; AdamW is not linear, so
-  there the three differ by design);
+  clipping) local_sgd every=1, and diloco every=1 with outer_lr 1 and no momentum, equal all-reduce data
+  parallelism within 1e-5 (averaging the replicas' parameters after a step is then averaging their gradients
+  before it; AdamW is not linear, so there the three differ by design);
 - diloco every=4 at (dp=2, pp=2) with AdamW matches a reference computed in one process: two replicas as two
   one-rank trainers, each stepping on its share of the global batch, and the outer Nesterov step written out
   by hand (not torch's SGD, which `parallel.sync` uses): losses and final parameters within 1e-5;
