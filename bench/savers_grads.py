@@ -131,12 +131,15 @@ def _totals(run, plain) -> tuple[float, float, float | None]:
     return ours, base, ratio(ours, base)
 
 
-def sweep(steps: int, settings: dict[str, dict | None], optimizer: dict | None = None) -> None:
+def sweep(steps: int, settings: dict[str, dict | None], optimizer: dict | None = None,
+          corpus: str | None = None) -> None:
     """Print the end loss and bytes of the demo job at dp=2 under each `grad_compression` setting (None:
     uncompressed), run side by side in one world: how BENCHMARKS.md's warm-up and rank sweep was measured.
-    `optimizer`: settings over the demo's `optimizer` section, for every run (e.g. `{"kind": "sgd", "lr": 0.1}`)."""
+    `optimizer`: settings over the demo's `optimizer` section, for every run (e.g. `{"kind": "sgd", "lr": 0.1}`);
+    `corpus`: a text file in place of the demo's corpus."""
     names = list(settings)
-    plans = [_plan(steps, optimizer=optimizer or {}, **({"parallel": {"grad_compression": c}} if c else {}))
+    data = {"data": {"kind": "text", "path": corpus}} if corpus else {}
+    plans = [_plan(steps, optimizer=optimizer or {}, **data, **({"parallel": {"grad_compression": c}} if c else {}))
              for c in settings.values()]
     for name, result in zip(names, run_plans([PlanRun(plan) for plan in plans]), strict=True):
         losses, sent = _losses(result), [s["reduce_bytes"] for s in result[0].stats]
@@ -159,8 +162,9 @@ def _compile_rows(ctx: BenchContext, results) -> list[Row]:
     return rows
 
 
-if __name__ == "__main__":  # python -m bench.savers_grads STEPS '{"name": {grad_compression} or null, ...}' [OPTIMIZER]
-    import json
+if __name__ == "__main__":  # python -m bench.savers_grads STEPS '{"name": {grad_compression} or null, ...}' [OPTIMIZER
+    import json  # [CORPUS]]
     import sys
 
-    sweep(int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
+    sweep(int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else None,
+          sys.argv[4] if len(sys.argv) > 4 else None)

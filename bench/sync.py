@@ -57,8 +57,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {  # name -> (parallel layout, sync)
 REFERENCE = {"dp=4": "allreduce dp=4", "dp=2 pp=2": "allreduce dp=2 pp=2"}
 
 
-def _plan(parallel: dict, sync: dict):
-    return make_plan(parse_spec({**SPEC, "parallel": {**parallel, **({"sync": sync} if sync else {})}}))
+def _plan(parallel: dict, sync: dict, corpus: str | None = None):
+    data = {"data": {"kind": "text", "path": corpus}} if corpus else {}
+    return make_plan(parse_spec({**SPEC, **data, "parallel": {**parallel, **({"sync": sync} if sync else {})}}))
 
 
 def measure(stats_by_rank: list[list[dict]]) -> dict[str, float]:
@@ -74,10 +75,12 @@ def measure(stats_by_rank: list[list[dict]]) -> dict[str, float]:
             "synced_loss": sum(synced) / len(synced), "bytes": sum(sent) / len(sent)}
 
 
-def run_section(ctx: BenchContext) -> list[Row]:
-    runs = [PlanRun(_plan(*layout), evaluate_after=EVALS) for layout in VARIANTS.values()]
+def run_section(ctx: BenchContext, corpus: str | None = None) -> list[Row]:
+    """Every variant (or those `--case` names, with their references), on the demo corpus or `corpus`."""
+    names = [n for n in VARIANTS if not ctx.cases or n in ctx.cases or n in REFERENCE.values()]
+    runs = [PlanRun(_plan(*VARIANTS[name], corpus), evaluate_after=EVALS) for name in names]
     results = run_plans(runs)
-    measured = {name: measure([r.stats for r in result]) for name, result in zip(VARIANTS, results, strict=True)}
+    measured = {name: measure([r.stats for r in result]) for name, result in zip(names, results, strict=True)}
     rows = []
     for name, m in measured.items():
         ref = measured[REFERENCE["dp=4" if name.endswith("dp=4") else "dp=2 pp=2"]]
@@ -95,3 +98,12 @@ def run_section(ctx: BenchContext) -> list[Row]:
                         f"{m['bytes'] / 2**10:.1f} KiB vs {ref['bytes'] / 2**10:.1f} KiB (ratio "
                         f"{m['bytes'] / ref['bytes']:.3f}); {STEPS} steps, global batch 16, equal tokens"))
     return rows
+
+
+if __name__ == "__main__":  # python -m bench.sync [CORPUS [VARIANT ...]]: the rows logged, nothing written
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    run_section(BenchContext(Path(tempfile.mkdtemp()), cases=tuple(sys.argv[2:])),
+                sys.argv[1] if len(sys.argv) > 1 else None)

@@ -122,27 +122,37 @@ def prune(root: Path, keep: int) -> None:
 
 
 def save(state: dict, root: Path, step: int, info: dict, group: dist.ProcessGroup | None,
-         is_writer: bool) -> None:
+         is_writer: bool, from_lowest_rank: bool = False) -> None:
     """Write `state` (this rank's part) as checkpoint `step` and, on the writer rank, commit it.
 
-    Collective over `group`. `info` goes into the manifest (config, anything a resuming job checks)."""
+    Collective over `group`. `info` goes into the manifest (config, anything a resuming job checks).
+    `from_lowest_rank`: a tensor that several ranks hold is written from the lowest of them (data-parallel
+    replica 0), not from whichever balances the writes (`_planner`)."""
     tmp = _fresh_tmp(root, step, group, is_writer)
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    dcp.save(state, checkpoint_id=tmp, process_group=group, planner=_planner(from_lowest_rank))
     if is_writer:
         commit(tmp, step_dir(root, step), {**info, "step": step})
 
 
+def _planner(from_lowest_rank: bool):
+    """DCP's default save planner. Its dedup writes each replicated tensor once, from the rank that balances the
+    writes: right when the replicas hold equal copies, a mix of replicas when they may not (local_sgd, diloco)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=from_lowest_rank)
+
+
 def start_async_save(state: dict, root: Path, step: int, info: dict, group: dist.ProcessGroup | None,
-                     is_writer: bool) -> Callable[[], None]:
+                     is_writer: bool, from_lowest_rank: bool = False) -> Callable[[], None]:
     """Begin saving `state` in the background (DCP async save: the state is staged, then written by a
     thread, which also commits it); returns `finish()`, which waits until it is committed and raises what
     went wrong. Collective over `group`."""
     tmp = _fresh_tmp(root, step, group, is_writer)
     import torch.distributed.checkpoint as dcp
 
-    pending = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+    pending = dcp.async_save(state, checkpoint_id=tmp, process_group=group, planner=_planner(from_lowest_rank))
     future = getattr(pending, "upload_completion", pending)  # a Future, or newer torch's AsyncSaveResponse
     done, errors = threading.Event(), []
 

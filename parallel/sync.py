@@ -10,9 +10,13 @@
   anchor (the parameters of the last sync); every replica then starts again from the new anchor.
 
 So the link between replicas carries the parameters once per `every` steps instead of the gradients every step.
-Each replica's inner optimizer state stays its own, except at the syncs a checkpoint follows: there the
-replicas also average it, so the checkpoint (which holds one copy of what the replicas share) is the whole
-state, and a resumed run follows the uninterrupted one exactly (both average at those steps).
+Each replica's inner optimizer state stays its own, except at the syncs a `checkpoint.every` checkpoint follows:
+there the replicas also average it, so the checkpoint (which holds one copy of what the replicas share) is the
+whole state, and a resumed run follows the uninterrupted one exactly (both average at those steps). The job's
+last checkpoint (after its last step, or a stop or resize between syncs, which syncs the parameters first:
+`syncs_before_save`) continues no run exactly (a longer job has another learning-rate schedule), so it spends
+no bytes on the moments: it holds data-parallel replica 0's (`checkpoint.save(from_lowest_rank=True)`), as a
+torchft replica that heals takes a live peer's.
 
 Replicas that fail alone (local_sgd, diloco): between syncs no replica waits on another, so when a rank dies
 its replica (its whole pp x tp group) is dropped from the round and the others go on stepping. The design,
@@ -76,10 +80,16 @@ def round_of(step: int, dp: int, dropped: dict[int, int]) -> tuple[tuple[int, ..
 
 
 def averages_optimizer_state(step: int, cfg: SyncConfig, checkpoint_every: int, steps: int) -> bool:
-    """Whether the sync after `step` also averages the replicas' inner optimizer state: a checkpoint follows it
-    (every `checkpoint_every` steps, and the final one)."""
+    """Whether the sync after `step` also averages the replicas' inner optimizer state: a `checkpoint_every`
+    checkpoint follows it, from which a resumed run must follow the uninterrupted one (not the final one)."""
     done = step + 1
-    return syncs_after(step, cfg, steps) and (done == steps or (checkpoint_every > 0 and done % checkpoint_every == 0))
+    return syncs_after(step, cfg, steps) and checkpoint_every > 0 and done % checkpoint_every == 0 and done < steps
+
+
+def syncs_before_save(steps_done: int, cfg: SyncConfig, steps: int) -> bool:
+    """Whether a checkpoint of the state after `steps_done` steps outside the schedule (a stop, a resize through a
+    checkpoint) must first synchronise the replicas' parameters: they step apart and last synced before it."""
+    return is_local(cfg) and steps_done > 0 and not syncs_after(steps_done - 1, cfg, steps)
 
 
 def cross_replica_bytes(cfg: SyncConfig, local_params: int, dp: int, wire_bytes: int = FP32) -> float:

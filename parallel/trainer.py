@@ -61,6 +61,7 @@ from trainyard.parallel.sync import (
     replica_group,
     saved_outer_state,
     syncs_after,
+    syncs_before_save,
 )
 from trainyard.parallel.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 from trainyard.parallel.train_optimizer import StateView, TrainOptimizer
@@ -314,13 +315,18 @@ class RankTrainer:
         the state is staged first and written by a thread: `finish_checkpoint` (called by the next save, and
         by the caller before the job ends) waits for the write and commits."""
         self.finish_checkpoint()
+        cfg = self.plan.config
+        if self.sync is not None and syncs_before_save(step, cfg.parallel.sync, cfg.steps):
+            self.sync.synchronise()  # a stop or resize between syncs: the checkpoint holds one model
         state, writer = self.checkpoint_state(), self.rank == 0
         self._state_view = None  # a load fills and takes it back; a save only reads it (and keeps no copy)
+        # local_sgd, diloco: replica 0's inner moments where the replicas' differ (`parallel.sync`)
+        lowest = self.local_sync
         if background:
-            finish = checkpoint.start_async_save(state, root, step, info, self.groups.checkpoint, writer)
+            finish = checkpoint.start_async_save(state, root, step, info, self.groups.checkpoint, writer, lowest)
             self._pending_checkpoint = (finish, root)
         else:
-            checkpoint.save(state, root, step, info, self.groups.checkpoint, writer)
+            checkpoint.save(state, root, step, info, self.groups.checkpoint, writer, lowest)
             self._committed(root)
 
     def finish_checkpoint(self) -> None:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -69,10 +70,18 @@ def drop_and_rejoin(driver, stats) -> dict:
     return out
 
 
+def stopped_between_syncs(root: str, driver, stats) -> dict:
+    """A stop after step 6 of a diloco every=4 job (its rounds end after steps 4 and 8): the final checkpoint, as
+    the coordinator takes it at the stop's boundary. This rank's state before and after it."""
+    before = _state(driver)
+    driver.final_checkpoint(Path(root), len(stats), {}, saved=False)
+    return {"before": before, "after": _state(driver), "root": root}
+
+
 def two_replicas_by_hand(driver, stats) -> dict:
     """The reference: replicas 0 and 1 of a dp=2 job as two one-rank trainers (this plan has half the global
     batch, so each steps on its share's mean gradient), H local AdamW steps each, then the outer step; the job
-    checkpoints at every sync, so the replicas also average their AdamW moments there."""
+    checkpoints at every sync, so the replicas also average their AdamW moments there, but for the last."""
     plan = driver.plan
     replicas = [driver.trainer_for(plan) for _ in range(2)]
     params = [[p for chunk in r.chunks for p in chunk.parameters()] for r in replicas]
@@ -88,7 +97,7 @@ def two_replicas_by_hand(driver, stats) -> dict:
         if (step + 1) % EVERY == 0:
             with torch.no_grad():
                 views = [r.optimizer.export() for r in replicas]  # the moments, in the checkpoint's form
-                for k in range(len(anchor)):
+                for k in range(len(anchor) if step + 1 < STEPS else 0):
                     moments = [view.state[params[i][k]] for i, view in enumerate(views)]
                     for key in ("exp_avg", "exp_avg_sq"):
                         mean = (moments[0][key] + moments[1][key]) / 2
@@ -129,6 +138,9 @@ def runs(tmp_path_factory) -> dict:
         ("by-hand", PlanRun(plan_for({"microbatches": 2}, global_batch=BATCH // 2), steps=range(0),
                             probe=two_replicas_by_hand)),
     ]
+    stop_root = str(tmp_path_factory.mktemp("stopped"))
+    named.append(("stopped", PlanRun(plan_for({"dp": 2}, DILOCO), steps=range(6), root=stop_root,
+                                     probe=partial(stopped_between_syncs, stop_root))))
     results = run_plans([run for _, run in named])
     return {key: r for (key, _), r in zip(named, results, strict=True)}
 
@@ -140,10 +152,10 @@ def test_synchronising_every_step_equals_all_reduce_with_a_linear_inner_step(run
     for rank in (0, 1):
         for name, p in reference[rank].probe.items():
             torch.testing.assert_close(local[rank].probe[name], p, rtol=1e-5, atol=1e-6)
-    # the replicas send their parameters once per step instead of their gradients: the same bytes here, but for
-    # the last step, whose sync (the final checkpoint follows it) averages SGD's momentum buffers too
+    # the replicas send their parameters once per step instead of their gradients: the same bytes, the last step's
+    # too (the final checkpoint takes replica 0's momentum buffers, not their average)
     sent, reduced = ([s["cross_replica_bytes"] for s in run[0].stats] for run in (local, reference))
-    assert sent[:-1] == reduced[:-1] and sent[-1] == 2 * reduced[-1]
+    assert sent == reduced
 
 
 def test_diloco_at_dp2_pp2_matches_two_replicas_and_the_outer_step_by_hand(runs):
@@ -156,6 +168,7 @@ def test_diloco_at_dp2_pp2_matches_two_replicas_and_the_outer_step_by_hand(runs)
     assert [b > 0 for b in sent] == [False, False, False, True] * 2  # parameters cross only at the syncs
     first_stage_params = sum(p.numel() for p in run[0].probe.values())
     assert sent[EVERY - 1] == 3 * 4 * first_stage_params  # parameters and, a checkpoint following, two moments
+    assert sent[-1] == 4 * first_stage_params  # the last step's: the parameters only
 
 
 def test_a_diloco_run_resumed_from_its_checkpoint_follows_it_exactly(runs):
@@ -175,3 +188,22 @@ def test_a_dropped_replica_sits_out_then_takes_the_live_replicas_state_in_the_sy
     live, dropped = by_rank[rank_of(1, 0, 0)]["losses"], by_rank[rank_of(1, 0, 1)]["losses"]
     assert all(loss is not None for loss in live)  # the live replica stepped throughout, the other did not
     assert [loss is None for loss in dropped] == [s in (2, 3) for s in range(STEPS)]
+
+
+def test_a_stop_between_syncs_checkpoints_one_model_with_replica_0s_moments(runs, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    zero, one = (r.probe for r in runs["stopped"])
+    params = [k for k in zero["before"] if k.startswith("model.")]
+    moments = [k for k in zero["before"] if k.startswith("optim.")]
+    assert not any(torch.equal(zero["before"][k], one["before"][k]) for k in params)  # two replicas stepped apart
+    for k in params:  # the stop synchronised them (the outer step): one model
+        torch.testing.assert_close(zero["after"][k], one["after"][k], rtol=0, atol=0)
+    dcp_to_torch_save(step_dir(Path(zero["root"]), 6), tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt")
+    for k in moments:  # their moments stay their own; the checkpoint holds replica 0's
+        assert not torch.equal(zero["after"][k], one["after"][k]), k
+        assert torch.equal(saved["optim"][k.removeprefix("optim.").rsplit(".", 1)[0]][k.rsplit(".", 1)[1]],
+                           zero["after"][k]), k
+    for k in params:
+        assert torch.equal(saved["model"][k.removeprefix("model.")], zero["after"][k]), k

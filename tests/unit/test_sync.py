@@ -9,13 +9,23 @@ from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import SyncConfig
 from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.present import describe
-from trainyard.parallel.sync import cross_replica_bytes, syncs_after
+from trainyard.parallel.sync import averages_optimizer_state, cross_replica_bytes, syncs_after, syncs_before_save
 
 
 def test_replicas_synchronise_every_h_steps_and_after_the_last():
     cfg = SyncConfig(kind="diloco", every=4)
     assert [s for s in range(10) if syncs_after(s, cfg, steps=10)] == [3, 7, 9]
     assert not any(syncs_after(s, SyncConfig(), steps=10) for s in range(10))  # allreduce syncs gradients
+
+
+def test_only_the_syncs_a_scheduled_checkpoint_follows_average_the_moments_and_a_stop_between_syncs_syncs():
+    cfg = SyncConfig(kind="diloco", every=4)
+    # checkpoint.every 8 over 16 steps: after step 8 (a resumed run must follow the uninterrupted one), not after
+    # the last, whose checkpoint continues no run exactly and takes replica 0's moments
+    assert [s for s in range(16) if averages_optimizer_state(s, cfg, 8, steps=16)] == [7]
+    assert not any(averages_optimizer_state(s, cfg, 0, steps=16) for s in range(16))
+    assert [n for n in range(17) if syncs_before_save(n, cfg, steps=16)] == [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15]
+    assert not any(syncs_before_save(n, SyncConfig(), steps=16) for n in range(17))
 
 
 def test_local_replicas_send_the_parameters_once_per_h_steps():
