@@ -54,7 +54,11 @@ async def run_steps(ctl: Controller) -> Outcome:
 
     done = ctl.start_step
     if ctl.stop:
-        return Cancelled()  # stopped before a step ran here: nothing new to checkpoint
+        # Stopped before a step ran here. The ranks' state is the checkpoint of `done`, or, after a recovery from a
+        # live replica or one that dropped a replica, steps no checkpoint holds: the final checkpoint keeps them.
+        if done > 0 and done not in checkpoint.committed_steps(Path(root)):
+            return AtBoundary(done, saved=False)
+        return Cancelled()
     if done >= cfg.steps:
         return AtBoundary(done, saved=False)
     start, refs = time.perf_counter(), submit(done)
@@ -120,13 +124,11 @@ async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
     """The final checkpoint, then (unless the service suspends the job) the model consolidated from it into one
     safetensors file."""
     root, cfg, plan = ctl.storage.checkpoint_root, ctl.plan.config, ctl.plan
-    if ctl.dropped:  # stopped while a replica sat out: it takes a live replica's state, so the checkpoint is one
-        live = min(d for d in range(plan.dp) if d not in ctl.dropped)
-        await ctl.group.call([w.take_replica_state.remote(
-            steps_done, plan.rank_of(plan.coords(r).pp, plan.coords(r).tp, live), plan.coords(r).dp in ctl.dropped)
-            for r, w in enumerate(ctl.group.workers)], "a live replica's state for the dropped one")
-        ctl.dropped = {}
-    await ctl.group.call([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved)
+    # Stopped while a replica sat out (local_sgd, diloco): the live replicas sync, and the others take a live
+    # one's state, as at a rejoin, so the checkpoint is one model.
+    live = tuple(d for d in range(plan.dp) if d not in ctl.dropped) if ctl.dropped else None
+    ctl.dropped = {}
+    await ctl.group.call([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved, live)
                           for w in ctl.group.workers], "the final checkpoint")
     if ctl.suspend:
         return Done()

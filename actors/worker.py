@@ -99,12 +99,14 @@ class Worker:
             self._step_failed = True
             raise
 
-    def final_checkpoint(self, root: str, steps_done: int, info: dict, saved: bool) -> float:
+    def final_checkpoint(self, root: str, steps_done: int, info: dict, saved: bool,
+                         live: tuple[int, ...] | None = None) -> float:
         """The state at the job's end as a checkpoint (unless the last step just saved it), every save
-        finished and committed; returns the seconds it took."""
+        finished and committed; returns the seconds it took. `live`: the replicas stepping while others sit
+        out (local_sgd, diloco)."""
         assert self.driver is not None
         with self._traceback_to_stderr("the final checkpoint"):
-            return self.driver.final_checkpoint(Path(root), steps_done, info, saved)
+            return self.driver.final_checkpoint(Path(root), steps_done, info, saved, live)
 
     def export_model(self, directory: str, steps_done: int, out: str) -> str:
         """The model of the checkpoint in `directory` as one safetensors file at `out` (`parallel.export`); its
@@ -142,12 +144,6 @@ class Worker:
         with self._traceback_to_stderr("taking the state after a resize"):
             self.driver.trainer.adopt_state(self._kept, step, source)
         self._kept = None
-
-    def take_replica_state(self, step: int, source: int, receiving: bool) -> None:
-        """local_sgd, diloco: a dropped replica's ranks take the state of a live one (`RankTrainer`'s)."""
-        assert self.driver is not None
-        with self._traceback_to_stderr("taking a live replica's state"):
-            self.driver.trainer.take_replica_state(step, source, receiving)
 
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into

@@ -101,12 +101,14 @@ class RankDriver:
         """Take parameters and optimizer state from the checkpoint of `step` (any layout may have written it)."""
         self.trainer.load_checkpoint(Path(directory), step)
 
-    def final_checkpoint(self, root: Path, steps_done: int, info: dict, saved: bool) -> float:
+    def final_checkpoint(self, root: Path, steps_done: int, info: dict, saved: bool,
+                         live: tuple[int, ...] | None = None) -> float:
         """The state at the job's end as a checkpoint (unless the last step just saved it), every save finished
-        and committed; the seconds it took."""
+        and committed; the seconds it took. `live`: local_sgd, diloco while replicas sit out, the others (see
+        `RankTrainer.save_checkpoint`)."""
         start = time.perf_counter()
         if not saved:
-            self.trainer.save_checkpoint(Path(root), steps_done, info)
+            self.trainer.save_checkpoint(Path(root), steps_done, info, live=live)
         self.trainer.finish_checkpoint()
         return time.perf_counter() - start
 

@@ -310,14 +310,20 @@ class RankTrainer:
             state["sync"] = dict(zip(self._sync_names, outer, strict=True))
         return state
 
-    def save_checkpoint(self, root: Path, step: int, info: dict, *, background: bool = False) -> None:
+    def save_checkpoint(self, root: Path, step: int, info: dict, *, background: bool = False,
+                        live: tuple[int, ...] | None = None) -> None:
         """Write the state after `step` steps as checkpoint `step` under root (collective). In the background,
         the state is staged first and written by a thread: `finish_checkpoint` (called by the next save, and
-        by the caller before the job ends) waits for the write and commits."""
+        by the caller before the job ends) waits for the write and commits. local_sgd, diloco: a save between
+        syncs (a stop, a resize) syncs first, over the `live` replicas when others sit out (`round_of`), which
+        then take the lowest live replica's state, as at a rejoin: the checkpoint holds one model."""
         self.finish_checkpoint()
         cfg = self.plan.config
         if self.sync is not None and syncs_before_save(step, cfg.parallel.sync, cfg.steps):
-            self.sync.synchronise()  # a stop or resize between syncs: the checkpoint holds one model
+            self.sync.synchronise(live=live, replica=self.coords.dp)
+        if self.sync is not None and live is not None and len(live) < self.plan.dp:
+            source = self.plan.rank_of(self.coords.pp, self.coords.tp, min(live))
+            self.take_replica_state(step, source, receiving=self.coords.dp not in live)
         state, writer = self.checkpoint_state(), self.rank == 0
         self._state_view = None  # a load fills and takes it back; a save only reads it (and keeps no copy)
         # local_sgd, diloco: replica 0's inner moments where the replicas' differ (`parallel.sync`)

@@ -8,7 +8,9 @@
 - Replicas that fail alone: a diloco job at dp=4 (no `fault` section) loses rank 2, the whole of replica 2, at
   step 10. Replica 2 is dropped from the round and the three others go on stepping (the rows' `replica_steps`
   show their counters moving while replica 2's stands still); it is rebuilt and rejoins in the next outer sync
-  (step 15's) from their state, and the job SUCCEEDS with every step's row once."""
+  (step 15's) from their state, and the job SUCCEEDS with every step's row once.
+- A stop during a recovery from a live replica keeps the steps no checkpoint holds: the job ends STOPPED with a
+  final checkpoint of the step it recovered to and its model."""
 
 from __future__ import annotations
 
@@ -88,3 +90,18 @@ def test_a_killed_rank_drops_its_replica_the_others_step_on_and_it_rejoins_at_th
     assert rejoined["steps_missed"] == [rejoins + 1 - standing.pop()]
     assert all(c == [s + 1] * 4 for s, c in counters.items() if s not in out), counters
     assert all(r["loss"] > 0 for r in rows)
+
+
+def test_a_stop_during_a_recovery_from_a_live_replica_keeps_the_steps_no_checkpoint_holds(service, client, tmp_path):
+    job_id = client.submit(tiny_spec(steps=100_000, parallel={"dp": 2}, name="stop-in-recovery"))
+    wait_for(lambda: client.job(job_id)["status"] == "RUNNING", 120, "the job to run")
+    client._call("POST", f"/api/jobs/{job_id}/faults", json={"kind": "kill_worker", "rank": 1, "at_step": 10})
+    wait_for(lambda: client.job(job_id)["status"] == "RECOVERING" or any(e["kind"] == "failure" for e in
+                                                                        client.events(job_id)), 120, "the failure")
+    client.stop(job_id)  # lands while the new rank takes the live replica's state (seconds), or just after
+    job = wait_terminal(client, job_id, timeout_s=120)
+    rows = client.metrics(job_id)
+    assert job["status"] == "STOPPED" and job["error"] is None
+    assert rows and job["step"] == rows[-1]["step"] + 1 >= 10  # before: STOPPED with neither checkpoint nor model
+    weights = load_file(str(client.download_model(job_id, tmp_path / MODEL_FILE)))
+    assert weights and all(torch.isfinite(t).all() for t in weights.values())

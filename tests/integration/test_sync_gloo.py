@@ -78,6 +78,18 @@ def stopped_between_syncs(root: str, driver, stats) -> dict:
     return {"before": before, "after": _state(driver), "root": root}
 
 
+def stopped_while_one_sat_out(root: str, driver, stats) -> dict:
+    """Replica 1 sits out step 2 (as after a failure), then the job stops after it, between syncs: the final
+    checkpoint, as the coordinator takes it with replica 0 alone live. This rank's state at the start, before
+    the stop and after it."""
+    out = {"start": _state(driver), "root": root}
+    for step in range(3):
+        driver.step(step, round_={"live": (0,), "rejoining": ()} if step == 2 else None)
+    out["before"] = _state(driver)
+    driver.final_checkpoint(Path(root), 3, {}, saved=False, live=(0,))
+    return out | {"after": _state(driver)}
+
+
 def two_replicas_by_hand(driver, stats) -> dict:
     """The reference: replicas 0 and 1 of a dp=2 job as two one-rank trainers (this plan has half the global
     batch, so each steps on its share's mean gradient), H local AdamW steps each, then the outer step; the job
@@ -141,6 +153,9 @@ def runs(tmp_path_factory) -> dict:
     stop_root = str(tmp_path_factory.mktemp("stopped"))
     named.append(("stopped", PlanRun(plan_for({"dp": 2}, DILOCO), steps=range(6), root=stop_root,
                                      probe=partial(stopped_between_syncs, stop_root))))
+    sat_out_root = str(tmp_path_factory.mktemp("stopped-sat-out"))
+    named.append(("stopped-sat-out", PlanRun(plan_for({"dp": 2}, DILOCO), steps=range(0), root=sat_out_root,
+                                             probe=partial(stopped_while_one_sat_out, sat_out_root))))
     results = run_plans([run for _, run in named])
     return {key: r for (key, _), r in zip(named, results, strict=True)}
 
@@ -205,5 +220,23 @@ def test_a_stop_between_syncs_checkpoints_one_model_with_replica_0s_moments(runs
         assert not torch.equal(zero["after"][k], one["after"][k]), k
         assert torch.equal(saved["optim"][k.removeprefix("optim.").rsplit(".", 1)[0]][k.rsplit(".", 1)[1]],
                            zero["after"][k]), k
+    for k in params:
+        assert torch.equal(saved["model"][k.removeprefix("model.")], zero["after"][k]), k
+
+
+def test_a_stop_while_a_replica_sits_out_syncs_the_live_ones_and_the_other_takes_their_state(runs, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    zero, one = (r.probe for r in runs["stopped-sat-out"])
+    params = [k for k in zero["before"] if k.startswith("model.")]
+    for k in params:
+        # the outer step over replica 0 alone, the first (zero momentum): anchor - lr (1 + momentum) delta
+        delta = zero["start"][k] - zero["before"][k]
+        torch.testing.assert_close(zero["after"][k], zero["start"][k] - OUTER_LR * (1 + MOMENTUM) * delta)
+    assert not any(torch.equal(zero["before"][k], one["before"][k]) for k in params)  # replica 1 missed step 2
+    dcp_to_torch_save(step_dir(Path(zero["root"]), 3), tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt")
+    for k, t in zero["after"].items():  # replica 1 took all of replica 0's state, which the checkpoint holds
+        assert torch.equal(one["after"][k], t), k
     for k in params:
         assert torch.equal(saved["model"][k.removeprefix("model.")], zero["after"][k]), k
