@@ -54,11 +54,10 @@ async def run_steps(ctl: Controller) -> Outcome:
 
     done = ctl.start_step
     if ctl.stop:
-        # Stopped before a step ran here. The ranks' state is the checkpoint of `done`, or, after a recovery from a
-        # live replica or one that dropped a replica, steps no checkpoint holds: the final checkpoint keeps them.
-        if done > 0 and done not in checkpoint.committed_steps(Path(root)):
-            return AtBoundary(done, saved=False)
-        return Cancelled()
+        # Stopped before a step ran here. The ranks hold the state after `done` steps: a checkpoint's, or, after a
+        # recovery from a live replica, one that dropped a replica or an in-memory resize, steps no checkpoint
+        # holds. The final checkpoint (unless this job has it already) and the model keep them.
+        return AtBoundary(done, saved=done in checkpoint.committed_steps(Path(root))) if done > 0 else Cancelled()
     if done >= cfg.steps:
         return AtBoundary(done, saved=False)
     start, refs = time.perf_counter(), submit(done)
