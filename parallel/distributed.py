@@ -54,14 +54,16 @@ def pick_device(gpus_per_worker: int) -> torch.device:
 
 
 def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, device: torch.device,
-                     timeout_s: float) -> RankGroups:
+                     timeout_s: float, init_method: str | None = None) -> RankGroups:
+    """Join the plan's world (rendezvous at rank 0's `master_addr:master_port`, or at `init_method`, e.g. a
+    `file://` store that needs no port) and build its process groups."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type != "cpu":
         # Before the mesh: it would otherwise guess the device from the rank.
         torch.accelerator.set_device_index(device.index or 0)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        init_method=init_method or f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=plan.world_size,
         timeout=timedelta(seconds=timeout_s),

@@ -33,12 +33,12 @@ class RankDriver:
     """This rank's process groups and trainer, from `init_distributed` to `close`."""
 
     def __init__(self, plan: Plan, rank: int, master_addr: str, master_port: int,
-                 device: torch.device | None = None, timeout_s: float | None = None):
+                 device: torch.device | None = None, timeout_s: float | None = None, init_method: str | None = None):
         self.plan, self.rank = plan, rank
         self.device = pick_device(plan.gpus_per_worker) if device is None else device
         timeout = plan.config.fault.step_timeout_s if timeout_s is None else timeout_s
         self.groups: RankGroups = init_distributed(plan, rank, master_addr, master_port, self.device,
-                                                   timeout_s=timeout)
+                                                   timeout_s=timeout, init_method=init_method)
         self.trainer = RankTrainer(plan, rank, self.groups, self.device)
         self._num_samples: int | None = None
 

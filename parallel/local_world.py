@@ -4,8 +4,9 @@ one machine, for a function rather than a script).
 `spawn(fn, nprocs, *args)` runs `fn(rank, port, *args)` in `nprocs` processes forked from a forkserver that has
 imported torch and the trainer once, so a rank starts in a fraction of a second instead of paying torch's import
 (seconds on a loaded machine). `run_plans(runs)` spawns one world and runs several plans in it one after the
-other, each on a fresh rendezvous with its own subgroups (a `RankDriver` per plan, closed before the next); the
-ranks a plan does not use sit it out. What each rank returns comes back through files, as torch.save'd objects.
+other, each on a fresh rendezvous with its own subgroups (a `RankDriver` per plan, closed before the next) at a
+file store, so no port is picked before it is bound; the ranks a plan does not use sit it out. What each rank
+returns comes back through files, as torch.save'd objects.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from __future__ import annotations
 import multiprocessing
 import socket
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from trainyard.parallel.driver import RankDriver, Save
 from trainyard.parallel.plan import Plan
@@ -87,7 +87,14 @@ def run_plans(runs: Sequence[PlanRun]) -> list[list[RankResult]]:
     """Each run's results, [run][rank], from one spawned world as large as the largest plan."""
     world = max(run.plan.world_size for run in runs)
     with tempfile.TemporaryDirectory(prefix="local-world-") as out:
-        spawn(_world_rank, world, list(runs), out)
+        try:
+            spawn(_world_rank, world, list(runs), out)
+        except Exception as e:  # torch names one failed rank, often one that failed because another did first
+            raised = sorted(Path(out).glob("failed-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)  # first first
+            if not raised:
+                raise
+            details = "\n".join(f"--- {p.stem} ---\n{p.read_text()}" for p in raised)
+            raise RuntimeError(f"a rank of the local world failed, {raised[0].stem} first:\n{details}") from e
         return [[torch.load(Path(out) / f"run{i}-rank{r}.pt", weights_only=False) for r in range(run.plan.world_size)]
                 for i, run in enumerate(runs)]
 
@@ -98,24 +105,24 @@ def run_plan(run: PlanRun) -> list[RankResult]:
 
 
 def _world_rank(rank: int, port: int, runs: list[PlanRun], out: str) -> None:
-    """One rank of the world: each run it takes part in, on the rendezvous port rank 0 picked for it just then
-    (a port picked long before could be taken meanwhile) and posted in the world's own store."""
+    """One rank of the world: each run it takes part in, meeting that run's other ranks at a file store of its own
+    in `out` (no port: one picked before it is bound can be taken meanwhile, by any process's connection)."""
     torch.set_num_threads(1)
-    world = max(run.plan.world_size for run in runs)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=RANK_TIMEOUT_S))
     for i, run in enumerate(runs):
         if rank >= run.plan.world_size:
             continue
-        if rank == 0:
-            store.set(f"port{i}", str(free_ports(1)[0]))
-        result = _run_one(run, rank, int(store.get(f"port{i}")))
+        try:
+            result = _run_one(run, rank, f"file://{Path(out) / f'rendezvous-{i}'}")
+        except BaseException:  # for run_plans to name every rank that failed, and which failed first
+            (Path(out) / f"failed-rank{rank}.txt").write_text(f"in run {i} of {len(runs)}:\n{traceback.format_exc()}")
+            raise
         torch.save(result, Path(out) / f"run{i}-rank{rank}.pt")
 
 
-def _run_one(run: PlanRun, rank: int, port: int) -> RankResult:
+def _run_one(run: PlanRun, rank: int, init_method: str) -> RankResult:
     if run.setup is not None:
         run.setup()
-    driver = RankDriver(run.plan, rank, "127.0.0.1", port, torch.device("cpu"), timeout_s=RANK_TIMEOUT_S)
+    driver = RankDriver(run.plan, rank, "", 0, torch.device("cpu"), timeout_s=RANK_TIMEOUT_S, init_method=init_method)
     try:
         start = 0
         if run.resume is not None:
