@@ -2,8 +2,10 @@
 all-reduce data parallelism: the loss reached at equal tokens against the bytes each rank sends across the
 replicas per step.
 
-Run: `python -m bench.run --only sync`; spawned gloo ranks (torch alone, no Ray), every variant a plan of one
-world of four processes (`parallel.local_world.run_plans`), one after the other; a few minutes on 2 cores.
+Run: `python -m bench.run --only sync` (`--case NAME` for some variants; their all-reduce references run too), or
+`python -m bench.sync [CORPUS [VARIANT ...]]` to print the rows for another text corpus without writing them;
+spawned gloo ranks (torch alone, no Ray), every variant a plan of one world of four processes
+(`parallel.local_world.run_plans`), one after the other; a few minutes on 2 cores.
 
 The demo job's model and corpus (examples/demo.yaml: a 4-block byte-level GPT on examples/corpus.txt) at dp=4,
 global batch 16, STEPS steps, the same seed, so every variant sees the same samples in the same order: all-reduce,
