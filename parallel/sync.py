@@ -139,7 +139,7 @@ class ReplicaSync:
         self.anchor: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
         if cfg.kind == "diloco":
-            self.anchor = [p.detach().clone() for p in params]
+            self.anchor = [p.detach().clone() for p in self.params]  # local shards, as the mean is
             momentum = cfg.outer_momentum
             self.outer = torch.optim.SGD(self.anchor, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0)
 

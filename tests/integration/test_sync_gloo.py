@@ -21,6 +21,7 @@ import pytest
 import torch
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
+from torch.distributed.tensor import DTensor
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.checkpoint import step_dir
 from trainyard.parallel.data import global_batch_ids, open_dataset, rank_share
@@ -42,7 +43,9 @@ def plan_for(parallel: dict, sync: dict | None = None, global_batch: int = BATCH
 
 
 def final_params(driver, stats) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for chunk in driver.trainer.chunks for name, p in chunk.named_parameters()}
+    """This rank's parameters, its local shards at tp > 1."""
+    return {name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for chunk in driver.trainer.chunks for name, p in chunk.named_parameters()}
 
 
 def _state(driver) -> dict[str, torch.Tensor]:
@@ -75,7 +78,8 @@ def stopped_between_syncs(root: str, driver, stats) -> dict:
     the coordinator takes it at the stop's boundary. This rank's state before and after it."""
     before = _state(driver)
     driver.final_checkpoint(Path(root), len(stats), {}, saved=False)
-    return {"before": before, "after": _state(driver), "root": root}
+    coords = driver.trainer.coords
+    return {"before": before, "after": _state(driver), "root": root, "dp": coords.dp, "tp": coords.tp}
 
 
 def stopped_while_one_sat_out(root: str, driver, stats) -> dict:
@@ -131,6 +135,9 @@ EXACT = {
     "allreduce": plan_for({"dp": 2}, **NO_CLIP),
     "local_sgd": plan_for({"dp": 2}, {"kind": "local_sgd", "every": 1}, **NO_CLIP),
     "diloco": plan_for({"dp": 2}, {"kind": "diloco", "every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}, **NO_CLIP),
+    "allreduce-tp2": plan_for({"dp": 2, "tp": 2}, **NO_CLIP),
+    "diloco-tp2": plan_for({"dp": 2, "tp": 2}, {"kind": "diloco", "every": 1, "outer_lr": 1.0, "outer_momentum": 0.0},
+                           **NO_CLIP),
 }
 DILOCO = {"kind": "diloco", "every": EVERY, "outer_lr": OUTER_LR, "outer_momentum": MOMENTUM}
 SAVES = {"checkpoint": {"every": EVERY}}  # the syncs a checkpoint follows average the inner optimizer state too
@@ -151,7 +158,7 @@ def runs(tmp_path_factory) -> dict:
                             probe=two_replicas_by_hand)),
     ]
     stop_root = str(tmp_path_factory.mktemp("stopped"))
-    named.append(("stopped", PlanRun(plan_for({"dp": 2}, DILOCO), steps=range(6), root=stop_root,
+    named.append(("stopped", PlanRun(plan_for({"dp": 2, "tp": 2}, DILOCO), steps=range(6), root=stop_root,
                                      probe=partial(stopped_between_syncs, stop_root))))
     sat_out_root = str(tmp_path_factory.mktemp("stopped-sat-out"))
     named.append(("stopped-sat-out", PlanRun(plan_for({"dp": 2}, DILOCO), steps=range(0), root=sat_out_root,
@@ -160,11 +167,12 @@ def runs(tmp_path_factory) -> dict:
     return {key: r for (key, _), r in zip(named, results, strict=True)}
 
 
-@pytest.mark.parametrize("kind", ["local_sgd", "diloco"])
+@pytest.mark.parametrize("kind", ["local_sgd", "diloco", "diloco-tp2"])
 def test_synchronising_every_step_equals_all_reduce_with_a_linear_inner_step(runs, kind):
-    reference, local = runs["allreduce"], runs[kind]
+    """Also at tp=2: a replica is a whole tp group, and diloco's anchor its local shards."""
+    reference, local = runs["allreduce-tp2" if kind.endswith("tp2") else "allreduce"], runs[kind]
     np.testing.assert_allclose(last_stage_losses(stats_of(local)), last_stage_losses(stats_of(reference)), rtol=1e-5)
-    for rank in (0, 1):
+    for rank in range(len(reference)):
         for name, p in reference[rank].probe.items():
             torch.testing.assert_close(local[rank].probe[name], p, rtol=1e-5, atol=1e-6)
     # the replicas send their parameters once per step instead of their gradients: the same bytes, the last step's
@@ -206,22 +214,36 @@ def test_a_dropped_replica_sits_out_then_takes_the_live_replicas_state_in_the_sy
 
 
 def test_a_stop_between_syncs_checkpoints_one_model_with_replica_0s_moments(runs, tmp_path):
+    """At (dp=2, tp=2), with outer momentum: each replica a tp pair, compared shard by shard."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    zero, one = (r.probe for r in runs["stopped"])
-    params = [k for k in zero["before"] if k.startswith("model.")]
-    moments = [k for k in zero["before"] if k.startswith("optim.")]
-    assert not any(torch.equal(zero["before"][k], one["before"][k]) for k in params)  # two replicas stepped apart
-    for k in params:  # the stop synchronised them (the outer step): one model
-        torch.testing.assert_close(zero["after"][k], one["after"][k], rtol=0, atol=0)
-    dcp_to_torch_save(step_dir(Path(zero["root"]), 6), tmp_path / "saved.pt")
+    shard = {(r.probe["dp"], r.probe["tp"]): r.probe for r in runs["stopped"]}
+    dcp_to_torch_save(step_dir(Path(shard[0, 0]["root"]), 6), tmp_path / "saved.pt")
     saved = torch.load(tmp_path / "saved.pt")
-    for k in moments:  # their moments stay their own; the checkpoint holds replica 0's
-        assert not torch.equal(zero["after"][k], one["after"][k]), k
-        assert torch.equal(saved["optim"][k.removeprefix("optim.").rsplit(".", 1)[0]][k.rsplit(".", 1)[1]],
-                           zero["after"][k]), k
-    for k in params:
-        assert torch.equal(saved["model"][k.removeprefix("model.")], zero["after"][k]), k
+    for tp in (0, 1):
+        zero, one = shard[0, tp], shard[1, tp]
+        params = [k for k in zero["before"] if k.startswith("model.")]
+        moments = [k for k in zero["before"] if k.startswith("optim.")]
+        # they stepped apart (but for a shard no batch reaches: tp rank 1's half of the byte embedding, bytes >= 128)
+        assert sum(not torch.equal(zero["before"][k], one["before"][k]) for k in params) >= len(params) - 1
+        for k in params:  # the stop synchronised them (the outer step): one model
+            torch.testing.assert_close(zero["after"][k], one["after"][k], rtol=0, atol=0)
+        # their moments stay their own
+        assert sum(not torch.equal(zero["after"][k], one["after"][k]) for k in moments) >= len(moments) - 2
+
+    def whole(key: str) -> torch.Tensor:  # replica 0's tensor, its two tp shards put together
+        parts, full = [shard[0, tp]["after"][key] for tp in (0, 1)], saved_value(key)
+        if parts[0].shape == full.shape:
+            return parts[0]
+        return torch.cat(parts, dim=next(d for d in range(full.dim()) if parts[0].shape[d] != full.shape[d]))
+
+    def saved_value(key: str) -> torch.Tensor:
+        group, name = key.split(".", 1)
+        return saved[group][name] if group == "model" else saved[group][name.rsplit(".", 1)[0]][name.rsplit(".", 1)[1]]
+
+    for key in (k for k in shard[0, 0]["after"] if not k.startswith("outer.")):  # replica 0's parameters, moments
+        assert torch.equal(saved_value(key), whole(key)), key
+    assert "sync" in saved  # and diloco's outer momentum
 
 
 def test_a_stop_while_a_replica_sits_out_syncs_the_live_ones_and_the_other_takes_their_state(runs, tmp_path):
