@@ -175,6 +175,14 @@ class TrainOptimizer:
         return StateView(state, self, copied=not identity)
 
     @torch.no_grad()
+    def params_changed(self) -> None:
+        """The parameters were changed outside a step (local_sgd / diloco's sync): offloaded, into the host copies
+        the optimizer steps, or its next step would undo the change."""
+        if self.offload:
+            for leaf in self._all_leaves():
+                leaf.held.copy_(_local(leaf.tensor).view(_local(leaf.held).shape))
+
+    @torch.no_grad()
     def load_view(self, view: StateView) -> None:
         """Take every tensor's state from `view` (quantizing or factoring it again), and, offloaded, the
         parameters' current values into the host copies (a load or a resize changed them)."""

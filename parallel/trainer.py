@@ -228,7 +228,7 @@ class RankTrainer:
         if self.sync is not None and syncs_after(step, cfg.parallel.sync, cfg.steps):
             checkpointed = averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
-            sent = self.sync.synchronise(self._inner_state(view) if view is not None else [], live, self.coords.dp)
+            sent = self._sync_replicas(view, live)
             if view is not None:
                 view.write_back()
         self.steps_done = step + 1
@@ -258,7 +258,15 @@ class RankTrainer:
         view = self.optimizer.export() if averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every,
                                                                    cfg.steps) else None
         self.steps_done = None
-        return self.sync.synchronise(self._inner_state(view) if view is not None else [], live, self.coords.dp)
+        return self._sync_replicas(view, live)
+
+    def _sync_replicas(self, view: StateView | None, live: tuple[int, ...] | None) -> int:
+        """local_sgd / diloco's sync (`ReplicaSync.synchronise`), averaging the inner state of `view` too when one is
+        given; the optimizer then takes the parameters it changed (offloaded: into its host copies). The bytes sent."""
+        assert self.sync is not None
+        sent = self.sync.synchronise(self._inner_state(view) if view is not None else [], live, self.coords.dp)
+        self.optimizer.params_changed()
+        return sent
 
     @torch.no_grad()
     def take_replica_state(self, step: int, source: int, receiving: bool) -> None:
@@ -320,7 +328,7 @@ class RankTrainer:
         self.finish_checkpoint()
         cfg = self.plan.config
         if self.sync is not None and syncs_before_save(step, cfg.parallel.sync, cfg.steps):
-            self.sync.synchronise(live=live, replica=self.coords.dp)
+            self._sync_replicas(None, live)
         if self.sync is not None and live is not None and len(live) < self.plan.dp:
             source = self.plan.rank_of(self.coords.pp, self.coords.tp, min(live))
             self.take_replica_state(step, source, receiving=self.coords.dp not in live)

@@ -157,6 +157,8 @@ def runs(tmp_path_factory) -> dict:
         ("by-hand", PlanRun(plan_for({"microbatches": 2}, global_batch=BATCH // 2), steps=range(0),
                             probe=two_replicas_by_hand)),
     ]
+    named += [(key, PlanRun(plan_for({"dp": 2}, DILOCO, optimizer={"offload": offload}), probe=final_params))
+              for key, offload in (("diloco-dp2", False), ("diloco-dp2-offload", True))]
     stop_root = str(tmp_path_factory.mktemp("stopped"))
     named.append(("stopped", PlanRun(plan_for({"dp": 2, "tp": 2}, DILOCO), steps=range(6), root=stop_root,
                                      probe=partial(stopped_between_syncs, stop_root))))
@@ -192,6 +194,16 @@ def test_diloco_at_dp2_pp2_matches_two_replicas_and_the_outer_step_by_hand(runs)
     first_stage_params = sum(p.numel() for p in run[0].probe.values())
     assert sent[EVERY - 1] == 3 * 4 * first_stage_params  # parameters and, a checkpoint following, two moments
     assert sent[-1] == 4 * first_stage_params  # the last step's: the parameters only
+
+
+def test_an_offloaded_optimizer_steps_from_the_synchronised_parameters(runs):
+    """Offloaded, the optimizer steps host copies of the parameters: a sync must reach them, or the next step
+    undoes it. The losses and parameters equal those of the same diloco job not offloaded."""
+    plain, offloaded = runs["diloco-dp2"], runs["diloco-dp2-offload"]
+    np.testing.assert_allclose(last_stage_losses(stats_of(offloaded)), last_stage_losses(stats_of(plain)), rtol=1e-6)
+    for rank in (0, 1):
+        for name, p in plain[rank].probe.items():
+            torch.testing.assert_close(offloaded[rank].probe[name], p, rtol=1e-5, atol=1e-5)
 
 
 def test_a_diloco_run_resumed_from_its_checkpoint_follows_it_exactly(runs):
