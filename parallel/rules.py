@@ -158,6 +158,11 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
     if config.model.moe is not None:
         errors.append(PlanError("parallel.sync", f"{sync.kind} does not compose with model.moe yet (router and "
                                                  "expert gradients are reduced across the replicas every step)"))
+    if par.grad_compression is not None:
+        errors.append(PlanError("parallel.grad_compression", f"compresses the gradients' all-reduce across the "
+                                                             f"replicas, which {sync.kind} does not run (its replicas "
+                                                             "average their parameters every parallel.sync.every "
+                                                             "steps instead): leave one of the two out"))
     every = config.checkpoint.every
     if every and every % sync.every:
         errors.append(PlanError("checkpoint.every", f"checkpoint.every={every} is not a multiple of "

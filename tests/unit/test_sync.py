@@ -53,7 +53,9 @@ def test_the_plan_shows_the_bytes_per_step_of_each_stage():
      "checkpoint.every", "multiple of parallel.sync.every=4"),
     ({"parallel": {"dp": {"min": 1, "max": 2}, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync",
      "elastic"),
-], ids=["zero1", "moe", "checkpoint-mid-round", "elastic"])
+    ({"parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4},
+                   "grad_compression": {"kind": "powersgd", "rank": 2}}}, "parallel.grad_compression", "diloco"),
+], ids=["zero1", "moe", "checkpoint-mid-round", "elastic", "grad-compression"])
 def test_combinations_that_do_not_compose_are_refused_naming_the_field(overrides, field, words):
     with pytest.raises(PlanError) as info:
         make_plan(parse_spec(tiny_spec(**overrides)))
