@@ -37,6 +37,10 @@ def apply_report(store: JobStore, job_id: str, report: dict, cursor: Cursor) -> 
     else:  # Ray restarted the coordinator since: its list is another; ask for all of it next time
         cursor.incarnation = None
     status = JobStatus(report["status"])
+    if status is JobStatus.STOPPED:
+        # Stopped during a recovery from a checkpoint: the rows after it belong to the attempt the recovery rolled
+        # back; the job's step, final checkpoint and model are at the checkpoint's step.
+        store.drop_metrics_from(job_id, report["step"])
     store.update(job_id, status=status, step=report["step"], error=report["error"], actors=report["actors"],
                  ranks=report["ranks"], events=whole)
     cursor.step = report["step"]

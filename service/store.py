@@ -242,6 +242,12 @@ class JobStore:
                 [(job_id, r["step"], json.dumps(r), job_id) for r in rows],
             )
 
+    def drop_metrics_from(self, job_id: str, step: int) -> None:
+        """Forget the rows of steps >= `step` (a recovery rolled them back, and the job ended before running them
+        again)."""
+        with self._lock:
+            self._db.execute("DELETE FROM metrics WHERE job_id = ? AND step >= ?", (job_id, step))
+
     def metrics(self, job_id: str, since: int = 0) -> list[dict]:
         with self._lock:
             rows = self._db.execute(

@@ -2,6 +2,7 @@
 
 
 from trainyard.actors.state import JobStatus
+from trainyard.service.follow import Cursor, apply_report
 from trainyard.service.store import JobRecord, JobStore
 
 
@@ -36,3 +37,15 @@ def test_a_late_report_never_revives_or_refails_an_ended_job(tmp_path):
 def test_store_uses_write_ahead_logging(tmp_path):
     store = JobStore(tmp_path / "jobs.db")
     assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_job_stopped_during_a_recovery_from_a_checkpoint_keeps_no_rows_past_its_step(tmp_path):
+    # Steps 0-14 ran, a rank died in step 15, the recovery went back to the checkpoint of step 10, and the stop
+    # landed before step 10 ran again: the job, its final checkpoint and its model are at step 10.
+    store = JobStore(tmp_path / "jobs.db")
+    store.insert(JobRecord(job_id="j1", name="a", status=JobStatus.RUNNING, spec={}, steps=100))
+    store.add_metrics("j1", [{"step": s, "loss": 5.0 - s / 10} for s in range(15)])
+    report = {"metrics": [], "events": [], "events_from": 0, "incarnation": None, "status": "STOPPED", "step": 10,
+              "error": None, "actors": [], "ranks": []}
+    apply_report(store, "j1", report, Cursor(step=15))
+    assert [r["step"] for r in store.metrics("j1")] == list(range(10)) and store.get("j1").step == 10
