@@ -225,13 +225,18 @@ def test_a_dropped_replica_sits_out_then_takes_the_live_replicas_state_in_the_sy
     assert [loss is None for loss in dropped] == [s in (2, 3) for s in range(STEPS)]
 
 
-def test_a_stop_between_syncs_checkpoints_one_model_with_replica_0s_moments(runs, tmp_path):
-    """At (dp=2, tp=2), with outer momentum: each replica a tp pair, compared shard by shard."""
+def saved_checkpoint(root: str, step: int, scratch: Path) -> dict:
+    """Checkpoint `step` under `root`, whole (every tensor unsharded), as nested dicts: DCP's own conversion."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    dcp_to_torch_save(step_dir(Path(root), step), scratch / "saved.pt")
+    return torch.load(scratch / "saved.pt")
+
+
+def test_a_stop_between_syncs_checkpoints_one_model_with_replica_0s_moments(runs, tmp_path):
+    """At (dp=2, tp=2), with outer momentum: each replica a tp pair, compared shard by shard."""
     shard = {(r.probe["dp"], r.probe["tp"]): r.probe for r in runs["stopped"]}
-    dcp_to_torch_save(step_dir(Path(shard[0, 0]["root"]), 6), tmp_path / "saved.pt")
-    saved = torch.load(tmp_path / "saved.pt")
+    saved = saved_checkpoint(shard[0, 0]["root"], 6, tmp_path)
     for tp in (0, 1):
         zero, one = shard[0, tp], shard[1, tp]
         params = [k for k in zero["before"] if k.startswith("model.")]
@@ -259,8 +264,6 @@ def test_a_stop_between_syncs_checkpoints_one_model_with_replica_0s_moments(runs
 
 
 def test_a_stop_while_a_replica_sits_out_syncs_the_live_ones_and_the_other_takes_their_state(runs, tmp_path):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     zero, one = (r.probe for r in runs["stopped-sat-out"])
     params = [k for k in zero["before"] if k.startswith("model.")]
     for k in params:
@@ -268,8 +271,7 @@ def test_a_stop_while_a_replica_sits_out_syncs_the_live_ones_and_the_other_takes
         delta = zero["start"][k] - zero["before"][k]
         torch.testing.assert_close(zero["after"][k], zero["start"][k] - OUTER_LR * (1 + MOMENTUM) * delta)
     assert not any(torch.equal(zero["before"][k], one["before"][k]) for k in params)  # replica 1 missed step 2
-    dcp_to_torch_save(step_dir(Path(zero["root"]), 3), tmp_path / "saved.pt")
-    saved = torch.load(tmp_path / "saved.pt")
+    saved = saved_checkpoint(zero["root"], 3, tmp_path)
     for k, t in zero["after"].items():  # replica 1 took all of replica 0's state, which the checkpoint holds
         assert torch.equal(one["after"][k], t), k
     for k in params:
