@@ -32,7 +32,8 @@ rule, warm start, QR, warm-up) follow that hook, and its numbers are the hook's:
 test_grads_gloo.py runs the hook itself on the same gradients from the same Q (ours = its result x world
 size, within 6e-7 over compressed steps with error feedback). Under AdamW a low rank costs loss that no
 warm-up short of most of the run recovers (BENCHMARKS.md, section savers_grads: rank 4 +49% on the demo
-job at 400 steps; freezing Adam's second moment does not help).
+job at 400 steps; freezing Adam's second moment does not help, nor do 16 power iterations a step instead of
+one: `bench.powersgd_iterations`, +44%).
 
 Timing: phase 1 (P, with the uncompressed rest) starts as soon as the bucket is complete, overlapped with
 backward; phase 2 (orthonormalise, Q) runs in `finish`, bucket by bucket in order (every rank issues the same
