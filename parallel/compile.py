@@ -44,6 +44,7 @@ def compile_blocks(stage: nn.Module) -> nn.Module:
             block.forward = _checkpointed(block.forward)
         block.compile(backend=BACKEND)
     stage.recompute_blocks = False
+    stage.compiled_blocks = True
     return stage
 
 

@@ -99,6 +99,8 @@ class DecoderStage(nn.Module):
         init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL)
         self.recompute_blocks = False
         self.offload_blocks = False
+        self.compiled_blocks = False
+        """Set by `parallel.compile.compile_blocks`."""
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """none, full (recompute each block in backward: only block inputs are kept) or selective (each
@@ -118,6 +120,11 @@ class DecoderStage(nn.Module):
         """Token ids (first stage) or hidden states (later stages) -> hidden states."""
         if self.first:
             x = self.embed(x)
+            if self.compiled_blocks and x._is_view():
+                # A tp embedding's output is a view of its DTensor's local tensor (`to_local`). Taken as a compiled
+                # block's input, its gradient reaches DTensor's backward as a plain tensor, which fails (torch
+                # 2.13; gpt2 adds positions first, llama does not): hand the block a tensor of its own.
+                x = x.clone()
         with (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if self.offload_blocks
               else contextlib.nullcontext()):
             for block in self.blocks.values():
