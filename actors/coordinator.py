@@ -67,6 +67,8 @@ class Coordinator:
         takes longer than `grace_s` (a hung step), cancel it. Returns the final poll (the metrics rows of steps
         >= `since`: those the service has not read yet). `suspend`: the service is going down, the job is not
         over: the final checkpoint is what it goes on from later; no model."""
+        if self.restarted:  # a restarted coordinator the service has not polled yet: it recovers, then stops
+            await self.start()
         if self._task is not None and not self._task.done():
             self.controller.request_stop(suspend)
             done, _ = await asyncio.wait({self._task}, timeout=grace_s)

@@ -11,7 +11,7 @@ asks for, gets an outcome, and sets `step(state, outcome, inputs)` as the next s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from trainyard.actors.calls import Failure
@@ -204,7 +204,10 @@ def step(state: State, outcome: Outcome, inputs: Inputs, policy: FailurePolicy) 
     match state, outcome:
         case Pending(), Admitted(restore=restore):
             if inputs.restarted is not None:
-                return _on_failure(CallFailed(inputs.restarted, restore), inputs, policy)
+                # The death came before any stop this incarnation was asked for: it is weighed as the failure it
+                # was, not as one while stopping (which fails the job); a stop then ends the job at the step the
+                # recovery restores, with its model.
+                return _on_failure(CallFailed(inputs.restarted, restore), replace(inputs, stop=False), policy)
             return Starting(restore)
         case Starting() | Recovering() | Resizing(), Ready():
             return Running()

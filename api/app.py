@@ -44,7 +44,8 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
                   description="Submit GPT training jobs and follow them as they train on Ray.")
 
     def authorized(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-        if creds is None or not secrets.compare_digest(creds.credentials, token):
+        # As bytes: compare_digest raises TypeError on a str with non-ASCII characters (a 500, not a 401).
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), token.encode()):
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token "
                                 "(it is in the state directory's `token` file)",
                                 headers={"WWW-Authenticate": "Bearer"})

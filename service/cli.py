@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file the command reads or writes: a spec that is not there, an export's -o
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -159,9 +162,13 @@ def _client(args: argparse.Namespace) -> Client:
 
 def read_spec_file(path: str) -> dict:
     """The spec as a dict, with relative data paths made absolute (the server may run elsewhere)."""
-    from trainyard.api.spec import load_spec_text
+    from trainyard.api.spec import SpecError, load_spec_text
 
-    spec = load_spec_text(Path(path).read_text())
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError([("", f"{path} is not UTF-8 text: {e}")]) from None
+    spec = load_spec_text(text)
     for section, key in (("data", "path"), ("data", "val_path"), ("checkpoint", "path"), ("init_from", "hf")):
         part = spec.get(section)
         if isinstance(part, dict) and isinstance(part.get(key), str) and not os.path.isabs(part[key]):
@@ -192,8 +199,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    from trainyard.api.spec import SpecError
+
+    try:
+        spec = read_spec_file(args.file)
+    except SpecError as e:  # as `plan` says it
+        print("\n".join(f"error: {f}: {m}" for f, m in e.errors), file=sys.stderr)
+        return 2
     client = _client(args)
-    job_id = client.submit(read_spec_file(args.file))
+    job_id = client.submit(spec)
     print(job_id)
     return follow(client, job_id) if args.follow else 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,12 @@ class ApiError(RuntimeError):
     def __init__(self, status_code: int, message: str):
         super().__init__(message)
         self.status_code = status_code
+
+
+def _spec_body(spec: dict) -> dict:
+    """A spec as a request body. httpx's `json=` refuses NaN and infinities (a YAML `.nan`, `.inf`) with a
+    ValueError; sent as JSON's NaN/Infinity, the API answers a 422 naming the field that may not hold one."""
+    return {"content": json.dumps(spec), "headers": {"content-type": "application/json"}}
 
 
 class Client:
@@ -38,10 +45,10 @@ class Client:
         return bool(self._call("GET", "/healthz")["ok"])
 
     def submit(self, spec: dict) -> str:
-        return self._call("POST", "/api/jobs", json=spec)["job_id"]
+        return self._call("POST", "/api/jobs", **_spec_body(spec))["job_id"]
 
     def plan(self, spec: dict) -> dict:
-        return self._call("POST", "/api/plans", json=spec)
+        return self._call("POST", "/api/plans", **_spec_body(spec))
 
     def jobs(self) -> list[dict]:
         return self._call("GET", "/api/jobs")

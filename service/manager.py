@@ -36,7 +36,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from trainyard.actors.coordinator import Coordinator, JobStorage
-from trainyard.actors.journal import steps_logged
+from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.naming import coordinator_name, placement_group_name
 from trainyard.actors.state import JobStatus
 from trainyard.api.spec import parse_spec, spec_to_dict
@@ -62,6 +62,19 @@ RESERVE_TIMEOUT_S = 5.0
 taken them in between); then it is given back and the queue tried again."""
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long shutdown waits for the live jobs' coordinators to stop cleanly before killing them."""
+
+
+@ray.remote(num_cpus=0)
+def _export_latest(config: JobConfig, root: str, out: str) -> int | None:
+    """The model of a job's latest intact checkpoint (hashed) written to `out`; its step (None: no checkpoint). A
+    Ray task: the service imports no torch, and hashes no checkpoint on the API's path."""
+    from trainyard.parallel.export import export_model
+
+    found = checkpoint.latest_valid(Path(root), at_most=steps_logged(Path(root)))
+    if found is None:
+        return None
+    export_model(config, found.directory, found.step, Path(out))
+    return found.step
 
 
 class JobManager:
@@ -196,8 +209,12 @@ class JobManager:
                 return job
             coordinator = self._coordinators.get(job_id)
             if coordinator is None:  # still in the queue: nothing runs and nothing is reserved
-                self.store.update(job_id, status=JobStatus.STOPPED)
-                return self.get(job_id)
+                stopped = self.store.update(job_id, status=JobStatus.STOPPED)
+        if coordinator is None:
+            if stopped:
+                self._stop_queued(job)
+            return self.get(job_id)
+        with self._lock:
             since = self._cursors.setdefault(job_id, Cursor(step=0)).step
         try:
             self._apply(job_id, ray.get(coordinator.stop.remote(since=since), timeout=timeout_s))
@@ -205,6 +222,28 @@ class JobManager:
             log.warning("job %s: stop did not finish cleanly (%s); killing its coordinator", job_id, e)
         self._finish(job_id, JobStatus.STOPPED)
         return self.get(job_id)
+
+    def _stop_queued(self, job: JobRecord) -> None:
+        """A job stopped in the queue that ran before (the service's restart interrupted it): as a stop of a running
+        job, its model is that of its latest checkpoint and its steps and rows end there (the rows the store had not
+        read yet come from the metrics log beside the checkpoints). A job that never ran has none of these."""
+        config = parse_spec(job.spec)
+        root = self.checkpoint_root(job.job_id, config)
+        if steps_logged(root) is None:
+            return
+        try:
+            step = ray.get(_export_latest.remote(config, str(root), str(self.model_path(job.job_id))), timeout=300)
+        except Exception as e:  # noqa: BLE001 - the job is stopped all the same, without a model
+            log.warning("job %s: stopped in the queue; no model from its checkpoints (%s)", job.job_id, e)
+            return
+        if step is None:
+            return
+        if self.store.get(job.job_id) is None:  # deleted meanwhile: its files go with it
+            shutil.rmtree(self.model_path(job.job_id).parent, ignore_errors=True)
+            return
+        self.store.add_metrics(job.job_id, [r for r in read_metrics_log(root) if r["step"] < step])
+        self.store.drop_metrics_from(job.job_id, step)
+        self.store.update(job.job_id, step=step)
 
     def model_file(self, job_id: str) -> Path:
         """The trained model of an ended job (SUCCEEDED or STOPPED after at least one step)."""

@@ -4,11 +4,14 @@ and metrics across restarts of a real `trainyard serve`: test_serve_process.py.)
 from __future__ import annotations
 
 import json
+import shutil
 
+import pytest
 from conftest import start_service
 from helpers import REPO, tiny_spec
 from trainyard.actors.state import JobStatus
 from trainyard.service.cli import main as cli
+from trainyard.service.client import ApiError
 from trainyard.service.store import JobRecord, JobStore
 
 
@@ -35,6 +38,46 @@ def test_jobs_live_when_the_service_died_are_queued_again_on_start(ray_session, 
                                                                                                  None)
         assert [{k: v for k, v in r.items() if v is not None} for r in client.metrics("ended")] == rows
         assert client.events("ended") == [{"time": 1.0, "kind": "checkpoint", "step": 2}]
+    finally:
+        svc.shutdown()
+
+
+def test_a_job_the_restart_queued_again_and_then_stopped_keeps_its_trained_model(ray_session, tmp_path):
+    """A job that ran 5 of 6 steps (checkpoints at 2 and 4) when the service was killed is queued again; stopped
+    before it runs again, it ends as a stop of a running job does: with the model of its latest checkpoint, and
+    its step and rows there. It used to end STOPPED at the store's step with no model ("stopped before finishing
+    a step")."""
+    from helpers import wait_terminal
+    from trainyard.parallel.export import exported_config
+
+    svc = start_service(tmp_path)
+    try:
+        job_id = svc.client().submit(tiny_spec(steps=6, checkpoint={"every": 2}))
+        assert wait_terminal(svc.client(), job_id)["status"] == "SUCCEEDED"
+    finally:
+        svc.shutdown()
+    # As the killed service left it: running at step 5, the store's rows read up to step 2 only, the last checkpoint
+    # and the model not written yet.
+    root, model = tmp_path / "checkpoints" / job_id, tmp_path / "models" / job_id / "model.safetensors"
+    shutil.rmtree(root / "step_000000006")
+    model.unlink()
+    store = JobStore(tmp_path / "jobs.db")
+    store._db.execute("UPDATE jobs SET status = 'RUNNING', ended_at = NULL, step = 3 WHERE job_id = ?", (job_id,))
+    store.drop_metrics_from(job_id, 3)
+    store.close()
+
+    svc = start_service(tmp_path, admit=False)  # it stays queued
+    try:
+        client = svc.client()
+        assert client.job(job_id)["status"] == "PENDING"
+        stopped = client.stop(job_id)
+        assert (stopped["status"], stopped["step"]) == ("STOPPED", 4)
+        assert [r["step"] for r in client.metrics(job_id)] == [0, 1, 2, 3]
+        assert exported_config(svc.manager.model_file(job_id))[1] == 4
+        never_ran = client.submit(tiny_spec())
+        assert client.stop(never_ran)["status"] == "STOPPED"
+        with pytest.raises(ApiError, match="ended without a model"):
+            client.download_model(never_ran, tmp_path / "none.safetensors")
     finally:
         svc.shutdown()
 

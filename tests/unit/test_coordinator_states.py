@@ -162,6 +162,19 @@ def test_a_restarted_coordinator_recovers_as_a_counted_failure():
     assert isinstance(state, Failed) and "failure 3 of 3: the coordinator died" in state.error
 
 
+def test_a_stop_asked_of_a_restarted_coordinator_recovers_then_stops():
+    """The death came before the stop: it is a counted failure recovered from, then the stop ends the job (at the
+    restored step, with its model). It used to count as a failure while stopping: FAILED, no model."""
+    own = Failure(cause="the coordinator died", coordinator=True)
+    state = step(Pending(), Admitted(POINT), inputs(restarted=own, stop=True), BUDGET_2)
+    assert state == Recovering(own, POINT)
+    state = step(step(state, Ready(), inputs(stop=True), BUDGET_2), AtBoundary(3, saved=True), inputs(stop=True),
+                 BUDGET_2)
+    assert state == Stopping(False, 3, True)
+    state = step(Pending(), Admitted(POINT), inputs(restarted=own, stop=True, causes=("a", "b")), BUDGET_2)
+    assert isinstance(state, Failed) and "failure 3 of 3: the coordinator died" in state.error  # past the budget
+
+
 def test_an_elastic_job_rides_a_lost_node_without_counting_it():
     elastic = FailurePolicy(max_failures=0, elastic=True)
     state = step(Running(), CallFailed(failure(), POINT, node_lost=True), inputs(), elastic)

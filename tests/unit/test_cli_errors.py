@@ -1,0 +1,53 @@
+"""The CLI says what is wrong with a file it reads or writes in one `error:` line and exits 2, as it does for
+the API's errors: never a Python traceback."""
+
+import json
+import math
+
+import httpx
+import pytest
+from trainyard.service.cli import main
+from trainyard.service.client import ApiError, Client
+
+UNREACHABLE = ["--url", "http://127.0.0.1:9", "--token", "t"]
+
+
+@pytest.mark.parametrize("command", ["submit", "plan"])
+@pytest.mark.parametrize("content, text", [
+    (None, "No such file or directory"),
+    (b"steps: [1\n", "not valid YAML/JSON"),
+    (b"\xff\xfe", "is not UTF-8 text"),
+    (b"- 1\n", "a JobSpec must be a mapping of fields"),
+])
+def test_an_unusable_spec_file_is_one_error_line(tmp_path, capsys, command, content, text):
+    path = tmp_path / "spec.yaml"
+    if content is not None:
+        path.write_bytes(content)
+    assert main([*UNREACHABLE, command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and text in err and "Traceback" not in err
+
+
+def test_export_into_a_path_that_is_a_file_is_one_error_line(tmp_path, capsys):
+    taken = tmp_path / "model.st"
+    taken.write_text("")
+    assert main([*UNREACHABLE, "export", "abc", "-o", str(taken)]) == 2
+    assert capsys.readouterr().err.startswith("error: [Errno 17] File exists")
+
+
+def test_a_spec_with_nan_reaches_the_api_which_names_the_field():
+    """httpx's `json=` raised ValueError on NaN (a YAML `.nan`) before anything was sent."""
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))  # Python reads NaN, as the API's parser does
+        detail = [{"field": "optimizer.lr", "msg": "Input should be a finite number"}]
+        return httpx.Response(422, json={"detail": detail})
+
+    client = Client("http://api", "t")
+    client._http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
+    spec = {"model": {"n_layer": 1, "n_head": 1, "d_model": 16}, "steps": 1, "optimizer": {"lr": math.nan}}
+    with pytest.raises(ApiError) as info:
+        client.submit(spec)
+    assert "optimizer.lr" in str(info.value) and "finite" in str(info.value)
+    assert math.isnan(sent[0]["optimizer"]["lr"])
