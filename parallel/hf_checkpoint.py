@@ -55,11 +55,18 @@ class HFFiles:
         """(HF name, block) of every read, in order."""
 
     def read(self, key: str, block: Block) -> torch.Tensor:
+        self.reads.append((key, block))
+        return self._file(key).get_slice(key)[tuple(slice(a, b) for a, b in block)]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The HF tensor's whole shape (from the file's header; no tensor is read)."""
+        return tuple(self._file(key).get_slice(key).get_shape())
+
+    def _file(self, key: str):
         name = self.file_of[key]
         if name not in self._open:
             self._open[name] = safe_open(self.directory / name, framework="pt")
-        self.reads.append((key, block))
-        return self._open[name].get_slice(key)[tuple(slice(a, b) for a, b in block)]
+        return self._open[name]
 
 
 def local_block(p: torch.Tensor) -> Block:
@@ -78,6 +85,7 @@ def load_into(modules: Iterable[nn.Module], cfg: ModelConfig, directory: Path) -
     adapter = adapter_for_family(cfg.family)
     sources = adapter.sources(cfg, files.file_of.keys())
     _check_names(adapter, sources, files, directory)
+    _check_shapes(modules, cfg, sources, files, directory)
     for module in modules:
         for name, p in module.named_parameters():
             source = sources[name]
@@ -99,6 +107,26 @@ def _check_names(adapter, sources: Mapping, files: HFFiles, directory: Path) -> 
     if missing or unused:
         raise RuleError("init_from.hf", f"{directory} does not match its config.json: missing tensors "
                                         f"{missing[:5]}, unexpected tensors {unused[:5]}")
+
+
+def _check_shapes(modules: Iterable[nn.Module], cfg: ModelConfig, sources: Mapping, files: HFFiles,
+                  directory: Path) -> None:
+    """Each HF tensor this rank reads has the whole shape its config.json implies. A rank reads only its own
+    blocks, so a tensor larger than that (a vocab_size or intermediate_size in config.json smaller than the
+    weights) would otherwise be read in part, silently: a wrong model rather than transformers' size mismatch."""
+    expected: dict[str, list[int]] = {}
+    for module in modules:
+        for name, p in module.named_parameters():  # a DTensor's shape is the whole tensor's
+            source = sources[name]
+            stops = [stop for _, stop in hf_block(source, whole(p.shape))]
+            if source.expert is not None:
+                stops[0] = cfg.moe.experts
+            known = expected.setdefault(source.key, stops)  # the pieces of a fused tensor: the furthest stop
+            expected[source.key] = [max(a, b) for a, b in zip(known, stops, strict=True)]
+    for key, shape in expected.items():
+        if list(files.shape(key)) != shape:
+            raise RuleError("init_from.hf", f"{directory}: {key} has shape {files.shape(key)}, its config.json "
+                                            f"implies {tuple(shape)}")
 
 
 def write_hf_dir(out: Path, cfg: ModelConfig, state: Mapping[str, torch.Tensor], *,

@@ -177,3 +177,15 @@ def test_an_expert_parallel_stage_reads_only_the_experts_it_hosts(tmp_path):
     assert not any(k.startswith("model.layers.0.") or k == "model.embed_tokens.weight" for k in read)
     fused = theirs.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
     torch.testing.assert_close(stage.blocks["1"].moe.experts["3"].up.weight, fused[3, 48:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("build,field,value", [(tiny_llama, "vocab_size", 200), (tiny_llama, "intermediate_size", 40),
+                                               (tiny_gpt2, "n_inner", 64)])  # gpt2: 4 x 32 = 128, a Conv1D
+def test_weights_larger_than_config_json_says_are_refused_not_cropped(build, field, value, tmp_path):
+    build(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text()) | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = model_config(tmp_path)
+    with pytest.raises(RuleError) as info:  # a rank reads only its blocks: the rest would go unnoticed
+        hf_checkpoint.load_into([full_model(cfg, 0)], cfg, tmp_path)
+    assert info.value.field == "init_from.hf" and "its config.json implies" in info.value.message
