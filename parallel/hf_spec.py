@@ -81,7 +81,7 @@ def model_fields(directory: str | Path) -> dict:
         return adapter.config_from_hf(config)
     except RuleError as e:
         raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError) as e:  # e.g. num_attention_heads: 0
         raise RuleError(FIELD, f"{CONFIG_FILE} lacks or garbles field {e}") from None
 
 
