@@ -37,6 +37,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """save_pretrained's default shard size."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MANIFEST = "manifest.json"
+TIED_HEAD = "lm_head.weight"
+"""The head's name in every family's HF checkpoint; with tie_word_embeddings a file may hold it too."""
 
 
 class HFFiles:
@@ -84,7 +86,7 @@ def load_into(modules: Iterable[nn.Module], cfg: ModelConfig, directory: Path) -
     files = HFFiles(directory)
     adapter = adapter_for_family(cfg.family)
     sources = adapter.sources(cfg, files.file_of.keys())
-    _check_names(adapter, sources, files, directory)
+    _check_names(adapter, cfg, sources, files, directory)
     _check_shapes(modules, cfg, sources, files, directory)
     for module in modules:
         for name, p in module.named_parameters():
@@ -99,11 +101,13 @@ def load_into(modules: Iterable[nn.Module], cfg: ModelConfig, directory: Path) -
     return files
 
 
-def _check_names(adapter, sources: Mapping, files: HFFiles, directory: Path) -> None:
-    """Every tensor the model needs is there, and every tensor there is used (or a known non-parameter)."""
+def _check_names(adapter, cfg: ModelConfig, sources: Mapping, files: HFFiles, directory: Path) -> None:
+    """Every tensor the model needs is there, and every tensor there is used (or a known non-parameter, or the
+    stored head of a tied model, which transformers drops for the embedding as trainyard does)."""
     wanted = {s.key for s in sources.values()}
     missing = sorted(wanted - files.file_of.keys())
-    unused = sorted(k for k in files.file_of.keys() - wanted if not adapter.ignored(k))
+    unused = sorted(k for k in files.file_of.keys() - wanted
+                    if not adapter.ignored(k) and not (cfg.tie_embeddings and k == TIED_HEAD))
     if missing or unused:
         raise RuleError("init_from.hf", f"{directory} does not match its config.json: missing tensors "
                                         f"{missing[:5]}, unexpected tensors {unused[:5]}")

@@ -189,3 +189,19 @@ def test_weights_larger_than_config_json_says_are_refused_not_cropped(build, fie
     with pytest.raises(RuleError) as info:  # a rank reads only its blocks: the rest would go unnoticed
         hf_checkpoint.load_into([full_model(cfg, 0)], cfg, tmp_path)
     assert info.value.field == "init_from.hf" and "its config.json implies" in info.value.message
+
+
+@pytest.mark.parametrize("kind,embedding", [("gpt2-tied", "transformer.wte.weight"),
+                                            ("llama-tied", "model.embed_tokens.weight")])
+def test_a_tied_checkpoint_that_also_stores_the_head_loads_as_transformers_loads_it(kind, embedding, tmp_path):
+    theirs = BUILDERS[kind](tmp_path)
+    state = disk_state(tmp_path)
+    assert "lm_head.weight" not in state
+    save_file(state | {"lm_head.weight": state[embedding].clone()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})  # as some conversions write a tied model
+    cfg = model_config(tmp_path)
+    ours = full_model(cfg, seed=3)
+    hf_checkpoint.load_into([ours], cfg, tmp_path)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
