@@ -45,7 +45,7 @@ class HFFiles:
     """The safetensors files of an HF directory, opened lazily, and a log of every block read from them."""
 
     def __init__(self, directory: Path):
-        self.directory = Path(directory)
+        self.directory = Path(directory).expanduser()  # as the submit read it (parallel.hf_spec.read_hf_config)
         index = self.directory / INDEX_FILE
         if index.is_file():
             self.file_of = dict(json.loads(index.read_text())["weight_map"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,6 +203,17 @@ def test_a_tied_checkpoint_that_also_stores_the_head_loads_as_transformers_loads
     cfg = model_config(tmp_path)
     ours = full_model(cfg, seed=3)
     hf_checkpoint.load_into([ours], cfg, tmp_path)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_directory_under_home_submits_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    theirs = tiny_llama(tmp_path / "models" / "tiny")
+    cfg = model_config("~/models/tiny")  # the submit reads config.json there: so must the ranks
+    ours = full_model(cfg, seed=3)
+    hf_checkpoint.load_into([ours], cfg, Path("~/models/tiny"))  # as the trainer passes init_from.hf
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
