@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -46,13 +46,12 @@ class HFFiles:
 
     def __init__(self, directory: Path):
         self.directory = Path(directory).expanduser()  # as the submit read it (parallel.hf_spec.read_hf_config)
+        self._open: dict[str, object] = {}
         index = self.directory / INDEX_FILE
         if index.is_file():
             self.file_of = dict(json.loads(index.read_text())["weight_map"])
         else:
-            with safe_open(self.directory / WEIGHTS_FILE, framework="pt") as f:
-                self.file_of = dict.fromkeys(f.keys(), WEIGHTS_FILE)
-        self._open: dict[str, object] = {}
+            self.file_of = dict.fromkeys(self._opened(WEIGHTS_FILE).keys(), WEIGHTS_FILE)
         self.reads: list[tuple[str, Block]] = []
         """(HF name, block) of every read, in order."""
 
@@ -62,12 +61,22 @@ class HFFiles:
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The HF tensor's whole shape (from the file's header; no tensor is read)."""
-        return tuple(self._file(key).get_slice(key).get_shape())
+        try:
+            return tuple(self._file(key).get_slice(key).get_shape())
+        except SafetensorError as e:  # the index names a file that does not hold the tensor
+            raise RuleError("init_from.hf", f"{self.directory / self.file_of[key]}: {e}") from None
 
     def _file(self, key: str):
-        name = self.file_of[key]
+        return self._opened(self.file_of[key])
+
+    def _opened(self, name: str):
+        """A safetensors file, opened once; RuleError naming it when it is missing, truncated or garbled."""
         if name not in self._open:
-            self._open[name] = safe_open(self.directory / name, framework="pt")
+            try:
+                self._open[name] = safe_open(self.directory / name, framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise RuleError("init_from.hf", f"{self.directory / name} is not a readable safetensors file: "
+                                                f"{e}") from None
         return self._open[name]
 
 

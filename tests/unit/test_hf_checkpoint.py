@@ -217,3 +217,23 @@ def test_a_directory_under_home_submits_and_loads(tmp_path, monkeypatch):
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_truncated_or_misindexed_weights_file_is_named_in_the_error(tmp_path):
+    tiny_llama(tmp_path)
+    cfg = model_config(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])  # a download cut short
+    with pytest.raises(RuleError) as info:
+        hf_checkpoint.load_into([full_model(cfg, 0)], cfg, tmp_path)
+    assert info.value.field == "init_from.hf" and f"{weights} is not a readable safetensors file" in info.value.message
+    weights.write_bytes(whole)
+    state = disk_state(tmp_path)
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(tmp_path / "a.safetensors"))
+    save_file({"lm_head.weight": state["lm_head.weight"]}, str(tmp_path / "b.safetensors"))
+    weight_map = dict.fromkeys(state, "a.safetensors")  # the index puts lm_head.weight in the wrong file
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(RuleError) as info:
+        hf_checkpoint.load_into([full_model(cfg, 0)], cfg, tmp_path)
+    assert f"{tmp_path / 'a.safetensors'}:" in info.value.message and "lm_head.weight" in info.value.message
