@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -37,29 +37,47 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """save_pretrained's default shard size."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MANIFEST = "manifest.json"
+TIED_HEAD = "lm_head.weight"
+"""The head's name in every family's HF checkpoint; with tie_word_embeddings a file may hold it too."""
 
 
 class HFFiles:
     """The safetensors files of an HF directory, opened lazily, and a log of every block read from them."""
 
     def __init__(self, directory: Path):
-        self.directory = Path(directory)
+        self.directory = Path(directory).expanduser()  # as the submit read it (parallel.hf_spec.read_hf_config)
+        self._open: dict[str, object] = {}
         index = self.directory / INDEX_FILE
         if index.is_file():
             self.file_of = dict(json.loads(index.read_text())["weight_map"])
         else:
-            with safe_open(self.directory / WEIGHTS_FILE, framework="pt") as f:
-                self.file_of = dict.fromkeys(f.keys(), WEIGHTS_FILE)
-        self._open: dict[str, object] = {}
+            self.file_of = dict.fromkeys(self._opened(WEIGHTS_FILE).keys(), WEIGHTS_FILE)
         self.reads: list[tuple[str, Block]] = []
         """(HF name, block) of every read, in order."""
 
     def read(self, key: str, block: Block) -> torch.Tensor:
-        name = self.file_of[key]
-        if name not in self._open:
-            self._open[name] = safe_open(self.directory / name, framework="pt")
         self.reads.append((key, block))
-        return self._open[name].get_slice(key)[tuple(slice(a, b) for a, b in block)]
+        return self._file(key).get_slice(key)[tuple(slice(a, b) for a, b in block)]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The HF tensor's whole shape (from the file's header; no tensor is read)."""
+        try:
+            return tuple(self._file(key).get_slice(key).get_shape())
+        except SafetensorError as e:  # the index names a file that does not hold the tensor
+            raise RuleError("init_from.hf", f"{self.directory / self.file_of[key]}: {e}") from None
+
+    def _file(self, key: str):
+        return self._opened(self.file_of[key])
+
+    def _opened(self, name: str):
+        """A safetensors file, opened once; RuleError naming it when it is missing, truncated or garbled."""
+        if name not in self._open:
+            try:
+                self._open[name] = safe_open(self.directory / name, framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise RuleError("init_from.hf", f"{self.directory / name} is not a readable safetensors file: "
+                                                f"{e}") from None
+        return self._open[name]
 
 
 def local_block(p: torch.Tensor) -> Block:
@@ -77,7 +95,8 @@ def load_into(modules: Iterable[nn.Module], cfg: ModelConfig, directory: Path) -
     files = HFFiles(directory)
     adapter = adapter_for_family(cfg.family)
     sources = adapter.sources(cfg, files.file_of.keys())
-    _check_names(adapter, sources, files, directory)
+    _check_names(adapter, cfg, sources, files, directory)
+    _check_shapes(modules, cfg, sources, files, directory)
     for module in modules:
         for name, p in module.named_parameters():
             source = sources[name]
@@ -91,14 +110,36 @@ def load_into(modules: Iterable[nn.Module], cfg: ModelConfig, directory: Path) -
     return files
 
 
-def _check_names(adapter, sources: Mapping, files: HFFiles, directory: Path) -> None:
-    """Every tensor the model needs is there, and every tensor there is used (or a known non-parameter)."""
+def _check_names(adapter, cfg: ModelConfig, sources: Mapping, files: HFFiles, directory: Path) -> None:
+    """Every tensor the model needs is there, and every tensor there is used (or a known non-parameter, or the
+    stored head of a tied model, which transformers drops for the embedding as trainyard does)."""
     wanted = {s.key for s in sources.values()}
     missing = sorted(wanted - files.file_of.keys())
-    unused = sorted(k for k in files.file_of.keys() - wanted if not adapter.ignored(k))
+    unused = sorted(k for k in files.file_of.keys() - wanted
+                    if not adapter.ignored(k) and not (cfg.tie_embeddings and k == TIED_HEAD))
     if missing or unused:
         raise RuleError("init_from.hf", f"{directory} does not match its config.json: missing tensors "
                                         f"{missing[:5]}, unexpected tensors {unused[:5]}")
+
+
+def _check_shapes(modules: Iterable[nn.Module], cfg: ModelConfig, sources: Mapping, files: HFFiles,
+                  directory: Path) -> None:
+    """Each HF tensor this rank reads has the whole shape its config.json implies. A rank reads only its own
+    blocks, so a tensor larger than that (a vocab_size or intermediate_size in config.json smaller than the
+    weights) would otherwise be read in part, silently: a wrong model rather than transformers' size mismatch."""
+    expected: dict[str, list[int]] = {}
+    for module in modules:
+        for name, p in module.named_parameters():  # a DTensor's shape is the whole tensor's
+            source = sources[name]
+            stops = [stop for _, stop in hf_block(source, whole(p.shape))]
+            if source.expert is not None:
+                stops[0] = cfg.moe.experts
+            known = expected.setdefault(source.key, stops)  # the pieces of a fused tensor: the furthest stop
+            expected[source.key] = [max(a, b) for a, b in zip(known, stops, strict=True)]
+    for key, shape in expected.items():
+        if list(files.shape(key)) != shape:
+            raise RuleError("init_from.hf", f"{directory}: {key} has shape {files.shape(key)}, its config.json "
+                                            f"implies {tuple(shape)}")
 
 
 def write_hf_dir(out: Path, cfg: ModelConfig, state: Mapping[str, torch.Tensor], *,

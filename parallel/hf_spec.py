@@ -57,6 +57,8 @@ def read_hf_config(directory: str | Path) -> dict:
         raise RuleError(FIELD, f"{path} is not a directory")
     if not has_weights:
         raise RuleError(FIELD, f"{path} holds neither {WEIGHTS_FILE} nor {INDEX_FILE} (safetensors weights)")
+    if (path / INDEX_FILE).is_file():  # what the ranks read (parallel.hf_checkpoint.HFFiles): every shard it names
+        _check_index(path / INDEX_FILE)
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
     except FileNotFoundError:
@@ -66,6 +68,20 @@ def read_hf_config(directory: str | Path) -> dict:
     if not isinstance(config, dict):
         raise RuleError(FIELD, f"{path / CONFIG_FILE} is not a JSON object")
     return config
+
+
+def _check_index(index: Path) -> None:
+    """A sharded checkpoint's index is a JSON object with a weight_map, and every shard file it names is there."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RuleError(FIELD, f"{index} is not a safetensors index (a JSON object with a weight_map): {e!r}") from None
+    if not isinstance(weight_map, dict):
+        raise RuleError(FIELD, f"{index}: weight_map is not a JSON object")
+    missing = sorted({str(f) for f in weight_map.values()
+                      if not isinstance(f, str) or not (index.parent / f).is_file()})
+    if missing:
+        raise RuleError(FIELD, f"{index.parent} lacks shard files its {INDEX_FILE} names: {', '.join(missing[:5])}")
 
 
 def model_fields(directory: str | Path) -> dict:
@@ -81,7 +97,7 @@ def model_fields(directory: str | Path) -> dict:
         return adapter.config_from_hf(config)
     except RuleError as e:
         raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError) as e:  # e.g. num_attention_heads: 0
         raise RuleError(FIELD, f"{CONFIG_FILE} lacks or garbles field {e}") from None
 
 

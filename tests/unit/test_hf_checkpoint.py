@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +178,62 @@ def test_an_expert_parallel_stage_reads_only_the_experts_it_hosts(tmp_path):
     assert not any(k.startswith("model.layers.0.") or k == "model.embed_tokens.weight" for k in read)
     fused = theirs.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
     torch.testing.assert_close(stage.blocks["1"].moe.experts["3"].up.weight, fused[3, 48:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("build,field,value", [(tiny_llama, "vocab_size", 200), (tiny_llama, "intermediate_size", 40),
+                                               (tiny_gpt2, "n_inner", 64)])  # gpt2: 4 x 32 = 128, a Conv1D
+def test_weights_larger_than_config_json_says_are_refused_not_cropped(build, field, value, tmp_path):
+    build(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text()) | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = model_config(tmp_path)
+    with pytest.raises(RuleError) as info:  # a rank reads only its blocks: the rest would go unnoticed
+        hf_checkpoint.load_into([full_model(cfg, 0)], cfg, tmp_path)
+    assert info.value.field == "init_from.hf" and "its config.json implies" in info.value.message
+
+
+@pytest.mark.parametrize("kind,embedding", [("gpt2-tied", "transformer.wte.weight"),
+                                            ("llama-tied", "model.embed_tokens.weight")])
+def test_a_tied_checkpoint_that_also_stores_the_head_loads_as_transformers_loads_it(kind, embedding, tmp_path):
+    theirs = BUILDERS[kind](tmp_path)
+    state = disk_state(tmp_path)
+    assert "lm_head.weight" not in state
+    save_file(state | {"lm_head.weight": state[embedding].clone()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})  # as some conversions write a tied model
+    cfg = model_config(tmp_path)
+    ours = full_model(cfg, seed=3)
+    hf_checkpoint.load_into([ours], cfg, tmp_path)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_directory_under_home_submits_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    theirs = tiny_llama(tmp_path / "models" / "tiny")
+    cfg = model_config("~/models/tiny")  # the submit reads config.json there: so must the ranks
+    ours = full_model(cfg, seed=3)
+    hf_checkpoint.load_into([ours], cfg, Path("~/models/tiny"))  # as the trainer passes init_from.hf
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_truncated_or_misindexed_weights_file_is_named_in_the_error(tmp_path):
+    tiny_llama(tmp_path)
+    cfg = model_config(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])  # a download cut short
+    with pytest.raises(RuleError) as info:
+        hf_checkpoint.load_into([full_model(cfg, 0)], cfg, tmp_path)
+    assert info.value.field == "init_from.hf" and f"{weights} is not a readable safetensors file" in info.value.message
+    weights.write_bytes(whole)
+    state = disk_state(tmp_path)
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(tmp_path / "a.safetensors"))
+    save_file({"lm_head.weight": state["lm_head.weight"]}, str(tmp_path / "b.safetensors"))
+    weight_map = dict.fromkeys(state, "a.safetensors")  # the index puts lm_head.weight in the wrong file
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(RuleError) as info:
+        hf_checkpoint.load_into([full_model(cfg, 0)], cfg, tmp_path)
+    assert f"{tmp_path / 'a.safetensors'}:" in info.value.message and "lm_head.weight" in info.value.message

@@ -54,6 +54,10 @@ def test_a_model_that_differs_from_config_json_lists_each_field(llama_dir):
     (lambda c: c | {"attention_bias": True}, "attention_bias"),
     (lambda c: c | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type"),
     (lambda c: c | {"sliding_window": 4096}, "sliding_window"),
+    (lambda c: c | {"num_attention_heads": 0}, "integer modulo by zero"),  # a garbled config.json: a 422, not a 500
+    (lambda c: c | {"rope_parameters": [10000.0]}, "'list' object has no attribute"),
+    (lambda c: c | {"rms_norm_eps": "tiny"}, "could not convert string to float"),
+    (lambda c: c | {"tie_word_embeddings": "false"}, "tie_word_embeddings"),  # truthy: the head would be dropped
 ])
 def test_what_trainyard_cannot_honour_is_refused_by_name(change, named, llama_dir, tmp_path):
     for f in llama_dir.iterdir():
@@ -82,3 +86,18 @@ def test_the_api_answers_422_naming_the_field_and_creates_nothing(llama_dir):
     assert detail["field"] == "model" and detail["loc"] == ["body", "model"] and "model.n_head: 8" in detail["msg"]
     missing = client.post("/api/plans", headers=auth, json=submitted(llama_dir / "nowhere"))
     assert missing.status_code == 422 and missing.json()["detail"][0]["field"] == "init_from.hf"
+
+
+@pytest.mark.parametrize("damage,named", [
+    (lambda d: sorted(d.glob("model-*.safetensors"))[1].unlink(), "lacks shard files"),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{not json"), "is not a safetensors index"),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{}"), "is not a safetensors index"),
+])
+def test_a_sharded_checkpoint_with_a_missing_shard_or_a_broken_index_is_refused(damage, named, llama_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM.from_pretrained(llama_dir).save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    damage(tmp_path)
+    [(field, message)] = errors(submitted(tmp_path, seq_len=16))
+    assert field == "init_from.hf" and named in message
