@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.config import ModelConfig, RuleError
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,12 @@ def _piece_length(name: str, source: Source, sources: Mapping[str, Source], hf: 
     later = [s.start for s in sources.values()
              if s.key == source.key and s.expert == source.expert and s.start > source.start]
     return (min(later) if later else extent) - source.start
+
+
+def hf_bool(hf: Mapping, key: str, default: bool) -> bool:
+    """A boolean field of config.json; another type is a RuleError naming it (transformers refuses it, and read
+    as truthy, e.g. "false", `tie_word_embeddings` would drop a stored head)."""
+    value = hf.get(key, default)
+    if not isinstance(value, bool):
+        raise RuleError(key, f"is {value!r}, not true or false")
+    return value

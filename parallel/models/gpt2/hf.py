@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from trainyard.parallel.config import ModelConfig, RuleError
-from trainyard.parallel.hf_mapping import Source
+from trainyard.parallel.hf_mapping import Source, hf_bool
 
 FAMILY = "gpt2"
 ARCHITECTURES = ("GPT2LMHeadModel",)
@@ -38,16 +38,10 @@ def config_from_hf(hf: Mapping) -> dict:
         raise RuleError("n_head", f"n_embd={d} is not divisible by n_head={hf['n_head']}")
     return {"family": FAMILY, "n_layer": hf["n_layer"], "n_head": hf["n_head"], "d_model": d,
               "vocab_size": hf["vocab_size"], "context_len": hf["n_positions"],
-              "tie_embeddings": _tied(hf),
+              "tie_embeddings": hf_bool(hf, "tie_word_embeddings", True),
               "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)), "activation": ACTIVATIONS[act],
               "ffn_hidden": hf.get("n_inner")}  # null: 4 x n_embd, as trainyard's null
 
-
-def _tied(hf: Mapping) -> bool:
-    tied = hf.get("tie_word_embeddings", True)
-    if not isinstance(tied, bool):  # transformers refuses it; read as truthy it would drop a stored head
-        raise RuleError("tie_word_embeddings", f"is {tied!r}, not true or false")
-    return tied
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from trainyard.parallel.config import ModelConfig, RuleError
-from trainyard.parallel.hf_mapping import Source
+from trainyard.parallel.hf_mapping import Source, hf_bool
 
 FAMILY = "llama"
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
@@ -46,7 +46,7 @@ def config_from_hf(hf: Mapping) -> dict:
     fields = {"family": FAMILY, "n_layer": hf["num_hidden_layers"], "n_head": heads, "d_model": d,
               "n_kv_head": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
               "vocab_size": hf["vocab_size"], "context_len": hf.get("max_position_embeddings"),
-              "tie_embeddings": _tied(hf),
+              "tie_embeddings": hf_bool(hf, "tie_word_embeddings", False),
               "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": theta, "rope_scaling": scaling}
     if "num_local_experts" in hf:
         fields["moe"] = {"experts": hf["num_local_experts"], "top_k": hf.get("num_experts_per_tok", 2), "every": 1}
@@ -71,12 +71,6 @@ def _rope(hf: Mapping) -> tuple[float, dict | None]:
     scaling = {"rope_type": "llama3"} | {f: params[f] for f in ROPE_SCALING_FIELDS}
     return float(params.get("rope_theta", 10000.0)), scaling
 
-
-def _tied(hf: Mapping) -> bool:
-    tied = hf.get("tie_word_embeddings", False)
-    if not isinstance(tied, bool):  # transformers refuses it; read as truthy it would drop a stored head
-        raise RuleError("tie_word_embeddings", f"is {tied!r}, not true or false")
-    return tied
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
