@@ -93,6 +93,11 @@ def model_fields(directory: str | Path) -> dict:
         supported = sorted(a for f in families() for a in adapter_for_family(f).ARCHITECTURES)
         raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported "
                                f"(supported: {', '.join(supported)})")
+    quantized = config.get("quantization_config")
+    if quantized:  # its weights are not fp tensors under the usual names
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise RuleError(FIELD, f"{CONFIG_FILE} field quantization_config: a quantized checkpoint ({method}) cannot be "
+                               "trained; give its unquantized weights")
     try:
         return adapter.config_from_hf(config)
     except RuleError as e:
