@@ -466,6 +466,10 @@ def _events(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     out = Path(args.output)
+    if args.format == "hf" and out.is_dir() and any(out.iterdir()):
+        # transformers loads whatever the directory holds: another model's shards or tokenizer would come with it
+        print(f"error: {out} is not empty; a Hugging Face export needs a new or empty directory", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     if args.format == "hf":
         return _export_hf(args, out)

@@ -35,6 +35,14 @@ def test_export_into_a_path_that_is_a_file_is_one_error_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: [Errno 17] File exists")
 
 
+def test_a_hugging_face_export_into_a_directory_that_holds_files_is_refused_before_downloading(tmp_path, capsys):
+    """transformers loads the whole directory: an earlier export's tokenizer or shards would come with the model."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert main([*UNREACHABLE, "export", "abc", "--format", "hf", "-o", str(tmp_path)]) == 2  # no server asked
+    assert "is not empty" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]
+
+
 def test_a_spec_with_nan_reaches_the_api_which_names_the_field():
     """httpx's `json=` raised ValueError on NaN (a YAML `.nan`) before anything was sent."""
     sent = []

@@ -57,8 +57,8 @@ def test_a_model_that_differs_from_config_json_lists_each_field(llama_dir):
     (lambda c: c | {"num_attention_heads": 0}, "integer modulo by zero"),  # a garbled config.json: a 422, not a 500
     (lambda c: c | {"rope_parameters": [10000.0]}, "'list' object has no attribute"),
     (lambda c: c | {"rms_norm_eps": "tiny"}, "could not convert string to float"),
-    (lambda c: c | {"tie_word_embeddings": "false"}, "tie_word_embeddings"),
-    (lambda c: c | {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),  # truthy: the head would be dropped
+    (lambda c: c | {"tie_word_embeddings": "false"}, "tie_word_embeddings"),  # truthy: the head would be dropped
+    (lambda c: c | {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
 ])
 def test_what_trainyard_cannot_honour_is_refused_by_name(change, named, llama_dir, tmp_path):
     for f in llama_dir.iterdir():
