@@ -6,6 +6,7 @@ CLI, so both report a broken field the same way: its dotted path and the rule it
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Annotated, Any
 
 import yaml
@@ -68,12 +69,20 @@ def parse_submitted_spec(obj: Any) -> JobConfig:
 
 
 def resolve_submitted(obj: Any) -> Any:
-    """The spec with what a submit adds to it (the architecture of `init_from.hf`); raises RuleError."""
+    """The spec with what a submit adds to it (the architecture of `init_from.hf`); raises RuleError. Also the
+    rules a new submit keeps and a stored spec is not held to (a job stored before a rule must still load)."""
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str) and _has_control_character(obj["name"]):
+        raise RuleError("name", "has a control character (a new line, an escape sequence), which would print as "
+                                "such in `trainyard list`")
     if isinstance(obj, dict) and obj.get("init_from") is not None:
         from trainyard.parallel.hf_spec import resolve_init_from  # reads config.json only, no tensor
 
         return resolve_init_from(obj)
     return obj
+
+
+def _has_control_character(text: str) -> bool:
+    return any(unicodedata.category(c) == "Cc" for c in text)
 
 
 def _resolve_or_rule_error(obj: Any) -> Any:

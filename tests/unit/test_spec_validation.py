@@ -2,7 +2,7 @@
 
 import pytest
 from helpers import REPO, tiny_spec
-from trainyard.api.spec import SpecError, load_spec_text, parse_spec
+from trainyard.api.spec import SpecError, load_spec_text, parse_spec, parse_submitted_spec
 from trainyard.parallel.data import DatasetError, open_dataset
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 
@@ -50,6 +50,17 @@ def test_only_model_size_and_steps_are_required():
 
 def test_unknown_field_is_named():
     assert ("optimizer.momentum", "unknown field 'momentum'") in spec_error(tiny_spec(optimizer={"momentum": 0.9}))
+
+
+@pytest.mark.parametrize("name", ["two\nlines", "bell\a", "\x1b[31mred", "nul\x00"])
+def test_a_name_with_control_characters_is_refused(name):
+    """They would print as such (a new line, a colour) in `trainyard list`; any other unicode is a name."""
+    with pytest.raises(SpecError) as info:
+        parse_submitted_spec(tiny_spec(name=name))
+    [(field, message)] = info.value.errors
+    assert field == "name" and "control character" in message
+    assert parse_submitted_spec(tiny_spec(name="données 日本 🚂")).name == "données 日本 🚂"
+    assert parse_spec(tiny_spec(name=name)).name == name  # a stored spec from before the rule still loads
 
 
 def test_wrong_type_is_named():
