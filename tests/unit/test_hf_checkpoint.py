@@ -63,15 +63,20 @@ def test_fused_mixtral_experts_in_memory_map_like_the_per_expert_files(tmp_path)
     assert all(torch.equal(from_fused[k], from_disk[k]) for k in from_disk)
 
 
-@pytest.mark.parametrize("kind", ["gpt2-tied", "llama-gqa-untied", "mixtral", "llama-rope-llama3"])
-def test_trainyard_model_loaded_from_hf_gives_transformers_logits(kind, tmp_path):
-    theirs = BUILDERS[kind](tmp_path)
-    cfg = model_config(tmp_path)
+def assert_loads_with_transformers_logits(theirs, directory) -> None:
+    """trainyard's model of the same config.json, loaded from `directory` (as given), computes transformers' logits."""
+    cfg = model_config(directory)
     ours = full_model(cfg, seed=3)
-    hf_checkpoint.load_into([ours], cfg, tmp_path)
+    hf_checkpoint.load_into([ours], cfg, Path(directory))
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2-tied", "llama-gqa-untied", "mixtral", "llama-rope-llama3"])
+def test_trainyard_model_loaded_from_hf_gives_transformers_logits(kind, tmp_path):
+    theirs = BUILDERS[kind](tmp_path)
+    assert_loads_with_transformers_logits(theirs, tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "mixtral", "llama-rope-llama3"])
@@ -200,23 +205,14 @@ def test_a_tied_checkpoint_that_also_stores_the_head_loads_as_transformers_loads
     assert "lm_head.weight" not in state
     save_file(state | {"lm_head.weight": state[embedding].clone()}, str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})  # as some conversions write a tied model
-    cfg = model_config(tmp_path)
-    ours = full_model(cfg, seed=3)
-    hf_checkpoint.load_into([ours], cfg, tmp_path)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
+    assert_loads_with_transformers_logits(theirs, tmp_path)
 
 
 def test_a_directory_under_home_submits_and_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     theirs = tiny_llama(tmp_path / "models" / "tiny")
-    cfg = model_config("~/models/tiny")  # the submit reads config.json there: so must the ranks
-    ours = full_model(cfg, seed=3)
-    hf_checkpoint.load_into([ours], cfg, Path("~/models/tiny"))  # as the trainer passes init_from.hf
-    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(tokens))), theirs(tokens).logits, rtol=0, atol=1e-5)
+    # the submit reads config.json at "~/models/tiny", and the trainer passes init_from.hf as given: so must the ranks
+    assert_loads_with_transformers_logits(theirs, "~/models/tiny")
 
 
 def test_a_truncated_or_misindexed_weights_file_is_named_in_the_error(tmp_path):
