@@ -153,19 +153,27 @@ def _documents(files: list[Path], options: PrepareOptions) -> Iterator[tuple[str
         if options.chat and kind != "jsonl":
             raise PrepareError(f"{path}: --chat reads JSONL records, not {kind}")
         if kind == "text":
-            yield str(path), path.read_text(encoding="utf-8", errors="replace")
+            yield str(path), _decode(path.read_bytes(), str(path))
         elif kind == "jsonl":
             yield from _jsonl(path, options)
         else:
             yield from _parquet(path, options.column)
 
 
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{where}: not UTF-8 (byte {e.start}: {e.reason})") from None
+
+
 def _jsonl(path: Path, options: PrepareOptions) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            line = _decode(raw, where)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

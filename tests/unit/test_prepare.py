@@ -143,3 +143,15 @@ def test_a_bad_record_names_its_line_and_leaves_nothing(tmp_path, tokenizer):
     with pytest.raises(PrepareError, match=r"docs\.jsonl:2: no string field 'text'"):
         prepare([src], tmp_path / "ds", tokenizer, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
+
+
+@pytest.mark.parametrize("name,content,where", [
+    ("docs.txt", b"fine text \xff\xfe more", r"docs\.txt: not UTF-8 \(byte 10"),
+    ("docs.jsonl", b'{"text": "fine"}\n{"text": "bad \xff"}\n', r"docs\.jsonl:2: not UTF-8"),
+])
+def test_invalid_utf8_is_an_error_naming_the_file_and_leaves_nothing(tmp_path, tokenizer, name, content, where):
+    src = tmp_path / name
+    src.write_bytes(content)
+    with pytest.raises(PrepareError, match=where):
+        prepare([src], tmp_path / "ds", tokenizer, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
