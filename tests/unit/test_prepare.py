@@ -155,3 +155,12 @@ def test_invalid_utf8_is_an_error_naming_the_file_and_leaves_nothing(tmp_path, t
     with pytest.raises(PrepareError, match=where):
         prepare([src], tmp_path / "ds", tokenizer, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+@pytest.mark.parametrize("message", [{"role": None, "content": "hi"}, {"role": "user", "content": 5}])
+def test_a_message_the_template_cannot_render_names_its_line(tmp_path, tokenizer, message):
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": [message, {"role": "assistant", "content": "yo"}]}) + "\n")
+    with pytest.raises(PrepareError, match=r"chat\.jsonl:1: "):
+        prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=True), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
