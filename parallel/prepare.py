@@ -345,6 +345,12 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
                 bar.set_postfix(tokens=tokens, refresh=False)
             bar.total = bar.n
         shards = writer.close()
+        named = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        if tokens == 0:
+            raise PrepareError(f"{named}: no document to tokenize (every one is empty)")
+        if options.chat and counted == 0:
+            raise PrepareError(f"{named}: no record has an assistant message or a completion: nothing would count "
+                               "in the loss")
         shutil.copyfile(source.file, tmp / TOKENIZER)
         if source.config_file is not None:
             shutil.copyfile(source.config_file, tmp / TOKENIZER_CONFIG)

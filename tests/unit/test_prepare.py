@@ -164,3 +164,20 @@ def test_a_message_the_template_cannot_render_names_its_line(tmp_path, tokenizer
     with pytest.raises(PrepareError, match=r"chat\.jsonl:1: "):
         prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=True), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
+
+
+@pytest.mark.parametrize("name,text,chat,match", [
+    ("empty.txt", "", False, "no document to tokenize"),
+    ("empty.jsonl", '{"text": ""}\n\n', False, "no document to tokenize"),
+    ("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", True, "nothing would count"),
+    ("pc.jsonl", json.dumps({"prompt": "hi", "completion": ""}) + "\n", True, "nothing would count"),
+])
+def test_inputs_with_nothing_to_train_on_are_an_error_and_leave_nothing(tmp_path, tokenizer, name, text, chat,
+                                                                        match):
+    src = tmp_path / name
+    src.write_text(text)
+    with pytest.raises(PrepareError, match=match):
+        prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=chat), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
