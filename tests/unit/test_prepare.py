@@ -181,3 +181,12 @@ def test_inputs_with_nothing_to_train_on_are_an_error_and_leave_nothing(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
+def test_a_chat_mask_cut_short_is_prepared_again(tmp_path, tokenizer):
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"prompt": "What does green mean?", "completion": "Go."}) + "\n")
+    out = tmp_path / "ds"
+    first = prepare([src], out, tokenizer, PrepareOptions(chat=True), progress=False).manifest
+    mask = out / first.shards[0]["mask_file"]
+    mask.write_bytes(mask.read_bytes()[:-1])
+    assert not prepare([src], out, tokenizer, PrepareOptions(chat=True), progress=False).skipped
+    assert mask.stat().st_size == first.tokens
