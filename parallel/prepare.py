@@ -131,9 +131,13 @@ def _describe_input(path: Path) -> tuple[dict, int]:
             size += len(block)
     kind = _kind(path)
     if kind == "parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        docs = pq.ParquetFile(path).metadata.num_rows
+        try:
+            docs = pq.ParquetFile(path).metadata.num_rows
+        except pa.ArrowException as e:
+            raise PrepareError(f"{path}: not a readable Parquet file: {e}") from None
     else:
         docs = lines + 1 if kind == "jsonl" else 1
     return {"path": str(path.resolve()), "bytes": size, "sha256": h.hexdigest()}, docs

@@ -190,3 +190,11 @@ def test_a_chat_mask_cut_short_is_prepared_again(tmp_path, tokenizer):
     mask.write_bytes(mask.read_bytes()[:-1])
     assert not prepare([src], out, tokenizer, PrepareOptions(chat=True), progress=False).skipped
     assert mask.stat().st_size == first.tokens
+
+
+def test_a_file_that_is_not_parquet_is_an_error_naming_it(tmp_path, tokenizer):
+    src = tmp_path / "web.parquet"
+    src.write_text("not parquet")
+    with pytest.raises(PrepareError, match=r"web\.parquet: not a readable Parquet file"):
+        prepare([src], tmp_path / "ds", tokenizer, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["web.parquet"]
