@@ -107,11 +107,15 @@ def _kind(path: Path) -> str:
     return "jsonl" if suffix in (".jsonl", ".json", ".ndjson") else "parquet" if suffix == ".parquet" else "text"
 
 
-def input_files(inputs: list[Path]) -> list[Path]:
-    files = []
+def input_files(inputs: list[Path], out: Path | None = None) -> list[Path]:
+    """The files `inputs` stand for; in a directory, hidden files and folders (an interrupted run's temporary
+    output) and the output directory `out` itself are left out."""
+    files, skip = [], out.resolve() if out is not None else None
     for path in inputs:
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            files += sorted(p for p in path.rglob("*") if p.is_file()
+                            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                            and not (skip is not None and p.resolve().is_relative_to(skip)))
         elif path.is_file():
             files.append(path)
         else:
@@ -306,7 +310,7 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
 
     start = time.perf_counter()
     source = TokenizerSource.find(tokenizer)
-    files = input_files(inputs)
+    files = input_files(inputs, out)
     described = [_describe_input(p) for p in files]
     inputs_meta, expected_docs = [d for d, _ in described], sum(n for _, n in described)
     print_ = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)

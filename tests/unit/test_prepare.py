@@ -198,3 +198,15 @@ def test_a_file_that_is_not_parquet_is_an_error_naming_it(tmp_path, tokenizer):
     with pytest.raises(PrepareError, match=r"web\.parquet: not a readable Parquet file"):
         prepare([src], tmp_path / "ds", tokenizer, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["web.parquet"]
+
+
+def test_an_output_inside_the_input_directory_is_not_read_as_input(tmp_path, tokenizer):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(DOCS[0])
+    (corpus / ".ds.tmp-1").mkdir()  # an interrupted run's temporary output
+    (corpus / ".ds.tmp-1" / "tokens-00000.bin").write_bytes(b"\x00\x01")
+    first = prepare([corpus], corpus / "ds", tokenizer, progress=False)
+    assert first.manifest.documents == 1
+    again = prepare([corpus], corpus / "ds", tokenizer, progress=False)
+    assert again.skipped and again.manifest.fingerprint == first.manifest.fingerprint
