@@ -36,8 +36,13 @@ class ChatTemplate:
     """bos_token, eos_token, ... from tokenizer_config.json: templates refer to them by these names."""
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return _compiled(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                             **self.special_tokens)
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return _compiled(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 **self.special_tokens)
+        except (TemplateError, TypeError) as e:  # e.g. a content that is not a string
+            raise ChatError(f"the chat template cannot render the messages: {type(e).__name__}: {e}") from None
 
 
 def template_from_config(config: dict | None) -> ChatTemplate | None:
@@ -97,9 +102,9 @@ def _encode_messages(tokenizer: Any, template: ChatTemplate | None, messages: An
     if template is None:
         raise ChatError("messages need a chat template, and the tokenizer has none (tokenizer_config.json has "
                         "no `chat_template`); use prompt/completion records or a tokenizer with a template")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                 for m in messages):
-        raise ChatError("messages must be a list of {role, content}")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and "content" in m for m in messages):
+        raise ChatError("messages must be a list of {role, content} (role a string)")
     text = template.render(messages, add_generation_prompt=False)
     spans = []
     for i, m in enumerate(messages):

@@ -218,6 +218,8 @@ def _read_tokens(config: JobConfig, field: str, path: Path
     if path.stat().st_size % itemsize:
         raise DatasetError("data.dtype", f"{path} is {path.stat().st_size} bytes, not a whole number of "
                                          f"{data.dtype} token ids")
+    if not path.stat().st_size:  # numpy cannot map an empty file; _open_one says it holds too few tokens
+        return np.zeros(0, DTYPES[data.dtype]), None, None
     return np.memmap(path, dtype=DTYPES[data.dtype], mode="r"), None, None
 
 

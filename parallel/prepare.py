@@ -107,11 +107,15 @@ def _kind(path: Path) -> str:
     return "jsonl" if suffix in (".jsonl", ".json", ".ndjson") else "parquet" if suffix == ".parquet" else "text"
 
 
-def input_files(inputs: list[Path]) -> list[Path]:
-    files = []
+def input_files(inputs: list[Path], out: Path | None = None) -> list[Path]:
+    """The files `inputs` stand for; in a directory, hidden files and folders (an interrupted run's temporary
+    output) and the output directory `out` itself are left out."""
+    files, skip = [], out.resolve() if out is not None else None
     for path in inputs:
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            files += sorted(p for p in path.rglob("*") if p.is_file()
+                            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                            and not (skip is not None and p.resolve().is_relative_to(skip)))
         elif path.is_file():
             files.append(path)
         else:
@@ -131,9 +135,13 @@ def _describe_input(path: Path) -> tuple[dict, int]:
             size += len(block)
     kind = _kind(path)
     if kind == "parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        docs = pq.ParquetFile(path).metadata.num_rows
+        try:
+            docs = pq.ParquetFile(path).metadata.num_rows
+        except pa.ArrowException as e:
+            raise PrepareError(f"{path}: not a readable Parquet file: {e}") from None
     else:
         docs = lines + 1 if kind == "jsonl" else 1
     return {"path": str(path.resolve()), "bytes": size, "sha256": h.hexdigest()}, docs
@@ -153,19 +161,27 @@ def _documents(files: list[Path], options: PrepareOptions) -> Iterator[tuple[str
         if options.chat and kind != "jsonl":
             raise PrepareError(f"{path}: --chat reads JSONL records, not {kind}")
         if kind == "text":
-            yield str(path), path.read_text(encoding="utf-8", errors="replace")
+            yield str(path), _decode(path.read_bytes(), str(path))
         elif kind == "jsonl":
             yield from _jsonl(path, options)
         else:
             yield from _parquet(path, options.column)
 
 
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{where}: not UTF-8 (byte {e.start}: {e.reason})") from None
+
+
 def _jsonl(path: Path, options: PrepareOptions) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            line = _decode(raw, where)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -294,7 +310,7 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
 
     start = time.perf_counter()
     source = TokenizerSource.find(tokenizer)
-    files = input_files(inputs)
+    files = input_files(inputs, out)
     described = [_describe_input(p) for p in files]
     inputs_meta, expected_docs = [d for d, _ in described], sum(n for _, n in described)
     print_ = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)
@@ -337,6 +353,12 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
                 bar.set_postfix(tokens=tokens, refresh=False)
             bar.total = bar.n
         shards = writer.close()
+        named = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        if tokens == 0:
+            raise PrepareError(f"{named}: no document to tokenize (every one is empty)")
+        if options.chat and counted == 0:
+            raise PrepareError(f"{named}: no record has an assistant message or a completion: nothing would count "
+                               "in the loss")
         shutil.copyfile(source.file, tmp / TOKENIZER)
         if source.config_file is not None:
             shutil.copyfile(source.config_file, tmp / TOKENIZER_CONFIG)

@@ -121,8 +121,9 @@ def check_directory(directory: Path) -> Manifest | str:
         path = directory / shard["file"]
         if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
             return f"{path} is missing or not {shard['tokens']} {manifest.dtype} tokens as {MANIFEST} says"
-        if manifest.chat and not (directory / shard["mask_file"]).is_file():
-            return f"{directory / shard['mask_file']} (the loss mask) is missing"
+        mask = directory / shard["mask_file"] if manifest.chat else None
+        if mask is not None and (not mask.is_file() or mask.stat().st_size != shard["tokens"]):
+            return f"{mask} (the loss mask) is missing or not {shard['tokens']} bytes as {MANIFEST} says"
     return manifest
 
 

@@ -143,3 +143,70 @@ def test_a_bad_record_names_its_line_and_leaves_nothing(tmp_path, tokenizer):
     with pytest.raises(PrepareError, match=r"docs\.jsonl:2: no string field 'text'"):
         prepare([src], tmp_path / "ds", tokenizer, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
+
+
+@pytest.mark.parametrize("name,content,where", [
+    ("docs.txt", b"fine text \xff\xfe more", r"docs\.txt: not UTF-8 \(byte 10"),
+    ("docs.jsonl", b'{"text": "fine"}\n{"text": "bad \xff"}\n', r"docs\.jsonl:2: not UTF-8"),
+])
+def test_invalid_utf8_is_an_error_naming_the_file_and_leaves_nothing(tmp_path, tokenizer, name, content, where):
+    src = tmp_path / name
+    src.write_bytes(content)
+    with pytest.raises(PrepareError, match=where):
+        prepare([src], tmp_path / "ds", tokenizer, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+@pytest.mark.parametrize("message", [{"role": None, "content": "hi"}, {"role": "user", "content": 5}])
+def test_a_message_the_template_cannot_render_names_its_line(tmp_path, tokenizer, message):
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": [message, {"role": "assistant", "content": "yo"}]}) + "\n")
+    with pytest.raises(PrepareError, match=r"chat\.jsonl:1: "):
+        prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=True), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
+
+
+@pytest.mark.parametrize("name,text,chat,match", [
+    ("empty.txt", "", False, "no document to tokenize"),
+    ("empty.jsonl", '{"text": ""}\n\n', False, "no document to tokenize"),
+    ("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", True, "nothing would count"),
+    ("pc.jsonl", json.dumps({"prompt": "hi", "completion": ""}) + "\n", True, "nothing would count"),
+])
+def test_inputs_with_nothing_to_train_on_are_an_error_and_leave_nothing(tmp_path, tokenizer, name, text, chat,
+                                                                        match):
+    src = tmp_path / name
+    src.write_text(text)
+    with pytest.raises(PrepareError, match=match):
+        prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=chat), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_a_chat_mask_cut_short_is_prepared_again(tmp_path, tokenizer):
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"prompt": "What does green mean?", "completion": "Go."}) + "\n")
+    out = tmp_path / "ds"
+    first = prepare([src], out, tokenizer, PrepareOptions(chat=True), progress=False).manifest
+    mask = out / first.shards[0]["mask_file"]
+    mask.write_bytes(mask.read_bytes()[:-1])
+    assert not prepare([src], out, tokenizer, PrepareOptions(chat=True), progress=False).skipped
+    assert mask.stat().st_size == first.tokens
+
+
+def test_a_file_that_is_not_parquet_is_an_error_naming_it(tmp_path, tokenizer):
+    src = tmp_path / "web.parquet"
+    src.write_text("not parquet")
+    with pytest.raises(PrepareError, match=r"web\.parquet: not a readable Parquet file"):
+        prepare([src], tmp_path / "ds", tokenizer, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["web.parquet"]
+
+
+def test_an_output_inside_the_input_directory_is_not_read_as_input(tmp_path, tokenizer):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(DOCS[0])
+    (corpus / ".ds.tmp-1").mkdir()  # an interrupted run's temporary output
+    (corpus / ".ds.tmp-1" / "tokens-00000.bin").write_bytes(b"\x00\x01")
+    first = prepare([corpus], corpus / "ds", tokenizer, progress=False)
+    assert first.manifest.documents == 1
+    again = prepare([corpus], corpus / "ds", tokenizer, progress=False)
+    assert again.skipped and again.manifest.fingerprint == first.manifest.fingerprint
