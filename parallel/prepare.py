@@ -356,9 +356,9 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
         named = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         if tokens == 0:
             raise PrepareError(f"{named}: no document to tokenize (every one is empty)")
-        if options.chat and counted == 0:
-            raise PrepareError(f"{named}: no record has an assistant message or a completion: nothing would count "
-                               "in the loss")
+        if options.chat and counted == 0:  # a warning: such a set still serves (an all-masked batch, prompts only)
+            print(f"warning: {named}: no record has an assistant message or a completion: nothing counts in the "
+                  "loss of a job that trains on it", file=sys.stderr)
         shutil.copyfile(source.file, tmp / TOKENIZER)
         if source.config_file is not None:
             shutil.copyfile(source.config_file, tmp / TOKENIZER_CONFIG)

@@ -169,8 +169,6 @@ def test_a_message_the_template_cannot_render_names_its_line(tmp_path, tokenizer
 @pytest.mark.parametrize("name,text,chat,match", [
     ("empty.txt", "", False, "no document to tokenize"),
     ("empty.jsonl", '{"text": ""}\n\n', False, "no document to tokenize"),
-    ("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n", True, "nothing would count"),
-    ("pc.jsonl", json.dumps({"prompt": "hi", "completion": ""}) + "\n", True, "nothing would count"),
 ])
 def test_inputs_with_nothing_to_train_on_are_an_error_and_leave_nothing(tmp_path, tokenizer, name, text, chat,
                                                                         match):
@@ -179,6 +177,20 @@ def test_inputs_with_nothing_to_train_on_are_an_error_and_leave_nothing(tmp_path
     with pytest.raises(PrepareError, match=match):
         prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=chat), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+@pytest.mark.parametrize("record", [{"messages": [{"role": "user", "content": "hi"}]},
+                                    {"prompt": "hi", "completion": ""}])
+def test_chat_records_with_nothing_counted_in_the_loss_are_prepared_with_a_warning(tmp_path, tokenizer, capsys,
+                                                                                     record):
+    """Prompts alone make a dataset all of whose targets are masked: of no use to train on, hence the warning,
+    but still a dataset (the tests' all-masked batch is one)."""
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps(record) + "\n")
+    manifest = prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=True), progress=False).manifest
+    assert manifest.counted_tokens == 0 and manifest.tokens > 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: ") and "nothing counts in the loss" in err
 
 
 def test_a_chat_mask_cut_short_is_prepared_again(tmp_path, tokenizer):
