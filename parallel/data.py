@@ -210,6 +210,9 @@ def _read_tokens(config: JobConfig, field: str, path: Path
     data = config.data
     if path.is_dir() and data.kind == "tokens":
         return _read_directory(config, field, path)
+    if path.is_dir():  # kind text (a directory of tokens was read above)
+        raise DatasetError(field, f"{path} is a directory; data.kind: text reads one file of bytes (a `trainyard "
+                                  "prepare` directory is data.kind: tokens)")
     if not path.is_file():
         raise DatasetError(field, f"file not found: {path}")
     if data.kind == "text":

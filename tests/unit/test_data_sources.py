@@ -122,6 +122,7 @@ def broken(root, tmp_path, what):
 @pytest.mark.parametrize("data,field,message", [
     (lambda r, t: {"path": str(t / "nowhere")}, "data.path", "file not found"),
     (lambda r, t: {"path": str(broken(r, t, "manifest"))}, "data.path", "without manifest.json"),
+    (lambda r, t: {"kind": "text", "path": str(r / "a")}, "data.path", "is a directory; data.kind: text reads one"),
     (lambda r, t: {"path": str(broken(r, t, "tokenizer"))}, "data.path", "has no tokenizer.json"),
     (lambda r, t: {"path": str(broken(r, t, "shard"))}, "data.path", "tokens-00001.bin is missing"),
     (lambda r, t: {"sources": [{"path": str(r / "a")}, {"path": str(t / "nowhere")}]}, "data.sources.1.path",
