@@ -137,43 +137,22 @@ def test_chat_messages_without_a_template_and_a_tokenizer_without_eos_are_errors
     assert not (tmp_path / "a").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_a_bad_record_names_its_line_and_leaves_nothing(tmp_path, tokenizer):
-    src = tmp_path / "docs.jsonl"
-    src.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
-    with pytest.raises(PrepareError, match=r"docs\.jsonl:2: no string field 'text'"):
-        prepare([src], tmp_path / "ds", tokenizer, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
-
-
-@pytest.mark.parametrize("name,content,where", [
-    ("docs.txt", b"fine text \xff\xfe more", r"docs\.txt: not UTF-8 \(byte 10"),
-    ("docs.jsonl", b'{"text": "fine"}\n{"text": "bad \xff"}\n', r"docs\.jsonl:2: not UTF-8"),
+@pytest.mark.parametrize("name,content,chat,match", [
+    ("docs.jsonl", b'{"text": "fine"}\n{"body": "no text field"}\n', False, r"docs\.jsonl:2: no string field 'text'"),
+    ("web.parquet", b"not parquet", False, r"web\.parquet: not a readable Parquet file"),
+    ("docs.txt", b"fine text \xff\xfe more", False, r"docs\.txt: not UTF-8 \(byte 10"),
+    ("docs.jsonl", b'{"text": "fine"}\n{"text": "bad \xff"}\n', False, r"docs\.jsonl:2: not UTF-8"),
+    ("empty.txt", b"", False, "no document to tokenize"),
+    ("empty.jsonl", b'{"text": ""}\n\n', False, "no document to tokenize"),
+    ("chat.jsonl", json.dumps({"messages": [{"role": None, "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+     .encode(), True, r"chat\.jsonl:1: "),
+    ("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "yo"}]})
+     .encode(), True, r"chat\.jsonl:1: "),  # the template cannot render it
 ])
-def test_invalid_utf8_is_an_error_naming_the_file_and_leaves_nothing(tmp_path, tokenizer, name, content, where):
+def test_an_unusable_input_is_an_error_naming_it_and_leaves_nothing(tmp_path, tokenizer, name, content, chat, match):
+    """A bad record (its line), a file that is not Parquet or not UTF-8, inputs with nothing to tokenize."""
     src = tmp_path / name
     src.write_bytes(content)
-    with pytest.raises(PrepareError, match=where):
-        prepare([src], tmp_path / "ds", tokenizer, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
-
-
-@pytest.mark.parametrize("message", [{"role": None, "content": "hi"}, {"role": "user", "content": 5}])
-def test_a_message_the_template_cannot_render_names_its_line(tmp_path, tokenizer, message):
-    src = tmp_path / "chat.jsonl"
-    src.write_text(json.dumps({"messages": [message, {"role": "assistant", "content": "yo"}]}) + "\n")
-    with pytest.raises(PrepareError, match=r"chat\.jsonl:1: "):
-        prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=True), progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
-
-
-@pytest.mark.parametrize("name,text,chat,match", [
-    ("empty.txt", "", False, "no document to tokenize"),
-    ("empty.jsonl", '{"text": ""}\n\n', False, "no document to tokenize"),
-])
-def test_inputs_with_nothing_to_train_on_are_an_error_and_leave_nothing(tmp_path, tokenizer, name, text, chat,
-                                                                        match):
-    src = tmp_path / name
-    src.write_text(text)
     with pytest.raises(PrepareError, match=match):
         prepare([src], tmp_path / "ds", tokenizer, PrepareOptions(chat=chat), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
@@ -202,14 +181,6 @@ def test_a_chat_mask_cut_short_is_prepared_again(tmp_path, tokenizer):
     mask.write_bytes(mask.read_bytes()[:-1])
     assert not prepare([src], out, tokenizer, PrepareOptions(chat=True), progress=False).skipped
     assert mask.stat().st_size == first.tokens
-
-
-def test_a_file_that_is_not_parquet_is_an_error_naming_it(tmp_path, tokenizer):
-    src = tmp_path / "web.parquet"
-    src.write_text("not parquet")
-    with pytest.raises(PrepareError, match=r"web\.parquet: not a readable Parquet file"):
-        prepare([src], tmp_path / "ds", tokenizer, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["web.parquet"]
 
 
 def test_an_output_inside_the_input_directory_is_not_read_as_input(tmp_path, tokenizer):
