@@ -188,7 +188,13 @@ def test_diloco_at_dp2_pp2_matches_two_replicas_and_the_outer_step_by_hand(runs)
     np.testing.assert_allclose(last_stage_losses(stats_of(run)), by_hand["losses"], rtol=1e-5)
     for rank in range(4):
         for name, p in run[rank].probe.items():
-            torch.testing.assert_close(p, by_hand["params"][name], rtol=1e-5, atol=1e-6)
+            if name.endswith("attn.k.bias"):
+                # Its gradient is zero in exact arithmetic (a query's scores shift by one constant, which softmax
+                # ignores); AdamW scales the rounding noise left in its place to full-size steps, so its values
+                # depend on the order of float operations (they differed on an AMD EPYC, not on a Xeon).
+                continue
+            torch.testing.assert_close(p, by_hand["params"][name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name, rank=rank: f"{name} on rank {rank}: {m}")
     sent = [s["cross_replica_bytes"] for s in run[0].stats]
     assert [b > 0 for b in sent] == [False, False, False, True] * 2  # parameters cross only at the syncs
     first_stage_params = sum(p.numel() for p in run[0].probe.values())
