@@ -330,7 +330,7 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
             return PrepareResult(old, skipped=True, seconds=time.perf_counter() - start)
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PrepareError(f"-o: {out} exists and is not a prepared dataset directory; refusing to overwrite it")
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = vocab_size(tok)
     dtype = dtype_for(vocab)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -373,6 +373,14 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return PrepareResult(manifest, skipped=False, seconds=time.perf_counter() - start)
+
+
+def vocab_size(tok: Any) -> int:
+    """One more than the largest id the tokenizer can give: its size, or more when its ids have gaps (a
+    vocabulary {..., "<eos>": 70000} of 11 tokens gives id 70000, which neither uint16 nor a vocab_size of 11
+    holds)."""
+    return max(tok.get_vocab_size(with_added_tokens=True), max(tok.get_vocab(with_added_tokens=True).values(),
+                                                               default=-1) + 1)
 
 
 class _pool:

@@ -106,6 +106,18 @@ def test_a_vocabulary_beyond_uint16_gets_uint32_shards(tmp_path):
     assert np.fromfile(tmp_path / "ds" / m.shards[0]["file"], np.uint32).tolist() == [69998, 5, 65536, 69999]
 
 
+@pytest.mark.parametrize("eos_id,dtype", [(65_535, "uint16"), (65_536, "uint32")])
+def test_a_vocabulary_with_gaps_is_sized_by_its_largest_id(tmp_path, eos_id, dtype):
+    tok = word_tokenizer(tmp_path / "tok", 11)  # w0..w9 and EOS, moved to eos_id: 11 tokens, ids up to eos_id
+    spec = json.loads((tok / "tokenizer.json").read_text())
+    spec["model"]["vocab"][EOS] = eos_id
+    (tok / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "a.txt").write_text("w3 w9")
+    m = prepare([tmp_path / "a.txt"], tmp_path / "ds", tok, progress=False).manifest
+    assert (m.dtype, m.vocab_size, m.eos_id) == (dtype, eos_id + 1, eos_id)  # every id is below vocab_size
+    assert np.fromfile(tmp_path / "ds" / m.shards[0]["file"], dtype).tolist() == [3, 9, eos_id]
+
+
 def test_chat_records_count_only_completions_and_assistant_turns(tmp_path, tokenizer):
     m = prepare([REPO / "examples" / "finetune.jsonl"], tmp_path / "chat", tokenizer, PrepareOptions(chat=True),
                 progress=False).manifest
