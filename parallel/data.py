@@ -174,7 +174,11 @@ def open_dataset(config: JobConfig, split: str = "train") -> Dataset:
         raise DatasetError("data.sources", f"a mixture of sources is for data.kind=tokens, not {data.kind}")
     held_out = not data.val_path and config.eval.every > 0
     if split == "val" and data.val_path:
-        return _open_one(config, "data.val_path", data.val_path, None)
+        val = _open_one(config, "data.val_path", data.val_path, None)
+        if val.manifest is not None:  # a prepared directory: its ids mean what the training data's mean
+            train = open_dataset(config)
+            _same_tokenizer([*(train.parts if isinstance(train, MixtureDataset) else [train]), val])
+        return val
     if data.sources is None:
         assert data.path is not None
         return _open_one(config, "data.path", data.path, split if held_out else None)
@@ -240,7 +244,8 @@ def _read_directory(config: JobConfig, field: str, path: Path) -> tuple[Segments
 
 
 def _same_tokenizer(parts: list[TokenDataset]) -> None:
-    """The sources of a mixture that are prepared directories come from one tokenizer (ids mean the same)."""
+    """The sources of a mixture (and `data.val_path`) that are prepared directories come from one tokenizer
+    (ids mean the same)."""
     prepared = [p for p in parts if p.manifest is not None]
     for p in prepared[1:]:
         if p.manifest.tokenizer["sha256"] != prepared[0].manifest.tokenizer["sha256"]:

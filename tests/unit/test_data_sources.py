@@ -146,3 +146,7 @@ def test_a_vocabulary_above_the_models_or_another_tokenizer_is_an_error(prepared
     with pytest.raises(DatasetError, match="another tokenizer") as info:
         open_dataset(config({"sources": [{"path": str(prepared / "a")}, {"path": str(tmp_path / "w")}]}))
     assert info.value.field == "data.sources.1.path"
+    with pytest.raises(DatasetError, match="another tokenizer") as info:
+        open_dataset(config({"path": str(prepared / "a"), "val_path": str(tmp_path / "w")}, 5), "val")
+    assert info.value.field == "data.val_path"
+    assert open_dataset(config({"path": str(prepared / "b"), "val_path": str(prepared / "a")}, 5), "val").manifest
