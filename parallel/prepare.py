@@ -7,8 +7,9 @@ one document (its `column`, read with pyarrow). Batches of documents are tokeniz
 of workers: the main process appends each document and the EOS id to the current shard and starts a new
 shard every `shard_tokens` tokens.
 
-The output is written under a temporary name beside `out` and renamed into place once complete (manifest
-last). Its fingerprint covers the inputs' contents, the tokenizer files and the options: when `out`
+The output is written under a temporary name beside `out` (`.NAME.tmp-HOST-PID`) and renamed into place once
+complete (manifest last); what a run killed outright (SIGKILL, the OOM killer) left there is removed by the
+next run on that host. Its fingerprint covers the inputs' contents, the tokenizer files and the options: when `out`
 already holds a manifest with the same fingerprint, nothing is read or written again.
 """
 
@@ -18,7 +19,9 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -333,7 +336,8 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
     vocab = vocab_size(tok)
     dtype = dtype_for(vocab)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    _remove_leftovers(out)
+    tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -407,11 +411,33 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished directory to `out`; an older preparation there is moved aside first, then removed."""
     old = None
     if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        old = out.parent / f".{out.name}.old-{socket.gethostname()}-{os.getpid()}"
         os.rename(out, old)
     os.rename(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the temporary directories (`.NAME.tmp-HOST-PID`, `.NAME.old-HOST-PID`) that runs on this host left
+    beside `out` when killed outright; those of a process still running (another prepare) are kept."""
+    if not out.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)")
+    for path in out.parent.iterdir():
+        found = pattern.fullmatch(path.name)
+        if found and not _running(int(found[2])):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def default_workers() -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -283,12 +284,16 @@ def _prepare(args: argparse.Namespace) -> int:
         return 2
     options = PrepareOptions(field=args.field, column=args.column, chat=args.chat, eos=args.eos,
                              shard_tokens=args.shard_tokens)
+    # SIGTERM (kill, a scheduler's stop) ends it as Ctrl-C does: the workers stopped, the temporary output removed
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         result = prepare([Path(p) for p in args.inputs], Path(args.output), Path(args.tokenizer), options,
                          workers=args.workers)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     m = result.manifest
     if result.skipped:
         print(f"{args.output} is up to date (same inputs, tokenizer and options): nothing to do")

@@ -1,6 +1,12 @@
 """`trainyard prepare`: JSONL, Parquet and text to token shards with a manifest; a rerun is a no-op; chat masks."""
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -205,3 +211,32 @@ def test_an_output_inside_the_input_directory_is_not_read_as_input(tmp_path, tok
     assert first.manifest.documents == 1
     again = prepare([corpus], corpus / "ds", tokenizer, progress=False)
     assert again.skipped and again.manifest.fingerprint == first.manifest.fingerprint
+
+
+SLOW_PREPARE = """import sys, time
+import trainyard.parallel.prepare as p
+encode = p._encode_batch
+p._encode_batch = lambda batch: (time.sleep(0.05), encode(batch))[1]  # a prepare long enough to stop midway
+from trainyard.service.cli import main
+sys.exit(main(["prepare", *sys.argv[1:], "--workers", "1"]))
+"""
+
+
+def test_a_stopped_or_killed_prepare_leaves_nothing_behind(tmp_path, tokenizer):
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS * 2000)
+    run = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, str(src), "-o", str(tmp_path / "ds"), "--tokenizer",
+                            str(tokenizer)], stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".ds.tmp-*/tokens-00000.bin")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM  # the SIGTERM ended it as Ctrl-C does, not mid-write
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    host = socket.gethostname()
+    for pid in dead.pid, os.getppid():  # what a SIGKILLed run left, and a running prepare's output in the making
+        (tmp_path / f".ds.tmp-{host}-{pid}").mkdir()
+        (tmp_path / f".ds.tmp-{host}-{pid}" / "tokens-00000.bin").write_bytes(b"\x00\x01")
+    prepare([write_jsonl(tmp_path / "small.jsonl", DOCS)], tmp_path / "ds", tokenizer, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [f".ds.tmp-{host}-{os.getppid()}"]
