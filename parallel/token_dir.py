@@ -94,14 +94,37 @@ class Manifest:
         """Raises ValueError (saying what is wrong) for a manifest this version cannot read."""
         try:
             raw = json.loads((directory / MANIFEST).read_text())
-            if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
                 raise ValueError(f"not a {FORMAT} v{VERSION} manifest")
             manifest = Manifest(**raw)
         except (OSError, json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"unreadable {MANIFEST}: {e}") from None
         if manifest.dtype not in DTYPES:
             raise ValueError(f"{MANIFEST} names dtype {manifest.dtype!r}, not one of {sorted(DTYPES)}")
+        if wrong := manifest._malformed():
+            raise ValueError(f"{MANIFEST}: {wrong}")
         return manifest
+
+    def _malformed(self) -> str | None:
+        """What of the fields a reader relies on has the wrong shape (a manifest edited by hand, another tool's)."""
+        def count(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+        for name in ("vocab_size", "eos_id", "documents", "tokens"):
+            if not count(getattr(self, name)):
+                return f"{name} is {getattr(self, name)!r}, not a count"
+        if self.counted_tokens is not None and not count(self.counted_tokens):
+            return f"counted_tokens is {self.counted_tokens!r}, not a count or null"
+        if not isinstance(self.tokenizer, dict) or not isinstance(self.tokenizer.get("sha256"), str):
+            return "tokenizer is not {file, sha256, ...}"
+        if not isinstance(self.shards, list):
+            return "shards is not a list"
+        keys = ("file", "mask_file") if self.chat else ("file",)
+        for i, shard in enumerate(self.shards):
+            if not (isinstance(shard, dict) and count(shard.get("tokens"))
+                    and all(isinstance(shard.get(k), str) for k in keys)):
+                return f"shards[{i}] is not {{{', '.join(keys)}, tokens, ...}}"
+        return None
 
 
 def check_directory(directory: Path) -> Manifest | str:

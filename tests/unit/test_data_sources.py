@@ -119,12 +119,23 @@ def broken(root, tmp_path, what):
     return d
 
 
+def edited(root, tmp_path, change):
+    """A copy of directory a whose manifest.json is change(its JSON)."""
+    d = tmp_path / "edited"
+    shutil.copytree(root / "a", d)
+    (d / "manifest.json").write_text(json.dumps(change(json.loads((d / "manifest.json").read_text()))))
+    return d
+
+
 @pytest.mark.parametrize("data,field,message", [
     (lambda r, t: {"path": str(t / "nowhere")}, "data.path", "file not found"),
     (lambda r, t: {"path": str(broken(r, t, "manifest"))}, "data.path", "without manifest.json"),
     (lambda r, t: {"kind": "text", "path": str(r / "a")}, "data.path", "is a directory; data.kind: text reads one"),
     (lambda r, t: {"path": str(broken(r, t, "tokenizer"))}, "data.path", "has no tokenizer.json"),
     (lambda r, t: {"path": str(broken(r, t, "shard"))}, "data.path", "tokens-00001.bin is missing"),
+    (lambda r, t: {"path": str(edited(r, t, lambda m: [m]))}, "data.path", "not a trainyard-tokens v1 manifest"),
+    (lambda r, t: {"path": str(edited(r, t, lambda m: {**m, "shards": [{}]}))}, "data.path",
+     r"manifest.json: shards\[0\] is not \{file, tokens"),
     (lambda r, t: {"sources": [{"path": str(r / "a")}, {"path": str(t / "nowhere")}]}, "data.sources.1.path",
      "file not found"),
     (lambda r, t: {"path": str(r / "a"), "sources": [{"path": str(r / "b")}]}, "data.sources", "not both"),
