@@ -79,6 +79,17 @@ def test_trainyard_model_loaded_from_hf_gives_transformers_logits(kind, tmp_path
     assert_loads_with_transformers_logits(theirs, tmp_path)
 
 
+@pytest.mark.parametrize("left_out", ["rope_parameters", "rms_norm_eps"])
+def test_a_field_config_json_leaves_out_takes_the_architectures_default(left_out, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny_mixtral(tmp_path)  # Mixtral's defaults (rope_theta 1e6, rms_norm_eps 1e-5) are not Llama's
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config[left_out]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_loads_with_transformers_logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval(), tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "mixtral", "llama-rope-llama3"])
 def test_exported_model_loads_in_transformers_with_equal_logits(kind, tmp_path):
     from transformers import AutoModelForCausalLM
