@@ -4,7 +4,8 @@ Pure JSON (no torch, no tensor read): the service and the CLI's `plan` call `res
 as submitted, before it is validated. The architecture fields come from config.json through the family's
 `config_from_hf` (`parallel/models/<family>/hf.py`, found by the config's `architectures`); the spec's
 `model` may leave them out or repeat them, and each one it gives with another value is named in the error,
-as `resume_from` does. Fields config.json does not fix (seq_len, the MoE capacity and loss weights) stay the
+as `resume_from` does (a value spelled otherwise that means the same, e.g. gpt2's ffn_hidden: 4 x d_model for
+n_inner: null, is no other value). Fields config.json does not fix (seq_len, the MoE capacity and loss weights) stay the
 spec's. A missing directory or file, an unsupported architecture or a config.json field trainyard cannot
 honour is a RuleError naming `init_from.hf` and the config.json field.
 """
@@ -120,11 +121,11 @@ def resolve_init_from(spec: Mapping) -> Mapping:
     if moe is not None and not isinstance(moe, Mapping):
         return spec
     fields = model_fields(init["hf"])
-    differences = []
-    for name, value in fields.items():
-        if name == "moe" or name not in given or given[name] == value:
-            continue
-        differences.append(f"model.{name}: {given[name]!r} (config.json: {value!r})")
+    differing = [name for name, value in fields.items() if name != "moe" and name in given and given[name] != value]
+    if differing:  # a value spelled otherwise may mean the same: a null ffn_hidden, a rope_scaling's defaults
+        mine, theirs = _meaning({**fields, **given}), _meaning({**given, **fields})
+        differing = [n for n in differing if mine is None or theirs is None or mine[n] != theirs[n]]
+    differences = [f"model.{name}: {given[name]!r} (config.json: {fields[name]!r})" for name in differing]
     if "moe" in fields:
         mine = dict(moe) if isinstance(moe, Mapping) else {}
         differences += [f"model.moe.{k}: {mine[k]!r} (config.json: {v!r})" for k, v in fields["moe"].items()
@@ -138,3 +139,20 @@ def resolve_init_from(spec: Mapping) -> Mapping:
         raise RuleError("model", f"differs from {init['hf']}/{CONFIG_FILE} (init_from.hf): "
                                  + "; ".join(differences))
     return {**spec, "model": {**given, **fields}}
+
+
+def _meaning(model: Mapping) -> dict | None:
+    """The dense part of `model` as trainyard reads it: a nested config's left-out keys at their defaults, a null
+    ffn_hidden as the family's rule (gpt2's n_inner: null is 4 x d_model). None when it is no valid model:
+    validation then names what is wrong."""
+    from dataclasses import fields
+
+    from pydantic import TypeAdapter, ValidationError
+    from trainyard.parallel.config import ModelConfig
+    from trainyard.parallel.models import family_of
+
+    try:
+        cfg = TypeAdapter(ModelConfig).validate_python({**model, "moe": None})
+    except ValidationError:
+        return None
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {"ffn_hidden": family_of(cfg).ffn_hidden(cfg)}

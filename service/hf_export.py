@@ -3,7 +3,8 @@
 Converted from the consolidated safetensors file the job's end wrote (`parallel.export.export_hf`), once,
 beside it (`hf/` and `hf.tar`); a later request serves the same tar. The tokenizer of the job's prepared
 dataset directory (`data.path`, or a mixture's first source, holding a manifest: a mixture's sources share one
-tokenizer) goes into the directory with the weights.
+tokenizer) goes into the directory with the weights; the path is read as training read it (`~` expanded, a
+relative one against the working directory).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import tarfile
 import threading
 from pathlib import Path
 
+from trainyard.parallel.data import resolve_path
 from trainyard.parallel.export import export_hf
 
 _lock = threading.Lock()
@@ -27,7 +29,7 @@ def hf_archive(model_file: Path, spec: dict) -> Path:
             return archive
         data_path = _prepared_data(spec.get("data") or {})
         directory = export_hf(model_file, model_file.parent / "hf",
-                              tokenizer_from=Path(data_path) if data_path else None)
+                              tokenizer_from=resolve_path(data_path) if data_path else None)
         tmp = archive.with_name(ARCHIVE + ".tmp")
         with tarfile.open(tmp, "w") as tar:
             for path in sorted(directory.iterdir()):

@@ -79,6 +79,17 @@ def test_trainyard_model_loaded_from_hf_gives_transformers_logits(kind, tmp_path
     assert_loads_with_transformers_logits(theirs, tmp_path)
 
 
+@pytest.mark.parametrize("left_out", ["rope_parameters", "rms_norm_eps"])
+def test_a_field_config_json_leaves_out_takes_the_architectures_default(left_out, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny_mixtral(tmp_path)  # Mixtral's defaults (rope_theta 1e6, rms_norm_eps 1e-5) are not Llama's
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config[left_out]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_loads_with_transformers_logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval(), tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["gpt2-tied", "gpt2-untied", "llama-gqa-untied", "mixtral", "llama-rope-llama3"])
 def test_exported_model_loads_in_transformers_with_equal_logits(kind, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -114,9 +125,9 @@ def test_the_export_hint_loads_a_moe_model(tmp_path):
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.state_dict().items())
 
 
-def test_export_copies_the_tokenizer_of_a_prepared_dataset(tmp_path):
+def prepared_data_and_model(tmp_path) -> tuple[Path, Path]:
+    """A prepared dataset directory's tokenizer files (word level: <eos> a b) and an exported llama."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer
 
     data = tmp_path / "data"
     data.mkdir()
@@ -126,11 +137,30 @@ def test_export_copies_the_tokenizer_of_a_prepared_dataset(tmp_path):
     (data / "manifest.json").write_text(json.dumps({"eos_id": 0, "tokenizer": {"eos_token": "<eos>"}}))
     tiny_llama(tmp_path / "src")
     cfg = model_config(tmp_path / "src")
-    path = tmp_path / "model.safetensors"
+    path = tmp_path / "job" / "model.safetensors"
+    path.parent.mkdir()
     save_exported(full_model(cfg, 0), cfg, path)
+    return data, path
+
+
+def test_export_copies_the_tokenizer_of_a_prepared_dataset(tmp_path):
+    from transformers import AutoTokenizer
+
+    data, path = prepared_data_and_model(tmp_path)
     out = export_hf(path, tmp_path / "hf", tokenizer_from=data)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0
     assert AutoTokenizer.from_pretrained(out)("a b a")["input_ids"] == [1, 2, 1]
+
+
+def test_the_services_hf_archive_finds_the_tokenizer_of_a_data_path_under_home(tmp_path, monkeypatch):
+    import tarfile
+
+    from trainyard.service.hf_export import hf_archive
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _, path = prepared_data_and_model(tmp_path)
+    with tarfile.open(hf_archive(path, {"data": {"kind": "tokens", "path": "~/data"}})) as tar:
+        assert "tokenizer.json" in tar.getnames()  # the job read its data at ~/data: the export must too
 
 
 def test_export_refuses_a_model_hugging_face_has_no_form_for(tmp_path):

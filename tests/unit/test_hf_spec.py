@@ -49,6 +49,21 @@ def test_a_model_that_differs_from_config_json_lists_each_field(llama_dir):
     assert "n_layer" not in message  # equal fields are no difference
 
 
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("build,same,other", [
+    (tiny_gpt2, {"ffn_hidden": 128}, {"ffn_hidden": 64}),  # config.json's n_inner: null is 4 x n_embd = 128
+    (lambda d: tiny_llama(d, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, **LLAMA3}),
+     {"rope_scaling": LLAMA3}, {"rope_scaling": LLAMA3 | {"factor": 4.0}}),  # rope_type's default is llama3
+])
+def test_a_model_field_spelled_otherwise_with_the_same_meaning_is_no_difference(build, same, other, tmp_path):
+    build(tmp_path)  # e.g. the spec that trained a model, given again with the model's HF export as init_from
+    assert parse_submitted_spec(submitted(tmp_path, seq_len=16, **same)).model.family
+    [(field, message)] = errors(submitted(tmp_path, seq_len=16, **other))
+    assert field == "model" and f"model.{next(iter(other))}:" in message
+
+
 @pytest.mark.parametrize("change,named", [
     (lambda c: c | {"architectures": ["Qwen2ForCausalLM"]}, "architectures"),
     (lambda c: c | {"attention_bias": True}, "attention_bias"),

@@ -12,7 +12,9 @@ top k renormalised, as trainyard's router does): `block_sparse_moe.gate` is the 
 tensors is read too.
 
 A config.json field trainyard cannot honour is refused by name (RuleError): biases, another activation, a
-sliding window, a head_dim other than d_model / n_head, another rope type, router jitter.
+sliding window, a head_dim other than d_model / n_head, another rope type, router jitter. A field config.json
+leaves out takes its architecture's default in transformers (`DEFAULTS`): Mixtral's rope_theta, rms_norm_eps
+and key/value heads are not Llama's.
 """
 
 from __future__ import annotations
@@ -25,9 +27,16 @@ from trainyard.parallel.hf_mapping import Source, hf_bool
 FAMILY = "llama"
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
 ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+DEFAULTS = {"LlamaForCausalLM": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+            "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+                                   "num_local_experts": 8, "num_experts_per_tok": 2}}
+"""transformers' LlamaConfig / MixtralConfig defaults of the fields trainyard reads that config.json may leave out
+(a null num_key_value_heads is num_attention_heads in both)."""
 
 
 def config_from_hf(hf: Mapping) -> dict:
+    architecture = (hf.get("architectures") or ARCHITECTURES[:1])[0]
+    hf = DEFAULTS[architecture] | dict(hf)
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field):
             raise RuleError(field, "is true; trainyard's llama has no biases")
@@ -47,29 +56,31 @@ def config_from_hf(hf: Mapping) -> dict:
               "n_kv_head": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
               "vocab_size": hf["vocab_size"], "context_len": hf.get("max_position_embeddings"),
               "tie_embeddings": hf_bool(hf, "tie_word_embeddings", False),
-              "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": theta, "rope_scaling": scaling}
+              "norm_eps": float(hf["rms_norm_eps"]), "rope_theta": theta, "rope_scaling": scaling}
     if "num_local_experts" in hf:
         fields["moe"] = {"experts": hf["num_local_experts"], "top_k": hf.get("num_experts_per_tok", 2), "every": 1}
     return fields
 
 
 def _rope(hf: Mapping) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either spelling; an unknown rope type is refused."""
+    """(rope_theta, rope_scaling) from either spelling (rope_parameters without rope_theta takes the top-level
+    one, as transformers does); an unknown rope type is refused."""
     params = hf.get("rope_parameters")
     field = "rope_parameters"
     if params is None:
-        params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+        params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf["rope_theta"]}
         field = "rope_scaling"
+    theta = float(params.get("rope_theta", hf["rope_theta"]))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return float(params.get("rope_theta", 10000.0)), None
+        return theta, None
     if kind != "llama3":
         raise RuleError(f"{field}.rope_type", f"{kind!r} is not supported (supported: default, llama3)")
     missing = [f for f in ROPE_SCALING_FIELDS if f not in params]
     if missing:
         raise RuleError(field, f"llama3 rope scaling without {', '.join(missing)}")
     scaling = {"rope_type": "llama3"} | {f: params[f] for f in ROPE_SCALING_FIELDS}
-    return float(params.get("rope_theta", 10000.0)), scaling
+    return theta, scaling
 
 
 
