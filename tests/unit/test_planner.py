@@ -237,3 +237,16 @@ def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
     old = {k: v for k, v in machine().to_dict().items() if k in ("node_type", "matmul", "allreduce", "p2p", "alltoall",
                                                                    "optimizer", "world")}
     assert MachineCosts.from_dict(old) == machine()  # a cache written before these terms still reads
+
+
+def test_plan_auto_on_a_spec_with_a_parallel_mapping_keeps_its_options_that_change_the_numbers(tmp_path, capsys):
+    from trainyard.service.cli import main
+
+    spec = {"model": {"n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 32}, "data": {"kind": "synthetic"},
+            "steps": 1, "global_batch": 8,
+            "parallel": {"dp": 2, "grad_compression": {"kind": "powersgd"}, "reduce_dtype": "bf16"}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps(spec))
+    assert main(["--state-dir", str(tmp_path), "plan", "--auto", "--gpus-per-node", "4", "--json", str(path)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["chosen"]["automatically"] and plan["reduction"]["compression"] == "powersgd"
