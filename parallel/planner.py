@@ -315,7 +315,8 @@ class _Search:
         sizing = _Sizing(layout, config)
         memory = 0
         for stage in dict.fromkeys((0, layout.pp - 1, layout.pp // 2)):  # the first holds most activations,
-            memory = max(memory, rank_memory(sizing, layout.rank_of(stage, 0, 0)).total)  # the last the head
+            memory = max(memory, rank_memory(sizing, layout.rank_of(stage, 0, 0))  # the last the head
+                         .resident(bool(layout.gpus_per_worker)))
             if have > 0 and memory > have:
                 break
         if self.smallest is None or memory < self.smallest[0]:

@@ -250,3 +250,15 @@ def test_plan_auto_on_a_spec_with_a_parallel_mapping_keeps_its_options_that_chan
     assert main(["--state-dir", str(tmp_path), "plan", "--auto", "--gpus-per-node", "4", "--json", str(path)]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["chosen"]["automatically"] and plan["reduction"]["compression"] == "powersgd"
+
+
+def test_a_cpu_rank_is_sized_with_what_offload_moves_to_the_host_its_own_memory():
+    spec = {"model": {"n_layer": 2, "n_head": 4, "d_model": 256, "seq_len": 32}, "data": {"kind": "synthetic"},
+            "steps": 1, "global_batch": 8, "optimizer": {"offload": True}}
+    cfg = parse_spec(spec)
+    need = make_plan(cfg).memory()[0]
+    assert need.host_optimizer > 0
+    between = cpu_cluster(cpus=1, memory=need.total + need.host / 2)  # the device bytes fit, not with the host's
+    with pytest.raises(PlanError, match="host_optimizer"):
+        make_plan(cfg, between)
+    assert make_plan(cfg, cpu_cluster(cpus=1, memory=need.total + need.host)).world_size == 1
