@@ -71,7 +71,8 @@ def memory_violations(layout: Layout, config: JobConfig, cluster: ClusterResourc
     largest rank must fit the best such share any node offers.
     """
     ranks = estimate(layout, config)
-    worst = max(range(layout.world_size), key=lambda r: ranks[r].total)
+    on_gpu = bool(layout.gpus_per_worker)
+    worst = max(range(layout.world_size), key=lambda r: ranks[r].resident(on_gpu))
     need = ranks[worst]
     if layout.gpus_per_worker:
         have = max((n.gpu_memory for n in cluster.nodes if n.gpus > 0), default=0.0)
@@ -83,14 +84,16 @@ def memory_violations(layout: Layout, config: JobConfig, cluster: ClusterResourc
         have, node_memory, sharing = max(shares, default=(0.0, 0.0, 0))
         where = (f"a rank gets at most {format_size(have)} of a node's memory (Ray's `memory` resource: "
                  f"{format_size(node_memory)} on a node that would hold {sharing} of the job's ranks)")
-    if have <= 0 or need.total <= have:
+    total = need.resident(on_gpu)
+    if have <= 0 or total <= have:
         return []
-    div, unit = byte_unit(need.total)
-    parts = ", ".join(f"{name} {getattr(need, name) / div:,.1f}" for name in _MEMORY_PARTS
+    div, unit = byte_unit(total)
+    names = _MEMORY_PARTS if on_gpu else (*_MEMORY_PARTS, "host_optimizer", "host_activations")
+    parts = ", ".join(f"{name} {getattr(need, name) / div:,.1f}" for name in names
                       if getattr(need, name) >= div / 20)  # the parts that show
     state = need.params + need.grads + need.optimizer
     field = "model" if state >= need.activations + need.recompute else "global_batch"
-    return [PlanError(field, f"rank {worst} ({layout.worker_name(worst)}) needs {need.total / div:,.1f} {unit} "
+    return [PlanError(field, f"rank {worst} ({layout.worker_name(worst)}) needs {total / div:,.1f} {unit} "
                              f"({parts}) but {where}; {_memory_advice(layout, config, need)}")]
 
 

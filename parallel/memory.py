@@ -79,6 +79,11 @@ class RankMemory:
     def host(self) -> int:
         return self.host_optimizer + self.host_activations
 
+    def resident(self, on_gpu: bool) -> int:
+        """Bytes in the memory a rank is sized against: a GPU rank's device bytes; a CPU rank's device is the
+        host, so what offload moves "to the host" stays in the same memory."""
+        return self.total if on_gpu else self.total + self.host
+
     def to_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "recompute": self.recompute, "total": self.total,

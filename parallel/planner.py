@@ -315,7 +315,8 @@ class _Search:
         sizing = _Sizing(layout, config)
         memory = 0
         for stage in dict.fromkeys((0, layout.pp - 1, layout.pp // 2)):  # the first holds most activations,
-            memory = max(memory, rank_memory(sizing, layout.rank_of(stage, 0, 0)).total)  # the last the head
+            memory = max(memory, rank_memory(sizing, layout.rank_of(stage, 0, 0))  # the last the head
+                         .resident(bool(layout.gpus_per_worker)))
             if have > 0 and memory > have:
                 break
         if self.smallest is None or memory < self.smallest[0]:
@@ -360,7 +361,8 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
                  margin: float = DEFAULT_MARGIN) -> PlannerResult:
     """The `top` fastest layouts that keep the rules and fit, best first, each with why it lost to the best.
     Raises PlanError (field `parallel`) when none fits, naming the smallest per-rank memory found and what
-    would make it fit."""
+    would make it fit; when none keeps the rules, the rule a one-rank layout breaks (its own field: the model's,
+    the data's, an option's), else that the cluster is too small."""
     search = _Search(config, cluster, machine, margin)
     bases = search.bases()
     enumerated = len(bases)
@@ -417,6 +419,11 @@ def _ms(seconds: float) -> str:
 
 def no_fit_error(config: JobConfig, cluster: ClusterResources, search: _Search) -> PlanError:
     if search.smallest is None:
+        one_rank = replace(config.parallel, dp=1, pp=1, tp=1, ep=1, vpp=1, sp=False, microbatches=1,
+                           schedule="1f1b", stage_layers=None)
+        broken = violations(replace(config, parallel=one_rank))
+        if broken:  # a rule no layout can keep (the model's, the data's, the options'): named as a layout names it
+            return broken[0]
         return PlanError("parallel", f"no layout keeps the rules on this cluster ({len(cluster.nodes)} node(s), "
                                      f"{cluster.gpus:g} GPU, {cluster.cpus:g} CPU): check global_batch, n_head and "
                                      "n_layer against the cluster's size")

@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulate the schedule with these per-chunk forward, backward (and communication) costs "
                         "instead of the spec's sim_costs (default 1,2,0)")
     s.add_argument("--auto", action="store_true",
-                   help="let the planner choose the layout (as `parallel: auto` does) and show its top five")
+                   help="let the planner choose the layout (as `parallel: auto` does) and show its top five; the "
+                        "spec's other parallel options (grad_compression, reduce_dtype, sync) are kept")
     s.add_argument("--nodes", type=int, default=0,
                    help="with --auto: plan for this many nodes like the options below (default: this machine)")
     s.add_argument("--gpus-per-node", type=int, default=0)
@@ -225,10 +226,10 @@ def _plan(args: argparse.Namespace) -> int:
         if args.costs:
             spec["sim_costs"] = {**spec.get("sim_costs", {}), **args.costs}
         ranking = None
-        if args.auto:
+        if args.auto and not isinstance(spec.get("parallel"), dict):
             spec["parallel"] = "auto"
         config = parse_submitted_spec(spec)
-        if config.parallel == "auto":
+        if config.parallel == "auto" or args.auto:  # a mapping's layout is the planner's, its other options kept
             config, ranking = _choose(config, args)
         plan = make_plan(config)
         open_dataset(config)

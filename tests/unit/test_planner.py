@@ -12,7 +12,7 @@ import pytest
 from trainyard.api.spec import parse_spec, spec_to_dict
 from trainyard.parallel.admission import ClusterResources, NodeResources
 from trainyard.parallel.calibrate import CACHE_FILE, contention_from, machine_costs, node_type
-from trainyard.parallel.config import JobConfig, ModelConfig
+from trainyard.parallel.config import JobConfig, ModelConfig, MoEConfig
 from trainyard.parallel.cost_model import Fit, MachineCosts, default_gpu_costs
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.planner import choose, plan_layouts
@@ -106,6 +106,18 @@ def test_a_model_that_fits_no_layout_is_refused_with_the_smallest_memory_and_wha
     assert e.value.field == "parallel"
     assert "smallest per-rank memory found is" in e.value.message and "MiB" in e.value.message
     assert "more nodes" in e.value.message and "parallel.zero in [0, 1, 2, 3]" in e.value.message
+
+
+@pytest.mark.parametrize(("model", "field"), [
+    ({"n_head": 3}, "model.n_head"),  # does not divide d_model: at every layout
+    ({"seq_len": 64, "context_len": 32}, "model.seq_len"),
+    ({"moe": MoEConfig(experts=2, top_k=3)}, "model.moe.top_k"),
+    ({"family": "llama", "n_head": 8, "n_kv_head": 3, "ffn_hidden": 128}, "model.n_kv_head"),
+])
+def test_a_rule_no_layout_can_keep_is_named_by_its_field_not_as_a_cluster_too_small(model, field):
+    with pytest.raises(PlanError) as e:
+        plan_layouts(config(**model), cpu_cluster(cpus=4), machine())
+    assert e.value.field == field and "no layout keeps the rules" not in e.value.message
 
 
 def test_auto_is_read_from_a_spec_resolved_by_choose_and_noted_on_the_config():
@@ -225,3 +237,28 @@ def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
     old = {k: v for k, v in machine().to_dict().items() if k in ("node_type", "matmul", "allreduce", "p2p", "alltoall",
                                                                    "optimizer", "world")}
     assert MachineCosts.from_dict(old) == machine()  # a cache written before these terms still reads
+
+
+def test_plan_auto_on_a_spec_with_a_parallel_mapping_keeps_its_options_that_change_the_numbers(tmp_path, capsys):
+    from trainyard.service.cli import main
+
+    spec = {"model": {"n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 32}, "data": {"kind": "synthetic"},
+            "steps": 1, "global_batch": 8,
+            "parallel": {"dp": 2, "grad_compression": {"kind": "powersgd"}, "reduce_dtype": "bf16"}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps(spec))
+    assert main(["--state-dir", str(tmp_path), "plan", "--auto", "--gpus-per-node", "4", "--json", str(path)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["chosen"]["automatically"] and plan["reduction"]["compression"] == "powersgd"
+
+
+def test_a_cpu_rank_is_sized_with_what_offload_moves_to_the_host_its_own_memory():
+    spec = {"model": {"n_layer": 2, "n_head": 4, "d_model": 256, "seq_len": 32}, "data": {"kind": "synthetic"},
+            "steps": 1, "global_batch": 8, "optimizer": {"offload": True}}
+    cfg = parse_spec(spec)
+    need = make_plan(cfg).memory()[0]
+    assert need.host_optimizer > 0
+    between = cpu_cluster(cpus=1, memory=need.total + need.host / 2)  # the device bytes fit, not with the host's
+    with pytest.raises(PlanError, match="host_optimizer"):
+        make_plan(cfg, between)
+    assert make_plan(cfg, cpu_cluster(cpus=1, memory=need.total + need.host)).world_size == 1
