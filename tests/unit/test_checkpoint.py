@@ -70,9 +70,19 @@ def test_prune_keeps_the_newest_and_clears_stale_temporaries(tmp_path):
         write(tmp_path, step)
     stale = tmp_path / "step_000000002.tmp"
     stale.mkdir()
-    checkpoint.prune(tmp_path, keep=2)
+    checkpoint.prune(tmp_path, keep=2, step=4)
     assert checkpoint.committed_steps(tmp_path) == [3, 4]
     assert not stale.exists()
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_prune_keeps_the_checkpoint_just_written_before_a_later_one_a_recovery_passed_over(tmp_path, keep):
+    # step 6 is damaged (or ahead of its metrics row): the job went on from step 2 and a stop saved step 3
+    for step in (1, 2, 6, 3):
+        write(tmp_path, step)
+    checkpoint.prune(tmp_path, keep=keep, step=3)
+    assert checkpoint.committed_steps(tmp_path) == [2, 3][-keep:]
+    assert read(checkpoint.step_dir(tmp_path, 3)) == 3.0
 
 
 def test_latest_valid_at_most_a_step(tmp_path):
