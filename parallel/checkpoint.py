@@ -71,7 +71,8 @@ def verify(directory: Path, hashes: bool = True) -> str | None:
     manifest = directory / MANIFEST
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError) as e:
+        files = {str(name): (int(size), str(digest)) for name, (size, digest) in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a manifest of another shape too
         return f"no readable manifest ({type(e).__name__}: {e})"
     for name, (size, digest) in files.items():
         path = directory / name

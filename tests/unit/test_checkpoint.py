@@ -3,6 +3,7 @@ found and the one before it used, and only the newest `keep` stay. Real DCP file
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def test_a_half_written_checkpoint_is_not_visible(tmp_path):
     assert checkpoint.latest_valid(tmp_path).step == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-manifest", "manifest-a-list",
+                                    "files-a-list", "file-not-a-pair"])
 def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, damage):
     write(tmp_path, 2)
     latest = write(tmp_path, 4)
@@ -57,6 +59,12 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, da
         data.write_bytes(bytes(raw))
     elif damage == "delete":
         data.unlink()
+    elif damage in ("manifest-a-list", "files-a-list", "file-not-a-pair"):  # JSON of another shape
+        manifest = latest / checkpoint.MANIFEST
+        files = checkpoint.read_manifest(latest)["files"]
+        shaped = {"manifest-a-list": [files], "files-a-list": {"files": list(files.items())},
+                  "file-not-a-pair": {"files": {name: size for name, (size, _) in files.items()}}}
+        manifest.write_text(json.dumps(shaped[damage]))
     else:
         (latest / checkpoint.MANIFEST).unlink()
     assert checkpoint.verify(latest) is not None
