@@ -71,7 +71,8 @@ def verify(directory: Path, hashes: bool = True) -> str | None:
     manifest = directory / MANIFEST
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError) as e:
+        files = {str(name): (int(size), str(digest)) for name, (size, digest) in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a manifest of another shape too
         return f"no readable manifest ({type(e).__name__}: {e})"
     for name, (size, digest) in files.items():
         path = directory / name
@@ -109,15 +110,18 @@ def read_manifest(directory: Path) -> dict:
     return json.loads((directory / MANIFEST).read_text())
 
 
-def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints, and the temporary directories of older saves (left by a
-    crash); called by the writer right after a commit, when no other save is under way."""
-    steps = committed_steps(root)
-    for step in steps[:-keep]:
-        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+def prune(root: Path, keep: int, step: int) -> None:
+    """After checkpoint `step` is committed: delete all but the newest `keep` checkpoints up to it, every
+    checkpoint after it, and the temporary directories of older saves (left by a crash); called by the writer
+    right after a commit, when no other save is under way. A checkpoint after the one just written is from an
+    attempt a recovery rolled back (damaged, or committed ahead of its metrics row): no job goes on from it, and
+    counting it among the newest would delete the one just written (`keep: 1`) or the intact ones before it."""
+    steps = [s for s in committed_steps(root) if s <= step]
+    for stale in [s for s in committed_steps(root) if s > step] + steps[:-keep]:
+        shutil.rmtree(step_dir(root, stale), ignore_errors=True)
     for d in root.glob(f"{_PREFIX}*{_TMP}"):
-        step = d.name[len(_PREFIX):-len(_TMP)]
-        if steps and step.isdigit() and int(step) < steps[-1]:
+        name = d.name[len(_PREFIX):-len(_TMP)]
+        if name.isdigit() and int(name) < step:
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -154,7 +154,7 @@ class RankTrainer:
         named = [(name, p) for chunk in self.chunks for name, p in chunk.named_parameters()]
         self.sync = ReplicaSync(par.sync, [p for _, p in named], groups.dp, plan.dp) if self.local_sync else None
         self._sync_names = [name for name, _ in named]
-        self._pending_checkpoint: tuple[Callable[[], None], Path] | None = None
+        self._pending_checkpoint: tuple[Callable[[], None], Path, int] | None = None
         self.steps_done: int | None = 0
         """The steps the parameters and moments hold; None while they are being replaced or stepped (a failure
         then leaves them half-done), so a recovery takes state only from a rank that knows its step."""
@@ -338,22 +338,22 @@ class RankTrainer:
         lowest = self.local_sync
         if background:
             finish = checkpoint.start_async_save(state, root, step, info, self.groups.checkpoint, writer, lowest)
-            self._pending_checkpoint = (finish, root)
+            self._pending_checkpoint = (finish, root, step)
         else:
             checkpoint.save(state, root, step, info, self.groups.checkpoint, writer, lowest)
-            self._committed(root)
+            self._committed(root, step)
 
     def finish_checkpoint(self) -> None:
         """Wait for a checkpoint being written in the background, and commit it."""
         if self._pending_checkpoint is not None:
-            finish, root = self._pending_checkpoint
+            finish, root, step = self._pending_checkpoint
             self._pending_checkpoint = None
             finish()
-            self._committed(root)
+            self._committed(root, step)
 
-    def _committed(self, root: Path) -> None:
+    def _committed(self, root: Path, step: int) -> None:
         if self.rank == 0:
-            checkpoint.prune(root, self.plan.config.checkpoint.keep)
+            checkpoint.prune(root, self.plan.config.checkpoint.keep, step)
 
     @torch.no_grad()
     def load_checkpoint(self, directory: Path, step: int) -> None:

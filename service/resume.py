@@ -19,8 +19,8 @@ from trainyard.service.store import JobStore
 def resume_point(store: JobStore, checkpoint_root: Callable[[str, JobConfig], Path], config: JobConfig
              ) -> tuple[str, int] | None:
     """The checkpoint (directory, step) `resume_from` names, checked: the job exists, its model and
-    optimizer equal this spec's, the checkpoint is whole (every file there with its size: its hashes are
-    verified by the coordinator, off this request's path), and steps are left to train."""
+    optimizer equal this spec's (`optimizer.offload` may differ), the checkpoint is whole (every file there with
+    its size: its hashes are verified by the coordinator, off this request's path), and steps are left to train."""
     wanted = config.resume_from
     if wanted is None:
         return None
@@ -28,7 +28,7 @@ def resume_point(store: JobStore, checkpoint_root: Callable[[str, JobConfig], Pa
     if source is None:
         raise PlanError("resume_from.job_id", f"no job {wanted.job_id}")
     source_config = parse_spec(source.spec)
-    differences = _differences(spec_to_dict(source_config), spec_to_dict(config), ("model", "optimizer"))
+    differences = _differences(spec_to_dict(source_config), spec_to_dict(config), ("model", "optimizer"), _WHERE_ONLY)
     if differences:
         raise PlanError("resume_from", f"job {wanted.job_id} trained a different model or optimizer: "
                                        + "; ".join(differences))
@@ -50,11 +50,16 @@ def resume_point(store: JobStore, checkpoint_root: Callable[[str, JobConfig], Pa
     return str(directory), step
 
 
-def _differences(a: dict, b: dict, sections: tuple[str, ...]) -> list[str]:
-    """`section.field: X there, Y here` for each field that differs between two specs' sections."""
+_WHERE_ONLY = frozenset({"optimizer.offload"})
+"""Fields of those compared that say where the state lives, not what it is (losses equal either way): a job may
+resume with another value, as at another layout (e.g. offloading the optimizer of a job that ran out of memory)."""
+
+
+def _differences(a: dict, b: dict, sections: tuple[str, ...], ignored: frozenset[str] = frozenset()) -> list[str]:
+    """`section.field: X there, Y here` for each field that differs between two specs' sections, but `ignored`."""
     out = []
     for section in sections:
         for key in sorted(set(a[section]) | set(b[section])):
-            if a[section].get(key) != b[section].get(key):
+            if f"{section}.{key}" not in ignored and a[section].get(key) != b[section].get(key):
                 out.append(f"{section}.{key}: {a[section].get(key)!r} there, {b[section].get(key)!r} here")
     return out

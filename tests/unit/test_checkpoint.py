@@ -3,6 +3,7 @@ found and the one before it used, and only the newest `keep` stay. Real DCP file
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def test_a_half_written_checkpoint_is_not_visible(tmp_path):
     assert checkpoint.latest_valid(tmp_path).step == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-manifest", "manifest-a-list",
+                                    "files-a-list", "file-not-a-pair"])
 def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, damage):
     write(tmp_path, 2)
     latest = write(tmp_path, 4)
@@ -57,6 +59,12 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, da
         data.write_bytes(bytes(raw))
     elif damage == "delete":
         data.unlink()
+    elif damage in ("manifest-a-list", "files-a-list", "file-not-a-pair"):  # JSON of another shape
+        manifest = latest / checkpoint.MANIFEST
+        files = checkpoint.read_manifest(latest)["files"]
+        shaped = {"manifest-a-list": [files], "files-a-list": {"files": list(files.items())},
+                  "file-not-a-pair": {"files": {name: size for name, (size, _) in files.items()}}}
+        manifest.write_text(json.dumps(shaped[damage]))
     else:
         (latest / checkpoint.MANIFEST).unlink()
     assert checkpoint.verify(latest) is not None
@@ -70,9 +78,19 @@ def test_prune_keeps_the_newest_and_clears_stale_temporaries(tmp_path):
         write(tmp_path, step)
     stale = tmp_path / "step_000000002.tmp"
     stale.mkdir()
-    checkpoint.prune(tmp_path, keep=2)
+    checkpoint.prune(tmp_path, keep=2, step=4)
     assert checkpoint.committed_steps(tmp_path) == [3, 4]
     assert not stale.exists()
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_prune_keeps_the_checkpoint_just_written_before_a_later_one_a_recovery_passed_over(tmp_path, keep):
+    # step 6 is damaged (or ahead of its metrics row): the job went on from step 2 and a stop saved step 3
+    for step in (1, 2, 6, 3):
+        write(tmp_path, step)
+    checkpoint.prune(tmp_path, keep=keep, step=3)
+    assert checkpoint.committed_steps(tmp_path) == [2, 3][-keep:]
+    assert read(checkpoint.step_dir(tmp_path, 3)) == 3.0
 
 
 def test_latest_valid_at_most_a_step(tmp_path):

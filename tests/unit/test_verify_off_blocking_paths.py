@@ -17,7 +17,7 @@ from trainyard.actors.state import JobStatus, Pending
 from trainyard.actors.storage import JobStorage
 from trainyard.api.spec import parse_spec
 from trainyard.parallel import checkpoint
-from trainyard.parallel.plan import make_plan
+from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.service.manager import JobManager
 from trainyard.service.store import JobRecord, JobStore
 
@@ -70,3 +70,17 @@ def test_the_coordinator_hashes_in_a_thread_and_answers_polls_meanwhile(tmp_path
 
     answered, in_flight = asyncio.run(scenario())
     assert answered["status"] == "PENDING" and in_flight
+
+
+@pytest.mark.parametrize("optimizer,refused", [({"offload": True}, None),
+                                               ({"kind": "sgd"}, "optimizer.kind: 'adamw' there, 'sgd' here")])
+def test_resume_from_may_offload_the_optimizer_but_not_change_it(manager, tmp_path, optimizer, refused):
+    # where the state lives changes no number (tests/integration/test_optimizers_gloo.py): a job out of memory
+    # may go on from its checkpoint with the optimizer offloaded
+    directory = big_checkpoint(tmp_path / "checkpoints" / "source", 5, size=16)
+    config = parse_spec(tiny_spec(steps=10, optimizer=optimizer, resume_from={"job_id": "source"}))
+    if refused is None:
+        assert manager.resume_point(config) == (str(directory), 5)
+    else:
+        with pytest.raises(PlanError, match=refused):
+            manager.resume_point(config)
