@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -21,6 +22,14 @@ def _spec_body(spec: dict) -> dict:
     """A spec as a request body. httpx's `json=` refuses NaN and infinities (a YAML `.nan`, `.inf`) with a
     ValueError; sent as JSON's NaN/Infinity, the API answers a 422 naming the field that may not hold one."""
     return {"content": json.dumps(spec), "headers": {"content-type": "application/json"}}
+
+
+def _job(job_id: str) -> str:
+    """The job's path, its id as one path segment. Put in as it was, an id holding '/', '?', '#' or a '..'
+    segment named another path: `stop JOB/../OTHER` stopped OTHER, and `status ''` printed the job list."""
+    if not job_id:
+        raise ApiError(0, "a job id cannot be empty")
+    return "/api/jobs/" + quote(job_id, safe="").replace(".", "%2E")  # '.' too: '..' is a segment's parent
 
 
 class Client:
@@ -54,23 +63,23 @@ class Client:
         return self._call("GET", "/api/jobs")
 
     def job(self, job_id: str) -> dict:
-        return self._call("GET", f"/api/jobs/{job_id}")
+        return self._call("GET", _job(job_id))
 
     def metrics(self, job_id: str, since: int = 0) -> list[dict]:
-        return self._call("GET", f"/api/jobs/{job_id}/metrics", params={"since": since})
+        return self._call("GET", f"{_job(job_id)}/metrics", params={"since": since})
 
     def logs(self, job_id: str, rank: int | None = None, tail: int = 1000, since: int | None = None,
              stream: str = "stderr") -> dict:
         params = {"tail": tail, "stream": stream, "rank": rank, "since": since}
         params = {key: value for key, value in params.items() if value is not None}
-        return self._call("GET", f"/api/jobs/{job_id}/logs", params=params)
+        return self._call("GET", f"{_job(job_id)}/logs", params=params)
 
     def download_model(self, job_id: str, path: Path, format: str = "trainyard") -> Path:  # noqa: A002
         """Stream the job's trained model (safetensors; a tar of an HF directory with format="hf") to `path`
         (written whole, then renamed)."""
         tmp = path.with_name(path.name + ".part")
         try:
-            with self._http.stream("GET", f"/api/jobs/{job_id}/model", params={"format": format}) as response:
+            with self._http.stream("GET", f"{_job(job_id)}/model", params={"format": format}) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise ApiError(response.status_code, _error_text(response))
@@ -83,16 +92,16 @@ class Client:
         return path
 
     def events(self, job_id: str) -> list[dict]:
-        return self._call("GET", f"/api/jobs/{job_id}/events")
+        return self._call("GET", f"{_job(job_id)}/events")
 
     def scale(self, job_id: str, dp: int) -> dict:
-        return self._call("POST", f"/api/jobs/{job_id}/scale", json={"dp": dp})
+        return self._call("POST", f"{_job(job_id)}/scale", json={"dp": dp})
 
     def stop(self, job_id: str) -> dict:
-        return self._call("POST", f"/api/jobs/{job_id}/stop")
+        return self._call("POST", f"{_job(job_id)}/stop")
 
     def delete(self, job_id: str) -> None:
-        self._call("DELETE", f"/api/jobs/{job_id}")
+        self._call("DELETE", _job(job_id))
 
     def cluster(self) -> dict:
         return self._call("GET", "/api/cluster")

@@ -59,3 +59,29 @@ def test_a_spec_with_nan_reaches_the_api_which_names_the_field():
         client.submit(spec)
     assert "optimizer.lr" in str(info.value) and "finite" in str(info.value)
     assert math.isnan(sent[0]["optimizer"]["lr"])
+
+
+@pytest.mark.parametrize("job_id", ["done/../other", "../jobs", ".", "..", "other?x=1", "other#x"])
+def test_a_job_id_is_one_path_segment_of_the_request(job_id):
+    """The id was put into the path as it was: `trainyard stop done/../other` stopped (and `delete` deleted) the
+    job `other`, and `status .` printed the job list."""
+    paths = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.raw_path)
+        return httpx.Response(404, json={"detail": "no job"})
+
+    client = Client("http://api", "t")
+    client._http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(handler))
+    for call in (client.job, client.stop, client.delete, client.events):
+        with pytest.raises(ApiError):
+            call(job_id)
+    segments = {path.split(b"?")[0].split(b"/")[3] for path in paths}
+    assert len(paths) == 4 and all(p.startswith(b"/api/jobs/") for p in paths)
+    assert {httpx.URL(f"http://api/{s.decode()}").path[1:] for s in segments} == {job_id}
+
+
+def test_an_empty_job_id_is_one_error_line(capsys):
+    """`status ''` asked GET /api/jobs/, the job list (or a redirect to it), and printed it as the job."""
+    assert main([*UNREACHABLE, "status", ""]) == 2
+    assert capsys.readouterr().err == "error: a job id cannot be empty\n"
