@@ -34,8 +34,14 @@ def _job(job_id: str) -> str:
 
 class Client:
     def __init__(self, url: str, token: str | None, timeout_s: float = 120.0):
+        if token and not token.isascii():  # httpx raised UnicodeEncodeError: a traceback, not an error line
+            raise ApiError(0, "the token has a non-ASCII character, which the Authorization header cannot carry "
+                              "(the service's token is in the state directory's `token` file)")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
+        try:
+            self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
+        except httpx.InvalidURL as e:
+            raise ApiError(0, f"{url!r} is not a URL of the trainyard API ({e})") from None
 
     def close(self) -> None:
         self._http.close()

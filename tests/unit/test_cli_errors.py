@@ -85,3 +85,15 @@ def test_an_empty_job_id_is_one_error_line(capsys):
     """`status ''` asked GET /api/jobs/, the job list (or a redirect to it), and printed it as the job."""
     assert main([*UNREACHABLE, "status", ""]) == 2
     assert capsys.readouterr().err == "error: a job id cannot be empty\n"
+
+
+@pytest.mark.parametrize("option, text", [
+    (["--url", "http://[::1", "--token", "t"], "is not a URL of the trainyard API"),
+    (["--url", "http://\x00", "--token", "t"], "is not a URL of the trainyard API"),
+    (["--url", "http://127.0.0.1:9", "--token", "sécret"], "the token has a non-ASCII character"),
+])
+def test_a_malformed_url_or_token_is_one_error_line(capsys, option, text):
+    """httpx raised InvalidURL or UnicodeEncodeError building the client: a traceback."""
+    assert main([*option, "list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and text in err and err.count("\n") == 1
