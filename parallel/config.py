@@ -174,8 +174,9 @@ class OptimizerConfig:
     weight_decay: Annotated[float, Ge(0), Le(1e3)] = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms)."""
     beta1: Annotated[float, Ge(0), Le(1)] = 0.9
-    """AdamW's first-moment decay; sgd's momentum."""
+    """AdamW's first-moment decay (below 1 with adamw, adamw8bit); sgd's momentum."""
     beta2: Annotated[float, Ge(0), Le(1)] = 0.95
+    """AdamW's second-moment decay (below 1 with adamw, adamw8bit)."""
     warmup_steps: Steps = 10
     """Linear warm-up from 0 to `lr`; afterwards cosine decay to `min_lr_ratio * lr` at the last step."""
     min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1

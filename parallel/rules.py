@@ -35,7 +35,23 @@ def degree_violations(config: JobConfig) -> list[PlanError]:
     (`make_plan` asks whether the cluster can hold that many workers before it splits the blocks)."""
     return [*model_violations(config), *expert_violations(config), *tensor_parallel_violations(config),
             *size_violations(config), *batch_violations(config), *schedule_violations(config),
-            *sharding_violations(config), *compression_violations(config), *sync_violations(config)]
+            *sharding_violations(config), *compression_violations(config), *sync_violations(config),
+            *optimizer_violations(config)]
+
+
+ADAM_KINDS = ("adamw", "adamw8bit")
+"""The optimizer kinds that read beta1 and beta2 as Adam's moment decays (torch and torchao refuse 1)."""
+
+
+def optimizer_violations(config: JobConfig) -> list[PlanError]:
+    """AdamW's decays must be below 1: at 1 its bias correction divides by 1 - beta**t = 0 (torch refuses it as the
+    ranks build the optimizer, so the job failed after admission). sgd takes momentum 1; adafactor reads neither."""
+    opt = config.optimizer
+    if opt.kind not in ADAM_KINDS:
+        return []
+    return [PlanError(f"optimizer.{name}", f"{name}={value} with kind {opt.kind}: must be below 1 (AdamW divides by "
+                                           f"1 - {name}**step)")
+            for name, value in (("beta1", opt.beta1), ("beta2", opt.beta2)) if value >= 1]
 
 
 def size_violations(config: JobConfig) -> list[PlanError]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -114,6 +115,11 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], Abstr
     if precision == "bf16":
         return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+class DivergedError(RuntimeError):
+    """A step whose loss or gradient norm is not finite (NaN, infinity): training has diverged, and every later
+    step would train on NaN. The rank stops there instead; the message names the step."""
 
 
 FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
@@ -240,6 +246,11 @@ class RankTrainer:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
             loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
         grad_norm = float(grad_norm)
+        if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
+            self.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
+            clip = "" if self.plan.config.optimizer.grad_clip > 0 else ", or turn optimizer.grad_clip on"
+            raise DivergedError(f"step {step}: training diverged: loss {loss}, gradient norm {grad_norm} (not "
+                                f"finite) at lr {lr:.6g}; lower optimizer.lr{clip}")
         device_bytes, host_bytes = self.optimizer.state_bytes()
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
                          pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,

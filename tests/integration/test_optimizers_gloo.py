@@ -90,3 +90,13 @@ def test_offload_over_zero3_shards_gives_the_plain_zero3_losses(runs):
     plain, offloaded = stats_of(runs["adamw8bit-zero3"]), stats_of(runs["adamw8bit-zero3-offload"])
     np.testing.assert_allclose(last_stage_losses(offloaded), last_stage_losses(plain), rtol=1e-6, atol=0)
     assert all(rank[-1]["optimizer_bytes"] == 0 for rank in offloaded)
+
+
+def test_a_diverging_job_fails_at_the_step_whose_loss_is_not_finite():
+    # SGD at lr 1000 without clipping: the loss grows a thousandfold a step, then is NaN (one rank, tiny model)
+    plan = make_plan(parse_spec(tiny_spec(model={"n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 8},
+                                          steps=8, global_batch=2,
+                                          optimizer={"kind": "sgd", "lr": 1e3, "warmup_steps": 0,
+                                                     "min_lr_ratio": 1, "grad_clip": 0})))
+    with pytest.raises(RuntimeError, match=r"DivergedError: step [1-7]: training diverged"):
+        run_plans([PlanRun(plan)])

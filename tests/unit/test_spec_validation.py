@@ -87,6 +87,15 @@ def test_unknown_optimizer_kind_is_refused():
     assert "optimizer.kind" in [f for f, _ in spec_error(tiny_spec(optimizer={"kind": "lion"}))]
 
 
+@pytest.mark.parametrize("field,optimizer", [
+    ("optimizer.beta1", {"beta1": 1}), ("optimizer.beta2", {"beta2": 1}),
+    ("optimizer.beta2", {"beta2": 1.0, "kind": "adamw8bit"}),
+])
+def test_adamw_betas_of_1_are_refused_naming_the_field(field, optimizer):
+    err = plan_error(tiny_spec(optimizer=optimizer))
+    assert err.field == field and "must be below 1" in err.message
+
+
 def test_global_batch_must_divide_by_dp_times_microbatches():
     err = plan_error(tiny_spec(global_batch=10, parallel={"dp": 2, "microbatches": 2}))
     assert err.field == "global_batch" and "not divisible by dp x microbatches = 2 x 2 = 4" in err.message
