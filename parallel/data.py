@@ -175,17 +175,34 @@ def open_dataset(config: JobConfig, split: str = "train") -> Dataset:
     held_out = not data.val_path and config.eval.every > 0
     if split == "val" and data.val_path:
         val = _open_one(config, "data.val_path", data.val_path, None)
-        if val.manifest is not None:  # a prepared directory: its ids mean what the training data's mean
-            train = open_dataset(config)
-            _same_tokenizer([*(train.parts if isinstance(train, MixtureDataset) else [train]), val])
+        if val.manifest is not None:  # a prepared directory: its ids mean what the training data's mean (only
+            # their manifests are read: the training data itself is opened, and checked, by its own call)
+            training = [(name, str(resolve_path(p)), _manifest_or_none(resolve_path(p)))
+                        for name, p in _training_paths(config)]
+            _same_tokenizer([*training, (val.field, val.source, val.manifest)])
         return val
     if data.sources is None:
         assert data.path is not None
         return _open_one(config, "data.path", data.path, split if held_out else None)
-    parts = [_open_one(config, f"data.sources.{k}.path", s.path, split if held_out else None)
-             for k, s in enumerate(data.sources)]
-    _same_tokenizer(parts)
+    parts = [_open_one(config, name, p, split if held_out else None) for name, p in _training_paths(config)]
+    _same_tokenizer([(p.field, p.source, p.manifest) for p in parts])
     return MixtureDataset(parts, [s.weight for s in data.sources])
+
+
+def _training_paths(config: JobConfig) -> list[tuple[str, str]]:
+    """(field, path) of each training source: data.path, or each of data.sources."""
+    data = config.data
+    if data.sources is None:
+        return [("data.path", data.path)] if data.path is not None else []
+    return [(f"data.sources.{k}.path", s.path) for k, s in enumerate(data.sources)]
+
+
+def _manifest_or_none(path: Path) -> Manifest | None:
+    """The manifest of a prepared directory; None for a file, or one whose manifest its own opening reports."""
+    try:
+        return Manifest.read(path) if path.is_dir() else None
+    except ValueError:
+        return None
 
 
 def _open_one(config: JobConfig, field: str, path_text: str, split: str | None) -> TokenDataset:
@@ -243,14 +260,17 @@ def _read_directory(config: JobConfig, field: str, path: Path) -> tuple[Segments
     return tokens, mask, found
 
 
-def _same_tokenizer(parts: list[TokenDataset]) -> None:
-    """The sources of a mixture (and `data.val_path`) that are prepared directories come from one tokenizer
-    (ids mean the same)."""
-    prepared = [p for p in parts if p.manifest is not None]
-    for p in prepared[1:]:
-        if p.manifest.tokenizer["sha256"] != prepared[0].manifest.tokenizer["sha256"]:
-            raise DatasetError(p.field, f"{p.source} was tokenized with another tokenizer than {prepared[0].source} "
-                                        f"({prepared[0].field}): their token ids do not mean the same")
+def _same_tokenizer(parts: list[tuple[str, str, Manifest | None]]) -> None:
+    """The sources (field, path, manifest) of a mixture (and `data.val_path`) that are prepared directories come
+    from one tokenizer (ids mean the same)."""
+    prepared = [p for p in parts if p[2] is not None]
+    if not prepared:
+        return
+    first_name, first_source, first = prepared[0]
+    for name, source, manifest in prepared[1:]:
+        if manifest.tokenizer["sha256"] != first.tokenizer["sha256"]:
+            raise DatasetError(name, f"{source} was tokenized with another tokenizer than {first_source} "
+                                      f"({first_name}): their token ids do not mean the same")
 
 
 def has_loss_mask(ds: Dataset) -> bool:
