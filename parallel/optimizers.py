@@ -93,6 +93,9 @@ class OptimizerKind:
     """It wants each piece of a matrix as whole rows (2-D views), as factored states do."""
     identity_state: bool = False
     """Its own state tensors are the checkpoint's (fp32, the tensor's shape): saved and loaded in place."""
+    adam_betas: bool = False
+    """It reads beta1 and beta2 as Adam's moment decays, which must be below 1 (its bias correction divides by
+    1 - beta**step; torch and torchao refuse 1): `parallel.rules` refuses 1 at submit."""
 
     def state_bytes(self, elements: int, d_model: int = 1) -> int:
         """Bytes of state for `elements` parameter elements of a model of width `d_model`."""
@@ -106,9 +109,9 @@ def _adafactor_bytes(elements: int, d_model: int) -> int:
 
 
 ADAMW = OptimizerKind(name="adamw", state=("exp_avg", "exp_avg_sq"), build=_build_adamw,
-                      plan_bytes=lambda n, d: 2 * FP32 * n, identity_state=True)
+                      plan_bytes=lambda n, d: 2 * FP32 * n, identity_state=True, adam_betas=True)
 ADAMW8BIT = OptimizerKind(name="adamw8bit", state=("exp_avg", "exp_avg_sq"), build=_build_adamw8bit,
-                          plan_bytes=lambda n, d: 2 * (n + FP32 * math.ceil(n / BLOCK_8BIT)))
+                          plan_bytes=lambda n, d: 2 * (n + FP32 * math.ceil(n / BLOCK_8BIT)), adam_betas=True)
 ADAFACTOR = OptimizerKind(name="adafactor", state=("exp_avg_sq",), build=_build_adafactor,
                           plan_bytes=_adafactor_bytes, matrices=True)
 SGD = OptimizerKind(name="sgd", state=("momentum_buffer",), build=_build_sgd, plan_bytes=lambda n, d: FP32 * n,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.models import family_of
+from trainyard.parallel.optimizers import OPTIMIZERS
 from trainyard.parallel.schedules import SCHEDULES, ScheduleError, check_schedule_args
 
 
@@ -39,15 +40,12 @@ def degree_violations(config: JobConfig) -> list[PlanError]:
             *optimizer_violations(config)]
 
 
-ADAM_KINDS = ("adamw", "adamw8bit")
-"""The optimizer kinds that read beta1 and beta2 as Adam's moment decays (torch and torchao refuse 1)."""
-
-
 def optimizer_violations(config: JobConfig) -> list[PlanError]:
-    """AdamW's decays must be below 1: at 1 its bias correction divides by 1 - beta**t = 0 (torch refuses it as the
-    ranks build the optimizer, so the job failed after admission). sgd takes momentum 1; adafactor reads neither."""
+    """AdamW's decays must be below 1 (`OptimizerKind.adam_betas`): at 1 its bias correction divides by
+    1 - beta**t = 0 (torch refuses it as the ranks build the optimizer, so the job failed after admission). sgd
+    takes momentum 1; adafactor reads neither."""
     opt = config.optimizer
-    if opt.kind not in ADAM_KINDS:
+    if not OPTIMIZERS[opt.kind].adam_betas:
         return []
     return [PlanError(f"optimizer.{name}", f"{name}={value} with kind {opt.kind}: must be below 1 (AdamW divides by "
                                            f"1 - {name}**step)")
