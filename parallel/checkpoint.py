@@ -116,8 +116,9 @@ def prune(root: Path, keep: int, step: int) -> None:
     right after a commit, when no other save is under way. A checkpoint after the one just written is from an
     attempt a recovery rolled back (damaged, or committed ahead of its metrics row): no job goes on from it, and
     counting it among the newest would delete the one just written (`keep: 1`) or the intact ones before it."""
-    steps = [s for s in committed_steps(root) if s <= step]
-    for stale in [s for s in committed_steps(root) if s > step] + steps[:-keep]:
+    committed = committed_steps(root)
+    kept = [s for s in committed if s <= step]
+    for stale in [s for s in committed if s > step] + kept[:-keep]:
         shutil.rmtree(step_dir(root, stale), ignore_errors=True)
     for d in root.glob(f"{_PREFIX}*{_TMP}"):
         name = d.name[len(_PREFIX):-len(_TMP)]
