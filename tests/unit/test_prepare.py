@@ -6,12 +6,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 from data_helpers import EOS, bpe_tokenizer, word_tokenizer
-from helpers import REPO
+from helpers import REPO, wait_for
 from tokenizers import Tokenizer
 from trainyard.parallel.prepare import PrepareError, PrepareOptions, prepare
 from trainyard.parallel.token_dir import Manifest, file_sha256
@@ -226,9 +225,7 @@ def test_a_stopped_or_killed_prepare_leaves_nothing_behind(tmp_path, tokenizer):
     src = write_jsonl(tmp_path / "docs.jsonl", DOCS * 2000)
     run = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, str(src), "-o", str(tmp_path / "ds"), "--tokenizer",
                             str(tokenizer)], stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".ds.tmp-*/tokens-00000.bin")) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: list(tmp_path.glob(".ds.tmp-*/tokens-00000.bin")), 60, "prepare to write its first shard")
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=60) == 128 + signal.SIGTERM  # the SIGTERM ended it as Ctrl-C does, not mid-write
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
