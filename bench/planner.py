@@ -144,8 +144,16 @@ def measure_size(model: dict, machine: MachineCosts, log=print) -> dict:
 def describe(m: MachineCosts) -> str:
     """The calibrated terms in one line."""
     ms = 1e3
-    return (f"matmul {m.matmul.per_s / 1e9:.1f} GFLOP/s; all-reduce {m.allreduce.latency_s * ms:.2f} ms + "
-            f"{m.allreduce.per_s / 1e9:.2f} GB/s; p2p {m.p2p.latency_s * ms:.2f} ms + {m.p2p.per_s / 1e9:.2f} GB/s; "
+
+    def fit(name: str, f) -> str:  # noqa: ANN001 - a Fit or None
+        return f"{name} {f.latency_s * ms:.2f} ms + {f.per_s / 1e9:.2f} GB/s; " if f else ""
+
+    flops = ", ".join(f"d{w:.0f} {r / 1e9:.1f}" for w, r in m.model_flops)
+    zero = ", ".join(f"zero{z} +{a * ms:.2f} ms/block/step +{b * ms:.2f} ms/block/micro-batch"
+                     for z, (a, b) in m.zero_fixed.items())
+    return (f"matmul {m.matmul.per_s / 1e9:.1f} GFLOP/s; trainer GFLOP/s by width: {flops or '-'}; "
+            f"{fit('all-reduce', m.allreduce)}{fit('all-gather', m.allgather)}"
+            f"{fit('reduce-scatter', m.reducescatter)}{fit('p2p', m.p2p)}{zero + '; ' if zero else ''}"
             f"fixed: block {m.block_s * ms:.2f} ms, micro-batch {m.microbatch_s * ms:.2f} ms, step "
             f"{m.step_s * ms:.2f} ms, tp block +{m.tp_block_s * ms:.2f} ms, sp block +{m.sp_block_s * ms:.2f} ms, "
             f"pp micro-batch +{m.pp_microbatch_s * ms:.2f} ms, dp step +{m.dp_step_s * ms:.2f} ms, "

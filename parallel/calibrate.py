@@ -1,7 +1,8 @@
 """Calibration: the machine costs the planner's cost model needs, measured by a short run, cached per node type.
 
 `measure(world)` spawns a small gloo world (`parallel.local_world.spawn`, one thread per rank as a rank
-gets) and times matmuls of a few sizes, all-reduce, point-to-point and all-to-all at a few message sizes
+gets) and times matmuls of a few sizes, all-reduce, point-to-point, all-to-all, all-gather and reduce-scatter at a few
+message sizes
 and an AdamW step at a few parameter counts, each fitted as latency + size / throughput
 (`parallel.cost_model.Fit`). `machine_costs(state_dir, cluster)` returns the cached costs of the cluster's
 node type (a JSON file, `calibration.json` in the service's state directory, keyed by node type: CPU model
@@ -25,6 +26,7 @@ from pathlib import Path
 from trainyard.parallel.admission import ClusterResources
 from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig
 from trainyard.parallel.cost_model import Fit, MachineCosts, default_gpu_costs
+from trainyard.parallel.sharding import sharding_for
 
 CACHE_FILE = "calibration.json"
 MATMUL_SIZES = (8, 64, 256, 512)
@@ -116,7 +118,7 @@ def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -
         spawn(_rank, ranks, world, ranks, out)
         raw = json.loads((Path(out) / "rank0.json").read_text())
     contention = contention_from(raw.pop("contention"), len(os.sched_getaffinity(0)))
-    # Two points per fit: the latency is the smallest size's time (a fixed cost per call), the throughput the
+    # Two points per fit: the latency is the smallest sizes' time (a fixed cost per call), the throughput the
     # slope to the largest. A least-squares line over all sizes lets the large sizes' noise swing the intercept
     # (often below zero), and the planner's ranking at small sizes hangs on that intercept.
     fits = {name: _two_point(points) for name, points in raw.items()}
@@ -130,6 +132,9 @@ TINY_BATCH, FIXED_STEPS, FIXED_REPEATS = 8, 6, 3
 ONE_RANK = {"L2 m1": (2, 1), "L2 m4": (2, 4), "L4 m2": (4, 2), "L8 m1": (8, 1), "L8 m4": (8, 4)}
 """Tiny one-rank runs: name -> (blocks, micro-batches); their step times are fitted as step + m x (micro-batch +
 blocks x block) by least squares."""
+ZERO_FIXED_LEVELS = (2, 3)
+"""The sharding levels whose fixed cost over plain data parallelism is measured (FSDP2's: hooks, copies, the
+optimizer's step on DTensors; ZeRO-1's hand-written reducer costs what its collectives and copies cost)."""
 FIXED_RUNS: dict[str, tuple[int, dict]] = {
     **{name: (blocks, {"microbatches": m}) for name, (blocks, m) in ONE_RANK.items()},
     "L4 m2 tp2": (4, {"microbatches": 2, "tp": 2}),
@@ -137,33 +142,62 @@ FIXED_RUNS: dict[str, tuple[int, dict]] = {
     "L2 m2 pp2": (2, {"microbatches": 2, "pp": 2}),
     "L2 m8 pp2": (2, {"microbatches": 8, "pp": 2}),
     "L2 m1 dp2": (2, {"dp": 2}),
+    **{f"L{blocks} m{m} dp2 zero{z}": (blocks, {"dp": 2, "microbatches": m, "zero": z})
+       for z in ZERO_FIXED_LEVELS for blocks, m in ((2, 1), (8, 1), (8, 4))},
 }
 """name -> (blocks, parallel options) of the tiny runs `measure_fixed` times; its arithmetic reads them."""
+WIDTHS = (64, 256, 512)
+"""The widths (d_model) of the one-rank runs whose FLOP rate is measured: 2 blocks, 4 sequences of 64 tokens."""
+WIDE_VOCAB, WIDE_SEQ, WIDE_BATCH = 256, 64, 4
 
 
 def measure_fixed(costs: MachineCosts) -> MachineCosts:
     """The trainer's fixed costs, from the real trainer (`parallel.local_world.run_plans`) on tiny models (whose
     FLOPs take microseconds): per block, per micro-batch and per step from one-rank runs of 2 to 8 blocks and 1
     to 4 micro-batches; tensor and sequence parallelism's extra per block from tp = 2, and a pipeline's extra
-    per micro-batch (its hand-overs and waits) from pp = 2 at 2 and 8 micro-batches, and data parallelism's
-    extra per step (beyond its all-reduce) from dp = 2, each divided by the measured contention of 2 ranks.
+    per micro-batch (its hand-overs and waits) from pp = 2 at 2 and 8 micro-batches, data parallelism's
+    extra per step (beyond its all-reduce) from dp = 2, and ZeRO-2's and -3's extra per block (per step and per
+    micro-batch, beyond their collectives) from dp = 2 at 2 and 8 blocks and 1 and 4 micro-batches, each divided
+    by the measured contention of 2 ranks.
     The runs are repeated round-robin (a burst of load falls on all of them); a run's time is the lower
     quartile over its steps after each run's first (the slowest rank's)."""
     from trainyard.parallel.local_world import PlanRun, run_plans
     from trainyard.parallel.plan import make_plan
 
-    plans = [make_plan(_tiny(blocks, par)) for blocks, par in FIXED_RUNS.values()]
+    configs = {name: _tiny(blocks, par) for name, (blocks, par) in FIXED_RUNS.items()}
+    configs |= {f"width {d}": _wide(d) for d in WIDTHS}
+    plans = [make_plan(c) for c in configs.values()]
     results = run_plans([PlanRun(plan=p) for _ in range(FIXED_REPEATS) for p in plans])
     step: dict[str, float] = {}
     share: list[float] = []
-    for i, name in enumerate(FIXED_RUNS):
+    for i, name in enumerate(configs):
         runs = results[i::len(plans)]
         step[name] = quartile(max(r.stats[s]["compute_s"] for r in ranks) for ranks in runs
                               for s in range(1, FIXED_STEPS))
         if name in ONE_RANK:
             share += [r[0].stats[s]["backward_s"] / max(r[0].stats[s]["forward_s"] + r[0].stats[s]["backward_s"],
                                                          1e-12) for r in runs for s in range(1, FIXED_STEPS)]
-    return fixed_from_steps(costs, step, statistics.median(share))
+    return flops_from_steps(fixed_from_steps(costs, step, statistics.median(share)), step)
+
+
+def flops_from_steps(costs: MachineCosts, step: dict[str, float]) -> MachineCosts:
+    """The rate the trainer runs a model's FLOPs at, per width (`MachineCosts.model_flops`): each width run's
+    FLOPs over its step time less the fixed costs and the optimizer's step (pure arithmetic)."""
+    from trainyard.parallel.memory import param_counts
+    from trainyard.parallel.models import family_of
+    from trainyard.parallel.plan import make_plan
+    from trainyard.parallel.sizing import Sizing
+
+    points = []
+    for d in WIDTHS:
+        config = _wide(d)
+        m = config.model
+        flops = family_of(m).flops_per_token(m) * config.global_batch * m.seq_len
+        fixed = costs.step_s + costs.microbatch_s + m.n_layer * costs.block_s
+        params = param_counts(Sizing(make_plan(config).layout, config), 0).total
+        seconds = step[f"width {d}"] - fixed - costs.optimizer.time(params)
+        points.append((float(d), flops / max(seconds, 1e-9)))
+    return replace(costs, model_flops=tuple(points))
 
 
 def fixed_from_steps(costs: MachineCosts, step: dict[str, float], backward_share: float) -> MachineCosts:
@@ -187,9 +221,24 @@ def fixed_from_steps(costs: MachineCosts, step: dict[str, float], backward_share
     # dp = 2 at the same micro-batch size: the gradient reduction's fixed cost beyond its all-reduce (buckets,
     # hooks, waiting for the peer), per step
     grads = 4 * _tiny_params(2)
-    dp_step = max(step["L2 m1 dp2"] / slow - one_rank(2, 1) - costs.collective("allreduce", grads, 2), 0.0)
+    dp_step = max((step["L2 m1 dp2"] - costs.collective("allreduce", grads, 2)) / slow - one_rank(2, 1), 0.0)
+    # a sharding level at dp = 2: what its runs take beyond plain data parallelism's fixed costs and the level's
+    # own collectives (its reductions and gathers), fitted as blocks x (per step + m x per micro-batch)
+    zero_fixed = {}
+    for z in ZERO_FIXED_LEVELS:
+        sharding, rows = sharding_for(z), []
+        for name, (blocks, par) in FIXED_RUNS.items():
+            if par.get("zero") != z:
+                continue
+            m = par["microbatches"]
+            colls = (m if sharding.reduces_every_microbatch else 1) * costs.collective(
+                sharding.gradient_collective, 4 * _tiny_params(blocks), 2) + sharding.gathers_per_step(m) * \
+                costs.collective("allgather", 4 * _tiny_params(blocks), 2)
+            rows.append(((blocks, blocks * m), (step[name] - colls) / slow - one_rank(blocks, m) - dp_step))
+        per_step, per_microbatch = _least_squares(rows)
+        zero_fixed[str(z)] = (max(per_step, 0.0), max(per_microbatch, 0.0))
     return replace(costs, block_s=block, microbatch_s=microbatch, step_s=fixed_step, tp_block_s=tp_block,
-                   sp_block_s=sp_block, pp_microbatch_s=pp_micro, dp_step_s=dp_step,
+                   sp_block_s=sp_block, pp_microbatch_s=pp_micro, dp_step_s=dp_step, zero_fixed=zero_fixed,
                    backward_share=min(max(backward_share, 0.0), 1.0),
                    measured={**costs.measured, "fixed_steps": step})
 
@@ -209,6 +258,11 @@ def _least_squares(rows: list[tuple[tuple[float, ...], float]]) -> tuple[float, 
     return tuple(ata[i][n] / ata[i][i] if ata[i][i] else 0.0 for i in range(n))
 
 
+def _wide(d_model: int) -> JobConfig:
+    model = ModelConfig(n_layer=2, n_head=4, d_model=d_model, vocab_size=WIDE_VOCAB, seq_len=WIDE_SEQ)
+    return JobConfig(model=model, steps=FIXED_STEPS, global_batch=WIDE_BATCH)
+
+
 def _tiny(blocks: int, par: dict) -> JobConfig:
     return JobConfig(model=ModelConfig(n_layer=blocks, **TINY_MODEL), steps=FIXED_STEPS, global_batch=TINY_BATCH,
                      parallel=ParallelConfig(**par))
@@ -220,8 +274,11 @@ def _tiny_params(blocks: int) -> int:
 
 
 def _two_point(points: list[list[float]]) -> Fit:
-    (small_size, small), (large_size, large) = points[0], points[-1]
-    return Fit(latency_s=small, per_s=(large_size - small_size) / max(large - small, 1e-12))
+    """The latency from the two smallest sizes (the lesser: a burst of load only adds time), the throughput the
+    slope from there to the largest."""
+    (small_size, _), (large_size, large) = points[0], points[-1]
+    latency = min(t for _, t in points[:2])
+    return Fit(latency_s=latency, per_s=(large_size - small_size) / max(large - latency, 1e-12))
 
 
 def quartile(values) -> float:
@@ -252,7 +309,7 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
     group = dist.new_group(list(range(world)))  # the collectives' ranks; the others wait at the barriers
     points: dict[str, list] = {"matmul": [], "allreduce": [], "p2p": [], "alltoall": [], "optimizer": [],
-                               "contention": []}
+                               "allgather": [], "reducescatter": [], "contention": []}
     if rank == 0:  # one rank alone: compute's own speed
         for n in MATMUL_SIZES:
             a, b = torch.randn(n * 4, n), torch.randn(n, n)
@@ -284,6 +341,13 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
         dist.barrier(group=group)
         src, dst = torch.zeros(size // 4 // world * world), torch.zeros(size // 4 // world * world)
         points["alltoall"].append((size, _timed(lambda s=src, d=dst: dist.all_to_all_single(d, s, group=group))))
+        dist.barrier(group=group)
+        shard = torch.zeros(size // 4 // world)
+        points["allgather"].append((size, _timed(lambda s=shard, d=dst: dist.all_gather_into_tensor(d, s,
+                                                                                                     group=group))))
+        dist.barrier(group=group)
+        points["reducescatter"].append((size, _timed(lambda s=src, d=shard: dist.reduce_scatter_tensor(d, s,
+                                                                                                        group=group))))
     # k ranks computing at once (k = 1 .. all): how much the slowest of them is slowed by sharing the node's
     # cores (with other processes too: the more ranks, the likelier one of them waits for a core)
     a, b = torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL), torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL)

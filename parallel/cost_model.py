@@ -1,29 +1,30 @@
 """The cost model: a laid-out job's step time from measured machine costs, term by term.
 
-`MachineCosts` holds what a calibration run measured on one node type (`parallel.calibrate`): matmul time
-as latency + FLOPs / throughput, the all-reduce, point-to-point and all-to-all times as latency + bytes /
-bandwidth (alpha-beta), the optimizer's time per parameter element, the trainer's fixed costs (per block and
-per chunk of each micro-batch, per step, and the extra per block of tensor parallelism's DTensors and of
-sequence parallelism), and how much slower compute runs when k ranks share one node (`contention`: ranks
-sharing CPU cores; 1 where each rank has its own device). `step_costs(layout, config, machine)` turns a
-layout into the per-chunk forward / backward / point-to-point costs the schedule simulator takes plus the
-terms outside the pipeline (the data-parallel reduction not hidden behind backward, the optimizer step,
-the options' own extras); `parallel.planner` simulates the schedule with them and adds the rest.
+`MachineCosts` holds what a calibration run measured on one node type (`parallel.calibrate`): the rate the trainer
+runs a model's FLOPs at, by width (and a matmul's, as latency + FLOPs / throughput), the all-reduce,
+point-to-point, all-to-all, all-gather and reduce-scatter times as latency + bytes / bandwidth (alpha-beta), the
+optimizer's time per parameter element, the trainer's fixed costs (per block and per chunk of each micro-batch, per
+step, the extra per block of tensor parallelism's DTensors and of sequence parallelism, and of each ZeRO level's
+FSDP2 machinery), and how much slower compute runs when k ranks share one node (`contention`: ranks sharing CPU
+cores; 1 where each rank has its own device). `step_costs(layout, config, machine)` turns a layout into the
+per-chunk forward / backward / point-to-point costs the schedule simulator takes plus the terms outside the
+pipeline (the data-parallel reduction not hidden behind backward, the optimizer step, the options' own extras);
+`parallel.planner` simulates the schedule with them and adds the rest.
 
-What is written by hand and why: the FLOPs of a chunk come from the family's `flops_per_token` (6 N + 12 L
-d T), shared out over the blocks; the collectives' message sizes are Megatron's (two activation all-reduces
-per block forward and two in backward under tp; two all-to-alls per MoE block each way under ep; one
-activation per micro-batch between pipeline stages; every local gradient once per step over dp). Options
-that change the time in their own way are one line each in `OPTION_EXTRAS` (a new `parallel.zero` level or
-an offload adds its entry there). The fixed costs and the contention are measured, not written here; before a
-node type is calibrated (`default_gpu_costs`) a block's fixed cost is OPS_PER_BLOCK kernels' latency.
-On a node whose ranks share CPU cores (a measured `contention`), a collective is CPU work on those same cores:
-it is slowed as compute is, by the node's slowdown over the one it was measured at (`comm_share`), and the
-data-parallel reduction hides behind nothing, since no core is idle to run it during the backward (on this
-2-core machine 4 ranks measured up to 2.6x their prediction before: BENCHMARKS.md, section `planner`).
-Ignored: kernel fusion and overlap inside a chunk, stragglers, contention between groups sharing a link, the
-first step's warm-up. Pure arithmetic: no torch.
-"""
+What is written by hand and why: the FLOPs of a chunk come from the family's `flops_per_token` (6 N + 12 L d T),
+shared out over the blocks; the collectives' message sizes are Megatron's (two activation all-reduces per block
+forward and two in backward under tp; two all-to-alls per MoE block each way under ep; one activation per
+micro-batch between pipeline stages; every local gradient once per step over dp, or as the `parallel.sharding`
+strategy says: reduce-scattered once or every micro-batch, the parameters all-gathered after the step, once per
+chunk or around every forward and backward, in `sharding_costs`). Options that change the time in their own way are
+one line each in `OPTION_EXTRAS` (an offload adds its entry there). The fixed costs and the contention are
+measured, not written here; before a node type is calibrated (`default_gpu_costs`) a block's fixed cost is
+OPS_PER_BLOCK kernels' latency. On a node whose ranks share CPU cores (a measured `contention`), a collective is
+CPU work on those same cores: it is slowed as compute is, by the node's slowdown over the one it was measured at
+(`comm_share`), and the data-parallel reduction hides behind nothing, since no core is idle to run it during the
+backward (on this 2-core machine 4 ranks measured up to 2.6x their prediction before: BENCHMARKS.md, section
+`planner`). Ignored: kernel fusion and overlap inside a chunk, stragglers, contention between groups sharing a
+link, the first step's warm-up. Pure arithmetic: no torch."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.layout import Layout
 from trainyard.parallel.memory import param_counts
-from trainyard.parallel.sharding import sharding_for
+from trainyard.parallel.sharding import Sharding, sharding_for
 from trainyard.parallel.sizing import Sizing
 
 OPS_PER_BLOCK = 16
@@ -113,6 +114,19 @@ class MachineCosts:
     contention: tuple[float, ...] = ()
     """Compute's slowdown with k = 1, 2, ... ranks busy on one node at once (index k - 1), over one rank
     alone; () or past the end: 1 (each rank has its own device) or proportionally from the last."""
+    allgather: Fit | None = None
+    """An all-gather of `world` ranks, by the bytes gathered (the whole tensor); None (not measured): half an
+    all-reduce's traffic."""
+    reducescatter: Fit | None = None
+    """A reduce-scatter of `world` ranks, by the bytes reduced (the whole tensor); None: as the all-gather."""
+    model_flops: tuple[tuple[float, float], ...] = ()
+    """(d_model, FLOP/s) pairs, widths ascending: the rate the trainer runs a model's FLOPs at on one rank alone,
+    measured on models of a few widths (every kernel of a step: matmuls, attention, norms, autograd); () (not
+    measured): the matmul's."""
+    zero_fixed: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """A sharding level's extra fixed seconds over plain data parallelism, `str(zero)` -> (per block and step, per
+    block and micro-batch), beyond its collectives' own time, as measured on tiny models at dp = 2 (FSDP2's
+    hooks, copies and the optimizer's step on DTensors); a level not here: none."""
 
     def slowdown(self, ranks: int) -> float:
         """How much slower compute runs with `ranks` ranks on one node than with one (at least 1)."""
@@ -122,17 +136,35 @@ class MachineCosts:
             return max(self.contention[ranks - 1], 1.0)
         return max(self.contention[-1] * ranks / len(self.contention), 1.0)
 
+    def flops_per_s(self, d_model: int) -> float:
+        """The rate a model `d_model` wide runs its FLOPs at: log-linear between the measured widths, the nearest
+        one's beyond them; the matmul's when none was measured."""
+        points = self.model_flops
+        if not points:
+            return self.matmul.per_s
+        if d_model <= points[0][0]:
+            return points[0][1]
+        for (w0, r0), (w1, r1) in zip(points, points[1:], strict=False):
+            if d_model <= w1:
+                at = math.log(d_model / w0) / math.log(w1 / w0)
+                return math.exp(math.log(r0) + at * (math.log(r1) - math.log(r0)))
+        return points[-1][1]
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     @staticmethod
     def from_dict(d: dict) -> MachineCosts:
         fits = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
+        fits |= {k: Fit(**d[k]) for k in ("allgather", "reducescatter") if d.get(k)}
         fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
                                    "dp_step_s", "backward_share") if k in d}
+        zero_fixed = {level: (float(a), float(b)) for level, (a, b) in d.get("zero_fixed", {}).items()}
+        model_flops = tuple((float(w), float(r)) for w, r in d.get("model_flops", ()))
         return MachineCosts(node_type=d["node_type"], world=d.get("world", 2),
                             inter_node_factor=d.get("inter_node_factor", 1.0), measured=d.get("measured", {}),
-                            contention=tuple(d.get("contention", ())), **fixed, **fits)
+                            contention=tuple(d.get("contention", ())), zero_fixed=zero_fixed,
+                            model_flops=model_flops, **fixed, **fits)
 
     def comm_share(self, ranks: int) -> float:
         """How much slower collectives run with `ranks` ranks on one node than at the world they were measured
@@ -140,14 +172,17 @@ class MachineCosts:
         return self.slowdown(ranks) / self.slowdown(self.world) if self.contention else 1.0
 
     def collective(self, kind: str, nbytes: float, n: int, spans_nodes: bool = False) -> float:
-        """One collective of `n` ranks moving `nbytes` per rank, scaled from the measured world by the ring's
-        traffic: all-reduce 2(n-1)/n, all-to-all (n-1)/n, all-gather / reduce-scatter (n-1)/n."""
+        """One collective of `n` ranks over `nbytes` (a rank's whole tensor: the reduced, gathered or sent one),
+        scaled from the measured world by the ring's traffic: all-reduce 2(n-1)/n, all-to-all, all-gather and
+        reduce-scatter (n-1)/n."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        base = {"allreduce": self.allreduce, "alltoall": self.alltoall, "allgather": self.allreduce}[kind]
+        gather = self.allgather if kind == "allgather" else self.reducescatter or self.allgather
+        measured = {"allreduce": self.allreduce, "alltoall": self.alltoall}.get(kind, gather)
+        base = measured or self.allreduce  # a gather or scatter not measured: from the all-reduce
         w = max(self.world, 2)
-        traffic = {"allreduce": 2, "alltoall": 1, "allgather": 1}[kind]
-        measured_traffic = {"allreduce": 2, "alltoall": 1, "allgather": 2}[kind] * (w - 1) / w
+        traffic = {"allreduce": 2}.get(kind, 1)
+        measured_traffic = (2 if kind == "allreduce" or measured is None else 1) * (w - 1) / w
         bus = base.per_s * measured_traffic * (self.inter_node_factor if spans_nodes else 1.0)
         return base.latency_s * (n - 1) / (w - 1) + traffic * (n - 1) / n * nbytes / bus
 
@@ -199,24 +234,14 @@ class ExtraContext:
 
 
 OPTION_EXTRAS: dict[tuple[str, object], Callable[[ExtraContext], tuple[str, float]]] = {
-    # ZeRO-1 and -2 all-gather the updated parameters after the step, where no backward hides it
-    ("parallel.zero", 1): lambda c: ("zero parameter all-gather", _param_gather(c)),
-    ("parallel.zero", 2): lambda c: ("zero parameter all-gather", _param_gather(c)),
-    # ZeRO-3 gathers every parameter before each micro-batch's forward and again before its backward
-    ("parallel.zero", 3): lambda c: ("zero-3 parameter gathers", 2 * c.layout.microbatches * c.layout.vpp
-                                     * c.comm_share * c.machine.collective("allgather", 4 * c.params / c.layout.vpp,
-                                                                           c.layout.dp)),
     # the optimizer steps on the host: the gradients go down and the parameters come back over the host link
     ("optimizer.offload", True): lambda c: ("optimizer offload", 2 * c.comm_share * c.machine.p2p.time(4 * c.params)),
     # each micro-batch's activations go to the host after its forward and come back before its backward
     ("activation_offload", True): lambda c: ("activation offload", 2 * c.layout.microbatches * c.layout.vpp
                                              * c.comm_share * c.machine.p2p.time(c.activation_bytes)),
 }
-"""(dotted option, value) -> (name, seconds per step) the option adds; one line per option that needs one."""
-
-
-def _param_gather(c: ExtraContext) -> float:
-    return c.comm_share * c.machine.collective("allgather", 4 * c.params, c.layout.dp)
+"""(dotted option, value) -> (name, seconds per step) the option adds; one line per option that needs one (the
+data-parallel sharding levels' collectives are the strategy's own: `sharding_costs`)."""
 
 
 def option_value(config: JobConfig, path: str) -> object:
@@ -245,8 +270,9 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     slow, share = machine.slowdown(on_node), machine.comm_share(on_node)
     fixed_fwd, fixed_bwd = fixed_costs(machine, blocks, layout.tp, par.sp, layout.pp)
     recompute = RECOMPUTE_EXTRA.get(config.activation_checkpointing, 1.0)
-    fwd = slow * (fixed_fwd + flops / machine.matmul.per_s)
-    bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * flops / machine.matmul.per_s)
+    rate = machine.flops_per_s(m.d_model)
+    fwd = slow * (fixed_fwd + flops / rate)
+    bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * flops / rate)
 
     within = node_gpus or layout.world_size
     act = tokens * m.d_model * act_bytes
@@ -266,20 +292,42 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     stages = dict.fromkeys((0, layout.pp // 2, layout.pp - 1))  # the embedding's, a middle one, the head's
     counts = max((param_counts(sizing, p) for p in stages), key=lambda c: c.total)
     grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
-    reduce = share * machine.collective("allreduce", grad_bytes, layout.dp, spans_nodes=layout.dp * layout.tp > within)
-    # behind the last micro-batch's backward, unless the ranks' cores are all busy with it (shared CPU cores)
+    sharding = sharding_for(par.zero)
+    spans = layout.dp * layout.tp > within
+    reductions = layout.microbatches if sharding.reduces_every_microbatch else 1
+    reduce = reductions * share * machine.collective(sharding.gradient_collective, grad_bytes, layout.dp, spans)
+    # behind the backward that made them, unless the ranks' cores are all busy with it (shared CPU cores)
     overlaps = par.overlap_reduce and not (machine.contention and slow > 1.0)
-    hidden = (bwd + tp_b) * layout.vpp if overlaps else 0.0
+    hidden = (bwd + tp_b) * layout.vpp * reductions if overlaps else 0.0
     dp_fixed = slow * machine.dp_step_s if layout.dp > 1 else 0.0
-    elements = sharding_for(par.zero).optimizer_elements(counts.total, layout.dp)
+    elements = sharding.optimizer_elements(counts.total, layout.dp)
     context = ExtraContext(layout=layout, config=config, machine=machine, params=counts.total,
                            optimizer_elements=elements, activation_bytes=int(act * blocks * 8), comm_share=share)
     extras = dict(hook(context) for (path, value), hook in OPTION_EXTRAS.items()
                   if option_value(config, path) == value)
+    if layout.dp > 1:
+        extras |= sharding_costs(sharding, machine, layout, counts.total, blocks * layout.vpp, share, slow, spans)
     return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,
                      tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
                      dp_exposed=max(reduce - hidden, 0.0) + dp_fixed,
                      optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras)
+
+
+def sharding_costs(sharding: Sharding, machine: MachineCosts, layout: Layout, params: int, blocks: int,
+                   share: float, slow: float, spans_nodes: bool = False) -> dict[str, float]:
+    """A sharding level's own terms per step beyond the gradients' reduction: its all-gathers of the rank's
+    `params` parameter elements (fp32; ZeRO-1 after the step, ZeRO-2 once per chunk, ZeRO-3 around every
+    forward and backward), counted whole: a gather after the step has nothing to hide behind, and a prefetched
+    one is CPU work on shared cores; and its measured fixed cost for the rank's `blocks` blocks."""
+    out: dict[str, float] = {}
+    gathers = sharding.gathers_per_step(layout.microbatches)
+    if gathers:
+        out[f"zero-{sharding.zero} parameter all-gathers"] = gathers * share * machine.collective(
+            "allgather", 4 * params, layout.dp, spans_nodes)
+    per_step, per_microbatch = machine.zero_fixed.get(str(sharding.zero), (0.0, 0.0))
+    if per_step or per_microbatch:
+        out[f"zero-{sharding.zero} fixed"] = slow * blocks * (per_step + layout.microbatches * per_microbatch)
+    return out
 
 
 def fixed_costs(machine: MachineCosts, blocks: int, tp: int, sp: bool, pp: int = 1) -> tuple[float, float]:

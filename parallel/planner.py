@@ -250,11 +250,11 @@ class _Search:
         """About a lower bound of the step time: the rank's share of the FLOPs (3 x forward) and of the kernels'
         latencies, the pipeline's fill of pp - 1 chunk forwards before the last stage starts, and the gradient
         all-reduce of the rank's share of the parameters beyond what one micro-batch's backward hides."""
-        mm, n_layer, world = self.machine.matmul, self.config.model.n_layer, dp * pp * tp
+        n_layer, world = self.config.model.n_layer, dp * pp * tp
         slow = self.machine.slowdown(min(world, self.node_ranks or world))
         flops = fpt * tokens / world
         fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False, pp))
-        compute = slow * (flops / mm.per_s + m * fixed)
+        compute = slow * (flops / self.machine.flops_per_s(self.config.model.d_model) + m * fixed)
         grads = 4 * self.params / (pp * tp) * (0.5 if self.config.parallel.reduce_dtype == "bf16" else 1)
         reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
         mb_tokens = tokens // (dp * m)

@@ -8,7 +8,8 @@ backward); 2 and 3 are torch's FSDP2 (`parallel.fsdp`). Each strategy answers th
 code asks of it: the memory plan its parameter, gradient and optimizer-state elements per rank
 (`parallel.memory`), the gradient reducer whether to shard (`parallel.data_parallel`), the trainer whether
 to hand the chunks to FSDP2 and how, a resize whether the state may stay in memory
-(`parallel.plan.can_move_in_memory`). Pure: no torch.
+(`parallel.plan.can_move_in_memory`), the cost model which collectives a step runs (`parallel.cost_model`).
+Pure: no torch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ class Sharding:
     reshard_after_forward: bool = True
     """With `shards_parameters`: a chunk's gathered parameters are freed after each forward and backward
     (ZeRO-3), or kept from its first forward of the step to its last backward (ZeRO-2)."""
+    gradient_collective: str = "allreduce"
+    """How the group sums the gradients: `allreduce` (every rank gets the whole sum) or `reducescatter` (each
+    its 1/N slice)."""
+    reduces_every_microbatch: bool = False
+    """The gradients are summed after each micro-batch's backward (FSDP2 adds them into the shard), not once at
+    the step's end."""
+
+    def gathers_per_step(self, microbatches: int) -> int:
+        """All-gathers of the rank's whole parameters a step runs (0: nothing is gathered)."""
+        return 0
 
     def param_elements(self, n: int, group_size: int) -> int:
         """Parameter elements a rank keeps between steps, of `n` local ones sharded over `group_size` ranks."""
@@ -64,6 +75,10 @@ class OptimizerStateSharding(Sharding):
 
     zero: int = 1
     shards_optimizer_state: bool = True
+    gradient_collective: str = "reducescatter"
+
+    def gathers_per_step(self, microbatches: int) -> int:
+        return 1  # after the optimizer step
 
     def gradient_elements(self, n: int, group_size: int) -> int:
         return n + (math.ceil(n / group_size) if group_size > 1 else 0)
@@ -84,6 +99,11 @@ class GradientSharding(Sharding):
     shards_optimizer_state: bool = True
     shards_parameters: bool = True
     reshard_after_forward: bool = False
+    gradient_collective: str = "reducescatter"
+    reduces_every_microbatch: bool = True
+
+    def gathers_per_step(self, microbatches: int) -> int:
+        return 1  # each chunk before its first forward of the step
 
     def param_elements(self, n: int, group_size: int) -> int:
         return _shard(n, group_size)
@@ -106,6 +126,9 @@ class ParameterSharding(GradientSharding):
 
     zero: int = 3
     reshard_after_forward: bool = True
+
+    def gathers_per_step(self, microbatches: int) -> int:
+        return 2 * microbatches  # each chunk before each of its forwards and backwards
 
     def gathered_elements(self, chunks: list[int]) -> int:
         return sum(sorted(chunks)[-2:])  # the largest chunk computing while the next largest is gathered

@@ -194,6 +194,67 @@ def test_collectives_on_shared_cpu_cores_are_slowed_as_compute_and_hide_behind_n
     assert on_cores.dp_exposed == pytest.approx(2.0 * reduce)  # slowed as compute, and behind nothing
 
 
+def test_each_sharding_level_is_charged_its_own_collectives_and_its_measured_fixed_cost():
+    """ZeRO-1 reduce-scatters once and all-gathers after the step; ZeRO-2 (FSDP2) reduce-scatters every
+    micro-batch's gradients and gathers each chunk once; ZeRO-3 gathers around every forward and backward; -2 and
+    -3 also pay their measured fixed cost per block (a step and each micro-batch). On gloo they measured 1.5-1.8x
+    plain dp, where the model had charged ZeRO-2 what it charges ZeRO-1, and the planner chose it."""
+    from trainyard.parallel.cost_model import step_costs
+
+    m = replace(machine(allreduce=Fit(1e-3, 1e8), allgather=Fit(2e-3, 5e7), reducescatter=Fit(3e-3, 4e7)),
+                zero_fixed={"2": (1e-3, 2e-3), "3": (3e-3, 5e-3)}, contention=(1.0, 1.5))  # shared cores: no hiding
+    base = replace(config(), parallel=replace(config().parallel, dp=2, microbatches=2))
+    costs, grads = {}, None
+    for z in (0, 1, 2, 3):
+        cfg = replace(base, parallel=replace(base.parallel, zero=z))
+        costs[z] = step_costs(make_plan(cfg).layout, cfg, m)
+        grads = grads or make_plan(cfg).layout  # the same layout at every level
+    from trainyard.parallel.memory import param_counts
+    from trainyard.parallel.sizing import Sizing
+
+    params = param_counts(Sizing(grads, base), 0).total
+    gather = m.collective("allgather", 4 * params, 2)
+    assert gather == pytest.approx(2e-3 + 4 * params / 5e7)  # measured at 2 ranks: its own fit
+    assert costs[0].dp_exposed == pytest.approx(m.collective("allreduce", 4 * params, 2) + 1.5 * m.dp_step_s)
+    assert not costs[0].extras
+    assert costs[1].dp_exposed == pytest.approx(m.collective("reducescatter", 4 * params, 2))
+    assert costs[1].extras == pytest.approx({"zero-1 parameter all-gathers": gather})
+    assert costs[2].dp_exposed == pytest.approx(2 * m.collective("reducescatter", 4 * params, 2))
+    assert costs[2].extras == pytest.approx({"zero-2 parameter all-gathers": gather,
+                                             "zero-2 fixed": 1.5 * 4 * (1e-3 + 2 * 2e-3)})
+    assert costs[3].extras == pytest.approx({"zero-3 parameter all-gathers": 4 * gather,
+                                             "zero-3 fixed": 1.5 * 4 * (3e-3 + 2 * 5e-3)})
+    unmeasured = machine(allreduce=Fit(1e-3, 1e8))  # a cache from before: half an all-reduce's traffic
+    assert unmeasured.collective("allgather", 1e6, 2) == pytest.approx(1e-3 + (0.011 - 1e-3) / 2)
+    assert unmeasured.collective("allreduce", 1e6, 2) == pytest.approx(0.011)
+
+
+def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_between():
+    from trainyard.parallel.calibrate import WIDTHS, _wide, flops_from_steps
+    from trainyard.parallel.memory import param_counts
+    from trainyard.parallel.models import family_of
+    from trainyard.parallel.sizing import Sizing
+
+    base = replace(machine(), block_s=1e-3, microbatch_s=2e-3, step_s=3e-3, optimizer=Fit(1e-4, 1e9))
+    rates = {d: 10e9 * (1 + i) for i, d in enumerate(WIDTHS)}
+    steps = {}
+    for d in WIDTHS:
+        c = _wide(d)
+        flops = family_of(c.model).flops_per_token(c.model) * c.global_batch * c.model.seq_len
+        params = param_counts(Sizing(make_plan(c).layout, c), 0).total
+        steps[f"width {d}"] = flops / rates[d] + 3e-3 + 2e-3 + c.model.n_layer * 1e-3 + base.optimizer.time(params)
+    got = flops_from_steps(base, steps)
+    assert [w for w, _ in got.model_flops] == list(WIDTHS)
+    assert [r for _, r in got.model_flops] == pytest.approx([rates[d] for d in WIDTHS])
+    (w0, r0), (w1, r1) = got.model_flops[:2]
+    assert got.flops_per_s(int(w0) // 2) == pytest.approx(r0) and got.flops_per_s(10**6) == pytest.approx(
+        got.model_flops[-1][1])  # the nearest beyond the ends
+    mid = int((w0 * w1) ** 0.5)  # log-linear: the geometric middle width gets the geometric middle rate
+    assert got.flops_per_s(mid) == pytest.approx((r0 * r1) ** 0.5, rel=1e-2)
+    assert machine().flops_per_s(512) == 1e9  # nothing measured: the matmul's rate
+    assert MachineCosts.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+
+
 def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
     from trainyard.parallel.cost_model import fixed_costs
 
@@ -210,7 +271,7 @@ def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
 
 
 def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
-    from trainyard.parallel.calibrate import ONE_RANK, _tiny_params, fixed_from_steps
+    from trainyard.parallel.calibrate import FIXED_RUNS, ONE_RANK, _tiny_params, fixed_from_steps
 
     base = replace(machine(), contention=(1.0, 2.0))
     block, micro, step, tp_block, sp_block, pp_micro = 1e-3, 3e-3, 5e-3, 8e-3, 2e-3, 4e-3
@@ -226,12 +287,23 @@ def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
     steps |= {"L4 m2 tp2": 2.0 * (one_rank(4, 2) + 8 * tp_block), "L2 m2 pp2": pp2(2), "L2 m8 pp2": pp2(8),
               "L4 m2 tp2 sp": 2.0 * (one_rank(4, 2) + 8 * (tp_block + sp_block)),
               "L2 m1 dp2": 2.0 * (one_rank(2, 1) + 6e-3) + base.collective("allreduce", 4 * _tiny_params(2), 2)}
+    zero_fixed = {"2": (2e-3, 1e-3), "3": (1e-3, 5e-3)}  # per block: per step, per micro-batch
+    for name, (blocks, par) in FIXED_RUNS.items():
+        if par.get("zero"):  # ZeRO-2 and -3 reduce-scatter every micro-batch's gradients; -3 gathers 2m times
+            m, z, grads = par["microbatches"], par["zero"], 4 * _tiny_params(blocks)
+            per_step, per_micro = zero_fixed[str(z)]
+            colls = m * base.collective("reducescatter", grads, 2) + (1 if z == 2 else 2 * m) * base.collective(
+                "allgather", grads, 2)
+            steps[name] = 2.0 * (one_rank(blocks, m) + 6e-3 + blocks * (per_step + m * per_micro)) + colls
     got = fixed_from_steps(base, steps, 0.6)
     assert got.block_s == pytest.approx(block, rel=0.05) and got.microbatch_s == pytest.approx(micro, rel=0.05)
     assert got.step_s == pytest.approx(step, rel=0.05)
     assert got.tp_block_s == pytest.approx(tp_block, rel=0.02) and got.sp_block_s == pytest.approx(sp_block)
     assert got.pp_microbatch_s == pytest.approx(pp_micro, rel=0.05)
-    assert got.dp_step_s == pytest.approx(6e-3 + base.collective("allreduce", 4 * _tiny_params(2), 2) / 2, rel=0.05)
+    assert got.dp_step_s == pytest.approx(6e-3, rel=0.05)
+    assert got.zero_fixed.keys() == zero_fixed.keys()
+    for level, (per_step, per_micro) in zero_fixed.items():
+        assert got.zero_fixed[level] == pytest.approx((per_step, per_micro), rel=0.05), level
     assert got.backward_share == 0.6 and got.measured["fixed_steps"] == steps
     assert MachineCosts.from_dict(json.loads(json.dumps(got.to_dict()))) == got
     old = {k: v for k, v in machine().to_dict().items() if k in ("node_type", "matmul", "allreduce", "p2p", "alltoall",
