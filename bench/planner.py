@@ -158,7 +158,9 @@ def describe(m: MachineCosts) -> str:
             f"{m.step_s * ms:.2f} ms, tp block +{m.tp_block_s * ms:.2f} ms, sp block +{m.sp_block_s * ms:.2f} ms, "
             f"pp micro-batch +{m.pp_microbatch_s * ms:.2f} ms, dp step +{m.dp_step_s * ms:.2f} ms, "
             f"backward share {m.backward_share:.2f}; contention 1-{len(m.contention)} ranks "
-            + ", ".join(f"{c:.2f}" for c in m.contention))
+            + ", ".join(f"{c:.2f}" for c in m.contention)
+            + (f"; all-reduce contention 1-{len(m.comm_contention)} ranks "
+               + ", ".join(f"{c:.2f}" for c in m.comm_contention) if m.comm_contention else ""))
 
 
 def run_section(ctx) -> list:  # noqa: ANN001 - BenchContext

@@ -36,6 +36,8 @@ REPEATS = 7
 CONTENTION_RANKS = 4
 """Up to how many ranks busy at once the contention is measured (a CPU node runs this many or fewer here)."""
 CONTENTION_MATMUL, CONTENTION_LOOP, CONTENTION_ROUNDS = 192, 40, 21
+COMM_CONTENTION_BYTES = (65536, 1 << 20, 4 << 20)
+"""The all-reduce sizes timed with every rank count past `world` (`MachineCosts.comm_contention`)."""
 
 
 def node_type(cluster: ClusterResources) -> str:
@@ -118,12 +120,26 @@ def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -
         spawn(_rank, ranks, world, ranks, out)
         raw = json.loads((Path(out) / "rank0.json").read_text())
     contention = contention_from(raw.pop("contention"), len(os.sched_getaffinity(0)))
+    at_k = {int(name.rsplit(" ", 1)[1]): raw.pop(name) for name in list(raw) if name.startswith("allreduce at ")}
     # Two points per fit: the latency is the smallest sizes' time (a fixed cost per call), the throughput the
     # slope to the largest. A least-squares line over all sizes lets the large sizes' noise swing the intercept
     # (often below zero), and the planner's ranking at small sizes hangs on that intercept.
     fits = {name: _two_point(points) for name, points in raw.items()}
     costs = MachineCosts(node_type=key, world=world, measured=raw, contention=contention, **fits)
+    costs = replace(costs, comm_contention=comm_contention_from(costs, at_k),
+                    measured={**raw, **{f"allreduce at {k}": v for k, v in at_k.items()}})
     return measure_fixed(costs)
+
+
+def comm_contention_from(costs: MachineCosts, at_k: dict[int, list]) -> tuple[float, ...]:
+    """Per rank count k (index k - 1): the median over sizes of the all-reduce's time measured with k ranks over
+    what the `world`-rank fit predicts for k (1 up to `world`); () when nothing past `world` was measured."""
+    if not at_k:
+        return ()
+    out = [1.0] * costs.world
+    for k in sorted(at_k):
+        out.append(max(statistics.median(t / costs.collective("allreduce", size, k) for size, t in at_k[k]), 1.0))
+    return tuple(out)
 
 
 TINY_MODEL = {"n_head": 2, "d_model": 16, "vocab_size": 64, "seq_len": 8}
@@ -371,6 +387,15 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
             times[k].append(float(slowest))
     if rank == 0:
         points["contention"] = [quartile(t) for t in times.values()]
+    # an all-reduce of k = world + 1 .. all ranks of the node at once (gloo's copies and wake-ups on shared cores)
+    for k in range(world + 1, ranks + 1):
+        members = dist.new_group(list(range(k)))  # every rank creates every group, in the same order
+        for size in COMM_CONTENTION_BYTES:
+            t = torch.zeros(size // 4)
+            dist.barrier()
+            if rank < k:
+                took = _timed(lambda t=t, g=members: dist.all_reduce(t, group=g))
+                points.setdefault(f"allreduce at {k}", []).append((size, took))
     if rank == 0:
         (Path(out) / "rank0.json").write_text(json.dumps(points))
     dist.barrier()

@@ -119,6 +119,10 @@ class MachineCosts:
     all-reduce's traffic."""
     reducescatter: Fit | None = None
     """A reduce-scatter of `world` ranks, by the bytes reduced (the whole tensor); None: as the all-gather."""
+    comm_contention: tuple[float, ...] = ()
+    """An all-reduce's measured time with k = 1, 2, ... ranks of one node in it (index k - 1) over what the fit
+    measured at `world` ranks predicts for k by its ring traffic (on shared CPU cores gloo's copies and wake-ups
+    are CPU work that more ranks than cores wait on); () (not measured): as compute's slowdown."""
     model_flops: tuple[tuple[float, float], ...] = ()
     """(d_model, FLOP/s) pairs, widths ascending: the rate the trainer runs a model's FLOPs at on one rank alone,
     measured on models of a few widths (every kernel of a step: matmuls, attention, norms, autograd); () (not
@@ -161,6 +165,8 @@ class MachineCosts:
                                    "dp_step_s", "backward_share") if k in d}
         zero_fixed = {level: (float(a), float(b)) for level, (a, b) in d.get("zero_fixed", {}).items()}
         model_flops = tuple((float(w), float(r)) for w, r in d.get("model_flops", ()))
+        if d.get("comm_contention"):
+            fixed["comm_contention"] = tuple(d["comm_contention"])
         return MachineCosts(node_type=d["node_type"], world=d.get("world", 2),
                             inter_node_factor=d.get("inter_node_factor", 1.0), measured=d.get("measured", {}),
                             contention=tuple(d.get("contention", ())), zero_fixed=zero_fixed,
@@ -168,7 +174,12 @@ class MachineCosts:
 
     def comm_share(self, ranks: int) -> float:
         """How much slower collectives run with `ranks` ranks on one node than at the world they were measured
-        at: on shared CPU cores as compute is (1 where each rank has its own device)."""
+        at: as measured (`comm_contention`), else on shared CPU cores as compute is (1 where each rank has its
+        own device)."""
+        measured = self.comm_contention
+        if measured and ranks > self.world:
+            at = measured[ranks - 1] if ranks <= len(measured) else measured[-1] * ranks / len(measured)
+            return max(at, 1.0)
         return self.slowdown(ranks) / self.slowdown(self.world) if self.contention else 1.0
 
     def collective(self, kind: str, nbytes: float, n: int, spans_nodes: bool = False) -> float:

@@ -255,6 +255,24 @@ def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_be
     assert MachineCosts.from_dict(json.loads(json.dumps(got.to_dict()))) == got
 
 
+def test_collectives_past_the_measured_world_are_slowed_as_an_all_reduce_of_that_many_ranks_measured():
+    """On shared cores the measured all-reduce of k ranks, over what the 2-rank fit predicts for k, is the factor on
+    every collective of a layout with k ranks on the node; without it, compute's slowdown ratio stands."""
+    from trainyard.parallel.calibrate import comm_contention_from
+
+    m = replace(machine(allreduce=Fit(1e-3, 1e8)), contention=(1.0, 1.25, 1.6, 2.5))
+    predicted = {k: {size: m.collective("allreduce", size, k) for size in (1e5, 1e6, 4e6)} for k in (3, 4)}
+    at_k = {3: [(size, 2.0 * t) for size, t in predicted[3].items()],
+            4: [(1e5, 2.5 * predicted[4][1e5]), (1e6, 3.0 * predicted[4][1e6]), (4e6, 9.0 * predicted[4][4e6])]}
+    got = replace(m, comm_contention=comm_contention_from(m, at_k))
+    assert got.comm_contention == pytest.approx((1.0, 1.0, 2.0, 3.0))  # the median over sizes
+    assert [got.comm_share(k) for k in (2, 3, 4)] == pytest.approx([1.0, 2.0, 3.0])
+    assert got.comm_share(8) == pytest.approx(6.0)  # past the end: pro rata
+    assert m.comm_share(4) == pytest.approx(2.5 / 1.25)  # not measured: as compute
+    assert comm_contention_from(m, {}) == ()
+    assert MachineCosts.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+
+
 def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
     from trainyard.parallel.cost_model import fixed_costs
 
