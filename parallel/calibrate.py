@@ -162,9 +162,10 @@ FIXED_RUNS: dict[str, tuple[int, dict]] = {
        for z in ZERO_FIXED_LEVELS for blocks, m in ((2, 1), (8, 1), (8, 4))},
 }
 """name -> (blocks, parallel options) of the tiny runs `measure_fixed` times; its arithmetic reads them."""
-WIDTHS = (64, 256, 512)
-"""The widths (d_model) of the one-rank runs whose FLOP rate is measured: 2 blocks, 4 sequences of 64 tokens."""
-WIDE_VOCAB, WIDE_SEQ, WIDE_BATCH = 256, 64, 4
+WIDTHS = (128, 256, 512)
+"""The widths (d_model) of the one-rank runs whose FLOP rate is measured: 2 blocks, 16 sequences of 32 tokens (at
+narrower widths the fixed costs outweigh the FLOPs, and the rate is lost in their noise)."""
+WIDE_VOCAB, WIDE_SEQ, WIDE_BATCH = 1024, 32, 16
 
 
 def measure_fixed(costs: MachineCosts) -> MachineCosts:
