@@ -48,6 +48,8 @@ def describe_error(error: dict) -> tuple[str, str]:
     loc = [str(p) for p in error["loc"] if p != "body" and p not in _UNION_MEMBERS and p != _AUTO]
     if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         return ".".join(loc), f"unknown field '{loc[-1]}'"
+    if error["type"] == "json_invalid":  # FastAPI's: the location is ("body", character offset)
+        return "body", f"cannot read the body as JSON at character {loc[-1]}: {error['ctx']['error']}"
     return ".".join(loc), error["msg"]
 
 
