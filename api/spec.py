@@ -109,6 +109,10 @@ def load_spec_text(text: str) -> dict:
         obj = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SpecError([("", f"not valid YAML/JSON: {e}")]) from None
+    except ValueError as e:  # a scalar PyYAML cannot build: a date like 2001-02-30, an int of over 4300 digits
+        raise SpecError([("", f"not valid YAML/JSON: {e}")]) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise SpecError([("", "not valid YAML/JSON: lists or mappings nested too deeply")]) from None
     if not isinstance(obj, dict):
         raise SpecError([("", "a JobSpec must be a mapping of fields")])
     return obj
