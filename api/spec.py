@@ -25,9 +25,11 @@ class SpecError(ValueError):
         self.errors = errors
 
 
-_UNION_MEMBERS = {"constrained-int", "int", "DpRange", "ParallelConfig"}
+_UNION_MEMBERS = {"constrained-int", "int", "DpRange", "ParallelConfig",
+                  "function-before[refuse_bool(), constrained-int]"}
 """The names pydantic puts into an error's location for the member of a union it tried (`parallel.dp` is a
-number or {min, max}): not fields, so left out of the dotted path."""
+number or {min, max}; the last, a bounded integer that refuses booleans, `parallel.config.NOT_BOOL`): not fields, so
+left out of the dotted path."""
 
 
 _AUTO = "literal['auto']"

@@ -54,3 +54,18 @@ def test_an_integer_of_more_digits_than_python_reads_is_a_422_naming_its_field(c
     assert response.status_code == 422, response.text
     [detail] = response.json()["detail"]
     assert detail["field"] == field and detail["msg"] == "Input should be a finite number"
+
+
+@pytest.mark.parametrize("path,body,field,kind", [
+    ("/api/jobs", tiny_spec(steps=True), "steps", "integer"),
+    ("/api/plans", tiny_spec(parallel={"dp": True}), "parallel.dp", "integer"),
+    ("/api/plans", tiny_spec(optimizer={"lr": False}), "optimizer.lr", "number"),
+    ("/api/jobs/x/scale", {"dp": True}, "dp", "integer"),
+    ("/api/jobs/x/faults", {"kind": "kill_worker", "rank": False}, "rank", "integer"),
+])
+def test_a_boolean_for_a_number_is_a_422_naming_the_field(client, path, body, field, kind):
+    """pydantic's lax mode read true as 1: `{"dp": true}` scaled a job to one replica."""
+    response = post(client, path, json.dumps(body).encode())
+    assert response.status_code == 422, response.text
+    assert [(d["field"], d["loc"][0]) for d in response.json()["detail"]
+            if d["msg"] == f"Input should be a valid {kind}, not a boolean"] == [(field, "body")], response.text
