@@ -8,12 +8,15 @@ torch itself: it calls the manager it is given.
 
 from __future__ import annotations
 
+import json
 import secrets
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from trainyard.api.models import (
     ClusterInfo,
@@ -38,10 +41,49 @@ MAX_LOG_TAIL = 100_000
 """Most lines per rank one logs request returns."""
 
 
+class _JsonBody(Request):
+    """A request whose body, if it cannot be read as JSON, is a JSON error like any other: FastAPI makes a 400
+    ("There was an error parsing the body") of anything json.loads raises but a JSONDecodeError: what bytes that
+    are not UTF-8 and arrays or objects nested deeper than Python's recursion limit raise (and an integer of too
+    many digits, see `_parse_int`)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = json.loads(body, parse_int=_parse_int)
+            except UnicodeDecodeError as e:
+                text = body[:e.start].decode(e.encoding, "replace")
+                raise json.JSONDecodeError(f"not {e.encoding} text ({e.reason})", text, len(text)) from None
+            except RecursionError:
+                raise json.JSONDecodeError("arrays or objects nested too deeply", "", 0) from None
+        return self._json
+
+
+def _parse_int(text: str) -> int | float:
+    """A JSON integer; one of more digits than Python converts (4300) is read as a float, which is inf, and so
+    refused as any other non-finite number is, naming its field (int() raises, a 400 naming nothing)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+class _JsonBodyRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def with_json_body(request: Request) -> Response:
+            return await handler(_JsonBody(request.scope, request.receive))
+
+        return with_json_body
+
+
 def create_app(manager: JobManager, token: str, ray_address: str | None = None,
                allow_fault_injection: bool = False) -> FastAPI:
     app = FastAPI(title="trainyard", version="0.1.0",
                   description="Submit GPT training jobs and follow them as they train on Ray.")
+    app.router.route_class = _JsonBodyRoute  # before any route is added: every body is read by _JsonBody
 
     def authorized(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
         # As bytes: compare_digest raises TypeError on a str with non-ASCII characters (a 500, not a 401).

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS
+from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, NOT_BOOL
 
 if TYPE_CHECKING:
     from trainyard.service.store import JobRecord
@@ -98,7 +98,7 @@ class ScaleRequest(BaseModel):
     """A new data-parallel size for a running job (the global batch stays; micro-batches per rank follow)."""
 
     model_config = ConfigDict(extra="forbid")
-    dp: int = Field(ge=1, le=MAX_DEGREE)
+    dp: Annotated[int, Field(ge=1, le=MAX_DEGREE), NOT_BOOL]
 
 
 class FaultDrill(BaseModel):
@@ -109,8 +109,8 @@ class FaultDrill(BaseModel):
     """kill_worker: the rank's process exits; hang_worker: the rank's step never returns;
     kill_worker_in_recovery: the rank's process is killed as the ranks take the job's state in the next
     recovery (a failure during a recovery)."""
-    rank: int = Field(ge=0, le=MAX_DEGREE)
-    at_step: int = Field(0, ge=0, le=MAX_STEPS)
+    rank: Annotated[int, Field(ge=0, le=MAX_DEGREE), NOT_BOOL]
+    at_step: Annotated[int, Field(ge=0, le=MAX_STEPS), NOT_BOOL] = 0
     """The step at which (or the first step after which) it happens."""
 
 

@@ -25,9 +25,11 @@ class SpecError(ValueError):
         self.errors = errors
 
 
-_UNION_MEMBERS = {"constrained-int", "int", "DpRange", "ParallelConfig"}
+_UNION_MEMBERS = {"constrained-int", "int", "DpRange", "ParallelConfig",
+                  "function-before[refuse_bool(), constrained-int]"}
 """The names pydantic puts into an error's location for the member of a union it tried (`parallel.dp` is a
-number or {min, max}): not fields, so left out of the dotted path."""
+number or {min, max}; the last, a bounded integer that refuses booleans, `parallel.config.NOT_BOOL`): not fields, so
+left out of the dotted path."""
 
 
 _AUTO = "literal['auto']"
@@ -48,6 +50,8 @@ def describe_error(error: dict) -> tuple[str, str]:
     loc = [str(p) for p in error["loc"] if p != "body" and p not in _UNION_MEMBERS and p != _AUTO]
     if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         return ".".join(loc), f"unknown field '{loc[-1]}'"
+    if error["type"] == "json_invalid":  # FastAPI's: the location is ("body", character offset)
+        return "body", f"cannot read the body as JSON at character {loc[-1]}: {error['ctx']['error']}"
     return ".".join(loc), error["msg"]
 
 
@@ -107,6 +111,10 @@ def load_spec_text(text: str) -> dict:
         obj = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SpecError([("", f"not valid YAML/JSON: {e}")]) from None
+    except ValueError as e:  # a scalar PyYAML cannot build: a date like 2001-02-30, an int of over 4300 digits
+        raise SpecError([("", f"not valid YAML/JSON: {e}")]) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise SpecError([("", "not valid YAML/JSON: lists or mappings nested too deeply")]) from None
     if not isinstance(obj, dict):
         raise SpecError([("", "a JobSpec must be a mapping of fields")])
     return obj

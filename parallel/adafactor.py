@@ -6,7 +6,8 @@ step for step, with HF's `scale_parameter` (True as `optimizer.kind: adafactor` 
     t += 1;  beta2_t = 1 - t^decay_rate (decay_rate -0.8);  G = grad^2 + eps1
     matrix (the last two dimensions): R <- beta2_t R + (1 - beta2_t) mean_cols(G)   (row_var, rows x 1)
                                       C <- beta2_t C + (1 - beta2_t) mean_rows(G)   (col_var, 1 x cols)
-                                      U = grad / sqrt(R C / mean(R))
+                                      U = grad / sqrt(R C / mean(R))   (R / mean(R) at least fp32's
+                                          smallest normal: where it underflows to 0, HF's class makes NaN)
     vector:                           V <- beta2_t V + (1 - beta2_t) G;  U = grad / sqrt(V)
     U /= max(1, RMS(U) / d)   (update clipping, d = 1)
     a = lr x max(eps2, RMS(p)) with scale_parameter, else lr;  p -= a wd p;  p -= a U
@@ -30,6 +31,8 @@ class step for step, with and without scale_parameter.
 from __future__ import annotations
 
 import torch
+
+_TINY = torch.finfo(torch.float32).tiny
 
 
 class Adafactor(torch.optim.Optimizer):
@@ -67,7 +70,12 @@ class Adafactor(torch.optim.Optimizer):
                     row, col = state["row_var"], state["col_var"]
                     row.mul_(beta2).add_(square.mean(dim=-1, keepdim=True), alpha=1.0 - beta2)
                     col.mul_(beta2).add_(square.mean(dim=-2, keepdim=True), alpha=1.0 - beta2)
-                    update = (row / row.mean(dim=-2, keepdim=True)).rsqrt_() * col.rsqrt() * grad
+                    # A row of zero gradients (an embedding's absent tokens) holds only eps1; beside rows of large
+                    # ones (a mean over ~1e15, without grad_clip) its ratio underflows to 0, whose rsqrt, inf, times
+                    # its zero gradient made the whole matrix NaN (HF's class too). The smallest normal float keeps
+                    # the ratio of every finite state, and the clip below bounds what it gives.
+                    ratio = (row / row.mean(dim=-2, keepdim=True)).clamp_(min=_TINY)
+                    update = ratio.rsqrt_() * col.rsqrt() * grad
                 else:
                     variance = state["variance"]
                     variance.mul_(beta2).add_(square, alpha=1.0 - beta2)

@@ -15,10 +15,34 @@ across files, the one schema a user reads would be scattered.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
+
+
+class _NotBool:
+    """The last item of a number's `Annotated`: the field refuses a boolean, which pydantic's lax mode reads as 1 or
+    0 (`steps: true` was one step, `parallel.zero: true` ZeRO-1; YAML 1.1's yes, no, on, off are booleans too). A
+    number written as a string stays a number: PyYAML reads `lr: 3e-4` and `1e3` as strings. pydantic calls the hook
+    as it builds its validator, so this module imports no pydantic (a rank imports it with torch alone). Last,
+    because bounds after it would wrap a validator function, which drops them from the JSON schema."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], Any]) -> Any:
+        from pydantic_core import PydanticCustomError, core_schema
+
+        kind, what = ("float_type", "a valid number") if source is float else ("int_type", "a valid integer")
+
+        def refuse_bool(value: object) -> object:
+            if isinstance(value, bool):
+                raise PydanticCustomError(kind, f"Input should be {what}, not a boolean")
+            return value
+
+        return core_schema.no_info_before_validator_function(refuse_bool, handler(source))
+
+
+NOT_BOOL = _NotBool()
 
 # Every number a spec carries is bounded: integers so that sums and products of them stay far inside int64
 # (the store's INTEGER and torch's index type) and every loop a plan runs stays small, floats finite (JSON
@@ -31,8 +55,8 @@ MAX_GLOBAL_BATCH = 2**24
 MAX_SEQ_LEN = 2**20
 MAX_PRIORITY = 10**6
 
-Degree = Annotated[int, Gt(0), Le(MAX_DEGREE)]
-Steps = Annotated[int, Ge(0), Le(MAX_STEPS)]
+Degree = Annotated[int, Gt(0), Le(MAX_DEGREE), NOT_BOOL]
+Steps = Annotated[int, Ge(0), Le(MAX_STEPS), NOT_BOOL]
 # an unknown field is an error, never silently ignored; inf and nan are refused like any other bad value
 _STRICT = {"extra": "forbid", "allow_inf_nan": False}
 
@@ -54,19 +78,19 @@ class RuleError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     __pydantic_config__ = _STRICT
-    experts: Annotated[int, Gt(0), Le(4096)]
+    experts: Annotated[int, Gt(0), Le(4096), NOT_BOOL]
     """Experts per MoE layer."""
-    top_k: Annotated[int, Gt(0), Le(4096)] = 2
+    top_k: Annotated[int, Gt(0), Le(4096), NOT_BOOL] = 2
     """Experts each token is routed to; their gate weights are renormalised to sum to 1."""
-    every: Annotated[int, Gt(0), Le(4096)] = 2
+    every: Annotated[int, Gt(0), Le(4096), NOT_BOOL] = 2
     """Every `every`-th block is an MoE block (blocks every-1, 2*every-1, ...; 1: all of them)."""
-    capacity_factor: Annotated[float, Gt(0), Le(1e3)] | None = None
+    capacity_factor: Annotated[float, Gt(0), Le(1e3), NOT_BOOL] | None = None
     """null: dropless (every token reaches its experts). A number caps each expert's tokens per sequence at
     ceil(capacity_factor x seq_len x top_k / experts), earlier positions first; a token over the cap skips
     that expert and keeps its residual."""
-    aux_loss_coef: Annotated[float, Ge(0), Le(1e3)] = 0.01
+    aux_loss_coef: Annotated[float, Ge(0), Le(1e3), NOT_BOOL] = 0.01
     """Weight of the Switch/GShard load-balancing loss."""
-    z_loss_coef: Annotated[float, Ge(0), Le(1e3)] = 0.001
+    z_loss_coef: Annotated[float, Ge(0), Le(1e3), NOT_BOOL] = 0.001
     """Weight of the router z-loss (ST-MoE): the squared log-sum-exp of the router logits."""
 
 
@@ -78,30 +102,30 @@ class RopeScalingConfig:
     __pydantic_config__ = _STRICT
     rope_type: Literal["llama3"] = "llama3"
     """The only scaling trainyard implements; any other type is refused."""
-    factor: Annotated[float, Ge(1), Le(1e6)] = 8.0
+    factor: Annotated[float, Ge(1), Le(1e6), NOT_BOOL] = 8.0
     """How much longer the extended context is than the original one."""
-    low_freq_factor: Annotated[float, Gt(0), Le(1e6)] = 1.0
+    low_freq_factor: Annotated[float, Gt(0), Le(1e6), NOT_BOOL] = 1.0
     """Wavelengths above original_max_position_embeddings / low_freq_factor are divided by `factor`."""
-    high_freq_factor: Annotated[float, Gt(0), Le(1e6)] = 4.0
+    high_freq_factor: Annotated[float, Gt(0), Le(1e6), NOT_BOOL] = 4.0
     """Wavelengths below original_max_position_embeddings / high_freq_factor are kept as they are."""
-    original_max_position_embeddings: Annotated[int, Gt(0), Le(MAX_SEQ_LEN)] = 8192
+    original_max_position_embeddings: Annotated[int, Gt(0), Le(MAX_SEQ_LEN), NOT_BOOL] = 8192
     """The context the frequencies were trained for before scaling."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     __pydantic_config__ = _STRICT
-    n_layer: Annotated[int, Gt(0), Le(4096)]
+    n_layer: Annotated[int, Gt(0), Le(4096), NOT_BOOL]
     """Transformer blocks."""
-    n_head: Annotated[int, Gt(0), Le(4096)]
+    n_head: Annotated[int, Gt(0), Le(4096), NOT_BOOL]
     """Attention heads per block."""
-    d_model: Annotated[int, Gt(0), Le(2**17)]
+    d_model: Annotated[int, Gt(0), Le(2**17), NOT_BOOL]
     """Hidden size."""
-    vocab_size: Annotated[int, Gt(0), Le(2**32)] = 256
+    vocab_size: Annotated[int, Gt(0), Le(2**32), NOT_BOOL] = 256
     """Token ids are in [0, vocab_size). Byte-level text needs 256; uint32 token files hold up to 2**32."""
-    seq_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN)] = 64
+    seq_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN), NOT_BOOL] = 64
     """Tokens per training sequence."""
-    context_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN)] | None = None
+    context_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN), NOT_BOOL] | None = None
     """Positions the model can attend over (position-embedding rows); null means seq_len."""
     tie_embeddings: bool = False
     """Share the token embedding with the output head (nanoGPT style)."""
@@ -110,14 +134,14 @@ class ModelConfig:
     family: Literal["gpt2", "llama"] = "gpt2"
     """The model family (`parallel.models`): gpt2 (LayerNorm, GELU, learned positions, biases) or llama
     (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases)."""
-    n_kv_head: Annotated[int, Gt(0), Le(4096)] | None = None
+    n_kv_head: Annotated[int, Gt(0), Le(4096), NOT_BOOL] | None = None
     """Key/value heads (grouped-query attention, llama); null: n_head. Must divide n_head."""
-    ffn_hidden: Annotated[int, Gt(0), Le(2**20)] | None = None
+    ffn_hidden: Annotated[int, Gt(0), Le(2**20), NOT_BOOL] | None = None
     """Hidden size of the feed-forward part (and of each expert); null: 4 x d_model for gpt2, Llama's rule
     for llama (8 x d_model / 3 rounded up to a multiple of 256)."""
-    rope_theta: Annotated[float, Gt(0), Le(1e12)] = 10000.0
+    rope_theta: Annotated[float, Gt(0), Le(1e12), NOT_BOOL] = 10000.0
     """Base of the rotary embedding's frequencies (llama)."""
-    norm_eps: Annotated[float, Gt(0), Le(1)] = 1e-5
+    norm_eps: Annotated[float, Gt(0), Le(1), NOT_BOOL] = 1e-5
     """Epsilon of every norm: gpt2's LayerNorms, llama's RMSNorms."""
     activation: Literal["gelu", "gelu_tanh"] = "gelu"
     """gpt2's MLP activation: exact GELU, or the tanh approximation (Hugging Face GPT-2's `gelu_new`). llama
@@ -143,7 +167,7 @@ class DataSource:
     __pydantic_config__ = _STRICT
     path: Annotated[str, MinLen(1), MaxLen(4096)]
     """A tokens file or a `trainyard prepare` directory."""
-    weight: Annotated[float, Gt(0), Le(1e9)] = 1.0
+    weight: Annotated[float, Gt(0), Le(1e9), NOT_BOOL] = 1.0
     """Relative share of the samples drawn from this source (weights need not sum to 1)."""
 
 
@@ -169,18 +193,18 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     __pydantic_config__ = _STRICT
-    lr: Annotated[float, Gt(0), Le(1e3)] = 1e-3
+    lr: Annotated[float, Gt(0), Le(1e3), NOT_BOOL] = 1e-3
     """Peak learning rate (AdamW)."""
-    weight_decay: Annotated[float, Ge(0), Le(1e3)] = 0.1
+    weight_decay: Annotated[float, Ge(0), Le(1e3), NOT_BOOL] = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms)."""
-    beta1: Annotated[float, Ge(0), Le(1)] = 0.9
+    beta1: Annotated[float, Ge(0), Le(1), NOT_BOOL] = 0.9
     """AdamW's first-moment decay (below 1 with adamw, adamw8bit); sgd's momentum."""
-    beta2: Annotated[float, Ge(0), Le(1)] = 0.95
+    beta2: Annotated[float, Ge(0), Le(1), NOT_BOOL] = 0.95
     """AdamW's second-moment decay (below 1 with adamw, adamw8bit)."""
     warmup_steps: Steps = 10
     """Linear warm-up from 0 to `lr`; afterwards cosine decay to `min_lr_ratio * lr` at the last step."""
-    min_lr_ratio: Annotated[float, Ge(0), Le(1)] = 0.1
-    grad_clip: Annotated[float, Ge(0), Le(1e9)] = 1.0
+    min_lr_ratio: Annotated[float, Ge(0), Le(1), NOT_BOOL] = 0.1
+    grad_clip: Annotated[float, Ge(0), Le(1e9), NOT_BOOL] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     kind: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
     """Which optimizer (`parallel.optimizers.OPTIMIZERS`): its update and the state it keeps per parameter.
@@ -209,11 +233,11 @@ class GradCompressionConfig:
     __pydantic_config__ = _STRICT
     kind: Literal["powersgd"] = "powersgd"
     """The compressor (the only one so far)."""
-    rank: Annotated[int, Gt(0), Le(4096)] = 4
+    rank: Annotated[int, Gt(0), Le(4096), NOT_BOOL] = 4
     """Rank of the approximation of each gradient matrix (a matrix of min(rows, cols) <= rank is exact)."""
     warmup_steps: Steps = 0
     """Steps reduced uncompressed first (the gradients change fastest early; torch's start_powerSGD_iter)."""
-    min_compression_rate: Annotated[float, Ge(0), Le(1e6)] = 2.0
+    min_compression_rate: Annotated[float, Ge(0), Le(1e6), NOT_BOOL] = 2.0
     """A matrix is compressed only when its elements exceed (rows + cols) x rank by this factor (torch's
     default 2); the others, and every 1-D tensor, are reduced uncompressed. 0 compresses every matrix."""
 
@@ -227,11 +251,11 @@ class SyncConfig:
     """allreduce: gradients summed every step; local_sgd: each replica steps on its own share of the batch and
     the parameters are averaged every `every` steps; diloco: the averaged change since the last sync (the
     pseudo-gradient) goes through an outer Nesterov SGD (`parallel.sync`)."""
-    every: Annotated[int, Gt(0), Le(MAX_STEPS)] = 1
+    every: Annotated[int, Gt(0), Le(MAX_STEPS), NOT_BOOL] = 1
     """local_sgd, diloco: steps between synchronisations (H)."""
-    outer_lr: Annotated[float, Gt(0), Le(1e3)] = 0.7
+    outer_lr: Annotated[float, Gt(0), Le(1e3), NOT_BOOL] = 0.7
     """diloco: the outer SGD's learning rate (DiLoCo's 0.7)."""
-    outer_momentum: Annotated[float, Ge(0), Lt(1)] = 0.9
+    outer_momentum: Annotated[float, Ge(0), Lt(1), NOT_BOOL] = 0.9
     """diloco: the outer SGD's Nesterov momentum (0: plain SGD)."""
 
 
@@ -251,13 +275,13 @@ class ParallelConfig:
     """Virtual pipeline chunks per pipeline rank (interleaved-1f1b; zbv needs 2)."""
     sp: bool = False
     """Sequence parallelism (with tp)."""
-    microbatches: Annotated[int, Gt(0), Le(MAX_GLOBAL_BATCH)] = 1
+    microbatches: Annotated[int, Gt(0), Le(MAX_GLOBAL_BATCH), NOT_BOOL] = 1
     """Micro-batches per step on each data-parallel rank (gradient accumulation, pipeline depth)."""
     schedule: ScheduleKind = "1f1b"
     """Pipeline schedule."""
-    stage_layers: Annotated[list[Annotated[int, Gt(0), Le(4096)]], MinLen(1), MaxLen(4096)] | None = None
+    stage_layers: Annotated[list[Annotated[int, Gt(0), Le(4096), NOT_BOOL]], MinLen(1), MaxLen(4096)] | None = None
     """Blocks per virtual stage, in order (pp * vpp entries summing to n_layer); null splits evenly."""
-    zero: Literal[0, 1, 2, 3] = 0
+    zero: Annotated[Literal[0, 1, 2, 3], NOT_BOOL] = 0
     """1: ZeRO-1, each data-parallel rank keeps the optimizer state of its shard of the parameters only
     (gradients reduce-scattered, parameters all-gathered after the step); 2: ZeRO-2, the reduced gradients
     too; 3: ZeRO-3, the parameters too, gathered per pipeline chunk around its forward and backward."""
@@ -278,7 +302,7 @@ class CheckpointConfig:
                            "validate_by_alias": True, "serialize_by_alias": True}
     every: Steps = 0
     """Save every N steps (0: only the final state, when the job ends)."""
-    keep: Annotated[int, Gt(0), Le(1000)] = 3
+    keep: Annotated[int, Gt(0), Le(1000), NOT_BOOL] = 3
     """Checkpoints kept, the newest."""
     path: Annotated[str, MaxLen(4096)] | None = None
     """Directory holding a folder per job; null: `checkpoints/` in the service's state directory."""
@@ -309,26 +333,26 @@ class EvalConfig:
     __pydantic_config__ = _STRICT
     every: Steps = 0
     """Compute val_loss every N steps and at the last; 0: never."""
-    batches: Annotated[int, Gt(0), Le(10_000)] = 4
+    batches: Annotated[int, Gt(0), Le(10_000), NOT_BOOL] = 4
     """Batches of global_batch validation sequences per evaluation."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultConfig:
     __pydantic_config__ = _STRICT
-    max_failures: Annotated[int, Ge(0), Le(1000)] = 3
+    max_failures: Annotated[int, Ge(0), Le(1000), NOT_BOOL] = 3
     """Failures (a rank that raises, dies or hangs) the job recovers from, each from a live replica's state or
     its latest checkpoint; the next one fails the job. 0: the first failure fails the job (a deterministic
     error is then not retried)."""
-    step_timeout_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 300.0
+    step_timeout_s: Annotated[float, Gt(0), Le(7 * 24 * 3600), NOT_BOOL] = 300.0
     """A step that takes longer has hung, whatever its history (a hung collective never hangs the service)."""
-    hang_factor: Annotated[float, Gt(1), Le(1e4)] = 10.0
+    hang_factor: Annotated[float, Gt(1), Le(1e4), NOT_BOOL] = 10.0
     """After a few steps, a step longer than hang_factor x the median of the recent ones has hung..."""
-    hang_floor_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 5.0
+    hang_floor_s: Annotated[float, Gt(0), Le(7 * 24 * 3600), NOT_BOOL] = 5.0
     """...and longer than this: short steps vary too much for a ratio alone."""
-    node_grace_s: Annotated[float, Ge(0), Le(7 * 24 * 3600)] = 30.0
+    node_grace_s: Annotated[float, Ge(0), Le(7 * 24 * 3600), NOT_BOOL] = 30.0
     """Elastic jobs: how long the resources of a lost node may take to come back before the job shrinks."""
-    grow_interval_s: Annotated[float, Gt(0), Le(7 * 24 * 3600)] = 10.0
+    grow_interval_s: Annotated[float, Gt(0), Le(7 * 24 * 3600), NOT_BOOL] = 10.0
     """Elastic jobs below their max: how often to look for free resources to grow into."""
     from_replica: bool = True
     """Recover from a live data-parallel replica when every (pp, tp) shard still has one holding the state of
@@ -338,22 +362,22 @@ class FaultConfig:
 @dataclass(frozen=True, kw_only=True)
 class ResourcesConfig:
     __pydantic_config__ = _STRICT
-    gpus_per_worker: Literal["auto"] | Annotated[int, Ge(0), Le(64)] = "auto"
+    gpus_per_worker: Literal["auto"] | Annotated[int, Ge(0), Le(64), NOT_BOOL] = "auto"
     """auto: 1 if the cluster has GPUs, else 0."""
-    cpus_per_worker: Annotated[float, Ge(0.0001), Le(4096)] = 1.0  # Ray counts resources in 0.0001 units
+    cpus_per_worker: Annotated[float, Ge(0.0001), Le(4096), NOT_BOOL] = 1.0  # Ray counts resources in 0.0001 units
     """Logical CPUs each rank reserves (also its torch thread count, at least 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class SimCostsConfig:
     __pydantic_config__ = _STRICT
-    forward: Annotated[float, Ge(0), Le(1e6)] = 1.0
+    forward: Annotated[float, Ge(0), Le(1e6), NOT_BOOL] = 1.0
     """Simulated time of one forward of one chunk."""
-    backward: Annotated[float, Ge(0), Le(1e6)] = 2.0
+    backward: Annotated[float, Ge(0), Le(1e6), NOT_BOOL] = 2.0
     """Simulated time of one backward of one chunk."""
-    comm: Annotated[float, Ge(0), Le(1e6)] = 0.0
+    comm: Annotated[float, Ge(0), Le(1e6), NOT_BOOL] = 0.0
     """Simulated time of one communication run (a batch of point-to-point messages sent together)."""
-    backward_weight: Annotated[float, Ge(0), Le(1e6)] | None = None
+    backward_weight: Annotated[float, Ge(0), Le(1e6), NOT_BOOL] | None = None
     """Of `backward`, the time of the weight-gradient part (a zero-bubble schedule's W; null: half of it); the
     input-gradient part (I) takes the rest, so it must not exceed `backward`."""
 
@@ -365,7 +389,7 @@ class PlannerNote:
     __pydantic_config__ = _STRICT
     chosen_automatically: bool = True
     """The layout in `parallel` was chosen by the planner (`parallel.planner`), not written by hand."""
-    predicted_step_s: Annotated[float, Ge(0), Le(1e9)] | None = None
+    predicted_step_s: Annotated[float, Ge(0), Le(1e9), NOT_BOOL] | None = None
     """The step time the planner's cost model predicted; the job's metrics rows carry it beside the measured."""
     node_type: Annotated[str, MaxLen(256)] | None = None
     """The node type whose calibration the prediction used."""
@@ -377,17 +401,17 @@ class JobConfig:
 
     __pydantic_config__ = _STRICT
     model: ModelConfig
-    steps: Annotated[int, Gt(0), Le(MAX_STEPS)]
+    steps: Annotated[int, Gt(0), Le(MAX_STEPS), NOT_BOOL]
     """Optimizer steps to run."""
     name: Annotated[str, MinLen(1), MaxLen(128)] = "job"
-    seed: Annotated[int, Ge(0), Le(2**63 - 1)] = 0
+    seed: Annotated[int, Ge(0), Le(2**63 - 1), NOT_BOOL] = 0
     """Seeds parameter init and the data order; results depend on it, never on the layout."""
-    priority: Annotated[int, Ge(-MAX_PRIORITY), Le(MAX_PRIORITY)] = 0
+    priority: Annotated[int, Ge(-MAX_PRIORITY), Le(MAX_PRIORITY), NOT_BOOL] = 0
     """Queue order: a waiting job with a higher priority is admitted first; equal priorities go in
     submission order."""
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    global_batch: Annotated[int, Gt(0), Le(MAX_GLOBAL_BATCH)] = 8
+    global_batch: Annotated[int, Gt(0), Le(MAX_GLOBAL_BATCH), NOT_BOOL] = 8
     """Sequences per optimizer step, fixed across layouts."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16: matmuls under bf16 autocast; parameters, gradients and optimizer state stay fp32."""

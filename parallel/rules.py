@@ -178,7 +178,8 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
                                                              "average their parameters every parallel.sync.every "
                                                              "steps instead): leave one of the two out"))
     every = config.checkpoint.every
-    if every and every % sync.every:
+    # Only the saves before the last step count: the job's final checkpoint follows the last step's sync.
+    if every and every < config.steps and every % sync.every:
         errors.append(PlanError("checkpoint.every", f"checkpoint.every={every} is not a multiple of "
                                                     f"parallel.sync.every={sync.every}: a checkpoint holds one model, "
                                                     "which the replicas share only right after a synchronisation"))

@@ -18,6 +18,9 @@ UNREACHABLE = ["--url", "http://127.0.0.1:9", "--token", "t"]
     (b"steps: [1\n", "not valid YAML/JSON"),
     (b"\xff\xfe", "is not UTF-8 text"),
     (b"- 1\n", "a JobSpec must be a mapping of fields"),
+    (b"steps: " + b"1" * 5000 + b"\n", "Exceeds the limit (4300 digits)"),  # each of these three was a traceback
+    (b"name: 2001-02-30\n", "day is out of range for month"),
+    (b"name: " + b"[" * 100_000 + b"\n", "nested too deeply"),
 ])
 def test_an_unusable_spec_file_is_one_error_line(tmp_path, capsys, command, content, text):
     path = tmp_path / "spec.yaml"

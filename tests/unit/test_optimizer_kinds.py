@@ -118,6 +118,30 @@ def test_adafactor_steps_as_transformers_adafactor_does(scale_parameter):
     torch.testing.assert_close(opt.state[ours[0]]["col_var"].view(-1), ref.state[theirs[0]]["exp_avg_sq_col"])
 
 
+def test_adafactor_keeps_rows_of_zero_gradients_beside_large_ones_finite():
+    """An embedding's rows of absent tokens have zero gradients. Beside a row of large ones (grad_clip 0 and a loss
+    spike: a norm of ~1e10 here, finite, so no DivergedError) their ratio to the mean row underflowed to 0 in fp32,
+    and its rsqrt, inf, times their zero gradient made the whole matrix NaN at once. The steps now equal HF's
+    Adafactor run in float64, where nothing underflows."""
+    from transformers.optimization import Adafactor as HFAdafactor
+
+    ours = _param((16, 64))
+    theirs = torch.nn.Parameter(ours.detach().double().clone())
+    opt = OPTIMIZERS["adafactor"].build([{"params": [ours], "weight_decay": 0.1}], OptimizerConfig(kind="adafactor"))
+    ref = HFAdafactor([theirs], lr=0.1, scale_parameter=True, relative_step=False, warmup_init=False, beta1=None,
+                      weight_decay=0.1)
+    gen = torch.Generator().manual_seed(7)
+    for token in (3, 3, 9):
+        grad = torch.zeros(16, 64)
+        grad[token] = 1e9 * torch.randn(64, generator=gen)
+        ours.grad, theirs.grad = grad, grad.double()
+        opt.param_groups[0]["lr"] = 0.1
+        opt.step()
+        ref.step()
+        assert torch.isfinite(ours).all() and all(torch.isfinite(t).all() for t in opt.state[ours].values())
+        torch.testing.assert_close(ours.double(), theirs.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_factored_state_round_trips_and_refactors_exactly():
     p = _param((16, 24))
     opt = _stepped("adafactor", p)

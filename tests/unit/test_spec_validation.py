@@ -2,7 +2,7 @@
 
 import pytest
 from helpers import REPO, tiny_spec
-from trainyard.api.spec import SpecError, load_spec_text, parse_spec, parse_submitted_spec
+from trainyard.api.spec import SPEC_ADAPTER, SpecError, load_spec_text, parse_spec, parse_submitted_spec
 from trainyard.parallel.data import DatasetError, open_dataset
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 
@@ -66,6 +66,62 @@ def test_a_name_with_control_characters_is_refused(name):
 def test_wrong_type_is_named():
     errors = spec_error(tiny_spec(steps="many"))
     assert errors[0][0] == "steps" and "integer" in errors[0][1]
+
+
+def number_fields(schema: dict, defs: dict, path: tuple = ()) -> set[tuple]:
+    """The path of every field of the JobSpec's JSON schema that takes a number (a list's item as index 0)."""
+    found = {path} if schema.get("type") in ("integer", "number") else set()
+    if "$ref" in schema:
+        found |= number_fields(defs[schema["$ref"].rpartition("/")[2]], defs, path)
+    for option in schema.get("anyOf", []):
+        found |= number_fields(option, defs, path)
+    for name, field in schema.get("properties", {}).items():
+        found |= number_fields(field, defs, (*path, name))
+    if "items" in schema:
+        found |= number_fields(schema["items"], defs, (*path, 0))
+    return found
+
+
+def with_value_at(spec: dict, path: tuple, value: object) -> dict:
+    """`spec` with `value` at `path`, the sections on the way made (a list of one for an index)."""
+    node = spec
+    for key, child in zip(path, path[1:], strict=False):
+        if isinstance(node, dict) and not isinstance(node.get(key), dict | list):
+            node[key] = [{}] if isinstance(child, int) else {}
+        node = node[key]
+    node[path[-1]] = value
+    return spec
+
+
+SCHEMA = SPEC_ADAPTER.json_schema()
+NUMBER_FIELDS = sorted(number_fields(SCHEMA, SCHEMA["$defs"]), key=str)
+
+
+def test_the_walk_finds_the_number_fields_of_every_section():
+    assert {("steps",), ("optimizer", "lr"), ("parallel", "dp"), ("parallel", "dp", "min"), ("parallel", "zero"),
+            ("parallel", "stage_layers", 0), ("data", "sources", 0, "weight"), ("resources", "gpus_per_worker"),
+            ("model", "moe", "capacity_factor"), ("sim_costs", "backward_weight")} <= set(NUMBER_FIELDS)
+    assert len(NUMBER_FIELDS) > 50
+
+
+@pytest.mark.parametrize("path", NUMBER_FIELDS, ids=lambda p: ".".join(map(str, p)))
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_for_a_number_is_refused_naming_the_field(path, value):
+    """pydantic's lax mode read true as 1 and false as 0 (`steps: true` was one step, `parallel.zero: true` ZeRO-1,
+    YAML's `yes` and `off` too)."""
+    errors = spec_error(with_value_at(tiny_spec(), path, value))
+    field = ".".join(map(str, path))
+    assert any(f == field and m.endswith(", not a boolean") for f, m in errors), errors
+
+
+def test_a_number_written_as_a_string_is_still_read():
+    """PyYAML reads YAML 1.1, where `3e-4` and `1.0e3` (no dot, or no exponent sign) are strings: a spec file's
+    `lr: 3e-4` reaches the API as the string "3e-4"."""
+    spec = load_spec_text("model: {n_layer: 1, n_head: 1, d_model: 8}\nsteps: 10\n"
+                          "optimizer: {lr: 3e-4, grad_clip: 1.0e3}")
+    assert spec["optimizer"] == {"lr": "3e-4", "grad_clip": "1.0e3"}
+    config = parse_spec({**spec, "steps": "10"})
+    assert (config.steps, config.optimizer.lr, config.optimizer.grad_clip) == (10, 3e-4, 1000.0)
 
 
 @pytest.mark.parametrize("field,spec", [

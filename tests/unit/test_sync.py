@@ -49,7 +49,7 @@ def test_the_plan_shows_the_bytes_per_step_of_each_stage():
     ({"parallel": {"dp": 2, "zero": 1, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync", "zero"),
     ({"model": {"n_layer": 2, "moe": {"experts": 2, "top_k": 1, "every": 2}},
       "parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4}}}, "parallel.sync", "model.moe"),
-    ({"parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4}}, "checkpoint": {"every": 6}},
+    ({"parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4}}, "checkpoint": {"every": 6}, "steps": 8},
      "checkpoint.every", "multiple of parallel.sync.every=4"),
     ({"parallel": {"dp": {"min": 1, "max": 2}, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync",
      "elastic"),
@@ -60,6 +60,17 @@ def test_combinations_that_do_not_compose_are_refused_naming_the_field(overrides
     with pytest.raises(PlanError) as info:
         make_plan(parse_spec(tiny_spec(**overrides)))
     assert info.value.field == field and words in str(info.value)
+
+
+@pytest.mark.parametrize("every", [8, 10, 10**9])
+def test_a_checkpoint_interval_of_the_steps_or_more_need_not_divide_by_the_sync_interval(every):
+    """Such a job saves only its final checkpoint, after the last step's sync (it was refused as a checkpoint
+    between syncs); one interval shorter than the job still is."""
+    sync = {"dp": 2, "sync": {"kind": "diloco", "every": 3}}
+    plan = make_plan(parse_spec(tiny_spec(steps=8, checkpoint={"every": every}, parallel=sync)))
+    assert plan.config.checkpoint.every == every
+    with pytest.raises(PlanError, match="checkpoint.every=7 is not a multiple of parallel.sync.every=3"):
+        make_plan(parse_spec(tiny_spec(steps=8, checkpoint={"every": 7}, parallel=sync)))
 
 
 def test_a_checkpoint_says_whether_it_holds_the_outer_momentum(tmp_path):
