@@ -28,13 +28,14 @@ link, the first step's warm-up. Pure arithmetic: no torch."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from trainyard.parallel.config import JobConfig
+from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.layout import Layout
-from trainyard.parallel.memory import param_counts
+from trainyard.parallel.memory import ParamCounts, param_counts
 from trainyard.parallel.sharding import Sharding, sharding_for
 from trainyard.parallel.sizing import Sizing
 
@@ -266,10 +267,10 @@ def option_value(config: JobConfig, path: str) -> object:
 def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node_gpus: int = 0) -> StepCosts:
     """The layout's per-chunk and per-step costs on this machine (`node_gpus`: devices per node, for whether
     a group spans nodes; 0: one node)."""
-    m, par, fam = config.model, config.parallel, _family(config)
+    m, par = config.model, config.parallel
     tokens = layout.micro_batch_size * m.seq_len
     act_bytes = 2 if config.precision == "bf16" else 4
-    fpt_fwd = fam.flops_per_token(m) / 3
+    fpt_fwd = _flops_per_token(m) / 3
     head_fwd = 2 * m.vocab_size * m.d_model
     block_fwd = max(fpt_fwd - head_fwd, 0.0) / m.n_layer
     n_stages = layout.n_virtual_stages
@@ -299,9 +300,8 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     comm = share * machine.p2p.time(message) * (1 if layout.dp * layout.tp * layout.pp <= within else 1 / machine
                                         .inter_node_factor) if layout.pp > 1 else 0.0
 
-    sizing = Sizing(layout, config)
-    stages = dict.fromkeys((0, layout.pp // 2, layout.pp - 1))  # the embedding's, a middle one, the head's
-    counts = max((param_counts(sizing, p) for p in stages), key=lambda c: c.total)
+    counts = _largest_stage_counts(m, layout.stage_layers, layout.pp, layout.vpp, layout.tp, layout.ep,
+                                   layout.placement, layout.dp)
     grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
     sharding = sharding_for(par.zero)
     spans = layout.dp * layout.tp > within
@@ -350,10 +350,26 @@ def fixed_costs(machine: MachineCosts, blocks: int, tp: int, sp: bool, pp: int =
     return (1 - machine.backward_share) * total, machine.backward_share * total
 
 
-def _family(config: JobConfig):
+@functools.lru_cache(maxsize=4096)
+def _largest_stage_counts(model: ModelConfig, stage_layers: tuple, pp: int, vpp: int, tp: int, ep: int, placement: str,
+                          dp: int) -> ParamCounts:
+    """The local parameter counts of the largest of the embedding's, a middle and the head's pipeline stage (cached:
+    the planner asks for every variant of the same degrees)."""
+    layout = Layout(dp=dp, pp=pp, tp=tp, ep=ep, vpp=vpp, stage_layers=stage_layers, placement=placement)
+    sizing = Sizing(layout, JobConfig(model=model, steps=1, global_batch=dp))
+    stages = dict.fromkeys((0, pp // 2, pp - 1))
+    return max((param_counts(sizing, p) for p in stages), key=lambda c: c.total)
+
+
+@functools.lru_cache(maxsize=1024)
+def _flops_per_token(model: ModelConfig) -> float:
+    return _family_of(model).flops_per_token(model)
+
+
+def _family_of(model: ModelConfig):
     from trainyard.parallel.models import family_of
 
-    return family_of(config.model)
+    return family_of(model)
 
 
 def ratio_key(value: float) -> float:

@@ -8,13 +8,17 @@ the config's Literal, and any offload switch the config has), so a new registry 
 no change here. Options that change the training's numbers (the optimizer kind, gradient compression, the
 reduce dtype, local SGD) stay as the user wrote them.
 
-Branch and bound: each (degrees, micro-batches, schedule, vpp) gets a cheap lower bound on its step time
-(FLOPs / throughput and the measured fixed costs, slowed by the ranks sharing a node, plus the pipeline's
-fill); they are taken in bound order, and only then are the rules
-(`parallel.rules.violations`), the memory plan (`parallel.memory.estimate`, with `margin` kept free) and
-the schedule simulator (cached per schedule, pp, vpp, micro-batches and cost ratios) asked, until the next
-bound cannot beat the `top`-th best time found. The predicted step time is the simulated makespan with the
-cost model's per-chunk costs (`parallel.cost_model`) plus the terms outside the pipeline. Pure: no torch.
+Best first: each (degrees, micro-batches, schedule, vpp) gets a cheap lower bound on its step time (FLOPs /
+throughput and the measured fixed costs, slowed by the ranks sharing a node, plus the pipeline's fill and the
+cheapest sharding level's optimizer step and gathers). They are taken from one queue in bound order; a base
+taken puts its variants (the searched options) in the queue by the lower bound of their costs (the rules,
+`parallel.rules.violations`, and `parallel.cost_model.step_costs`, no memory plan, no simulation), a variant
+with a saver on (recompute, offload: they only add time) at first by its saver-free sibling's bound. Only a
+variant taken from the queue is sized (`parallel.memory`, with `margin` kept free) and simulated (cached per
+schedule, pp, vpp, micro-batches and cost ratios; the planner's own schedules, checked by their tests, are not
+checked again), until nothing left can beat the `top`-th best time found. The predicted step time is the
+simulated makespan with the cost model's per-chunk costs (`parallel.cost_model`) plus the terms outside the
+pipeline. Pure: no torch.
 
 Left out of the search, by hand: uneven stages (pp and pp x vpp must
 divide n_layer), pipelines with fewer micro-batches than stages, more than MAX_VPP chunks per rank or
@@ -50,7 +54,7 @@ from trainyard.parallel.memory import rank_memory
 from trainyard.parallel.models import family_of
 from trainyard.parallel.optimizers import OPTIMIZERS, optimizer_kind
 from trainyard.parallel.rules import PlanError, violations
-from trainyard.parallel.schedule_sim import Costs, simulate
+from trainyard.parallel.schedule_sim import CheckedSchedule, Costs, check
 from trainyard.parallel.schedules import SCHEDULES, build_schedule
 from trainyard.parallel.sharding import SHARDINGS
 from trainyard.parallel.sizing import Sizing
@@ -164,11 +168,15 @@ def _placement(kind: str) -> dict:
     return {"placement": placement} if placement != "interleaved" else {}
 
 
+@functools.lru_cache(maxsize=1024)
+def _checked(kind: str, pp: int, vpp: int, m: int) -> CheckedSchedule:
+    return check([list(a) for a in _schedule(kind, pp, m, vpp)], m, vpp, **_placement(kind), verify=False)
+
+
 @functools.lru_cache(maxsize=65536)
 def _simulated(kind: str, pp: int, vpp: int, m: int, backward: float, comm: float) -> tuple[float, float]:
     """(makespan in forwards, bubble fraction) of a schedule with forward 1 and these cost ratios."""
-    result = simulate([list(a) for a in _schedule(kind, pp, m, vpp)], m, vpp, Costs(1.0, backward, comm),
-                      **_placement(kind))
+    result = _checked(kind, pp, vpp, m).run(Costs(1.0, backward, comm), timeline=False)
     return result.makespan, result.bubble_fraction
 
 
@@ -243,13 +251,17 @@ class _Search:
     def _schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
         n_layer = self.config.model.n_layer
         vpps = range(1, MAX_VPP + 1) if pp > 1 else (1,)  # one rank: virtual chunks only add hand-overs
-        return [(kind, vpp) for kind, s in SCHEDULES.items() for vpp in vpps
-                if n_layer % (pp * vpp) == 0 and pp * vpp * m <= MAX_SEARCH_CHUNKS and s.refuse(pp, m, vpp) is None]
+        kinds = [(kind, vpp) for kind, s in SCHEDULES.items() for vpp in vpps
+                 if n_layer % (pp * vpp) == 0 and pp * vpp * m <= MAX_SEARCH_CHUNKS and s.refuse(pp, m, vpp) is None]
+        if pp == 1:  # one pipeline rank runs every kind alike: the spec's own, else the first that takes it
+            kinds = [k for k in kinds if k[0] == self.config.parallel.schedule] or kinds[:1]
+        return kinds
 
     def _bound(self, fpt: float, tokens: int, dp: int, pp: int, tp: int, m: int, vpp: int) -> float:
         """About a lower bound of the step time: the rank's share of the FLOPs (3 x forward) and of the kernels'
-        latencies, the pipeline's fill of pp - 1 chunk forwards before the last stage starts, and the gradient
-        all-reduce of the rank's share of the parameters beyond what one micro-batch's backward hides."""
+        latencies, the pipeline's fill of pp - 1 chunk forwards before the last stage starts, the gradient
+        all-reduce of the rank's share of the parameters beyond what one micro-batch's backward hides, and the
+        cheapest sharding level's optimizer step with its parameter all-gathers."""
         n_layer, world = self.config.model.n_layer, dp * pp * tp
         slow = self.machine.slowdown(min(world, self.node_ranks or world))
         flops = fpt * tokens / world
@@ -260,12 +272,24 @@ class _Search:
         mb_tokens = tokens // (dp * m)
         act = mb_tokens * self.config.model.d_model * (2 if self.config.precision == "bf16" else 4)
         tp_comm = 4 * n_layer * m * self.machine.collective("allreduce", act, tp) / pp
-        shards = [SHARDINGS[z].optimizer_elements(int(self.params / (pp * tp)), dp)
-                  for z in self.values.get("parallel.zero", (self.config.parallel.zero,))]
-        optimizer = slow * (self.machine.optimizer.time(min(shards)) + self.machine.step_s)
+        local = int(self.params / (pp * tp))
+        levels = self.values.get("parallel.zero", (self.config.parallel.zero,))
+
+        def step_end(zero: int) -> float:  # the optimizer's step on a level's shard, and its parameter gathers
+            sharding = SHARDINGS[zero]
+            gathers = sharding.gathers_per_step(m) * self.machine.collective(
+                "allgather", 4 * local, dp, spans_nodes=dp * tp > self.node_ranks)
+            return slow * self.machine.optimizer.time(sharding.optimizer_elements(local, dp)) + gathers
+
+        optimizer = slow * self.machine.step_s + min(step_end(z) for z in (levels if dp > 1 else levels[:1]))
         hidden = 0.8 * (compute + tp_comm) / m  # one micro-batch's backward, with some room for uneven stages
         dp_fixed = slow * self.machine.dp_step_s if dp > 1 else 0.0
         return (compute + tp_comm) * (1 + (pp - 1) / (3 * m * vpp)) + max(reduce - hidden, 0.0) + dp_fixed + optimizer
+
+    def saver_free(self, config: JobConfig) -> bool:
+        """Whether every searched option but the sharding level is at its first value (off: no recompute, no
+        offload), which the others only add time to."""
+        return all(option_value(config, path) == self.values[path][0] for path in self.paths if path != "parallel.zero")
 
     def variants(self, base: _Base) -> list[JobConfig]:
         par = replace(self.config.parallel, dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,
@@ -278,8 +302,10 @@ class _Search:
             if path == "parallel.zero" and base.dp == 1:
                 vals = vals[:1]  # no data-parallel group to shard over: every level is level 0
             values.append(vals)
-        return [functools.reduce(lambda cfg, pv: _with(cfg, *pv), zip(paths, combo, strict=True), config)
-                for combo in itertools.product(*values)]
+        out = [config]  # every combination, in itertools.product's order, each prefix built once
+        for path, vals in zip(paths, values, strict=True):
+            out = [_with(cfg, path, v) for cfg in out for v in vals]
+        return out
 
     def layout(self, config: JobConfig, with_schedule: bool = True) -> Layout:
         par, moe = config.parallel, config.model.moe
@@ -301,14 +327,17 @@ class _Search:
                   if n.memory > 0 and (held := min(gang.count, gang.placeable([{"CPU": n.cpus, "GPU": n.gpus}])))]
         return max(shares, default=0.0)
 
-    def evaluate(self, config: JobConfig, cutoff: float = math.inf) -> Candidate | None:
-        """The layout's prediction; None when it breaks a rule, does not fit, or cannot beat `cutoff` (checked
-        with the pipeline's fill before the simulator runs)."""
+    def costs(self, config: JobConfig) -> StepCosts | None:
+        """The layout's per-chunk and per-step costs; None when it breaks a rule."""
         if violations(config):
             return None
         self.evaluated += 1
-        costs = step_costs(self.layout(config, with_schedule=False), config, self.machine, node_gpus=self.node_ranks)
-        if lower_bound(config.parallel, costs) >= cutoff:
+        return step_costs(self.layout(config, with_schedule=False), config, self.machine, node_gpus=self.node_ranks)
+
+    def evaluate(self, config: JobConfig, costs: StepCosts | None = None) -> Candidate | None:
+        """The layout's prediction; None when it breaks a rule or does not fit."""
+        costs = costs or self.costs(config)
+        if costs is None:
             return None
         layout = self.layout(config)
         have = self.rank_capacity(layout) * (1 - self.margin)
@@ -366,18 +395,39 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
     search = _Search(config, cluster, machine, margin)
     bases = search.bases()
     enumerated = len(bases)
-    heapq.heapify(bases)
+    # Best first over one queue of bases (keyed by their cheap bound) and of their variants (by the lower bound
+    # of their costs, which needs no memory plan and no simulation): a variant is sized and simulated only when
+    # nothing in the queue can come before it, and the search ends when nothing left can beat the top-th found.
+    queue: list[tuple[float, int, _Base, tuple[JobConfig, StepCosts | None] | None]] = [
+        (b.bound, i, b, None) for i, b in enumerate(bases)]
+    heapq.heapify(queue)
+    pushed = len(queue)
     found: list[Candidate] = []
-    while bases:
-        base = heapq.heappop(bases)
-        cutoff = found[2 * top - 1].step_s if len(found) >= 2 * top else math.inf  # room for duplicates
-        if base.bound >= cutoff:
+    cutoff = math.inf
+    while queue:
+        key, _, base, variant = heapq.heappop(queue)
+        if key >= cutoff:
             break
-        for variant in search.variants(base):
-            cand = search.evaluate(variant, cutoff)
-            if cand is not None:
-                found.append(cand)
-        found = sorted(found, key=lambda c: (c.step_s, c.memory_bytes))[: 8 * top]
+        if variant is None or variant[1] is None:
+            # a base: its variants with no saver on get their costs, the others wait keyed by their sibling's
+            # bound (a saver only adds time: recompute, offload copies); a waiting variant: its own costs
+            waiting = [variant[0]] if variant else search.variants(base)
+            floor = {}
+            for config_ in sorted(waiting, key=lambda c: not search.saver_free(c)):
+                if variant is None and not search.saver_free(config_):
+                    bound, costs = floor.get(config_.parallel.zero, key), None
+                elif (costs := search.costs(config_)) is None:
+                    continue
+                else:
+                    bound = floor[config_.parallel.zero] = lower_bound(config_.parallel, costs)
+                if bound < cutoff:
+                    heapq.heappush(queue, (bound, pushed, base, (config_, costs)))
+                    pushed += 1
+            continue
+        cand = search.evaluate(*variant)
+        if cand is not None:
+            found = sorted([*found, cand], key=lambda c: (c.step_s, c.memory_bytes))[: 8 * top]
+            cutoff = found[top - 1].step_s if len(found) >= top else math.inf  # what a layout must beat to be shown
     if not found:
         raise no_fit_error(config, cluster, search)
     found = _distinct(found)

@@ -73,11 +73,46 @@ def simulate(stages: list[list[Action]], microbatches: int, vpp: int = 1,
              costs: Costs = Costs(), placement: str = "interleaved") -> SimResult:
     """Check the per-rank lists (index = pp rank) and time them; ScheduleError on the first fault. `placement`
     is how virtual stages sit on the ranks (`parallel.schedules.virtual_stage`; `placement_of(kind)`)."""
+    return check(stages, microbatches, vpp, placement).run(costs)
+
+
+@dataclass(frozen=True)
+class CheckedSchedule:
+    """A schedule that passed the static checks, its messages paired and its steps laid out: timed under any
+    costs by `run`."""
+
+    stages: list[list[Action]]
+    partners: dict[tuple[int, int], tuple[int, int]]
+    peaks: list[int]
+    steps: list[list[tuple[int, int]]]
+    """Per rank, its steps' (first, last + 1) positions: one compute, or a maximal run of communications."""
+    waits: list[list[list[tuple[int, int]] | None]]
+    """Per rank and step: None (a compute), or the (peer rank, peer step) each of its messages is matched at."""
+
+    def run(self, costs: Costs = Costs(), timeline: bool = True) -> SimResult:
+        """The schedule timed under `costs`; `timeline=False`: the makespan and bubble only (no Gantt rows)."""
+        return _execute(self, costs, timeline)
+
+
+def check(stages: list[list[Action]], microbatches: int, vpp: int = 1,
+          placement: str = "interleaved", verify: bool = True) -> CheckedSchedule:
+    """The static checks of `simulate` (steps 1 and 2), once for a schedule timed under many costs.
+    `verify=False` pairs the messages and lays out the steps only, for a schedule `parallel.schedules` built
+    (whose every kind its tests check): no peaks of live activations, and a faulty list may then time wrong."""
     if not stages:
         raise ScheduleError("a schedule needs at least one pipeline rank")
-    peaks = [_check_rank(stages, rank, microbatches, vpp, placement) for rank in range(len(stages))]
-    partners = _match_channels(stages, placement)
-    return _execute(stages, partners, peaks, costs)
+    peaks = [_check_rank(stages, rank, microbatches, vpp, placement) for rank in range(len(stages))] if verify else []
+    partners = _match_channels(stages, placement, verify)
+    steps = [_steps(actions) for actions in stages]
+    step_of = [{pos: s for s, (lo, hi) in enumerate(rank_steps) for pos in range(lo, hi)} for rank_steps in steps]
+
+    def matched(rank: int, lo: int, hi: int) -> list[tuple[int, int]] | None:
+        if stages[rank][lo].kind not in COMM_KINDS:
+            return None
+        return [(peer, step_of[peer][peer_pos]) for peer, peer_pos in (partners[(rank, pos)] for pos in range(lo, hi))]
+
+    waits = [[matched(rank, lo, hi) for lo, hi in steps[rank]] for rank in range(len(stages))]
+    return CheckedSchedule(stages, partners, peaks, steps, waits)
 
 
 def _check_rank(stages: list[list[Action]], rank: int, m: int, vpp: int, placement: str) -> int:
@@ -171,7 +206,8 @@ def _payload(a: Action, rank: int, pp: int, placement: str) -> tuple[str, int, i
     return ("act" if a.kind is ActionKind.RECV_ACT else "grad"), a.microbatch, v
 
 
-def _match_channels(stages: list[list[Action]], placement: str) -> dict[tuple[int, int], tuple[int, int]]:
+def _match_channels(stages: list[list[Action]], placement: str,
+                    verify: bool = True) -> dict[tuple[int, int], tuple[int, int]]:
     """Pair the k-th send with the k-th receive of each channel; (rank, position) -> the partner's."""
     pp = len(stages)
     sends: dict[tuple[int, int], list[int]] = {}
@@ -187,7 +223,7 @@ def _match_channels(stages: list[list[Action]], placement: str) -> dict[tuple[in
         sent, received = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, (i, j) in enumerate(zip(sent, received, strict=False)):
             send, recv = stages[src][i], stages[dst][j]
-            if _payload(send, src, pp, placement) != _payload(recv, dst, pp, placement):
+            if verify and _payload(send, src, pp, placement) != _payload(recv, dst, pp, placement):
                 raise ScheduleError(f"FIFO mismatch on channel {src}->{dst}: message #{k} is sent as {send} "
                                     f"(rank {src}, position {i}) but received as {recv} "
                                     f"(rank {dst}, position {j})")
@@ -203,57 +239,58 @@ def _match_channels(stages: list[list[Action]], placement: str) -> dict[tuple[in
     return partners
 
 
-def _execute(stages: list[list[Action]], partners: dict[tuple[int, int], tuple[int, int]], peaks: list[int],
-             costs: Costs) -> SimResult:
+def _execute(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True) -> SimResult:
+    stages, steps, waits = checked.stages, checked.steps, checked.waits
     pp = len(stages)
-    steps = [_steps(actions) for actions in stages]  # (first, last + 1) positions: a compute or a comm run
-    step_of = [{pos: s for s, (lo, hi) in enumerate(rank_steps) for pos in range(lo, hi)}
-               for rank_steps in steps]
+    took = {kind: costs.of(kind) for kind in COMPUTE_KINDS}
     reached: list[list[float]] = [[0.0] for _ in range(pp)]  # when each rank reached each of its steps so far
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
+    compute = 0.0
 
-    def partner_posted_at(rank: int, pos: int) -> float | None:
-        peer, peer_pos = partners[(rank, pos)]
-        peer_step = step_of[peer][peer_pos]
-        return reached[peer][peer_step] if peer_step < len(reached[peer]) else None
-
-    progress = True
-    while progress:  # timing is a fixed point: no rank's times depend on the order ranks are visited
-        progress = False
-        for rank in range(pp):
-            while len(reached[rank]) <= len(steps[rank]):
-                now = reached[rank][-1]
-                lo, hi = steps[rank][len(reached[rank]) - 1]
-                first = stages[rank][lo]
-                if first.kind in COMM_KINDS:
-                    posted = [partner_posted_at(rank, pos) for pos in range(lo, hi)]
-                    if None in posted:
-                        break
-                    start = max([now, *posted])
-                    end = start + costs.comm
-                    if costs.comm > 0:
-                        timeline[rank] += [(start, end, a) for a in stages[rank][lo:hi]]
-                else:
-                    end = now + costs.of(first.kind)
-                    timeline[rank].append((now, end, first))
-                reached[rank].append(end)
-                progress = True
+    # Each rank runs until a communication step finds a peer that has not posted its side yet; it then waits on
+    # that peer's step and is woken when the peer reaches it. Every step is timed once, and the times do not
+    # depend on the order ranks are taken in (a step's start is the latest of what it waits for).
+    ready, asleep = list(range(pp)), {}
+    while ready:
+        rank = ready.pop()
+        mine, row = reached[rank], timeline[rank]
+        while len(mine) <= len(steps[rank]):
+            now = mine[-1]
+            lo, hi = steps[rank][len(mine) - 1]
+            matched = waits[rank][len(mine) - 1]
+            if matched is not None:
+                missing = next((ps for ps in matched if ps[1] >= len(reached[ps[0]])), None)
+                if missing is not None:
+                    asleep.setdefault(missing, []).append(rank)
+                    break
+                start = max(now, *(reached[peer][peer_step] for peer, peer_step in matched))
+                end = start + costs.comm
+                if costs.comm > 0 and keep_timeline:
+                    row += [(start, end, a) for a in stages[rank][lo:hi]]
+            else:
+                action = stages[rank][lo]
+                end = now + took[action.kind]
+                compute += end - now
+                if keep_timeline:
+                    row.append((now, end, action))
+            mine.append(end)
+            ready += asleep.pop((rank, len(mine) - 1), ())
 
     blocked = [rank for rank in range(pp) if len(reached[rank]) <= len(steps[rank])]
     if blocked:
-        waits = []
+        found = []
         for rank in blocked:
             lo, hi = steps[rank][len(reached[rank]) - 1]
-            pos = next(pos for pos in range(lo, hi) if partner_posted_at(rank, pos) is None)
-            peer, peer_pos = partners[(rank, pos)]
-            waits.append(f"rank {rank} waits forever at position {pos} ({stages[rank][pos]}) for rank "
+            pos = next(pos for pos, (peer, peer_step) in zip(range(lo, hi), waits[rank][len(reached[rank]) - 1],
+                                                             strict=True) if peer_step >= len(reached[peer]))
+            peer, peer_pos = checked.partners[(rank, pos)]
+            found.append(f"rank {rank} waits forever at position {pos} ({stages[rank][pos]}) for rank "
                          f"{peer}, whose matching op is at its position {peer_pos} "
                          f"({stages[peer][peer_pos]})")
-        raise ScheduleError("deadlock: " + "; ".join(waits))
+        raise ScheduleError("deadlock: " + "; ".join(found))
     makespan = max(times[-1] for times in reached)
-    compute = sum(end - start for row in timeline for start, end, a in row if a.kind in COMPUTE_KINDS)
     bubble = 1.0 - compute / (pp * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan, bubble, peaks, timeline)
+    return SimResult(makespan, bubble, checked.peaks, timeline)
 
 
 def _steps(actions: list[Action]) -> list[tuple[int, int]]:

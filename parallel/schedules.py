@@ -51,6 +51,10 @@ class ActionKind(enum.Enum):
     SEND_GRAD = "sG"
     RECV_GRAD = "rG"
 
+    # Members are singletons compared by identity: identity's hash, in C, instead of Enum's hash of the name in
+    # Python (the simulator looks kinds up in sets millions of times when the planner searches a large cluster).
+    __hash__ = object.__hash__
+
 
 COMM_KINDS = frozenset({ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD})
 SEND_KINDS = frozenset({ActionKind.SEND_ACT, ActionKind.SEND_GRAD})
