@@ -166,6 +166,9 @@ WIDTHS = (128, 256, 512)
 """The widths (d_model) of the one-rank runs whose FLOP rate is measured: 2 blocks, 16 sequences of 32 tokens (at
 narrower widths the fixed costs outweigh the FLOPs, and the rate is lost in their noise)."""
 WIDE_VOCAB, WIDE_SEQ, WIDE_BATCH = 1024, 32, 16
+TOKENS_WIDTH, TOKENS = 256, (64, 128)
+"""The width and the token counts (per micro-batch, fewer than the widths' 512) whose FLOP rate is measured
+against the width's at 512: thinner matmuls run slower."""
 
 
 def measure_fixed(costs: MachineCosts) -> MachineCosts:
@@ -183,6 +186,7 @@ def measure_fixed(costs: MachineCosts) -> MachineCosts:
 
     configs = {name: _tiny(blocks, par) for name, (blocks, par) in FIXED_RUNS.items()}
     configs |= {f"width {d}": _wide(d) for d in WIDTHS}
+    configs |= {f"width {TOKENS_WIDTH} tokens {t}": _wide(TOKENS_WIDTH, t // WIDE_SEQ) for t in TOKENS}
     plans = [make_plan(c) for c in configs.values()]
     results = run_plans([PlanRun(plan=p) for _ in range(FIXED_REPEATS) for p in plans])
     step: dict[str, float] = {}
@@ -198,23 +202,26 @@ def measure_fixed(costs: MachineCosts) -> MachineCosts:
 
 
 def flops_from_steps(costs: MachineCosts, step: dict[str, float]) -> MachineCosts:
-    """The rate the trainer runs a model's FLOPs at, per width (`MachineCosts.model_flops`): each width run's
-    FLOPs over its step time less the fixed costs and the optimizer's step (pure arithmetic)."""
+    """The rate the trainer runs a model's FLOPs at, per width (`MachineCosts.model_flops`) and, at one width,
+    per token count of a micro-batch (`token_efficiency`): each run's FLOPs over its step time less the fixed
+    costs and the optimizer's step (pure arithmetic)."""
     from trainyard.parallel.memory import param_counts
     from trainyard.parallel.models import family_of
     from trainyard.parallel.plan import make_plan
     from trainyard.parallel.sizing import Sizing
 
-    points = []
-    for d in WIDTHS:
-        config = _wide(d)
+    def rate(config: JobConfig, name: str) -> float:
         m = config.model
         flops = family_of(m).flops_per_token(m) * config.global_batch * m.seq_len
         fixed = costs.step_s + costs.microbatch_s + m.n_layer * costs.block_s
         params = param_counts(Sizing(make_plan(config).layout, config), 0).total
-        seconds = step[f"width {d}"] - fixed - costs.optimizer.time(params)
-        points.append((float(d), flops / max(seconds, 1e-9)))
-    return replace(costs, model_flops=tuple(points))
+        return flops / max(step[name] - fixed - costs.optimizer.time(params), 1e-9)
+
+    widths = tuple((float(d), rate(_wide(d), f"width {d}")) for d in WIDTHS)
+    base = rate(_wide(TOKENS_WIDTH), f"width {TOKENS_WIDTH}")
+    tokens = tuple((float(t), min(rate(_wide(TOKENS_WIDTH, t // WIDE_SEQ), f"width {TOKENS_WIDTH} tokens {t}") / base,
+                                  1.0)) for t in TOKENS)  # never faster than the widths' (noise)
+    return replace(costs, model_flops=widths, token_efficiency=(*tokens, (float(WIDE_BATCH * WIDE_SEQ), 1.0)))
 
 
 def fixed_from_steps(costs: MachineCosts, step: dict[str, float], backward_share: float) -> MachineCosts:
@@ -275,9 +282,9 @@ def _least_squares(rows: list[tuple[tuple[float, ...], float]]) -> tuple[float, 
     return tuple(ata[i][n] / ata[i][i] if ata[i][i] else 0.0 for i in range(n))
 
 
-def _wide(d_model: int) -> JobConfig:
+def _wide(d_model: int, batch: int = WIDE_BATCH) -> JobConfig:
     model = ModelConfig(n_layer=2, n_head=4, d_model=d_model, vocab_size=WIDE_VOCAB, seq_len=WIDE_SEQ)
-    return JobConfig(model=model, steps=FIXED_STEPS, global_batch=WIDE_BATCH)
+    return JobConfig(model=model, steps=FIXED_STEPS, global_batch=batch)
 
 
 def _tiny(blocks: int, par: dict) -> JobConfig:

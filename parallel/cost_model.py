@@ -120,6 +120,9 @@ class MachineCosts:
     all-reduce's traffic."""
     reducescatter: Fit | None = None
     """A reduce-scatter of `world` ranks, by the bytes reduced (the whole tensor); None: as the all-gather."""
+    token_efficiency: tuple[tuple[float, float], ...] = ()
+    """(tokens per micro-batch, rate over the rate at the widths' token count) pairs, ascending: smaller
+    micro-batches run their FLOPs slower (thinner matmuls); () or past the last: 1."""
     comm_contention: tuple[float, ...] = ()
     """An all-reduce's measured time with k = 1, 2, ... ranks of one node in it (index k - 1) over what the fit
     measured at `world` ranks predicts for k by its ring traffic (on shared CPU cores gloo's copies and wake-ups
@@ -141,19 +144,14 @@ class MachineCosts:
             return max(self.contention[ranks - 1], 1.0)
         return max(self.contention[-1] * ranks / len(self.contention), 1.0)
 
-    def flops_per_s(self, d_model: int) -> float:
-        """The rate a model `d_model` wide runs its FLOPs at: log-linear between the measured widths, the nearest
-        one's beyond them; the matmul's when none was measured."""
-        points = self.model_flops
-        if not points:
+    def flops_per_s(self, d_model: int, tokens: int = 0) -> float:
+        """The rate a model `d_model` wide runs its FLOPs at, with `tokens` per micro-batch (0: as many as the
+        widths were measured at): log-linear between the measured widths and token counts, the nearest beyond
+        them; the matmul's when no width was measured."""
+        if not self.model_flops:
             return self.matmul.per_s
-        if d_model <= points[0][0]:
-            return points[0][1]
-        for (w0, r0), (w1, r1) in zip(points, points[1:], strict=False):
-            if d_model <= w1:
-                at = math.log(d_model / w0) / math.log(w1 / w0)
-                return math.exp(math.log(r0) + at * (math.log(r1) - math.log(r0)))
-        return points[-1][1]
+        rate = _log_linear(self.model_flops, d_model)
+        return rate * _log_linear(self.token_efficiency, tokens) if self.token_efficiency and tokens else rate
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,12 +164,13 @@ class MachineCosts:
                                    "dp_step_s", "backward_share") if k in d}
         zero_fixed = {level: (float(a), float(b)) for level, (a, b) in d.get("zero_fixed", {}).items()}
         model_flops = tuple((float(w), float(r)) for w, r in d.get("model_flops", ()))
+        token_efficiency = tuple((float(t), float(e)) for t, e in d.get("token_efficiency", ()))
         if d.get("comm_contention"):
             fixed["comm_contention"] = tuple(d["comm_contention"])
         return MachineCosts(node_type=d["node_type"], world=d.get("world", 2),
                             inter_node_factor=d.get("inter_node_factor", 1.0), measured=d.get("measured", {}),
                             contention=tuple(d.get("contention", ())), zero_fixed=zero_fixed,
-                            model_flops=model_flops, **fixed, **fits)
+                            model_flops=model_flops, token_efficiency=token_efficiency, **fixed, **fits)
 
     def comm_share(self, ranks: int) -> float:
         """How much slower collectives run with `ranks` ranks on one node than at the world they were measured
@@ -197,6 +196,17 @@ class MachineCosts:
         measured_traffic = (2 if kind == "allreduce" or measured is None else 1) * (w - 1) / w
         bus = base.per_s * measured_traffic * (self.inter_node_factor if spans_nodes else 1.0)
         return base.latency_s * (n - 1) / (w - 1) + traffic * (n - 1) / n * nbytes / bus
+
+
+def _log_linear(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at x, log-linear between (x, y) points ascending in x; the nearest point's y beyond them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            at = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + at * (math.log(y1) - math.log(y0)))
+    return points[-1][1]
 
 
 def default_gpu_costs(node_type: str = "unmeasured GPU") -> MachineCosts:
@@ -282,7 +292,7 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     slow, share = machine.slowdown(on_node), machine.comm_share(on_node)
     fixed_fwd, fixed_bwd = fixed_costs(machine, blocks, layout.tp, par.sp, layout.pp)
     recompute = RECOMPUTE_EXTRA.get(config.activation_checkpointing, 1.0)
-    rate = machine.flops_per_s(m.d_model)
+    rate = machine.flops_per_s(m.d_model, tokens)
     fwd = slow * (fixed_fwd + flops / rate)
     bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * flops / rate)
 

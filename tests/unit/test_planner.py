@@ -230,20 +230,31 @@ def test_each_sharding_level_is_charged_its_own_collectives_and_its_measured_fix
 
 
 def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_between():
-    from trainyard.parallel.calibrate import WIDTHS, _wide, flops_from_steps
+    from trainyard.parallel.calibrate import TOKENS, TOKENS_WIDTH, WIDE_SEQ, WIDTHS, _wide, flops_from_steps
     from trainyard.parallel.memory import param_counts
     from trainyard.parallel.models import family_of
     from trainyard.parallel.sizing import Sizing
 
     base = replace(machine(), block_s=1e-3, microbatch_s=2e-3, step_s=3e-3, optimizer=Fit(1e-4, 1e9))
     rates = {d: 10e9 * (1 + i) for i, d in enumerate(WIDTHS)}
+    efficiency = {t: 0.5 + 0.1 * i for i, t in enumerate(TOKENS)}  # thinner micro-batches: slower
     steps = {}
-    for d in WIDTHS:
-        c = _wide(d)
+
+    def step(c: JobConfig, rate: float) -> float:
         flops = family_of(c.model).flops_per_token(c.model) * c.global_batch * c.model.seq_len
         params = param_counts(Sizing(make_plan(c).layout, c), 0).total
-        steps[f"width {d}"] = flops / rates[d] + 3e-3 + 2e-3 + c.model.n_layer * 1e-3 + base.optimizer.time(params)
+        return flops / rate + 3e-3 + 2e-3 + c.model.n_layer * 1e-3 + base.optimizer.time(params)
+
+    for d in WIDTHS:
+        steps[f"width {d}"] = step(_wide(d), rates[d])
+    for t in TOKENS:
+        steps[f"width {TOKENS_WIDTH} tokens {t}"] = step(_wide(TOKENS_WIDTH, t // WIDE_SEQ),
+                                                           rates[TOKENS_WIDTH] * efficiency[t])
     got = flops_from_steps(base, steps)
+    assert [e for _, e in got.token_efficiency] == pytest.approx([*efficiency.values(), 1.0])
+    assert got.flops_per_s(TOKENS_WIDTH, TOKENS[0]) == pytest.approx(rates[TOKENS_WIDTH] * efficiency[TOKENS[0]])
+    assert got.flops_per_s(TOKENS_WIDTH, 10**6) == pytest.approx(rates[TOKENS_WIDTH])  # a thick one: the widths'
+    assert got.flops_per_s(TOKENS_WIDTH, 1) == pytest.approx(rates[TOKENS_WIDTH] * efficiency[TOKENS[0]])
     assert [w for w, _ in got.model_flops] == list(WIDTHS)
     assert [r for _, r in got.model_flops] == pytest.approx([rates[d] for d in WIDTHS])
     (w0, r0), (w1, r1) = got.model_flops[:2]
