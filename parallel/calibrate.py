@@ -35,7 +35,8 @@ OPTIMIZER_ELEMENTS = (1 << 14, 1 << 17, 1 << 20)
 REPEATS = 7
 CONTENTION_RANKS = 4
 """Up to how many ranks busy at once the contention is measured (a CPU node runs this many or fewer here)."""
-CONTENTION_MATMUL, CONTENTION_LOOP, CONTENTION_ROUNDS = 192, 40, 21
+CONTENTION_WORK, CONTENTION_ROUNDS = (384, 256), 15
+"""The contention's work (an MLP block's step: width, tokens) and its rounds."""
 COMM_CONTENTION_BYTES = (65536, 1 << 20, 4 << 20)
 """The all-reduce sizes timed with every rank count past `world` (`MachineCosts.comm_contention`)."""
 
@@ -372,13 +373,20 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
         dist.barrier(group=group)
         points["reducescatter"].append((size, _timed(lambda s=src, d=shard: dist.reduce_scatter_tensor(d, s,
                                                                                                         group=group))))
-    # k ranks computing at once (k = 1 .. all): how much the slowest of them is slowed by sharing the node's
-    # cores (with other processes too: the more ranks, the likelier one of them waits for a core)
-    a, b = torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL), torch.randn(CONTENTION_MATMUL, CONTENTION_MATMUL)
+    # k ranks training at once (k = 1 .. all): how much the slowest of them is slowed by sharing the node's
+    # cores and memory (with other processes too: the more ranks, the likelier one of them waits for a core).
+    # The work is an MLP block's step with AdamW, not matmuls alone: with 4 ranks on this machine's 2 cores,
+    # cache-resident matmuls measured 2.8x, memory-bound updates 4.1x and such a step 3.4x, and the planner
+    # measured 4 ranks of data parallelism 1.3-1.5x slower than its matmul-based prediction.
+    width, tokens = CONTENTION_WORK
+    block = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+    adamw = torch.optim.AdamW(block.parameters(), foreach=True)
+    x = torch.randn(tokens, width)
 
-    def work(a=a, b=b) -> None:
-        for _ in range(CONTENTION_LOOP):
-            a @ b
+    def work() -> None:
+        block(x).square().mean().backward()
+        adamw.step()
+        adamw.zero_grad()
 
     times: dict[int, list[float]] = {k: [] for k in range(1, ranks + 1)}
     work()
