@@ -31,11 +31,12 @@ class step for step, with and without scale_parameter.
 from __future__ import annotations
 
 import torch
+from trainyard.parallel.dynamo_free import DynamoFree
 
 _TINY = torch.finfo(torch.float32).tiny
 
 
-class Adafactor(torch.optim.Optimizer):
+class Adafactor(DynamoFree):
     """Factored second moments, update clipping, a plain lr, no first moment (module doc)."""
 
     def __init__(self, params, lr: float = 1e-3, eps: tuple[float, float] = (1e-30, 1e-3), d: float = 1.0,

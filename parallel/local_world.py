@@ -28,8 +28,8 @@ from trainyard.parallel.plan import Plan
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "trainyard.parallel.driver",
            "trainyard.parallel.local_world"]
 """What the forkserver imports once for every rank it forks: besides torch and the trainer, `torch._dynamo`, which
-every torch optimizer's first `step` imports (1.2 s of a rank's CPU on this machine, DTensor and FSDP with it), and
-DCP, which a checkpoint's save or load imports (0.7 s)."""
+DTensor (tensor parallelism), FSDP2 (ZeRO-2/3) and `compile: true` import (1.2 s of a rank's CPU on this machine; the
+optimizers do without it: `parallel.dynamo_free`), and DCP, which a checkpoint's save or load imports (0.7 s)."""
 START_METHOD = "forkserver"
 RANK_TIMEOUT_S = 600.0  # also how long a rank waits at a later plan's rendezvous while earlier plans run
 

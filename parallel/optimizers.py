@@ -48,10 +48,11 @@ BLOCK_8BIT = 256
 def _build_adamw(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
     """foreach on the device; on the host (offload) torch's fused CPU kernel, 3.7x foreach's speed there (98 vs
     362 ms a step over 406M parameters on the H100 machine's 16 cores: BENCHMARKS.md "GPU")."""
-    import torch  # here, not at the top: the plan and the API read the registry without loading torch
+    # here, not at the top: the plan and the API read the registry without loading torch
+    from trainyard.parallel.dynamo_free import AdamW
 
     kernel = {"fused": True} if host else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kernel)
+    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kernel)
 
 
 def _build_adamw8bit(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
@@ -68,8 +69,9 @@ def _build_adafactor(groups: list[dict], cfg: OptimizerConfig, host: bool = Fals
 
 def _build_sgd(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
     import torch
+    from trainyard.parallel.dynamo_free import SGD
 
-    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1, foreach=True)
+    optimizer = SGD(groups, lr=cfg.lr, momentum=cfg.beta1, foreach=True)
     if cfg.beta1 == 0:  # torch's SGD then neither reads nor writes a buffer: zeros from the start, as the plan counts
         for group in optimizer.param_groups:
             for p in group["params"]:

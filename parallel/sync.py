@@ -131,8 +131,8 @@ class ReplicaSync:
     shard."""
 
     def __init__(self, cfg: SyncConfig, params: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int):
-        import torch
         from torch.distributed.tensor import DTensor
+        from trainyard.parallel.dynamo_free import SGD
 
         self.cfg, self.group, self.dp, self.layouts = cfg, group, dp, params
         self.params = [p.to_local() if isinstance(p, DTensor) else p for p in params]
@@ -141,7 +141,7 @@ class ReplicaSync:
         if cfg.kind == "diloco":
             self.anchor = [p.detach().clone() for p in self.params]  # local shards, as the mean is
             momentum = cfg.outer_momentum
-            self.outer = torch.optim.SGD(self.anchor, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0)
+            self.outer = SGD(self.anchor, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0)
 
     def bytes_per_sync(self) -> int:
         return FP32 * sum(p.numel() for p in self.params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,6 +12,13 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_for
+
+# The suite starts some 150 Python processes (each job's coordinator and ranks are Ray workers; `trainyard serve` runs
+# as a process of its own), each importing the checkout's modules. Where PYTHONDONTWRITEBYTECODE is set, each would
+# compile them anew (0.3 s of a rank's CPU); here the first compiles them into __pycache__ (git-ignored), the rest
+# read that. The processes inherit this environment: Ray's workers through its daemons, started by `ray.init` below.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session")
