@@ -120,7 +120,7 @@ class PlannerResult:
     enumerated: int
     """Base layouts (degrees, micro-batches, schedule, vpp) enumerated."""
     evaluated: int
-    """Layouts whose memory and schedule were computed (the rest were pruned by their bound)."""
+    """Layouts whose costs were computed (the rest were pruned by their bound, or by their saver-free sibling's)."""
     node_type: str
 
     @property
