@@ -27,6 +27,9 @@ def ray_session() -> Iterator[None]:
     from trainyard.service.ray_runtime import agent_port_clear_of_other_clusters
 
     os.environ["RAY_AUTH_MODE"] = "disabled"  # tests only: the product keeps Ray's token auth on
+    # Workers at nice 0, as the product's embedded Ray starts them (service.ray_runtime.connect): at Ray's default
+    # of 15 the jobs' ranks lose the cores to Ray's daemons, to this process, and to anything else on the machine.
+    os.environ["RAY_worker_niceness"] = "0"
     # The dashboard serves Ray's log API, which the logs endpoint reads, as in the product's embedded Ray. Metrics
     # reach Ray's Prometheus export every 2 s instead of 10 (the export test waits for them). A Ray of its own, as
     # the product's embedded one, also where another Ray runs on the machine: `address=None` would join whatever
