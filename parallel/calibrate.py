@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,8 +36,9 @@ OPTIMIZER_ELEMENTS = (1 << 14, 1 << 17, 1 << 20)
 REPEATS = 7
 CONTENTION_RANKS = 4
 """Up to how many ranks busy at once the contention is measured (a CPU node runs this many or fewer here)."""
-CONTENTION_WORK, CONTENTION_ROUNDS = (384, 256), 15
-"""The contention's work (an MLP block's step: width, tokens) and its rounds."""
+CONTENTION_WORK, CONTENTION_ROUNDS = (384, 256), 20
+"""The contention's work (an MLP block's step: width, tokens) and its rounds, taken twice: before the collectives and
+after them (on this VM one 5-second window measured 2 ranks at 1.69 where 8 others measured 1.03-1.31)."""
 COMM_CONTENTION_BYTES = (65536, 1 << 20, 4 << 20)
 """The all-reduce sizes timed with every rank count past `world` (`MachineCosts.comm_contention`)."""
 
@@ -326,6 +328,53 @@ def _timed(fn, repeats: int = REPEATS) -> float:
     return quartile(times)
 
 
+def reference_work(width: int = CONTENTION_WORK[0], tokens: int = CONTENTION_WORK[1]) -> Callable[[], None]:
+    """One training step of an MLP block (`width` wide, `tokens` rows) with AdamW, as a function to call: the work
+    compute's contention is timed on."""
+    import torch
+
+    block = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+    adamw = torch.optim.AdamW(block.parameters(), foreach=True)
+    x = torch.randn(tokens, width)
+
+    def work() -> None:
+        block(x).square().mean().backward()
+        adamw.step()
+        adamw.zero_grad()
+
+    return work
+
+
+def paired_slowdowns(rounds: list[list[float]]) -> list[float]:
+    """Per k (index k - 1): the median over rounds of k ranks' time over the same round's one rank alone. Paired
+    within a round, the machine's drift (up to 20% within a minute on this VM) cancels; lower quartiles of each k's
+    times apart would keep it."""
+    return [statistics.median(r[k] / r[0] for r in rounds) for k in range(len(rounds[0]))]
+
+
+def _contention_rounds(rank: int, ranks: int, work: Callable[[], None]) -> list[list[float]]:
+    """CONTENTION_ROUNDS rounds of `work` on k = 1 .. `ranks` ranks at once; per round, the slowest busy rank's time
+    for each k (round-robin over k, so the machine's drift between rounds falls on every k of a round alike)."""
+    import torch
+    import torch.distributed as dist
+
+    work()
+    slowest, out = torch.zeros(1), []
+    for _ in range(CONTENTION_ROUNDS):
+        row = []
+        for k in range(1, ranks + 1):
+            dist.barrier()
+            slowest.zero_()
+            if rank < k:
+                start = time.perf_counter()
+                work()
+                slowest += time.perf_counter() - start
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a synchronous step waits for its slowest rank
+            row.append(float(slowest))
+        out.append(row)
+    return out
+
+
 def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -344,6 +393,8 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
             p.grad = torch.randn(n)
             opt = torch.optim.AdamW([p], foreach=True)
             points["optimizer"].append((n, _timed(opt.step)))
+    work = reference_work()
+    rounds = _contention_rounds(rank, ranks, work)
     dist.barrier()
     for size in MESSAGE_BYTES if rank < world else ():
         t = torch.zeros(size // 4)
@@ -378,31 +429,9 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
     # The work is an MLP block's step with AdamW, not matmuls alone: with 4 ranks on this machine's 2 cores,
     # cache-resident matmuls measured 2.8x, memory-bound updates 4.1x and such a step 3.4x, and the planner
     # measured 4 ranks of data parallelism 1.3-1.5x slower than its matmul-based prediction.
-    width, tokens = CONTENTION_WORK
-    block = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
-    adamw = torch.optim.AdamW(block.parameters(), foreach=True)
-    x = torch.randn(tokens, width)
-
-    def work() -> None:
-        block(x).square().mean().backward()
-        adamw.step()
-        adamw.zero_grad()
-
-    times: dict[int, list[float]] = {k: [] for k in range(1, ranks + 1)}
-    work()
-    slowest = torch.zeros(1)
-    for _ in range(CONTENTION_ROUNDS):  # round-robin over k: a burst of load falls on every k alike
-        for k in times:
-            dist.barrier()
-            slowest.zero_()
-            if rank < k:
-                start = time.perf_counter()
-                work()
-                slowest += time.perf_counter() - start
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a synchronous step waits for its slowest rank
-            times[k].append(float(slowest))
+    rounds += _contention_rounds(rank, ranks, work)
     if rank == 0:
-        points["contention"] = [quartile(t) for t in times.values()]
+        points["contention"] = paired_slowdowns(rounds)
     # an all-reduce of k = world + 1 .. all ranks of the node at once (gloo's copies and wake-ups on shared cores)
     for k in range(world + 1, ranks + 1):
         members = dist.new_group(list(range(k)))  # every rank creates every group, in the same order

@@ -23,8 +23,11 @@ OPS_PER_BLOCK kernels' latency. On a node whose ranks share CPU cores (a measure
 CPU work on those same cores: it is slowed as compute is, by the node's slowdown over the one it was measured at
 (`comm_share`), and the data-parallel reduction hides behind nothing, since no core is idle to run it during the
 backward (on this 2-core machine 4 ranks measured up to 2.6x their prediction before: BENCHMARKS.md, section
-`planner`). Ignored: kernel fusion and overlap inside a chunk, stragglers, contention between groups sharing a
-link, the first step's warm-up. Pure arithmetic: no torch."""
+`planner`); a pipeline's stages are not all busy at once, so its simulation speeds a compute up by how many
+compute beside it (`pipeline_sharing`; a stage waiting in the bubble lends the others its core). A tensor-parallel
+shard's FLOPs run at the rate of a model as wide as the shard (narrower matrices, and the norms and residuals stay
+whole on every shard). Ignored: kernel fusion and overlap inside a chunk, stragglers, contention between groups
+sharing a link, the first step's warm-up. Pure arithmetic: no torch."""
 
 from __future__ import annotations
 
@@ -237,6 +240,10 @@ class StepCosts:
     """The optimizer step and the step's measured fixed cost (`MachineCosts.step_s`), slowed by contention."""
     extras: dict[str, float]
     """The options' own terms (OPTION_EXTRAS), by name."""
+    shared: tuple[float, ...] = ()
+    """Where a pipeline's ranks share one node's cores: a chunk's forward or backward time with k of the pp stages
+    computing at once (index k - 1) over its time above, with all of them computing (`schedule_sim.Costs.shared`:
+    a stage idle in the bubble lends the others its core); (): no such sharing."""
 
 
 @dataclass(frozen=True)
@@ -292,7 +299,7 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     slow, share = machine.slowdown(on_node), machine.comm_share(on_node)
     fixed_fwd, fixed_bwd = fixed_costs(machine, blocks, layout.tp, par.sp, layout.pp)
     recompute = RECOMPUTE_EXTRA.get(config.activation_checkpointing, 1.0)
-    rate = machine.flops_per_s(m.d_model, tokens)
+    rate = machine.flops_per_s(m.d_model / layout.tp, tokens)  # a shard's matrices run at a narrower model's rate
     fwd = slow * (fixed_fwd + flops / rate)
     bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * flops / rate)
 
@@ -331,7 +338,19 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,
                      tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
                      dp_exposed=max(reduce - hidden, 0.0) + dp_fixed,
-                     optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras)
+                     optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras,
+                     shared=pipeline_sharing(machine, layout, on_node))
+
+
+def pipeline_sharing(machine: MachineCosts, layout: Layout, on_node: int) -> tuple[float, ...]:
+    """`StepCosts.shared` of a pipeline whose every rank sits on one node of shared cores (`on_node` ranks): with k
+    stages computing, k x dp x tp ranks of the node are busy (a stage's replicas and shards compute in step), so
+    compute runs at the slowdown of that many over the slowdown of all; () on a node of devices or across nodes."""
+    slow = machine.slowdown(on_node)
+    if layout.pp <= 1 or not machine.contention or slow <= 1.0 or on_node < layout.world_size:
+        return ()
+    group = layout.world_size // layout.pp
+    return tuple(machine.slowdown(k * group) / slow for k in range(1, layout.pp + 1))
 
 
 def sharding_costs(sharding: Sharding, machine: MachineCosts, layout: Layout, params: int, blocks: int,

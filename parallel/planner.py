@@ -174,9 +174,10 @@ def _checked(kind: str, pp: int, vpp: int, m: int) -> CheckedSchedule:
 
 
 @functools.lru_cache(maxsize=65536)
-def _simulated(kind: str, pp: int, vpp: int, m: int, backward: float, comm: float) -> tuple[float, float]:
+def _simulated(kind: str, pp: int, vpp: int, m: int, backward: float, comm: float,
+               shared: tuple[float, ...] = ()) -> tuple[float, float]:
     """(makespan in forwards, bubble fraction) of a schedule with forward 1 and these cost ratios."""
-    result = _checked(kind, pp, vpp, m).run(Costs(1.0, backward, comm), timeline=False)
+    result = _checked(kind, pp, vpp, m).run(Costs(1.0, backward, comm, shared=shared), timeline=False)
     return result.makespan, result.bubble_fraction
 
 
@@ -263,10 +264,12 @@ class _Search:
         all-reduce of the rank's share of the parameters beyond what one micro-batch's backward hides, and the
         cheapest sharding level's optimizer step with its parameter all-gathers."""
         n_layer, world = self.config.model.n_layer, dp * pp * tp
-        slow = self.machine.slowdown(min(world, self.node_ranks or world))
+        on_node = min(world, self.node_ranks or world)
+        slow = self.machine.slowdown(on_node)
         flops = fpt * tokens / world
         fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False, pp))
-        compute = slow * (flops / self.machine.flops_per_s(self.config.model.d_model) + m * fixed)
+        alone = self.machine.slowdown(on_node // pp) if pp > 1 else slow  # a pipeline's stage computing alone
+        compute = alone * (flops / self.machine.flops_per_s(self.config.model.d_model) + m * fixed)
         grads = 4 * self.params / (pp * tp) * (0.5 if self.config.parallel.reduce_dtype == "bf16" else 1)
         reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
         mb_tokens = tokens // (dp * m)
@@ -358,8 +361,9 @@ class _Search:
 def lower_bound(layout: Layout | ParallelConfig, costs: StepCosts) -> float:
     """The step time no schedule beats with these costs: every chunk's forward and backward on one rank, after
     the pp - 1 forwards and hand-overs the last stage waits for before its first one, and the terms outside."""
-    busy = layout.microbatches * layout.vpp * (costs.forward + costs.backward)
-    fill = (layout.pp - 1) * (costs.forward + costs.comm)
+    alone = min(costs.shared, default=1.0)  # a compute runs at most this much faster where cores are shared
+    busy = alone * layout.microbatches * layout.vpp * (costs.forward + costs.backward)
+    fill = (layout.pp - 1) * (alone * costs.forward + costs.comm)
     return busy + fill + costs.dp_exposed + costs.optimizer + sum(costs.extras.values())
 
 
@@ -369,7 +373,7 @@ def predict(layout: Layout, config: JobConfig, costs: StepCosts, memory: int = 0
     f = max(costs.forward, 1e-12)
     if layout.pp > 1:
         span, bubble = _simulated(config.parallel.schedule, layout.pp, vpp, m, ratio_key(costs.backward / f),
-                                  ratio_key(costs.comm / f))
+                                  ratio_key(costs.comm / f), tuple(map(ratio_key, costs.shared)))
         makespan = span * f
     else:
         makespan, bubble = m * vpp * (costs.forward + costs.backward), 0.0

@@ -11,7 +11,9 @@
    messages match first-in-first-out, with no tags);
 3. the run: computes take their cost; a maximal run of consecutive communication actions is posted at once
    and the rank blocks until the peer has posted the matching op of every message in it, then the run takes
-   `costs.comm` (its messages travel concurrently). If some rank can never go on, that is a deadlock.
+   `costs.comm` (its messages travel concurrently). If some rank can never go on, that is a deadlock. Where
+   the ranks share cores (`costs.shared`), a compute's speed follows how many ranks compute at that moment:
+   the run is then timed as a fluid, event by event, and a rank idle in the bubble lends the others its core.
 
 Any failure raises ScheduleError naming the rank, the position in its list and the action. `render_gantt`
 draws the result as text. Pure: no torch.
@@ -51,6 +53,11 @@ class Costs:
     backward_weight: float | None = None
     """The weight-gradient part of a split backward (W; None: half of `backward`); its input-gradient part
     (I) takes the rest of `backward`."""
+    shared: tuple[float, ...] = ()
+    """Where the pipeline's ranks share cores: a compute's time with k ranks computing at once (index k - 1) as a
+    multiple of the time above, which is its time with every rank computing (the last entry, 1). A compute then
+    runs at the speed of how many compute beside it, moment by moment; () (each rank has a device of its own):
+    every compute takes its time above."""
 
     def of(self, kind: ActionKind) -> float:
         """The time of one compute of this kind."""
@@ -240,6 +247,8 @@ def _match_channels(stages: list[list[Action]], placement: str,
 
 
 def _execute(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True) -> SimResult:
+    if costs.shared and min(costs.shared) < 1.0:
+        return _execute_shared(checked, costs, keep_timeline)
     stages, steps, waits = checked.stages, checked.steps, checked.waits
     pp = len(stages)
     took = {kind: costs.of(kind) for kind in COMPUTE_KINDS}
@@ -276,7 +285,77 @@ def _execute(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True)
             mine.append(end)
             ready += asleep.pop((rank, len(mine) - 1), ())
 
-    blocked = [rank for rank in range(pp) if len(reached[rank]) <= len(steps[rank])]
+    _raise_if_blocked(checked, reached)
+    makespan = max(times[-1] for times in reached)
+    bubble = 1.0 - compute / (pp * makespan) if makespan > 0 else 0.0
+    return SimResult(makespan, bubble, checked.peaks, timeline)
+
+
+def _execute_shared(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True) -> SimResult:
+    """`_execute` where the ranks share cores: between two events (a compute or a communication run ending) the
+    k ranks computing each progress at 1 / costs.shared[k - 1] of their full-occupancy time per second."""
+    stages, steps, waits = checked.stages, checked.steps, checked.waits
+    pp = len(stages)
+    took = {kind: costs.of(kind) for kind in COMPUTE_KINDS}
+    factor = [*costs.shared, *[costs.shared[-1]] * max(pp - len(costs.shared), 0)]
+    reached: list[list[float]] = [[0.0] for _ in range(pp)]
+    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
+    left: dict[int, float] = {}  # rank -> the work its compute has left, in full-occupancy seconds
+    comm_end: dict[int, float] = {}  # rank -> when its communication run ends
+    asleep: dict[tuple[int, int], list[int]] = {}
+    now, compute = 0.0, 0.0
+
+    def start(rank: int) -> None:  # the rank has reached its next step at `now`: begin it, or wait for a peer
+        step = len(reached[rank]) - 1
+        if step >= len(steps[rank]):
+            return
+        matched = waits[rank][step]
+        if matched is None:
+            left[rank] = took[stages[rank][steps[rank][step][0]].kind]
+            return
+        missing = next((ps for ps in matched if ps[1] >= len(reached[ps[0]])), None)
+        if missing is not None:
+            asleep.setdefault(missing, []).append(rank)
+        else:
+            comm_end[rank] = now + costs.comm
+
+    for rank in range(pp):
+        start(rank)
+    while left or comm_end:
+        slow = factor[len(left) - 1] if left else 1.0
+        first = min(left.values(), default=float("inf"))
+        until = min(now + first * slow, min(comm_end.values(), default=float("inf")))
+        progress = (until - now) / slow
+        done = [r for r, e in comm_end.items() if e <= until]
+        done += [r for r, w in left.items() if w - progress <= 1e-12 * max(w, 1.0)]
+        for rank in list(left):
+            left[rank] -= progress
+        now = until
+        for rank in done:
+            lo, hi = steps[rank][len(reached[rank]) - 1]
+            began = reached[rank][-1]
+            if comm_end.pop(rank, None) is None:
+                del left[rank]
+                compute += now - began
+                if keep_timeline:
+                    timeline[rank].append((began, now, stages[rank][lo]))
+            elif costs.comm > 0 and keep_timeline:
+                timeline[rank] += [(now - costs.comm, now, a) for a in stages[rank][lo:hi]]
+            reached[rank].append(now)
+        for rank in done:
+            for woken in [rank, *asleep.pop((rank, len(reached[rank]) - 1), ())]:
+                start(woken)
+
+    _raise_if_blocked(checked, reached)
+    makespan = max(times[-1] for times in reached)
+    bubble = 1.0 - compute / (pp * makespan) if makespan > 0 else 0.0
+    return SimResult(makespan, bubble, checked.peaks, timeline)
+
+
+def _raise_if_blocked(checked: CheckedSchedule, reached: list[list[float]]) -> None:
+    """ScheduleError naming every rank that never got past a communication run, and the op it waits for."""
+    stages, steps, waits = checked.stages, checked.steps, checked.waits
+    blocked = [rank for rank in range(len(stages)) if len(reached[rank]) <= len(steps[rank])]
     if blocked:
         found = []
         for rank in blocked:
@@ -288,9 +367,6 @@ def _execute(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True)
                          f"{peer}, whose matching op is at its position {peer_pos} "
                          f"({stages[peer][peer_pos]})")
         raise ScheduleError("deadlock: " + "; ".join(found))
-    makespan = max(times[-1] for times in reached)
-    bubble = 1.0 - compute / (pp * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan, bubble, checked.peaks, timeline)
 
 
 def _steps(actions: list[Action]) -> list[tuple[int, int]]:

@@ -137,6 +137,11 @@ def test_contention_is_never_below_what_the_cores_allow():
     assert contention_from([10.0, 10.5, 14.9, 15.2], cores=2) == pytest.approx((1.0, 1.05, 1.5, 2.0))
     assert contention_from([10.0, 12.0, 30.0], cores=8) == pytest.approx((1.0, 1.2, 3.0))  # measured above it
     assert contention_from([10.0, 9.0], cores=4) == (1.0, 1.0)  # never faster than alone
+    from trainyard.parallel.calibrate import paired_slowdowns
+
+    drifting = [[t * speed for t in (10.0, 12.0, 18.0, 25.0)] for speed in (1.0, 1.3, 0.8, 1.2, 1.0)]
+    drifting[2][3] = 80.0  # a burst in one round
+    assert paired_slowdowns(drifting) == pytest.approx([1.0, 1.2, 1.8, 2.5])
 
 
 def test_fit_recovers_latency_and_throughput_and_the_cache_is_keyed_by_node_type(tmp_path):
@@ -172,6 +177,41 @@ def test_compute_is_slowed_by_the_measured_contention_of_ranks_sharing_a_node():
     one_node, own_nodes = step_costs(layout, cfg, shared, node_gpus=4), step_costs(layout, cfg, shared, node_gpus=1)
     assert one_node.forward == pytest.approx(2 * own_nodes.forward)
     assert one_node.backward == pytest.approx(2 * own_nodes.backward)
+
+
+def test_a_pipeline_on_shared_cores_lends_the_bubbles_idle_cores_to_the_stages_computing():
+    """pp 4 on a 2-core node measured 0.61x its prediction when every compute was slowed as if all 4 ranks were
+    busy (BENCHMARKS.md, section `planner`): in the bubble they are not. The simulation speeds a compute up by how
+    many stages compute beside it; a layout without a pipeline, or with a device per rank, is timed as before."""
+    from trainyard.parallel.cost_model import pipeline_sharing, step_costs
+    from trainyard.parallel.planner import lower_bound, predict
+
+    cores = replace(machine(), contention=(1.0, 1.2, 1.8, 2.5), block_s=1e-3)
+    pp4 = replace(config(), parallel=replace(config().parallel, pp=4, microbatches=4))
+    dp2_pp2 = replace(config(), parallel=replace(config().parallel, dp=2, pp=2, microbatches=2))
+    layout = make_plan(pp4).layout
+    assert pipeline_sharing(cores, layout, 4) == pytest.approx((1 / 2.5, 1.2 / 2.5, 1.8 / 2.5, 1.0))
+    assert pipeline_sharing(cores, make_plan(dp2_pp2).layout, 4) == pytest.approx((1.2 / 2.5, 1.0))  # 2 replicas
+    assert pipeline_sharing(cores, layout, 2) == ()  # across nodes: as before
+    assert pipeline_sharing(machine(), layout, 4) == ()  # a device per rank
+    dp4 = replace(config(), parallel=replace(config().parallel, dp=4))
+    assert step_costs(make_plan(dp4).layout, dp4, cores, node_gpus=4).shared == ()
+    costs = step_costs(layout, pp4, cores, node_gpus=4)
+    static = replace(costs, shared=())
+    lent, all_busy = predict(layout, pp4, costs).step_s, predict(layout, pp4, static).step_s
+    assert lent < all_busy
+    assert lower_bound(layout, costs) <= lent
+    alone = replace(costs, forward=costs.forward / 2.5, backward=costs.backward / 2.5, shared=())
+    assert lent > predict(layout, pp4, alone).step_s  # the stages do overlap: slower than each alone
+
+
+def test_a_tensor_parallel_shard_runs_its_flops_at_the_rate_of_a_model_as_wide_as_the_shard():
+    from trainyard.parallel.cost_model import step_costs
+
+    rates = replace(machine(), model_flops=((32.0, 1e9), (64.0, 2e9)))
+    tp2 = replace(config(), parallel=replace(config().parallel, tp=2))
+    one, two = step_costs(make_plan(config()).layout, config(), rates), step_costs(make_plan(tp2).layout, tp2, rates)
+    assert two.compute_per_chunk == pytest.approx(one.compute_per_chunk)  # half the FLOPs at half the rate
 
 
 def test_collectives_on_shared_cpu_cores_are_slowed_as_compute_and_hide_behind_nothing():

@@ -179,6 +179,38 @@ def test_communication_cost_lengthens_the_step_and_shows_in_the_timeline():
     assert "~" in render_gantt(costly)
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_on_shared_cores_a_pipeline_that_never_overlaps_runs_every_compute_at_the_speed_of_one_alone(kind):
+    """One micro-batch: no two stages ever compute at once, so each compute takes costs.shared[0] of its time."""
+    plain = run(kind, 4, 1)
+    shared = run(kind, 4, 1, costs=Costs(shared=(0.5, 0.7, 0.9, 1.0)))
+    assert shared.makespan == pytest.approx(0.5 * plain.makespan)
+    assert [2 * t for row in shared.timeline for a, b, _ in row for t in (a, b)] == pytest.approx(
+        [t for row in plain.timeline for a, b, _ in row for t in (a, b)])
+
+
+def test_on_shared_cores_a_compute_speeds_up_while_its_neighbour_waits_in_the_bubble():
+    """gpipe, pp 2, m 2, F 1, B 2, and a stage alone twice as fast as both at once. Rank 0: F0 alone [0, .5];
+    then both compute for 1 (rank 0's F1, rank 1's F0) to 1.5; rank 1's F1 alone to 2 and its first B alone to 3;
+    then both for 2 (rank 0's first B, rank 1's second) to 5; rank 0's second B alone to 6 (plain: 9)."""
+    costs = Costs(forward=1.0, backward=2.0, shared=(0.5, 1.0))
+    assert run("gpipe", 2, 2).makespan == pytest.approx(9.0)
+    got = run("gpipe", 2, 2, costs=costs)
+    assert got.makespan == pytest.approx(6.0)
+    assert [t for a, b, _ in got.timeline[0] for t in (a, b)] == pytest.approx([0, 0.5, 0.5, 1.5, 3, 5, 5, 6])
+    assert run("gpipe", 2, 2, costs=Costs(forward=1.0, backward=2.0, shared=(1.0, 1.0))).makespan == 9.0
+
+
+@pytest.mark.parametrize(("kind", "pp", "m", "vpp"), [("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2),
+                                                      ("zb-h1", 4, 6, 1), ("zb-h1", 2, 3, 1), ("gpipe", 3, 7, 1)])
+def test_on_shared_cores_that_barely_share_the_timing_is_the_plain_ones(kind, pp, m, vpp):
+    plain = run(kind, pp, m, vpp, Costs(backward=1.7, comm=0.3))
+    nearly = run(kind, pp, m, vpp, Costs(backward=1.7, comm=0.3, shared=(1 - 1e-9,) * pp))
+    assert nearly.makespan == pytest.approx(plain.makespan, rel=1e-6)
+    assert nearly.bubble_fraction == pytest.approx(plain.bubble_fraction, rel=1e-5, abs=1e-6)
+    assert nearly.makespan >= run(kind, pp, m, vpp, Costs(backward=1.7, comm=0.3, shared=(0.5,) * pp)).makespan
+
+
 def test_gantt_has_one_row_per_rank_and_a_legend():
     chart = render_gantt(run("1f1b", 3, 4), width=60)
     lines = chart.splitlines()
@@ -226,6 +258,12 @@ def test_validator_rejects_a_table_where_both_ranks_receive_first():
         "deadlock: rank 0 waits forever at position 0 (rG0.0<1) for rank 1, whose matching op is at its "
         "position 3 (sG0.0>0); rank 1 waits forever at position 0 (rA0.0<0) for rank 0, whose matching op "
         "is at its position 2 (sA0.0>1)")
+
+
+def test_a_deadlock_is_found_on_shared_cores_too():
+    deadlock = table("[rG0.0<1] F0.0 [sA0.0>1] B0.0", "[rA0.0<0] F0.0 B0.0 [sG0.0>0]")
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits forever at position 0"):
+        simulate(deadlock, 1, costs=Costs(shared=(0.5, 1.0)))
 
 
 def test_validator_rejects_a_fifo_payload_mismatch():
