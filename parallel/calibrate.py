@@ -1,14 +1,14 @@
 """Calibration: the machine costs the planner's cost model needs, measured by a short run, cached per node type.
 
-`measure(world)` spawns a small gloo world (`parallel.local_world.spawn`, one thread per rank as a rank
-gets) and times matmuls of a few sizes, all-reduce, point-to-point, all-to-all, all-gather and reduce-scatter at a few
-message sizes
-and an AdamW step at a few parameter counts, each fitted as latency + size / throughput
-(`parallel.cost_model.Fit`). `machine_costs(state_dir, cluster)` returns the cached costs of the cluster's
-node type (a JSON file, `calibration.json` in the service's state directory, keyed by node type: CPU model
-and count, GPUs) and measures them on first use. The service measures locally, in its own machine: right
-for the embedded (laptop) cluster, whose node is this machine; a GPU node type nobody measured yet is
-planned with `cost_model.default_gpu_costs` (a worker-side calibration on GPU nodes is not written yet).
+`measure(world)` spawns a small gloo world (`parallel.local_world.spawn`, one thread per rank as a rank gets) and
+times matmuls of a few sizes, all-reduce, point-to-point, all-to-all, all-gather and reduce-scatter at a few message
+sizes and an AdamW step at a few parameter counts, each fitted as latency + size / throughput
+(`parallel.cost_model.Fit`), and compute's slowdown with 1 to 4 ranks busy at once (`paired_slowdowns`).
+`machine_costs(state_dir, cluster)` returns the cached costs of the cluster's node type (a JSON file,
+`calibration.json` in the service's state directory, keyed by node type: CPU model and count, GPUs) and measures
+them on first use. The service measures locally, in its own machine: right for the embedded (laptop) cluster, whose
+node is this machine; a GPU node type nobody measured yet is planned with `cost_model.default_gpu_costs` (a
+worker-side calibration on GPU nodes is not written yet).
 """
 
 from __future__ import annotations
