@@ -339,18 +339,29 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
                      tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
                      dp_exposed=max(reduce - hidden, 0.0) + dp_fixed,
                      optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras,
-                     shared=pipeline_sharing(machine, layout, on_node))
+                     shared=pipeline_sharing(machine, layout.pp, layout.world_size, on_node))
 
 
-def pipeline_sharing(machine: MachineCosts, layout: Layout, on_node: int) -> tuple[float, ...]:
-    """`StepCosts.shared` of a pipeline whose every rank sits on one node of shared cores (`on_node` ranks): with k
-    stages computing, k x dp x tp ranks of the node are busy (a stage's replicas and shards compute in step), so
-    compute runs at the slowdown of that many over the slowdown of all; () on a node of devices or across nodes."""
+def pipeline_sharing(machine: MachineCosts, pp: int, world: int, on_node: int) -> tuple[float, ...]:
+    """`StepCosts.shared` of a pipeline of `pp` stages and `world` ranks that all sit on one node of shared cores
+    (`on_node` ranks): with k stages computing, k x world / pp ranks of the node are busy (a stage's replicas and
+    shards compute in step), so compute runs at the slowdown of that many over the slowdown of all; () on a node
+    of devices or across nodes."""
     slow = machine.slowdown(on_node)
-    if layout.pp <= 1 or not machine.contention or slow <= 1.0 or on_node < layout.world_size:
+    if pp <= 1 or not machine.contention or slow <= 1.0 or on_node < world:
         return ()
-    group = layout.world_size // layout.pp
-    return tuple(machine.slowdown(k * group) / slow for k in range(1, layout.pp + 1))
+    return tuple(machine.slowdown(k * world // pp) / slow for k in range(1, pp + 1))
+
+
+def sharing_floor(shared: tuple[float, ...]) -> float:
+    """The least a pipeline's busy time can shrink to where its stages share cores (`StepCosts.shared`), as a
+    fraction of that time with all stages computing: no compute runs faster than alone (the first entry), and the
+    node's ranks together do no more work per second than at the best count of stages busy (the stages' work over
+    the most stage-work a second); 1 without sharing. A floor for the planner's lower bounds."""
+    if not shared:
+        return 1.0
+    best = max(k / f for k, f in enumerate(shared, start=1))
+    return max(shared[0], len(shared) / best)
 
 
 def sharding_costs(sharding: Sharding, machine: MachineCosts, layout: Layout, params: int, blocks: int,

@@ -46,7 +46,9 @@ from trainyard.parallel.cost_model import (
     StepCosts,
     fixed_costs,
     option_value,
+    pipeline_sharing,
     ratio_key,
+    sharing_floor,
     step_costs,
 )
 from trainyard.parallel.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
@@ -268,8 +270,7 @@ class _Search:
         slow = self.machine.slowdown(on_node)
         flops = fpt * tokens / world
         fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False, pp))
-        alone = self.machine.slowdown(on_node // pp) if pp > 1 else slow  # a pipeline's stage computing alone
-        compute = alone * (flops / self.machine.flops_per_s(self.config.model.d_model) + m * fixed)
+        compute = slow * (flops / self.machine.flops_per_s(self.config.model.d_model) + m * fixed)
         grads = 4 * self.params / (pp * tp) * (0.5 if self.config.parallel.reduce_dtype == "bf16" else 1)
         reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
         mb_tokens = tokens // (dp * m)
@@ -287,7 +288,12 @@ class _Search:
         optimizer = slow * self.machine.step_s + min(step_end(z) for z in (levels if dp > 1 else levels[:1]))
         hidden = 0.8 * (compute + tp_comm) / m  # one micro-batch's backward, with some room for uneven stages
         dp_fixed = slow * self.machine.dp_step_s if dp > 1 else 0.0
-        return (compute + tp_comm) * (1 + (pp - 1) / (3 * m * vpp)) + max(reduce - hidden, 0.0) + dp_fixed + optimizer
+        fill = 1 + (pp - 1) / (3 * m * vpp)
+        # a pipeline's stages sharing cores: each no faster than alone after the fill, and all of them together no
+        # faster than at the node's best throughput (`sharing_floor`)
+        shared = pipeline_sharing(self.machine, pp, world, on_node)
+        span = max(shared[0] * fill, sharing_floor(shared)) if shared else fill
+        return (compute + tp_comm) * span + max(reduce - hidden, 0.0) + dp_fixed + optimizer
 
     def saver_free(self, config: JobConfig) -> bool:
         """Whether every searched option but the sharding level is at its first value (off: no recompute, no
@@ -361,10 +367,15 @@ class _Search:
 def lower_bound(layout: Layout | ParallelConfig, costs: StepCosts) -> float:
     """The step time no schedule beats with these costs: every chunk's forward and backward on one rank, after
     the pp - 1 forwards and hand-overs the last stage waits for before its first one, and the terms outside."""
-    alone = min(costs.shared, default=1.0)  # a compute runs at most this much faster where cores are shared
-    busy = alone * layout.microbatches * layout.vpp * (costs.forward + costs.backward)
-    fill = (layout.pp - 1) * (alone * costs.forward + costs.comm)
-    return busy + fill + costs.dp_exposed + costs.optimizer + sum(costs.extras.values())
+    busy = layout.microbatches * layout.vpp * (costs.forward + costs.backward)
+    fill = (layout.pp - 1) * (costs.forward + costs.comm)
+    if costs.shared:  # stages sharing cores: each alone after the fill, or all of them at the best throughput
+        alone = costs.shared[0]
+        span = max(alone * (busy + fill - (layout.pp - 1) * costs.comm) + (layout.pp - 1) * costs.comm,
+                   sharing_floor(costs.shared) * busy)
+    else:
+        span = busy + fill
+    return span + costs.dp_exposed + costs.optimizer + sum(costs.extras.values())
 
 
 def predict(layout: Layout, config: JobConfig, costs: StepCosts, memory: int = 0) -> Candidate:
