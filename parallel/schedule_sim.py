@@ -59,6 +59,10 @@ class Costs:
     runs at the speed of how many compute beside it, moment by moment; () (each rank has a device of its own):
     every compute takes its time above."""
 
+    def __post_init__(self) -> None:
+        if any(not f > 0 for f in self.shared):  # NaN too
+            raise ValueError(f"Costs.shared holds time multiples, each above 0: got {self.shared}")
+
     def of(self, kind: ActionKind) -> float:
         """The time of one compute of this kind."""
         weight = self.backward / 2 if self.backward_weight is None else self.backward_weight

@@ -260,6 +260,12 @@ def test_validator_rejects_a_table_where_both_ranks_receive_first():
         "is at its position 2 (sA0.0>1)")
 
 
+@pytest.mark.parametrize("shared", [(0.0, 1.0), (-0.5, 1.0), (float("nan"), 1.0)])
+def test_a_sharing_that_is_not_a_positive_time_multiple_is_refused(shared):
+    with pytest.raises(ValueError, match="each above 0"):
+        Costs(shared=shared)
+
+
 def test_a_deadlock_is_found_on_shared_cores_too():
     deadlock = table("[rG0.0<1] F0.0 [sA0.0>1] B0.0", "[rA0.0<0] F0.0 B0.0 [sG0.0>0]")
     with pytest.raises(ScheduleError, match="deadlock: rank 0 waits forever at position 0"):
