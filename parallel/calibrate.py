@@ -393,6 +393,12 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
             p.grad = torch.randn(n)
             opt = torch.optim.AdamW([p], foreach=True)
             points["optimizer"].append((n, _timed(opt.step)))
+    # k ranks training at once (k = 1 .. all): how much the slowest of them is slowed by sharing the node's
+    # cores and memory (with other processes too: the more ranks, the likelier one of them waits for a core).
+    # The work is an MLP block's step with AdamW, not matmuls alone: with 4 ranks on this machine's 2 cores,
+    # cache-resident matmuls measured 2.8x, memory-bound updates 4.1x and such a step 3.4x, and the planner
+    # measured 4 ranks of data parallelism 1.3-1.5x slower than its matmul-based prediction. Two windows, before
+    # the collectives and after them: a machine that drifts is caught in more than one state.
     work = reference_work()
     rounds = _contention_rounds(rank, ranks, work)
     dist.barrier()
@@ -424,12 +430,7 @@ def _rank(rank: int, port: int, world: int, ranks: int, out: str) -> None:
         dist.barrier(group=group)
         points["reducescatter"].append((size, _timed(lambda s=src, d=shard: dist.reduce_scatter_tensor(d, s,
                                                                                                         group=group))))
-    # k ranks training at once (k = 1 .. all): how much the slowest of them is slowed by sharing the node's
-    # cores and memory (with other processes too: the more ranks, the likelier one of them waits for a core).
-    # The work is an MLP block's step with AdamW, not matmuls alone: with 4 ranks on this machine's 2 cores,
-    # cache-resident matmuls measured 2.8x, memory-bound updates 4.1x and such a step 3.4x, and the planner
-    # measured 4 ranks of data parallelism 1.3-1.5x slower than its matmul-based prediction.
-    rounds += _contention_rounds(rank, ranks, work)
+    rounds += _contention_rounds(rank, ranks, work)  # the second window
     if rank == 0:
         points["contention"] = paired_slowdowns(rounds)
     # an all-reduce of k = world + 1 .. all ranks of the node at once (gloo's copies and wake-ups on shared cores)

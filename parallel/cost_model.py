@@ -357,11 +357,21 @@ def sharing_floor(shared: tuple[float, ...]) -> float:
     """The least a pipeline's busy time can shrink to where its stages share cores (`StepCosts.shared`), as a
     fraction of that time with all stages computing: no compute runs faster than alone (the first entry), and the
     node's ranks together do no more work per second than at the best count of stages busy (the stages' work over
-    the most stage-work a second); 1 without sharing. A floor for the planner's lower bounds."""
+    the most stage-work a second); 1 without sharing (`pipeline_floor`)."""
     if not shared:
         return 1.0
     best = max(k / f for k, f in enumerate(shared, start=1))
     return max(shared[0], len(shared) / best)
+
+
+def pipeline_floor(shared: tuple[float, ...], busy: float, fill: float, fill_comm: float = 0.0) -> float:
+    """At least how long the last pipeline stage takes from the step's start: its own computes (`busy`) after the
+    `fill` of computes and the `fill_comm` of hand-overs before its first, each compute at its time with all stages
+    computing; where the stages share cores (`StepCosts.shared`), the larger of that with each compute alone and
+    all stages' work at the node's best throughput."""
+    if not shared:
+        return busy + fill + fill_comm
+    return max(shared[0] * (busy + fill) + fill_comm, sharing_floor(shared) * busy)
 
 
 def sharding_costs(sharding: Sharding, machine: MachineCosts, layout: Layout, params: int, blocks: int,

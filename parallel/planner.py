@@ -46,9 +46,9 @@ from trainyard.parallel.cost_model import (
     StepCosts,
     fixed_costs,
     option_value,
+    pipeline_floor,
     pipeline_sharing,
     ratio_key,
-    sharing_floor,
     step_costs,
 )
 from trainyard.parallel.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
@@ -288,12 +288,10 @@ class _Search:
         optimizer = slow * self.machine.step_s + min(step_end(z) for z in (levels if dp > 1 else levels[:1]))
         hidden = 0.8 * (compute + tp_comm) / m  # one micro-batch's backward, with some room for uneven stages
         dp_fixed = slow * self.machine.dp_step_s if dp > 1 else 0.0
-        fill = 1 + (pp - 1) / (3 * m * vpp)
-        # a pipeline's stages sharing cores: each no faster than alone after the fill, and all of them together no
-        # faster than at the node's best throughput (`sharing_floor`)
-        shared = pipeline_sharing(self.machine, pp, world, on_node)
-        span = max(shared[0] * fill, sharing_floor(shared)) if shared else fill
-        return (compute + tp_comm) * span + max(reduce - hidden, 0.0) + dp_fixed + optimizer
+        busy = compute + tp_comm
+        span = pipeline_floor(pipeline_sharing(self.machine, pp, world, on_node), busy,
+                              busy * (pp - 1) / (3 * m * vpp))  # the fill: pp - 1 chunk forwards
+        return span + max(reduce - hidden, 0.0) + dp_fixed + optimizer
 
     def saver_free(self, config: JobConfig) -> bool:
         """Whether every searched option but the sharding level is at its first value (off: no recompute, no
@@ -368,13 +366,7 @@ def lower_bound(layout: Layout | ParallelConfig, costs: StepCosts) -> float:
     """The step time no schedule beats with these costs: every chunk's forward and backward on one rank, after
     the pp - 1 forwards and hand-overs the last stage waits for before its first one, and the terms outside."""
     busy = layout.microbatches * layout.vpp * (costs.forward + costs.backward)
-    fill = (layout.pp - 1) * (costs.forward + costs.comm)
-    if costs.shared:  # stages sharing cores: each alone after the fill, or all of them at the best throughput
-        alone = costs.shared[0]
-        span = max(alone * (busy + fill - (layout.pp - 1) * costs.comm) + (layout.pp - 1) * costs.comm,
-                   sharing_floor(costs.shared) * busy)
-    else:
-        span = busy + fill
+    span = pipeline_floor(costs.shared, busy, (layout.pp - 1) * costs.forward, (layout.pp - 1) * costs.comm)
     return span + costs.dp_exposed + costs.optimizer + sum(costs.extras.values())
 
 

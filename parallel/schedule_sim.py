@@ -251,7 +251,7 @@ def _match_channels(stages: list[list[Action]], placement: str,
 
 
 def _execute(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True) -> SimResult:
-    if costs.shared and min(costs.shared) < 1.0:
+    if any(f != 1.0 for f in costs.shared):
         return _execute_shared(checked, costs, keep_timeline)
     stages, steps, waits = checked.stages, checked.steps, checked.waits
     pp = len(stages)
@@ -272,7 +272,7 @@ def _execute(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True)
             lo, hi = steps[rank][len(mine) - 1]
             matched = waits[rank][len(mine) - 1]
             if matched is not None:
-                missing = next((ps for ps in matched if ps[1] >= len(reached[ps[0]])), None)
+                missing = _unposted(matched, reached)
                 if missing is not None:
                     asleep.setdefault(missing, []).append(rank)
                     break
@@ -289,10 +289,7 @@ def _execute(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True)
             mine.append(end)
             ready += asleep.pop((rank, len(mine) - 1), ())
 
-    _raise_if_blocked(checked, reached)
-    makespan = max(times[-1] for times in reached)
-    bubble = 1.0 - compute / (pp * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan, bubble, checked.peaks, timeline)
+    return _result(checked, reached, compute, timeline)
 
 
 def _execute_shared(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True) -> SimResult:
@@ -317,7 +314,7 @@ def _execute_shared(checked: CheckedSchedule, costs: Costs, keep_timeline: bool 
         if matched is None:
             left[rank] = took[stages[rank][steps[rank][step][0]].kind]
             return
-        missing = next((ps for ps in matched if ps[1] >= len(reached[ps[0]])), None)
+        missing = _unposted(matched, reached)
         if missing is not None:
             asleep.setdefault(missing, []).append(rank)
         else:
@@ -350,9 +347,20 @@ def _execute_shared(checked: CheckedSchedule, costs: Costs, keep_timeline: bool 
             for woken in [rank, *asleep.pop((rank, len(reached[rank]) - 1), ())]:
                 start(woken)
 
+    return _result(checked, reached, compute, timeline)
+
+
+def _unposted(matched: list[tuple[int, int]], reached: list[list[float]]) -> tuple[int, int] | None:
+    """The first (peer rank, peer step) of a communication run's messages that the peer has not reached yet."""
+    return next((ps for ps in matched if ps[1] >= len(reached[ps[0]])), None)
+
+
+def _result(checked: CheckedSchedule, reached: list[list[float]], compute: float,
+            timeline: list[list[tuple[float, float, Action]]]) -> SimResult:
+    """The timed run's result (`compute`: the seconds the ranks spent computing), or ScheduleError on a deadlock."""
     _raise_if_blocked(checked, reached)
     makespan = max(times[-1] for times in reached)
-    bubble = 1.0 - compute / (pp * makespan) if makespan > 0 else 0.0
+    bubble = 1.0 - compute / (len(reached) * makespan) if makespan > 0 else 0.0
     return SimResult(makespan, bubble, checked.peaks, timeline)
 
 

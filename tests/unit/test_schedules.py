@@ -199,6 +199,8 @@ def test_on_shared_cores_a_compute_speeds_up_while_its_neighbour_waits_in_the_bu
     assert got.makespan == pytest.approx(6.0)
     assert [t for a, b, _ in got.timeline[0] for t in (a, b)] == pytest.approx([0, 0.5, 0.5, 1.5, 3, 5, 5, 6])
     assert run("gpipe", 2, 2, costs=Costs(forward=1.0, backward=2.0, shared=(1.0, 1.0))).makespan == 9.0
+    # a node slower with fewer busy (a non-monotone calibration) is timed so too, not as if unshared
+    assert run("gpipe", 2, 1, costs=Costs(shared=(2.0, 1.0))).makespan == pytest.approx(2 * run("gpipe", 2, 1).makespan)
 
 
 @pytest.mark.parametrize(("kind", "pp", "m", "vpp"), [("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2),
