@@ -56,7 +56,7 @@ from trainyard.actors.state import (
 from trainyard.actors.storage import JobStorage
 from trainyard.actors.telemetry import Rows
 from trainyard.actors.worker_group import WorkerGroup, slot_keys
-from trainyard.parallel import checkpoint
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, PlanError, make_plan, resized
 
 log = logging.getLogger("trainyard.coordinator")

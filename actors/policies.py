@@ -123,7 +123,7 @@ def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict
     `parallel.sync` says how they rejoin), or None, and the job recovers as from any failure: no rank died (a
     hang), every replica holds a dead rank, a rank of another replica raised (it was in a sync with the dead
     one, so its state is half-synchronised), or a replica is dropped already."""
-    from trainyard.parallel.sync import is_local
+    from trainyard.parallel.runtime.sync import is_local
 
     if not is_local(plan.config.parallel.sync) or plan.dp == 1 or not dead or dropped:
         return None

@@ -29,7 +29,7 @@ from trainyard.actors.policies import largest_size, live_point, replicas_may_rec
 from trainyard.actors.state import Point, Ready, Recovering, Resizing
 from trainyard.actors.storage import checkpoint_info
 from trainyard.actors.telemetry import make_row
-from trainyard.parallel import checkpoint
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, can_move_in_memory, make_plan, resized
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from trainyard.actors.recovery import _rejoin
 from trainyard.actors.state import Recovering
 from trainyard.actors.telemetry import make_row
 from trainyard.actors.training import record
-from trainyard.parallel.sync import rejoin_step
+from trainyard.parallel.runtime.sync import rejoin_step
 
 if TYPE_CHECKING:
     from trainyard.actors.controller import Controller

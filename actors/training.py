@@ -18,7 +18,7 @@ from trainyard.actors.policies import HANG_WINDOW
 from trainyard.actors.state import AtBoundary, Cancelled, Done, Outcome
 from trainyard.actors.storage import checkpoint_info
 from trainyard.actors.telemetry import checkpoint_event, compile_event, make_row, set_gauges
-from trainyard.parallel import checkpoint
+from trainyard.parallel.io import checkpoint
 
 if TYPE_CHECKING:
     from trainyard.actors.controller import Controller
@@ -27,7 +27,7 @@ log = logging.getLogger("trainyard.coordinator")
 
 
 async def run_steps(ctl: Controller) -> Outcome:
-    from trainyard.parallel.sync import round_of
+    from trainyard.parallel.runtime.sync import round_of
 
     plan, cfg = ctl.plan, ctl.plan.config
     tokens = cfg.global_batch * cfg.model.seq_len
@@ -92,7 +92,7 @@ def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> Non
     """A finished step: its checkpoint event, the recovery it ends, the replicas it gave back (local_sgd,
     diloco: from the ranks' `results`, the steps each replica holds, and the rejoin of a dropped one), its row,
     the gauges."""
-    from trainyard.parallel.sync import is_local
+    from trainyard.parallel.runtime.sync import is_local
 
     plan = ctl.plan
     if results is not None and is_local(plan.config.parallel.sync) and plan.dp > 1:

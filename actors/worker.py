@@ -1,4 +1,4 @@
-"""The Worker actor: one rank of a job, a thin Ray shell around `parallel.driver.RankDriver` (the process
+"""The Worker actor: one rank of a job, a thin Ray shell around `parallel.runtime.driver.RankDriver` (the process
 groups, the trainer, the steps and the checkpoints; the gloo tests and the benches drive the same class).
 
 The coordinator creates one per rank, pinned to the job's placement group, and calls it once to
@@ -25,7 +25,7 @@ import ray
 from trainyard.parallel.plan import Plan
 
 if TYPE_CHECKING:
-    from trainyard.parallel.driver import RankDriver
+    from trainyard.parallel.runtime.driver import RankDriver
 
 # torch and the trainer are imported in the rank's process when it is created, not where the class is defined:
 # the coordinator creates workers from this class and must not pay seconds of torch import as each job starts.
@@ -59,7 +59,7 @@ class Worker:
         build this rank's trainer."""
         self.rank = self.rank if rank is None else rank
         self._step_failed = False
-        from trainyard.parallel.driver import RankDriver
+        from trainyard.parallel.runtime.driver import RankDriver
 
         with self._traceback_to_stderr("setup"):
             self.driver = RankDriver(plan, self.rank, master_addr, master_port)
@@ -89,7 +89,7 @@ class Worker:
         if drill is not None:
             _run_drill(drill, self.rank, step)
         try:
-            from trainyard.parallel.driver import Save
+            from trainyard.parallel.runtime.driver import Save
 
             with self._traceback_to_stderr(f"step {step}"):
                 request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
@@ -109,9 +109,9 @@ class Worker:
             return self.driver.final_checkpoint(Path(root), steps_done, info, saved, live)
 
     def export_model(self, directory: str, steps_done: int, out: str) -> str:
-        """The model of the checkpoint in `directory` as one safetensors file at `out` (`parallel.export`); its
+        """The model of the checkpoint in `directory` as one safetensors file at `out` (`parallel.io.export`); its
         path. Rank 0 does it for the coordinator, which does not import torch."""
-        from trainyard.parallel.export import export_model
+        from trainyard.parallel.io.export import export_model
 
         assert self.driver is not None
         with self._traceback_to_stderr("exporting the model"):
@@ -148,7 +148,7 @@ class Worker:
     def reset(self) -> None:
         """Leave the job's process groups and drop the trainer, so that `setup` can bring this process into
         a new rendezvous (recovery reuses the ranks that are alive and answering)."""
-        from trainyard.parallel.distributed import shutdown_distributed
+        from trainyard.parallel.runtime.distributed import shutdown_distributed
 
         self.driver, self._step_failed, self._last = None, False, None
         shutdown_distributed()  # the driver's groups, also those of a setup that failed half-way

@@ -30,7 +30,7 @@ from trainyard.api.models import (
 )
 from trainyard.api.spec import SubmittedSpec, describe_error, relevant_errors
 from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
-from trainyard.parallel.present import describe
+from trainyard.parallel.plan.present import describe
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
 
 if TYPE_CHECKING:

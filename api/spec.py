@@ -64,7 +64,7 @@ def parse_spec(obj: Any) -> JobConfig:
 
 def parse_submitted_spec(obj: Any) -> JobConfig:
     """A spec as a user submits it: `init_from.hf` fills in the model's architecture from its config.json
-    (`parallel.hf_spec`), then the spec is validated. A stored spec has it filled in already: `parse_spec`."""
+    (`parallel.io.hf_spec`), then the spec is validated. A stored spec has it filled in already: `parse_spec`."""
     try:
         resolved = resolve_submitted(obj)
     except RuleError as e:
@@ -79,7 +79,7 @@ def resolve_submitted(obj: Any) -> Any:
         raise RuleError("name", "has a control character (a new line, an escape sequence), which would print as "
                                 "such in `trainyard list`")
     if isinstance(obj, dict) and obj.get("init_from") is not None:
-        from trainyard.parallel.hf_spec import resolve_init_from  # reads config.json only, no tensor
+        from trainyard.parallel.io.hf_spec import resolve_init_from  # reads config.json only, no tensor
 
         return resolve_init_from(obj)
     return obj

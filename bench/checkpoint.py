@@ -7,7 +7,7 @@ Two ranks (dp=2, one torch thread each) train one `RankTrainer` on synthetic dat
 (so AdamW's moments exist) and one discarded save of each kind, every round does, in an order that rotates
 from round to round (so drift of the machine hits every part alike), each after a barrier:
 - `sync`: `save_checkpoint(background=False)`, then rank 0 re-hashes the committed checkpoint
-  (`parallel.checkpoint.verify`, the SHA-256 of every file that `commit` computes too);
+  (`parallel.io.checkpoint.verify`, the SHA-256 of every file that `commit` computes too);
 - `async`: `save_checkpoint(background=True)` (blocks while DCP stages the state), then `finish_checkpoint()`
   at once (waits for the background write and commits);
 - `overlap`: the same async save, then STEPS_IN_FLIGHT training steps while it is written, then
@@ -37,11 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.checkpoint import step_dir, verify
-from trainyard.parallel.driver import RankDriver, Save
-from trainyard.parallel.local_world import spawn
-from trainyard.parallel.model import full_model
+from trainyard.parallel.io.checkpoint import step_dir, verify
+from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, make_plan
+from trainyard.parallel.runtime.driver import RankDriver, Save
+from trainyard.parallel.runtime.local_world import spawn
 
 from bench.context import BenchContext
 from bench.machine import busy_fraction

@@ -5,7 +5,7 @@ process, no Ray.
 
 - prepare: DOCS JSONL documents (the paragraphs of examples/corpus.txt, each prefixed with its number so no
   two are alike) tokenized with examples/tokenizer into a dataset directory, at 1 worker and at one per core
-  (`parallel.prepare.prepare`, as `trainyard prepare` runs it: reading, hashing, tokenizing, EOS, shards,
+  (`parallel.data.prepare.prepare`, as `trainyard prepare` runs it: reading, hashing, tokenizing, EOS, shards,
   manifest). Baseline: tokenizers' `encode_batch` of the same texts in this process, alone (Rust, its own
   threads; what prepare spends its time on, with nothing read or written).
 - loader: per data-parallel rank of a dp=2 job (global batch GLOBAL_BATCH, seq_len SEQ_LEN), the time to read
@@ -29,10 +29,16 @@ from pathlib import Path
 
 import torch
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.data import global_batch_ids, load_batch, open_dataset, rank_share, step_counted_targets
-from trainyard.parallel.driver import RankDriver
+from trainyard.parallel.data.datasets import (
+    global_batch_ids,
+    load_batch,
+    open_dataset,
+    rank_share,
+    step_counted_targets,
+)
+from trainyard.parallel.data.prepare import PrepareOptions, default_workers, prepare
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.prepare import PrepareOptions, default_workers, prepare
+from trainyard.parallel.runtime.driver import RankDriver
 
 from bench.context import REPO, BenchContext
 from bench.machine import busy_fraction

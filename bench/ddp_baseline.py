@@ -4,14 +4,14 @@ Launched by bench/dp.py as
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \
         bench/ddp_baseline.py --spec bench/dp2.yaml --out <file.json>
 it trains the JobSpec's model on the same samples with the same optimizer as a trainyard job would:
-`parallel.model.full_model` (same init), `parallel.data` (same global batch per step, same rank shares),
-`parallel.optim` (same AdamW groups, learning-rate schedule and clipping). Rank 0 writes one record per
+`parallel.models.whole.full_model` (same init), `parallel.data.datasets` (same global batch per step, same rank shares),
+`parallel.optim.optimizer` (same AdamW groups, learning-rate schedule and clipping). Rank 0 writes one record per
 step (wall time and its phases, loss, grad norm) to `--out`.
 
 Gradient sync, `--grad-sync`:
 - `ddp` (the baseline): DDP all-reduces buckets while backward still runs. DDP averages, so the per-rank
   loss is `loss_sum / tokens_per_step * dp`, which makes the averaged gradient the global-batch mean.
-- `after-backward` (a diagnostic): no DDP; trainyard's own `parallel.data_parallel.GradientReducer`
+- `after-backward` (a diagnostic): no DDP; trainyard's own `parallel.runtime.data_parallel.GradientReducer`
   (bucketed SUM, after backward) on a loss of `loss_sum / tokens_per_step`, i.e. trainyard's math
   without Ray, so the difference to `ddp` is the value of overlapping the all-reduce with backward.
 
@@ -34,10 +34,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from trainyard.api.spec import load_spec_text, parse_spec
 from trainyard.parallel.config import JobConfig
-from trainyard.parallel.data import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
-from trainyard.parallel.data_parallel import GradientReducer
-from trainyard.parallel.model import GPTStage, full_model
-from trainyard.parallel.optim import clip_grad_norm, lr_at, make_optimizer, set_lr
+from trainyard.parallel.data.datasets import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
+from trainyard.parallel.models.whole import GPTStage, full_model
+from trainyard.parallel.optim.optimizer import clip_grad_norm, lr_at, make_optimizer, set_lr
+from trainyard.parallel.runtime.data_parallel import GradientReducer
 
 GRAD_SYNCS = ("ddp", "after-backward")
 

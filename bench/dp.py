@@ -7,7 +7,7 @@ Both sides train the JobSpec in bench/dp2.yaml (same GPT, init, samples, optimiz
 - ddp: bench/ddp_baseline.py under torchrun, 2 gloo processes with OMP_NUM_THREADS=1, DDP's overlapped
   all-reduce (the baseline of the ratio);
 - after-backward: the same script without DDP, all-reducing once after backward with trainyard's own
-  `parallel.data_parallel` (a diagnostic: trainyard's math without Ray, and DDP's overlap switched off).
+  `parallel.runtime.data_parallel` (a diagnostic: trainyard's math without Ray, and DDP's overlap switched off).
 The baselines run while the service idles. Each round runs the three in turn, and short rounds repeat, so
 slow drift of the machine (on a shared host, other tenants' load) hits every side alike. Medians are over
 all measured steps of a side (the first WARMUP_STEPS of every run are skipped). Before each round, with

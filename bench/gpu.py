@@ -1,16 +1,17 @@
 """`python -m bench.gpu`: trainyard's own trainer on one GPU against a plain PyTorch loop of the same GPT.
 
 Runs with torch alone (no Ray, no service), in one process, on one device:
-- trainyard: `parallel`'s trainer at world size 1, exactly as a worker runs it: `parallel.driver.RankDriver` (NCCL on
-  CUDA, gloo on CPU) and its `RankTrainer`'s `train_step(step, micro-batch ids)`. Each step reads its samples from the
-  job's (synthetic) dataset on the CPU and copies them to the device, as a worker does; the sample ids come
+- trainyard: `parallel`'s trainer at world size 1, exactly as a worker runs it:
+  `parallel.runtime.driver.RankDriver` (NCCL on CUDA, gloo on CPU) and its `RankTrainer`'s
+  `train_step(step, micro-batch ids)`. Each step reads its samples from the job's (synthetic) dataset on the
+  CPU and copies them to the device, as a worker does; the sample ids come
   ready-made, as a worker gets them from the coordinator. The trainer reads the gradient norm and the loss
   as Python floats, so it waits for the device twice a step.
-- plain: the same model (`parallel.model.full_model`, same init), the same samples of the same steps
+- plain: the same model (`parallel.models.whole.full_model`, same init), the same samples of the same steps
   already on the device, autocast around forward and loss (when bf16), mean `F.cross_entropy`, backward,
   `clip_grad_norm_` at the spec's grad_clip, and `torch.optim.AdamW(foreach=True)` (as the trainer's) with
   the trainer's groups (weight decay on matrices and embeddings only) and learning-rate schedule (warm-up
-  then cosine, `parallel.optim.lr_at`); gradients set to None each step; no host synchronisation in a step.
+  then cosine, `parallel.optim.optimizer.lr_at`); gradients set to None each step; no host synchronisation in a step.
 - with `--diagnose`, two more plain loops, each with one of the trainer's habits added: `plain+buckets`
   (gradients as views into flat buckets zeroed every step) and `plain+sync` (reads the norm and the loss
   every step). Their ratios to `plain` tell what each habit costs.
@@ -56,15 +57,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, ResourcesConfig
-from trainyard.parallel.data import Dataset, load_batch, open_dataset, step_microbatches
-from trainyard.parallel.data_parallel import GradientReducer
-from trainyard.parallel.distributed import shutdown_distributed
-from trainyard.parallel.driver import RankDriver
-from trainyard.parallel.local_world import free_ports
-from trainyard.parallel.model import GPTStage, full_model
+from trainyard.parallel.data.datasets import Dataset, load_batch, open_dataset, step_microbatches
 from trainyard.parallel.models import family_of
-from trainyard.parallel.optim import lr_at
+from trainyard.parallel.models.whole import GPTStage, full_model
+from trainyard.parallel.optim.optimizer import lr_at
 from trainyard.parallel.plan import Plan, PlanError, make_plan
+from trainyard.parallel.runtime.data_parallel import GradientReducer
+from trainyard.parallel.runtime.distributed import shutdown_distributed
+from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.local_world import free_ports
 
 GPT_MEDIUM = {"n_layer": 24, "n_head": 16, "d_model": 1024, "vocab_size": 50304, "seq_len": 1024}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 256, "seq_len": 32}

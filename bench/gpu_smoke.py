@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from trainyard.parallel.checkpoint import step_dir
 from trainyard.parallel.config import (
     DataConfig,
     JobConfig,
@@ -27,11 +26,12 @@ from trainyard.parallel.config import (
     ParallelConfig,
     ResourcesConfig,
 )
-from trainyard.parallel.driver import RankDriver, Save
-from trainyard.parallel.export import export_model
-from trainyard.parallel.hf_checkpoint import write_hf_dir
-from trainyard.parallel.local_world import free_ports
+from trainyard.parallel.io.checkpoint import step_dir
+from trainyard.parallel.io.export import export_model
+from trainyard.parallel.io.hf_checkpoint import write_hf_dir
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.runtime.driver import RankDriver, Save
+from trainyard.parallel.runtime.local_world import free_ports
 
 STEPS = 4
 GPT2 = ModelConfig(n_layer=2, n_head=4, d_model=128, vocab_size=512, seq_len=128)

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.driver import RankDriver
-from trainyard.parallel.local_world import spawn
-from trainyard.parallel.model import full_model
+from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, make_plan
+from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.local_world import spawn
 
 from bench.context import BenchContext
 from bench.machine import busy_fraction

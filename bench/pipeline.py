@@ -2,7 +2,7 @@
 
 Two parts, side by side in one run:
 - **schedule time vs simulated makespan.** pp=4 ranks (spawned processes on gloo, no Ray) run the real
-  `parallel.pipeline.PipelineExecutor` over the real action lists, with stages of a fixed synthetic cost:
+  `parallel.runtime.pipeline.PipelineExecutor` over the real action lists, with stages of a fixed synthetic cost:
   each chunk's forward sleeps FORWARD_S and its backward BACKWARD_S per stage (split evenly across the
   vpp chunks of interleaved-1f1b and zbv), half of it in the input's gradient and half in the weight's, so a
   split backward (zb-h1, zbv) sleeps each half in its own action, and moves a real activation tensor between
@@ -10,7 +10,7 @@ Two parts, side by side in one run:
   computing, makes the cost exact and leaves the two cores free for communication, so the ratio measures
   what the executor adds to the schedule (point-to-point messages, bookkeeping, Python) and nothing else.
   A step's time is the slowest rank's schedule wall time after a barrier; the baseline is
-  `parallel.schedule_sim.simulate` of the same lists with the same costs and free communication.
+  `parallel.plan.schedule_sim.simulate` of the same lists with the same costs and free communication.
 - **peak activation memory per stage.** A GPT pp=4 job with 8 micro-batches, run through the real
   service once with gpipe and once with 1f1b; the metrics rows report, per stage, the most bytes autograd
   held for backward at once (saved-tensor hooks, parameters excluded) and the most chunk activations.
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from trainyard.parallel.local_world import spawn
-from trainyard.parallel.pipeline import PipelineExecutor
-from trainyard.parallel.schedule_sim import Costs, simulate
-from trainyard.parallel.schedules import build_schedule, placement_of
+from trainyard.parallel.plan.schedule_sim import Costs, simulate
+from trainyard.parallel.plan.schedules import build_schedule, placement_of
+from trainyard.parallel.runtime.local_world import spawn
+from trainyard.parallel.runtime.pipeline import PipelineExecutor
 
 from bench.context import BenchContext
 from bench.results import Row, median, ratio

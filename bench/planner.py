@@ -1,13 +1,13 @@
 """Section "planner": the planner's predicted step times against measured ones, over a grid of layouts.
 
 Run: `python -m bench.run --only planner` (about ten minutes on 2 busy cores), or `python -m bench.planner` for
-the table alone. Calibrates this machine first (`parallel.calibrate.measure`: matmuls, optimizer, the
+the table alone. Calibrates this machine first (`parallel.runtime.calibrate.measure`: matmuls, optimizer, the
 collectives at a few sizes, compute's slowdown with 1-4 ranks busy at once, and the trainer's fixed costs on
 tiny models; nothing of the grid below), then for each of two model sizes runs a grid of 18 layouts of 1, 2 or
 4 ranks (dp, pp with gpipe / 1f1b / interleaved / zb-h1, tp with and without sp, their products, micro-batches,
 ZeRO-1, activation checkpointing) plus the planner's own choice for the cluster the service reports here (one
 node of 4 logical CPUs on 2 cores, as `trainyard serve --num-cpus 4`), in one spawned gloo world
-(`parallel.local_world.run_plans`). The layouts are run round-robin, REPEATS times each, so a burst of load
+(`parallel.runtime.local_world.run_plans`). The layouts are run round-robin, REPEATS times each, so a burst of load
 from other processes falls on all of them rather than on one; a layout's step time is the median over its
 repeats' steps after each run's first (a step: the slowest rank's `compute_s`). Compared: Spearman's rank
 correlation of predicted vs measured step time (the Done-when wants >= 0.8) and the chosen layout's measured
@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.admission import ClusterResources, NodeResources
-from trainyard.parallel.calibrate import measure, quartile
 from trainyard.parallel.config import JobConfig
-from trainyard.parallel.cost_model import MachineCosts
-from trainyard.parallel.local_world import PlanRun, run_plans
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.planner import choose, predict_step
+from trainyard.parallel.plan.admission import ClusterResources, NodeResources
+from trainyard.parallel.plan.cost_model import MachineCosts
+from trainyard.parallel.plan.planner import choose, predict_step
+from trainyard.parallel.runtime.calibrate import measure, quartile
+from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 
 STEPS = 5
 """Steps per run (the first of each run is not counted)."""
@@ -173,8 +173,8 @@ def planning_time_1024() -> tuple[float, float]:
     """(wall, CPU) seconds the planner takes for a Llama-7B-like model on 128 nodes of 8 80-GiB GPUs (default GPU
     costs): on a loaded machine the wall time is mostly waiting for a core, the CPU time is the planner's."""
     from trainyard.parallel.config import ModelConfig
-    from trainyard.parallel.cost_model import default_gpu_costs
-    from trainyard.parallel.planner import plan_layouts
+    from trainyard.parallel.plan.cost_model import default_gpu_costs
+    from trainyard.parallel.plan.planner import plan_layouts
 
     llama = JobConfig(model=ModelConfig(family="llama", n_layer=32, n_head=32, d_model=4096, vocab_size=32000,
                                         seq_len=4096), steps=1, global_batch=1024, precision="bf16")

@@ -23,7 +23,7 @@ from trainyard.actors.controller import Controller
 from trainyard.actors.state import JobStatus
 from trainyard.actors.storage import JobStorage
 from trainyard.api.spec import parse_spec
-from trainyard.parallel import checkpoint
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.service.follow import Cursor, apply_report
 from trainyard.service.manager import JobManager

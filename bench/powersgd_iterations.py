@@ -25,7 +25,7 @@ from bench.savers_grads import POWERSGD, TAIL, _losses, _plan
 
 def _iterated_finish(self, iterations: int) -> None:
     """`PowerSGDReducer.finish` with `iterations` power iterations on the summed gradient, synchronously."""
-    from trainyard.parallel.data_parallel import GradientReducer
+    from trainyard.parallel.runtime.data_parallel import GradientReducer
 
     if not self.compressing:
         self._sent = None
@@ -68,13 +68,13 @@ def _all_reduced(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 def patch(iterations: int) -> None:
     """Run in each rank before its trainer is built: the reducer does `iterations` power iterations a step."""
-    from trainyard.parallel.powersgd import PowerSGDReducer
+    from trainyard.parallel.runtime.powersgd import PowerSGDReducer
 
     PowerSGDReducer.finish = functools.partialmethod(_iterated_finish, iterations=iterations)
 
 
 def main(argv: list[str]) -> int:
-    from trainyard.parallel.local_world import PlanRun, run_plans
+    from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 
     steps = int(argv[0]) if argv else 400
     counts = [int(a) for a in argv[1:]] or [1, 2, 4, 8]

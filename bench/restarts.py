@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainyard.parallel import checkpoint
+from trainyard.parallel.io import checkpoint
 
 from bench.context import BenchContext
 from bench.service_job import BenchError, TrainyardService, wait_job

@@ -1,7 +1,7 @@
 """Section "savers_grads": PowerSGD gradient compression and `compile: true`, each against its off state.
 
 Run: `python -m bench.run --only savers_grads` (several minutes on 2 cores); torch and gloo, no Ray: every plan
-runs on spawned gloo ranks in one world (`parallel.local_world.run_plans`), one plan after the other.
+runs on spawned gloo ranks in one world (`parallel.runtime.local_world.run_plans`), one plan after the other.
 `--case powersgd` or `--case compile` runs one half.
 
 - PowerSGD rank 4 (and rank 16; 10 warm-up steps) against the uncompressed reduction at dp=2 on the demo job
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.local_world import PlanRun, run_plans
 from trainyard.parallel.plan import Plan, make_plan
+from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 
 from bench.context import REPO, BenchContext
 from bench.results import Row, ratio

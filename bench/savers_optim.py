@@ -10,7 +10,7 @@ the machine's drift hits all alike; a time ratio is the median of the per-round 
 
 - `adamw8bit` vs `adamw`: optimizer-state bytes (measured, `StepStats.optimizer_bytes`), step time, and the
   mean loss of the last LAST steps (the issue's claim: within 2%).
-- `adafactor` vs `adamw`: the same (claim: within 5%). `parallel.adafactor` (HF's settings without a relative
+- `adafactor` vs `adamw`: the same (claim: within 5%). `parallel.optim.adafactor` (HF's settings without a relative
   step: the lr under the job's schedule, times each tensor's RMS; no first moment, update clipping 1,
   decoupled weight decay) at ADAFACTOR: the job's weight decay, and the lr BENCHMARKS.md's sweep chose.
   `python -m bench.savers_optim LR,LR,...` trains adafactor at those lrs side by side (no adamw) and prints
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import yaml
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.driver import RankDriver
 from trainyard.parallel.plan import Plan, make_plan
+from trainyard.parallel.runtime.driver import RankDriver
 
 from bench.context import REPO, BenchContext
 from bench.perf import rotated

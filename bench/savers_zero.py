@@ -1,4 +1,4 @@
-"""Section "savers-zero": ZeRO-2 and ZeRO-3 (FSDP2, `parallel.fsdp`) against zero 0, memory and step time.
+"""Section "savers-zero": ZeRO-2 and ZeRO-3 (FSDP2, `parallel.runtime.fsdp`) against zero 0, memory and step time.
 
 Run: `python -m bench.run --only savers-zero`; spawned gloo ranks on this machine (torch alone, no Ray).
 
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.data_parallel import local_part
-from trainyard.parallel.driver import RankDriver
-from trainyard.parallel.local_world import spawn
 from trainyard.parallel.plan import Plan, make_plan
-from trainyard.parallel.trainer import RankTrainer
+from trainyard.parallel.runtime.data_parallel import local_part
+from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.local_world import spawn
+from trainyard.parallel.runtime.trainer import RankTrainer
 
 from bench.context import BenchContext
 from bench.perf import MB, RANK_TIMEOUT_S, SPEC, WARMUP_STEPS, loss_mismatch, paired_ratio, rotated, step_times

@@ -5,7 +5,7 @@ replicas per step.
 Run: `python -m bench.run --only sync` (`--case NAME` for some variants; their all-reduce references run too), or
 `python -m bench.sync [CORPUS [VARIANT ...]]` to print the rows for another text corpus without writing them;
 spawned gloo ranks (torch alone, no Ray), every variant a plan of one world of four processes
-(`parallel.local_world.run_plans`), one after the other; a few minutes on 2 cores.
+(`parallel.runtime.local_world.run_plans`), one after the other; a few minutes on 2 cores.
 
 The demo job's model and corpus (examples/demo.yaml: a 4-block byte-level GPT on examples/corpus.txt) at dp=4,
 global batch 16, STEPS steps, the same seed, so every variant sees the same samples in the same order: all-reduce,
@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.local_world import PlanRun, run_plans
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 
 from bench.context import BENCH, BenchContext
 from bench.results import Row, ratio

@@ -15,8 +15,8 @@ a token's whole row of logits and the peak should fall by about tp.
 from __future__ import annotations
 
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.local_world import PlanRun, run_plans
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 
 from bench.context import BenchContext
 from bench.results import Row, ratio
@@ -36,7 +36,7 @@ PIPELINE = {"pp": 2, "microbatches": 2, "schedule": "1f1b"}
 
 def stage_peaks_mb(layouts: dict[str, dict]) -> dict[str, list[float]]:
     """Peak saved-activation MB of each pipeline stage (tp rank 0; its peers hold the same), per layout; every
-    layout's one step in one spawned world (`parallel.local_world`)."""
+    layout's one step in one spawned world (`parallel.runtime.local_world`)."""
     plans = [make_plan(parse_spec({**SPEC, "parallel": {**PIPELINE, **parallel}}))
              for parallel in layouts.values()]
     out = {}

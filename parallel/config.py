@@ -207,9 +207,9 @@ class OptimizerConfig:
     grad_clip: Annotated[float, Ge(0), Le(1e9), NOT_BOOL] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     kind: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
-    """Which optimizer (`parallel.optimizers.OPTIMIZERS`): its update and the state it keeps per parameter.
+    """Which optimizer (`parallel.optim.kinds.OPTIMIZERS`): its update and the state it keeps per parameter.
     adamw8bit: AdamW with block-wise 8-bit moments (torchao); adafactor: factored second moments, no first
-    moment, update clipping, `lr` a step relative to each tensor's RMS (`parallel.adafactor`); sgd: SGD with
+    moment, update clipping, `lr` a step relative to each tensor's RMS (`parallel.optim.adafactor`); sgd: SGD with
     momentum `beta1` (0: plain SGD), linear in the gradient."""
     offload: bool = False
     """ZeRO-Offload: the optimizer's state lives in (pinned) host memory and its step runs on the CPU."""
@@ -228,7 +228,7 @@ class DpRange:
 @dataclass(frozen=True, kw_only=True)
 class GradCompressionConfig:
     """PowerSGD (Vogels et al. 2019) on the data-parallel reduction: each large enough gradient matrix is sent
-    as two rank-`rank` factors, with error feedback (`parallel.powersgd`)."""
+    as two rank-`rank` factors, with error feedback (`parallel.runtime.powersgd`)."""
 
     __pydantic_config__ = _STRICT
     kind: Literal["powersgd"] = "powersgd"
@@ -388,7 +388,7 @@ class PlannerNote:
 
     __pydantic_config__ = _STRICT
     chosen_automatically: bool = True
-    """The layout in `parallel` was chosen by the planner (`parallel.planner`), not written by hand."""
+    """The layout in `parallel` was chosen by the planner (`parallel.plan.planner`), not written by hand."""
     predicted_step_s: Annotated[float, Ge(0), Le(1e9), NOT_BOOL] | None = None
     """The step time the planner's cost model predicted; the job's metrics rows carry it beside the measured."""
     node_type: Annotated[str, MaxLen(256)] | None = None
@@ -421,7 +421,7 @@ class JobConfig:
     activation_offload: bool = False
     """Keep the blocks' saved activations in (pinned) host memory until backward (torch's `save_on_cpu`)."""
     parallel: ParallelConfig | Literal["auto"] = field(default_factory=ParallelConfig)
-    """The layout, or `auto`: the service's planner (`parallel.planner`) chooses one on submit and stores it."""
+    """The layout, or `auto`: the service's planner (`parallel.plan.planner`) chooses one on submit and stores it."""
     planned: PlannerNote | None = None
     """Set by the planner when it chose the layout (`parallel: auto`); null for a layout written by hand."""
     compile: bool = False

@@ -1,5 +1,5 @@
 """The measured costs `parallel: auto` plans with, as the service holds them: cached per node type in the state
-directory (`parallel.calibrate`), and measured in the background on first use, one measurement at a time. A
+directory (`parallel.runtime.calibrate`), and measured in the background on first use, one measurement at a time. A
 request never waits for a measurement (a minute of tiny training runs on 2 cores): until the costs are there,
 `parallel: auto` is answered 503 with a Retry-After (`service.errors.Calibrating`)."""
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainyard.parallel.admission import ClusterResources
+from trainyard.parallel.plan.admission import ClusterResources
 from trainyard.service.errors import Calibrating
 
 log = logging.getLogger("trainyard.calibration")
@@ -31,7 +31,7 @@ class Calibrations:
 
     def costs(self, cluster: ClusterResources):
         """The node type's `MachineCosts`; raises Calibrating (having started the measurement if none runs)."""
-        from trainyard.parallel.calibrate import cached_costs, node_type
+        from trainyard.parallel.runtime.calibrate import cached_costs, node_type
 
         known = cached_costs(self.state_dir, cluster)
         if known is not None:
@@ -55,7 +55,7 @@ class Calibrations:
     def _run(self, cluster: ClusterResources) -> None:
         measure = self._measure
         if measure is None:
-            from trainyard.parallel.calibrate import machine_costs as measure
+            from trainyard.parallel.runtime.calibrate import machine_costs as measure
         began = time.time()
         try:
             measure(self.state_dir, cluster)

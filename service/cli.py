@@ -7,7 +7,7 @@ Client commands find the server and its token in the state directory that `serve
 matplotlib (`service.plot`).
 
 Over 400 lines on purpose: one parser for every subcommand, each a short function beside its arguments, so the
-whole command line reads in one place; the work behind them lives elsewhere (`parallel.prepare`, the client).
+whole command line reads in one place; the work behind them lives elsewhere (`parallel.data.prepare`, the client).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainyard.parallel.reduction_bytes import format_reduction
-from trainyard.parallel.units import format_bytes
+from trainyard.parallel.plan.reduction_bytes import format_reduction
+from trainyard.parallel.plan.units import format_bytes
 from trainyard.service import state_dir as sd
 from trainyard.service.client import ApiError, Client
 
@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    from trainyard.parallel.prepare import PrepareOptions, default_workers
+    from trainyard.parallel.data.prepare import PrepareOptions, default_workers
 
     s = sub.add_parser("prepare", help="tokenize text, JSONL or Parquet into a dataset directory (no server needed)")
     s.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (a document each), .jsonl, .parquet, or "
@@ -217,9 +217,9 @@ def _submit(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from trainyard.api.spec import SpecError, parse_submitted_spec
     from trainyard.parallel.config import RuleError
-    from trainyard.parallel.data import open_dataset
+    from trainyard.parallel.data.datasets import open_dataset
     from trainyard.parallel.plan import make_plan
-    from trainyard.parallel.present import describe
+    from trainyard.parallel.plan.present import describe
 
     try:
         spec = read_spec_file(args.file)
@@ -250,9 +250,9 @@ def _choose(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - JobConf
     """`parallel: auto` resolved locally: a described cluster (--nodes ...) or this machine."""
     import os
 
-    from trainyard.parallel.admission import ClusterResources, NodeResources
-    from trainyard.parallel.calibrate import machine_costs
-    from trainyard.parallel.planner import choose
+    from trainyard.parallel.plan.admission import ClusterResources, NodeResources
+    from trainyard.parallel.plan.planner import choose
+    from trainyard.parallel.runtime.calibrate import machine_costs
     from trainyard.service.state_dir import resolve
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -278,7 +278,7 @@ def format_ranking(ranking: dict) -> list[str]:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from trainyard.parallel.prepare import PrepareError, PrepareOptions, prepare
+    from trainyard.parallel.data.prepare import PrepareError, PrepareOptions, prepare
 
     if args.shard_tokens < 1 or args.workers < 1:
         print("error: --shard-tokens and --workers must be at least 1", file=sys.stderr)
@@ -486,7 +486,7 @@ def _export(args: argparse.Namespace) -> int:
         metadata = f.metadata()
     (out / "config.json").write_text(json.dumps(json.loads(metadata["config"]), indent=2) + "\n")
     print(f"{path} (after step {metadata['step']}) and {out / 'config.json'}; load it with "
-          f"trainyard.parallel.export.load_exported({str(path)!r})")
+          f"trainyard.parallel.io.export.load_exported({str(path)!r})")
     return 0
 
 

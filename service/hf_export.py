@@ -1,6 +1,6 @@
 """A job's trained model as a Hugging Face directory, packed as one tar for `GET /api/jobs/{id}/model?format=hf`.
 
-Converted from the consolidated safetensors file the job's end wrote (`parallel.export.export_hf`), once,
+Converted from the consolidated safetensors file the job's end wrote (`parallel.io.export.export_hf`), once,
 beside it (`hf/` and `hf.tar`); a later request serves the same tar. The tokenizer of the job's prepared
 dataset directory (`data.path`, or a mixture's first source, holding a manifest: a mixture's sources share one
 tokenizer) goes into the directory with the weights; the path is read as training read it (`~` expanded, a
@@ -14,8 +14,8 @@ import tarfile
 import threading
 from pathlib import Path
 
-from trainyard.parallel.data import resolve_path
-from trainyard.parallel.export import export_hf
+from trainyard.parallel.data.datasets import resolve_path
+from trainyard.parallel.io.export import export_hf
 
 _lock = threading.Lock()
 ARCHIVE = "hf.tar"

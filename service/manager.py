@@ -40,9 +40,9 @@ from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.naming import coordinator_name, placement_group_name
 from trainyard.actors.state import JobStatus
 from trainyard.api.spec import parse_spec, spec_to_dict
-from trainyard.parallel import checkpoint
 from trainyard.parallel.config import JobConfig, RuleError
-from trainyard.parallel.data import open_dataset
+from trainyard.parallel.data.datasets import open_dataset
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resized
 from trainyard.service import queue
 from trainyard.service.calibration import Calibrations
@@ -68,7 +68,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 def _export_latest(config: JobConfig, root: str, out: str) -> int | None:
     """The model of a job's latest intact checkpoint (hashed) written to `out`; its step (None: no checkpoint). A
     Ray task: the service imports no torch, and hashes no checkpoint on the API's path."""
-    from trainyard.parallel.export import export_model
+    from trainyard.parallel.io.export import export_model
 
     found = checkpoint.latest_valid(Path(root), at_most=steps_logged(Path(root)))
     if found is None:
@@ -130,7 +130,7 @@ class JobManager:
         written by hand). Raises Calibrating while the costs are being measured."""
         if config.parallel != "auto":
             return config, None
-        from trainyard.parallel.planner import choose
+        from trainyard.parallel.plan.planner import choose
 
         cluster = cluster_resources()
         chosen, result = choose(config, cluster, self.calibrations.costs(cluster))

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainyard.api.spec import parse_spec, spec_to_dict
-from trainyard.parallel import checkpoint
 from trainyard.parallel.config import JobConfig
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import PlanError
 from trainyard.service.store import JobStore
 

@@ -6,17 +6,17 @@ trainer, the plan, the memory plan and tensor parallelism ask it; they never nam
 - rules: `check(config)` returns the family's own RuleErrors (the plan raises the first; the API: 422);
 - modules: `build_stage(cfg, layers, first=, last=, seed=, experts=)` builds one pipeline stage (see
   `parallel.models.decoder.DecoderStage` for what a stage offers), `feed_forward(cfg)` its dense feed-forward
-  module (one MoE expert is the stage class's `expert(cfg)`, by default the same module; `parallel.moe` is
+  module (one MoE expert is the stage class's `expert(cfg)`, by default the same module; `parallel.models.moe` is
   handed it);
 - tensor parallelism: `tensor_parallel_plan(stage, sequence_parallel=)` returns the `parallelize_module`
   plan (which projections are column- or row-parallel, which norms sequence-parallel);
-- counting (pure arithmetic, for `parallel.memory` and MFU): `param_counts`, `embed_activations`,
+- counting (pure arithmetic, for `parallel.plan.memory` and MFU): `param_counts`, `embed_activations`,
   `block_activations`, `head_activations`, `flops_per_token`; `ffn_hidden(cfg)` the feed-forward width;
 - gradients: `reduction_set(name)` says which group sums a parameter's gradient (dense, router, experts);
 - Hugging Face: `hf` is the family's `parallel/models/<family>/hf.py` module, imported on first use.
 
 A family object imports torch only inside the methods that build modules, so `parallel.plan` and
-`parallel.memory` stay free of torch.
+`parallel.plan.memory` stay free of torch.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class ModelFamily(ABC):
         return 6 * active + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
     def reduction_set(self, name: str) -> ReductionSet:
-        """Which ranks sum a parameter's gradient (see `parallel.moe`): dense parameters over dp, an MoE
+        """Which ranks sum a parameter's gradient (see `parallel.models.moe`): dense parameters over dp, an MoE
         router over its whole stage, experts over the ranks holding the same experts."""
         if ".moe.router." in name:
             return "router"

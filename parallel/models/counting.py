@@ -1,6 +1,6 @@
 """The vocabulary the families count their memory in: byte sizes, parameter counts, one micro-batch's shapes.
 
-Shared by `parallel.memory` (which walks a rank's chunks and schedule) and each family's own counting
+Shared by `parallel.plan.memory` (which walks a rank's chunks and schedule) and each family's own counting
 (`parallel.models.<family>.counts`, which knows what its modules hold and save). Pure arithmetic: no torch.
 """
 
@@ -68,7 +68,7 @@ def kept_fraction(m: ModelConfig) -> float:
 
 def moe_routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
     """(routed (token, expert) rows on this rank, bytes the router keeps); the same in every family
-    (`parallel.moe` routes alike whatever the experts are)."""
+    (`parallel.models.moe` routes alike whatever the experts are)."""
     moe = m.moe
     routed = s.tokens // s.tp  # each tp rank routes its slice of every sequence
     rows = math.ceil(routed * moe.top_k * kept_fraction(m))  # (token, expert) pairs, balanced over ep

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.moe import MoELayer
+from trainyard.parallel.models.moe import MoELayer
 from trainyard.parallel.seeds import derive_seed
 
 
@@ -100,7 +100,7 @@ class DecoderStage(nn.Module):
         self.recompute_blocks = False
         self.offload_blocks = False
         self.compiled_blocks = False
-        """Set by `parallel.compile.compile_blocks`."""
+        """Set by `parallel.runtime.compile.compile_blocks`."""
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """none, full (recompute each block in backward: only block inputs are kept) or selective (each

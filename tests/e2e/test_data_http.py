@@ -5,7 +5,7 @@ import shutil
 import pytest
 from data_helpers import bpe_tokenizer
 from helpers import REPO, tiny_spec
-from trainyard.parallel.prepare import prepare
+from trainyard.parallel.data.prepare import prepare
 
 
 @pytest.fixture(scope="module")

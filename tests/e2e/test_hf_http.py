@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from helpers import tiny_spec, wait_terminal
 from hf_tiny import tiny_gpt2
 from trainyard.api.spec import parse_submitted_spec
-from trainyard.parallel.data import global_batch_ids, load_batch, open_dataset
-from trainyard.parallel.export import load_exported
+from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
+from trainyard.parallel.io.export import load_exported
 from trainyard.service.cli import main as cli
 
 

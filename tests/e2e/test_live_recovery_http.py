@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
-from trainyard.parallel.export import MODEL_FILE
+from trainyard.parallel.io.export import MODEL_FILE
 
 SPEC = tiny_spec(steps=24, parallel={"dp": 2}, name="live")  # no fault section, no checkpoint section
 STEPS, EVERY, KILLED = 24, 8, 2

@@ -48,7 +48,7 @@ def test_a_job_the_restart_queued_again_and_then_stopped_keeps_its_trained_model
     its step and rows there. It used to end STOPPED at the store's step with no model ("stopped before finishing
     a step")."""
     from helpers import wait_terminal
-    from trainyard.parallel.export import exported_config
+    from trainyard.parallel.io.export import exported_config
 
     svc = start_service(tmp_path)
     try:

@@ -21,8 +21,8 @@ import ray
 import torch
 from helpers import REPO, tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
-from trainyard.parallel import checkpoint
-from trainyard.parallel.export import MODEL_FILE
+from trainyard.parallel.io import checkpoint
+from trainyard.parallel.io.export import MODEL_FILE
 from trainyard.service.client import ApiError, Client
 from trainyard.service.demo import stop, wait_ready
 from trainyard.service.ray_runtime import descendants

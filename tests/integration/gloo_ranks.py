@@ -1,4 +1,4 @@
-"""The gloo tests' short names for `parallel.local_world`: a plan's ranks as local processes (torch.distributed
+"""The gloo tests' short names for `parallel.runtime.local_world`: a plan's ranks as local processes (torch.distributed
 alone, no Ray), each a `RankDriver`; several plans in one spawned world with `run_plans`."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from trainyard.parallel.local_world import PlanRun, RankResult, run_plan, run_plans, spawn
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.local_world import PlanRun, RankResult, run_plan, run_plans, spawn
 
 K = TypeVar("K")
 

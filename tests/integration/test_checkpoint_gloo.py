@@ -11,7 +11,7 @@ import pytest
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.checkpoint import step_dir
+from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import make_plan
 
 STEPS = 6

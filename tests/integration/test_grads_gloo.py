@@ -19,11 +19,11 @@ from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import GradCompressionConfig
-from trainyard.parallel.data_parallel import make_reducer
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.powersgd import PowerSGD
-from trainyard.parallel.reduction_bytes import reduction_bytes
-from trainyard.parallel.sharding import sharding_for
+from trainyard.parallel.plan.reduction_bytes import reduction_bytes
+from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.runtime.data_parallel import make_reducer
+from trainyard.parallel.runtime.powersgd import PowerSGD
 
 FULL = {"kind": "powersgd", "rank": 64, "min_compression_rate": 0}
 """Rank above every matrix's smaller side, and every matrix compressed: the approximation is exact."""
@@ -40,7 +40,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def use_aot_eager() -> None:
     import torch._dynamo
-    import trainyard.parallel.compile as compile_
+    import trainyard.parallel.runtime.compile as compile_
 
     compile_.BACKEND = "aot_eager"
     # Each plan compiles as a fresh rank process would: else a block of other sizes than the last plan's is a

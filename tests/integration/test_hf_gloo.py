@@ -15,10 +15,10 @@ from gloo_ranks import PlanRun, run_plans
 from helpers import tiny_spec
 from hf_tiny import tiny_gpt2, tiny_llama
 from trainyard.api.spec import parse_submitted_spec
-from trainyard.parallel import checkpoint
-from trainyard.parallel.data import global_batch_ids, load_batch, open_dataset
-from trainyard.parallel.driver import RankDriver
+from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.runtime.driver import RankDriver
 
 LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2}
 ATOL = 1e-5
@@ -60,7 +60,7 @@ class _CountingOpen:
 
 def _count_reads() -> None:
     """Before a rank's driver (and so its trainer, which reads init_from.hf) is built: count what it reads."""
-    from trainyard.parallel import hf_checkpoint
+    from trainyard.parallel.io import hf_checkpoint
 
     hf_checkpoint.safe_open = _CountingOpen
     _CountingOpen.read.clear()
@@ -68,7 +68,7 @@ def _count_reads() -> None:
 
 def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
     """What the rank read of the checkpoint, what it holds, and its two steps' losses."""
-    from trainyard.parallel.data_parallel import local_part
+    from trainyard.parallel.runtime.data_parallel import local_part
 
     read = sum(n for _, n in _CountingOpen.read)
     held = sum(local_part(p).numel() for chunk in driver.trainer.chunks for p in chunk.parameters())
@@ -123,7 +123,7 @@ def test_each_rank_reads_only_its_own_blocks(world, name):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_the_state_trained_at_3d_exports_to_transformers(world, name):
-    from trainyard.parallel.export import export_hf, export_model, load_exported
+    from trainyard.parallel.io.export import export_hf, export_model, load_exported
     from transformers import AutoModelForCausalLM
 
     _, configs, per_rank, root = world

@@ -16,7 +16,7 @@ import pytest
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.checkpoint import step_dir
+from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import Plan, make_plan
 
 STEPS = 3

@@ -21,7 +21,7 @@ from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
-from trainyard.parallel.moe import MoEContext, MoELayer
+from trainyard.parallel.models.moe import MoEContext, MoELayer
 from trainyard.parallel.plan import make_plan
 
 EP, B, T = 2, 3, 8

@@ -2,7 +2,7 @@
 placement) follow the single rank's losses and gradient norms within 1e-4 per step (the norm checks the
 gradients themselves, which AdamW's first steps would mostly hide), alone and composed with dp, tp, sp, ZeRO-1
 and recomputation. One spawned world of 8 ranks runs the reference and every layout in turn, with the rank
-driver the workers run (`parallel.driver`), so this is the numerics the service runs.
+driver the workers run (`parallel.runtime.driver`), so this is the numerics the service runs.
 
 (MoE with ep under zb-h1 is in test_moe_gloo.py, beside its single-rank MoE reference.)
 """
@@ -15,8 +15,8 @@ from gloo_ranks import last_stage_losses, run_named
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.schedule_sim import simulate
-from trainyard.parallel.schedules import placement_of
+from trainyard.parallel.plan.schedule_sim import simulate
+from trainyard.parallel.plan.schedules import placement_of
 
 LAYOUTS = {  # global batch 16 over 4 blocks
     "zb-h1 pp4 dp2 m8": ({"pp": 4, "dp": 2, "microbatches": 8, "schedule": "zb-h1"}, {}),

@@ -1,4 +1,5 @@
-"""ZeRO-2 and ZeRO-3 (FSDP2, `parallel.fsdp`) on real gloo ranks (no Ray), with the driver the service's workers run.
+"""ZeRO-2 and ZeRO-3 (FSDP2, `parallel.runtime.fsdp`) on real gloo ranks (no Ray), with the driver the service's
+workers run.
 
 One spawned world of 8 processes runs every plan in turn: zero=2 and zero=3 at (dp2, pp2, tp2, sp, 1f1b), at
 (pp2, vpp2, dp2, interleaved-1f1b) and, for MoE, at (dp2, ep2) with full recompute, each against the one-rank
@@ -15,9 +16,9 @@ import pytest
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import REPO, tiny_spec
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.checkpoint import step_dir
+from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import Plan, make_plan
-from trainyard.parallel.reduction_bytes import reduction_bytes
+from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 
 STEPS = 2
 MODEL = {"n_layer": 4, "n_head": 2, "d_model": 32}

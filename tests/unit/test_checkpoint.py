@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from trainyard.parallel import checkpoint
+from trainyard.parallel.io import checkpoint
 
 
 def write(root: Path, step: int) -> Path:

@@ -10,7 +10,7 @@ import torch
 from data_helpers import bpe_tokenizer, word_tokenizer
 from helpers import REPO, tiny_spec
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.data import (
+from trainyard.parallel.data.datasets import (
     IGNORE,
     DatasetError,
     counted_targets,
@@ -20,8 +20,8 @@ from trainyard.parallel.data import (
     rank_share,
     validation_batches,
 )
+from trainyard.parallel.data.prepare import PrepareOptions, prepare
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.prepare import PrepareOptions, prepare
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`parallel.dynamo_free`: the trainer's optimizers build and step without importing torch._dynamo (1.1 s of every
+"""`parallel.optim.dynamo_free`: the trainer's optimizers build and step without importing torch._dynamo (1.1 s of every
 rank process's CPU), and give torch's optimizers' bits, before dynamo is imported and after (then torch's own
 wrappers run). In a fresh interpreter: the test process has imported dynamo long before."""
 
@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import sys
 import torch
-from trainyard.parallel import dynamo_free
-from trainyard.parallel.adafactor import Adafactor
+from trainyard.parallel.optim import dynamo_free
+from trainyard.parallel.optim.adafactor import Adafactor
 
 def run(make, steps=4):
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ from helpers import tiny_spec
 from trainyard.api.spec import SpecError, parse_spec
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan import PlanError, make_plan
-from trainyard.parallel.present import describe
-from trainyard.parallel.reduction_bytes import approximation_rank
+from trainyard.parallel.plan.present import describe
+from trainyard.parallel.plan.reduction_bytes import approximation_rank
 
 
 def test_spec_reads_grad_compression_and_compile():

@@ -13,11 +13,12 @@ from hf_tiny import tiny_gpt2, tiny_llama, tiny_mixtral
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from trainyard.api.spec import parse_spec, parse_submitted_spec
-from trainyard.parallel import hf_checkpoint, hf_mapping
 from trainyard.parallel.config import RuleError
-from trainyard.parallel.export import export_hf, load_exported
-from trainyard.parallel.hf_spec import adapter_for_family, model_fields
-from trainyard.parallel.model import full_model
+from trainyard.parallel.io import hf_checkpoint
+from trainyard.parallel.io.export import export_hf, load_exported
+from trainyard.parallel.io.hf_spec import adapter_for_family, model_fields
+from trainyard.parallel.models import hf_mapping
+from trainyard.parallel.models.whole import full_model
 
 BUILDERS = {"gpt2-tied": lambda d: tiny_gpt2(d), "gpt2-untied": lambda d: tiny_gpt2(d, tied=False),
             "llama-gqa-untied": lambda d: tiny_llama(d), "llama-tied": lambda d: tiny_llama(d, tied=True),
@@ -110,7 +111,7 @@ def test_exported_model_loads_in_transformers_with_equal_logits(kind, tmp_path):
 
 
 def save_exported(model, cfg, path) -> None:
-    """`model` as trainyard's export writes it (parallel.export.export_model)."""
+    """`model` as trainyard's export writes it (parallel.io.export.export_model)."""
     save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(path),
               metadata={"config": json.dumps(asdict(cfg)), "step": "1"})
 

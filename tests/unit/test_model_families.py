@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from trainyard.parallel.config import ModelConfig, MoEConfig, RopeScalingConfig
-from trainyard.parallel.model import full_model
+from trainyard.parallel.models.whole import full_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 TOL = 1e-5

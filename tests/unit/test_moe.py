@@ -8,9 +8,9 @@ import torch
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import ModelConfig, MoEConfig
-from trainyard.parallel.model import GPTStage, full_model
 from trainyard.parallel.models import family_of
-from trainyard.parallel.moe import MoELayer, capacity
+from trainyard.parallel.models.moe import MoELayer, capacity
+from trainyard.parallel.models.whole import GPTStage, full_model
 
 E, D, T = 4, 4, 8
 

@@ -2,7 +2,7 @@
 
 import pytest
 from trainyard.parallel.config import OptimizerConfig
-from trainyard.parallel.optim import lr_at
+from trainyard.parallel.optim.optimizer import lr_at
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -16,8 +16,8 @@ def test_warmup_then_cosine_to_min_lr():
 
 def test_the_optimizer_registry_knows_adamws_state_and_builds_it():
     import torch
-    from trainyard.parallel.optim import make_optimizer
-    from trainyard.parallel.optimizers import OPTIMIZERS, optimizer_kind
+    from trainyard.parallel.optim.kinds import OPTIMIZERS, optimizer_kind
+    from trainyard.parallel.optim.optimizer import make_optimizer
 
     cfg = OptimizerConfig(lr=0.5)
     kind = optimizer_kind(cfg)
@@ -31,7 +31,7 @@ def test_the_optimizer_registry_knows_adamws_state_and_builds_it():
     state = optimizer.state[weight]
     assert set(kind.state) == {k for k, t in state.items() if t.dim() > 0}
     assert kind.state_bytes(weight.numel()) == sum(state[k].numel() * state[k].element_size() for k in kind.state)
-    from trainyard.parallel.optimizer_states import empty_state
+    from trainyard.parallel.optim.states import empty_state
 
     empty = empty_state(kind, optimizer, weight)
     assert set(empty) == set(state) and all(not t.any() for t in empty.values())

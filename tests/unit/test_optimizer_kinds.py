@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainyard.parallel.adafactor import Adafactor
 from trainyard.parallel.config import OptimizerConfig
-from trainyard.parallel.optimizer_states import export, load, tensor_bytes
-from trainyard.parallel.optimizers import ADAFACTOR, ADAMW, ADAMW8BIT, OPTIMIZERS, SGD
-from trainyard.parallel.train_optimizer import TrainOptimizer
+from trainyard.parallel.optim.adafactor import Adafactor
+from trainyard.parallel.optim.kinds import ADAFACTOR, ADAMW, ADAMW8BIT, OPTIMIZERS, SGD
+from trainyard.parallel.optim.states import export, load, tensor_bytes
+from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
 
 
 def _param(shape: tuple[int, ...], seed: int = 0) -> torch.nn.Parameter:
@@ -194,8 +194,8 @@ def test_tensor_bytes_counts_what_a_tensor_subclass_holds():
 def test_the_memory_plan_splits_device_and_host_bytes():
     from helpers import tiny_spec
     from trainyard.api.spec import parse_spec
-    from trainyard.parallel.memory import estimate
     from trainyard.parallel.plan import make_plan
+    from trainyard.parallel.plan.memory import estimate
 
     def memory(**kw):
         config = parse_spec(tiny_spec(**kw))

@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
-from trainyard.parallel.model import GPTStage, full_model
-from trainyard.parallel.pipeline import HANDLERS, PipelineExecutor, UnsupportedAction, _SavedTensorMeter
-from trainyard.parallel.schedules import Action, ActionKind, build_schedule
-from trainyard.parallel.split_backward import backward_input, backward_weight
+from trainyard.parallel.models.whole import GPTStage, full_model
+from trainyard.parallel.plan.schedules import Action, ActionKind, build_schedule
+from trainyard.parallel.runtime.pipeline import HANDLERS, PipelineExecutor, UnsupportedAction, _SavedTensorMeter
+from trainyard.parallel.runtime.split_backward import backward_input, backward_weight
 
 CFG = parse_spec(tiny_spec(model={"n_layer": 4})).model
 

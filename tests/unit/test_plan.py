@@ -14,7 +14,7 @@ from trainyard.parallel.plan import (
     make_plan,
     split_layers,
 )
-from trainyard.parallel.present import describe
+from trainyard.parallel.plan.present import describe
 
 
 def grid_plan(dp: int, pp: int, tp: int) -> Plan:

@@ -14,7 +14,7 @@ from trainyard.actors.controller import Controller
 from trainyard.actors.journal import append_metrics_log, steps_logged
 from trainyard.actors.storage import JobStorage
 from trainyard.api.spec import parse_spec
-from trainyard.parallel import checkpoint
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 
 

@@ -6,8 +6,8 @@ from typing import get_args
 
 import pytest
 from trainyard.parallel.config import ScheduleKind
-from trainyard.parallel.schedule_sim import Costs, render_gantt, simulate
-from trainyard.parallel.schedules import (
+from trainyard.parallel.plan.schedule_sim import Costs, render_gantt, simulate
+from trainyard.parallel.plan.schedules import (
     SCHEDULE_KINDS,
     Action,
     ActionKind,

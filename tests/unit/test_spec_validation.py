@@ -3,7 +3,7 @@
 import pytest
 from helpers import REPO, tiny_spec
 from trainyard.api.spec import SPEC_ADAPTER, SpecError, load_spec_text, parse_spec, parse_submitted_spec
-from trainyard.parallel.data import DatasetError, open_dataset
+from trainyard.parallel.data.datasets import DatasetError, open_dataset
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 
 ARCHITECTURE_EXAMPLE = """

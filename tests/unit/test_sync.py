@@ -8,8 +8,13 @@ from helpers import tiny_spec
 from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import SyncConfig
 from trainyard.parallel.plan import PlanError, make_plan
-from trainyard.parallel.present import describe
-from trainyard.parallel.sync import averages_optimizer_state, cross_replica_bytes, syncs_after, syncs_before_save
+from trainyard.parallel.plan.present import describe
+from trainyard.parallel.runtime.sync import (
+    averages_optimizer_state,
+    cross_replica_bytes,
+    syncs_after,
+    syncs_before_save,
+)
 
 
 def test_replicas_synchronise_every_h_steps_and_after_the_last():
@@ -76,7 +81,7 @@ def test_a_checkpoint_interval_of_the_steps_or_more_need_not_divide_by_the_sync_
 def test_a_checkpoint_says_whether_it_holds_the_outer_momentum(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
-    from trainyard.parallel.sync import saved_outer_state
+    from trainyard.parallel.runtime.sync import saved_outer_state
 
     weights = {"h.0.w": torch.ones(2)}
     dcp.save({"model": weights}, checkpoint_id=tmp_path / "allreduce", no_dist=True)

@@ -8,8 +8,8 @@ placed, and runs both through our simulator under forward 1, input-backward 1, w
 
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
-from trainyard.parallel.schedule_sim import Costs, simulate
-from trainyard.parallel.schedules import (
+from trainyard.parallel.plan.schedule_sim import Costs, simulate
+from trainyard.parallel.plan.schedules import (
     ActionKind,
     ScheduleError,
     build_schedule,

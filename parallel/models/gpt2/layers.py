@@ -1,6 +1,6 @@
 """GPT-2's dense building blocks: causal self-attention (with biases) and the GELU MLP.
 
-The MLP is also what an MoE block's experts are in this family (`parallel.moe` asks the family).
+The MLP is also what an MoE block's experts are in this family (`parallel.models.moe` asks the family).
 
 Selective activation checkpointing (`recompute = True`, set by `set_activation_checkpointing`) recomputes
 in backward what is large to keep and cheap to compute again, with torch's non-reentrant `checkpoint`: the

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from trainyard.parallel.config import ModelConfig, RuleError
-from trainyard.parallel.hf_mapping import Source, hf_bool
+from trainyard.parallel.models.hf_mapping import Source, hf_bool
 
 FAMILY = "llama"
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")

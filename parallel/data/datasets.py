@@ -1,0 +1,340 @@
+"""Datasets and the layout-independent sampler.
+
+A dataset maps a sample id to `seq_len + 1` token ids (inputs and shifted targets). The sampler picks
+the sample ids of step s's global batch from (seed, step) alone, so every layout trains on the same
+sequences in the same steps; `rank_share` cuts the global batch into a data-parallel rank's micro-batches,
+and a worker reads only the samples it is given.
+
+- synthetic: seeded random tokens, one generator per sample id (for benchmarks; nothing to learn).
+- text: a UTF-8 file read as bytes (byte-level tokens, vocab 256); sample id = start offset.
+- tokens: a flat binary of uint16/uint32 token ids (nanoGPT's train.bin), memory-mapped, or a directory
+  `trainyard prepare` wrote (`parallel.data.token_dir`: its shards read as one stream, dtype and vocabulary from
+  its manifest, and for chat data a loss mask).
+- a mixture (`data.sources`): the sample id space [0, MIXTURE_SPACE) is cut into one range per source,
+  sized by weight; id u falls in source k's range and picks the sample at the same relative place in
+  source k. The sampler is unchanged (uniform ids from (seed, step)), so a mixture's samples are as
+  layout-independent as one dataset's, and source k is drawn with probability weight_k / sum of weights.
+
+Loss mask: a chat dataset's target at a masked position (a prompt or user token) is -100, which the
+stages' summed cross-entropy ignores; `counted_targets` is the number of targets that count in a set of
+samples, which the trainer divides the loss by (the global batch's, derived from its sample ids: the same
+number on every rank and layout, with no communication).
+
+Validation: `data.val_path` when given (a file or directory; a mixture then validates on it alone); else,
+with eval on, the last VAL_FRACTION of the tokens of `path`, or of each source of a mixture (the same mixture
+over the held-out tails), none of which is trained on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.data.token_dir import DTYPES, Manifest, Segments, check_directory, open_streams
+from trainyard.parallel.seeds import derive_seed
+
+if TYPE_CHECKING:
+    import torch
+    from trainyard.parallel.plan import Plan
+
+# torch is imported where a tensor is made (in the ranks), not here: the service opens datasets to check a job at
+# submit, and must not pay torch's import for that.
+
+
+class DatasetError(RuleError):
+    """A dataset that is missing or does not fit the model (e.g. a token id >= vocab_size)."""
+
+
+IGNORE = -100
+"""The target of a position the loss does not count (torch's cross_entropy ignore_index)."""
+MIXTURE_SPACE = 2**48
+"""Sample ids of a mixture: far more than any source's samples, so each source's range maps onto its samples
+evenly (a sample is drawn at most one id more often than another, in ranges of ~2**48 ids)."""
+
+
+@dataclass
+class TokenDataset:
+    """Sample i is tokens[i : i + seq_len + 1] of one flat array (a memory map for files)."""
+
+    tokens: np.ndarray | Segments
+    seq_len: int
+    vocab_size: int
+    source: str
+    mask: np.ndarray | Segments | None = None
+    """Chat data: 1 where a token counts in the loss (as a target), 0 where it does not."""
+    field: str = "data.path"
+    """The spec field naming this data, for errors."""
+    manifest: Manifest | None = None
+    """A prepared directory's manifest."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.tokens) - self.seq_len
+
+    def sample(self, i: int) -> torch.Tensor:
+        import torch
+
+        window = torch.from_numpy(np.asarray(self.tokens[i : i + self.seq_len + 1], dtype=np.int64))
+        bad = window >= self.vocab_size
+        if bad.any():
+            raise DatasetError(self.field, f"{self.source} holds token id {int(window[bad][0])} at offset "
+                                           f"{i + int(bad.nonzero()[0, 0])}, outside vocab_size={self.vocab_size}")
+        return window
+
+    def target_mask(self, i: int) -> torch.Tensor | None:
+        """Which of sample i's seq_len targets count in the loss (None: all of them)."""
+        if self.mask is None:
+            return None
+        import torch
+
+        return torch.from_numpy(np.asarray(self.mask[i + 1 : i + self.seq_len + 1], dtype=np.bool_))
+
+
+@dataclass
+class SyntheticDataset:
+    seed: int
+    seq_len: int
+    vocab_size: int
+    num_samples: int = 1 << 30
+
+    def sample(self, i: int) -> torch.Tensor:
+        import torch
+
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "synthetic", i))
+        return torch.randint(self.vocab_size, (self.seq_len + 1,), generator=gen)
+
+    def target_mask(self, i: int) -> None:
+        return None
+
+
+@dataclass
+class MixtureDataset:
+    """Several token datasets drawn from by weight (see the module docstring)."""
+
+    parts: list[TokenDataset]
+    weights: list[float]
+    bounds: list[int] = field(init=False)
+    """Source k's ids are [bounds[k], bounds[k + 1])."""
+    num_samples: int = MIXTURE_SPACE
+
+    def __post_init__(self) -> None:
+        total, running, self.bounds = sum(self.weights), 0.0, [0]
+        for w in self.weights:
+            running += w
+            self.bounds.append(round(MIXTURE_SPACE * running / total))
+        self.bounds[-1] = MIXTURE_SPACE
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(source, sample id in it) of mixture sample id i."""
+        k = bisect.bisect_right(self.bounds, i) - 1
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        return k, (i - lo) * self.parts[k].num_samples // (hi - lo)
+
+    def sample(self, i: int) -> torch.Tensor:
+        k, j = self.locate(i)
+        return self.parts[k].sample(j)
+
+    def target_mask(self, i: int) -> torch.Tensor | None:
+        k, j = self.locate(i)
+        return self.parts[k].target_mask(j)
+
+    @property
+    def has_mask(self) -> bool:
+        return any(p.mask is not None for p in self.parts)
+
+
+Dataset = TokenDataset | SyntheticDataset | MixtureDataset
+
+
+VAL_FRACTION = 0.05
+"""With eval on and no `data.val_path`, the last 5% of a text or tokens file (or directory, or each source of a
+mixture) is held out for validation."""
+
+
+def resolve_path(path: str) -> Path:
+    return Path(os.path.expanduser(path)).resolve()
+
+
+def open_dataset(config: JobConfig, split: str = "train") -> Dataset:
+    """Open (memory-map) the job's training or validation data; raises DatasetError naming the field when it
+    is unusable. Validation data is `data.val_path`, else (with eval on) the tail the training split leaves
+    out; synthetic data draws validation sequences from their own seed stream."""
+    data, seq_len, vocab = config.data, config.model.seq_len, config.model.vocab_size
+    if data.kind == "synthetic":
+        return SyntheticDataset(seed=derive_seed(config.seed, "validation") if split == "val" else config.seed,
+                                seq_len=seq_len, vocab_size=vocab)
+    if data.sources is not None and data.path is not None:
+        raise DatasetError("data.sources", "give data.path or data.sources, not both")
+    if data.sources is not None and data.kind != "tokens":
+        raise DatasetError("data.sources", f"a mixture of sources is for data.kind=tokens, not {data.kind}")
+    held_out = not data.val_path and config.eval.every > 0
+    if split == "val" and data.val_path:
+        val = _open_one(config, "data.val_path", data.val_path, None)
+        if val.manifest is not None:  # a prepared directory: its ids mean what the training data's mean (only
+            # their manifests are read: the training data itself is opened, and checked, by its own call)
+            training = [(name, str(resolve_path(p)), _manifest_or_none(resolve_path(p)))
+                        for name, p in _training_paths(config)]
+            _same_tokenizer([*training, (val.field, val.source, val.manifest)])
+        return val
+    if data.sources is None:
+        assert data.path is not None
+        return _open_one(config, "data.path", data.path, split if held_out else None)
+    parts = [_open_one(config, name, p, split if held_out else None) for name, p in _training_paths(config)]
+    _same_tokenizer([(p.field, p.source, p.manifest) for p in parts])
+    return MixtureDataset(parts, [s.weight for s in data.sources])
+
+
+def _training_paths(config: JobConfig) -> list[tuple[str, str]]:
+    """(field, path) of each training source: data.path, or each of data.sources."""
+    data = config.data
+    if data.sources is None:
+        return [("data.path", data.path)] if data.path is not None else []
+    return [(f"data.sources.{k}.path", s.path) for k, s in enumerate(data.sources)]
+
+
+def _manifest_or_none(path: Path) -> Manifest | None:
+    """The manifest of a prepared directory; None for a file, or one whose manifest its own opening reports."""
+    try:
+        return Manifest.read(path) if path.is_dir() else None
+    except ValueError:
+        return None
+
+
+def _open_one(config: JobConfig, field: str, path_text: str, split: str | None) -> TokenDataset:
+    """One file or directory; `split` (train or val) cuts off or keeps the held-out tail, None keeps all."""
+    path, seq_len = resolve_path(path_text), config.model.seq_len
+    tokens, mask, manifest = _read_tokens(config, field, path)
+    if split is not None:
+        cut = int(len(tokens) * (1 - VAL_FRACTION))
+        a, b = (cut, len(tokens)) if split == "val" else (0, cut)
+        tokens, mask = _part(tokens, a, b), (_part(mask, a, b) if mask is not None else None)
+    ds = TokenDataset(tokens=tokens, seq_len=seq_len, vocab_size=config.model.vocab_size, source=str(path),
+                      mask=mask, field=field, manifest=manifest)
+    if ds.num_samples < 1:
+        what = f"its {split} split holds" if split is not None else "holds"
+        raise DatasetError(field, f"{path} {what} {len(tokens)} tokens; seq_len={seq_len} needs at least "
+                                  f"{seq_len + 1}")
+    return ds
+
+
+def _part(array: np.ndarray | Segments, a: int, b: int) -> np.ndarray | Segments:
+    return array.sub(a, b) if isinstance(array, Segments) else array[a:b]
+
+
+def _read_tokens(config: JobConfig, field: str, path: Path
+                 ) -> tuple[np.ndarray | Segments, Segments | None, Manifest | None]:
+    data = config.data
+    if path.is_dir() and data.kind == "tokens":
+        return _read_directory(config, field, path)
+    if path.is_dir():  # kind text (a directory of tokens was read above)
+        raise DatasetError(field, f"{path} is a directory; data.kind: text reads one file of bytes (a `trainyard "
+                                  "prepare` directory is data.kind: tokens)")
+    if not path.is_file():
+        raise DatasetError(field, f"file not found: {path}")
+    if data.kind == "text":
+        return (np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)), None, None
+    itemsize = np.dtype(DTYPES[data.dtype]).itemsize
+    if path.stat().st_size % itemsize:
+        raise DatasetError("data.dtype", f"{path} is {path.stat().st_size} bytes, not a whole number of "
+                                         f"{data.dtype} token ids")
+    if not path.stat().st_size:  # numpy cannot map an empty file; _open_one says it holds too few tokens
+        return np.zeros(0, DTYPES[data.dtype]), None, None
+    return np.memmap(path, dtype=DTYPES[data.dtype], mode="r"), None, None
+
+
+def _read_directory(config: JobConfig, field: str, path: Path) -> tuple[Segments, Segments | None, Manifest]:
+    """A `trainyard prepare` directory, checked against the model: its files are there and its vocabulary fits."""
+    found = check_directory(path)
+    if isinstance(found, str):
+        raise DatasetError(field, found)
+    vocab = config.model.vocab_size
+    if found.vocab_size > vocab:
+        raise DatasetError(field, f"{path} was tokenized with a vocabulary of {found.vocab_size} ids, more than "
+                                  f"model.vocab_size={vocab}: set model.vocab_size >= {found.vocab_size}")
+    tokens, mask = open_streams(path, found)
+    return tokens, mask, found
+
+
+def _same_tokenizer(parts: list[tuple[str, str, Manifest | None]]) -> None:
+    """The sources (field, path, manifest) of a mixture (and `data.val_path`) that are prepared directories come
+    from one tokenizer (ids mean the same)."""
+    prepared = [p for p in parts if p[2] is not None]
+    if not prepared:
+        return
+    first_name, first_source, first = prepared[0]
+    for name, source, manifest in prepared[1:]:
+        if manifest.tokenizer["sha256"] != first.tokenizer["sha256"]:
+            raise DatasetError(name, f"{source} was tokenized with another tokenizer than {first_source} "
+                                      f"({first_name}): their token ids do not mean the same")
+
+
+def has_loss_mask(ds: Dataset) -> bool:
+    return (isinstance(ds, MixtureDataset) and ds.has_mask) or (isinstance(ds, TokenDataset) and ds.mask is not None)
+
+
+def counted_targets(ds: Dataset, ids: list[int]) -> int:
+    """How many targets of these samples count in the loss (all seq_len of each without a loss mask)."""
+    seq_len = ds.parts[0].seq_len if isinstance(ds, MixtureDataset) else ds.seq_len
+    if not has_loss_mask(ds):
+        return len(ids) * seq_len
+    total = 0
+    for i in ids:
+        m = ds.target_mask(i)
+        total += seq_len if m is None else int(m.sum())
+    return total
+
+
+def step_counted_targets(config: JobConfig, ds: Dataset, step: int) -> int:
+    """The targets that count in step `step`'s global batch: what every rank divides its loss by."""
+    return counted_targets(ds, global_batch_ids(config.seed, step, config.global_batch, ds.num_samples))
+
+
+def validation_batches(config: JobConfig, num_samples: int) -> list[list[int]]:
+    """The sample ids of each validation batch (`eval.batches` of global_batch sequences): spread evenly over
+    the validation data and the same at every evaluation, so val_loss is comparable across steps."""
+    count = config.eval.batches * config.global_batch
+    ids = [i * num_samples // count for i in range(count)] if num_samples >= count else \
+        [i % num_samples for i in range(count)]
+    return [ids[b * config.global_batch:(b + 1) * config.global_batch] for b in range(config.eval.batches)]
+
+
+def global_batch_ids(seed: int, step: int, global_batch: int, num_samples: int) -> list[int]:
+    """Sample ids of step `step`'s global batch: a function of (seed, step) only."""
+    import torch
+
+    gen = torch.Generator().manual_seed(derive_seed(seed, "batch", step))
+    return torch.randint(num_samples, (global_batch,), generator=gen).tolist()
+
+
+def step_microbatches(plan: Plan, rank: int, step: int, num_samples: int) -> list[list[int]]:
+    """The sample ids of `rank`'s micro-batches in step `step`: its data-parallel share of the global batch
+    (what the coordinator sends the rank; it computes the global batch once for all ranks)."""
+    cfg = plan.config
+    ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
+    return rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches)
+
+
+def rank_share(ids: list[int], dp_rank: int, dp: int, microbatches: int) -> list[list[int]]:
+    """The micro-batches of data-parallel rank `dp_rank`: a contiguous slice of the global batch, split evenly."""
+    per_rank = len(ids) // dp
+    mine = ids[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    size = per_rank // microbatches
+    return [mine[i * size : (i + 1) * size] for i in range(microbatches)]
+
+
+def load_batch(ds: Dataset, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (len(ids), seq_len) int64; targets the loss does not count are IGNORE."""
+    import torch
+
+    seqs = torch.stack([ds.sample(i) for i in ids])
+    inputs, targets = seqs[:, :-1], seqs[:, 1:]
+    if has_loss_mask(ds):
+        masks = [ds.target_mask(i) for i in ids]
+        counted = torch.stack([torch.ones(targets.shape[1], dtype=torch.bool) if m is None else m for m in masks])
+        targets = targets.masked_fill(~counted, IGNORE)
+    return inputs, targets

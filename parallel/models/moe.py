@@ -1,0 +1,229 @@
+"""Mixture-of-experts layers: top-k routing, capacity, the auxiliary losses, and expert parallelism.
+
+`MoELayer` takes the place of the MLP in every `moe.every`-th block. A bias-free router scores the
+experts of each token; the token goes to its `top_k` best, and their softmax probabilities, renormalised
+over the chosen k, weigh the experts' outputs. Experts are the model family's expert module (its stage class's `expert`:
+gpt2's GELU MLP, llama's SwiGLU), held in a ModuleDict keyed by their *global* index, so a parameter is named
+`blocks.3.moe.experts.5.fc.weight` on every layout and a rank holds only the experts it hosts.
+
+Layout independence. Which tokens an expert keeps is decided within a routing group that is the same in
+every layout: one sequence. With `capacity_factor` set, expert e keeps at most
+ceil(capacity_factor x seq_len x top_k / experts) of a sequence's tokens, earlier positions first; a token
+over the cap skips that expert (its other choices still count, and the block's residual carries it).
+`capacity_factor: null` keeps every token (dropless). The auxiliary losses are computed per sequence too and
+normalised like the token loss (by the step's sequences and tokens, not the micro-batch's):
+- load balancing (Switch/GShard): E x sum_e f_e P_e per sequence, f_e the fraction of the sequence's k x
+  seq_len assignments routed to e (before capacity), P_e its mean router probability for e; 1 when
+  perfectly balanced. The step's value is the mean over its sequences.
+- router z-loss (ST-MoE): the squared log-sum-exp of each token's router logits, mean over the step's tokens.
+Both join the training loss inside the block (`_AddLoss`, Megatron's aux-loss scaler): the block's output
+carries them into backward, whichever pipeline stage it runs on, and the executor does not change.
+
+Expert parallelism. The ep ranks of a group (dp ranks with the same pp and tp coordinates, see
+`parallel.plan`) each host experts / ep experts. A rank sorts its kept (token, expert) assignments by
+expert, exchanges the per-expert counts with `all_to_all_single`, sends each rank the rows for its
+experts (uneven splits), runs its experts and sends the outputs back the same way; autograd reverses both
+exchanges in backward. Expert gradients are then summed over the ranks that hold the same experts and the
+router's over the whole stage (`parallel.runtime.trainer`).
+
+Tensor parallelism. The tp ranks of a group do not duplicate the routing work: each routes and dispatches
+only its slice of the sequence (with sp it holds just that slice; without sp `parallel.runtime.tensor_parallel`
+hands the layer its slice and all-gathers the output). Capacity needs the sequence's earlier positions, so
+the ranks exchange their per-expert counts (a few integers) and each counts the slices before its own;
+the load-balancing loss is linear in P, so each rank adds its slice's share with the whole sequence's f,
+and the shares sum to the loss. Experts are not sharded over tp: each tp rank holds whole experts and
+computes its own tokens; their gradients are summed over tp with the data-parallel ones.
+
+Written by hand because torch has no MoE layer. The token exchange is `dist.all_to_all_single` in a
+five-line autograd Function (`_Exchange`), as `torch.distributed.nn.functional.all_to_all_single` does:
+that one is deprecated, and its functional replacement returns lazily waited tensors that the pipeline's
+saved-tensor meter cannot inspect.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from trainyard.parallel.config import ModelConfig
+
+N_STAT_SLOTS = 4
+"""Per-layer statistics before the per-expert loads: aux sum, z sum, dropped and all assignments."""
+
+
+def capacity(cfg: ModelConfig) -> int | None:
+    """Most tokens of one sequence an expert keeps; None when dropless."""
+    moe = cfg.moe
+    if moe is None or moe.capacity_factor is None:
+        return None
+    return math.ceil(moe.capacity_factor * cfg.seq_len * moe.top_k / moe.experts)
+
+
+@dataclass
+class MoEContext:
+    """How a layer's work is split: the groups it talks on and the normaliser of its losses."""
+
+    sequences_per_step: int | None = None
+    """Sequences in the whole step (the losses' normaliser); None: the sequences of each call."""
+    tp_group: dist.ProcessGroup | None = None
+    """The tensor-parallel group; each of its ranks holds one slice of every sequence, in rank order."""
+    ep_group: dist.ProcessGroup | None = None
+    """The expert-parallel group; rank j of it hosts experts [j E/ep, (j+1) E/ep)."""
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: Iterable[int], expert: Callable[[ModelConfig], nn.Module]):
+        """`experts`: the global indices of the experts this layer hosts; `expert(cfg)` builds one (the model
+        family's stage class's `expert`: this module knows no family, as the families build it)."""
+        super().__init__()
+        assert cfg.moe is not None
+        self.cfg = cfg
+        self.n_experts, self.top_k = cfg.moe.experts, cfg.moe.top_k
+        self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): expert(cfg) for e in sorted(experts)})
+        self.context = MoEContext()
+        # Sums over a step's calls (see `summarize`), zeroed by the trainer at each step's start. A buffer so
+        # it moves with the module; not persistent: it is no part of the model.
+        self.register_buffer("stats", torch.zeros(N_STAT_SLOTS + self.n_experts, dtype=torch.float64),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        logits = self.router(x).float()
+        probs = logits.softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        assigned = F.one_hot(chosen, self.n_experts).sum(2)  # (b, t, E): 1 where the token chose the expert
+        counts = assigned.sum(1)  # (b, E) this slice's tokens per expert, before capacity
+        before, whole = self._sequence_counts(counts)
+        seq_len = t * _size(self.context.tp_group)
+        keep = self._keep(assigned, before, chosen)
+
+        # This slice's share of the losses (summed over a step's slices they are the sequences' losses).
+        aux = self.n_experts / (seq_len * self.top_k * seq_len) * (whole.to(probs.dtype) * probs.sum(1)).sum()
+        z = torch.logsumexp(logits, -1).pow(2).sum()
+        moe = self.cfg.moe
+        sequences = self.context.sequences_per_step or b
+        loss = moe.aux_loss_coef * aux / sequences + moe.z_loss_coef * z / (sequences * seq_len)
+
+        y = self._route(x.reshape(b * t, d), chosen.reshape(-1), weights.reshape(-1), keep.reshape(-1))
+        if torch._C._current_graph_task_id() == -1:  # not again when activation checkpointing recomputes it
+            with torch.no_grad():
+                self.stats[0] += aux.double()
+                self.stats[1] += z.double()
+                self.stats[2] += (~keep).sum()
+                self.stats[3] += keep.numel()
+                self.stats[N_STAT_SLOTS:] += counts.sum(0)
+        return _AddLoss.apply(y.view(b, t, d).to(x.dtype), loss)
+
+    def _sequence_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence and expert: the tokens of the slices before this one, and of the whole sequence."""
+        group = self.context.tp_group
+        if group is None:
+            return torch.zeros_like(counts), counts
+        slices = counts.new_empty((_size(group) * counts.shape[0], counts.shape[1]))
+        dist.all_gather_into_tensor(slices, counts.contiguous(), group=group)
+        slices = slices.view(-1, *counts.shape)  # [tp rank, sequence, expert]
+        return slices[:dist.get_rank(group)].sum(0), slices.sum(0)
+
+    def _keep(self, assigned: torch.Tensor, before: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """(b, t, k) bool: whether each choice is within its expert's capacity for the sequence."""
+        cap = capacity(self.cfg)
+        if cap is None:
+            return torch.ones_like(chosen, dtype=torch.bool)
+        # Place of each token in its expert's queue: tokens of earlier slices, then earlier positions here.
+        place = before.unsqueeze(1) + assigned.cumsum(1) - assigned
+        return (place < cap).gather(2, chosen)
+
+    def _route(self, x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Send each kept (token, expert) assignment to its expert and sum the weighted outputs per token."""
+        token = torch.arange(expert.numel(), device=x.device) // self.top_k
+        kept = keep.nonzero().squeeze(1)
+        order = torch.argsort(expert[kept], stable=True)
+        token, expert, weight = token[kept][order], expert[kept][order], weight[kept][order]
+        counts = torch.bincount(expert, minlength=self.n_experts)
+        out = self._experts(x[token], counts)
+        # Summed in the stream's type (fp32), also when the experts ran under bf16 autocast.
+        return torch.zeros_like(x).index_add(0, token, out.to(x.dtype) * weight.unsqueeze(1).to(x.dtype))
+
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (`counts` of each) -> each row through its expert, same order."""
+        group = self.context.ep_group
+        if group is None:
+            return self._local_experts(rows, counts.tolist())
+        ep, local = _size(group), len(self.experts)
+        # Tell each rank how many rows of each of its experts are coming, then send the rows.
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=group)
+        incoming = incoming.view(ep, local)  # [source rank, local expert]
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = incoming.sum(1).tolist()
+        received = _Exchange.apply(rows, recv, send, group)
+        # Received rows are grouped by source, then expert: regroup by expert, run, and restore the order.
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(incoming.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        out = torch.empty_like(received)
+        out[order] = self._local_experts(received[order], incoming.sum(0).tolist())
+        return _Exchange.apply(out, send, recv, group)
+
+    def _local_experts(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        outs = [expert(part) for expert, part in zip(self.experts.values(), rows.split(list(counts)), strict=True)]
+        return torch.cat(outs) if outs else rows
+
+    def summarize(self, stats: torch.Tensor, sequences: int) -> dict:
+        """A step's statistics (this layer's `stats` summed over every rank of the stage) as metrics."""
+        aux, z, dropped, assignments = stats[:N_STAT_SLOTS].tolist()
+        return {"aux_loss": aux / sequences, "z_loss": z / (sequences * self.cfg.seq_len),
+                "dropped_fraction": dropped / assignments if assignments else 0.0,
+                "load": [round(v) for v in stats[N_STAT_SLOTS:].tolist()]}
+
+
+class _AddLoss(torch.autograd.Function):
+    """Identity on `out` whose backward also back-propagates `loss` with gradient 1, so a block's auxiliary
+    loss joins the training loss wherever the block runs (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device  # not saved tensors: nothing to hold
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
+
+
+class _Exchange(torch.autograd.Function):
+    """`all_to_all_single` of rows with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_splits, in_splits = ctx.splits
+        return _Exchange.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def moe_layers(module: nn.Module) -> list[tuple[str, MoELayer]]:
+    """Every MoE layer in `module`, with its block's global index as a string."""
+    return [(name.split(".")[1], m) for name, m in module.named_modules() if isinstance(m, MoELayer)]
+
+
+def hosted_experts(n_experts: int, ep: int, ep_rank: int) -> range:
+    """The global indices of the experts ep rank `ep_rank` hosts."""
+    per_rank = n_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)

@@ -1,0 +1,17 @@
+"""The plan room: everything decided before a rank starts, in pure Python (no torch).
+
+Owns the layout (`layout`), the rules between fields (`rules`), admission (`admission`), the memory plan
+(`memory`), the ZeRO strategies (`sharding`), pipeline schedules and their simulator (`schedules`,
+`schedule_sim`), the cost model and the automatic planner (`cost_model`, `planner`), and the plan as data for
+the API (`present`). `make_plan(config, cluster)` (in `job_plan`) returns the frozen `Plan` every other room
+reads. May import `parallel.config`, `parallel.seeds`, `parallel.models` (its registry and counting) and
+`parallel.optim.kinds` (the optimizer registry); never torch, `runtime`, `data` or `io`.
+"""
+
+from trainyard.parallel.plan.admission import ClusterResources, NodeResources
+from trainyard.parallel.plan.job_plan import Plan, can_move_in_memory, make_plan, resized, split_layers
+from trainyard.parallel.plan.layout import Gang, Layout, RankCoords
+from trainyard.parallel.plan.rules import PlanError
+
+__all__ = ["ClusterResources", "Gang", "Layout", "NodeResources", "Plan", "PlanError", "RankCoords",
+           "can_move_in_memory", "make_plan", "resized", "split_layers"]

@@ -1,0 +1,246 @@
+"""The memory plan: each rank's bytes for parameters, gradients, optimizer state and activations.
+
+`estimate(layout, config)` returns one `RankMemory` per rank, computed from the model's shapes, a layout
+(`parallel.plan.layout`: degrees, stages, schedule) and the job's config before anything runs: no Plan is needed,
+so a planner can ask what a candidate layout costs. `parallel.plan.admission.memory_violations` refuses a job
+whose ranks cannot fit, and `parallel.plan.present.describe_memory` shows it. Pure arithmetic: no torch.
+
+The counting functions below take `plan`: anything that reads like a layout with a `config` (a
+`parallel.plan.sizing.Sizing`, or a `parallel.plan.Plan`, which is one layout and its config). How the
+gradients and the optimizer state are split over a reducing group is the sharding strategy's
+(`parallel.plan.sharding`, by `parallel.zero`), and the optimizer's bytes per parameter are the optimizer
+registry's (`parallel.optim.kinds`).
+
+Model state (exact, counted by the model's family, `ModelFamily.param_counts`, from the shapes its stages
+have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever the precision (with
+`parallel.zero: 2 | 3` a 1/N shard plus the chunks FSDP2 holds gathered at the peak: `param_bytes`); gradients live
+in fp32 flat buckets that hold every local parameter (4 B each, also under ZeRO-1, which keeps whole
+gradients and adds the reduced 1/N slice; see `parallel.runtime.data_parallel`); AdamW keeps two fp32 states per
+parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size
+of the group that reduces them: dense parameters over dp, the MoE router over the stage's dp x tp ranks,
+experts over the ranks holding the same experts (dp / ep x tp).
+
+Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
+(`parallel.plan.reduction_bytes.compression_state_bytes`).
+
+Activations are what autograd keeps for backward (the pipeline's `_SavedTensorMeter` measures the same
+thing, each storage once, parameters excluded). Per micro-batch and chunk the bytes follow from the
+tensors each op saves, read off the meter on CPU (torch 2.13) and written out term by term by the model's
+family (`parallel.models.<family>.counts`: embedding, each block, the head); the
+rank's peak walks its action list (`plan.schedule`) adding a chunk's bytes at its forward and removing them
+at its backward, which with unit weights is the simulator's `peak_activations`. Activation checkpointing
+keeps less but recomputes one region at a time in backward: that transient (`recompute`, which the meter
+does not see, checkpoint's recomputation saves its tensors through its own hooks) is added to the total.
+
+Not counted: the process's own memory (CUDA context, allocator caches and fragmentation, the data batches,
+the one bucket ZeRO-1 gathers at a time after the step), transients of the forward and backward kernels,
+and the attention matrix of scaled_dot_product_attention's math path, taken where no fused kernel applies
+(the flash and memory-efficient paths, which CPU and CUDA take here, keep only a log-sum-exp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainyard.parallel.config import JobConfig
+from trainyard.parallel.models import family_of
+from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
+from trainyard.parallel.optim.kinds import optimizer_kind
+from trainyard.parallel.plan.layout import Layout
+from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
+from trainyard.parallel.plan.schedules import FREEING_KINDS, ActionKind, virtual_stage
+from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.plan.sizing import Sizing
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds at its peak."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Most bytes saved for backward at once over the step (what `peak_activation_bytes` measures)."""
+    recompute: int
+    """Activation checkpointing: the activations of the region recomputed in backward, held transiently."""
+    host_optimizer: int = 0
+    """`optimizer.offload`: the optimizer's state in host memory, with host copies of what it updates and of
+    their gradients (`optimizer` is then 0)."""
+    host_activations: int = 0
+    """`activation_offload`: most bytes of the blocks' saved activations in host memory at once."""
+
+    @property
+    def total(self) -> int:
+        """Device bytes."""
+        return self.params + self.grads + self.optimizer + self.activations + self.recompute
+
+    @property
+    def host(self) -> int:
+        return self.host_optimizer + self.host_activations
+
+    def resident(self, on_gpu: bool) -> int:
+        """Bytes in the memory a rank is sized against: a GPU rank's device bytes; a CPU rank's device is the
+        host, so what offload moves "to the host" stays in the same memory."""
+        return self.total if on_gpu else self.total + self.host
+
+    def to_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "recompute": self.recompute, "total": self.total,
+                "host_optimizer": self.host_optimizer, "host_activations": self.host_activations,
+                "host_total": self.host}
+
+
+Plan = Sizing
+"""The name the counting functions below annotate `plan` with (a `parallel.plan.Plan` reads the same)."""
+
+
+def estimate(layout: Layout, config: JobConfig) -> list[RankMemory]:
+    """Every rank's memory, index = rank. The ranks of one pipeline stage are alike (tp shards are equal and
+    every ep rank hosts experts / ep experts), so each stage is computed once: any spec is answered at once."""
+    plan = Sizing(layout, config)
+    stages = [rank_memory(plan, plan.rank_of(pp, 0, 0)) for pp in range(plan.pp)]
+    return [stages[c.pp] for c in plan.ranks]
+
+
+def rank_memory(plan: Plan, rank: int) -> RankMemory:
+    counts = param_counts(plan, plan.coords(rank).pp)
+    pp = plan.coords(rank).pp
+    chunks = [_chunk_activations(plan, pp_rank=pp, chunk=c) for c in range(plan.vpp)]
+    offloaded = [_offloaded_activations(plan, pp, c) for c in range(plan.vpp)]
+    state = optimizer_bytes(plan, counts)
+    offload = plan.config.optimizer.offload
+    return RankMemory(
+        params=param_bytes(plan, pp),
+        grads=gradient_bytes(plan, counts) + compression_state_bytes(plan, pp),
+        optimizer=0 if offload else state,
+        activations=peak_activation_bytes(plan, pp, [kept - host for (kept, _), host in zip(chunks, offloaded,
+                                                                                              strict=True)]),
+        recompute=max(transient for _, transient in chunks),
+        host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
+        host_activations=peak_activation_bytes(plan, pp, offloaded),
+    )
+
+
+def param_counts(plan: Plan, pp_rank: int) -> ParamCounts:
+    """Exact local parameter counts of a rank's chunks (tied embeddings counted once), by the model's family."""
+    total = ParamCounts(dense=0, router=0, experts=0)
+    for counts in _chunk_counts(plan, pp_rank):
+        total += counts
+    return total
+
+
+def _chunk_counts(plan: Plan, pp_rank: int) -> list[ParamCounts]:
+    m, family = plan.config.model, family_of(plan.config.model)
+    out = []
+    for c, layers in enumerate(plan.chunk_layers(pp_rank)):
+        v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
+        out.append(family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
+                                       ep=plan.ep))
+    return out
+
+
+def param_bytes(plan: Plan, pp_rank: int) -> int:
+    """fp32 parameters: every local one, or with ZeRO-2/3 the 1/N shard of each set reduced over N > 1 ranks
+    plus what is gathered whole at the step's peak (ZeRO-2: every chunk; ZeRO-3: one chunk computing and the
+    next one's gather in flight), each chunk counted whole with its MoE routers and experts (FSDP2 gathers
+    those one module at a time, so for an MoE chunk this is a bound)."""
+    sharding = sharding_for(plan.config.parallel.zero)
+    chunks = _chunk_counts(plan, pp_rank)
+    total = sum(chunks, ParamCounts(dense=0, router=0, experts=0))
+    kept = sum(sharding.param_elements(n, size) for n, size in _reduced_sets(plan, total))
+    gathered = sharding.gathered_elements([sum(n for n, size in _reduced_sets(plan, c) if size > 1) for c in chunks])
+    return FP32 * (kept + gathered)
+
+
+def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
+    """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
+    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts."""
+    return [(counts.dense, plan.dp), (counts.router, plan.dp * plan.tp),
+            (counts.experts, plan.dp // plan.ep * plan.tp)]
+
+
+def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
+    """fp32 buckets holding every local gradient; with ZeRO-1 also the reduced 1/N slice of them; with
+    `reduce_dtype: bf16` the bf16 copies on the wire (every bucket's at once at worst, as the reduction
+    overlaps backward). ZeRO-2/3 keep the reduced 1/N shard only (the whole gradient of the chunk whose
+    backward is running lives until its reduce-scatter: a transient, not counted). A set reduced by no
+    other rank (N = 1) is neither sharded nor sent."""
+    par, bytes_ = plan.config.parallel, 0
+    sharding = sharding_for(par.zero)
+    for n, size in _reduced_sets(plan, counts):
+        held = sharding.gradient_elements(n, size)
+        wire = par.reduce_dtype == "bf16" and size > 1 and not sharding.shards_parameters  # FSDP2's is transient
+        bytes_ += FP32 * held + (BF16 * held if wire else 0)
+    return bytes_
+
+
+def optimizer_elements(plan: Plan, counts: ParamCounts) -> int:
+    """The parameter elements whose optimizer state the sharding strategy keeps on this rank (ZeRO-1: 1/N of
+    each set, N its reducing group)."""
+    sharding = sharding_for(plan.config.parallel.zero)
+    return sum(sharding.optimizer_elements(n, size) for n, size in _reduced_sets(plan, counts))
+
+
+def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
+    """The optimizer's state for this rank's elements, by the registry (`parallel.optim.kinds`: AdamW 8 B per
+    element, adamw8bit about 2, adafactor about 8 / d_model, sgd 4): on the device, or with `optimizer.offload`
+    on the host."""
+    return optimizer_kind(plan.config.optimizer).state_bytes(optimizer_elements(plan, counts),
+                                                             plan.config.model.d_model)
+
+
+def _offloaded_activations(plan: Plan, pp_rank: int, chunk: int) -> int:
+    """`activation_offload`: the bytes of one micro-batch's chunk that the blocks save (those go to the host;
+    the embedding's and the head's stay on the device)."""
+    if not plan.config.activation_offload:
+        return 0
+    kept, _ = _chunk_activations(plan, pp_rank, chunk)
+    m, family, s = plan.config.model, family_of(plan.config.model), _shapes(plan)
+    v = virtual_stage(pp_rank, chunk, plan.pp)
+    stays = (family.embed_activations(m, s) if v == 0 else 0) + \
+        (family.head_activations(m, s) if v == plan.n_virtual_stages - 1 else 0)
+    return kept - stays
+
+
+def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> int:
+    """Walk the rank's actions: a forward adds its chunk's bytes, the backward (or its weight half) frees them."""
+    live = peak = 0
+    for action in plan.schedule[pp_rank]:
+        if action.kind is ActionKind.FORWARD:
+            live += chunk_bytes[action.chunk]
+            peak = max(peak, live)
+        elif action.kind in FREEING_KINDS:
+            live -= chunk_bytes[action.chunk]
+    return peak
+
+
+def _shapes(plan: Plan) -> Shapes:
+    m, par = plan.config.model, plan.config.parallel
+    tokens = plan.micro_batch_size * m.seq_len
+    return Shapes(d=m.d_model, heads=m.n_head // plan.tp, tokens=tokens,
+                  stream=tokens // plan.tp if par.sp else tokens, tp=plan.tp,
+                  bf16=plan.config.precision == "bf16", seq_len=m.seq_len, ep=plan.ep)
+
+
+def _chunk_activations(plan: Plan, pp_rank: int, chunk: int) -> tuple[int, int]:
+    """(bytes kept for backward by one micro-batch through this chunk, transient bytes of recomputation)."""
+    m, mode = plan.config.model, plan.config.activation_checkpointing
+    family, s = family_of(m), _shapes(plan)
+    v = virtual_stage(pp_rank, chunk, plan.pp, plan.placement)
+    kept = transient = 0
+    if v == 0:
+        kept += family.embed_activations(m, s)
+    for block in plan.stage_layers[v]:
+        full, selective_saving, region = family.block_activations(m, block, s)
+        if mode == "full":
+            kept += FP32 * s.d * s.stream  # only the block's input: checkpoint keeps it to recompute the block
+            transient = max(transient, full)
+        elif mode == "selective":
+            kept += full - selective_saving
+            transient = max(transient, region)
+        else:
+            kept += full
+    if v == plan.n_virtual_stages - 1:
+        kept += family.head_activations(m, s)
+    return kept, transient

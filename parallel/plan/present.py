@@ -1,0 +1,99 @@
+"""The plan as plain data for the API and the CLI: `describe`, the memory plan and the simulated schedule.
+
+Presentation only: nothing here decides anything; it reads a finished `Plan` (and the memory plan and the
+schedule simulator). Byte counts are formatted by `parallel.plan.units`, which the CLI uses too. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan.memory import estimate, param_counts
+from trainyard.parallel.plan.reduction_bytes import reduction_bytes
+from trainyard.parallel.plan.schedule_sim import Costs, render_gantt, simulate
+from trainyard.parallel.plan.schedules import ActionKind, format_actions, placement_of
+from trainyard.parallel.runtime.sync import cross_replica_bytes
+
+
+def describe(plan: Plan) -> dict:
+    """The plan as plain data for the API and the CLI: degrees, rank map, groups, stages, schedule, resources."""
+    layout = plan.layout  # asked directly: a plan of 65,536 ranks asks it hundreds of thousands of times
+    return {
+        "world_size": layout.world_size,
+        "degrees": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "ep": layout.ep, "vpp": layout.vpp},
+        "microbatches": layout.microbatches,
+        "micro_batch_size": layout.micro_batch_size,
+        "ranks": [{"rank": c.rank, "pp": c.pp, "tp": c.tp, "dp": c.dp, "ep": layout.ep_rank(c.rank),
+                   "name": layout.worker_name(c.rank), "bundle": layout.bundle_of(c.rank),
+                   "experts": list(layout.experts_of(c.rank))} for c in layout.ranks],
+        "groups": {"dp": layout.dp_groups(), "pp": layout.pp_groups(), "tp": layout.tp_groups(),
+                   "ep": layout.ep_groups(), "experts": layout.expert_groups() if plan.config.model.moe else []},
+        "moe_blocks": plan.config.model.moe_blocks,
+        "stage_layers": [list(layers) for layers in plan.stage_layers],
+        "schedule": describe_schedule(plan),
+        "memory": describe_memory(plan),
+        "reduction": reduction_bytes(plan),
+        "chosen": ({"automatically": True, "predicted_step_s": plan.config.planned.predicted_step_s,
+                    "node_type": plan.config.planned.node_type} if plan.config.planned else {"automatically": False}),
+        "sync": describe_sync(plan),
+        "resources": {
+            "per_worker": {"CPU": plan.cpus_per_worker, "GPU": plan.gpus_per_worker},
+            "bundles": plan.bundles(),
+            "needed": plan.resources_needed(),
+        },
+    }
+
+
+def describe_memory(plan: Plan) -> dict:
+    """The memory plan (`parallel.plan.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
+    activations and recompute transient, their total, and the rank with the largest total; `zero` is the
+    sharding they were counted under (at 2 and 3, `params` is the shard plus the chunks gathered at the peak)."""
+    ranks = estimate(plan.layout, plan.config)
+    stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
+    per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
+    zero = plan.config.parallel.zero
+    out = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
+    if zero >= 2:
+        gathered = "every chunk of the rank, whole for the step" if zero == 2 else \
+            "the chunk computing and the next one being gathered"
+        out["note"] = (f"parallel.zero: {zero} (FSDP2): params are the 1/N shard kept between steps plus {gathered}; "
+                       "grads and optimizer are the 1/N shards")
+    return out
+
+
+def describe_sync(plan: Plan) -> dict:
+    """How the replicas keep in step (`parallel.sync`) and the bytes each rank all-reduces across them per step,
+    on average (the payload: gradients every step, or parameters once per `every` steps), per pipeline stage."""
+    sync, par = plan.config.parallel.sync, plan.config.parallel
+    wire = 2 if par.reduce_dtype == "bf16" else 4
+    per_stage = [cross_replica_bytes(sync, param_counts(plan, s).total, plan.dp, wire) for s in range(plan.pp)]
+    return {"kind": sync.kind, **({"every": sync.every} if sync.kind != "allreduce" else {}),
+            **({"outer_lr": sync.outer_lr, "outer_momentum": sync.outer_momentum} if sync.kind == "diloco" else {}),
+            "cross_replica_bytes_per_step": per_stage}
+
+
+def describe_schedule(plan: Plan) -> dict:
+    """The step's schedule, simulated with the spec's `sim_costs` before anything runs.
+
+    `stages` holds each pipeline rank's actions in order (communication runs bracketed, see
+    `parallel.plan.schedules.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
+    """
+    c = plan.config.sim_costs
+    splits = any(a.kind is ActionKind.BACKWARD_WEIGHT for actions in plan.schedule for a in actions)
+    # W's share of the backward, shown where the schedule splits backwards (zb-h1, zbv)
+    split = {"backward_weight": c.backward / 2 if c.backward_weight is None else c.backward_weight} if splits else {}
+    result = simulate([list(actions) for actions in plan.schedule], plan.microbatches, plan.vpp,
+                      Costs(forward=c.forward, backward=c.backward, comm=c.comm, backward_weight=c.backward_weight),
+                      placement_of(plan.config.parallel.schedule))
+    return {
+        "kind": plan.config.parallel.schedule,
+        "pp": plan.pp,
+        "vpp": plan.vpp,
+        "placement": plan.placement,  # which rank holds which virtual stage (parallel.plan.schedules.virtual_stage)
+        "microbatches": plan.microbatches,
+        "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm, **split},
+        "stages": [format_actions(list(actions)) for actions in plan.schedule],
+        "makespan": result.makespan,
+        "bubble_fraction": result.bubble_fraction,
+        "peak_activations": result.peak_activations,
+        "gantt": render_gantt(result),
+    }

@@ -1,0 +1,94 @@
+"""Bytes a rank sends per step over its gradient reductions, plain and with gradient compression.
+
+`reduction_bytes(plan)` is what `trainyard plan` shows (`parallel.plan.present`) and what a step's metrics row
+measures (`reduce_bytes`, the payload a rank hands to its reduction collectives: a ring all-reduce moves
+about twice that over the wire, a reduce-scatter about once). Each reduction set (dense parameters over
+dp, routers over the stage, experts over the ranks holding the same ones; see `parallel.plan.memory`) sends its
+local gradients in `reduce_dtype`, or nothing when no other rank shares it. With PowerSGD
+(`parallel.grad_compression`), each matrix it compresses (`approximation_rank`, torch's rule) sends its two
+fp32 factors P (rows x r) and Q (cols x r) instead, and every other tensor goes whole. Shapes come from the
+model's family (`ModelFamily.matrices`). Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+from trainyard.parallel.config import GradCompressionConfig
+from trainyard.parallel.models import family_of
+from trainyard.parallel.models.counting import BF16, FP32
+from trainyard.parallel.plan.schedules import virtual_stage
+from trainyard.parallel.plan.sizing import Sizing
+from trainyard.parallel.plan.units import format_bytes
+
+
+def approximation_rank(rows: int, cols: int, cfg: GradCompressionConfig) -> int | None:
+    """The rank a rows x cols gradient is compressed at, None when it is sent whole (torch's rule: compress
+    when rows x cols exceeds min_compression_rate x (rows + cols) x r)."""
+    r = min(cfg.rank, rows, cols)
+    return r if rows * cols > cfg.min_compression_rate * (rows + cols) * r else None
+
+
+def _stage_matrices(plan: Sizing, pp: int):
+    """(matrix elements of shared sets, [(rows, cols, set)] of those matrices, elements per shared set) of
+    a pipeline rank's chunks."""
+    cfg, family = plan.config, family_of(plan.config.model)
+    group = {"dense": plan.dp, "router": plan.dp * plan.tp, "experts": plan.dp // plan.ep * plan.tp}
+    shared = {s for s, n in group.items() if n > 1}
+    elements, matrices = 0, []
+    for c, layers in enumerate(plan.chunk_layers(pp)):
+        v = virtual_stage(pp, c, plan.pp)
+        kw = {"first": v == 0, "last": v == plan.n_virtual_stages - 1, "tp": plan.tp, "ep": plan.ep}
+        counts = family.param_counts(cfg.model, layers, **kw)
+        elements += sum(n for s, n in (("dense", counts.dense), ("router", counts.router),
+                                       ("experts", counts.experts)) if s in shared)
+        matrices += [m for m in family.matrices(cfg.model, layers, **kw) if m[2] in shared]
+    return elements, matrices
+
+
+def compression_state_bytes(plan: Sizing, pp: int) -> int:
+    """What PowerSGD keeps on a rank of pipeline stage `pp` beside the gradient buckets: each compressed
+    matrix's error (rows x cols) and factors P and Q (with their packed copies on the wire), fp32, and the
+    packed copy of the tensors sent whole."""
+    compression = plan.config.parallel.grad_compression
+    if compression is None:
+        return 0
+    elements, matrices = _stage_matrices(plan, pp)
+    kept = whole = 0
+    for rows, cols, _ in matrices:
+        r = approximation_rank(rows, cols, compression)
+        if r is not None:
+            kept += FP32 * (rows * cols + 2 * (rows + cols) * r)
+            whole += rows * cols
+    wire = BF16 if plan.config.parallel.reduce_dtype == "bf16" else FP32
+    return kept + wire * (elements - whole) if kept else 0
+
+
+def reduction_bytes(plan: Sizing) -> dict:
+    """Per pipeline stage, the bytes one of its ranks sends per step: `uncompressed` (plain, in
+    reduce_dtype) and `sent` (with the job's compression after its warm-up; equal without one)."""
+    cfg = plan.config
+    compression = cfg.parallel.grad_compression
+    wire = BF16 if cfg.parallel.reduce_dtype == "bf16" else FP32
+    stages = []
+    for pp in range(plan.pp):
+        elements, matrices = _stage_matrices(plan, pp)
+        # ZeRO-2/3 (FSDP2) reduce-scatter a chunk's gradients at each of its backwards: once per micro-batch.
+        plain = sent = wire * elements * (cfg.parallel.microbatches if cfg.parallel.zero >= 2 else 1)
+        for rows, cols, _ in matrices if compression is not None else []:
+            r = approximation_rank(rows, cols, compression)
+            if r is not None:
+                sent += FP32 * (rows + cols) * r - wire * rows * cols
+        stages.append({"uncompressed": plain, "sent": sent})
+    return {"compression": None if compression is None else compression.kind, "per_stage": stages}
+
+
+def format_reduction(reduction: dict) -> list[str]:
+    """`trainyard plan`'s lines for `reduction_bytes`: what a rank of each stage sends per step."""
+    stages = reduction["per_stage"]
+    if not any(s["uncompressed"] for s in stages):
+        return ["gradient reduction: none (no other rank shares a gradient)"]
+    kind = reduction["compression"]
+    per_stage = "  ".join(
+        f"stage {i}: {format_bytes(s['sent'])}" + (f" (uncompressed {format_bytes(s['uncompressed'])}, "
+                                                   f"{s['sent'] / s['uncompressed']:.1%})" if kind else "")
+        for i, s in enumerate(stages))
+    return [f"gradient reduction per step and rank{f' ({kind}, after its warm-up)' if kind else ''}: {per_stage}"]

@@ -1,0 +1,224 @@
+"""The rules that relate several fields of a JobConfig, each returning its violations.
+
+Every function here returns a list of `PlanError`s (a `RuleError`: the field to change and the rule it
+breaks), empty when the config keeps the rule; nothing raises, so a planner can ask which candidate configs
+are valid without try/except. `parallel.plan.make_plan` raises the first violation (what the API answers
+with a 422). The order of the list is the order the rules are checked in, which is the order the user is
+told about them. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.models import family_of
+from trainyard.parallel.optim.kinds import OPTIMIZERS
+from trainyard.parallel.plan.schedules import SCHEDULES, ScheduleError, check_schedule_args
+
+
+class PlanError(RuleError):
+    """A JobSpec whose fields do not fit together, or a job the cluster can never hold."""
+
+
+MAX_WORKERS = 2**16
+MAX_SCHEDULE_CHUNKS = 2**13
+"""pp x vpp x microbatches: the size of the action lists the plan builds and simulates (about 0.1 ms of
+planning each). Above real jobs (pp=16, vpp=2, m=256 is at the bound)."""
+
+
+def violations(config: JobConfig) -> list[PlanError]:
+    """Every cross-field rule a fixed-size config breaks, in the order they are reported. Empty: the
+    config can be laid out (whether a cluster can hold it is `parallel.plan.admission`'s question)."""
+    return degree_violations(config) + stage_layer_violations(config)
+
+
+def degree_violations(config: JobConfig) -> list[PlanError]:
+    """Every rule but the split of the blocks into stages: what must hold before the degrees mean anything
+    (`make_plan` asks whether the cluster can hold that many workers before it splits the blocks)."""
+    return [*model_violations(config), *expert_violations(config), *tensor_parallel_violations(config),
+            *size_violations(config), *batch_violations(config), *schedule_violations(config),
+            *sharding_violations(config), *compression_violations(config), *sync_violations(config),
+            *optimizer_violations(config)]
+
+
+def optimizer_violations(config: JobConfig) -> list[PlanError]:
+    """AdamW's decays must be below 1 (`OptimizerKind.adam_betas`): at 1 its bias correction divides by
+    1 - beta**t = 0 (torch refuses it as the ranks build the optimizer, so the job failed after admission). sgd
+    takes momentum 1; adafactor reads neither."""
+    opt = config.optimizer
+    if not OPTIMIZERS[opt.kind].adam_betas:
+        return []
+    return [PlanError(f"optimizer.{name}", f"{name}={value} with kind {opt.kind}: must be below 1 (AdamW divides by "
+                                           f"1 - {name}**step)")
+            for name, value in (("beta1", opt.beta1), ("beta2", opt.beta2)) if value >= 1]
+
+
+def size_violations(config: JobConfig) -> list[PlanError]:
+    """Bounds on what the plan would build: the rank grid and the schedule's action lists."""
+    par, errors = config.parallel, []
+    workers = par.dp * par.pp * par.tp
+    if workers > MAX_WORKERS:
+        errors.append(PlanError("parallel.dp", f"dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {workers} "
+                                               f"workers; at most {MAX_WORKERS}"))
+    chunks = par.pp * par.vpp * par.microbatches
+    if chunks > MAX_SCHEDULE_CHUNKS:
+        errors.append(PlanError("parallel.microbatches",
+                                f"pp x vpp x microbatches = {par.pp} x {par.vpp} x {par.microbatches} = {chunks} "
+                                f"chunk forwards per step; at most {MAX_SCHEDULE_CHUNKS}"))
+    return errors
+
+
+def batch_violations(config: JobConfig) -> list[PlanError]:
+    par = config.parallel
+    if config.global_batch % (par.dp * par.microbatches):
+        return [PlanError("global_batch", f"global_batch={config.global_batch} is not divisible by dp x microbatches "
+                                          f"= {par.dp} x {par.microbatches} = {par.dp * par.microbatches}")]
+    return []
+
+
+def model_violations(config: JobConfig) -> list[PlanError]:
+    m, errors = config.model, []
+    if m.d_model % m.n_head:
+        errors.append(PlanError("model.n_head", f"n_head={m.n_head} does not divide d_model={m.d_model}"))
+    if m.seq_len > m.context:
+        errors.append(PlanError("model.seq_len", f"seq_len={m.seq_len} exceeds the model context "
+                                                 f"context_len={m.context}"))
+    if config.data.kind == "text" and m.vocab_size < 256:
+        errors.append(PlanError("model.vocab_size", f"data.kind=text uses byte tokens and needs vocab_size >= 256 "
+                                                    f"(got {m.vocab_size})"))
+    if config.data.kind in ("text", "tokens") and not config.data.path and not config.data.sources:
+        errors.append(PlanError("data.path", f"data.kind={config.data.kind} needs a path (or, for tokens, sources)"))
+    if m.tie_embeddings and config.parallel.pp > 1:
+        errors.append(PlanError("model.tie_embeddings", "tied embeddings need pp=1 (the embedding and the head "
+                                                        "live on different pipeline stages)"))
+    # the family's own rules (parallel.models)
+    errors += [PlanError(error.field, error.message) for error in family_of(m).check(config)]
+    return errors
+
+
+def expert_violations(config: JobConfig) -> list[PlanError]:
+    moe, ep, dp = config.model.moe, config.parallel.ep, config.parallel.dp
+    if moe is None:
+        return [PlanError("parallel.ep", f"ep={ep} needs mixture-of-experts layers (model.moe)")] if ep > 1 else []
+    errors = []
+    if moe.top_k > moe.experts:
+        errors.append(PlanError("model.moe.top_k", f"top_k={moe.top_k} exceeds experts={moe.experts} (a token is "
+                                                   "routed to top_k different experts)"))
+    if moe.every > config.model.n_layer:
+        errors.append(PlanError("model.moe.every", f"every={moe.every} exceeds n_layer={config.model.n_layer}: no "
+                                                   "block would be a mixture-of-experts block"))
+    if dp % ep:
+        errors.append(PlanError("parallel.ep", f"ep={ep} does not divide dp={dp} (expert-parallel groups are carved "
+                                               "out of the data-parallel ranks)"))
+    if moe.experts % ep:
+        errors.append(PlanError("parallel.ep", f"ep={ep} does not divide experts={moe.experts} (each "
+                                               "expert-parallel rank hosts experts / ep experts)"))
+    tp = config.parallel.tp
+    if tp > 1 and config.model.seq_len % tp:
+        errors.append(PlanError("parallel.tp", f"tp={tp} does not divide seq_len={config.model.seq_len} (each "
+                                               "tensor-parallel rank routes one slice of every sequence to the "
+                                               "experts)"))
+    return errors
+
+
+def tensor_parallel_violations(config: JobConfig) -> list[PlanError]:
+    """tp splits heads, the vocabulary (embedding and head) and, with sp, the sequence: each must divide evenly."""
+    m, tp, sp, errors = config.model, config.parallel.tp, config.parallel.sp, []
+    if m.n_head % tp:
+        errors.append(PlanError("parallel.tp", f"tp={tp} does not divide n_head={m.n_head} (attention heads are "
+                                               "split across tensor-parallel ranks)"))
+    if m.vocab_size % tp:
+        errors.append(PlanError("parallel.tp", f"tp={tp} does not divide vocab_size={m.vocab_size} (the embedding "
+                                               "and the output head are split over the vocabulary)"))
+    if sp and tp == 1:
+        errors.append(PlanError("parallel.sp", "sp=true needs tp > 1 (sequence parallelism shards over the "
+                                               "tensor-parallel ranks)"))
+    if sp and m.seq_len % tp:
+        errors.append(PlanError("parallel.sp", f"sp=true splits the sequence over tp: tp={tp} does not divide "
+                                               f"seq_len={m.seq_len}"))
+    return errors
+
+
+def schedule_violations(config: JobConfig) -> list[PlanError]:
+    par, costs = config.parallel, config.sim_costs
+    try:
+        check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
+    except ScheduleError as e:
+        return [PlanError("parallel.schedule", str(e))]
+    if SCHEDULES[par.schedule].splits_backward and par.zero >= 2:
+        return [PlanError("parallel.schedule", f"{par.schedule} splits each backward into input and weight halves; "
+                                               f"parallel.zero={par.zero} (FSDP2, which gathers and reduces from its "
+                                               "own backward hooks) is not built to follow them: use zero 0 or 1, or "
+                                               "a schedule without split backward")]
+    if SCHEDULES[par.schedule].splits_backward and config.compile:
+        return [PlanError("compile", f"{par.schedule} splits each backward into input and weight halves, which "
+                                     "torch.compile'd blocks do not support; use compile: false or a schedule "
+                                     "without split backward")]
+    if costs.backward_weight is not None and costs.backward_weight > costs.backward:
+        return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
+                                                       f"backward={costs.backward}: it is a part of the backward")]
+    return []
+
+
+def sync_violations(config: JobConfig) -> list[PlanError]:
+    """local_sgd and diloco replicas step alone between synchronisations: each must hold its whole state."""
+    sync, par = config.parallel.sync, config.parallel
+    if sync.kind == "allreduce":
+        return []
+    errors = []
+    if par.zero > 0:
+        errors.append(PlanError("parallel.sync", f"{sync.kind} needs parallel.zero: 0 (zero={par.zero} shards the "
+                                                 "optimizer state across the replicas, and a replica that steps "
+                                                 "alone needs all of it)"))
+    if config.model.moe is not None:
+        errors.append(PlanError("parallel.sync", f"{sync.kind} does not compose with model.moe yet (router and "
+                                                 "expert gradients are reduced across the replicas every step)"))
+    if par.grad_compression is not None:
+        errors.append(PlanError("parallel.grad_compression", f"compresses the gradients' all-reduce across the "
+                                                             f"replicas, which {sync.kind} does not run (its replicas "
+                                                             "average their parameters every parallel.sync.every "
+                                                             "steps instead): leave one of the two out"))
+    every = config.checkpoint.every
+    # Only the saves before the last step count: the job's final checkpoint follows the last step's sync.
+    if every and every < config.steps and every % sync.every:
+        errors.append(PlanError("checkpoint.every", f"checkpoint.every={every} is not a multiple of "
+                                                    f"parallel.sync.every={sync.every}: a checkpoint holds one model, "
+                                                    "which the replicas share only right after a synchronisation"))
+    return errors
+
+
+def stage_layer_violations(config: JobConfig) -> list[PlanError]:
+    """The blocks must split into pp x vpp stages of at least one block (or as the explicit list says)."""
+    n_layer, n_stages = config.model.n_layer, config.parallel.pp * config.parallel.vpp
+    counts = config.parallel.stage_layers
+    if counts is None:
+        if n_layer < n_stages:
+            return [PlanError("parallel.pp", f"n_layer={n_layer} cannot be split into pp x vpp = {n_stages} "
+                                             "stages of at least one block each")]
+    elif len(counts) != n_stages:
+        return [PlanError("parallel.stage_layers", f"has {len(counts)} entries but pp x vpp = {n_stages} stages")]
+    elif sum(counts) != n_layer:
+        return [PlanError("parallel.stage_layers", f"sums to {sum(counts)} but n_layer={n_layer}")]
+    return []
+
+
+def sharding_violations(config: JobConfig) -> list[PlanError]:
+    """ZeRO-2/3 are FSDP2's (`parallel.runtime.fsdp`), which reduce-scatters each chunk's gradients during its backward:
+    there is no reduction left to run after backward."""
+    par = config.parallel
+    if par.zero >= 2 and not par.overlap_reduce:
+        return [PlanError("parallel.overlap_reduce", f"overlap_reduce=false needs zero <= 1 (zero={par.zero} "
+                                                     "reduce-scatters each chunk's gradients during its backward)")]
+    return []
+
+
+def compression_violations(config: JobConfig) -> list[PlanError]:
+    """PowerSGD approximates whole gradient matrices and keeps a whole-size error per rank: it composes with
+    ZeRO-1 (whole gradients, sharded optimizer state), not with ZeRO-2/3, which keep only a shard of each
+    gradient (`parallel.runtime.powersgd`)."""
+    par = config.parallel
+    if par.grad_compression is not None and par.zero >= 2:
+        return [PlanError("parallel.grad_compression",
+                          f"powersgd needs every rank's whole gradients (it projects each gradient matrix and keeps "
+                          f"its error feedback whole); parallel.zero={par.zero} keeps only a shard of them: use "
+                          f"zero 0 or 1, or no grad_compression")]
+    return []

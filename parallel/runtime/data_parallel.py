@@ -1,0 +1,342 @@
+"""Gradient reduction across the ranks that hold the same parameters: bucketed, overlapped with backward,
+and optionally sharding the optimizer state (ZeRO-1).
+
+A `GradientReducer` owns one set of parameters and the group that sums their gradients (dense parameters:
+the data-parallel group; MoE routers and experts: see `parallel.models.moe`). Written by hand instead of wrapping
+stages in DistributedDataParallel (or FSDP2's `fully_shard`) because:
+- the loss is already normalised by the global token count, so a SUM of gradients is the exact gradient
+  of the global batch (DDP averages, which would need the loss rescaled by dp);
+- with pipeline schedules a chunk's micro-batch backwards interleave with other micro-batches' forwards,
+  and a chunk's gradients are final only at its last backward in the schedule, which the schedule knows
+  (`arm`), not autograd; DDP would need `no_sync` around all the others and knows nothing of chunks;
+- one reducer serves every set (dense, router, experts), each over its own group, whatever the layout.
+
+As DDP's `gradient_as_bucket_view` does, every parameter's `.grad` is a view into a flat bucket kept for
+the whole job, so autograd accumulates straight into the buckets and the reduction runs in place.
+Buckets hold one chunk's parameters in reverse order, the order their gradients become final.
+
+Overlap: `arm(chunk)` before the chunk's last backward turns on its parameters' post-accumulate hooks; a
+bucket whose parameters have all accumulated starts its reduction at once (asynchronously), in bucket order
+(every rank of the group must issue the same collectives in the same order), so the reduction of the last
+layers runs while backward computes the first. `finish()` starts what is left (a parameter that got no
+gradient in that backward, e.g. an expert no token reached) and waits for what is in flight.
+
+Sharding is a strategy (`parallel.plan.sharding`, picked by `parallel.zero`), and `make_reducer` builds the
+reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (zero 0),
+`ShardedGradientReducer` is ZeRO-1, and ZeRO-2/3 are torch's FSDP2 (`parallel.runtime.fsdp.FsdpReducer`: the
+pipeline executor tells FSDP2 which chunk to gather and when a chunk's last backward comes, which is what
+DDP and plain FSDP usage lack here). Gradient compression (`parallel.grad_compression`) is a compressor
+object handed to `make_reducer`, which picks the compressing variant of the strategy's reducer
+(`parallel.runtime.powersgd`).
+
+ZeRO-1 (`ShardedGradientReducer`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
+the summed gradients of its 1/N slice of the bucket; the optimizer holds the parameters' pieces in that
+slice (views into the parameters, `optimizer_params`), so AdamW's state exists for 1/N of them; after the
+step `gather_params` all-gathers the slices and writes every parameter back whole. (FSDP2 has no mode that
+shards the optimizer state alone: it always shards the parameters, which is ZeRO-2/3's trade, not ZeRO-1's.)
+
+Tensor-parallel parameters are DTensors: a bucket holds each one's local shard, and its `.grad` is a
+DTensor with the parameter's placements over that view. Autograd accumulates a DTensor gradient in place
+(`grad += new`), and DTensor first brings `new` to the gradient's placements: a vocabulary-parallel
+embedding's gradient (computed whole, DTensor has no row-sharded embedding backward) is sliced to this
+rank's rows, and a sequence-parallel norm's gradient (a partial sum over this rank's tokens) is
+all-reduced over tp. So every local gradient is complete over tp when its hook fires, and the reduction
+sums shards that line up, since the group's ranks hold the same tp coordinate (or all of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from trainyard.parallel.optim.optimizer import tp_copies
+from trainyard.parallel.plan.sharding import Sharding
+from trainyard.parallel.runtime.fsdp import FsdpReducer, ShardedChunks
+
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class _Bucket:
+    chunk: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    """Every parameter's gradient, back to back (padded to a multiple of the group size)."""
+    offsets: list[int]
+    shard: torch.Tensor | None = None
+    """ZeRO-1: the summed gradients of this rank's slice of `flat`."""
+    pending: int = 0
+    """Parameters whose final gradient has not arrived yet in the armed backward."""
+    work: dist.Work | None = None
+    wire: torch.Tensor | None = None
+    """The reduced-precision copy on the wire (reduce_dtype bf16), written back to fp32 after the wait."""
+    slices: list[tuple[nn.Parameter, int, int, int]] = field(default_factory=list)
+    """ZeRO-1: (parameter, start in the parameter, start in the shard, length) of each piece in the shard."""
+    pieces: list[torch.Tensor] = field(default_factory=list)
+    """ZeRO-1: each slice as a view of its parameter's data, the tensors the optimizer updates."""
+
+
+def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,
+                 reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES,
+                 sharded: ShardedChunks | None = None,
+                 compressor: Compressor | None = None) -> GradientReducer | FsdpReducer:
+    """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
+    nothing: every strategy keeps everything there. ZeRO-2/3: the parameters FSDP2 sharded (`sharded`, see
+    `parallel.runtime.fsdp`) are reduced by FSDP2. `compressor` (`parallel.grad_compression`): the same reducer with
+    its buckets sent compressed (`parallel.runtime.powersgd`); a group of one rank sends nothing."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if sharding.shards_parameters and size > 1:
+        assert sharded is not None, "ZeRO-2/3 shards the chunks with parallel.runtime.fsdp.shard_chunks first"
+        return FsdpReducer(chunk_params, sharded, reduce_dtype)
+    cls = ShardedGradientReducer if sharding.shards_optimizer_state and size > 1 else GradientReducer
+    if compressor is not None and size > 1:
+        return compressor.reducer_class(cls)(chunk_params, group, compressor, reduce_dtype=reduce_dtype,
+                                             bucket_bytes=bucket_bytes)
+    return cls(chunk_params, group, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+
+
+class Compressor(Protocol):
+    """A gradient compressor (`parallel.runtime.powersgd.PowerSGD`): the reducer class that sends a strategy's
+    buckets compressed, built as `cls(chunk_params, group, compressor, reduce_dtype=, bucket_bytes=)`."""
+
+    def reducer_class(self, base: type[GradientReducer]) -> type[GradientReducer]: ...
+
+
+class GradientReducer:
+    """The gradients of `params` (parameters of `chunks`), summed over `group` (None: no other rank); every
+    rank of the group holds every reduced gradient and the optimizer state of every parameter."""
+
+    zero = False
+    """Whether this rank holds only a 1/N slice of the reduced gradients and optimizer state (ZeRO-1)."""
+
+    @torch.no_grad()
+    def __init__(self, chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, *,
+                 reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES):
+        self.group, self.reduce_dtype = group, WIRE_DTYPES[reduce_dtype]
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.buckets = [self._make_bucket(chunk, params) for chunk, params in enumerate(chunk_params)
+                        for params in _split(list(reversed(params)), bucket_bytes)]
+        self.next_to_start = 0
+        self.armed: set[int] = set()
+        self.started_early = 0
+        """Buckets whose reduction started during backward in the last step (before `finish`)."""
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(lambda p, b=b: self._accumulated(b))
+
+    def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> _Bucket:
+        sizes = [local_part(p).numel() for p in params]
+        total = -(-sum(sizes) // self.size) * self.size  # padded so it splits into equal slices
+        first = local_part(params[0])
+        flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+        offsets, offset = [], 0
+        for p, n in zip(params, sizes, strict=True):
+            view = flat[offset:offset + n].view_as(local_part(p))
+            p.grad = view if not isinstance(p, DTensor) else DTensor.from_local(
+                view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+            offsets.append(offset)
+            offset += n
+        return _Bucket(chunk=chunk, params=params, flat=flat, offsets=offsets)
+
+    @property
+    def holders(self) -> int:
+        """Ranks of the group that hold each reduced gradient this rank holds after `finish`."""
+        return self.size
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank hands to the gradient collectives in a step (a ring all-reduce moves about twice
+        that, a reduce-scatter about once); a compressing reducer says what it sent in the last step."""
+        return sum(b.flat.numel() for b in self.buckets) * self.reduce_dtype.itemsize if self.group else 0
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+
+    def arm(self, chunk: int) -> None:
+        """The next backward of `chunk` is its last in this step: start each bucket once it is complete."""
+        self.armed.add(chunk)
+        for b in self.buckets:
+            if b.chunk == chunk:
+                b.pending = len(b.params)
+
+    def _accumulated(self, bucket: _Bucket) -> None:
+        if bucket.chunk not in self.armed or bucket.pending == 0:
+            return
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._start_ready()
+
+    def _start_ready(self, everything: bool = False) -> None:
+        while self.next_to_start < len(self.buckets):
+            b = self.buckets[self.next_to_start]
+            if not everything and (b.chunk not in self.armed or b.pending > 0):
+                return
+            self._start(b)
+            self.next_to_start += 1
+
+    @torch.no_grad()
+    def _start(self, b: _Bucket) -> None:
+        if self.group is None:
+            return
+        send = b.flat if self.reduce_dtype == b.flat.dtype else b.flat.to(self.reduce_dtype)
+        b.wire = send
+        b.work = dist.all_reduce(send, group=self.group, async_op=True)
+
+    def _reduced(self, b: _Bucket) -> torch.Tensor:
+        """Where a bucket's reduced gradients end up on this rank."""
+        return b.flat
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Start every reduction not started yet (in order) and wait for all of them."""
+        self.started_early = self.next_to_start if self.group is not None else 0
+        self._start_ready(everything=True)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                target = self._reduced(b)
+                if b.wire is not target:
+                    target.copy_(b.wire)
+            b.work = b.wire = None
+        self.next_to_start, self.armed = 0, set()
+
+    def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """The reduced gradients this rank holds after `finish`, each with its parameter."""
+        return [(local_part(p.grad), p) for b in self.buckets for p in b.params]
+
+    @staticmethod
+    def tp_copies(p: torch.Tensor, tp: int) -> int:
+        """tp ranks holding the same local gradient as this rank's of `p` (1 if `p` is sharded over tp)."""
+        return tp_copies(p, tp)
+
+    def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """What the optimizer updates, each with the parameter it belongs to: the parameters themselves."""
+        return [(p, p) for b in self.buckets for p in b.params]
+
+    @torch.no_grad()
+    def moments(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
+        """Each parameter's optimizer state `keys`, shaped like the parameter (for a checkpoint)."""
+        return {p: {k: optimizer.state[p][k] for k in keys} for b in self.buckets for p in b.params}
+
+    @torch.no_grad()
+    def load_moments(self, optimizer: torch.optim.Optimizer, moments: dict[nn.Parameter, dict]) -> None:
+        """After `moments`' tensors were filled from a checkpoint: nothing to do, they are the state itself."""
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After the optimizer step: every rank updated every parameter, nothing to gather."""
+
+
+class ShardedGradientReducer(GradientReducer):
+    """ZeRO-1: rank i of the group gets the summed gradients of its 1/N slice of each bucket
+    (reduce-scatter), the optimizer updates views of the parameters' pieces in that slice, and the slices
+    are all-gathered into whole parameters after the step."""
+
+    zero = True
+
+    def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> _Bucket:
+        bucket = super()._make_bucket(chunk, params)
+        flat, total = bucket.flat, bucket.flat.numel()
+        per_rank = total // self.size
+        start, end = self.rank * per_rank, (self.rank + 1) * per_rank
+        bucket.shard = torch.zeros(per_rank, dtype=flat.dtype, device=flat.device)
+        for p, a in zip(params, bucket.offsets, strict=True):
+            n = local_part(p).numel()
+            lo, hi = max(a, start), min(a + n, end)
+            if lo < hi:
+                bucket.slices.append((p, lo - a, lo - start, hi - lo))
+                piece = local_part(p).detach().view(-1)[lo - a:hi - a]
+                piece.grad = bucket.shard[lo - start:hi - start]
+                bucket.pieces.append(piece)
+        return bucket
+
+    @property
+    def holders(self) -> int:
+        return 1
+
+    @torch.no_grad()
+    def _start(self, b: _Bucket) -> None:
+        send = b.flat if self.reduce_dtype == b.flat.dtype else b.flat.to(self.reduce_dtype)
+        b.wire = b.shard if send is b.flat else torch.empty_like(b.shard, dtype=self.reduce_dtype)
+        b.work = dist.reduce_scatter_tensor(b.wire, send, group=self.group, async_op=True)
+
+    def _reduced(self, b: _Bucket) -> torch.Tensor:
+        return b.shard
+
+    def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """The pieces of the reduced gradients in this rank's slices."""
+        return [(b.shard[s:s + n], p) for b in self.buckets for p, _, s, n in b.slices]
+
+    def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """Views of the parameters' pieces in this rank's slices, whose `.grad` is the reduced slice."""
+        return [(piece, p) for b in self.buckets for piece, (p, *_) in zip(b.pieces, b.slices, strict=True)]
+
+    @torch.no_grad()
+    def moments(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
+        """The slices are gathered over the group first: a new tensor per parameter."""
+        out: dict[nn.Parameter, dict] = {p: {} for b in self.buckets for p in b.params}
+        for b in self.buckets:
+            for key in keys:
+                flat = torch.zeros_like(b.flat)
+                for piece, (_, _, s, n) in zip(b.pieces, b.slices, strict=True):
+                    flat[self.rank * b.shard.numel() + s:][:n] = optimizer.state[piece][key]
+                dist.all_reduce(flat, group=self.group)  # each slice is non-zero on one rank only
+                for p, a in zip(b.params, b.offsets, strict=True):
+                    out[p][key] = like_param(p, flat[a:a + local_part(p).numel()].view_as(local_part(p)))
+        return out
+
+    @torch.no_grad()
+    def load_moments(self, optimizer: torch.optim.Optimizer, moments: dict[nn.Parameter, dict]) -> None:
+        """Keep this rank's slices of the whole moments."""
+        for b in self.buckets:
+            for piece, (p, a, _, n) in zip(b.pieces, b.slices, strict=True):
+                for key, full in moments[p].items():
+                    optimizer.state[piece][key].copy_(local_part(full).reshape(-1)[a:a + n])
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After the optimizer step: every rank gets every slice and writes its parameters whole."""
+        for b in self.buckets:
+            mine = b.flat.new_empty(b.flat.numel() // self.size)
+            for p, a, s, n in b.slices:
+                mine[s:s + n] = local_part(p).view(-1)[a:a + n]
+            everything = torch.empty_like(b.flat)
+            dist.all_gather_into_tensor(everything, mine, group=self.group)
+            for p, a in zip(b.params, b.offsets, strict=True):
+                local = local_part(p)
+                local.view(-1).copy_(everything[a:a + local.numel()])
+
+
+def like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a tensor laid out like parameter `p`: a DTensor with its placements when p is one."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    buckets: list[list[nn.Parameter]] = [[]]
+    size, kind = 0, None
+    for p in params:
+        shard = local_part(p)
+        nbytes = shard.numel() * shard.element_size()
+        if buckets[-1] and (size + nbytes > bucket_bytes or (shard.dtype, shard.device) != kind):
+            buckets.append([])
+            size = 0
+        kind = (shard.dtype, shard.device)
+        buckets[-1].append(p)
+        size += nbytes
+    return [b for b in buckets if b]

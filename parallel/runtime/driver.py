@@ -1,0 +1,117 @@
+"""One rank of a job driven with torch.distributed alone: join the plan's process groups, build the
+`RankTrainer`, run steps on this rank's micro-batches, evaluate, save and load checkpoints, leave.
+
+The one place this sequence is written: the service's Worker actor (actors/worker.py) is a Ray shell around a
+`RankDriver`, and the gloo tests and the benches run the same driver in spawned processes
+(`parallel.runtime.local_world`). No Ray here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from trainyard.parallel.data.datasets import open_dataset, step_microbatches
+from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
+from trainyard.parallel.runtime.trainer import RankTrainer
+
+
+@dataclass(frozen=True)
+class Save:
+    """A checkpoint to write after a step: under `root`, with `info` in its manifest; `background` stages the
+    state and lets a thread write it (finished by the next save or `finish`)."""
+
+    root: Path
+    info: dict
+    background: bool = False
+
+
+class RankDriver:
+    """This rank's process groups and trainer, from `init_distributed` to `close`."""
+
+    def __init__(self, plan: Plan, rank: int, master_addr: str, master_port: int,
+                 device: torch.device | None = None, timeout_s: float | None = None, init_method: str | None = None):
+        self.plan, self.rank = plan, rank
+        self.device = pick_device(plan.gpus_per_worker) if device is None else device
+        timeout = plan.config.fault.step_timeout_s if timeout_s is None else timeout_s
+        self.groups: RankGroups = init_distributed(plan, rank, master_addr, master_port, self.device,
+                                                   timeout_s=timeout, init_method=init_method)
+        self.trainer = RankTrainer(plan, rank, self.groups, self.device)
+        self._num_samples: int | None = None
+
+    def trainer_for(self, plan: Plan) -> RankTrainer:
+        """Another trainer on this driver's process groups, for a plan of the same layout (a bench runs variants
+        side by side, their steps interleaved)."""
+        assert plan.world_size == self.plan.world_size and plan.coords(self.rank) == self.plan.coords(self.rank)
+        return RankTrainer(plan, self.rank, self.groups, self.device)
+
+    def microbatches(self, step: int) -> list[list[int]]:
+        """This rank's micro-batch sample ids in `step` (what the coordinator sends a worker)."""
+        if self._num_samples is None:
+            self._num_samples = open_dataset(self.plan.config).num_samples
+        return step_microbatches(self.plan, self.rank, step, self._num_samples)
+
+    def step(self, step: int, microbatch_ids: list[list[int]] | None = None, *, evaluate: bool = False,
+             save: Save | None = None, round_: dict | None = None) -> dict:
+        """One training step (on this rank's own share of the step's batch unless `microbatch_ids` are given),
+        then, if asked, the validation loss and a checkpoint of the state after it: the StepStats as a dict,
+        with `val_loss` and `checkpoint_blocked_s` (how long the save blocked) when they were asked for.
+        `round_` (local_sgd, diloco, while a replica is dropped: `parallel.sync.round_of`): the `live` replicas
+        step; one `rejoining` at this step's sync takes part in it, then takes the state of the lowest live
+        replica; any other sits the step out (its answer says so: `sat_out`)."""
+        ids = self.microbatches(step) if microbatch_ids is None else microbatch_ids
+        mine = self.plan.coords(self.rank)
+        live, rejoining = (None, ()) if round_ is None else (tuple(round_["live"]), tuple(round_["rejoining"]))
+        if live is not None and mine.dp not in live + rejoining:
+            return {"step": step, "dp_rank": mine.dp, "sat_out": True}
+        if mine.dp in rejoining:
+            sent = self.trainer.sit_in_sync(step, live)
+            stats = {"step": step, "dp_rank": mine.dp, "rejoined": True, "cross_replica_bytes": sent}
+        else:
+            stats = self.trainer.train_step(step, ids, live).to_dict()
+        if rejoining:
+            source = self.plan.rank_of(mine.pp, mine.tp, min(live))
+            self.trainer.take_replica_state(step + 1, source, receiving=mine.dp in rejoining)
+        if evaluate:
+            stats["val_loss"] = self.trainer.evaluate()
+        if save is not None:
+            stats["checkpoint_blocked_s"] = self.save(save, step + 1)
+        return stats
+
+    def run(self, steps: range, *, save_after: tuple[int, ...] = (), save: Save | None = None,
+            evaluate_after: tuple[int, ...] = ()) -> list[dict]:
+        """`steps` in order, saving the state after each step whose count is in `save_after` and taking the
+        validation loss after each one whose count is in `evaluate_after`; every save is finished and committed
+        at the end."""
+        out = [self.step(s, evaluate=s + 1 in evaluate_after, save=save if s + 1 in save_after else None)
+               for s in steps]
+        self.trainer.finish_checkpoint()
+        return out
+
+    def save(self, save: Save, steps_done: int) -> float:
+        """Checkpoint `steps_done` (collective); the seconds the caller was blocked."""
+        start = time.perf_counter()
+        self.trainer.save_checkpoint(Path(save.root), steps_done, save.info, background=save.background)
+        return time.perf_counter() - start
+
+    def load(self, directory: Path, step: int) -> None:
+        """Take parameters and optimizer state from the checkpoint of `step` (any layout may have written it)."""
+        self.trainer.load_checkpoint(Path(directory), step)
+
+    def final_checkpoint(self, root: Path, steps_done: int, info: dict, saved: bool,
+                         live: tuple[int, ...] | None = None) -> float:
+        """The state at the job's end as a checkpoint (unless the last step just saved it), every save finished
+        and committed; the seconds it took. `live`: local_sgd, diloco while replicas sit out, the others (see
+        `RankTrainer.save_checkpoint`)."""
+        start = time.perf_counter()
+        if not saved:
+            self.trainer.save_checkpoint(Path(root), steps_done, info, live=live)
+        self.trainer.finish_checkpoint()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Leave the process groups (a new `RankDriver` may then join another rendezvous in this process)."""
+        shutdown_distributed()

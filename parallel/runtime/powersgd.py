@@ -1,0 +1,244 @@
+"""PowerSGD gradient compression (Vogels et al. 2019) on the data-parallel reduction, with error feedback.
+
+`parallel.grad_compression: {kind: powersgd, rank: R, warmup_steps: N}` makes `make_reducer` build a
+`PowerSGDReducer` (or, with ZeRO-1, `ShardedPowerSGDReducer`) instead of the plain one. Per bucket, once its
+gradients are final (during backward, as the plain reduction starts), every gradient matrix M (a parameter's
+local 2-D gradient, this rank's shard of a DTensor's: the group's ranks hold the same tp coordinate, so the
+shards line up) large enough to gain (rows x cols > min_compression_rate x (rows + cols) x r, torch's rule)
+is sent as two thin factors:
+
+    M <- M + e (the error this rank kept last step);  P = M Q;  all-reduce P;  P^ = orthonormalise(P)
+    Q_i = M^T P^ (this rank's);  e <- M - P^ Q_i^T;  all-reduce Q = sum_i Q_i;  M' = P^ Q^T
+
+so M' = P^ P^T (sum_i M_i): every rank gets the same rank-r approximation of the SUMMED gradient (our loss is
+normalised by the global token count, so the reduction sums; see `parallel.runtime.data_parallel`). Each rank's
+error is what its own gradient lost in the projection (the paper's local error memory, as the authors'
+epfml/powersgd reducer computes it: before Q is reduced), so the errors of a step add up to exactly
+(sum_i M_i) - M' and are sent later (torch's hook keeps M_i - M'/N, which adds up to the same). At full
+rank, r = min(rows, cols) (r is min(rank, rows, cols)), P^ spans the sum's columns and M' is the exact sum;
+a rank's own error need not be zero then (its columns may leave that span), but the errors cancel.
+Every other tensor (1-D ones, small matrices) is packed into one buffer and all-reduced whole, in
+`reduce_dtype`. The first `warmup_steps` steps reduce everything uncompressed (the plain reducer's path)
+and keep no error.
+
+Q is warm-started (kept from the last step, as torch's default `warm_start`), and first drawn from a
+generator seeded by (job seed, bucket, parameter): every rank of a group draws the same Q without talking.
+P^ is the Q factor of a QR decomposition of the all-reduced P, the same on every rank.
+
+Why not torch's `ddp_comm_hooks.powerSGD_hook`: it is a DDP communication hook, taking DDP's C++ GradBucket
+and averaging over the group; our reducer is written by hand (see `parallel.runtime.data_parallel`), sums, keeps
+DTensor shards and ZeRO-1 slices in its buckets. The algorithm and its choices (the min_compression_rate
+rule, warm start, QR, warm-up) follow that hook, and its numbers are the hook's: tests/integration/
+test_grads_gloo.py runs the hook itself on the same gradients from the same Q (ours = its result x world
+size, within 6e-7 over compressed steps with error feedback). Under AdamW a low rank costs loss that no
+warm-up short of most of the run recovers (BENCHMARKS.md, section savers_grads: rank 4 +49% on the demo
+job at 400 steps; freezing Adam's second moment does not help, nor do 16 power iterations a step instead of
+one: `bench.powersgd_iterations`, +44%).
+
+Timing: phase 1 (P, with the uncompressed rest) starts as soon as the bucket is complete, overlapped with
+backward; phase 2 (orthonormalise, Q) runs in `finish`, bucket by bucket in order (every rank issues the same
+collectives in the same order), Q reductions in flight together.
+
+ZeRO-1: the decompressed sum lands in the whole bucket, and this rank keeps its slice as its reduced shard.
+ZeRO-2/3 keep only a shard of each gradient, while PowerSGD needs whole matrices and a whole-size error per
+rank: `parallel.plan.rules` refuses the pair.
+
+Checkpoints: the error feedback and Q are not saved. After a resume (or a recovery, or a resize) they start
+again: the errors at zero, Q drawn again from the seed; the step counter is the trainer's, so warm-up is not
+repeated. Training goes on exactly from the saved parameters and optimizer state; only the residual of the
+last step before the save (one step's compression error) is lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from trainyard.parallel.config import GradCompressionConfig
+from trainyard.parallel.plan.reduction_bytes import approximation_rank
+from trainyard.parallel.runtime.data_parallel import GradientReducer, ShardedGradientReducer, _Bucket, local_part
+from trainyard.parallel.seeds import derive_seed
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
+    """A gradient as a matrix: 2-D as it is, more dimensions flattened after the first; 1-D: None."""
+    if len(shape) < 2:
+        return None
+    rows = shape[0]
+    return rows, int(torch.Size(shape).numel() // rows)
+
+
+@dataclass
+class PowerSGD:
+    """The compressor the trainer's reducers share: its options, the job seed, and the step running now
+    (set by the trainer before each step, so warm-up follows the job's step count across resumes)."""
+
+    config: GradCompressionConfig
+    seed: int
+    step: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.step >= self.config.warmup_steps
+
+    def reducer_class(self, base: type[GradientReducer]) -> type[PowerSGDReducer]:
+        """The compressing variant of a sharding strategy's reducer (`parallel.plan.rules` refuses the others)."""
+        variants = {GradientReducer: PowerSGDReducer, ShardedGradientReducer: ShardedPowerSGDReducer}
+        if base not in variants:
+            raise ValueError(f"PowerSGD does not compose with {base.__name__} (it needs whole gradients)")
+        return variants[base]
+
+    def initial_q(self, key: tuple, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "powersgd", *key))
+        return torch.randn(cols, rank, generator=gen).to(dtype=torch.float32, device=like.device)
+
+
+@dataclass
+class _Matrix:
+    offset: int
+    rows: int
+    cols: int
+    q: torch.Tensor
+    """cols x r: warm-started from the last step's summed Q."""
+    error: torch.Tensor
+    """rows x cols: what this rank's gradient lost to the approximation last step."""
+    p: torch.Tensor | None = None
+
+
+@dataclass
+class _BucketState:
+    matrices: list[_Matrix]
+    rest: list[tuple[int, int]]
+    """(offset, length) in the bucket of each tensor sent uncompressed."""
+    works: list[dist.Work] = field(default_factory=list)
+    rest_wire: torch.Tensor | None = None
+    p_wire: torch.Tensor | None = None
+    q_wire: torch.Tensor | None = None
+
+
+class PowerSGDReducer(GradientReducer):
+    """The plain reducer with each bucket's large gradient matrices sent as PowerSGD factors (module doc)."""
+
+    def __init__(self, chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None,
+                 compressor: PowerSGD, **kwargs):
+        self.compressor = compressor
+        self._states: dict[int, _BucketState] = {}
+        self._sent: int | None = None
+        """Bytes sent in the last step, when it was compressed."""
+        super().__init__(chunk_params, group, **kwargs)
+        self._index = {id(b): i for i, b in enumerate(self.buckets)}
+
+    @property
+    def wire_bytes(self) -> int:
+        return super().wire_bytes if self._sent is None else self._sent
+
+    @property
+    def compressing(self) -> bool:
+        return self.group is not None and self.compressor.active
+
+    def _state(self, index: int, b: _Bucket) -> _BucketState:
+        if index not in self._states:
+            matrices, rest = [], []
+            for i, (p, offset) in enumerate(zip(b.params, b.offsets, strict=True)):
+                local = local_part(p)
+                shape = matrix_shape(local.shape)
+                r = approximation_rank(*shape, self.compressor.config) if shape is not None else None
+                if r is None:
+                    rest.append((offset, local.numel()))
+                    continue
+                rows, cols = shape
+                q = self.compressor.initial_q((index, i), cols, r, b.flat)
+                matrices.append(_Matrix(offset, rows, cols, q, torch.zeros(rows, cols, dtype=b.flat.dtype,
+                                                                           device=b.flat.device)))
+            self._states[index] = _BucketState(matrices, rest)
+        return self._states[index]
+
+    def _matrix(self, b: _Bucket, m: _Matrix) -> torch.Tensor:
+        return b.flat[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
+
+    @torch.no_grad()
+    def _start(self, b: _Bucket) -> None:
+        if not self.compressing:
+            super()._start(b)
+            return
+        index = self._index[id(b)]
+        st = self._state(index, b)
+        parts = [b.flat[o:o + n] for o, n in st.rest]
+        if parts:
+            rest = torch.cat(parts)
+            st.rest_wire = rest if rest.dtype == self.reduce_dtype else rest.to(self.reduce_dtype)
+            st.works.append(dist.all_reduce(st.rest_wire, group=self.group, async_op=True))
+        if st.matrices:
+            for m in st.matrices:
+                M = self._matrix(b, m)
+                M.add_(m.error)
+                m.p = M @ m.q
+            st.p_wire = torch.cat([m.p.reshape(-1) for m in st.matrices])
+            st.works.append(dist.all_reduce(st.p_wire, group=self.group, async_op=True))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        if not self.compressing:
+            self._sent = None
+            super().finish()
+            return
+        self.started_early = self.next_to_start
+        self._start_ready(everything=True)
+        sent = 0
+        for index, b in enumerate(self.buckets):  # phase 2: orthonormalise P, send Q
+            st = self._states[index]
+            for work in st.works:
+                work.wait()
+            st.works = []
+            if st.rest_wire is not None:
+                sent += st.rest_wire.numel() * st.rest_wire.element_size()
+                self._unpack_rest(b, st)
+            if not st.matrices:
+                continue
+            sent += st.p_wire.numel() * st.p_wire.element_size()
+            offset, qs = 0, []
+            for m in st.matrices:
+                n = m.p.numel()
+                m.p = torch.linalg.qr(st.p_wire[offset:offset + n].view_as(m.p)).Q
+                offset += n
+                M = self._matrix(b, m)
+                q_local = M.T @ m.p
+                m.error.copy_(M - m.p @ q_local.T)
+                qs.append(q_local.reshape(-1))
+            st.q_wire = torch.cat(qs)
+            st.works.append(dist.all_reduce(st.q_wire, group=self.group, async_op=True))
+        for index, b in enumerate(self.buckets):  # decompress: M' = P^ Q^T
+            st = self._states[index]
+            if st.q_wire is not None:
+                st.works.pop().wait()
+                sent += st.q_wire.numel() * st.q_wire.element_size()
+                offset = 0
+                for m in st.matrices:
+                    m.q = st.q_wire[offset:offset + m.q.numel()].view_as(m.q).clone()
+                    offset += m.q.numel()
+                    self._matrix(b, m).copy_(m.p @ m.q.T)
+                    m.p = None
+                st.q_wire = st.p_wire = None
+            st.rest_wire = None
+            self._keep_reduced(b)
+        self._sent = sent
+        self.next_to_start, self.armed = 0, set()
+
+    def _unpack_rest(self, b: _Bucket, st: _BucketState) -> None:
+        offset = 0
+        for o, n in st.rest:
+            b.flat[o:o + n].copy_(st.rest_wire[offset:offset + n])
+            offset += n
+
+    def _keep_reduced(self, b: _Bucket) -> None:
+        """The reduced gradients are in the whole bucket; a sharded reducer keeps its slice as well."""
+        target = self._reduced(b)
+        if target is not b.flat:
+            target.copy_(b.flat[self.rank * target.numel():][:target.numel()])
+
+
+class ShardedPowerSGDReducer(PowerSGDReducer, ShardedGradientReducer):
+    """ZeRO-1 with PowerSGD: the compressed all-reduce fills the whole bucket, this rank keeps its slice."""
+

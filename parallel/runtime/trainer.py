@@ -1,0 +1,482 @@
+"""One rank's training state and step: its model chunks, optimizer and data, and `train_step`.
+
+This is everything a worker does, expressed with torch.distributed alone (no Ray), so it runs under
+spawned processes in tests and under Ray actors in the service. A step: run this rank's pipeline actions
+(forward and backward of each micro-batch through its chunks, activations exchanged with neighbouring
+stages; with pp = 1 this is plain gradient accumulation; the tensor-parallel collectives run inside the
+layers), sum gradients across data-parallel replicas, clip the global norm (summed across tp shards and the
+pipeline), set the learning rate and take an AdamW step. With `parallel.sync` local_sgd or diloco the replicas
+step apart instead (no gradient sum across them; each steps on its own share's mean gradient and clips its own
+norm), and `parallel.sync.ReplicaSync` averages their parameters every H steps.
+
+The loss of every micro-batch is divided by the global batch's count of targets that count (all of its
+tokens; with a loss mask, the assistant/completion ones: `parallel.data.datasets.step_counted_targets`, worked out on
+every rank from the step's sample ids) before backward, so summed gradients equal the gradient of the
+global mean loss whatever the layout.
+
+(Over 400 lines: one rank's state and step, where the strategies meet (sharding, compression, sync,
+split backward, offload) and the checkpoint's form of that state; each strategy's own logic lives in its
+module, what is left here is how they are wired for a step.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from trainyard.parallel.data.datasets import (
+    Dataset,
+    counted_targets,
+    has_loss_mask,
+    load_batch,
+    open_dataset,
+    rank_share,
+    step_counted_targets,
+    validation_batches,
+)
+from trainyard.parallel.io import checkpoint, hf_checkpoint
+from trainyard.parallel.models import family_of
+from trainyard.parallel.models.moe import MoEContext, moe_layers
+from trainyard.parallel.optim.optimizer import clip_grad_norm, lr_at, set_lr
+from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan.schedules import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
+from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
+from trainyard.parallel.runtime.data_parallel import GradientReducer, local_part, make_reducer
+from trainyard.parallel.runtime.distributed import RankGroups
+from trainyard.parallel.runtime.fsdp import shard_chunks
+from trainyard.parallel.runtime.pipeline import Batch, PipelineExecutor, PipelineTimings
+from trainyard.parallel.runtime.powersgd import PowerSGD
+from trainyard.parallel.runtime.sync import (
+    ReplicaSync,
+    averages_optimizer_state,
+    is_local,
+    replica_group,
+    saved_outer_state,
+    syncs_after,
+    syncs_before_save,
+)
+from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
+from trainyard.parallel.runtime.train_optimizer import StateView, TrainOptimizer
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    loss: float | None
+    """Mean token loss of the global batch; only the last pipeline stage knows it (None elsewhere)."""
+    grad_norm: float
+    lr: float
+    compute_s: float
+    """Time this rank spent inside train_step."""
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    forward_s: float
+    backward_s: float
+    comm_s: float
+    schedule_s: float
+    peak_activations: int
+    peak_activation_bytes: int
+    optimizer_bytes: int
+    """Bytes of optimizer state this rank holds on its device (with ZeRO-1, its slice's only; offloaded: 0)."""
+    optimizer_host_bytes: int
+    """Offloaded: bytes of optimizer state and of the host copies of parameters and gradients in host memory."""
+    early_reductions: int
+    """Gradient buckets whose reduction started during backward (overlapped), of `buckets`."""
+    buckets: int
+    """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
+    reduce_bytes: int
+    """Bytes this rank handed to the step's gradient reductions (payload; compressed with PowerSGD)."""
+    compile_s: float
+    """Seconds torch.compile spent compiling during this step (`compile: true`; the first steps)."""
+    moe: dict[str, dict]
+    """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
+    routed to each expert), summed over the stage's ranks. Empty for a dense model."""
+    cross_replica_bytes: int = 0
+    """Bytes this rank all-reduced across the data-parallel replicas in this step (gradients with allreduce,
+    parameters at a local_sgd or diloco sync; `parallel.sync`)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def autocast_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """bf16: matmuls in bf16 under autocast (CUDA and CPU); parameters, gradients, optimizer state and the
+    loss stay fp32."""
+    if precision == "bf16":
+        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+class DivergedError(RuntimeError):
+    """A step whose loss or gradient norm is not finite (NaN, infinity): training has diverged, and every later
+    step would train on NaN. The rank stops there instead; the message names the step."""
+
+
+FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
+"""A pipeline schedule's actions that evaluation runs: forwards and the activations between stages."""
+
+
+class RankTrainer:
+    def __init__(self, plan: Plan, rank: int, groups: RankGroups, device: torch.device):
+        cfg = plan.config
+        self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
+        self.coords = plan.coords(rank)
+        self.chunks = [self._build_chunk(c, layers) for c, layers in enumerate(plan.chunk_layers(self.coords.pp))]
+        if cfg.init_from is not None:  # the start's weights; a checkpoint loaded later replaces them
+            hf_checkpoint.load_into(self.chunks, cfg.model, Path(cfg.init_from.hf))
+        self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
+        # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.moe): dense
+        # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
+        par = cfg.parallel
+        # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
+        self.local_sync = is_local(par.sync) and plan.dp > 1
+        sets = {"dense": None if self.local_sync else groups.dp, "router": groups.stage, "experts": groups.experts}
+        family, sharding = family_of(cfg.model), sharding_for(par.zero)
+        # ZeRO-2/3: FSDP2 shards each chunk (and its routers and experts) over the same groups (parallel.runtime.fsdp).
+        self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
+                                    par.reduce_dtype) if sharding.shards_parameters else None
+        self.reducers: dict[str, GradientReducer] = {}
+        self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
+        for kind, group in sets.items():
+            per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
+                         for chunk in self.chunks]
+            if any(per_chunk):
+                self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
+                                                   sharded=self.sharded, compressor=self.compressor)
+        self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
+                                        cfg.optimizer, offload=cfg.optimizer.offload)
+        self._state_view: StateView | None = None
+        self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
+        named = [(name, p) for chunk in self.chunks for name, p in chunk.named_parameters()]
+        self.sync = ReplicaSync(par.sync, [p for _, p in named], groups.dp, plan.dp) if self.local_sync else None
+        self._sync_names = [name for name, _ in named]
+        self._pending_checkpoint: tuple[Callable[[], None], Path, int] | None = None
+        self.steps_done: int | None = 0
+        """The steps the parameters and moments hold; None while they are being replaced or stepped (a failure
+        then leaves them half-done), so a recovery takes state only from a rank that knows its step."""
+        # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
+        self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
+                              if a.kind in FREEING_KINDS}
+        self.dataset = open_dataset(cfg)
+        self.val_dataset = open_dataset(cfg, "val") if cfg.eval.every > 0 else None
+        self.forward_actions = [a for a in plan.schedule[self.coords.pp] if a.kind in FORWARD_KINDS]
+        tokens_per_step = cfg.global_batch * cfg.model.seq_len
+        self.actions = list(plan.schedule[self.coords.pp])
+        self.executor = PipelineExecutor(
+            self.chunks, self.coords.pp, plan.pp, groups.pp_ranks, activation_shape=activation_shape(plan),
+            device=device, loss_scale=1.0 / tokens_per_step, loss_context=loss_context(plan),
+            autocast=autocast_context(cfg.precision, device),
+            before_backward=self._arm_reduction if par.overlap_reduce or self.sharded else None,
+            sharded=self.sharded, placement=plan.placement,
+        )
+
+    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> torch.nn.Module:
+        """One model chunk: built whole from the seed (so every layout starts from the same weights), then
+        sharded over tp. Gradient buckets and the optimizer come after, as they need the final parameters."""
+        v = virtual_stage(self.coords.pp, chunk, self.plan.pp, self.plan.placement)
+        cfg = self.plan.config
+        stage = family_of(cfg.model).build_stage(
+            cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
+            experts=self.plan.experts_of(self.rank)).to(self.device)
+        if self.groups.tp_mesh is not None:
+            apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.parallel.sp)
+        stage.set_activation_checkpointing(cfg.activation_checkpointing)
+        stage.set_activation_offload(cfg.activation_offload)
+        if cfg.compile:
+            compile_blocks(stage)
+        for _, layer in moe_layers(stage):
+            layer.context = MoEContext(sequences_per_step=cfg.global_batch, tp_group=self.groups.tp,
+                                       ep_group=self.groups.ep)
+        return stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        last = self.plan.n_virtual_stages - 1  # with the V placement (zbv) that is on pp rank 0
+        return stage_location(last, self.plan.pp, self.plan.placement)[0] == self.coords.pp
+
+    def train_step(self, step: int, microbatch_ids: list[list[int]], live: tuple[int, ...] | None = None
+                   ) -> StepStats:
+        """One step; `live`: the replicas in the round when some are dropped (`parallel.sync.round_of`): the
+        sync averages over them."""
+        compiling = self.plan.config.compile
+        start, compiled_before = time.perf_counter(), compile_seconds() if compiling else 0.0
+        if self.compressor is not None:
+            self.compressor.step = step
+        for reducer in self.reducers.values():
+            reducer.zero_grad()
+        for _, layer in self.moe_layers:
+            layer.stats.zero_()
+        self.executor.loss_scale = self._loss_scale(step, microbatch_ids)
+        loss_sum, timings = self._forward_backward(microbatch_ids)
+        for reducer in self.reducers.values():
+            reducer.finish()
+        grad_norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
+        lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
+        set_lr(self.optimizer, lr)
+        self.steps_done = None
+        self.optimizer.step()
+        for reducer in self.reducers.values():
+            reducer.gather_params()
+        # Across the replicas: the dense gradients' reduction every step (what it handed to its collectives), or
+        # local_sgd / diloco's syncs.
+        sent = 0 if self.local_sync or "dense" not in self.reducers else self.reducers["dense"].wire_bytes
+        cfg = self.plan.config
+        if self.sync is not None and syncs_after(step, cfg.parallel.sync, cfg.steps):
+            checkpointed = averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every, cfg.steps)
+            view = self.optimizer.export() if checkpointed else None
+            sent = self._sync_replicas(view, live)
+            if view is not None:
+                view.write_back()
+        self.steps_done = step + 1
+        loss = None
+        if self.is_last_stage:
+            # local_sgd, diloco: each replica's loss is its own share's mean (the coordinator averages them), so that
+            # nothing crosses the replicas between syncs and a replica can fail alone.
+            if self.groups.dp is not None and not self.local_sync:
+                dist.all_reduce(loss_sum, group=self.groups.dp)
+            loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
+        grad_norm = float(grad_norm)
+        if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
+            self.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
+            clip = "" if self.plan.config.optimizer.grad_clip > 0 else ", or turn optimizer.grad_clip on"
+            raise DivergedError(f"step {step}: training diverged: loss {loss}, gradient norm {grad_norm} (not "
+                                f"finite) at lr {lr:.6g}; lower optimizer.lr{clip}")
+        device_bytes, host_bytes = self.optimizer.state_bytes()
+        return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
+                         pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,
+                         optimizer_bytes=device_bytes, optimizer_host_bytes=host_bytes,
+                         early_reductions=sum(r.started_early for r in self.reducers.values()),
+                         buckets=sum(len(r.buckets) for r in self.reducers.values()),
+                         reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
+                         compile_s=compile_seconds() - compiled_before if compiling else 0.0,
+                         moe=self._moe_stats(), cross_replica_bytes=sent, **asdict(timings))
+
+    def sit_in_sync(self, step: int, live: tuple[int, ...]) -> int:
+        """A rejoining replica's part of the sync after `step`, which it did not step: it adds nothing to the
+        averages (`ReplicaSync.synchronise`); `take_replica_state` then gives it the result. The bytes sent."""
+        assert self.sync is not None
+        cfg = self.plan.config
+        view = self.optimizer.export() if averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every,
+                                                                   cfg.steps) else None
+        self.steps_done = None
+        return self._sync_replicas(view, live)
+
+    def _sync_replicas(self, view: StateView | None, live: tuple[int, ...] | None) -> int:
+        """local_sgd / diloco's sync (`ReplicaSync.synchronise`), averaging the inner state of `view` too when one is
+        given; the optimizer then takes the parameters it changed (offloaded: into its host copies). The bytes sent."""
+        assert self.sync is not None
+        sent = self.sync.synchronise(self._inner_state(view) if view is not None else [], live, self.coords.dp)
+        self.optimizer.params_changed()
+        return sent
+
+    @torch.no_grad()
+    def take_replica_state(self, step: int, source: int, receiving: bool) -> None:
+        """After the sync a dropped replica rejoins at: its ranks (`receiving`) take the state after `step` steps
+        (parameters, moments, diloco's outer momentum) by broadcast from global rank `source` of their
+        data-parallel group; the other live replicas keep their own (they receive into scratch copies)."""
+        state = self.checkpoint_state()
+        tensors = [local_part(t) for _, t in sorted(state["model"].items())]
+        tensors += [local_part(t) for _, v in sorted(state["optim"].items()) for _, t in sorted(v.items())]
+        tensors += self.sync.momentum_buffers() if self.sync is not None else []
+        for t in tensors:
+            dist.broadcast(t if receiving or self.rank == source else t.clone(), src=source, group=self.groups.dp)
+        if receiving:
+            self._took_state(state, step)
+        self._state_view = None
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean token loss on the validation batches (forward only, through the pipeline); the last stage's
+        ranks return it, the others None."""
+        assert self.val_dataset is not None
+        cfg = self.plan.config
+        total = torch.zeros((), device=self.device)
+        batches = validation_batches(cfg, self.val_dataset.num_samples)
+        # One mean over every counted target of every batch (a batch with few counted targets weighs little)
+        self.executor.loss_scale = 1.0 / max(1, sum(counted_targets(self.val_dataset, ids) for ids in batches))
+        for ids in batches:
+            share = rank_share(ids, self.coords.dp, self.plan.dp, self.plan.microbatches)
+            total += self.executor.run(self.forward_actions, _lazy_batches(self.val_dataset, share))[0]
+        if self.sharded is not None:  # ZeRO-2 keeps what a forward gathered: free it, the step updates shards
+            self.sharded.reshard()
+        if not self.is_last_stage:
+            return None
+        if self.groups.dp is not None:
+            dist.all_reduce(total, group=self.groups.dp)
+        return float(total)
+
+    def checkpoint_state(self) -> dict:
+        """This rank's part of a checkpoint (see parallel.io.checkpoint): its parameters and their optimizer state
+        (AdamW's moments, or another kind's state in that form: `parallel.optim.states`), under the
+        unsharded model's names and in the parameters' shapes."""
+        names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
+        self._state_view = view = self.optimizer.export()
+        state_keys = self.optimizer.kind.state
+        moments = {p: m for r in self.reducers.values() for p, m in r.moments(view, state_keys).items()}
+        state = {"model": {name: p for p, name in names.items()}, "optim": {names[p]: m for p, m in moments.items()}}
+        outer = self.sync.outer_state() if self.sync is not None else []
+        if outer:  # diloco's outer momentum; its anchor is the parameters, as checkpoints are taken at syncs
+            state["sync"] = dict(zip(self._sync_names, outer, strict=True))
+        return state
+
+    def save_checkpoint(self, root: Path, step: int, info: dict, *, background: bool = False,
+                        live: tuple[int, ...] | None = None) -> None:
+        """Write the state after `step` steps as checkpoint `step` under root (collective). In the background,
+        the state is staged first and written by a thread: `finish_checkpoint` (called by the next save, and
+        by the caller before the job ends) waits for the write and commits. local_sgd, diloco: a save between
+        syncs (a stop, a resize) syncs first, over the `live` replicas when others sit out (`round_of`), which
+        then take the lowest live replica's state, as at a rejoin: the checkpoint holds one model."""
+        self.finish_checkpoint()
+        cfg = self.plan.config
+        if self.sync is not None and syncs_before_save(step, cfg.parallel.sync, cfg.steps):
+            self._sync_replicas(None, live)
+        if self.sync is not None and live is not None and len(live) < self.plan.dp:
+            source = self.plan.rank_of(self.coords.pp, self.coords.tp, min(live))
+            self.take_replica_state(step, source, receiving=self.coords.dp not in live)
+        state, writer = self.checkpoint_state(), self.rank == 0
+        self._state_view = None  # a load fills and takes it back; a save only reads it (and keeps no copy)
+        # local_sgd, diloco: replica 0's inner moments where the replicas' differ (`parallel.sync`)
+        lowest = self.local_sync
+        if background:
+            finish = checkpoint.start_async_save(state, root, step, info, self.groups.checkpoint, writer, lowest)
+            self._pending_checkpoint = (finish, root, step)
+        else:
+            checkpoint.save(state, root, step, info, self.groups.checkpoint, writer, lowest)
+            self._committed(root, step)
+
+    def finish_checkpoint(self) -> None:
+        """Wait for a checkpoint being written in the background, and commit it."""
+        if self._pending_checkpoint is not None:
+            finish, root, step = self._pending_checkpoint
+            self._pending_checkpoint = None
+            finish()
+            self._committed(root, step)
+
+    def _committed(self, root: Path, step: int) -> None:
+        if self.rank == 0:
+            checkpoint.prune(root, self.plan.config.checkpoint.keep, step)
+
+    @torch.no_grad()
+    def load_checkpoint(self, directory: Path, step: int) -> None:
+        """Take parameters and optimizer state from the checkpoint of `step`, whatever layout wrote it."""
+        state, self.steps_done = self.checkpoint_state(), None
+        if "sync" in state and not saved_outer_state(directory):
+            del state["sync"]  # an allreduce job's checkpoint: diloco's outer momentum starts at zero
+        checkpoint.load(state, directory, self.groups.checkpoint)
+        self._took_state(state, step)
+
+    def local_state(self, finish_saves: bool = True) -> dict:
+        """This rank's parameters and AdamW moments as plain local tensors (not copies), to outlive the trainer
+        and its process groups across an in-memory resize or a recovery from a live replica (`adopt_state`).
+        `finish_saves=False` after a failure: a background save is left unfinished (its peers may be gone)."""
+        if finish_saves:
+            self.finish_checkpoint()
+        state = self.checkpoint_state()
+        self._state_view = None
+        return {"model": {k: local_part(t).detach() for k, t in state["model"].items()},
+                "optim": {k: {m: local_part(t) for m, t in v.items()} for k, v in state["optim"].items()}}
+
+    def adopt_state(self, kept: dict | None, step: int, source: int | None) -> None:
+        """Take parameters and moments after `step` steps from `kept` (this rank's own, from `local_state` in
+        the layout before a resize), then, when `source` is set, from that global rank of this rank's
+        data-parallel group (a broadcast, so new ranks get the state of a surviving replica)."""
+        state, self.steps_done = self.checkpoint_state(), None
+        tensors = [(("model", k), local_part(t)) for k, t in sorted(state["model"].items())]
+        tensors += [(("optim", k, m), local_part(t)) for k, v in sorted(state["optim"].items())
+                    for m, t in sorted(v.items())]
+        with torch.no_grad():
+            for key, mine in tensors:
+                if kept is not None:
+                    mine.copy_(kept["model"][key[1]] if key[0] == "model" else kept["optim"][key[1]][key[2]])
+                if source is not None and self.groups.dp is not None:
+                    dist.broadcast(mine, src=source, group=self.groups.dp)
+        self._took_state(state, step)
+
+    def _took_state(self, state: dict, step: int) -> None:
+        """After `checkpoint_state()`'s tensors were filled (from a checkpoint, or in memory by a resize): the
+        moments into the optimizer (with ZeRO-1, this rank's slices) and its step counter set to `step`."""
+        names = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
+        moments = {names[name]: m for name, m in state["optim"].items()}
+        assert self._state_view is not None  # the view checkpoint_state() exported, whose tensors were filled
+        for reducer in self.reducers.values():
+            reducer.load_moments(self._state_view, moments)
+        self._state_view.write_back()
+        self._state_view = None
+        self.optimizer.set_step(step)
+        if self.sync is not None:
+            self.sync.took_state()
+        self.steps_done = step
+
+    @staticmethod
+    def _inner_state(view: StateView) -> list[torch.Tensor]:
+        """This rank's optimizer state (its moments, in the checkpoint's form: `view`), which a local_sgd or diloco
+        sync a checkpoint follows averages across the replicas."""
+        return [local_part(t) for state in view.state.values() for t in state.values()]
+
+    def _arm_reduction(self, action: Action) -> None:
+        """Before a chunk's last backward (B or W) of the step: its gradients' reduction may start during it."""
+        if self.last_backward[action.chunk] == action.microbatch:
+            for reducer in self.reducers.values():
+                reducer.arm(action.chunk)
+
+    def _weighted_grads(self) -> list[tuple[torch.Tensor, float]]:
+        """Every gradient this rank holds, weighted by 1 / the ranks holding the same one (see clip_grad_norm):
+        the reduction group's ranks all hold it unless ZeRO-1 split it, and a dense parameter replicated over
+        tp is also held by every tp rank (routers and experts are reduced over tp already)."""
+        tp = self.plan.tp
+        weighted = []
+        for kind, reducer in self.reducers.items():
+            replicas = reducer.holders
+            for grad, p in reducer.held_grads():
+                copies = replicas * (reducer.tp_copies(p, tp) if kind == "dense" else 1)
+                weighted.append((grad, 1.0 / copies))
+        return weighted
+
+    def _moe_stats(self) -> dict[str, dict]:
+        """This step's MoE statistics of each block of the stage, summed over the stage's ranks."""
+        if not self.moe_layers:
+            return {}
+        stats = torch.stack([layer.stats for _, layer in self.moe_layers])
+        if self.groups.stage is not None:
+            dist.all_reduce(stats, group=self.groups.stage)
+        sequences = self.plan.config.global_batch
+        return {block: layer.summarize(row, sequences) for (block, layer), row in zip(self.moe_layers, stats,
+                                                                                       strict=True)}
+
+    def _loss_scale(self, step: int, microbatch_ids: list[list[int]]) -> float:
+        """1 / the step's global count of targets that count (at least 1: a batch of masked targets only
+        has loss 0). local_sgd, diloco: of this replica's share, whose mean gradient it steps on alone."""
+        cfg = self.plan.config
+        if self.local_sync:
+            if not has_loss_mask(self.dataset):
+                return self.plan.dp / (cfg.global_batch * cfg.model.seq_len)
+            return 1.0 / max(1, counted_targets(self.dataset, [i for ids in microbatch_ids for i in ids]))
+        if not has_loss_mask(self.dataset):
+            return 1.0 / (cfg.global_batch * cfg.model.seq_len)
+        return 1.0 / max(1, step_counted_targets(cfg, self.dataset, step))
+
+    def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
+        return self.executor.run(self.actions, _lazy_batches(self.dataset, microbatch_ids))
+
+
+def _lazy_batches(dataset: Dataset, microbatch_ids: list[list[int]]) -> Callable[[int], Batch]:
+    """`batch(mb)` for the executor: micro-batches are read lazily, once, and only where a stage needs them."""
+    loaded: dict[int, Batch] = {}
+
+    def batch(mb: int) -> Batch:
+        if mb not in loaded:
+            loaded[mb] = load_batch(dataset, microbatch_ids[mb])
+        return loaded[mb]
+
+    return batch
+
