@@ -16,7 +16,6 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -57,7 +56,7 @@ from trainyard.actors.storage import JobStorage
 from trainyard.actors.telemetry import Rows
 from trainyard.actors.worker_group import WorkerGroup, slot_keys
 from trainyard.parallel.io import checkpoint
-from trainyard.parallel.plan import Plan, PlanError, make_plan, resized
+from trainyard.parallel.plan import Plan, resize_plan
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -246,14 +245,7 @@ class Controller:
         if self.state.status is not JobStatus.RUNNING or self.desk.claimed_by or self.desk.ready:
             state = "resizing already" if self.desk.claimed_by or self.desk.ready else str(self.state.status)
             return {"refused": f"job {self.job_id} is {state}; only a RUNNING job can be resized"}
-        limits, sync = self.plan.dp_range, self.plan.config.parallel.sync.kind
-        if sync != "allreduce" and dp != self.plan.dp:
-            raise PlanError("parallel.sync", f"a {sync} job is not resized: its replicas differ between "
-                                             "synchronisations, and a resize copies one replica's state")
-        if limits is not None and not limits[0] <= dp <= limits[1]:
-            raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
-                                           f"max: {limits[1]}}}")
-        new = replace(make_plan(resized(self.plan.config, dp)), dp_range=limits)
+        new = resize_plan(self.plan, dp)
         layout = {"dp": new.dp, "microbatches": new.microbatches, "world_size": new.world_size}
         if dp == self.plan.dp:
             return layout

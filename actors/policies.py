@@ -26,6 +26,7 @@ from enum import StrEnum
 
 from trainyard.parallel.config import FaultConfig
 from trainyard.parallel.plan import Plan, PlanError, can_move_in_memory, make_plan, resized
+from trainyard.parallel.plan.replica_sync import is_local
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -84,7 +85,7 @@ def replicas_may_recover(plan: Plan) -> bool:
     replicas, each replica of a (pp, tp) shard holds the whole state (no ZeRO slices, no expert parallelism), and
     the replicas hold the same state (local_sgd and diloco replicas differ between synchronisations)."""
     return (plan.config.fault.from_replica and plan.dp > 1 and can_move_in_memory(plan, plan)
-            and plan.config.parallel.sync.kind == "allreduce")
+            and not is_local(plan.config.parallel.sync))
 
 
 def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[int, int] | None:
@@ -123,7 +124,6 @@ def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict
     `parallel.sync` says how they rejoin), or None, and the job recovers as from any failure: no rank died (a
     hang), every replica holds a dead rank, a rank of another replica raised (it was in a sync with the dead
     one, so its state is half-synchronised), or a replica is dropped already."""
-    from trainyard.parallel.runtime.sync import is_local
 
     if not is_local(plan.config.parallel.sync) or plan.dp == 1 or not dead or dropped:
         return None

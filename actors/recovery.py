@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +29,8 @@ from trainyard.actors.state import Point, Ready, Recovering, Resizing
 from trainyard.actors.storage import checkpoint_info
 from trainyard.actors.telemetry import make_row
 from trainyard.parallel.io import checkpoint
-from trainyard.parallel.plan import Plan, can_move_in_memory, make_plan, resized
+from trainyard.parallel.plan import Plan, can_move_in_memory, resize_plan
+from trainyard.parallel.plan.cadence import saves_after
 
 if TYPE_CHECKING:
     from trainyard.actors.controller import Controller
@@ -89,7 +89,7 @@ async def resize(ctl: Controller, state: Resizing) -> Ready:
         await ctl.group.call([workers[r].keep_state.remote() for r in kept], "keeping the state")
         restore = None
     else:
-        root, saved = ctl.storage.checkpoint_root, _saved_at(old, step)
+        root, saved = ctl.storage.checkpoint_root, saves_after(old.config, step - 1)
         await ctl.group.call([w.final_checkpoint.remote(root, step, checkpoint_info(old.config), saved)
                               for w in workers], f"the checkpoint of step {step} for a resize")
         await ctl.group.call([workers[r].reset.remote() for r in kept], "leaving the process groups")
@@ -166,13 +166,7 @@ async def _ride_node_loss(ctl: Controller, failure: Failure) -> tuple[Plan, list
         raise Unrecoverable(f"{failure.cause}\nA node was lost and its resources did not come back within "
                             f"fault.node_grace_s={old.config.fault.node_grace_s:g} s; the {len(kept)} replicas "
                             f"left are fewer than parallel.dp.min={old.dp_range[0]}")
-    return replace(make_plan(resized(old.config, size)), dp_range=old.dp_range), kept[:size]
-
-
-def _saved_at(plan: Plan, step: int) -> bool:
-    """Whether the step before `step` wrote the checkpoint of `step` already."""
-    cfg = plan.config
-    return cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0 and step < cfg.steps
+    return resize_plan(old, size), kept[:size]
 
 
 def _resize_event(ctl: Controller, old: Plan, new: Plan, reason: str, asked: float, began: float, moved: str) -> None:

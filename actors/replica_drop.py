@@ -26,7 +26,8 @@ from trainyard.actors.recovery import _rejoin
 from trainyard.actors.state import Recovering
 from trainyard.actors.telemetry import make_row
 from trainyard.actors.training import record
-from trainyard.parallel.runtime.sync import rejoin_step
+from trainyard.parallel.plan.cadence import is_done
+from trainyard.parallel.plan.replica_sync import rejoin_step
 
 if TYPE_CHECKING:
     from trainyard.actors.controller import Controller
@@ -51,7 +52,7 @@ async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
     except StepFailed:
         return False
     resumed = step + (2 if later else 1)
-    if resumed >= cfg.steps:
+    if is_done(resumed, cfg.steps):
         return False
     tokens = cfg.global_batch * cfg.model.seq_len
     answers = {(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r for r in failure.answered

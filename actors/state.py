@@ -18,6 +18,7 @@ from trainyard.actors.calls import Failure
 from trainyard.actors.journal import all_causes
 from trainyard.actors.policies import FailureAction, FailurePolicy, Resize
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan.cadence import is_done
 
 
 class JobStatus(StrEnum):
@@ -214,7 +215,7 @@ def step(state: State, outcome: Outcome, inputs: Inputs, policy: FailurePolicy) 
         case Running(), AtBoundary(steps_done=done, saved=saved):
             if inputs.stop:
                 return Stopping(inputs.suspend, done, saved)
-            if done >= inputs.steps:
+            if is_done(done, inputs.steps):
                 return Finishing(done, saved)
             if inputs.resize is not None:
                 return Resizing(inputs.resize.plan, inputs.resize.reason, inputs.resize.asked)

@@ -19,6 +19,7 @@ from trainyard.actors.state import AtBoundary, Cancelled, Done, Outcome
 from trainyard.actors.storage import checkpoint_info
 from trainyard.actors.telemetry import checkpoint_event, compile_event, make_row, set_gauges
 from trainyard.parallel.io import checkpoint
+from trainyard.parallel.plan.cadence import evaluates_after, is_done, saves_after
 
 if TYPE_CHECKING:
     from trainyard.actors.controller import Controller
@@ -27,26 +28,19 @@ log = logging.getLogger("trainyard.coordinator")
 
 
 async def run_steps(ctl: Controller) -> Outcome:
-    from trainyard.parallel.runtime.sync import round_of
+    from trainyard.parallel.plan.replica_sync import round_of
 
     plan, cfg = ctl.plan, ctl.plan.config
     tokens = cfg.global_batch * cfg.model.seq_len
     root, info = ctl.storage.checkpoint_root, checkpoint_info(cfg)
 
-    def saves_after(step: int) -> bool:
-        every = cfg.checkpoint.every
-        return every > 0 and (step + 1) % every == 0 and step + 1 < cfg.steps
-
-    def evaluates(step: int) -> bool:
-        return cfg.eval.every > 0 and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps)
-
     def submit(step: int) -> list[ray.ObjectRef]:
-        save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(step) else None
+        save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(cfg, step) else None
         drills = ctl.drills.due_on_ranks(step)
         taking_part = round_of(step, plan.dp, ctl.dropped)  # None: every replica steps
         round_ = None if taking_part is None else {"live": taking_part[0], "rejoining": taking_part[1]}
         # A validation pass needs every replica: while one sits out, it waits for the rejoin.
-        evaluate = evaluates(step) and (taking_part is None or set(taking_part[1]) == set(ctl.dropped))
+        evaluate = evaluates_after(cfg, step) and (taking_part is None or set(taking_part[1]) == set(ctl.dropped))
         # Each rank draws its own share of the step's global batch (a function of seed and step): the coordinator
         # needs neither the data nor torch, so it starts in a fraction of a second.
         return [w.run_step.remote(step, None, evaluate, save, drills.get(r), round_)
@@ -58,7 +52,7 @@ async def run_steps(ctl: Controller) -> Outcome:
         # recovery from a live replica, one that dropped a replica or an in-memory resize, steps no checkpoint
         # holds. The final checkpoint (unless this job has it already) and the model keep them.
         return AtBoundary(done, saved=done in checkpoint.committed_steps(Path(root))) if done > 0 else Cancelled()
-    if done >= cfg.steps:
+    if is_done(done, cfg.steps):
         return AtBoundary(done, saved=False)
     start, refs = time.perf_counter(), submit(done)
     ctl.step_started = time.time()
@@ -73,7 +67,7 @@ async def run_steps(ctl: Controller) -> Outcome:
         ctl.upcoming = upcoming
         # A step that also saves or evaluates is not held to the hang policy's measure of plain steps. Nor is
         # the first step after a (re)start, a recovery or a resize: it includes the ranks' warm-up.
-        plain = not (saves_after(step) or evaluates(step)) and step > ctl.start_step
+        plain = not (saves_after(cfg, step) or evaluates_after(cfg, step)) and step > ctl.start_step
         deadline = ctl.hang.deadline(ctl.rows.recent_step_times(HANG_WINDOW)) if plain else cfg.fault.step_timeout_s
         ctl.inflight = (step, refs)
         results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
@@ -85,14 +79,14 @@ async def run_steps(ctl: Controller) -> Outcome:
         if not refs:
             break
     ctl.start_step = done
-    return AtBoundary(done, saved=saves_after(done - 1))
+    return AtBoundary(done, saved=saves_after(cfg, done - 1))
 
 
 def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> None:
     """A finished step: its checkpoint event, the recovery it ends, the replicas it gave back (local_sgd,
     diloco: from the ranks' `results`, the steps each replica holds, and the rejoin of a dropped one), its row,
     the gauges."""
-    from trainyard.parallel.runtime.sync import is_local
+    from trainyard.parallel.plan.replica_sync import is_local
 
     plan = ctl.plan
     if results is not None and is_local(plan.config.parallel.sync) and plan.dp > 1:

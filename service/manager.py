@@ -43,7 +43,7 @@ from trainyard.api.spec import parse_spec, spec_to_dict
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.io import checkpoint
-from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resized
+from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
 from trainyard.service import queue
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
@@ -278,7 +278,7 @@ class JobManager:
         the job cannot take that size on this cluster; JobConflict (409) when it is not RUNNING or the added
         ranks' resources are not free."""
         job = self.get(job_id)
-        make_plan(resized(parse_spec(job.spec), dp), cluster_resources())
+        resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources())
         with self._lock:
             coordinator = self._coordinators.get(job_id)
         if job.status is not JobStatus.RUNNING or coordinator is None:

@@ -13,6 +13,7 @@ from trainyard.api.spec import parse_spec, spec_to_dict
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import PlanError
+from trainyard.parallel.plan.cadence import is_done
 from trainyard.service.store import JobStore
 
 
@@ -44,7 +45,7 @@ def resume_point(store: JobStore, checkpoint_root: Callable[[str, JobConfig], Pa
         if problem:
             raise PlanError("resume_from.step", f"job {wanted.job_id} has no intact checkpoint of step {step} "
                                                 f"({problem}); it has steps {checkpoint.committed_steps(root)}")
-    if step >= config.steps:
+    if is_done(step, config.steps):
         raise PlanError("steps", f"steps={config.steps}, but the checkpoint is after step {step}: nothing "
                                  "left to train")
     return str(directory), step

@@ -19,6 +19,7 @@ from trainyard.parallel.config import DpRange, JobConfig
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources, fit_violations, memory_violations
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
 from trainyard.parallel.plan.memory import RankMemory, estimate
+from trainyard.parallel.plan.replica_sync import is_local
 from trainyard.parallel.plan.rules import (
     MAX_SCHEDULE_CHUNKS,
     MAX_WORKERS,
@@ -134,6 +135,21 @@ def resized(config: JobConfig, dp: int) -> JobConfig:
     return replace(config, parallel=replace(par, dp=dp, microbatches=microbatches))
 
 
+def resize_plan(plan: Plan, dp: int, cluster: ClusterResources | None = None) -> Plan:
+    """`plan`'s job at `dp` replicas, keeping an elastic job's range: the one place a resize is planned (the
+    service checks a request with it, the coordinator acts on it). PlanError naming the rule when the job cannot
+    take that size: outside its range, a global batch that does not split, replicas that differ (local_sgd,
+    diloco), or a layout the cluster cannot hold."""
+    limits = plan.dp_range
+    if is_local(plan.config.parallel.sync) and dp != plan.dp:
+        raise PlanError("parallel.sync", f"a {plan.config.parallel.sync.kind} job is not resized: its replicas differ "
+                                         "between synchronisations, and a resize copies one replica's state")
+    if limits is not None and not limits[0] <= dp <= limits[1]:
+        raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
+                                       f"max: {limits[1]}}}")
+    return replace(make_plan(resized(plan.config, dp), cluster), dp_range=limits)
+
+
 def can_move_in_memory(old: Plan, new: Plan) -> bool:
     """Whether a resize can keep the state in the surviving ranks' memory: every rank of one (pp, tp) shard
     holds the same parameters and optimizer state (no ZeRO slices, no expert parallelism), and only dp
@@ -158,7 +174,7 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     if limits is not None:  # laid out at its smallest size, which is what must fit to start
         if limits[0] > limits[1]:
             raise PlanError("parallel.dp", f"min={limits[0]} is more than max={limits[1]}")
-        if config.parallel.sync.kind != "allreduce":
+        if is_local(config.parallel.sync):
             raise PlanError("parallel.sync", f"{config.parallel.sync.kind} cannot run with an elastic parallel.dp: "
                                              "a resize copies one replica's state to the others, and these "
                                              "replicas differ between synchronisations")

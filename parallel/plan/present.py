@@ -9,9 +9,9 @@ from __future__ import annotations
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.memory import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
+from trainyard.parallel.plan.replica_sync import cross_replica_bytes, is_local
 from trainyard.parallel.plan.schedule_sim import Costs, render_gantt, simulate
 from trainyard.parallel.plan.schedules import ActionKind, format_actions, placement_of
-from trainyard.parallel.runtime.sync import cross_replica_bytes
 
 
 def describe(plan: Plan) -> dict:
@@ -66,7 +66,7 @@ def describe_sync(plan: Plan) -> dict:
     sync, par = plan.config.parallel.sync, plan.config.parallel
     wire = 2 if par.reduce_dtype == "bf16" else 4
     per_stage = [cross_replica_bytes(sync, param_counts(plan, s).total, plan.dp, wire) for s in range(plan.pp)]
-    return {"kind": sync.kind, **({"every": sync.every} if sync.kind != "allreduce" else {}),
+    return {"kind": sync.kind, **({"every": sync.every} if is_local(sync) else {}),
             **({"outer_lr": sync.outer_lr, "outer_momentum": sync.outer_momentum} if sync.kind == "diloco" else {}),
             "cross_replica_bytes_per_step": per_stage}
 

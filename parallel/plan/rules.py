@@ -12,6 +12,7 @@ from __future__ import annotations
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
+from trainyard.parallel.plan.replica_sync import is_local
 from trainyard.parallel.plan.schedules import SCHEDULES, ScheduleError, check_schedule_args
 
 
@@ -162,7 +163,7 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
 def sync_violations(config: JobConfig) -> list[PlanError]:
     """local_sgd and diloco replicas step alone between synchronisations: each must hold its whole state."""
     sync, par = config.parallel.sync, config.parallel
-    if sync.kind == "allreduce":
+    if not is_local(sync):
         return []
     errors = []
     if par.zero > 0:

@@ -47,6 +47,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.optim.optimizer import clip_grad_norm, lr_at, set_lr
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after, syncs_before_save
 from trainyard.parallel.plan.schedules import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
@@ -55,15 +56,7 @@ from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.fsdp import shard_chunks
 from trainyard.parallel.runtime.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.powersgd import PowerSGD
-from trainyard.parallel.runtime.sync import (
-    ReplicaSync,
-    averages_optimizer_state,
-    is_local,
-    replica_group,
-    saved_outer_state,
-    syncs_after,
-    syncs_before_save,
-)
+from trainyard.parallel.runtime.sync import ReplicaSync, replica_group, saved_outer_state
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 from trainyard.parallel.runtime.train_optimizer import StateView, TrainOptimizer
 

@@ -9,7 +9,7 @@ from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import SyncConfig
 from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.plan.present import describe
-from trainyard.parallel.runtime.sync import (
+from trainyard.parallel.plan.replica_sync import (
     averages_optimizer_state,
     cross_replica_bytes,
     syncs_after,
