@@ -15,6 +15,7 @@ from trainyard.parallel.config import JobConfig
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.memory import RankMemory, estimate
 from trainyard.parallel.plan.rules import PlanError
+from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.plan.units import byte_unit, format_size
 
 
@@ -106,9 +107,9 @@ def _memory_advice(layout: Layout, config: JobConfig, need: RankMemory) -> str:
     options = []
     if need.params + need.grads + need.optimizer >= need.activations + need.recompute:
         options.append("raise pp or tp" if layout.gpus_per_worker else "use a node with more memory")
-        if layout.dp > 1 and config.parallel.zero < 3:
-            options.append(f"set parallel.zero: {', '.join(map(str, range(config.parallel.zero + 1, 4)))}"
-                           .replace(", 3", " or 3"))
+        more = [z for z in SHARDINGS if z > config.parallel.zero]  # the levels that shard more
+        if layout.dp > 1 and more:
+            options.append(f"set parallel.zero: {' or '.join(map(str, more))}")
         if layout.dp > 1 and not layout.gpus_per_worker:
             options.append("lower dp (each replica holds the whole model state)")
     else:

@@ -12,6 +12,7 @@ from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.replica_sync import cross_replica_bytes, is_local
 from trainyard.parallel.plan.schedule_sim import Costs, render_gantt, simulate
 from trainyard.parallel.plan.schedules import ActionKind, format_actions, placement_of
+from trainyard.parallel.plan.sharding import sharding_for
 
 
 def describe(plan: Plan) -> dict:
@@ -51,10 +52,11 @@ def describe_memory(plan: Plan) -> dict:
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
     zero = plan.config.parallel.zero
+    sharding = sharding_for(zero)
     out = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
-    if zero >= 2:
-        gathered = "every chunk of the rank, whole for the step" if zero == 2 else \
-            "the chunk computing and the next one being gathered"
+    if sharding.shards_parameters:
+        gathered = "the chunk computing and the next one being gathered" if sharding.reshard_after_forward else \
+            "every chunk of the rank, whole for the step"
         out["note"] = (f"parallel.zero: {zero} (FSDP2): params are the 1/N shard kept between steps plus {gathered}; "
                        "grads and optimizer are the 1/N shards")
     return out

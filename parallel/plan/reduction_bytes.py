@@ -16,6 +16,7 @@ from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32
 from trainyard.parallel.plan.schedules import virtual_stage
+from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
 
@@ -72,7 +73,8 @@ def reduction_bytes(plan: Sizing) -> dict:
     for pp in range(plan.pp):
         elements, matrices = _stage_matrices(plan, pp)
         # ZeRO-2/3 (FSDP2) reduce-scatter a chunk's gradients at each of its backwards: once per micro-batch.
-        plain = sent = wire * elements * (cfg.parallel.microbatches if cfg.parallel.zero >= 2 else 1)
+        per_step = cfg.parallel.microbatches if sharding_for(cfg.parallel.zero).reduces_every_microbatch else 1
+        plain = sent = wire * elements * per_step
         for rows, cols, _ in matrices if compression is not None else []:
             r = approximation_rank(rows, cols, compression)
             if r is not None:

@@ -14,6 +14,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.replica_sync import is_local
 from trainyard.parallel.plan.schedules import SCHEDULES, ScheduleError, check_schedule_args
+from trainyard.parallel.plan.sharding import sharding_for
 
 
 class PlanError(RuleError):
@@ -145,7 +146,7 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
-    if SCHEDULES[par.schedule].splits_backward and par.zero >= 2:
+    if SCHEDULES[par.schedule].splits_backward and sharding_for(par.zero).shards_parameters:
         return [PlanError("parallel.schedule", f"{par.schedule} splits each backward into input and weight halves; "
                                                f"parallel.zero={par.zero} (FSDP2, which gathers and reduces from its "
                                                "own backward hooks) is not built to follow them: use zero 0 or 1, or "
@@ -166,7 +167,7 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
     if not is_local(sync):
         return []
     errors = []
-    if par.zero > 0:
+    if sharding_for(par.zero).shards_optimizer_state:
         errors.append(PlanError("parallel.sync", f"{sync.kind} needs parallel.zero: 0 (zero={par.zero} shards the "
                                                  "optimizer state across the replicas, and a replica that steps "
                                                  "alone needs all of it)"))
@@ -206,7 +207,7 @@ def sharding_violations(config: JobConfig) -> list[PlanError]:
     """ZeRO-2/3 are FSDP2's (`parallel.runtime.fsdp`), which reduce-scatters each chunk's gradients during its backward:
     there is no reduction left to run after backward."""
     par = config.parallel
-    if par.zero >= 2 and not par.overlap_reduce:
+    if sharding_for(par.zero).shards_parameters and not par.overlap_reduce:
         return [PlanError("parallel.overlap_reduce", f"overlap_reduce=false needs zero <= 1 (zero={par.zero} "
                                                      "reduce-scatters each chunk's gradients during its backward)")]
     return []
@@ -217,7 +218,7 @@ def compression_violations(config: JobConfig) -> list[PlanError]:
     ZeRO-1 (whole gradients, sharded optimizer state), not with ZeRO-2/3, which keep only a shard of each
     gradient (`parallel.runtime.powersgd`)."""
     par = config.parallel
-    if par.grad_compression is not None and par.zero >= 2:
+    if par.grad_compression is not None and sharding_for(par.zero).shards_parameters:
         return [PlanError("parallel.grad_compression",
                           f"powersgd needs every rank's whole gradients (it projects each gradient matrix and keeps "
                           f"its error feedback whole); parallel.zero={par.zero} keeps only a shard of them: use "
