@@ -28,9 +28,10 @@ from trainyard.api.models import (
     ScaleRequest,
     job_info,
 )
-from trainyard.api.spec import SubmittedSpec, describe_error, relevant_errors
+from trainyard.api.spec import SubmittedSpec
 from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
 from trainyard.parallel.plan.present import describe
+from trainyard.parallel.spec import describe_error, relevant_errors
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
 
 if TYPE_CHECKING:

@@ -1,7 +1,6 @@
-"""Reading a JobSpec (YAML or JSON) into the frozen `parallel.config.JobConfig`, with readable errors.
-
-The same adapter validates REST bodies (FastAPI reads the dataclasses directly) and files given to the
-CLI, so both report a broken field the same way: its dotted path and the rule it breaks.
+"""A JobSpec as a user submits it (REST bodies and `trainyard submit`/`plan` files): what a submit adds to the
+spec (`init_from.hf`'s architecture, read from its config.json) and the rules only a new submit is held to,
+then `parallel.spec`'s reading with its readable errors.
 """
 
 from __future__ import annotations
@@ -9,57 +8,12 @@ from __future__ import annotations
 import unicodedata
 from typing import Annotated, Any
 
-import yaml
-from pydantic import BeforeValidator, TypeAdapter, ValidationError
+from pydantic import BeforeValidator
 from pydantic_core import PydanticCustomError
 from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.spec import SPEC_ADAPTER, SpecError, parse_spec
 
-SPEC_ADAPTER = TypeAdapter(JobConfig)
-
-
-class SpecError(ValueError):
-    """An invalid JobSpec; `errors` are (dotted field, message) pairs."""
-
-    def __init__(self, errors: list[tuple[str, str]]):
-        super().__init__("; ".join(f"{f}: {m}" for f, m in errors))
-        self.errors = errors
-
-
-_UNION_MEMBERS = {"constrained-int", "int", "DpRange", "ParallelConfig",
-                  "function-before[refuse_bool(), constrained-int]"}
-"""The names pydantic puts into an error's location for the member of a union it tried (`parallel.dp` is a
-number or {min, max}; the last, a bounded integer that refuses booleans, `parallel.config.NOT_BOOL`): not fields, so
-left out of the dotted path."""
-
-
-_AUTO = "literal['auto']"
-"""The other member of `parallel` (a layout or `auto`): a mapping that fails as a layout also fails as `auto`,
-which says nothing the layout's own errors do not."""
-
-
-def relevant_errors(errors: list[dict]) -> list[dict]:
-    """The errors to report: those of `parallel`'s `auto` member only when nothing else went wrong."""
-    others = [e for e in errors if _AUTO not in map(str, e["loc"])]
-    return others or errors
-
-
-def describe_error(error: dict) -> tuple[str, str]:
-    """(dotted field, message) from one pydantic error, with unknown fields said plainly."""
-    if error["type"] == "rule":  # a RuleError raised while the spec was read (see `SubmittedSpec`)
-        return error["ctx"]["field"], error["ctx"]["message"]
-    loc = [str(p) for p in error["loc"] if p != "body" and p not in _UNION_MEMBERS and p != _AUTO]
-    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        return ".".join(loc), f"unknown field '{loc[-1]}'"
-    if error["type"] == "json_invalid":  # FastAPI's: the location is ("body", character offset)
-        return "body", f"cannot read the body as JSON at character {loc[-1]}: {error['ctx']['error']}"
-    return ".".join(loc), error["msg"]
-
-
-def parse_spec(obj: Any) -> JobConfig:
-    try:
-        return SPEC_ADAPTER.validate_python(obj)
-    except ValidationError as e:
-        raise SpecError([describe_error(err) for err in relevant_errors(e.errors())]) from None
+__all__ = ["SPEC_ADAPTER", "SpecError", "SubmittedSpec", "parse_submitted_spec", "resolve_submitted"]
 
 
 def parse_submitted_spec(obj: Any) -> JobConfig:
@@ -98,23 +52,3 @@ def _resolve_or_rule_error(obj: Any) -> Any:
 
 SubmittedSpec = Annotated[JobConfig, BeforeValidator(_resolve_or_rule_error)]
 """The REST body of a submit or a plan: a JobConfig, read as `parse_submitted_spec` reads it."""
-
-
-def spec_to_dict(config: JobConfig) -> dict:
-    """The JobSpec as plain JSON data, with fields under the names a spec uses (`checkpoint.async`)."""
-    return SPEC_ADAPTER.dump_python(config, mode="json")
-
-
-def load_spec_text(text: str) -> dict:
-    """YAML (a superset of JSON) to a dict; a file that is not a mapping is an error."""
-    try:
-        obj = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError([("", f"not valid YAML/JSON: {e}")]) from None
-    except ValueError as e:  # a scalar PyYAML cannot build: a date like 2001-02-30, an int of over 4300 digits
-        raise SpecError([("", f"not valid YAML/JSON: {e}")]) from None
-    except RecursionError:  # PyYAML composes nested collections recursively
-        raise SpecError([("", "not valid YAML/JSON: lists or mappings nested too deeply")]) from None
-    if not isinstance(obj, dict):
-        raise SpecError([("", "a JobSpec must be a mapping of fields")])
-    return obj

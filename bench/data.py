@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.data.datasets import (
     global_batch_ids,
     load_batch,
@@ -39,6 +38,7 @@ from trainyard.parallel.data.datasets import (
 from trainyard.parallel.data.prepare import PrepareOptions, default_workers, prepare
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.spec import parse_spec
 
 from bench.context import REPO, BenchContext
 from bench.machine import busy_fraction

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from trainyard.api.spec import load_spec_text, parse_spec
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.optim.optimizer import clip_grad_norm, lr_at, make_optimizer, set_lr
 from trainyard.parallel.runtime.data_parallel import GradientReducer
+from trainyard.parallel.spec import load_spec_text, parse_spec
 
 GRAD_SYNCS = ("ddp", "after-backward")
 

@@ -15,11 +15,11 @@ import statistics
 import time
 
 import torch
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset
 from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.spec import parse_spec
 
 from bench.context import REPO, BenchContext
 from bench.results import Row, ratio

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.local_world import spawn
+from trainyard.parallel.spec import parse_spec
 
 from bench.context import BenchContext
 from bench.machine import busy_fraction

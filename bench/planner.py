@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
@@ -31,6 +30,7 @@ from trainyard.parallel.plan.cost_model import MachineCosts
 from trainyard.parallel.plan.planner import choose, predict_step
 from trainyard.parallel.runtime.calibrate import measure, quartile
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
+from trainyard.parallel.spec import parse_spec
 
 STEPS = 5
 """Steps per run (the first of each run is not counted)."""

@@ -22,9 +22,9 @@ from trainyard.actors import training
 from trainyard.actors.controller import Controller
 from trainyard.actors.state import JobStatus
 from trainyard.actors.storage import JobStorage
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 from trainyard.service.follow import Cursor, apply_report
 from trainyard.service.manager import JobManager
 from trainyard.service.store import JobRecord, JobStore

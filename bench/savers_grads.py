@@ -19,9 +19,9 @@ import statistics
 from pathlib import Path
 
 import yaml
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
+from trainyard.parallel.spec import parse_spec
 
 from bench.context import REPO, BenchContext
 from bench.results import Row, ratio

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 import yaml
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.spec import parse_spec
 
 from bench.context import REPO, BenchContext
 from bench.perf import rotated

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.data_parallel import local_part
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.local_world import spawn
 from trainyard.parallel.runtime.trainer import RankTrainer
+from trainyard.parallel.spec import parse_spec
 
 from bench.context import BenchContext
 from bench.perf import MB, RANK_TIMEOUT_S, SPEC, WARMUP_STEPS, loss_mismatch, paired_ratio, rotated, step_times

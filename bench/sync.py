@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
+from trainyard.parallel.spec import parse_spec
 
 from bench.context import BENCH, BenchContext
 from bench.results import Row, ratio

@@ -14,9 +14,9 @@ a token's whole row of logits and the peak should fall by about tp.
 
 from __future__ import annotations
 
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
+from trainyard.parallel.spec import parse_spec
 
 from bench.context import BenchContext
 from bench.results import Row, ratio

@@ -164,7 +164,7 @@ def _client(args: argparse.Namespace) -> Client:
 
 def read_spec_file(path: str) -> dict:
     """The spec as a dict, with relative data paths made absolute (the server may run elsewhere)."""
-    from trainyard.api.spec import SpecError, load_spec_text
+    from trainyard.parallel.spec import SpecError, load_spec_text
 
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -201,7 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from trainyard.api.spec import SpecError
+    from trainyard.parallel.spec import SpecError
 
     try:
         spec = read_spec_file(args.file)
@@ -215,11 +215,12 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from trainyard.api.spec import SpecError, parse_submitted_spec
+    from trainyard.api.spec import parse_submitted_spec
     from trainyard.parallel.config import RuleError
     from trainyard.parallel.data.datasets import open_dataset
     from trainyard.parallel.plan import make_plan
     from trainyard.parallel.plan.present import describe
+    from trainyard.parallel.spec import SpecError
 
     try:
         spec = read_spec_file(args.file)

@@ -39,11 +39,11 @@ from trainyard.actors.coordinator import Coordinator, JobStorage
 from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.naming import coordinator_name, placement_group_name
 from trainyard.actors.state import JobStatus
-from trainyard.api.spec import parse_spec, spec_to_dict
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
+from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound

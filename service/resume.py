@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from trainyard.api.spec import parse_spec, spec_to_dict
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import PlanError
 from trainyard.parallel.plan.cadence import is_done
+from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service.store import JobStore
 
 

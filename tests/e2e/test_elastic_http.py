@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import tiny_spec, wait_for
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
+from trainyard.parallel.spec import parse_spec
 from trainyard.service.client import ApiError
 
 STEPS = 100_000

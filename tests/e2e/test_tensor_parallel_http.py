@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import THREE_D_SPEC, tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.local_world import PlanRun, run_plan
+from trainyard.parallel.spec import parse_spec
 
 
 def tp_spec(**parallel) -> dict:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 STEPS = 6
 MOE = {"experts": 4, "top_k": 2, "every": 2}

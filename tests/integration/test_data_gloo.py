@@ -18,11 +18,11 @@ import torch
 from data_helpers import bpe_tokenizer
 from gloo_ranks import PlanRun, RankResult, run_plans
 from helpers import REPO, tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset
 from trainyard.parallel.data.prepare import PrepareOptions, prepare
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, make_plan
+from trainyard.parallel.spec import parse_spec
 
 
 def _plan_run(plan: Plan) -> PlanRun:

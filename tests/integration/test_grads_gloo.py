@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.runtime.data_parallel import make_reducer
 from trainyard.parallel.runtime.powersgd import PowerSGD
+from trainyard.parallel.spec import parse_spec
 
 FULL = {"kind": "powersgd", "rank": 64, "min_compression_rate": 0}
 """Rank above every matrix's smaller side, and every matrix compressed: the approximation is exact."""

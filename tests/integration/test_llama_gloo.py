@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import Plan, make_plan
+from trainyard.parallel.spec import parse_spec
 
 STEPS = 3
 LLAMA = {"family": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2, "d_model": 32, "ffn_hidden": 64,

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from gloo_ranks import last_stage_losses as losses
 from gloo_ranks import layout_id, run_named, spawn
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.moe import MoEContext, MoELayer
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 EP, B, T = 2, 3, 8
 

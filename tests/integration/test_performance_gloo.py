@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from gloo_ranks import last_stage_losses, run_named
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 LAYOUT = {"dp": 2, "pp": 2, "microbatches": 2}
 MOE_VARIANTS = {"plain": LAYOUT, "zero1": {**LAYOUT, "zero": 1}, "no-overlap": {**LAYOUT, "overlap_reduce": False}}

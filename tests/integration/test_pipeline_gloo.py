@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from gloo_ranks import last_stage_losses, run_named
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 EIGHT = {  # global batch 8, 4 blocks
     "dp2": {"dp": 2},

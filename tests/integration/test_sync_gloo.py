@@ -22,10 +22,10 @@ import torch
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
 from torch.distributed.tensor import DTensor
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset, rank_share
 from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 STEPS, BATCH, EVERY, OUTER_LR, MOMENTUM = 8, 8, 4, 0.7, 0.9
 

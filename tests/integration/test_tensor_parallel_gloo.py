@@ -11,8 +11,8 @@ import pytest
 from gloo_ranks import layout_id, run_named
 from helpers import tiny_spec
 from tp_layer_checks import MAX_NORM, Results, run_layer_checks
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 TOL = 1e-5  # largest difference relative to the tensor's largest value, fp32
 SP = pytest.mark.parametrize("tag", ["no-sp", "sp"])

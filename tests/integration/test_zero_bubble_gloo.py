@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from gloo_ranks import last_stage_losses, run_named
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.schedule_sim import simulate
 from trainyard.parallel.plan.schedules import placement_of
+from trainyard.parallel.spec import parse_spec
 
 LAYOUTS = {  # global batch 16 over 4 blocks
     "zb-h1 pp4 dp2 m8": ({"pp": 4, "dp": 2, "microbatches": 8, "schedule": "zb-h1"}, {}),

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import REPO, tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
+from trainyard.parallel.spec import parse_spec
 
 STEPS = 2
 MODEL = {"n_layer": 4, "n_head": 2, "d_model": 32}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainyard.api.spec import parse_spec
+from trainyard.parallel.spec import parse_spec
 
 from bench.checkpoint import SPEC, dir_bytes, drop_page_cache, parse_df, slower, slower_steps
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from trainyard.api.spec import parse_spec
+from trainyard.parallel.spec import parse_spec
 
 from bench.perf import VARIANTS, loss_mismatch, paired_ratio, rotated, step_times, variant_spec
 

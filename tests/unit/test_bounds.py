@@ -5,8 +5,8 @@ import math
 
 import pytest
 from helpers import tiny_spec
-from trainyard.api.spec import SpecError, parse_spec
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
+from trainyard.parallel.spec import SpecError, parse_spec
 
 LAPTOP = ClusterResources(nodes=(NodeResources(cpus=8, gpus=0, memory=16 * 2**30),))
 

@@ -46,9 +46,9 @@ from trainyard.actors.state import (
     Succeeded,
     step,
 )
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import FaultConfig
 from trainyard.parallel.plan import make_plan, resized
+from trainyard.parallel.spec import parse_spec
 
 STEPS = 8
 POINT = ("/ckpt/step_000000003", 3)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.data.datasets import DatasetError, global_batch_ids, load_batch, open_dataset, rank_share
+from trainyard.parallel.spec import parse_spec
 
 
 @pytest.mark.parametrize("dp,microbatches", [(1, 1), (2, 1), (4, 1), (2, 2), (1, 8), (8, 1)])

@@ -9,7 +9,6 @@ import pytest
 import torch
 from data_helpers import bpe_tokenizer, word_tokenizer
 from helpers import REPO, tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.data.datasets import (
     IGNORE,
     DatasetError,
@@ -22,6 +21,7 @@ from trainyard.parallel.data.datasets import (
 )
 from trainyard.parallel.data.prepare import PrepareOptions, prepare
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 from helpers import tiny_spec
-from trainyard.api.spec import SpecError, parse_spec
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.plan.present import describe
 from trainyard.parallel.plan.reduction_bytes import approximation_rank
+from trainyard.parallel.spec import SpecError, parse_spec
 
 
 def test_spec_reads_grad_compression_and_compile():

@@ -12,13 +12,14 @@ import torch
 from hf_tiny import tiny_gpt2, tiny_llama, tiny_mixtral
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from trainyard.api.spec import parse_spec, parse_submitted_spec
+from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.io import hf_checkpoint
 from trainyard.parallel.io.export import export_hf, load_exported
 from trainyard.parallel.io.hf_spec import adapter_for_family, model_fields
 from trainyard.parallel.models import hf_mapping
 from trainyard.parallel.models.whole import full_model
+from trainyard.parallel.spec import parse_spec
 
 BUILDERS = {"gpt2-tied": lambda d: tiny_gpt2(d), "gpt2-untied": lambda d: tiny_gpt2(d, tied=False),
             "llama-gqa-untied": lambda d: tiny_llama(d), "llama-tied": lambda d: tiny_llama(d, tied=True),

@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from helpers import tiny_spec
 from hf_tiny import tiny_gpt2, tiny_llama
 from trainyard.api.app import create_app
-from trainyard.api.spec import SpecError, parse_submitted_spec
+from trainyard.api.spec import parse_submitted_spec
+from trainyard.parallel.spec import SpecError
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import ClusterResources, Layout, NodeResources, PlanError, admission, make_plan, rules
 from trainyard.parallel.plan.memory import estimate
+from trainyard.parallel.spec import parse_spec
 
 
 def test_the_rules_return_every_violation_and_make_plan_raises_the_first():

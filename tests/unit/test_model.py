@@ -2,8 +2,8 @@
 
 import torch
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.models.whole import GPTStage, full_model
+from trainyard.parallel.spec import parse_spec
 
 CFG = parse_spec(tiny_spec(model={"n_layer": 4})).model
 

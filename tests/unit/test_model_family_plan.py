@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_spec
-from trainyard.api.spec import SpecError, parse_spec
 from trainyard.parallel.models import FAMILIES, family_of
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import PlanError, make_plan
@@ -15,6 +14,7 @@ from trainyard.parallel.plan.memory import param_counts
 from trainyard.parallel.plan.present import describe
 from trainyard.parallel.runtime.pipeline import _SavedTensorMeter
 from trainyard.parallel.runtime.trainer import autocast_context
+from trainyard.parallel.spec import SpecError, parse_spec
 from trainyard.service.cli import format_plan
 
 LLAMA = {"family": "llama", "n_layer": 4, "d_model": 64, "n_head": 4, "n_kv_head": 2, "ffn_hidden": 160,

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.moe import MoELayer, capacity
 from trainyard.parallel.models.whole import GPTStage, full_model
+from trainyard.parallel.spec import parse_spec
 
 E, D, T = 4, 4, 8
 

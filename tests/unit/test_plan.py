@@ -4,7 +4,6 @@ from dataclasses import replace
 
 import pytest
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import (
     ClusterResources,
     NodeResources,
@@ -15,6 +14,7 @@ from trainyard.parallel.plan import (
     split_layers,
 )
 from trainyard.parallel.plan.present import describe
+from trainyard.parallel.spec import parse_spec
 
 
 def grid_plan(dp: int, pp: int, tp: int) -> Plan:

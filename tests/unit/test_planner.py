@@ -9,7 +9,6 @@ import json
 from dataclasses import replace
 
 import pytest
-from trainyard.api.spec import parse_spec, spec_to_dict
 from trainyard.parallel.config import JobConfig, ModelConfig, MoEConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
@@ -17,6 +16,7 @@ from trainyard.parallel.plan.cost_model import Fit, MachineCosts, default_gpu_co
 from trainyard.parallel.plan.planner import choose, plan_layouts
 from trainyard.parallel.plan.rules import PlanError, violations
 from trainyard.parallel.runtime.calibrate import CACHE_FILE, contention_from, machine_costs, node_type
+from trainyard.parallel.spec import parse_spec, spec_to_dict
 
 MiB = 2**20
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from helpers import tiny_spec
 from trainyard.actors.policies import complete_pipeline, live_point, replicas_to_replace
 from trainyard.actors.telemetry import make_row
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 PLAN = make_plan(parse_spec(tiny_spec(model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "microbatches": 2})))
 

@@ -13,9 +13,9 @@ from helpers import tiny_spec
 from trainyard.actors.controller import Controller
 from trainyard.actors.journal import append_metrics_log, steps_logged
 from trainyard.actors.storage import JobStorage
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
 
 
 def committed(root: Path, step: int) -> None:

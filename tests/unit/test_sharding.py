@@ -4,10 +4,10 @@ import typing
 
 import pytest
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import ParallelConfig
 from trainyard.parallel.plan import can_move_in_memory, make_plan, resized
 from trainyard.parallel.plan.sharding import SHARDINGS, sharding_for
+from trainyard.parallel.spec import parse_spec
 
 
 def test_every_zero_value_the_spec_accepts_has_a_strategy():

@@ -2,9 +2,10 @@
 
 import pytest
 from helpers import REPO, tiny_spec
-from trainyard.api.spec import SPEC_ADAPTER, SpecError, load_spec_text, parse_spec, parse_submitted_spec
+from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.data.datasets import DatasetError, open_dataset
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
+from trainyard.parallel.spec import SPEC_ADAPTER, SpecError, load_spec_text, parse_spec
 
 ARCHITECTURE_EXAMPLE = """
 name: tiny-3d

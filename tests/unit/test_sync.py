@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from helpers import tiny_spec
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.config import SyncConfig
 from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.plan.present import describe
@@ -15,6 +14,7 @@ from trainyard.parallel.plan.replica_sync import (
     syncs_after,
     syncs_before_save,
 )
+from trainyard.parallel.spec import parse_spec
 
 
 def test_replicas_synchronise_every_h_steps_and_after_the_last():

@@ -15,9 +15,9 @@ from trainyard.actors.controller import Controller
 from trainyard.actors.recovery import Unrecoverable
 from trainyard.actors.state import JobStatus, Pending
 from trainyard.actors.storage import JobStorage
-from trainyard.api.spec import parse_spec
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import PlanError, make_plan
+from trainyard.parallel.spec import parse_spec
 from trainyard.service.manager import JobManager
 from trainyard.service.store import JobRecord, JobStore
 

@@ -1,0 +1,65 @@
+"""When data-parallel replicas synchronise (`parallel.sync`: allreduce, local_sgd, diloco) and what it costs: the
+pure rules the coordinator, the plan and the ranks all ask (`parallel.runtime.sync` runs the collective).
+
+- `allreduce`: every gradient is summed across the replicas every step (the reducers); no sync step.
+- `local_sgd` / `diloco`: each replica steps alone; every `every` steps (and after the last) they synchronise.
+"""
+
+from __future__ import annotations
+
+from trainyard.parallel.config import SyncConfig
+
+FP32 = 4
+LOCAL_KINDS = ("local_sgd", "diloco")
+"""The kinds whose replicas step apart between synchronisations."""
+
+
+def is_local(cfg: SyncConfig) -> bool:
+    return cfg.kind in LOCAL_KINDS
+
+
+def syncs_after(step: int, cfg: SyncConfig, steps: int) -> bool:
+    """Whether the replicas synchronise their parameters after step `step` (0-based): every `every` steps, and
+    after the job's last step (so the final state, and every checkpoint, is one model)."""
+    return is_local(cfg) and ((step + 1) % cfg.every == 0 or step + 1 == steps)
+
+
+def rejoin_step(after: int, cfg: SyncConfig, steps: int) -> int:
+    """The step whose sync a replica dropped before step `after` (the survivors' next step) rejoins at: the
+    first sync at or after it (the last step always syncs)."""
+    return next(s for s in range(after, steps) if syncs_after(s, cfg, steps))
+
+
+def round_of(step: int, dp: int, dropped: dict[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Who takes part in `step` while replicas are dropped (`dropped`: replica -> its `rejoin_step`): the live
+    replicas (they step) and those rejoining at this step's sync; None when every replica steps (a whole
+    round). A dropped replica neither steps nor syncs before its rejoin step, and steps again after it."""
+    out = {d: at for d, at in dropped.items() if at >= step}
+    if not out:
+        return None
+    return tuple(d for d in range(dp) if d not in out), tuple(sorted(d for d, at in out.items() if at == step))
+
+
+def averages_optimizer_state(step: int, cfg: SyncConfig, checkpoint_every: int, steps: int) -> bool:
+    """Whether the sync after `step` also averages the replicas' inner optimizer state: a `checkpoint_every`
+    checkpoint follows it, from which a resumed run must follow the uninterrupted one (not the final one)."""
+    done = step + 1
+    return syncs_after(step, cfg, steps) and checkpoint_every > 0 and done % checkpoint_every == 0 and done < steps
+
+
+def syncs_before_save(steps_done: int, cfg: SyncConfig, steps: int) -> bool:
+    """Whether a checkpoint of the state after `steps_done` steps outside the schedule (a stop, a resize through a
+    checkpoint) must first synchronise the replicas' parameters: they step apart and last synced before it."""
+    return is_local(cfg) and steps_done > 0 and not syncs_after(steps_done - 1, cfg, steps)
+
+
+def cross_replica_bytes(cfg: SyncConfig, local_params: int, dp: int, wire_bytes: int = FP32) -> float:
+    """Bytes one rank puts into its all-reduces across the replicas per step, on average (the payload; a ring
+    all-reduce sends about twice that over the wire). allreduce: every local gradient, at the wire type
+    (`parallel.reduce_dtype`), each step; local_sgd and diloco: every local parameter (fp32) once per `every`
+    steps. 0 with one replica."""
+    if dp == 1:
+        return 0.0
+    if is_local(cfg):
+        return FP32 * local_params / cfg.every
+    return float(wire_bytes * local_params)
