@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m trainyard.service.demo examples/demo.yaml
+	$(BIN)/python -m trainyard.cli.demo examples/demo.yaml
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""Packaging of the four product folders as subpackages of one `trainyard` namespace (see trainyard/__init__.py).
+"""Packaging of the product folders as subpackages of one `trainyard` namespace (see trainyard/__init__.py).
 
 pyproject.toml holds everything else; only this mapping needs code: each folder and its subfolders become
 `trainyard.<folder>...` without moving them.
@@ -6,7 +6,7 @@ pyproject.toml holds everything else; only this mapping needs code: each folder 
 
 from setuptools import find_packages, setup
 
-FOLDERS = ("api", "service", "actors", "parallel")
+FOLDERS = ("api", "service", "actors", "parallel", "cli")
 
 setup(
     packages=["trainyard"] + [f"trainyard.{name}" for top in FOLDERS

@@ -26,9 +26,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from trainyard.cli.offline import read_spec_file
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.spec import parse_spec
-from trainyard.service.cli import read_spec_file
 
 from bench.context import BENCH, REPO, BenchContext
 from bench.machine import busy_fraction

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from trainyard.service.client import ApiError, Client
+from trainyard.cli.client import ApiError, Client
 
 from bench.context import BenchContext
 from bench.results import Row, median

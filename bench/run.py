@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainyard.service.client import ApiError
+from trainyard.cli.client import ApiError
 
 from bench import (
     checkpoint,

@@ -1,9 +1,9 @@
 """Running one JobSpec through the real trainyard service, the way a user would, and fetching its metrics.
 
-`TrainyardService` starts `python -m service.cli --state-dir <dir> serve --port <free port>` in a
+`TrainyardService` starts `python -m trainyard.cli.main --state-dir <dir> serve --port <free port>` in a
 subprocess as service/demo.py does (the server's output goes to `<dir>/serve.log`, or another name so that
 a restart on the same directory keeps both), waits for /healthz with the demo's own wait, and shuts the
-server down with SIGINT on exit. `run_job` submits a spec over REST with `service.client.Client`, waits
+server down with SIGINT on exit. `run_job` submits a spec over REST with `cli.client.Client`, waits
 for SUCCEEDED and returns the job's per-step metrics rows (`GET /api/jobs/{id}/metrics`); `wait_job` polls
 a job until a condition on it holds.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from trainyard.service.cli import TERMINAL
-from trainyard.service.client import ApiError, Client
-from trainyard.service.demo import wait_ready  # the demo's own readiness wait
+from trainyard.cli.client import ApiError, Client
+from trainyard.cli.demo import wait_ready  # the demo's own readiness wait
+from trainyard.cli.jobs import TERMINAL
 
 
 class BenchError(RuntimeError):
@@ -66,7 +66,7 @@ class TrainyardService:
     def __enter__(self) -> TrainyardService:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
-        cmd = [sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(self.state_dir),
+        cmd = [sys.executable, "-m", "trainyard.cli.main", "--state-dir", str(self.state_dir),
                "serve", "--port", str(self.port), *self.serve_args]
         self._server = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:

@@ -14,7 +14,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from trainyard.service.client import Client
+from trainyard.cli.client import Client
 
 from bench.context import BenchContext
 from bench.results import Row, ratio

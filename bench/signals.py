@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from trainyard.service.demo import wait_ready
+from trainyard.cli.demo import wait_ready
 
 from bench.context import REPO, BenchContext
 from bench.results import Row, ratio
@@ -24,7 +24,7 @@ def _exit_after_sigterm(ctx: BenchContext, to: str) -> tuple[float, int]:
     state, port = ctx.run_dir / to, free_port()
     state.mkdir(parents=True, exist_ok=True)
     with (state / "serve.log").open("wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(state), "serve",
+        server = subprocess.Popen([sys.executable, "-m", "trainyard.cli.main", "--state-dir", str(state), "serve",
                                    "--port", str(port), "--num-cpus", "4"], cwd=REPO, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)  # a group of its own
         try:

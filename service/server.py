@@ -14,12 +14,12 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import ray
 import uvicorn
-from trainyard.api.app import create_app
 from trainyard.service import state_dir as sd
 from trainyard.service.manager import JobManager
 from trainyard.service.ray_runtime import connect, record_embedded_processes, remove_orphans
@@ -52,7 +52,12 @@ class _Server(uvicorn.Server):
         yield  # `serve` handles the signals for the whole shutdown, and never re-raises them
 
 
-def serve(host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | None = None,
+AppFactory = Callable[..., Any]
+"""`api.app.create_app`'s shape: (manager, token, *, ray_address, allow_fault_injection) -> an ASGI app. Passed in
+by the CLI, so the service runs the web layer without importing it."""
+
+
+def serve(make_app: AppFactory, host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | None = None,
           ray_address: str | None = None, num_cpus: int | None = None, max_queued: int = 1000,
           allow_fault_injection: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -67,7 +72,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | Non
         record_embedded_processes(processes)
     manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url, max_queued=max_queued,
                          detach_jobs=not info.embedded)
-    app = create_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection)
+    app = make_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=GRACEFUL_HTTP_S))
 

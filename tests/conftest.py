@@ -52,7 +52,7 @@ class Service:
     thread: threading.Thread
 
     def client(self):
-        from trainyard.service.client import Client
+        from trainyard.cli.client import Client
 
         return Client(self.url, self.token)
 

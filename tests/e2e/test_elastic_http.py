@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import tiny_spec, wait_for
+from trainyard.cli.client import ApiError
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 from trainyard.parallel.spec import parse_spec
-from trainyard.service.client import ApiError
 
 STEPS = 100_000
 """More than the jobs get to run: each is stopped once it made a few steps at its last size, so that no job ends

@@ -12,8 +12,8 @@ import torch
 from conftest import start_service
 from helpers import tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
+from trainyard.cli.client import ApiError
 from trainyard.parallel.io.export import MODEL_FILE
-from trainyard.service.client import ApiError
 
 SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"every": 3},
                  parallel={"pp": 2, "microbatches": 2},

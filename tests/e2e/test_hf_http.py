@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from helpers import tiny_spec, wait_terminal
 from hf_tiny import tiny_gpt2
 from trainyard.api.spec import parse_submitted_spec
+from trainyard.cli.main import main as cli
 from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
 from trainyard.parallel.io.export import load_exported
-from trainyard.service.cli import main as cli
 
 
 def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_path, capsys):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import tiny_spec, wait_terminal
 from trainyard.actors.naming import coordinator_name, worker_name
-from trainyard.service.client import ApiError, Client
+from trainyard.cli.client import ApiError, Client
 
 
 def test_a_job_reports_progress_and_metrics_rows(client):

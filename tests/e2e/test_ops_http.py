@@ -8,8 +8,8 @@ import pytest
 import ray
 from conftest import start_service
 from helpers import live_actor, tiny_spec, wait_for, wait_terminal, with_one_bad_token
-from trainyard.service.cli import main as cli
-from trainyard.service.client import ApiError
+from trainyard.cli.client import ApiError
+from trainyard.cli.main import main as cli
 from trainyard.service.logs import read_rank_log
 
 TRACEBACK = "Traceback (most recent call last):"

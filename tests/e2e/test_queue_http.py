@@ -15,8 +15,8 @@ from helpers import tiny_spec, wait_for, wait_terminal
 from ray.util.placement_group import placement_group, remove_placement_group
 from trainyard.actors.naming import NAMESPACE
 from trainyard.actors.state import JobStatus
+from trainyard.cli.client import ApiError
 from trainyard.parallel.spec import parse_spec
-from trainyard.service.client import ApiError
 from trainyard.service.manager import JobManager
 from trainyard.service.store import JobRecord, JobStore
 

@@ -10,8 +10,8 @@ import pytest
 from conftest import start_service
 from helpers import REPO, tiny_spec
 from trainyard.actors.state import JobStatus
-from trainyard.service.cli import main as cli
-from trainyard.service.client import ApiError
+from trainyard.cli.client import ApiError
+from trainyard.cli.main import main as cli
 from trainyard.service.store import JobRecord, JobStore
 
 

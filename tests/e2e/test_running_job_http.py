@@ -12,7 +12,7 @@ import httpx
 import pytest
 import ray
 from helpers import live_actor, tiny_spec, wait_for
-from trainyard.service.client import ApiError
+from trainyard.cli.client import ApiError
 
 STEPS = 100_000
 

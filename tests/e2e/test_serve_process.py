@@ -21,10 +21,10 @@ import ray
 import torch
 from helpers import REPO, tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
+from trainyard.cli.client import ApiError, Client
+from trainyard.cli.demo import stop, wait_ready
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.export import MODEL_FILE
-from trainyard.service.client import ApiError, Client
-from trainyard.service.demo import stop, wait_ready
 from trainyard.service.ray_runtime import descendants
 from trainyard.service.store import JobStore
 
@@ -62,7 +62,7 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None, cpus: in
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # tests only: the product keeps Ray's token auth on
     where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", str(cpus)]
     # A session of its own, as systemd runs a service: a signal to its process group reaches nothing of ours.
-    proc = subprocess.Popen([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(state), "serve",
+    proc = subprocess.Popen([sys.executable, "-m", "trainyard.cli.main", "--state-dir", str(state), "serve",
                              "--port", str(port), *where], cwd=REPO, env=env, stdout=log.open("ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     _services.append(proc)
@@ -194,7 +194,7 @@ def test_serve_on_a_taken_port_fails_at_once_saying_so(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(tmp_path), "serve",
+        result = subprocess.run([sys.executable, "-m", "trainyard.cli.main", "--state-dir", str(tmp_path), "serve",
                                  "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr

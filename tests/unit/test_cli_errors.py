@@ -6,8 +6,8 @@ import math
 
 import httpx
 import pytest
-from trainyard.service.cli import main
-from trainyard.service.client import ApiError, Client
+from trainyard.cli.client import ApiError, Client
+from trainyard.cli.main import main
 
 UNREACHABLE = ["--url", "http://127.0.0.1:9", "--token", "t"]
 

@@ -3,13 +3,13 @@ the schedule, and the refusal of a job whose ranks cannot fit."""
 
 import pytest
 from helpers import tiny_spec
+from trainyard.cli.offline import format_plan
 from trainyard.parallel.models.whole import GPTStage
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 from trainyard.parallel.plan.memory import param_counts, peak_activation_bytes
 from trainyard.parallel.plan.present import describe
 from trainyard.parallel.plan.schedules import virtual_stage
 from trainyard.parallel.spec import parse_spec
-from trainyard.service.cli import format_plan
 from trainyard.service.ray_runtime import gpu_memory
 
 MOE = {"experts": 4, "top_k": 2, "every": 2}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_spec
+from trainyard.cli.offline import format_plan
 from trainyard.parallel.models import FAMILIES, family_of
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import PlanError, make_plan
@@ -15,7 +16,6 @@ from trainyard.parallel.plan.present import describe
 from trainyard.parallel.runtime.pipeline import _SavedTensorMeter
 from trainyard.parallel.runtime.trainer import autocast_context
 from trainyard.parallel.spec import SpecError, parse_spec
-from trainyard.service.cli import format_plan
 
 LLAMA = {"family": "llama", "n_layer": 4, "d_model": 64, "n_head": 4, "n_kv_head": 2, "ffn_hidden": 160,
          "seq_len": 32, "rope_theta": 500000.0, "norm_eps": 1e-6}

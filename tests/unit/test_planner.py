@@ -410,7 +410,7 @@ def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
 
 
 def test_plan_auto_on_a_spec_with_a_parallel_mapping_keeps_its_options_that_change_the_numbers(tmp_path, capsys):
-    from trainyard.service.cli import main
+    from trainyard.cli.main import main
 
     spec = {"model": {"n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 32}, "data": {"kind": "synthetic"},
             "steps": 1, "global_batch": 8,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-from trainyard.service.plot import plot_metrics
+from trainyard.cli.plot import plot_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -12,9 +12,9 @@ import pytest
 from data_helpers import EOS, bpe_tokenizer, word_tokenizer
 from helpers import REPO, wait_for
 from tokenizers import Tokenizer
+from trainyard.cli.main import main
 from trainyard.parallel.data.prepare import PrepareError, PrepareOptions, prepare
 from trainyard.parallel.data.token_dir import Manifest, file_sha256
-from trainyard.service.cli import main
 
 DOCS = ["The hump engine pushes the cars.", "Every car has a number.", "Trains leave on time, every day."]
 
@@ -216,7 +216,7 @@ SLOW_PREPARE = """import sys, time
 import trainyard.parallel.data.prepare as p
 encode = p._encode_batch
 p._encode_batch = lambda batch: (time.sleep(0.05), encode(batch))[1]  # a prepare long enough to stop midway
-from trainyard.service.cli import main
+from trainyard.cli.main import main
 sys.exit(main(["prepare", *sys.argv[1:], "--workers", "1"]))
 """
 

@@ -6,9 +6,9 @@ import sqlite3
 
 import pytest
 from trainyard.actors.state import JobStatus
+from trainyard.cli.main import _attach_values
 from trainyard.parallel.plan import Gang
 from trainyard.service import queue
-from trainyard.service.cli import _attach_values
 from trainyard.service.state_dir import new_token
 from trainyard.service.store import JobRecord, JobStore
 
@@ -117,7 +117,7 @@ def test_cli_takes_a_token_that_starts_with_a_dash():
 
 
 def test_the_progress_bar_shows_the_queue_position_and_the_reason():
-    from trainyard.service.cli import _waiting_text
+    from trainyard.cli.jobs import _waiting_text
 
     job = {"queue_position": 3, "waiting_for": {"reason": "behind 2 earlier job(s) in the queue"}}
     assert _waiting_text(job) == "queued #3: behind 2 earlier job(s) in the queue"

@@ -15,9 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainyard.cli.client import ApiError, Client
+from trainyard.cli.jobs import follow
+from trainyard.cli.offline import read_spec_file
 from trainyard.service import state_dir as sd
-from trainyard.service.cli import follow, read_spec_file
-from trainyard.service.client import ApiError, Client
 
 
 def main() -> int:
@@ -30,7 +31,7 @@ def main() -> int:
     log_path = state / "serve.log"
     print(f"starting trainyard serve (state dir {state}, port {args.port}, log {log_path}) ...", flush=True)
     log = log_path.open("wb")
-    server = subprocess.Popen([sys.executable, "-m", "trainyard.service.cli", "--state-dir", str(state), "serve",
+    server = subprocess.Popen([sys.executable, "-m", "trainyard.cli.main", "--state-dir", str(state), "serve",
                                "--port", str(args.port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         client = wait_ready(server, state, args.port, args.startup_timeout_s)

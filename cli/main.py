@@ -1,0 +1,152 @@
+"""The `trainyard` command line: serve the API, and submit, plan, follow and control jobs over REST.
+
+Client commands find the server and its token in the state directory that `serve` wrote
+(`--state-dir`, default ~/.trainyard), or take `--url` / `--token` (or TRAINYARD_URL / TRAINYARD_TOKEN).
+`plan` needs no server: it validates the file and prints the plan locally. `logs` reads the ranks' logs
+(which the service reads from Ray) and `logs --follow` polls them; `metrics --plot` draws the rows with
+matplotlib (`cli.plot`).
+
+This module is the command table (one parser for every subcommand); the commands live in `cli.offline` (no
+server needed) and `cli.jobs` (over the API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from trainyard.cli import jobs, offline
+from trainyard.cli.client import ApiError
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(_attach_values(sys.argv[1:] if argv is None else argv, ("--token",)))
+    try:
+        return args.func(args)
+    except ApiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file the command reads or writes: a spec that is not there, an export's -o
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainyard", description="Train GPT models on a Ray cluster.")
+    p.add_argument("--state-dir", default=os.environ.get("TRAINYARD_STATE_DIR"),
+                   help="state directory (default ~/.trainyard)")
+    p.add_argument("--url", default=os.environ.get("TRAINYARD_URL"), help="API address (default: from state dir)")
+    p.add_argument("--token", default=os.environ.get("TRAINYARD_TOKEN"), help="API token (default: from state dir)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start the API (and an embedded Ray unless --ray-address)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    s.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of embedded Ray (default max(cores, 8))")
+    s.add_argument("--allow-fault-injection", action="store_true",
+                   help="accept fault drills (POST /api/jobs/{id}/faults: kill or hang a rank); off by default")
+    s.add_argument("--max-queued", type=int, default=1000,
+                   help="most jobs waiting in the queue; a submit beyond it is refused (429)")
+    s.set_defaults(func=offline.serve)
+
+    s = sub.add_parser("submit", help="submit a JobSpec file (YAML or JSON)")
+    s.add_argument("file")
+    s.add_argument("--follow", action="store_true", help="show a progress bar until the job ends")
+    s.set_defaults(func=jobs.submit)
+
+    s = sub.add_parser("plan", help="validate a JobSpec and show its plan (no server needed)")
+    s.add_argument("file")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.add_argument("--costs", metavar="F,B[,C]", type=offline.parse_costs,
+                   help="simulate the schedule with these per-chunk forward, backward (and communication) costs "
+                        "instead of the spec's sim_costs (default 1,2,0)")
+    s.add_argument("--auto", action="store_true",
+                   help="let the planner choose the layout (as `parallel: auto` does) and show its top five; the "
+                        "spec's other parallel options (grad_compression, reduce_dtype, sync) are kept")
+    s.add_argument("--nodes", type=int, default=0,
+                   help="with --auto: plan for this many nodes like the options below (default: this machine)")
+    s.add_argument("--gpus-per-node", type=int, default=0)
+    s.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    s.add_argument("--cpus-per-node", type=float, default=0,
+                   help="default: 8 per GPU with --gpus-per-node, else this machine's")
+    s.set_defaults(func=offline.plan)
+
+    for name, func, text in (("status", jobs.status, "show a job"), ("follow", jobs.follow_job, "follow a job"),
+                             ("stop", jobs.stop, "stop a job"), ("delete", jobs.delete, "delete a finished job")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("job_id")
+        s.set_defaults(func=func)
+    s = sub.add_parser("metrics", help="print a job's per-step metrics")
+    s.add_argument("job_id")
+    s.add_argument("--since", type=int, default=0)
+    s.add_argument("--plot", metavar="FILE.png", help="draw loss, tokens/s (and a pipeline's bubble) into a PNG")
+    s.set_defaults(func=jobs.metrics)
+    s = sub.add_parser("scale", help="resize a running job's data parallelism (at its next step)")
+    s.add_argument("job_id")
+    s.add_argument("--dp", type=int, required=True, help="the new number of data-parallel replicas")
+    s.set_defaults(func=jobs.scale)
+    s = sub.add_parser("events", help="what happened to a job: failures, recoveries (with their time), checkpoints")
+    s.add_argument("job_id")
+    s.set_defaults(func=jobs.events)
+    s = sub.add_parser("export", help="download a finished job's trained model: DIR/model.safetensors and "
+                                      "DIR/config.json, or a Hugging Face directory (--format hf)")
+    s.add_argument("job_id")
+    s.add_argument("-o", "--output", required=True, metavar="DIR")
+    s.add_argument("--format", choices=("trainyard", "hf"), default="trainyard",
+                   help="trainyard (default): one safetensors file; hf: config.json, safetensors, "
+                        "generation_config.json and the tokenizer, for transformers.from_pretrained")
+    s.set_defaults(func=jobs.export)
+    s = sub.add_parser("logs", help="print the ranks' logs (stderr by default), read from Ray")
+    s.add_argument("job_id")
+    s.add_argument("--rank", type=int, default=None, help="one rank (default: every rank, each line prefixed)")
+    s.add_argument("--tail", type=int, default=1000, help="the last N lines of each rank (default 1000)")
+    s.add_argument("--stdout", action="store_true", help="the ranks' stdout instead of their stderr")
+    s.add_argument("--follow", "-f", action="store_true", help="then print new lines as they come, until the job ends")
+    s.set_defaults(func=jobs.logs)
+    _add_prepare(sub)
+    sub.add_parser("list", help="list jobs").set_defaults(func=jobs.list_jobs)
+    sub.add_parser("cluster", help="show the Ray cluster").set_defaults(func=jobs.cluster)
+    return p
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    from trainyard.parallel.data.prepare import PrepareOptions, default_workers
+
+    s = sub.add_parser("prepare", help="tokenize text, JSONL or Parquet into a dataset directory (no server needed)")
+    s.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (a document each), .jsonl, .parquet, or "
+                                                                "directories of them")
+    s.add_argument("-o", "--output", required=True, metavar="DIR", help="the dataset directory to write")
+    s.add_argument("--tokenizer", required=True, metavar="PATH", help="a tokenizer.json or a directory holding one")
+    s.add_argument("--field", default=PrepareOptions.field, help="JSONL: the field holding the text (default text)")
+    s.add_argument("--column", default=PrepareOptions.column, help="Parquet: the text column (default text)")
+    s.add_argument("--chat", action="store_true", help="JSONL of {messages} or {prompt, completion} records; stores "
+                                                       "a loss mask (only assistant/completion tokens count)")
+    s.add_argument("--eos", default=None, help="the EOS token (default: tokenizer_config.json's eos_token)")
+    s.add_argument("--shard-tokens", type=int, default=PrepareOptions.shard_tokens, help="tokens per shard file")
+    s.add_argument("--workers", type=int, default=default_workers(),
+                   help=f"tokenizing processes (default {default_workers()}, this machine's cores)")
+    s.set_defaults(func=offline.prepare)
+
+
+def _attach_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`--token VALUE` as `--token=VALUE`: argparse reads a separate value that starts with '-' as an
+    option, and a token may start with '-' (the service never makes one, but a user may bring one)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in options and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
