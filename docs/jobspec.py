@@ -2,8 +2,8 @@
 
 `python docs/jobspec.py` writes the file; `python docs/jobspec.py --check` writes nothing and exits 1 with a
 diff when the file differs from what the code would write (tests/unit/test_docs.py runs the check, so CI
-fails when the reference drifts from `parallel/config.py`). The schema's descriptions are the docstrings under
-the fields of `parallel/config.py` (pydantic's `use_attribute_docstrings`): edit them there, then run this.
+fails when the reference drifts from `parallel/config.py`). Each field's description is the docstring under
+it in `parallel/config.py`: edit it there, then run this.
 
 One table per section of the spec (`model`, `model.moe`, `parallel`, ...): field, type, default, allowed
 values and bounds, description. A section is any field whose schema is an object of its own (a `$ref`), found
@@ -12,7 +12,9 @@ by walking the schema from the top, so a new section or field needs no change he
 
 from __future__ import annotations
 
+import ast
 import difflib
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -37,12 +39,46 @@ The [user guide](guide.md) explains the features these fields turn on.
 
 
 def spec_schema() -> dict[str, Any]:
-    """The JobSpec's JSON schema. The one place this script names where the adapter lives."""
+    """The JobSpec's JSON schema, each field's docstring as its description. The one place this script names
+    where the adapter and the config live."""
     if str(ROOT) not in sys.path:  # `python docs/jobspec.py` from a checkout: import the checkout's code
         sys.path.insert(0, str(ROOT))
+    import trainyard.parallel.config as config
     from trainyard.api.spec import SPEC_ADAPTER
 
-    return SPEC_ADAPTER.json_schema()
+    return with_field_docs(SPEC_ADAPTER.json_schema(), field_docstrings(inspect.getsource(config)))
+
+
+def field_docstrings(source: str) -> dict[str, dict[str, str]]:
+    """{class: {field: docstring}} for each string literal right under an annotated field of a class. Read here,
+    not through pydantic's `use_attribute_docstrings`, which would slow every start that builds the adapter."""
+    docs: dict[str, dict[str, str]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            docs[node.name] = {field.target.id: inspect.cleandoc(text)
+                               for field, after in zip(node.body, node.body[1:], strict=False)
+                               if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                               and (text := _string(after)) is not None}
+    return docs
+
+
+def _string(node: ast.stmt) -> str | None:
+    """The text of a statement that is a bare string literal (a docstring), else None."""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        return node.value.value
+    return None
+
+
+def with_field_docs(schema: dict[str, Any], docs: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """The schema with a `description` on each property whose field has a docstring. A property's name is its
+    field's, or the field's without a trailing `_` (`async` is the field `async_`: a Python keyword)."""
+    for name, node in [(schema.get("title", ""), schema), *schema.get("$defs", {}).items()]:
+        fields = docs.get(name, {})
+        for prop, body in node.get("properties", {}).items():
+            doc = fields.get(prop, fields.get(prop + "_"))
+            if doc and "description" not in body:
+                body["description"] = doc
+    return schema
 
 
 def _ref_name(node: dict[str, Any]) -> str | None:
