@@ -59,14 +59,22 @@ def test_readme_is_short():
     assert len(README.read_text().splitlines()) <= 250
 
 
-def test_readme_and_docs_link_only_to_files_in_the_repository():
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, spaces to '-', other punctuation but '-' and '_' dropped."""
+    return {"".join(c for c in title.strip().lower().replace(" ", "-") if c.isalnum() or c in "-_")
+            for title in re.findall(r"^#+ (.*)$", page.read_text(), re.M)}
+
+
+def test_readme_and_docs_link_only_to_files_and_headings_in_the_repository():
     pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
     broken = []
     for page in pages:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
             if "://" in target:
                 continue
-            path = (page.parent / target).resolve()
+            path = (page.parent / target).resolve() if target else page  # `(#heading)`: this page's
             if not path.is_relative_to(ROOT) or not path.exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
     assert broken == []
