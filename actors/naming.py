@@ -1,4 +1,4 @@
-"""Ray actor names and the namespace, as ARCHITECTURE.md fixes them."""
+"""Ray actor names and the namespace, as docs/design.md ("Names") fixes them."""
 
 NAMESPACE = "trainyard"
 

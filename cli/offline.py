@@ -202,7 +202,7 @@ def format_memory(memory: dict) -> list[str]:
     for r in memory["per_rank"]:
         rows.setdefault(tuple(r[c] for c in columns), []).append(r["rank"])
     width = max(12, *(len(_ranks_text(ranks)) + 6 for ranks in rows.values()))
-    lines = ["memory per rank (estimated: what a rank holds at its peak, see the README's memory plan):",
+    lines = ["memory per rank (estimated: what a rank holds at its peak, see the memory plan in docs/guide.md):",
              f"  {'':<{width}}" + "".join(f"{c:>{17 if c in _HOST_COLUMNS else 13}}" for c in columns)]
     for values, ranks in rows.items():
         label = f"{'ranks' if len(ranks) > 1 else 'rank'} {_ranks_text(ranks)}"

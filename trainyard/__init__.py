@@ -1,4 +1,4 @@
-"""trainyard: a Ray-based training service (see README.md and ARCHITECTURE.md).
+"""trainyard: a Ray-based training service (see README.md and docs/design.md).
 
 The product's four folders stay at the top of the checkout (`api/`, `service/`, `actors/`, `parallel/`) and are
 this package's subpackages: `trainyard.parallel` is `parallel/`. Installed, `setup.py` maps each folder under

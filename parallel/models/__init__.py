@@ -1,5 +1,5 @@
 """Model families: the registry `FAMILIES` and `family_of(cfg)`, the one way the rest of `parallel/` reaches
-a model (see `parallel.models.base` for the interface, ARCHITECTURE.md "A model family is one unit").
+a model (see `parallel.models.base` for the interface, docs/design.md, "A model family is one unit").
 
 A family is a folder `parallel/models/<name>/` whose `__init__.py` defines its `ModelFamily`; adding one is
 that folder, a line below and its name in `ModelConfig.family`.

@@ -8,7 +8,7 @@ trainyard's `gelu_tanh`.
 
 A config.json field that changes what the model computes and that trainyard cannot reproduce is refused by
 name (RuleError). Dropout probabilities are accepted: they act only while training, and trainyard trains
-without dropout (the README says so).
+without dropout (docs/guide.md says so, under "Hugging Face checkpoints").
 """
 
 from __future__ import annotations
