@@ -246,7 +246,7 @@ class Controller:
         if self.state.status is not JobStatus.RUNNING or self.desk.claimed_by or self.desk.ready:
             state = "resizing already" if self.desk.claimed_by or self.desk.ready else str(self.state.status)
             return {"refused": f"job {self.job_id} is {state}; only a RUNNING job can be resized"}
-        limits, sync = self.plan.dp_range, self.plan.config.parallel.sync.kind
+        limits, sync = self.plan.dp_range, self.plan.config.fixed_parallel.sync.kind
         if sync != "allreduce" and dp != self.plan.dp:
             raise PlanError("parallel.sync", f"a {sync} job is not resized: its replicas differ between "
                                              "synchronisations, and a resize copies one replica's state")

@@ -84,7 +84,7 @@ def replicas_may_recover(plan: Plan) -> bool:
     replicas, each replica of a (pp, tp) shard holds the whole state (no ZeRO slices, no expert parallelism), and
     the replicas hold the same state (local_sgd and diloco replicas differ between synchronisations)."""
     return (plan.config.fault.from_replica and plan.dp > 1 and can_move_in_memory(plan, plan)
-            and plan.config.parallel.sync.kind == "allreduce")
+            and plan.config.fixed_parallel.sync.kind == "allreduce")
 
 
 def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[int, int] | None:
@@ -125,7 +125,7 @@ def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict
     one, so its state is half-synchronised), or a replica is dropped already."""
     from trainyard.parallel.runtime.sync import is_local
 
-    if not is_local(plan.config.parallel.sync) or plan.dp == 1 or not dead or dropped:
+    if not is_local(plan.config.fixed_parallel.sync) or plan.dp == 1 or not dead or dropped:
         return None
     broken = {plan.coords(r).dp for r in dead}
     if len(broken) == plan.dp or any(plan.coords(r).dp not in broken for r in raised):

@@ -95,7 +95,7 @@ def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> Non
     from trainyard.parallel.runtime.sync import is_local
 
     plan = ctl.plan
-    if results is not None and is_local(plan.config.parallel.sync) and plan.dp > 1:
+    if results is not None and is_local(plan.config.fixed_parallel.sync) and plan.dp > 1:
         if len(ctl.replica_steps) != plan.dp:
             ctl.replica_steps = [row["step"]] * plan.dp
         back = sorted(d for d, at in ctl.dropped.items() if at == row["step"])

@@ -133,7 +133,7 @@ def _check_shapes(modules: Iterable[nn.Module], cfg: ModelConfig, sources: Mappi
             source = sources[name]
             stops = [stop for _, stop in hf_block(source, whole(p.shape))]
             if source.expert is not None:
-                stops[0] = cfg.moe.experts
+                stops[0] = cfg.experts
             known = expected.setdefault(source.key, stops)  # the pieces of a fused tensor: the furthest stop
             expected[source.key] = [max(a, b) for a, b in zip(known, stops, strict=True)]
     for key, shape in expected.items():

@@ -108,6 +108,7 @@ class MoELayer(nn.Module):
         aux = self.n_experts / (seq_len * self.top_k * seq_len) * (whole.to(probs.dtype) * probs.sum(1)).sum()
         z = torch.logsumexp(logits, -1).pow(2).sum()
         moe = self.cfg.moe
+        assert moe is not None, "an MoE layer's model has an moe section"
         sequences = self.context.sequences_per_step or b
         loss = moe.aux_loss_coef * aux / sequences + moe.z_loss_coef * z / (sequences * seq_len)
 

@@ -106,8 +106,8 @@ def _memory_advice(layout: Layout, config: JobConfig, need: RankMemory) -> str:
     options = []
     if need.params + need.grads + need.optimizer >= need.activations + need.recompute:
         options.append("raise pp or tp" if layout.gpus_per_worker else "use a node with more memory")
-        if layout.dp > 1 and config.parallel.zero < 3:
-            options.append(f"set parallel.zero: {', '.join(map(str, range(config.parallel.zero + 1, 4)))}"
+        if layout.dp > 1 and config.fixed_parallel.zero < 3:
+            options.append(f"set parallel.zero: {', '.join(map(str, range(config.fixed_parallel.zero + 1, 4)))}"
                            .replace(", 3", " or 3"))
         if layout.dp > 1 and not layout.gpus_per_worker:
             options.append("lower dp (each replica holds the whole model state)")

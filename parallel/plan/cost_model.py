@@ -284,7 +284,7 @@ def option_value(config: JobConfig, path: str) -> object:
 def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node_gpus: int = 0) -> StepCosts:
     """The layout's per-chunk and per-step costs on this machine (`node_gpus`: devices per node, for whether
     a group spans nodes; 0: one node)."""
-    m, par = config.model, config.parallel
+    m, par = config.model, config.fixed_parallel
     tokens = layout.micro_batch_size * m.seq_len
     act_bytes = 2 if config.precision == "bf16" else 4
     fpt_fwd = _flops_per_token(m) / 3

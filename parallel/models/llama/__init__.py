@@ -28,7 +28,7 @@ class Llama(ModelFamily):
     name = "llama"
 
     def check(self, config: JobConfig) -> list[RuleError]:
-        m, tp, errors = config.model, config.parallel.tp, []
+        m, tp, errors = config.model, config.fixed_parallel.tp, []
         kv = m.n_kv_head or m.n_head
         if m.n_head % kv:
             errors.append(RuleError("model.n_kv_head", f"n_kv_head={kv} does not divide n_head={m.n_head} (each "
