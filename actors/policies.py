@@ -169,6 +169,7 @@ class ResizeDecision:
 
 def largest_size(plan: Plan, at_most: int) -> int | None:
     """The largest data-parallel size <= at_most within the job's range that every plan rule allows."""
+    assert plan.dp_range is not None, "an elastic job's"
     low, high = plan.dp_range
     for size in range(min(at_most, high), low - 1, -1):
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,7 +104,7 @@ async def resize(ctl: Controller, state: Resizing) -> Ready:
 
 
 async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, sources: dict[int, int] | None = None,
-                  kill_in_recovery: list[int] = ()) -> None:
+                  kill_in_recovery: Sequence[int] = ()) -> None:
     """Steps 3 to 5 of the sequence. `sources`: in memory, the rank each rank takes the state from by broadcast
     (None: each keeps its own)."""
     await ctl.group.start()

@@ -179,7 +179,7 @@ def _write_tensors(directory: Path, tensors: Mapping[str, torch.Tensor], max_sha
     if len(shards) == 1:
         save_file(shards[0], str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
         return
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(directory / name), metadata={"format": "pt"})

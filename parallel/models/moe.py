@@ -77,6 +77,9 @@ class MoEContext:
 
 
 class MoELayer(nn.Module):
+    stats: torch.Tensor
+    """A buffer (`register_buffer` in __init__)."""
+
     def __init__(self, cfg: ModelConfig, experts: Iterable[int], expert: Callable[[ModelConfig], nn.Module]):
         """`experts`: the global indices of the experts this layer hosts; `expert(cfg)` builds one (the model
         family's stage class's `expert`: this module knows no family, as the families build it)."""

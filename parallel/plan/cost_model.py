@@ -35,6 +35,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.plan.layout import Layout
@@ -161,7 +162,7 @@ class MachineCosts:
 
     @staticmethod
     def from_dict(d: dict) -> MachineCosts:
-        fits = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
+        fits: dict[str, Any] = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
         fits |= {k: Fit(**d[k]) for k in ("allgather", "reducescatter") if d.get(k)}
         fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
                                    "dp_step_s", "backward_share") if k in d}

@@ -149,9 +149,8 @@ def _has_field(config: JobConfig, path: str) -> bool:
 
 def _with(config: JobConfig, path: str, value: object) -> JobConfig:
     head, _, rest = path.partition(".")
-    if not rest:
-        return replace(config, **{head: value})
-    return replace(config, **{head: _with(getattr(config, head), rest, value)})
+    new: typing.Any = _with(getattr(config, head), rest, value) if rest else value  # any field's type
+    return replace(config, **{head: new})
 
 
 def _divisors(n: int) -> list[int]:
@@ -419,7 +418,7 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
             # a base: its variants with no saver on get their costs, the others wait keyed by their sibling's
             # bound (a saver only adds time: recompute, offload copies); a waiting variant: its own costs
             waiting = [variant[0]] if variant else search.variants(base)
-            floor = {}
+            floor: dict[int, float] = {}
             for config_ in sorted(waiting, key=lambda c: not search.saver_free(c)):
                 if variant is None and not search.saver_free(config_):
                     bound, costs = floor.get(config_.fixed_parallel.zero, key), None

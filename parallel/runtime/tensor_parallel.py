@@ -49,14 +49,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from trainyard.parallel.models import family_of
+from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.plan import Plan
 
 
-def apply_tensor_parallel(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+def apply_tensor_parallel(stage: DecoderStage, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> DecoderStage:
     """Shard `stage`'s parameters over `tp_mesh` and set up the collectives of its forward and backward, by its
     family's plan (`ModelFamily.tensor_parallel_plan`)."""
     plan = family_of(stage.cfg).tensor_parallel_plan(stage, sequence_parallel=sequence_parallel)

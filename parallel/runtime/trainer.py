@@ -44,6 +44,7 @@ from trainyard.parallel.data.datasets import (
 )
 from trainyard.parallel.io import checkpoint, hf_checkpoint
 from trainyard.parallel.models import family_of
+from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.optim.optimizer import clip_grad_norm, lr_at, set_lr
 from trainyard.parallel.plan import Plan
@@ -180,7 +181,7 @@ class RankTrainer:
             sharded=self.sharded, placement=plan.placement,
         )
 
-    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> torch.nn.Module:
+    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> DecoderStage:
         """One model chunk: built whole from the seed (so every layout starts from the same weights), then
         sharded over tp. Gradient buckets and the optimizer come after, as they need the final parameters."""
         v = virtual_stage(self.coords.pp, chunk, self.plan.pp, self.plan.placement)
