@@ -163,6 +163,7 @@ async def _ride_node_loss(ctl: Controller, failure: Failure) -> tuple[Plan, list
         return None
     kept = [d for d in range(old.dp) if d not in lost]
     size = largest_size(old, len(kept))
+    assert old.dp_range is not None, "only an elastic job drops replicas"
     if size is None:
         raise Unrecoverable(f"{failure.cause}\nA node was lost and its resources did not come back within "
                             f"fault.node_grace_s={old.config.fault.node_grace_s:g} s; the {len(kept)} replicas "

@@ -78,7 +78,7 @@ async def run_steps(ctl: Controller) -> Outcome:
         ctl.inflight = (step, refs)
         results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
         now = time.perf_counter()
-        record(ctl, make_row(step, results, now - start, tokens, cfg.planned and cfg.planned.predicted_step_s),
+        record(ctl, make_row(step, results, now - start, tokens, cfg.planned.predicted_step_s if cfg.planned else None),
                results)
         start, refs, done = now, upcoming, step + 1
         ctl.step_started = time.time()

@@ -154,7 +154,7 @@ class JobStore:
         poll answered just before a stop) changes neither the status nor the error of a job that has ended.
         `events` replaces the job's events (see `add_events` to append)."""
         now = time.time()
-        sets, args = ["updated_at = ?"], [now]
+        sets, args = ["updated_at = ?"], list[object]([now])
         for column, value in (("status", status.value if status else None), ("step", step), ("error", error),
                               ("actors", json.dumps(actors) if actors is not None else None),
                               ("ranks", json.dumps(ranks) if ranks is not None else None)):

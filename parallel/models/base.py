@@ -103,7 +103,7 @@ class ModelFamily(ABC):
         """Training FLOPs per token: 6 N + 12 L d T (PaLM's appendix B), N the parameters a token meets in
         matmuls (all but the embedding lookups; of an MoE block's experts only top_k)."""
         counts = self.param_counts(cfg, range(cfg.n_layer), first=True, last=True, tp=1, ep=1)
-        active = counts.dense + counts.router - self.embedding_params(cfg)
+        active: float = counts.dense + counts.router - self.embedding_params(cfg)
         if cfg.moe is not None:
             active += counts.experts * cfg.moe.top_k / cfg.moe.experts
         return 6 * active + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len

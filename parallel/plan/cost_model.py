@@ -148,7 +148,7 @@ class MachineCosts:
             return max(self.contention[ranks - 1], 1.0)
         return max(self.contention[-1] * ranks / len(self.contention), 1.0)
 
-    def flops_per_s(self, d_model: int, tokens: int = 0) -> float:
+    def flops_per_s(self, d_model: float, tokens: int = 0) -> float:
         """The rate a model `d_model` wide runs its FLOPs at, with `tokens` per micro-batch (0: as many as the
         widths were measured at): log-linear between the measured widths and token counts, the nearest beyond
         them; the matmul's when no width was measured."""
