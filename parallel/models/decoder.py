@@ -42,7 +42,7 @@ class Block(nn.Module):
         self.attn = stage.attention(cfg)
         self.ln_2 = stage.norm(cfg)
         self.is_moe = experts is not None
-        if self.is_moe:
+        if experts is not None:
             self.moe = MoELayer(cfg, experts, stage.expert)
         else:
             self.mlp = stage.feed_forward(cfg)
