@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint bench bench-quick clean
+.PHONY: demo test test-slow lint typecheck bench bench-quick clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest --durations=25
 
 # The minutes-long tests `make test` leaves out (elasticity on a two-node cluster).
@@ -28,6 +29,16 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# mypy over the product (configured in pyproject.toml). mypy names a module by its path, and `parallel/` is
+# `trainyard.parallel` only through trainyard/__init__.py: links under build/typecheck/trainyard give mypy the
+# installed layout (the folders are setup.py's FOLDERS). About 15 s from a cold cache on 2 cores.
+TYPECHECK_TREE := build/typecheck/trainyard
+typecheck: $(STAMP)
+	mkdir -p $(TYPECHECK_TREE)
+	ln -sfn ../../../trainyard/__init__.py $(TYPECHECK_TREE)/__init__.py
+	for folder in api service actors parallel cli; do ln -sfn ../../../$$folder $(TYPECHECK_TREE)/$$folder; done
+	$(BIN)/mypy
+
 # The whole benchmark (over 15 minutes); `make bench QUICK=1` or `make bench-quick`: a pass under 5 minutes.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(if $(QUICK),--quick)
@@ -36,4 +47,4 @@ bench-quick: $(STAMP)
 	$(BIN)/python -m bench.run --quick
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache build/typecheck

@@ -85,7 +85,7 @@ def replicas_may_recover(plan: Plan) -> bool:
     replicas, each replica of a (pp, tp) shard holds the whole state (no ZeRO slices, no expert parallelism), and
     the replicas hold the same state (local_sgd and diloco replicas differ between synchronisations)."""
     return (plan.config.fault.from_replica and plan.dp > 1 and can_move_in_memory(plan, plan)
-            and not is_local(plan.config.parallel.sync))
+            and not is_local(plan.config.fixed_parallel.sync))
 
 
 def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[int, int] | None:
@@ -125,7 +125,7 @@ def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict
     hang), every replica holds a dead rank, a rank of another replica raised (it was in a sync with the dead
     one, so its state is half-synchronised), or a replica is dropped already."""
 
-    if not is_local(plan.config.parallel.sync) or plan.dp == 1 or not dead or dropped:
+    if not is_local(plan.config.fixed_parallel.sync) or plan.dp == 1 or not dead or dropped:
         return None
     broken = {plan.coords(r).dp for r in dead}
     if len(broken) == plan.dp or any(plan.coords(r).dp not in broken for r in raised):
@@ -169,6 +169,7 @@ class ResizeDecision:
 
 def largest_size(plan: Plan, at_most: int) -> int | None:
     """The largest data-parallel size <= at_most within the job's range that every plan rule allows."""
+    assert plan.dp_range is not None, "an elastic job's"
     low, high = plan.dp_range
     for size in range(min(at_most, high), low - 1, -1):
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,7 +104,7 @@ async def resize(ctl: Controller, state: Resizing) -> Ready:
 
 
 async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, sources: dict[int, int] | None = None,
-                  kill_in_recovery: list[int] = ()) -> None:
+                  kill_in_recovery: Sequence[int] = ()) -> None:
     """Steps 3 to 5 of the sequence. `sources`: in memory, the rank each rank takes the state from by broadcast
     (None: each keeps its own)."""
     await ctl.group.start()
@@ -162,6 +163,7 @@ async def _ride_node_loss(ctl: Controller, failure: Failure) -> tuple[Plan, list
         return None
     kept = [d for d in range(old.dp) if d not in lost]
     size = largest_size(old, len(kept))
+    assert old.dp_range is not None, "only an elastic job drops replicas"
     if size is None:
         raise Unrecoverable(f"{failure.cause}\nA node was lost and its resources did not come back within "
                             f"fault.node_grace_s={old.config.fault.node_grace_s:g} s; the {len(kept)} replicas "

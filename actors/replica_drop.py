@@ -72,7 +72,7 @@ async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
                          dead=failure.dead)
 
     ctl.journal.add_cause(failure.cause)
-    rejoins = rejoin_step(resumed, cfg.parallel.sync, cfg.steps)
+    rejoins = rejoin_step(resumed, cfg.fixed_parallel.sync, cfg.steps)
     ctl.dropped = {d: rejoins for d in sorted(broken)}
     ctl.failed_at, ctl.start_step = failure.failed_at, resumed
     dead = list(failure.blamed)

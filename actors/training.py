@@ -72,7 +72,7 @@ async def run_steps(ctl: Controller) -> Outcome:
         ctl.inflight = (step, refs)
         results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
         now = time.perf_counter()
-        record(ctl, make_row(step, results, now - start, tokens, cfg.planned and cfg.planned.predicted_step_s),
+        record(ctl, make_row(step, results, now - start, tokens, cfg.planned.predicted_step_s if cfg.planned else None),
                results)
         start, refs, done = now, upcoming, step + 1
         ctl.step_started = time.time()
@@ -89,7 +89,7 @@ def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> Non
     from trainyard.parallel.plan.replica_sync import is_local
 
     plan = ctl.plan
-    if results is not None and is_local(plan.config.parallel.sync) and plan.dp > 1:
+    if results is not None and is_local(plan.config.fixed_parallel.sync) and plan.dp > 1:
         if len(ctl.replica_steps) != plan.dp:
             ctl.replica_steps = [row["step"]] * plan.dp
         back = sorted(d for d, at in ctl.dropped.items() if at == row["step"])

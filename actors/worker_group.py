@@ -71,10 +71,10 @@ class WorkerGroup:
                    "num_gpus": plan.gpus_per_worker, "scheduling_strategy": strategy}
         for _ in range(50):  # the name of a rank just killed (a shrink, a recovery) is free a moment later
             try:
-                return Worker.options(**options).remote(self.job_id, rank, int(plan.cpus_per_worker))
+                return Worker.options(**options).remote(self.job_id, rank, int(plan.cpus_per_worker))  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
             except ValueError:
                 await asyncio.sleep(0.1)
-        return Worker.options(**options).remote(self.job_id, rank, int(plan.cpus_per_worker))
+        return Worker.options(**options).remote(self.job_id, rank, int(plan.cpus_per_worker))  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
 
     async def start(self) -> None:
         """Create a worker for every rank that has none, then rendezvous and set every rank up."""

@@ -164,6 +164,11 @@ class ModelConfig:
     def moe_blocks(self) -> list[int]:
         return [i for i in range(self.n_layer) if self.is_moe_block(i)]
 
+    @property
+    def experts(self) -> int:
+        """Experts of each mixture-of-experts block; 0 in a dense model."""
+        return self.moe.experts if self.moe is not None else 0
+
 
 @dataclass(frozen=True, kw_only=True)
 class DataSource:
@@ -299,6 +304,15 @@ class ParallelConfig:
     """Compress the gradients on the wire (`{kind: powersgd, rank: 4, warmup_steps: 10}`); null: none."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """How the replicas keep in step: every step (allreduce) or every H steps (local_sgd, diloco)."""
+
+    @property
+    def fixed_dp(self) -> int:
+        """`dp` of a layout at one size: a plan's (`parallel.plan.resized` fixes an elastic job's before it is laid
+        out) or a candidate the planner made."""
+        if isinstance(self.dp, DpRange):
+            raise RuleError("parallel.dp", f"an elastic dp ({self.dp.min} to {self.dp.max}) has no one size here: "
+                                           "parallel.plan.resized fixes it first")
+        return self.dp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -450,3 +464,12 @@ class JobConfig:
     """What each rank reserves on the Ray cluster."""
     sim_costs: SimCostsConfig = field(default_factory=SimCostsConfig)
     """Per-action costs the plan's schedule simulation uses."""
+
+    @property
+    def fixed_parallel(self) -> ParallelConfig:
+        """`parallel` once the layout is written out: a plan's config, or a candidate the planner made (`auto`
+        is resolved on submit, before a plan is made)."""
+        if isinstance(self.parallel, str):  # "auto"
+            raise RuleError("parallel", "parallel: auto is resolved by the planner (the service's submit, "
+                                        "`trainyard plan --auto`) before a plan is made")
+        return self.parallel

@@ -7,6 +7,7 @@ dotted path and the rule it breaks). What a submit adds (`init_from`'s architect
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -36,10 +37,10 @@ _AUTO = "literal['auto']"
 which says nothing the layout's own errors do not."""
 
 
-def relevant_errors(errors: list[dict]) -> list[dict]:
+def relevant_errors(errors: Sequence[Any]) -> list[Any]:
     """The errors to report: those of `parallel`'s `auto` member only when nothing else went wrong."""
     others = [e for e in errors if _AUTO not in map(str, e["loc"])]
-    return others or errors
+    return others or list(errors)
 
 
 def describe_error(error: dict) -> tuple[str, str]:

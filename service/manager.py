@@ -22,6 +22,7 @@ stands alone lives beside it: `queue`, `follow`, `resume`, `logs`, `ray_runtime`
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import shutil
@@ -177,7 +178,7 @@ class JobManager:
             raise JobNotFound(job_id)
         return job
 
-    def list(self) -> list[JobRecord]:
+    def list(self) -> builtins.list[JobRecord]:
         return self.store.list()
 
     def queue_view(self) -> dict[str, tuple[int, dict]]:
@@ -185,7 +186,7 @@ class JobManager:
         waiting, free = self.store.queue(), self._free
         return {job.job_id: (i, queue.waiting_for(i, job, free)) for i, job in enumerate(waiting, start=1)}
 
-    def metrics(self, job_id: str, since: int = 0) -> list[dict]:
+    def metrics(self, job_id: str, since: int = 0) -> builtins.list[dict]:
         self.get(job_id)
         return self.store.metrics(job_id, since)
 
@@ -257,7 +258,7 @@ class JobManager:
                               "stopped while a step hung)")
         return path
 
-    def events(self, job_id: str) -> list[dict]:
+    def events(self, job_id: str) -> builtins.list[dict]:
         return self.get(job_id).events
 
     def inject_fault(self, job_id: str, kind: str, rank: int, at_step: int) -> dict:
@@ -383,7 +384,7 @@ class JobManager:
             # Ray restarts a coordinator whose process dies, as often as the job may fail (see actors.coordinator).
             # On the service's own node: the node the user keeps up (a worker node may come and go).
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            coordinator = Coordinator.options(name=coordinator_name(job.job_id), lifetime=lifetime,
+            coordinator = Coordinator.options(name=coordinator_name(job.job_id), lifetime=lifetime,  # type: ignore[attr-defined]  # ActorClass
                                               max_restarts=config.fault.max_failures,
                                               scheduling_strategy=here).remote(
                 job.job_id, plan, pg, storage)

@@ -14,6 +14,7 @@ meanwhile are dropped instead of breaking the writer.
 
 from __future__ import annotations
 
+import builtins
 import json
 import sqlite3
 import threading
@@ -153,7 +154,7 @@ class JobStore:
         poll answered just before a stop) changes neither the status nor the error of a job that has ended.
         `events` replaces the job's events (see `add_events` to append)."""
         now = time.time()
-        sets, args = ["updated_at = ?"], [now]
+        sets, args = ["updated_at = ?"], list[object]([now])
         for column, value in (("status", status.value if status else None), ("step", step), ("error", error),
                               ("actors", json.dumps(actors) if actors is not None else None),
                               ("ranks", json.dumps(ranks) if ranks is not None else None)):
@@ -210,13 +211,13 @@ class JobStore:
             events = self._events([job_id]) if row else {}
         return _record(row, events[job_id]) if row else None
 
-    def list(self) -> list[JobRecord]:
+    def list(self) -> builtins.list[JobRecord]:
         with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY created_at, rowid").fetchall()
             events = self._events([r[0] for r in rows])
         return [_record(r, events[r[0]]) for r in rows]
 
-    def queue(self) -> list[JobRecord]:
+    def queue(self) -> builtins.list[JobRecord]:
         """The waiting jobs in admission order."""
         with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE {_QUEUED} ORDER BY {_QUEUE_ORDER}").fetchall()
@@ -233,7 +234,7 @@ class JobStore:
             cursor = self._db.execute(f"DELETE FROM jobs WHERE job_id = ? AND status IN ({_TERMINAL})", (job_id,))
         return cursor.rowcount > 0
 
-    def add_metrics(self, job_id: str, rows: list[dict]) -> None:
+    def add_metrics(self, job_id: str, rows: builtins.list[dict]) -> None:
         """Store metrics rows; rows of a job that no longer exists (deleted meanwhile) are dropped."""
         with self._lock:
             self._db.executemany(
@@ -248,7 +249,7 @@ class JobStore:
         with self._lock:
             self._db.execute("DELETE FROM metrics WHERE job_id = ? AND step >= ?", (job_id, step))
 
-    def metrics(self, job_id: str, since: int = 0) -> list[dict]:
+    def metrics(self, job_id: str, since: int = 0) -> builtins.list[dict]:
         with self._lock:
             rows = self._db.execute(
                 "SELECT row FROM metrics WHERE job_id = ? AND step >= ? ORDER BY step", (job_id, since)

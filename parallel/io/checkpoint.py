@@ -95,7 +95,7 @@ class Found:
 
 def latest_valid(root: Path, at_most: int | None = None, hashes: bool = True) -> Found | None:
     """The newest complete, intact checkpoint with step <= at_most (any step when None); `hashes`: as `verify`."""
-    skipped = []
+    skipped: list[str] = []
     for step in reversed(committed_steps(root)):
         if at_most is not None and step > at_most:
             continue

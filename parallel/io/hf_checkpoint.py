@@ -133,7 +133,7 @@ def _check_shapes(modules: Iterable[nn.Module], cfg: ModelConfig, sources: Mappi
             source = sources[name]
             stops = [stop for _, stop in hf_block(source, whole(p.shape))]
             if source.expert is not None:
-                stops[0] = cfg.moe.experts
+                stops[0] = cfg.experts
             known = expected.setdefault(source.key, stops)  # the pieces of a fused tensor: the furthest stop
             expected[source.key] = [max(a, b) for a, b in zip(known, stops, strict=True)]
     for key, shape in expected.items():
@@ -179,7 +179,7 @@ def _write_tensors(directory: Path, tensors: Mapping[str, torch.Tensor], max_sha
     if len(shards) == 1:
         save_file(shards[0], str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
         return
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(directory / name), metadata={"format": "pt"})

@@ -33,6 +33,7 @@ from trainyard.parallel.models.counting import ParamCounts, Shapes
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
+    from trainyard.parallel.models.decoder import DecoderStage
 
 ReductionSet = Literal["dense", "router", "experts"]
 Matrix = tuple[int, int, ReductionSet]
@@ -58,7 +59,7 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
-                    experts: Iterable[int] | None = None) -> nn.Module:
+                    experts: Iterable[int] | None = None) -> DecoderStage:
         """The blocks `layers` (global indices), the embedding if `first`, the final norm and head if `last`,
         initialised from (seed, parameter name); `experts`: the experts its MoE blocks host (default all)."""
 
@@ -67,7 +68,7 @@ class ModelFamily(ABC):
         """A dense block's feed-forward module."""
 
     @abstractmethod
-    def tensor_parallel_plan(self, stage: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    def tensor_parallel_plan(self, stage: DecoderStage, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
         """`parallelize_module`'s plan for one stage: module path -> style."""
 
     @abstractmethod
@@ -102,7 +103,7 @@ class ModelFamily(ABC):
         """Training FLOPs per token: 6 N + 12 L d T (PaLM's appendix B), N the parameters a token meets in
         matmuls (all but the embedding lookups; of an MoE block's experts only top_k)."""
         counts = self.param_counts(cfg, range(cfg.n_layer), first=True, last=True, tp=1, ep=1)
-        active = counts.dense + counts.router - self.embedding_params(cfg)
+        active: float = counts.dense + counts.router - self.embedding_params(cfg)
         if cfg.moe is not None:
             active += counts.experts * cfg.moe.top_k / cfg.moe.experts
         return 6 * active + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len

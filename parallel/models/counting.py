@@ -60,16 +60,18 @@ class Shapes:
 def kept_fraction(m: ModelConfig) -> float:
     """Fraction of (token, expert) choices the experts keep: 1 dropless, at most capacity x experts of a
     sequence's seq_len x top_k choices with a capacity factor."""
-    if m.moe.capacity_factor is None:
+    moe = m.moe
+    if moe is None or moe.capacity_factor is None:
         return 1.0
-    cap = math.ceil(m.moe.capacity_factor * m.seq_len * m.moe.top_k / m.moe.experts)
-    return min(1.0, cap * m.moe.experts / (m.seq_len * m.moe.top_k))
+    cap = math.ceil(moe.capacity_factor * m.seq_len * moe.top_k / moe.experts)
+    return min(1.0, cap * moe.experts / (m.seq_len * moe.top_k))
 
 
 def moe_routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
     """(routed (token, expert) rows on this rank, bytes the router keeps); the same in every family
     (`parallel.models.moe` routes alike whatever the experts are)."""
     moe = m.moe
+    assert moe is not None, "routing is an MoE model's"
     routed = s.tokens // s.tp  # each tp rank routes its slice of every sequence
     rows = math.ceil(routed * moe.top_k * kept_fraction(m))  # (token, expert) pairs, balanced over ep
     # Per routed token: the router's input (ln_2's output slice, or its bf16 copy), its fp32 logits (kept by

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ class Block(nn.Module):
         self.attn = stage.attention(cfg)
         self.ln_2 = stage.norm(cfg)
         self.is_moe = experts is not None
-        if self.is_moe:
+        if experts is not None:
             self.moe = MoELayer(cfg, experts, stage.expert)
         else:
             self.mlp = stage.feed_forward(cfg)
@@ -52,11 +52,20 @@ class Block(nn.Module):
         return x + (self.moe if self.is_moe else self.mlp)(self.ln_2(x))
 
 
+@runtime_checkable
+class _Recomputes(Protocol):
+    """A module with a selective-recompute part (a `recompute` flag; the attention core, the MLP activation)."""
+
+    recompute: bool
+
+
 class DecoderStage(nn.Module):
     """A contiguous run of blocks, plus the embedding on the first stage and the head on the last."""
 
     RESIDUAL: ClassVar[tuple[str, ...]] = ("proj.weight",)
     """Name endings of the projections that write into the residual stream (init scaled by depth)."""
+    wte: nn.Embedding
+    """The token embedding of a first stage (`build_embeddings`)."""
 
     @staticmethod
     def norm(cfg: ModelConfig) -> nn.Module:
@@ -107,7 +116,7 @@ class DecoderStage(nn.Module):
         family's attention core and MLP activation, the experts' included: modules with a `recompute` flag)."""
         self.recompute_blocks = mode == "full"
         for module in self.modules():
-            if hasattr(module, "recompute"):
+            if isinstance(module, _Recomputes):
                 module.recompute = mode == "selective"
 
     def set_activation_offload(self, on: bool) -> None:

@@ -77,6 +77,9 @@ class MoEContext:
 
 
 class MoELayer(nn.Module):
+    stats: torch.Tensor
+    """A buffer (`register_buffer` in __init__)."""
+
     def __init__(self, cfg: ModelConfig, experts: Iterable[int], expert: Callable[[ModelConfig], nn.Module]):
         """`experts`: the global indices of the experts this layer hosts; `expert(cfg)` builds one (the model
         family's stage class's `expert`: this module knows no family, as the families build it)."""
@@ -108,6 +111,7 @@ class MoELayer(nn.Module):
         aux = self.n_experts / (seq_len * self.top_k * seq_len) * (whole.to(probs.dtype) * probs.sum(1)).sum()
         z = torch.logsumexp(logits, -1).pow(2).sum()
         moe = self.cfg.moe
+        assert moe is not None, "an MoE layer's model has an moe section"
         sequences = self.context.sequences_per_step or b
         loss = moe.aux_loss_coef * aux / sequences + moe.z_loss_coef * z / (sequences * seq_len)
 

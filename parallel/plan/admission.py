@@ -107,9 +107,9 @@ def _memory_advice(layout: Layout, config: JobConfig, need: RankMemory) -> str:
     options = []
     if need.params + need.grads + need.optimizer >= need.activations + need.recompute:
         options.append("raise pp or tp" if layout.gpus_per_worker else "use a node with more memory")
-        more = [z for z in SHARDINGS if z > config.parallel.zero]  # the levels that shard more
-        if layout.dp > 1 and more:
-            options.append(f"set parallel.zero: {' or '.join(map(str, more))}")
+        sharding_more = [z for z in SHARDINGS if z > config.fixed_parallel.zero]
+        if layout.dp > 1 and sharding_more:
+            options.append(f"set parallel.zero: {' or '.join(map(str, sharding_more))}")
         if layout.dp > 1 and not layout.gpus_per_worker:
             options.append("lower dp (each replica holds the whole model state)")
     else:

@@ -35,6 +35,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.plan.layout import Layout
@@ -147,7 +148,7 @@ class MachineCosts:
             return max(self.contention[ranks - 1], 1.0)
         return max(self.contention[-1] * ranks / len(self.contention), 1.0)
 
-    def flops_per_s(self, d_model: int, tokens: int = 0) -> float:
+    def flops_per_s(self, d_model: float, tokens: int = 0) -> float:
         """The rate a model `d_model` wide runs its FLOPs at, with `tokens` per micro-batch (0: as many as the
         widths were measured at): log-linear between the measured widths and token counts, the nearest beyond
         them; the matmul's when no width was measured."""
@@ -161,7 +162,7 @@ class MachineCosts:
 
     @staticmethod
     def from_dict(d: dict) -> MachineCosts:
-        fits = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
+        fits: dict[str, Any] = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
         fits |= {k: Fit(**d[k]) for k in ("allgather", "reducescatter") if d.get(k)}
         fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
                                    "dp_step_s", "backward_share") if k in d}
@@ -284,7 +285,7 @@ def option_value(config: JobConfig, path: str) -> object:
 def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node_gpus: int = 0) -> StepCosts:
     """The layout's per-chunk and per-step costs on this machine (`node_gpus`: devices per node, for whether
     a group spans nodes; 0: one node)."""
-    m, par = config.model, config.parallel
+    m, par = config.model, config.fixed_parallel
     tokens = layout.micro_batch_size * m.seq_len
     act_bytes = 2 if config.precision == "bf16" else 4
     fpt_fwd = _flops_per_token(m) / 3

@@ -112,7 +112,7 @@ class Plan:
 
 def dp_range(config: JobConfig) -> tuple[int, int] | None:
     """(min, max) of an elastic job, None for a fixed size."""
-    dp = config.parallel.dp
+    dp = config.fixed_parallel.dp
     return (dp.min, dp.max) if isinstance(dp, DpRange) else None
 
 
@@ -121,11 +121,11 @@ def resized(config: JobConfig, dp: int) -> JobConfig:
     only the micro-batches per rank change (and the loss curve does not). Raises PlanError naming the rule
     when the global batch cannot be split that way, or `dp` is outside an elastic job's range; `make_plan`
     checks the rest. The result has a fixed dp (an elastic plan keeps its range in `Plan.dp_range`)."""
-    par, limits = config.parallel, dp_range(config)
+    par, limits = config.fixed_parallel, dp_range(config)
     if limits is not None and not limits[0] <= dp <= limits[1]:
         raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
                               f"max: {limits[1]}}}")
-    size = config.global_batch // ((par.dp if limits is None else limits[0]) * par.microbatches)
+    size = config.global_batch // ((par.fixed_dp if limits is None else limits[0]) * par.microbatches)
     microbatches, rem = divmod(config.global_batch, dp * size) if size else (0, 1)
     if dp < 1 or rem or microbatches < 1:
         raise PlanError("parallel.dp", f"dp={dp}: global_batch={config.global_batch} in micro-batches of {size} "
@@ -141,9 +141,9 @@ def resize_plan(plan: Plan, dp: int, cluster: ClusterResources | None = None) ->
     take that size: outside its range, a global batch that does not split, replicas that differ (local_sgd,
     diloco), or a layout the cluster cannot hold."""
     limits = plan.dp_range
-    if is_local(plan.config.parallel.sync) and dp != plan.dp:
-        raise PlanError("parallel.sync", f"a {plan.config.parallel.sync.kind} job is not resized: its replicas differ "
-                                         "between synchronisations, and a resize copies one replica's state")
+    if is_local(sync := plan.config.fixed_parallel.sync) and dp != plan.dp:
+        raise PlanError("parallel.sync", f"a {sync.kind} job is not resized: its replicas differ between "
+                                         "synchronisations, and a resize copies one replica's state")
     if limits is not None and not limits[0] <= dp <= limits[1]:
         raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
                                        f"max: {limits[1]}}}")
@@ -154,9 +154,9 @@ def can_move_in_memory(old: Plan, new: Plan) -> bool:
     """Whether a resize can keep the state in the surviving ranks' memory: every rank of one (pp, tp) shard
     holds the same parameters and optimizer state (no ZeRO slices, no expert parallelism), and only dp
     changes. Otherwise the state moves through a checkpoint."""
-    same = (old.pp, old.tp, old.vpp, old.placement, old.config.parallel.stage_layers) == (
-        new.pp, new.tp, new.vpp, new.placement, new.config.parallel.stage_layers)
-    return same and sharding_for(old.config.parallel.zero).replicas_identical and old.ep == 1 and new.ep == 1
+    same = (old.pp, old.tp, old.vpp, old.placement, old.config.fixed_parallel.stage_layers) == (
+        new.pp, new.tp, new.vpp, new.placement, new.config.fixed_parallel.stage_layers)
+    return same and sharding_for(old.config.fixed_parallel.zero).replicas_identical and old.ep == 1 and new.ep == 1
 
 
 def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Plan:
@@ -174,15 +174,15 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     if limits is not None:  # laid out at its smallest size, which is what must fit to start
         if limits[0] > limits[1]:
             raise PlanError("parallel.dp", f"min={limits[0]} is more than max={limits[1]}")
-        if is_local(config.parallel.sync):
-            raise PlanError("parallel.sync", f"{config.parallel.sync.kind} cannot run with an elastic parallel.dp: "
+        if is_local(sync := config.fixed_parallel.sync):
+            raise PlanError("parallel.sync", f"{sync.kind} cannot run with an elastic parallel.dp: "
                                              "a resize copies one replica's state to the others, and these "
                                              "replicas differ between synchronisations")
         return replace(make_plan(resized(config, limits[0]), cluster), dp_range=limits)
     _raise_first(degree_violations(config))
-    par = config.parallel
+    par = config.fixed_parallel
     if cluster is not None:  # before the blocks are split: a job too large for the cluster is told that first
-        degrees = Layout(dp=par.dp, pp=par.pp, tp=par.tp, gpus_per_worker=_gpus_per_worker(config, cluster),
+        degrees = Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, gpus_per_worker=_gpus_per_worker(config, cluster),
                          cpus_per_worker=config.resources.cpus_per_worker)
         _raise_first(fit_violations(degrees, cluster))
     layout = layout_of(config, cluster)
@@ -198,10 +198,10 @@ def _raise_first(errors: list[PlanError]) -> None:
 
 def layout_of(config: JobConfig, cluster: ClusterResources | None = None) -> Layout:
     """The layout of a fixed-size config that keeps every rule (`parallel.plan.rules.violations` is empty)."""
-    par, moe = config.parallel, config.model.moe
+    par, moe = config.fixed_parallel, config.model.moe
     return Layout.build(
-        dp=par.dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
-        micro_batch_size=config.global_batch // (par.dp * par.microbatches), layer_counts=layer_counts(config),
+        dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
+        micro_batch_size=config.global_batch // (par.fixed_dp * par.microbatches), layer_counts=layer_counts(config),
         schedule=par.schedule, experts=moe.experts if moe is not None else 0,
         gpus_per_worker=_gpus_per_worker(config, cluster), cpus_per_worker=config.resources.cpus_per_worker,
     )
@@ -210,8 +210,8 @@ def layout_of(config: JobConfig, cluster: ClusterResources | None = None) -> Lay
 def layer_counts(config: JobConfig) -> list[int]:
     """Blocks per virtual stage: the explicit `stage_layers` list, or as even as possible."""
     _raise_first(stage_layer_violations(config))
-    counts = config.parallel.stage_layers
-    n_stages = config.parallel.pp * config.parallel.vpp
+    counts = config.fixed_parallel.stage_layers
+    n_stages = config.fixed_parallel.pp * config.fixed_parallel.vpp
     return list(counts) if counts is not None else even_layer_counts(config.model.n_layer, n_stages)
 
 

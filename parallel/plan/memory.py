@@ -145,7 +145,7 @@ def param_bytes(plan: Plan, pp_rank: int) -> int:
     plus what is gathered whole at the step's peak (ZeRO-2: every chunk; ZeRO-3: one chunk computing and the
     next one's gather in flight), each chunk counted whole with its MoE routers and experts (FSDP2 gathers
     those one module at a time, so for an MoE chunk this is a bound)."""
-    sharding = sharding_for(plan.config.parallel.zero)
+    sharding = sharding_for(plan.config.fixed_parallel.zero)
     chunks = _chunk_counts(plan, pp_rank)
     total = sum(chunks, ParamCounts(dense=0, router=0, experts=0))
     kept = sum(sharding.param_elements(n, size) for n, size in _reduced_sets(plan, total))
@@ -166,7 +166,7 @@ def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     overlaps backward). ZeRO-2/3 keep the reduced 1/N shard only (the whole gradient of the chunk whose
     backward is running lives until its reduce-scatter: a transient, not counted). A set reduced by no
     other rank (N = 1) is neither sharded nor sent."""
-    par, bytes_ = plan.config.parallel, 0
+    par, bytes_ = plan.config.fixed_parallel, 0
     sharding = sharding_for(par.zero)
     for n, size in _reduced_sets(plan, counts):
         held = sharding.gradient_elements(n, size)
@@ -178,7 +178,7 @@ def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
 def optimizer_elements(plan: Plan, counts: ParamCounts) -> int:
     """The parameter elements whose optimizer state the sharding strategy keeps on this rank (ZeRO-1: 1/N of
     each set, N its reducing group)."""
-    sharding = sharding_for(plan.config.parallel.zero)
+    sharding = sharding_for(plan.config.fixed_parallel.zero)
     return sum(sharding.optimizer_elements(n, size) for n, size in _reduced_sets(plan, counts))
 
 
@@ -216,7 +216,7 @@ def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> i
 
 
 def _shapes(plan: Plan) -> Shapes:
-    m, par = plan.config.model, plan.config.parallel
+    m, par = plan.config.model, plan.config.fixed_parallel
     tokens = plan.micro_batch_size * m.seq_len
     return Shapes(d=m.d_model, heads=m.n_head // plan.tp, tokens=tokens,
                   stream=tokens // plan.tp if par.sp else tokens, tp=plan.tp,

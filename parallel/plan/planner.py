@@ -103,7 +103,7 @@ class Candidate:
     """Why it lost to the winner (empty for the winner)."""
 
     def layout_summary(self) -> dict:
-        par = self.config.parallel
+        par = self.config.fixed_parallel
         out = {"dp": par.dp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "vpp": par.vpp, "sp": par.sp,
                "microbatches": par.microbatches, "schedule": par.schedule}
         out.update({path: option_value(self.config, path) for path in _searched_paths(self.config)})
@@ -149,9 +149,8 @@ def _has_field(config: JobConfig, path: str) -> bool:
 
 def _with(config: JobConfig, path: str, value: object) -> JobConfig:
     head, _, rest = path.partition(".")
-    if not rest:
-        return replace(config, **{head: value})
-    return replace(config, **{head: _with(getattr(config, head), rest, value)})
+    new: typing.Any = _with(getattr(config, head), rest, value) if rest else value  # any field's type
+    return replace(config, **{head: new})
 
 
 def _divisors(n: int) -> list[int]:
@@ -257,7 +256,7 @@ class _Search:
         kinds = [(kind, vpp) for kind, s in SCHEDULES.items() for vpp in vpps
                  if n_layer % (pp * vpp) == 0 and pp * vpp * m <= MAX_SEARCH_CHUNKS and s.refuse(pp, m, vpp) is None]
         if pp == 1:  # one pipeline rank runs every kind alike: the spec's own, else the first that takes it
-            kinds = [k for k in kinds if k[0] == self.config.parallel.schedule] or kinds[:1]
+            kinds = [k for k in kinds if k[0] == self.config.fixed_parallel.schedule] or kinds[:1]
         return kinds
 
     def _bound(self, fpt: float, tokens: int, dp: int, pp: int, tp: int, m: int, vpp: int) -> float:
@@ -271,13 +270,13 @@ class _Search:
         flops = fpt * tokens / world
         fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False, pp))
         compute = slow * (flops / self.machine.flops_per_s(self.config.model.d_model) + m * fixed)
-        grads = 4 * self.params / (pp * tp) * (0.5 if self.config.parallel.reduce_dtype == "bf16" else 1)
+        grads = 4 * self.params / (pp * tp) * (0.5 if self.config.fixed_parallel.reduce_dtype == "bf16" else 1)
         reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
         mb_tokens = tokens // (dp * m)
         act = mb_tokens * self.config.model.d_model * (2 if self.config.precision == "bf16" else 4)
         tp_comm = 4 * n_layer * m * self.machine.collective("allreduce", act, tp) / pp
         local = int(self.params / (pp * tp))
-        levels = self.values.get("parallel.zero", (self.config.parallel.zero,))
+        levels = self.values.get("parallel.zero", (self.config.fixed_parallel.zero,))
 
         def step_end(zero: int) -> float:  # the optimizer's step on a level's shard, and its parameter gathers
             sharding = SHARDINGS[zero]
@@ -299,7 +298,7 @@ class _Search:
         return all(option_value(config, path) == self.values[path][0] for path in self.paths if path != "parallel.zero")
 
     def variants(self, base: _Base) -> list[JobConfig]:
-        par = replace(self.config.parallel, dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,
+        par = replace(self.config.fixed_parallel, dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,
                       vpp=base.vpp, microbatches=base.m, schedule=base.kind, stage_layers=None)
         config = replace(self.config, parallel=par)
         paths = self.paths
@@ -315,10 +314,10 @@ class _Search:
         return out
 
     def layout(self, config: JobConfig, with_schedule: bool = True) -> Layout:
-        par, moe = config.parallel, config.model.moe
+        par, moe = config.fixed_parallel, config.model.moe
         counts = even_layer_counts(config.model.n_layer, par.pp * par.vpp)
-        return Layout(dp=par.dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
-                      micro_batch_size=config.global_batch // (par.dp * par.microbatches),
+        return Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
+                      micro_batch_size=config.global_batch // (par.fixed_dp * par.microbatches),
                       stage_layers=stage_layers_of(counts),
                       schedule=_schedule(par.schedule, par.pp, par.microbatches, par.vpp) if with_schedule else (),
                       experts=moe.experts if moe else 0, gpus_per_worker=self.gpus, cpus_per_worker=self.cpus,
@@ -375,7 +374,7 @@ def predict(layout: Layout, config: JobConfig, costs: StepCosts, memory: int = 0
     m, vpp = layout.microbatches, layout.vpp
     f = max(costs.forward, 1e-12)
     if layout.pp > 1:
-        span, bubble = _simulated(config.parallel.schedule, layout.pp, vpp, m, ratio_key(costs.backward / f),
+        span, bubble = _simulated(config.fixed_parallel.schedule, layout.pp, vpp, m, ratio_key(costs.backward / f),
                                   ratio_key(costs.comm / f), tuple(map(ratio_key, costs.shared)))
         makespan = span * f
     else:
@@ -419,14 +418,14 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
             # a base: its variants with no saver on get their costs, the others wait keyed by their sibling's
             # bound (a saver only adds time: recompute, offload copies); a waiting variant: its own costs
             waiting = [variant[0]] if variant else search.variants(base)
-            floor = {}
+            floor: dict[int, float] = {}
             for config_ in sorted(waiting, key=lambda c: not search.saver_free(c)):
                 if variant is None and not search.saver_free(config_):
-                    bound, costs = floor.get(config_.parallel.zero, key), None
+                    bound, costs = floor.get(config_.fixed_parallel.zero, key), None
                 elif (costs := search.costs(config_)) is None:
                     continue
                 else:
-                    bound = floor[config_.parallel.zero] = lower_bound(config_.parallel, costs)
+                    bound = floor[config_.fixed_parallel.zero] = lower_bound(config_.fixed_parallel, costs)
                 if bound < cutoff:
                     heapq.heappush(queue, (bound, pushed, base, (config_, costs)))
                     pushed += 1
@@ -449,7 +448,7 @@ def _distinct(found: list[Candidate]) -> list[Candidate]:
     seen, out = set(), []
     for c in found:
         summary = c.layout_summary()
-        if c.config.parallel.pp == 1:
+        if c.config.fixed_parallel.pp == 1:
             summary["schedule"] = ""
         key = tuple(summary.items())
         if key not in seen:
@@ -476,7 +475,7 @@ def _ms(seconds: float) -> str:
 
 def no_fit_error(config: JobConfig, cluster: ClusterResources, search: _Search) -> PlanError:
     if search.smallest is None:
-        one_rank = replace(config.parallel, dp=1, pp=1, tp=1, ep=1, vpp=1, sp=False, microbatches=1,
+        one_rank = replace(config.fixed_parallel, dp=1, pp=1, tp=1, ep=1, vpp=1, sp=False, microbatches=1,
                            schedule="1f1b", stage_layers=None)
         broken = violations(replace(config, parallel=one_rank))
         if broken:  # a rule no layout can keep (the model's, the data's, the options'): named as a layout names it
@@ -487,7 +486,7 @@ def no_fit_error(config: JobConfig, cluster: ClusterResources, search: _Search) 
     memory, smallest = search.smallest
     layout = search.layout(smallest)
     have = search.rank_capacity(layout) * (1 - search.margin)
-    par = smallest.parallel
+    par = smallest.fixed_parallel
     nodes = math.ceil(len(cluster.nodes) * memory / max(have, 1.0))
     fixes = [f"more nodes (about {nodes} of this kind, if the model splits that far)"]
     kind = optimizer_kind(config.optimizer)

@@ -51,7 +51,7 @@ def describe_memory(plan: Plan) -> dict:
     ranks = estimate(plan.layout, plan.config)
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
-    zero = plan.config.parallel.zero
+    zero = plan.config.fixed_parallel.zero
     sharding = sharding_for(zero)
     out = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
     if sharding.shards_parameters:
@@ -65,7 +65,7 @@ def describe_memory(plan: Plan) -> dict:
 def describe_sync(plan: Plan) -> dict:
     """How the replicas keep in step (`parallel.sync`) and the bytes each rank all-reduces across them per step,
     on average (the payload: gradients every step, or parameters once per `every` steps), per pipeline stage."""
-    sync, par = plan.config.parallel.sync, plan.config.parallel
+    sync, par = plan.config.fixed_parallel.sync, plan.config.fixed_parallel
     wire = 2 if par.reduce_dtype == "bf16" else 4
     per_stage = [cross_replica_bytes(sync, param_counts(plan, s).total, plan.dp, wire) for s in range(plan.pp)]
     return {"kind": sync.kind, **({"every": sync.every} if is_local(sync) else {}),
@@ -85,9 +85,9 @@ def describe_schedule(plan: Plan) -> dict:
     split = {"backward_weight": c.backward / 2 if c.backward_weight is None else c.backward_weight} if splits else {}
     result = simulate([list(actions) for actions in plan.schedule], plan.microbatches, plan.vpp,
                       Costs(forward=c.forward, backward=c.backward, comm=c.comm, backward_weight=c.backward_weight),
-                      placement_of(plan.config.parallel.schedule))
+                      placement_of(plan.config.fixed_parallel.schedule))
     return {
-        "kind": plan.config.parallel.schedule,
+        "kind": plan.config.fixed_parallel.schedule,
         "pp": plan.pp,
         "vpp": plan.vpp,
         "placement": plan.placement,  # which rank holds which virtual stage (parallel.plan.schedules.virtual_stage)

@@ -49,7 +49,7 @@ def compression_state_bytes(plan: Sizing, pp: int) -> int:
     """What PowerSGD keeps on a rank of pipeline stage `pp` beside the gradient buckets: each compressed
     matrix's error (rows x cols) and factors P and Q (with their packed copies on the wire), fp32, and the
     packed copy of the tensors sent whole."""
-    compression = plan.config.parallel.grad_compression
+    compression = plan.config.fixed_parallel.grad_compression
     if compression is None:
         return 0
     elements, matrices = _stage_matrices(plan, pp)
@@ -59,7 +59,7 @@ def compression_state_bytes(plan: Sizing, pp: int) -> int:
         if r is not None:
             kept += FP32 * (rows * cols + 2 * (rows + cols) * r)
             whole += rows * cols
-    wire = BF16 if plan.config.parallel.reduce_dtype == "bf16" else FP32
+    wire = BF16 if plan.config.fixed_parallel.reduce_dtype == "bf16" else FP32
     return kept + wire * (elements - whole) if kept else 0
 
 
@@ -67,13 +67,14 @@ def reduction_bytes(plan: Sizing) -> dict:
     """Per pipeline stage, the bytes one of its ranks sends per step: `uncompressed` (plain, in
     reduce_dtype) and `sent` (with the job's compression after its warm-up; equal without one)."""
     cfg = plan.config
-    compression = cfg.parallel.grad_compression
-    wire = BF16 if cfg.parallel.reduce_dtype == "bf16" else FP32
+    compression = cfg.fixed_parallel.grad_compression
+    wire = BF16 if cfg.fixed_parallel.reduce_dtype == "bf16" else FP32
     stages = []
     for pp in range(plan.pp):
         elements, matrices = _stage_matrices(plan, pp)
         # ZeRO-2/3 (FSDP2) reduce-scatter a chunk's gradients at each of its backwards: once per micro-batch.
-        per_step = cfg.parallel.microbatches if sharding_for(cfg.parallel.zero).reduces_every_microbatch else 1
+        par = cfg.fixed_parallel
+        per_step = par.microbatches if sharding_for(par.zero).reduces_every_microbatch else 1
         plain = sent = wire * elements * per_step
         for rows, cols, _ in matrices if compression is not None else []:
             r = approximation_rank(rows, cols, compression)

@@ -56,8 +56,8 @@ def optimizer_violations(config: JobConfig) -> list[PlanError]:
 
 def size_violations(config: JobConfig) -> list[PlanError]:
     """Bounds on what the plan would build: the rank grid and the schedule's action lists."""
-    par, errors = config.parallel, []
-    workers = par.dp * par.pp * par.tp
+    par, errors = config.fixed_parallel, []
+    workers = par.fixed_dp * par.pp * par.tp
     if workers > MAX_WORKERS:
         errors.append(PlanError("parallel.dp", f"dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {workers} "
                                                f"workers; at most {MAX_WORKERS}"))
@@ -70,10 +70,10 @@ def size_violations(config: JobConfig) -> list[PlanError]:
 
 
 def batch_violations(config: JobConfig) -> list[PlanError]:
-    par = config.parallel
-    if config.global_batch % (par.dp * par.microbatches):
+    par = config.fixed_parallel
+    if config.global_batch % (par.fixed_dp * par.microbatches):
         return [PlanError("global_batch", f"global_batch={config.global_batch} is not divisible by dp x microbatches "
-                                          f"= {par.dp} x {par.microbatches} = {par.dp * par.microbatches}")]
+                                          f"= {par.dp} x {par.microbatches} = {par.fixed_dp * par.microbatches}")]
     return []
 
 
@@ -89,7 +89,7 @@ def model_violations(config: JobConfig) -> list[PlanError]:
                                                     f"(got {m.vocab_size})"))
     if config.data.kind in ("text", "tokens") and not config.data.path and not config.data.sources:
         errors.append(PlanError("data.path", f"data.kind={config.data.kind} needs a path (or, for tokens, sources)"))
-    if m.tie_embeddings and config.parallel.pp > 1:
+    if m.tie_embeddings and config.fixed_parallel.pp > 1:
         errors.append(PlanError("model.tie_embeddings", "tied embeddings need pp=1 (the embedding and the head "
                                                         "live on different pipeline stages)"))
     # the family's own rules (parallel.models)
@@ -98,7 +98,7 @@ def model_violations(config: JobConfig) -> list[PlanError]:
 
 
 def expert_violations(config: JobConfig) -> list[PlanError]:
-    moe, ep, dp = config.model.moe, config.parallel.ep, config.parallel.dp
+    moe, ep, dp = config.model.moe, config.fixed_parallel.ep, config.fixed_parallel.fixed_dp
     if moe is None:
         return [PlanError("parallel.ep", f"ep={ep} needs mixture-of-experts layers (model.moe)")] if ep > 1 else []
     errors = []
@@ -114,7 +114,7 @@ def expert_violations(config: JobConfig) -> list[PlanError]:
     if moe.experts % ep:
         errors.append(PlanError("parallel.ep", f"ep={ep} does not divide experts={moe.experts} (each "
                                                "expert-parallel rank hosts experts / ep experts)"))
-    tp = config.parallel.tp
+    tp = config.fixed_parallel.tp
     if tp > 1 and config.model.seq_len % tp:
         errors.append(PlanError("parallel.tp", f"tp={tp} does not divide seq_len={config.model.seq_len} (each "
                                                "tensor-parallel rank routes one slice of every sequence to the "
@@ -124,7 +124,7 @@ def expert_violations(config: JobConfig) -> list[PlanError]:
 
 def tensor_parallel_violations(config: JobConfig) -> list[PlanError]:
     """tp splits heads, the vocabulary (embedding and head) and, with sp, the sequence: each must divide evenly."""
-    m, tp, sp, errors = config.model, config.parallel.tp, config.parallel.sp, []
+    m, tp, sp, errors = config.model, config.fixed_parallel.tp, config.fixed_parallel.sp, []
     if m.n_head % tp:
         errors.append(PlanError("parallel.tp", f"tp={tp} does not divide n_head={m.n_head} (attention heads are "
                                                "split across tensor-parallel ranks)"))
@@ -141,7 +141,7 @@ def tensor_parallel_violations(config: JobConfig) -> list[PlanError]:
 
 
 def schedule_violations(config: JobConfig) -> list[PlanError]:
-    par, costs = config.parallel, config.sim_costs
+    par, costs = config.fixed_parallel, config.sim_costs
     try:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
@@ -163,7 +163,7 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
 
 def sync_violations(config: JobConfig) -> list[PlanError]:
     """local_sgd and diloco replicas step alone between synchronisations: each must hold its whole state."""
-    sync, par = config.parallel.sync, config.parallel
+    sync, par = config.fixed_parallel.sync, config.fixed_parallel
     if not is_local(sync):
         return []
     errors = []
@@ -190,8 +190,8 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
 
 def stage_layer_violations(config: JobConfig) -> list[PlanError]:
     """The blocks must split into pp x vpp stages of at least one block (or as the explicit list says)."""
-    n_layer, n_stages = config.model.n_layer, config.parallel.pp * config.parallel.vpp
-    counts = config.parallel.stage_layers
+    n_layer, n_stages = config.model.n_layer, config.fixed_parallel.pp * config.fixed_parallel.vpp
+    counts = config.fixed_parallel.stage_layers
     if counts is None:
         if n_layer < n_stages:
             return [PlanError("parallel.pp", f"n_layer={n_layer} cannot be split into pp x vpp = {n_stages} "
@@ -206,7 +206,7 @@ def stage_layer_violations(config: JobConfig) -> list[PlanError]:
 def sharding_violations(config: JobConfig) -> list[PlanError]:
     """ZeRO-2/3 are FSDP2's (`parallel.runtime.fsdp`), which reduce-scatters each chunk's gradients during its backward:
     there is no reduction left to run after backward."""
-    par = config.parallel
+    par = config.fixed_parallel
     if sharding_for(par.zero).shards_parameters and not par.overlap_reduce:
         return [PlanError("parallel.overlap_reduce", f"overlap_reduce=false needs zero <= 1 (zero={par.zero} "
                                                      "reduce-scatters each chunk's gradients during its backward)")]
@@ -217,7 +217,7 @@ def compression_violations(config: JobConfig) -> list[PlanError]:
     """PowerSGD approximates whole gradient matrices and keeps a whole-size error per rank: it composes with
     ZeRO-1 (whole gradients, sharded optimizer state), not with ZeRO-2/3, which keep only a shard of each
     gradient (`parallel.runtime.powersgd`)."""
-    par = config.parallel
+    par = config.fixed_parallel
     if par.grad_compression is not None and sharding_for(par.zero).shards_parameters:
         return [PlanError("parallel.grad_compression",
                           f"powersgd needs every rank's whole gradients (it projects each gradient matrix and keeps "

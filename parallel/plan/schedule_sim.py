@@ -225,9 +225,12 @@ def _match_channels(stages: list[list[Action]], placement: str,
     recvs: dict[tuple[int, int], list[int]] = {}
     for rank, actions in enumerate(stages):
         for pos, a in enumerate(actions):
+            if a.kind not in COMM_KINDS:
+                continue
+            assert a.peer is not None, a  # every communication names its peer (`Action`)
             if a.kind in SEND_KINDS:
                 sends.setdefault((rank, a.peer), []).append(pos)
-            elif a.kind in COMM_KINDS:
+            else:
                 recvs.setdefault((a.peer, rank), []).append(pos)
     partners: dict[tuple[int, int], tuple[int, int]] = {}
     for src, dst in sorted(set(sends) | set(recvs)):
@@ -263,7 +266,7 @@ def _execute(checked: CheckedSchedule, costs: Costs, keep_timeline: bool = True)
     # Each rank runs until a communication step finds a peer that has not posted its side yet; it then waits on
     # that peer's step and is woken when the peer reaches it. Every step is timed once, and the times do not
     # depend on the order ranks are taken in (a step's start is the latest of what it waits for).
-    ready, asleep = list(range(pp)), {}
+    ready, asleep = list(range(pp)), dict[tuple[int, int], list[int]]()
     while ready:
         rank = ready.pop()
         mine, row = reached[rank], timeline[rank]
@@ -372,8 +375,10 @@ def _raise_if_blocked(checked: CheckedSchedule, reached: list[list[float]]) -> N
         found = []
         for rank in blocked:
             lo, hi = steps[rank][len(reached[rank]) - 1]
-            pos = next(pos for pos, (peer, peer_step) in zip(range(lo, hi), waits[rank][len(reached[rank]) - 1],
-                                                             strict=True) if peer_step >= len(reached[peer]))
+            matched = waits[rank][len(reached[rank]) - 1]
+            assert matched is not None, rank  # a rank blocks at a communication step only
+            pos = next(pos for pos, (peer, peer_step) in zip(range(lo, hi), matched, strict=True)
+                       if peer_step >= len(reached[peer]))
             peer, peer_pos = checked.partners[(rank, pos)]
             found.append(f"rank {rank} waits forever at position {pos} ({stages[rank][pos]}) for rank "
                          f"{peer}, whose matching op is at its position {peer_pos} "

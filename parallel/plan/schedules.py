@@ -372,12 +372,12 @@ def place_comm(orders: list[list[Compute]], pp: int, vpp: int, placement: str = 
                 pending.append((rank, dst, send, recv))
 
         idle = {rank for rank in range(pp) if running[rank] is None}
-        for message in [m for m in pending if m[0] in idle and m[1] in idle]:
-            src, dst, send, recv = message
+        for posted in [m for m in pending if m[0] in idle and m[1] in idle]:
+            src, dst, send, recv = posted
             out[src].append(send)
             out[dst].append(recv)
             on_hand[dst].add((recv.kind, recv.microbatch, recv.chunk))
-            pending.remove(message)
+            pending.remove(posted)
 
         for rank in sorted(idle):
             if pos[rank] < len(orders[rank]) and _inputs_ready(orders[rank][pos[rank]], rank, pp, vpp,

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig
 from trainyard.parallel.plan.admission import ClusterResources
@@ -127,7 +128,7 @@ def measure(world: int = 2, key: str = "", node_ranks: int = CONTENTION_RANKS) -
     # Two points per fit: the latency is the smallest sizes' time (a fixed cost per call), the throughput the
     # slope to the largest. A least-squares line over all sizes lets the large sizes' noise swing the intercept
     # (often below zero), and the planner's ranking at small sizes hangs on that intercept.
-    fits = {name: _two_point(points) for name, points in raw.items()}
+    fits: dict[str, Any] = {name: _two_point(points) for name, points in raw.items()}
     costs = MachineCosts(node_type=key, world=world, measured=raw, contention=contention, **fits)
     costs = replace(costs, comm_contention=comm_contention_from(costs, at_k),
                     measured={**raw, **{f"allreduce at {k}": v for k, v in at_k.items()}})
@@ -145,7 +146,7 @@ def comm_contention_from(costs: MachineCosts, at_k: dict[int, list]) -> tuple[fl
     return tuple(out)
 
 
-TINY_MODEL = {"n_head": 2, "d_model": 16, "vocab_size": 64, "seq_len": 8}
+TINY_MODEL: dict[str, Any] = {"n_head": 2, "d_model": 16, "vocab_size": 64, "seq_len": 8}
 """The tiny models whose steps are all fixed cost (their FLOPs take microseconds)."""
 TINY_BATCH, FIXED_STEPS, FIXED_REPEATS = 8, 6, 3
 ONE_RANK = {"L2 m1": (2, 1), "L2 m4": (2, 4), "L4 m2": (4, 2), "L8 m1": (8, 1), "L8 m4": (8, 4)}

@@ -28,14 +28,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
+from trainyard.parallel.models.decoder import DecoderStage
 
 BACKEND = "inductor"
 """torch.compile's backend for `compile: true`."""
 
 
-def compile_blocks(stage: nn.Module) -> nn.Module:
+def compile_blocks(stage: DecoderStage) -> DecoderStage:
     """Compile each of `stage`'s blocks in place (after tensor parallelism and activation checkpointing are
     set up on it); returns the stage."""
     full_recompute = bool(getattr(stage, "recompute_blocks", False))

@@ -46,6 +46,7 @@ sums shards that line up, since the group's ranks hold the same tp coordinate (o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,7 +105,7 @@ class Compressor(Protocol):
     """A gradient compressor (`parallel.runtime.powersgd.PowerSGD`): the reducer class that sends a strategy's
     buckets compressed, built as `cls(chunk_params, group, compressor, reduce_dtype=, bucket_bytes=)`."""
 
-    def reducer_class(self, base: type[GradientReducer]) -> type[GradientReducer]: ...
+    def reducer_class(self, base: type[GradientReducer]) -> Callable[..., GradientReducer]: ...
 
 
 class GradientReducer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from trainyard.parallel.data.datasets import open_dataset, step_microbatches
@@ -68,11 +69,13 @@ class RankDriver:
         if live is not None and mine.dp not in live + rejoining:
             return {"step": step, "dp_rank": mine.dp, "sat_out": True}
         if mine.dp in rejoining:
+            assert live is not None  # rejoining is only ever named with the live replicas
             sent = self.trainer.sit_in_sync(step, live)
-            stats = {"step": step, "dp_rank": mine.dp, "rejoined": True, "cross_replica_bytes": sent}
+            stats: dict[str, Any] = {"step": step, "dp_rank": mine.dp, "rejoined": True, "cross_replica_bytes": sent}
         else:
             stats = self.trainer.train_step(step, ids, live).to_dict()
         if rejoining:
+            assert live is not None
             source = self.plan.rank_of(mine.pp, mine.tp, min(live))
             self.trainer.take_replica_state(step + 1, source, receiving=mine.dp in rejoining)
         if evaluate:

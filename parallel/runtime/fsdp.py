@@ -37,7 +37,7 @@ activations, and `peak_gathered_bytes` is what the memory plan's gathered chunks
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -147,7 +147,7 @@ def _param_groups(module: FSDPModule) -> list:
     return fully_shard.state(module)._fsdp_param_groups
 
 
-def shard_chunks(chunks: list[nn.Module], dp_mesh: DeviceMesh | None, router_group: dist.ProcessGroup | None,
+def shard_chunks(chunks: Sequence[nn.Module], dp_mesh: DeviceMesh | None, router_group: dist.ProcessGroup | None,
                  expert_group: dist.ProcessGroup | None, sharding: Sharding, reduce_dtype: str) -> ShardedChunks:
     """Wrap each chunk (and its MoE routers and experts) with `fully_shard`, each set on the mesh of the ranks
     that reduce it; a set reduced by this rank alone stays unwrapped."""

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from trainyard.parallel.models.whole import GPTStage
+from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.plan.schedules import COMM_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.runtime.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.runtime.split_backward import ParamGroups, backward_input, backward_weight
@@ -76,7 +76,7 @@ class _StepState:
 
 
 class PipelineExecutor:
-    def __init__(self, chunks: list[GPTStage], pp_rank: int, pp: int, pp_ranks: list[int],
+    def __init__(self, chunks: list[DecoderStage], pp_rank: int, pp: int, pp_ranks: list[int],
                  activation_shape: tuple[int, ...], device: torch.device, loss_scale: float,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
                  autocast: Callable[[], AbstractContextManager] = nullcontext,

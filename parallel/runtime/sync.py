@@ -38,6 +38,7 @@ to sync, the bytes it sends) come first; `ReplicaSync` runs the collective on a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,7 +92,7 @@ class ReplicaSync:
     def bytes_per_sync(self) -> int:
         return FP32 * sum(p.numel() for p in self.params)
 
-    def synchronise(self, optimizer_state: list[torch.Tensor] = (), live: tuple[int, ...] | None = None,
+    def synchronise(self, optimizer_state: Sequence[torch.Tensor] = (), live: tuple[int, ...] | None = None,
                     replica: int = 0) -> int:
         """Average the parameters over the replicas (diloco: then the outer step, and every replica takes the new
         anchor), and the tensors of `optimizer_state` in place; the bytes this rank all-reduced. `live`: the

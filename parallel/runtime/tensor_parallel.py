@@ -49,14 +49,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from trainyard.parallel.models import family_of
+from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.plan import Plan
 
 
-def apply_tensor_parallel(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+def apply_tensor_parallel(stage: DecoderStage, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> DecoderStage:
     """Shard `stage`'s parameters over `tp_mesh` and set up the collectives of its forward and backward, by its
     family's plan (`ModelFamily.tensor_parallel_plan`)."""
     plan = family_of(stage.cfg).tensor_parallel_plan(stage, sequence_parallel=sequence_parallel)
@@ -70,7 +70,7 @@ def apply_tensor_parallel(stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
 def activation_shape(plan: Plan) -> tuple[int, int, int]:
     """What one rank sends to the next pipeline stage: its sequence slice with sp, the whole sequence without."""
     m = plan.config.model
-    seq = m.seq_len // plan.tp if plan.config.parallel.sp else m.seq_len
+    seq = m.seq_len // plan.tp if plan.config.fixed_parallel.sp else m.seq_len
     return (plan.micro_batch_size, seq, m.d_model)
 
 

@@ -85,7 +85,7 @@ class TrainOptimizer:
                 leaf.held = _host_copy(_local(leaf.tensor), pin=self.cuda)
         # Groups as `parallel.optim.optimizer.make_optimizer` forms them; offloaded, one optimizer per chunk of each
         # group.
-        by_decay = {True: [], False: []}
+        by_decay: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         for t, p in pairs:
             by_decay[p.dim() >= 2] += self.leaves[t]
         self.optimizers: list[torch.optim.Optimizer] = []

@@ -44,6 +44,7 @@ from trainyard.parallel.data.datasets import (
 )
 from trainyard.parallel.io import checkpoint, hf_checkpoint
 from trainyard.parallel.models import family_of
+from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.optim.optimizer import clip_grad_norm, lr_at, set_lr
 from trainyard.parallel.plan import Plan
@@ -130,7 +131,7 @@ class RankTrainer:
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
         # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.moe): dense
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
-        par = cfg.parallel
+        par = cfg.fixed_parallel
         # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
         self.local_sync = is_local(par.sync) and plan.dp > 1
         sets = {"dense": None if self.local_sync else groups.dp, "router": groups.stage, "experts": groups.experts}
@@ -173,7 +174,7 @@ class RankTrainer:
             sharded=self.sharded, placement=plan.placement,
         )
 
-    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> torch.nn.Module:
+    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> DecoderStage:
         """One model chunk: built whole from the seed (so every layout starts from the same weights), then
         sharded over tp. Gradient buckets and the optimizer come after, as they need the final parameters."""
         v = virtual_stage(self.coords.pp, chunk, self.plan.pp, self.plan.placement)
@@ -182,7 +183,7 @@ class RankTrainer:
             cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
             experts=self.plan.experts_of(self.rank)).to(self.device)
         if self.groups.tp_mesh is not None:
-            apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.parallel.sp)
+            apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
         stage.set_activation_checkpointing(cfg.activation_checkpointing)
         stage.set_activation_offload(cfg.activation_offload)
         if cfg.compile:
@@ -224,8 +225,8 @@ class RankTrainer:
         # local_sgd / diloco's syncs.
         sent = 0 if self.local_sync or "dense" not in self.reducers else self.reducers["dense"].wire_bytes
         cfg = self.plan.config
-        if self.sync is not None and syncs_after(step, cfg.parallel.sync, cfg.steps):
-            checkpointed = averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every, cfg.steps)
+        if self.sync is not None and syncs_after(step, cfg.fixed_parallel.sync, cfg.steps):
+            checkpointed = averages_optimizer_state(step, cfg.fixed_parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
             sent = self._sync_replicas(view, live)
             if view is not None:
@@ -259,7 +260,7 @@ class RankTrainer:
         averages (`ReplicaSync.synchronise`); `take_replica_state` then gives it the result. The bytes sent."""
         assert self.sync is not None
         cfg = self.plan.config
-        view = self.optimizer.export() if averages_optimizer_state(step, cfg.parallel.sync, cfg.checkpoint.every,
+        view = self.optimizer.export() if averages_optimizer_state(step, cfg.fixed_parallel.sync, cfg.checkpoint.every,
                                                                    cfg.steps) else None
         self.steps_done = None
         return self._sync_replicas(view, live)
@@ -331,7 +332,7 @@ class RankTrainer:
         then take the lowest live replica's state, as at a rejoin: the checkpoint holds one model."""
         self.finish_checkpoint()
         cfg = self.plan.config
-        if self.sync is not None and syncs_before_save(step, cfg.parallel.sync, cfg.steps):
+        if self.sync is not None and syncs_before_save(step, cfg.fixed_parallel.sync, cfg.steps):
             self._sync_replicas(None, live)
         if self.sync is not None and live is not None and len(live) < self.plan.dp:
             source = self.plan.rank_of(self.coords.pp, self.coords.tp, min(live))

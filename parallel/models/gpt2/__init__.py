@@ -17,6 +17,7 @@ from trainyard.parallel.models.gpt2 import counts
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
+    from trainyard.parallel.models.decoder import DecoderStage
 
 
 class GPT2(ModelFamily):
@@ -39,7 +40,7 @@ class GPT2(ModelFamily):
         return counts.ffn_hidden(cfg)
 
     def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
-                    experts: Iterable[int] | None = None) -> nn.Module:
+                    experts: Iterable[int] | None = None) -> DecoderStage:
         from trainyard.parallel.models.gpt2.model import GPTStage
 
         return GPTStage(cfg, layers, first=first, last=last, seed=seed, experts=experts)
@@ -49,7 +50,7 @@ class GPT2(ModelFamily):
 
         return MLP(cfg, self.ffn_hidden(cfg))
 
-    def tensor_parallel_plan(self, stage: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    def tensor_parallel_plan(self, stage: DecoderStage, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
         """q, k and v column-parallel (n_head / tp whole heads each), attn.proj row-parallel; the MLP's fc
         column-, proj row-parallel; LayerNorms sequence-parallel with sp; embedding and head over the
         vocabulary. The learned positions: `wpe` stays replicated; with sp its (seq_len, d_model) output is

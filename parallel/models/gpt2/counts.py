@@ -21,7 +21,7 @@ def ffn_hidden(m: ModelConfig) -> int:
 
 def param_counts(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int, ep: int) -> ParamCounts:
     d, vocab, f = m.d_model, m.vocab_size, ffn_hidden(m)
-    local_experts = m.moe.experts // ep if m.moe else 0
+    local_experts = m.experts // ep if m.moe else 0
     dense = router = experts = 0
     if first:
         dense += vocab * d // tp + m.context * d  # wte split over the vocabulary, wpe replicated
@@ -30,7 +30,7 @@ def param_counts(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bo
         # replicated)
         dense += 4 * d + 3 * (d * d + d) // tp + d * d // tp + d
         if m.is_moe_block(block):
-            router += d * m.moe.experts  # no bias, not sharded
+            router += d * m.experts  # no bias, not sharded
             experts += local_experts * (d * f + f + f * d + d)  # whole experts on every tp rank
         else:
             dense += (d * f + f) // tp + f * d // tp + d  # fc column-, proj row-parallel
@@ -48,8 +48,8 @@ def matrices(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, 
     for block in layers:
         out += [(d // tp, d, "dense")] * 3 + [(d, d // tp, "dense")]
         if m.is_moe_block(block):
-            out.append((m.moe.experts, d, "router"))
-            out += [(f, d, "experts"), (d, f, "experts")] * (m.moe.experts // ep)
+            out.append((m.experts, d, "router"))
+            out += [(f, d, "experts"), (d, f, "experts")] * (m.experts // ep)
         else:
             out += [(f // tp, d, "dense"), (d, f // tp, "dense")]
     if last and not (m.tie_embeddings and first):
@@ -97,6 +97,7 @@ def dense_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
 def moe_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
     """As `dense_block`, for a mixture-of-experts block: attention, ln_2, router and this rank's experts."""
     moe, d, f = m.moe, s.d, ffn_hidden(m)
+    assert moe is not None, "an MoE block's model has experts"
     n_local = moe.experts // s.ep
     ln_2 = s.stream * (FP32 * d + LN_STATS)
     # Per routed row: the row going into its expert (a bf16 copy under autocast), the expert's hidden before

@@ -22,13 +22,14 @@ from trainyard.parallel.models.llama import counts
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
+    from trainyard.parallel.models.decoder import DecoderStage
 
 
 class Llama(ModelFamily):
     name = "llama"
 
     def check(self, config: JobConfig) -> list[RuleError]:
-        m, tp, errors = config.model, config.parallel.tp, []
+        m, tp, errors = config.model, config.fixed_parallel.tp, []
         kv = m.n_kv_head or m.n_head
         if m.n_head % kv:
             errors.append(RuleError("model.n_kv_head", f"n_kv_head={kv} does not divide n_head={m.n_head} (each "
@@ -53,7 +54,7 @@ class Llama(ModelFamily):
         return counts.ffn_hidden(cfg)
 
     def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
-                    experts: Iterable[int] | None = None) -> nn.Module:
+                    experts: Iterable[int] | None = None) -> DecoderStage:
         from trainyard.parallel.models.llama.model import LlamaStage
 
         return LlamaStage(cfg, layers, first=first, last=last, seed=seed, experts=experts)
@@ -63,7 +64,7 @@ class Llama(ModelFamily):
 
         return SwiGLU(cfg, self.ffn_hidden(cfg))
 
-    def tensor_parallel_plan(self, stage: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    def tensor_parallel_plan(self, stage: DecoderStage, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
         """q column-parallel (n_head / tp heads), k and v column-parallel (n_kv_head / tp heads each), attn.proj
         row-parallel; the MLP's gate and up column-, down row-parallel; RMSNorms sequence-parallel with sp
         (the attention's input is all-gathered before q, k and v, so rotary embeddings see every position);

@@ -42,8 +42,8 @@ def param_counts(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bo
         # two RMSNorms (replicated); q and attn.proj d x d, k and v d x kv, all split over tp
         dense += 2 * d + (2 * d * d + 2 * d * kv) // tp
         if m.is_moe_block(block):
-            router += d * m.moe.experts
-            experts += m.moe.experts // ep * 3 * d * f  # whole experts on every tp rank
+            router += d * m.experts
+            experts += m.experts // ep * 3 * d * f  # whole experts on every tp rank
         else:
             dense += 3 * d * f // tp  # gate and up column-, down row-parallel
     if last:
@@ -60,8 +60,8 @@ def matrices(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, 
     for block in layers:
         out += [(d // tp, d, "dense"), (kv // tp, d, "dense"), (kv // tp, d, "dense"), (d, d // tp, "dense")]
         if m.is_moe_block(block):
-            out.append((m.moe.experts, d, "router"))
-            out += [(f, d, "experts"), (f, d, "experts"), (d, f, "experts")] * (m.moe.experts // ep)
+            out.append((m.experts, d, "router"))
+            out += [(f, d, "experts"), (f, d, "experts"), (d, f, "experts")] * (m.experts // ep)
         else:
             out += [(f // tp, d, "dense"), (f // tp, d, "dense"), (d, f // tp, "dense")]
     if last and not (m.tie_embeddings and first):
@@ -110,6 +110,7 @@ def dense_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
 def moe_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
     """As `dense_block`, for a mixture-of-experts block: attention, ln_2, router and this rank's experts."""
     moe, d, f = m.moe, s.d, ffn_hidden(m)
+    assert moe is not None, "an MoE block's model has experts"
     n_local = moe.experts // s.ep
     ln_2 = rms_norm(s)
     rows, router = moe_routing(m, s)

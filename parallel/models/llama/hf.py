@@ -127,14 +127,14 @@ def sources(cfg: ModelConfig, hf_keys: Collection[str] | None = None) -> dict[st
             out |= {f"{b}.mlp.{n}.weight": Source(f"{h}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")}
         elif fused:
             out[f"{b}.moe.router.weight"] = Source(f"{h}.mlp.gate.weight")
-            for e in range(cfg.moe.experts):
+            for e in range(cfg.experts):
                 x = f"{b}.moe.experts.{e}"
                 out[f"{x}.gate.weight"] = Source(f"{h}.mlp.experts.gate_up_proj", expert=e)
                 out[f"{x}.up.weight"] = Source(f"{h}.mlp.experts.gate_up_proj", expert=e, start=ffn)
                 out[f"{x}.down.weight"] = Source(f"{h}.mlp.experts.down_proj", expert=e)
         else:
             out[f"{b}.moe.router.weight"] = Source(f"{h}.block_sparse_moe.gate.weight")
-            for e in range(cfg.moe.experts):
+            for e in range(cfg.experts):
                 x, y = f"{b}.moe.experts.{e}", f"{h}.block_sparse_moe.experts.{e}"
                 out |= {f"{x}.{ours}.weight": Source(f"{y}.{theirs}.weight")
                         for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}

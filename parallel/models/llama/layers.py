@@ -50,6 +50,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaAttention(nn.Module):
     """Causal self-attention with rotary positions and n_kv_head key/value heads; no biases."""
 
+    inv_freq: torch.Tensor
+    """A buffer (`register_buffer` in __init__)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
