@@ -1,21 +1,49 @@
-"""The modules of `parallel/` import each other without a circle, and the plan loads without torch."""
+"""The rooms' import rules (docs/design.md), read from the source: every import counts, wherever it sits
+(function bodies and TYPE_CHECKING blocks are dependencies all the same).
+
+- The product's folders: `service/` and `actors/` never import `api/` or `cli/`; `parallel/` imports no Ray,
+  FastAPI, service, actors, api or cli; `api/` touches neither Ray nor torch.
+- `parallel/`'s rooms: `config`, `seeds`, `spec` at its top import no room; then each room imports only the
+  rooms below it (`ROOMS`), and nothing in `parallel/` imports a circle.
+- `plan/` loads without torch, and so do the coordinator and the service.
+"""
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
-PARALLEL = Path(__file__).resolve().parents[2] / "parallel"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("api", "service", "actors", "parallel", "cli")
+
+ROOMS: dict[str, set[str]] = {
+    "models": set(),
+    "optim": set(),
+    "plan": {"models", "optim"},
+    "data": {"plan", "models", "optim"},
+    "io": {"plan", "models", "optim"},
+    "runtime": {"plan", "models", "optim", "data", "io"},
+}
+"""Each room of `parallel/` -> the rooms it may import (besides itself and the top: config, seeds, spec)."""
+
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "service": ("api", "cli"),
+    "actors": ("api", "cli", "service"),
+    "parallel": ("ray", "fastapi", "uvicorn", "api", "service", "actors", "cli"),
+    "api": ("ray", "torch", "cli", "actors"),
+}
+"""A product folder -> the top-level packages (ours without the `trainyard.` prefix, or a library) it never imports."""
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(PARALLEL.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """Every parallel module `path` imports, wherever the import sits (TYPE_CHECKING blocks and function
-    bodies count: they are dependencies all the same)."""
+def _imported_names(path: Path) -> set[str]:
+    """Every dotted name `path` imports, ours without the `trainyard.` prefix, relative imports resolved."""
     package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -24,21 +52,32 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *filter(None, [base])])
+                parts = package.split(".")
+                base = ".".join([*parts[:len(parts) - node.level + 1], *filter(None, [base])])
             names = [f"{base}.{alias.name}" for alias in node.names] + [base]
         else:
             continue
-        for name in (n.removeprefix("trainyard.") for n in names):  # trainyard.parallel.x is parallel/x.py
-            while name and name not in modules:  # `from parallel.x import f`: the module is parallel.x
-                name = name.rpartition(".")[0]
-            if name and name != "parallel":
-                found.add(name)
+        found |= {n.removeprefix("trainyard.") for n in names}
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    files = {_module_name(p): p for p in PARALLEL.rglob("*.py")}
-    return {name: _imports(path, set(files)) - {name} for name, path in files.items()}
+def product_files() -> dict[str, Path]:
+    return {_module_name(p): p for top in PRODUCT for p in (ROOT / top).rglob("*.py")}
+
+
+def import_graph(top: str = "parallel") -> dict[str, set[str]]:
+    """Module -> the modules of `top` it imports (`from parallel.x import f` counts as parallel.x)."""
+    files = {name: path for name, path in product_files().items() if name.split(".")[0] == top}
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for imported in _imported_names(path):
+            while imported and imported not in files:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != top:
+                deps.add(imported)
+        graph[name] = deps - {name}
+    return graph
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -63,6 +102,25 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def room_of(module: str) -> str | None:
+    """`parallel.plan.memory` -> `plan`; None for the top of `parallel/` (config, seeds, spec, the package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOMS) else None
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, deps in sorted(graph.items()):
+        mine = room_of(module)
+        for dep in sorted(deps):
+            theirs = room_of(dep)
+            if theirs is None or theirs == mine:
+                continue
+            if mine is None or theirs not in ROOMS[mine]:
+                out.append(f"{module} -> {dep} ({mine or 'the top'} may not import {theirs})")
+    return out
+
+
 def test_parallel_modules_import_each_other_without_a_circle():
     graph = import_graph()
     assert "parallel.plan.memory" in graph["parallel.plan.admission"]  # the walk sees imports at all
@@ -74,20 +132,42 @@ def test_the_cycle_finder_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_plan_and_its_presentation_load_without_torch():
-    code = ("import sys; import trainyard.parallel.plan, trainyard.parallel.plan.present, "
-            "trainyard.parallel.plan.memory, trainyard.parallel.plan.sharding, trainyard.parallel.optim.kinds; "
+def test_every_room_of_parallel_imports_only_the_rooms_below_it():
+    graph = import_graph()
+    assert set(ROOMS) == {p.name for p in (ROOT / "parallel").iterdir() if (p / "__init__.py").is_file()}
+    assert room_violations(graph) == []
+
+
+def test_the_room_rule_finds_an_upward_import():
+    assert room_violations({"parallel.plan.memory": {"parallel.runtime.trainer", "parallel.models.base"},
+                            "parallel.config": {"parallel.plan.layout"}}) == [
+        "parallel.config -> parallel.plan.layout (the top may not import plan)",
+        "parallel.plan.memory -> parallel.runtime.trainer (plan may not import runtime)",
+    ]
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_product_folders_import_only_what_their_room_allows(folder):
+    bad = [f"{module} imports {name}" for module, path in sorted(product_files().items())
+           if module.split(".")[0] == folder
+           for name in sorted(_imported_names(path)) if name.split(".")[0] in FORBIDDEN[folder]]
+    assert bad == []
+
+
+def test_the_plan_loads_without_torch():
+    """Every module of `plan/` (and the optimizer registry and model registry it reads) imports without torch."""
+    modules = sorted(m for m in product_files() if m.startswith("parallel.plan"))
+    code = (f"import sys, importlib; [importlib.import_module('trainyard.' + m) for m in {modules!r}]; "
+            "import trainyard.parallel.optim.kinds, trainyard.parallel.models, trainyard.parallel.spec; "
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=PARALLEL.parent)
-    assert out.stdout.strip() == "False"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert len(modules) > 10 and out.stdout.strip() == "False"
 
 
 def test_the_coordinator_and_the_service_start_without_torch():
     """Every job's coordinator process imports its module as the job starts, and `trainyard serve` its service
     at every start: torch's seconds of import belong in the ranks (and in an export), not on those paths."""
-    code = ("import sys; import trainyard.actors.coordinator, trainyard.service.manager, trainyard.service.server; "
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=PARALLEL.parent)
+    code = ("import sys; import trainyard.actors.coordinator, trainyard.service.manager, trainyard.service.server, "
+            "trainyard.api.app, trainyard.cli.main; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
