@@ -150,16 +150,6 @@ def check_directory(directory: Path) -> Manifest | str:
     return manifest
 
 
-def verify_hashes(directory: Path, manifest: Manifest) -> list[str]:
-    """The shard files whose sha256 differs from the manifest's."""
-    bad = []
-    for shard in manifest.shards:
-        for key, digest in (("file", "sha256"), ("mask_file", "mask_sha256")):
-            if key in shard and file_sha256(directory / shard[key]) != shard[digest]:
-                bad.append(shard[key])
-    return bad
-
-
 class Segments:
     """Several arrays read as one: `len`, and slices `[a:b]` (step 1) that may cross from one to the next.
 

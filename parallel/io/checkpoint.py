@@ -68,9 +68,8 @@ def verify(directory: Path, hashes: bool = True) -> str | None:
     """None if every file the manifest names is there with its size and hash; else what is wrong.
     `hashes=False` checks names and sizes only (milliseconds, where hashing tens of GB takes minutes): what
     the service checks on paths that must not block; the coordinator hashes in a thread before loading."""
-    manifest = directory / MANIFEST
     try:
-        files = json.loads(manifest.read_text())["files"]
+        files = read_manifest(directory)["files"]
         files = {str(name): (int(size), str(digest)) for name, (size, digest) in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a manifest of another shape too
         return f"no readable manifest ({type(e).__name__}: {e})"
@@ -107,6 +106,7 @@ def latest_valid(root: Path, at_most: int | None = None, hashes: bool = True) ->
 
 
 def read_manifest(directory: Path) -> dict:
+    """A checkpoint's manifest: its step, the job it records (`info`) and each file's size and sha256."""
     return json.loads((directory / MANIFEST).read_text())
 
 

@@ -223,11 +223,5 @@ def moe_layers(module: nn.Module) -> list[tuple[str, MoELayer]]:
     return [(name.split(".")[1], m) for name, m in module.named_modules() if isinstance(m, MoELayer)]
 
 
-def hosted_experts(n_experts: int, ep: int, ep_rank: int) -> range:
-    """The global indices of the experts ep rank `ep_rank` hosts."""
-    per_rank = n_experts // ep
-    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
-
-
 def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)

@@ -152,9 +152,6 @@ def parse_actions(text: str) -> list[Action]:
     return actions
 
 
-PLACEMENTS = ("interleaved", "v")
-
-
 def virtual_stage(rank: int, chunk: int, pp: int, placement: str = "interleaved") -> int:
     """The virtual stage a rank's local chunk is (see the module docstring for the two placements)."""
     if placement == "v" and chunk % 2:

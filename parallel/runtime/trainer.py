@@ -7,7 +7,7 @@ stages; with pp = 1 this is plain gradient accumulation; the tensor-parallel col
 layers), sum gradients across data-parallel replicas, clip the global norm (summed across tp shards and the
 pipeline), set the learning rate and take an AdamW step. With `parallel.sync` local_sgd or diloco the replicas
 step apart instead (no gradient sum across them; each steps on its own share's mean gradient and clips its own
-norm), and `parallel.sync.ReplicaSync` averages their parameters every H steps.
+norm), and `parallel.runtime.sync.ReplicaSync` averages their parameters every H steps.
 
 The loss of every micro-batch is divided by the global batch's count of targets that count (all of its
 tokens; with a loss mask, the assistant/completion ones: `parallel.data.datasets.step_counted_targets`, worked out on
@@ -200,7 +200,7 @@ class RankTrainer:
 
     def train_step(self, step: int, microbatch_ids: list[list[int]], live: tuple[int, ...] | None = None
                    ) -> StepStats:
-        """One step; `live`: the replicas in the round when some are dropped (`parallel.sync.round_of`): the
+        """One step; `live`: the replicas in the round when some are dropped (`parallel.plan.replica_sync.round_of`): the
         sync averages over them."""
         compiling = self.plan.config.compile
         start, compiled_before = time.perf_counter(), compile_seconds() if compiling else 0.0
