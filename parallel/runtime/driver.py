@@ -60,7 +60,7 @@ class RankDriver:
         """One training step (on this rank's own share of the step's batch unless `microbatch_ids` are given),
         then, if asked, the validation loss and a checkpoint of the state after it: the StepStats as a dict,
         with `val_loss` and `checkpoint_blocked_s` (how long the save blocked) when they were asked for.
-        `round_` (local_sgd, diloco, while a replica is dropped: `parallel.plan.replica_sync.round_of`): the `live` replicas
+        `round_` (local_sgd, diloco, while a replica is dropped: `replica_sync.round_of`): the `live` replicas
         step; one `rejoining` at this step's sync takes part in it, then takes the state of the lowest live
         replica; any other sits the step out (its answer says so: `sat_out`)."""
         ids = self.microbatches(step) if microbatch_ids is None else microbatch_ids

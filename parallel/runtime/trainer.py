@@ -200,7 +200,7 @@ class RankTrainer:
 
     def train_step(self, step: int, microbatch_ids: list[list[int]], live: tuple[int, ...] | None = None
                    ) -> StepStats:
-        """One step; `live`: the replicas in the round when some are dropped (`parallel.plan.replica_sync.round_of`): the
+        """One step; `live`: the replicas in the round when some are dropped (`replica_sync.round_of`): the
         sync averages over them."""
         compiling = self.plan.config.compile
         start, compiled_before = time.perf_counter(), compile_seconds() if compiling else 0.0

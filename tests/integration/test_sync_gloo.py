@@ -58,7 +58,7 @@ def _state(driver) -> dict[str, torch.Tensor]:
 
 
 def drop_and_rejoin(driver, stats) -> dict:
-    """Replica 1 sits out steps 2 and 3 (as after a failure: `parallel.plan.replica_sync.round_of`) and rejoins in step 3's sync
+    """Replica 1 sits out steps 2 and 3 (as after a failure: `replica_sync.round_of`) and rejoins in step 3's sync
     (every=4); every step after is a whole round again. The state before, at and after the rejoin."""
     out = {"losses": []}
     for step in range(STEPS):
