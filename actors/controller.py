@@ -24,10 +24,10 @@ from trainyard.actors.calls import Failure, StepFailed
 from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
 from trainyard.actors.policies import (
     FailureAction,
-    FailurePolicy,
     HangPolicy,
     ResizeDecision,
     ResizeDesk,
+    failure_policy,
     scaling_policy,
 )
 from trainyard.actors.recovery import Unrecoverable
@@ -49,6 +49,7 @@ from trainyard.actors.state import (
     Starting,
     State,
     Stopping,
+    failure_decision,
     is_terminal,
     step,
 )
@@ -72,7 +73,7 @@ class Controller:
         self.journal = Journal(self.root, list(storage.events), restarted)
         rows = read_metrics_log(self.root)
         self.rows = Rows(self.root, rows if restarted else [r for r in rows if r["step"] < self.start_step])
-        self.failure_policy = FailurePolicy(plan.config.fault.max_failures, elastic=plan.dp_range is not None)
+        self.failure_policy = failure_policy(plan)
         self.hang = HangPolicy(plan.config.fault)
         self.scaling = scaling_policy(plan)
         self.desk = ResizeDesk()
@@ -184,7 +185,7 @@ class Controller:
         if isinstance(self.state, Starting):
             return CallFailed(failure, None)  # a job that cannot start is not recovered
         node_lost = self.plan.dp_range is not None and not self.stop and await self._node_lost(failure)
-        decision = self.failure_policy.decide(len(self.journal.causes), node_lost=node_lost, stopping=self.stop)
+        decision = failure_decision(CallFailed(failure, None, node_lost), self._inputs(), self.failure_policy)
         log.info("job %s: failure policy: %s (%s)", self.job_id, decision.action, decision.reason)
         restore = None if decision.action is FailureAction.RAISE else await asyncio.to_thread(self.restore_point)
         return CallFailed(failure, restore, node_lost)

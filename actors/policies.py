@@ -198,6 +198,11 @@ class ElasticScaling:
         return NoopDecision(f"no room to grow past dp={plan.dp}")
 
 
+def failure_policy(plan: Plan) -> FailurePolicy:
+    """The job's failure policy, from its spec (`fault.max_failures`) and whether it is elastic."""
+    return FailurePolicy(plan.config.fault.max_failures, elastic=plan.dp_range is not None)
+
+
 def scaling_policy(plan: Plan) -> FixedScaling | ElasticScaling:
     return ElasticScaling() if plan.dp_range is not None else FixedScaling()
 

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from trainyard.actors.calls import Failure
 from trainyard.actors.journal import all_causes
-from trainyard.actors.policies import FailureAction, FailurePolicy, Resize
+from trainyard.actors.policies import FailureAction, FailureDecision, FailurePolicy, Resize
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.cadence import is_done
 
@@ -227,8 +227,15 @@ def step(state: State, outcome: Outcome, inputs: Inputs, policy: FailurePolicy) 
     raise ValueError(f"no transition from {type(state).__name__} on {type(outcome).__name__}")
 
 
+def failure_decision(outcome: CallFailed, inputs: Inputs, policy: FailurePolicy) -> FailureDecision:
+    """The failure policy asked about `outcome`: the one place its arguments are read from what the controller
+    knows. `step` acts on it; the controller asks it first only to know whether a point to go on from is needed
+    (hashing a checkpoint for a job about to fail is wasted time)."""
+    return policy.decide(len(inputs.causes), node_lost=outcome.node_lost, stopping=inputs.stop)
+
+
 def _on_failure(outcome: CallFailed, inputs: Inputs, policy: FailurePolicy) -> State:
-    decision = policy.decide(len(inputs.causes), node_lost=outcome.node_lost, stopping=inputs.stop)
+    decision = failure_decision(outcome, inputs, policy)
     if decision.action is FailureAction.RIDE:
         return Recovering(outcome.failure, outcome.restore, counted=False)
     if decision.action is FailureAction.RAISE:

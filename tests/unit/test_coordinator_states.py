@@ -291,3 +291,11 @@ def test_replicas_one_step_ahead_are_taken_when_the_answers_hold_the_lost_step_r
     assert live_point(plan, {0: 5}, 4, (row_of_rank_0,)) == ({0: 0, 1: 0}, 5)
     assert live_point(plan, {0: 5}, 4, ()) is None  # no row for step 4: back to the checkpoint
     assert live_point(plan, {0: 6}, 4, (row_of_rank_0,)) is None
+
+
+def test_the_failure_policy_comes_from_the_spec_and_the_plan():
+    from trainyard.actors.policies import failure_policy
+
+    assert failure_policy(elastic_plan()) == FailurePolicy(max_failures=FaultConfig().max_failures, elastic=True)
+    fixed = make_plan(parse_spec(tiny_spec(fault={"max_failures": 5})))
+    assert failure_policy(fixed) == FailurePolicy(max_failures=5, elastic=False)
