@@ -30,12 +30,14 @@ from trainyard.actors.policies import (
     failure_policy,
     scaling_policy,
 )
+from trainyard.actors.progress import Progress
 from trainyard.actors.recovery import Unrecoverable
 from trainyard.actors.state import (
     Admitted,
     CallFailed,
     Cancelled,
     Crashed,
+    Done,
     Failed,
     Finishing,
     Inputs,
@@ -69,10 +71,10 @@ class Controller:
         self.incarnation = uuid.uuid4().hex[:8]
         """Changes when Ray restarts the coordinator: the service then reads the events anew."""
         self.group = WorkerGroup(job_id, plan, pg)
-        self.start_step = storage.resume[1] if storage.resume else 0
+        self.progress = Progress(start_step=storage.resume[1] if storage.resume else 0)
         self.journal = Journal(self.root, list(storage.events), restarted)
         rows = read_metrics_log(self.root)
-        self.rows = Rows(self.root, rows if restarted else [r for r in rows if r["step"] < self.start_step])
+        self.rows = Rows(self.root, rows if restarted else [r for r in rows if r["step"] < self.progress.start_step])
         self.failure_policy = failure_policy(plan)
         self.hang = HangPolicy(plan.config.fault)
         self.scaling = scaling_policy(plan)
@@ -82,16 +84,7 @@ class Controller:
         self.listeners: list[Callable[[State, State], None]] = []
         self.stop = self.suspend = False
         self.model: dict | None = None
-        self.failed_at: float | None = None
-        self.upcoming: list = []
-        self.inflight: tuple[int, list] = (-1, [])
-        """The step being waited for and its calls (a replica dropped after a failure lets the others finish it)."""
-        self.dropped: dict[int, int] = {}
-        """local_sgd, diloco: replicas dropped after a failure -> the step whose sync they rejoin at."""
-        self.replica_steps: list[int] = []
-        """local_sgd, diloco: the steps each replica's state holds (the rows carry them: `replica_steps`)."""
-        self.step_started = time.time()
-        """When the step being waited for became the one waited for (the last step's results came back)."""
+        """The exported model, {path, step}, once the job's end wrote it (`Done.model`)."""
 
     @property
     def plan(self) -> Plan:
@@ -107,7 +100,7 @@ class Controller:
         events = self.journal.events
         return {
             "status": self.state.status.value, "error": self.error, "model": self.model,
-            "step": self.rows.next_step(self.start_step),
+            "step": self.rows.next_step(self.progress.start_step),
             "events": events if events_from is None else events[events_from:],
             "events_from": events_from, "incarnation": self.incarnation,
             "metrics": self.rows.since(since), "actors": self.group.actor_names(), "ranks": self.group.ranks,
@@ -134,6 +127,8 @@ class Controller:
             while True:
                 try:
                     outcome = await self._act(self.state)
+                    if isinstance(outcome, Done) and outcome.model is not None:
+                        self.model = outcome.model
                 except StepFailed as failure:
                     outcome = await self._failed(failure)
                 except Unrecoverable as e:
@@ -164,7 +159,7 @@ class Controller:
             case Pending():
                 return Admitted(await asyncio.to_thread(self._start_point))
             case Starting(restore=restore):
-                self.rows.trim(self.start_step)  # a damaged resume point may have moved it back
+                self.rows.trim(self.progress.start_step)  # a damaged resume point may have moved it back
                 await self.group.start()
                 await self.group.load(restore)
                 return recovery.READY
@@ -181,7 +176,7 @@ class Controller:
     async def _failed(self, error: StepFailed) -> Outcome:
         """A failed call as an outcome: the failure, whether a node was lost, and the point to go on from (only
         looked for when the job will recover: it hashes the checkpoint, in a thread)."""
-        failure = Failure.of(error, self.rows.next_step(self.start_step), self.step_started)
+        failure = Failure.of(error, self.rows.next_step(self.progress.start_step), self.progress.step_started)
         if isinstance(self.state, Starting):
             return CallFailed(failure, None)  # a job that cannot start is not recovered
         node_lost = self.plan.dp_range is not None and not self.stop and await self._node_lost(failure)
@@ -214,11 +209,11 @@ class Controller:
         found = checkpoint.latest_valid(self.root, at_most=steps_logged(self.root))
         if found is None:
             raise Unrecoverable(f"the checkpoint to start from ({resume[0]}) is damaged: {problem}")
-        self.start_step = found.step
+        self.progress.restarted_at(found.step)
         return str(found.directory), found.step
 
     def _own_death(self) -> Failure:
-        last_step = self.rows.next_step(self.start_step)
+        last_step = self.rows.next_step(self.progress.start_step)
         last_alive = mtime(self.root / METRICS_LOG) or time.time()
         cause = (f"the coordinator died (its process exited after step {last_step}; Ray restarted it, "
                  f"restart {len(self.journal.causes) + 1} of fault.max_failures={self.plan.config.fault.max_failures})")

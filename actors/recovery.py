@@ -51,11 +51,10 @@ async def recover(ctl: Controller, state: Recovering) -> Ready:
 
     if await drop_replicas(ctl, state):
         return READY
-    ctl.dropped, ctl.replica_steps = {}, []
     failure, old = state.failure, ctl.plan
     began = time.time()
     live = state.counted and replicas_may_recover(old)  # a node lost for good may shrink the job: checkpoint
-    kept = await ctl.group.tear_down(failure, ctl.upcoming, keep_state=live)
+    kept = await ctl.group.tear_down(failure, ctl.progress.upcoming, keep_state=live)
     answered = _answers(old, failure, kept)
     steps = {rank: held for rank, (held, _) in kept.items()}
     point = live_point(old, steps, failure.step, answered) if live else None
@@ -81,7 +80,7 @@ async def resize(ctl: Controller, state: Resizing) -> Ready:
     actor (and, when `can_move_in_memory`, their state: new ranks get it by broadcast from data-parallel rank
     0), removed ranks are killed, added ones created on their reserved bundles; every rank joins new process
     groups. Otherwise the state goes through a checkpoint of this step."""
-    old, new, step = ctl.plan, state.plan, ctl.start_step
+    old, new, step = ctl.plan, state.plan, ctl.progress.start_step
     began = time.time()
     in_memory = can_move_in_memory(old, new)
     kept = {r: new.rank_of(c.pp, c.tp, c.dp) for r in range(old.world_size) if (c := old.coords(r)).dp < new.dp}
@@ -112,11 +111,11 @@ async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, sourc
         log.warning("job %s: fault drill kill_worker_in_recovery on rank %d", ctl.job_id, rank)
         ray.kill(ctl.group.workers[rank], no_restart=True)
     if in_memory:
-        await ctl.group.call([w.adopt_state.remote(ctl.start_step, sources[r] if sources else None)
+        await ctl.group.call([w.adopt_state.remote(ctl.progress.start_step, sources[r] if sources else None)
                               for r, w in enumerate(ctl.group.workers)], "moving the state")
     else:
         await ctl.group.load(restore)
-    ctl.rows.trim(ctl.start_step)
+    ctl.rows.trim(ctl.progress.start_step)
 
 
 def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, dict | None]]) -> tuple[dict, ...]:
@@ -138,7 +137,7 @@ def _record_failure(ctl: Controller, state: Recovering, replica_step: int | None
         ctl.journal.add_cause(failure.cause)
     restore_step = replica_step if replica_step is not None else restore[1] if restore else 0
     source = "replica" if replica_step is not None else "checkpoint" if restore else "start"
-    ctl.failed_at, ctl.start_step = failure.failed_at, restore_step
+    ctl.progress.resumed_at(restore_step, failure.failed_at)
     blamed = list(failure.blamed)
     ctl.journal.add_event({
         "time": failure.failed_at, "kind": "failure", "cause": failure.cause, "ranks": blamed,
@@ -173,8 +172,8 @@ async def _ride_node_loss(ctl: Controller, failure: Failure) -> tuple[Plan, list
 
 def _resize_event(ctl: Controller, old: Plan, new: Plan, reason: str, asked: float, began: float, moved: str) -> None:
     layout = lambda p: {"dp": p.dp, "microbatches": p.microbatches, "world_size": p.world_size}  # noqa: E731
-    ctl.journal.add_event({"time": began, "kind": "resize", "reason": reason, "step": ctl.start_step,
+    ctl.journal.add_event({"time": began, "kind": "resize", "reason": reason, "step": ctl.progress.start_step,
                            "from": layout(old), "to": layout(new), "moved": moved,
                            "paused_s": time.time() - began, "waited_s": began - asked})
     log.info("job %s: resized dp %d -> %d at step %d (%s, state moved through %s)", ctl.job_id, old.dp,
-             new.dp, ctl.start_step, reason, moved)
+             new.dp, ctl.progress.start_step, reason, moved)

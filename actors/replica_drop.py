@@ -39,12 +39,13 @@ async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
     """Drop the failed replicas and go on with the others (True), or leave the failure to the recovery that
     restores the job (False: nothing was torn down)."""
     failure, plan, cfg = state.failure, ctl.plan, ctl.plan.config
-    step, refs = ctl.inflight
-    broken = replicas_to_drop(plan, set(failure.dead), set(failure.raised), ctl.dropped) if state.counted else None
+    (step, refs), dropped = ctl.progress.inflight, ctl.progress.dropped
+    broken = replicas_to_drop(plan, set(failure.dead), set(failure.raised), dropped) if state.counted else None
     if broken is None or step != failure.step or len(refs) != plan.world_size:
         return False
     others = [r for r in range(plan.world_size) if plan.coords(r).dp not in broken]
-    ahead = ctl.upcoming if len(ctl.upcoming) == plan.world_size else []
+    upcoming = ctl.progress.upcoming
+    ahead = upcoming if len(upcoming) == plan.world_size else []
     try:
         current = await ctl.group.call([refs[r] for r in others], f"step {step} on the replicas left")
         later = await ctl.group.call([ahead[r] for r in others], f"step {step + 1} on the replicas left") \
@@ -73,8 +74,7 @@ async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
 
     ctl.journal.add_cause(failure.cause)
     rejoins = rejoin_step(resumed, cfg.fixed_parallel.sync, cfg.steps)
-    ctl.dropped = {d: rejoins for d in sorted(broken)}
-    ctl.failed_at, ctl.start_step = failure.failed_at, resumed
+    ctl.progress.resumed_at(resumed, failure.failed_at, dropped={d: rejoins for d in sorted(broken)})
     dead = list(failure.blamed)
     ctl.journal.add_event({
         "time": failure.failed_at, "kind": "failure", "cause": failure.cause, "ranks": dead,

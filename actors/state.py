@@ -148,6 +148,9 @@ class AtBoundary:
 class Done:
     """Finishing or Stopping: the final checkpoint (and the model) are written."""
 
+    model: dict | None = None
+    """The exported model, {path, step}; None when the service suspends the job (no export)."""
+
 
 @dataclass(frozen=True)
 class CallFailed:

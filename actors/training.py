@@ -37,16 +37,18 @@ async def run_steps(ctl: Controller) -> Outcome:
     def submit(step: int) -> list[ray.ObjectRef]:
         save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(cfg, step) else None
         drills = ctl.drills.due_on_ranks(step)
-        taking_part = round_of(step, plan.dp, ctl.dropped)  # None: every replica steps
+        dropped = ctl.progress.dropped
+        taking_part = round_of(step, plan.dp, dropped)  # None: every replica steps
         round_ = None if taking_part is None else {"live": taking_part[0], "rejoining": taking_part[1]}
         # A validation pass needs every replica: while one sits out, it waits for the rejoin.
-        evaluate = evaluates_after(cfg, step) and (taking_part is None or set(taking_part[1]) == set(ctl.dropped))
+        evaluate = evaluates_after(cfg, step) and (taking_part is None or set(taking_part[1]) == set(dropped))
         # Each rank draws its own share of the step's global batch (a function of seed and step): the coordinator
         # needs neither the data nor torch, so it starts in a fraction of a second.
         return [w.run_step.remote(step, None, evaluate, save, drills.get(r), round_)
                 for r, w in enumerate(ctl.group.workers)]
 
-    done = ctl.start_step
+    progress = ctl.progress
+    done = progress.start_step
     if ctl.stop:
         # Stopped before a step ran here. The ranks hold the state after `done` steps: a checkpoint's, or, after a
         # recovery from a live replica, one that dropped a replica or an in-memory resize, steps no checkpoint
@@ -55,8 +57,8 @@ async def run_steps(ctl: Controller) -> Outcome:
     if is_done(done, cfg.steps):
         return AtBoundary(done, saved=False)
     start, refs = time.perf_counter(), submit(done)
-    ctl.step_started = time.time()
-    for step in range(ctl.start_step, cfg.steps):
+    progress.step_began()
+    for step in range(progress.start_step, cfg.steps):
         if ctl.drills.kills_coordinator(step):
             log.warning("job %s: fault drill kill_coordinator at step %d", ctl.job_id, step)
             os._exit(17)
@@ -64,21 +66,20 @@ async def run_steps(ctl: Controller) -> Outcome:
         # exactly the steps recorded.
         ahead = step + 1 < cfg.steps and not ctl.stop and ctl.desk.ready is None
         upcoming = submit(step + 1) if ahead else []
-        ctl.upcoming = upcoming
         # A step that also saves or evaluates is not held to the hang policy's measure of plain steps. Nor is
         # the first step after a (re)start, a recovery or a resize: it includes the ranks' warm-up.
-        plain = not (saves_after(cfg, step) or evaluates_after(cfg, step)) and step > ctl.start_step
+        plain = not (saves_after(cfg, step) or evaluates_after(cfg, step)) and step > progress.start_step
         deadline = ctl.hang.deadline(ctl.rows.recent_step_times(HANG_WINDOW)) if plain else cfg.fault.step_timeout_s
-        ctl.inflight = (step, refs)
+        progress.waiting_for(step, refs, upcoming)
         results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
         now = time.perf_counter()
         record(ctl, make_row(step, results, now - start, tokens, cfg.planned.predicted_step_s if cfg.planned else None),
                results)
         start, refs, done = now, upcoming, step + 1
-        ctl.step_started = time.time()
+        progress.step_began()
         if not refs:
             break
-    ctl.start_step = done
+    progress.stopped_at(done)
     return AtBoundary(done, saved=saves_after(cfg, done - 1))
 
 
@@ -88,27 +89,21 @@ def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> Non
     the gauges."""
     from trainyard.parallel.plan.replica_sync import is_local
 
-    plan = ctl.plan
+    plan, progress = ctl.plan, ctl.progress
     if results is not None and is_local(plan.config.fixed_parallel.sync) and plan.dp > 1:
-        if len(ctl.replica_steps) != plan.dp:
-            ctl.replica_steps = [row["step"]] * plan.dp
-        back = sorted(d for d, at in ctl.dropped.items() if at == row["step"])
+        stepped = {r["dp_rank"] for r in results if not r.get("sat_out")}
+        back = progress.replicas_stepped(row["step"], plan.dp, stepped)
         if back:
             ctl.journal.add_event({"time": time.time(), "kind": "replica_rejoined", "step": row["step"] + 1,
-                                   "replicas": back,
-                                   "steps_missed": [row["step"] + 1 - ctl.replica_steps[d] for d in back]})
-            ctl.dropped = {d: at for d, at in ctl.dropped.items() if at != row["step"]}
-        for d in {r["dp_rank"] for r in results if not r.get("sat_out")}:
-            ctl.replica_steps[d] = row["step"] + 1
-        row["replica_steps"] = list(ctl.replica_steps)
+                                   "replicas": list(back), "steps_missed": list(back.values())})
+        row["replica_steps"] = list(progress.replica_steps)
     for event in (compile_event(row), checkpoint_event(row)):
         if event is not None:
             ctl.journal.add_event(event)
-    if ctl.failed_at is not None:
+    if (failed_at := progress.recovered()) is not None:
         now = time.time()
         ctl.journal.add_event({"time": now, "kind": "recovered", "step": row["step"] + 1,
-                               "recovery_s": now - ctl.failed_at, "failure": len(ctl.journal.causes)})
-        ctl.failed_at = None
+                               "recovery_s": now - failed_at, "failure": len(ctl.journal.causes)})
     ctl.rows.add(row)
     set_gauges(ctl.job_id, row, ctl.plan.config.steps)
 
@@ -119,8 +114,7 @@ async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
     root, cfg, plan = ctl.storage.checkpoint_root, ctl.plan.config, ctl.plan
     # Stopped while a replica sat out (local_sgd, diloco): the live replicas sync, and the others take a live
     # one's state, as at a rejoin, so the checkpoint is one model.
-    live = tuple(d for d in range(plan.dp) if d not in ctl.dropped) if ctl.dropped else None
-    ctl.dropped = {}
+    live = ctl.progress.take_dropped(plan.dp)
     await ctl.group.call([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved, live)
                           for w in ctl.group.workers], "the final checkpoint")
     if ctl.suspend:
@@ -128,9 +122,8 @@ async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
     directory = checkpoint.step_dir(Path(root), steps_done)
     # Rank 0 exports: it has torch loaded, and the coordinator need not import it as the job ends.
     path = Path(await ctl.group.workers[0].export_model.remote(str(directory), steps_done, ctl.storage.model_path))
-    ctl.model = {"path": str(path), "step": steps_done}
     log.info("job %s: model after step %d exported to %s", ctl.job_id, steps_done, path)
-    return Done()
+    return Done(model={"path": str(path), "step": steps_done})
 
 
 class Drills:
