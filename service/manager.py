@@ -1,6 +1,8 @@
-"""The job manager: submit, queue, admit, follow, stop and delete jobs; the bridge from the store to Ray.
-(Over 400 lines: its two threads and the request handlers share one lock and one map of live jobs; what
-stands alone lives beside it: `queue`, `follow`, `resume`, `logs`, `ray_runtime`.)
+"""The job manager: the service's one entry point for the API (submit, queries, control) and the owner of its
+two threads. What each thread does lives beside it: admission (`service.admission`, with the policy in
+`service.queue`), following the live jobs (`service.live_jobs`, with `service.follow`), making the store true
+to Ray at start (`service.reconcile`), where a job's files go (`service.paths`), resume points
+(`service.resume`) and logs (`service.logs`).
 
 - `submit` validates a JobConfig against the cluster (plan rules, dataset, fit), stores the job as PENDING
   and returns: a waiting job is a row in the store and holds no Ray process.
@@ -23,34 +25,31 @@ stands alone lives beside it: `queue`, `follow`, `resume`, `logs`, `ray_runtime`
 from __future__ import annotations
 
 import builtins
-import contextlib
 import logging
 import shutil
 import threading
 import time
-import traceback
 import uuid
 from dataclasses import asdict
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from trainyard.actors.coordinator import Coordinator, JobStorage
 from trainyard.actors.journal import read_metrics_log, steps_logged
-from trainyard.actors.naming import coordinator_name, placement_group_name
 from trainyard.actors.state import JobStatus
-from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue
+from trainyard.service.admission import RESERVE_TIMEOUT_S, Admission
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
-from trainyard.service.follow import Cursor, apply_report
+from trainyard.service.live_jobs import LiveJobs
 from trainyard.service.logs import read_rank_log
-from trainyard.service.ray_runtime import cluster_resources, free_resources, remove_grown_placement_groups
+from trainyard.service.paths import JobPaths
+from trainyard.service.ray_runtime import cluster_resources
+from trainyard.service.reconcile import reconcile
 from trainyard.service.resume import resume_point
 from trainyard.service.store import JobRecord, JobStore
 
@@ -58,9 +57,6 @@ log = logging.getLogger("trainyard.manager")
 
 __all__ = ["JobConflict", "JobManager", "JobNotFound", "QueueFull", "RankNotFound"]
 
-RESERVE_TIMEOUT_S = 5.0
-"""How long admission waits for a placement group that fitted the free resources (another job may have
-taken them in between); then it is given back and the queue tried again."""
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long shutdown waits for the live jobs' coordinators to stop cleanly before killing them."""
 
@@ -88,17 +84,14 @@ class JobManager:
         self.store = store
         self.detach_jobs = detach_jobs
         self.data_dir = data_dir or store.path.parent
+        self.paths = JobPaths(self.data_dir)
         self.dashboard_url = dashboard_url
         self.poll_interval_s = poll_interval_s
         self.max_queued = max_queued
         self.admit = admit
-        self._coordinators: dict[str, ray.actor.ActorHandle] = {}
         self.calibrations = Calibrations(self.data_dir)
-        self._placement_groups: dict[str, PlacementGroup] = {}
-        self._polls: dict[str, ray.ObjectRef] = {}
-        self._cursors: dict[str, Cursor] = {}
-        self._free: list[dict[str, float]] = []
-        self._lock = threading.RLock()
+        self.live = LiveJobs(store)
+        self.admission = Admission(self.live, self.paths, self.resume_point, detach_jobs)
         self._stopping = threading.Event()
         self._wake = threading.Event()
         # Ray builds its serialization context on the first call with arguments, importing pydantic.v1 as it
@@ -107,10 +100,10 @@ class JobManager:
         # connects to Ray first; a manager without Ray, as in unit tests, must not start one).
         if ray.is_initialized():
             ray.put(None)
-        self._reconcile()
-        self._threads = [threading.Thread(target=self._loop, args=(body, wake), name=f"trainyard{body.__name__}",
-                                          daemon=True)
-                         for body, wake in ((self._admit_queued, self._wake), (self._follow, threading.Event()))]
+        reconcile(self.live)
+        self._threads = [threading.Thread(target=self._loop, args=(body, wake), name=f"trainyard{name}", daemon=True)
+                         for name, body, wake in (("_admit_queued", self._admit_queued, self._wake),
+                                                  ("_follow", self._follow, threading.Event()))]
         for thread in self._threads:
             thread.start()
 
@@ -140,11 +133,10 @@ class JobManager:
     # --- where a job's files live ---------------------------------------------------------------
 
     def checkpoint_root(self, job_id: str, config: JobConfig) -> Path:
-        base = Path(config.checkpoint.path).expanduser() if config.checkpoint.path else self.data_dir / "checkpoints"
-        return base / job_id
+        return self.paths.checkpoint_root(job_id, config)
 
     def model_path(self, job_id: str) -> Path:
-        return self.data_dir / "models" / job_id / checkpoint.MODEL_FILE
+        return self.paths.model_path(job_id)
 
     def resume_point(self, config: JobConfig) -> tuple[str, int] | None:
         """The checkpoint `resume_from` names, checked without hashing it (see `service.resume`)."""
@@ -158,7 +150,7 @@ class JobManager:
         config, _ = self.choose_layout(config)
         plan = self.plan(config)
         job_id = uuid.uuid4().hex[:12]
-        with self._lock:  # the count and the insert together, so concurrent submits cannot overshoot
+        with self.live.lock:  # the count and the insert together, so concurrent submits cannot overshoot
             if self.store.queued_count() >= self.max_queued:
                 raise QueueFull(f"the queue already holds {self.max_queued} waiting jobs (--max-queued); "
                                 "submit again when some have started, or stop some")
@@ -183,7 +175,7 @@ class JobManager:
 
     def queue_view(self) -> dict[str, tuple[int, dict]]:
         """job_id -> (queue position from 1, what it waits for) for every waiting job."""
-        waiting, free = self.store.queue(), self._free
+        waiting, free = self.store.queue(), self.admission.free
         return {job.job_id: (i, queue.waiting_for(i, job, free)) for i, job in enumerate(waiting, start=1)}
 
     def metrics(self, job_id: str, since: int = 0) -> builtins.list[dict]:
@@ -204,24 +196,23 @@ class JobManager:
                 "ranks": [read_rank_log(r, stream, tail, since) for r in chosen]}
 
     def stop(self, job_id: str, timeout_s: float = 60.0) -> JobRecord:
-        with self._lock:
+        with self.live.lock:
             job = self.get(job_id)
             if job.status.is_terminal:
                 return job
-            coordinator = self._coordinators.get(job_id)
+            coordinator = self.live.coordinator(job_id)
             if coordinator is None:  # still in the queue: nothing runs and nothing is reserved
                 stopped = self.store.update(job_id, status=JobStatus.STOPPED)
         if coordinator is None:
             if stopped:
                 self._stop_queued(job)
             return self.get(job_id)
-        with self._lock:
-            since = self._cursors.setdefault(job_id, Cursor(step=0)).step
+        since = self.live.read_up_to(job_id)
         try:
-            self._apply(job_id, ray.get(coordinator.stop.remote(since=since), timeout=timeout_s))
+            self.live.apply(job_id, ray.get(coordinator.stop.remote(since=since), timeout=timeout_s))
         except Exception as e:  # noqa: BLE001 - killing the coordinator below releases everything
             log.warning("job %s: stop did not finish cleanly (%s); killing its coordinator", job_id, e)
-        self._finish(job_id, JobStatus.STOPPED)
+        self.live.finish(job_id, JobStatus.STOPPED)
         return self.get(job_id)
 
     def _stop_queued(self, job: JobRecord) -> None:
@@ -264,8 +255,7 @@ class JobManager:
     def inject_fault(self, job_id: str, kind: str, rank: int, at_step: int) -> dict:
         """Schedule a fault drill in a running job (the API allows it only under --allow-fault-injection)."""
         job = self.get(job_id)
-        with self._lock:
-            coordinator = self._coordinators.get(job_id)
+        coordinator = self.live.coordinator(job_id)
         if job.status is not JobStatus.RUNNING or coordinator is None:
             raise JobConflict(f"job {job_id} is {job.status}; a drill needs a RUNNING job")
         workers = len(job.ranks) or make_plan(parse_spec(job.spec)).world_size
@@ -280,8 +270,7 @@ class JobManager:
         ranks' resources are not free."""
         job = self.get(job_id)
         resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources())
-        with self._lock:
-            coordinator = self._coordinators.get(job_id)
+        coordinator = self.live.coordinator(job_id)
         if job.status is not JobStatus.RUNNING or coordinator is None:
             raise JobConflict(f"job {job_id} is {job.status}; only a RUNNING job can be resized")
         answer = ray.get(coordinator.scale.remote(dp, "request"), timeout=60)
@@ -308,9 +297,7 @@ class JobManager:
         self._wake.set()
         for thread in self._threads:
             thread.join(timeout=RESERVE_TIMEOUT_S + 5)
-        with self._lock:
-            live = dict(self._coordinators)
-            read = {job_id: cursor.step for job_id, cursor in self._cursors.items()}
+        live, read = self.live.snapshot()
         if self.detach_jobs:
             log.info("%d live jobs go on without the service; the next start reattaches to them", len(live))
             return
@@ -332,7 +319,7 @@ class JobManager:
                 log.warning("job %s: no final checkpoint at shutdown (%s); it goes on from its latest", job_id, e)
             self.store.interrupt(job_id, {"time": time.time(), "kind": "interrupted",
                                           "cause": "the service shut down; the job goes on when it is back"})
-            self._release(job_id)
+            self.live.release(job_id)
 
     # --- background threads --------------------------------------------------------------------
 
@@ -347,148 +334,8 @@ class JobManager:
             wake.clear()
 
     def _admit_queued(self) -> None:
-        """Admit jobs from the head of the queue for as long as the head fits."""
-        while self.admit and not self._stopping.is_set():
-            waiting = self.store.queue()
-            self._free = free_resources() if waiting else self._free
-            head = queue.next_to_admit(waiting, self._free)
-            if head is None or not self._guarded(head.job_id, self._admit, head):
-                return
-
-    def _admit(self, job: JobRecord) -> bool:
-        """Reserve the job's placement group and start its coordinator; False if the resources were taken
-        in the meantime (the job stays queued)."""
-        try:
-            config = parse_spec(job.spec)
-            plan = make_plan(config, cluster_resources())
-            root = self.checkpoint_root(job.job_id, config)
-            # A job the service's restart interrupted goes on from its own (hashed by the coordinator), the latest
-            # with every step before it in the coordinator's metrics log (`steps_logged`).
-            own = checkpoint.latest_valid(root, at_most=steps_logged(root), hashes=False)
-            resume = (str(own.directory), own.step) if own else self.resume_point(config)
-            storage = JobStorage(checkpoint_root=str(root), model_path=str(self.model_path(job.job_id)),
-                                 resume=resume, events=tuple(job.events))
-        except RuleError as e:  # e.g. the cluster lost nodes since the job was queued
-            self._finish(job.job_id, JobStatus.FAILED, f"the job can no longer run on this cluster: {e}")
-            return True
-        lifetime = "detached" if self.detach_jobs else None
-        pg = placement_group(plan.bundles(), strategy="PACK", name=placement_group_name(job.job_id),
-                             lifetime=lifetime)
-        if not pg.wait(RESERVE_TIMEOUT_S):
-            remove_placement_group(pg)
-            return False
-        with self._lock:
-            if not self.store.claim(job.job_id):  # stopped or deleted while the group was reserved
-                remove_placement_group(pg)
-                return True
-            # Ray restarts a coordinator whose process dies, as often as the job may fail (see actors.coordinator).
-            # On the service's own node: the node the user keeps up (a worker node may come and go).
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            coordinator = Coordinator.options(name=coordinator_name(job.job_id), lifetime=lifetime,  # type: ignore[attr-defined]  # ActorClass
-                                              max_restarts=config.fault.max_failures,
-                                              scheduling_strategy=here).remote(
-                job.job_id, plan, pg, storage)
-            self._coordinators[job.job_id] = coordinator
-            self._placement_groups[job.job_id] = pg
-            self._cursors[job.job_id] = Cursor(step=job.step)
-        coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
-        log.info("job %s admitted (world size %d)", job.job_id, plan.world_size)
-        return True
+        if self.admit:
+            self.admission.admit_queued(self._stopping.is_set)
 
     def _follow(self) -> None:
-        """Poll every live coordinator; one that has not answered yet (e.g. still starting) is skipped."""
-        with self._lock:
-            for job_id, coordinator in self._coordinators.items():
-                if job_id not in self._polls:
-                    cursor = self._cursors.setdefault(job_id, Cursor(step=0))
-                    events_from = cursor.events if cursor.incarnation is not None else None
-                    self._polls[job_id] = coordinator.poll.remote(cursor.step, events_from=events_from)
-            refs = {ref: job_id for job_id, ref in self._polls.items()}
-        if not refs:
-            return
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.poll_interval_s)
-        for ref in ready:
-            job_id = refs[ref]
-            with self._lock:
-                self._polls.pop(job_id, None)
-            self._guarded(job_id, self._take_report, job_id, ref)
-
-    def _take_report(self, job_id: str, ref: ray.ObjectRef) -> None:
-        try:
-            report = ray.get(ref)
-        except ray.exceptions.ActorUnavailableError:  # its process died and Ray is starting it again
-            self.store.update(job_id, status=JobStatus.RECOVERING)
-            return
-        except ray.exceptions.RayActorError as e:
-            self._finish(job_id, JobStatus.FAILED, f"the job's coordinator died: {e}")
-            return
-        self._apply(job_id, report)
-
-    def _guarded(self, job_id: str, handle, *args) -> object:
-        """Run one job's handling; an exception fails that job (with the traceback) instead of the thread."""
-        try:
-            return handle(*args)
-        except Exception:  # noqa: BLE001
-            log.exception("job %s: %s failed", job_id, handle.__name__)
-            self._finish(job_id, JobStatus.FAILED, f"the service failed handling this job:\n{traceback.format_exc()}")
-            return False
-
-    # --- bookkeeping ---------------------------------------------------------------------------
-
-    def _apply(self, job_id: str, report: dict) -> None:
-        with self._lock:
-            cursor = self._cursors.setdefault(job_id, Cursor(step=0))
-        status = apply_report(self.store, job_id, report, cursor)
-        if status.is_terminal:
-            self._finish(job_id, status)
-
-    def _finish(self, job_id: str, status: JobStatus, error: str | None = None) -> None:
-        """Record the job's end (unless it has ended already), then release what it holds in Ray. In that
-        order, a job's `ended_at` comes before the next job can be admitted into its resources."""
-        self.store.update(job_id, status=status, error=error)
-        self._release(job_id)
-
-    def _release(self, job_id: str) -> None:
-        with self._lock:
-            coordinator = self._coordinators.pop(job_id, None)
-            pg = self._placement_groups.pop(job_id, None)
-            self._polls.pop(job_id, None)
-            self._cursors.pop(job_id, None)
-        if coordinator is not None:
-            ray.kill(coordinator, no_restart=True)
-        if pg is not None:
-            remove_placement_group(pg)
-        remove_grown_placement_groups(placement_group_name(job_id))
-
-    def _reconcile(self) -> None:
-        for job in self.store.list():
-            if job.status is JobStatus.PENDING and job.admitted_at is not None:
-                if self._reattach(job):  # a joined cluster: its coordinator is still verifying its start point
-                    continue
-                # Admitted but not yet running: its reservation died with Ray, or (detached) is given back here.
-                # Its coordinator may have been verifying the point to start from; the job was interrupted too.
-                with contextlib.suppress(Exception):
-                    remove_placement_group(ray.util.get_placement_group(placement_group_name(job.job_id)))
-                self.store.requeue(job.job_id, {"time": time.time(), "kind": "interrupted",
-                                                "cause": "the service stopped while the job was being started; it "
-                                                         "goes on from its latest checkpoint, if any"})
-            elif not job.status.is_terminal and job.status is not JobStatus.PENDING and not self._reattach(job):
-                # The service went down without stopping it (killed): it goes on from its latest checkpoint.
-                self.store.interrupt(job.job_id, {"time": time.time(), "kind": "interrupted",
-                                                  "cause": "the service stopped while the job ran; it goes on "
-                                                           "from its latest checkpoint"})
-
-    def _reattach(self, job: JobRecord) -> bool:
-        """Follow a job whose coordinator outlived the previous service (a joined cluster); False if none."""
-        try:
-            coordinator = ray.get_actor(coordinator_name(job.job_id))
-            pg = ray.util.get_placement_group(placement_group_name(job.job_id))
-            ray.get(coordinator.add_event.remote({"time": time.time(), "kind": "reattached",
-                                                  "cause": "the service came back and follows the job again"}),
-                    timeout=30)
-        except Exception:  # noqa: BLE001 - gone (ValueError), or dead: the job is relaunched instead
-            return False
-        self._coordinators[job.job_id], self._placement_groups[job.job_id] = coordinator, pg
-        self._cursors[job.job_id] = Cursor(step=job.step)
-        log.info("job %s: reattached to its running coordinator", job.job_id)
-        return True
+        self.live.follow(self.poll_interval_s)

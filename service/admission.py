@@ -1,0 +1,91 @@
+"""Admission: the head of the queue starts when its whole gang fits the free resources (`service.queue` decides).
+
+The admission thread's body (`Admission.admit_queued`) reserves the head's placement group (ready at once, or given
+back and tried again later: another job may have taken the resources in between), and only then starts the
+job's Coordinator with it, on the service's own node, and hands it to `LiveJobs` to follow. A waiting job holds
+no Ray process; the last free resources read are kept for the queue's view of what each job waits for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from trainyard.actors.coordinator import Coordinator, JobStorage
+from trainyard.actors.journal import steps_logged
+from trainyard.actors.naming import coordinator_name, placement_group_name
+from trainyard.actors.state import JobStatus
+from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.io import checkpoint
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import parse_spec
+from trainyard.service import queue
+from trainyard.service.live_jobs import LiveJobs
+from trainyard.service.paths import JobPaths
+from trainyard.service.ray_runtime import cluster_resources, free_resources
+from trainyard.service.store import JobRecord
+
+log = logging.getLogger("trainyard.manager")
+
+RESERVE_TIMEOUT_S = 5.0
+"""How long admission waits for a placement group that fitted the free resources (another job may have
+taken them in between); then it is given back and the queue tried again."""
+
+
+class Admission:
+    def __init__(self, live: LiveJobs, paths: JobPaths, resume_point: Callable[[JobConfig], tuple[str, int] | None],
+                 detach_jobs: bool):
+        self.live, self.store, self.paths = live, live.store, paths
+        self.resume_point = resume_point
+        self.detach_jobs = detach_jobs
+        self.free: list[dict[str, float]] = []
+        """Each node's free resources, as last read (the queue's view shows what a job waits for against it)."""
+
+    def admit_queued(self, stopping: Callable[[], bool] = lambda: False) -> None:
+        """Admit jobs from the head of the queue for as long as the head fits."""
+        while not stopping():
+            waiting = self.store.queue()
+            self.free = free_resources() if waiting else self.free
+            head = queue.next_to_admit(waiting, self.free)
+            if head is None or not self.live.guarded(head.job_id, self._admit, head):
+                return
+
+    def _admit(self, job: JobRecord) -> bool:
+        """Reserve the job's placement group and start its coordinator; False if the resources were taken
+        in the meantime (the job stays queued)."""
+        try:
+            config = parse_spec(job.spec)
+            plan = make_plan(config, cluster_resources())
+            root = self.paths.checkpoint_root(job.job_id, config)
+            # A job the service's restart interrupted goes on from its own (hashed by the coordinator), the latest
+            # with every step before it in the coordinator's metrics log (`steps_logged`).
+            own = checkpoint.latest_valid(root, at_most=steps_logged(root), hashes=False)
+            resume = (str(own.directory), own.step) if own else self.resume_point(config)
+            storage = JobStorage(checkpoint_root=str(root), model_path=str(self.paths.model_path(job.job_id)),
+                                 resume=resume, events=tuple(job.events))
+        except RuleError as e:  # e.g. the cluster lost nodes since the job was queued
+            self.live.finish(job.job_id, JobStatus.FAILED, f"the job can no longer run on this cluster: {e}")
+            return True
+        lifetime = "detached" if self.detach_jobs else None
+        pg = placement_group(plan.bundles(), strategy="PACK", name=placement_group_name(job.job_id),
+                             lifetime=lifetime)
+        if not pg.wait(RESERVE_TIMEOUT_S):
+            remove_placement_group(pg)
+            return False
+        with self.live.lock:
+            if not self.store.claim(job.job_id):  # stopped or deleted while the group was reserved
+                remove_placement_group(pg)
+                return True
+            # Ray restarts a coordinator whose process dies, as often as the job may fail (see actors.coordinator).
+            # On the service's own node: the node the user keeps up (a worker node may come and go).
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            coordinator = Coordinator.options(  # type: ignore[attr-defined]  # a @ray.remote class
+                name=coordinator_name(job.job_id), lifetime=lifetime, max_restarts=config.fault.max_failures,
+                scheduling_strategy=here).remote(job.job_id, plan, pg, storage)
+            self.live.add(job.job_id, coordinator, pg, job.step)
+        coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
+        log.info("job %s admitted (world size %d)", job.job_id, plan.world_size)
+        return True
