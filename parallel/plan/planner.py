@@ -215,7 +215,8 @@ class _Search:
         self.cpus = config.resources.cpus_per_worker
         nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes]
         self.nodes = nodes
-        per_node = [n.gpus if self.gpus else math.floor(n.cpus / self.cpus + 1e-9) for n in cluster.nodes]
+        # ranks a node holds: a rank takes `gpus_per_worker` of its GPUs, or (CPU ranks) cpus_per_worker of its cores
+        per_node = [math.floor((n.gpus / self.gpus if self.gpus else n.cpus / self.cpus) + 1e-9) for n in cluster.nodes]
         self.node_ranks = max(per_node, default=0)
         self.smallest: tuple[int, JobConfig] | None = None
         self.paths = _searched_paths(config)
