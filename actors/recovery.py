@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import ray
 from trainyard.actors.calls import Failure
@@ -122,7 +122,7 @@ def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, dic
     """What the ranks returned for the failed step: the answers that came back, and those the failure cut short
     (each kept rank's last finished step, `Worker.keep_state`). A failed call other than a step's answered
     other things."""
-    def of_the_step(row: object) -> bool:
+    def of_the_step(row: object) -> TypeGuard[dict]:
         return isinstance(row, dict) and "pp_rank" in row and row.get("step") == failure.step
 
     rows = [r for r in failure.answered if of_the_step(r)] + [last for _, last in kept.values() if of_the_step(last)]

@@ -137,8 +137,9 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
     def healthz() -> dict:
         return {"ok": True}
 
-    calibrating = {503: {"description": "`parallel: auto`: this node type's costs are being measured; retry "
-                                        "after the Retry-After header's seconds"}}
+    calibrating: dict[int | str, dict[str, Any]] = {503: {
+        "description": "`parallel: auto`: this node type's costs are being measured; retry after the Retry-After "
+                       "header's seconds"}}
 
     @app.post("/api/jobs", status_code=201, dependencies=guarded,
               responses={429: {"description": "the queue is full (`trainyard serve --max-queued`)"}, **calibrating})

@@ -54,8 +54,10 @@ class Calibrations:
 
     def _run(self, cluster: ClusterResources) -> None:
         measure = self._measure
-        if measure is None:
-            from trainyard.parallel.runtime.calibrate import machine_costs as measure
+        if measure is None:  # imported here: torch-free until a measurement runs
+            from trainyard.parallel.runtime.calibrate import machine_costs
+
+            measure = machine_costs
         began = time.time()
         try:
             measure(self.state_dir, cluster)

@@ -36,6 +36,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -123,13 +124,13 @@ def agent_port_clear_of_other_clusters() -> Iterator[None]:
 def _constructed_with(owner: object, name: str, **defaults: object) -> Iterator[None]:
     """While it lasts, the class `owner.name` (one of Ray's private ones, looked up at each use) is a subclass
     whose constructor takes `defaults` for the keyword arguments its caller does not pass."""
-    original = getattr(owner, name)
+    original: type[Any] = getattr(owner, name)
 
-    class WithDefaults(original):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**defaults, **kwargs})
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
+        original.__init__(self, *args, **{**defaults, **kwargs})
 
-    setattr(owner, name, WithDefaults)
+    # built with type(): a class statement cannot name a base known only at run time to the type checker
+    setattr(owner, name, type(original.__name__, (original,), {"__init__": __init__}))
     try:
         yield
     finally:

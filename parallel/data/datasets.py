@@ -212,7 +212,7 @@ def _open_one(config: JobConfig, field: str, path_text: str, split: str | None) 
     if split is not None:
         cut = int(len(tokens) * (1 - VAL_FRACTION))
         a, b = (cut, len(tokens)) if split == "val" else (0, cut)
-        tokens, mask = _part(tokens, a, b), (_part(mask, a, b) if mask is not None else None)
+        tokens, mask = _part(tokens, a, b), (mask.sub(a, b) if mask is not None else None)
     ds = TokenDataset(tokens=tokens, seq_len=seq_len, vocab_size=config.model.vocab_size, source=str(path),
                       mask=mask, field=field, manifest=manifest)
     if ds.num_samples < 1:
@@ -263,7 +263,7 @@ def _read_directory(config: JobConfig, field: str, path: Path) -> tuple[Segments
 def _same_tokenizer(parts: list[tuple[str, str, Manifest | None]]) -> None:
     """The sources (field, path, manifest) of a mixture (and `data.val_path`) that are prepared directories come
     from one tokenizer (ids mean the same)."""
-    prepared = [p for p in parts if p[2] is not None]
+    prepared = [(name, source, manifest) for name, source, manifest in parts if manifest is not None]
     if not prepared:
         return
     first_name, first_source, first = prepared[0]

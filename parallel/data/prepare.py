@@ -24,8 +24,9 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
+from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +242,7 @@ Encoded = tuple[np.ndarray, np.ndarray | None]
 def _encode_batch(batch: list[tuple[str, Any]]) -> tuple[int, list[Encoded]]:
     """(documents read, each document's ids followed by EOS and, with chat, its mask); empty documents are
     left out."""
-    w, out = _WORKER, []
+    w, out = _WORKER, list[Encoded]()
     if not w["chat"]:
         for enc in w["tokenizer"].encode_batch([text for _, text in batch], add_special_tokens=False):
             if enc.ids:
@@ -392,14 +393,15 @@ class _pool:
     this one for workers=1."""
 
     def __init__(self, workers: int, init: tuple):
-        self.workers, self.init, self.pool = workers, init, None
+        self.workers, self.init = workers, init
+        self.pool: Pool | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> Callable[[Iterable[list[tuple[str, Any]]]], Iterator[tuple[int, list[Encoded]]]]:
         if self.workers <= 1:
             _init_worker(*self.init)
             return lambda batches: (_encode_batch(b) for b in batches)
-        self.pool = multiprocessing.get_context("spawn").Pool(self.workers, _init_worker, self.init)
-        return lambda batches: self.pool.imap(_encode_batch, batches, chunksize=1)
+        pool = self.pool = multiprocessing.get_context("spawn").Pool(self.workers, _init_worker, self.init)
+        return lambda batches: pool.imap(_encode_batch, batches, chunksize=1)
 
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:

@@ -30,6 +30,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -158,7 +159,7 @@ def start_async_save(state: dict, root: Path, step: int, info: dict, group: dist
     import torch.distributed.checkpoint as dcp
 
     pending = dcp.async_save(state, checkpoint_id=tmp, process_group=group, planner=_planner(from_lowest_rank))
-    future = getattr(pending, "upload_completion", pending)  # a Future, or newer torch's AsyncSaveResponse
+    future = pending if isinstance(pending, Future) else pending.upload_completion  # newer torch's AsyncSaveResponse
     done, errors = threading.Event(), []
 
     def commit_when_written(written) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from types import MethodType
 
 import torch
 
@@ -55,7 +56,8 @@ class DynamoFree(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         inherited = super().add_param_group
-        if _ADD_PARAM_GROUP is None or _dynamo_loaded() or inherited.__func__ is not _TORCHS_ADD_PARAM_GROUP:
+        torchs = isinstance(inherited, MethodType) and inherited.__func__ is _TORCHS_ADD_PARAM_GROUP
+        if _ADD_PARAM_GROUP is None or _dynamo_loaded() or not torchs:
             return inherited(param_group)
         return _ADD_PARAM_GROUP(self, param_group)
 

@@ -34,6 +34,9 @@ def empty_state(kind: OptimizerKind, optimizer: torch.optim.Optimizer, t: torch.
     needs the state to exist)."""
     step = torch.tensor(0.0)
     if kind is ADAMW8BIT:
+        from torchao.optim import AdamW8bit  # imported already: the registry built this optimizer from it
+
+        assert isinstance(optimizer, AdamW8bit)
         return {"step": step, "exp_avg": optimizer._new_buffer(t, True), "exp_avg_sq": optimizer._new_buffer(t, False)}
     if kind is ADAFACTOR:
         return adafactor.empty_state(t)
@@ -86,7 +89,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def _dequantized(t: torch.Tensor) -> torch.Tensor:
-    return t.dequantize(torch.float32) if hasattr(t, "codes") else t.detach().clone().float()
+    # torchao's OptimState8bit.dequantize takes the output dtype; torch's stub knows only quantized tensors' form
+    return t.dequantize(torch.float32) if hasattr(t, "codes") else t.detach().clone().float()  # type: ignore[call-arg]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ import math
 import typing
 from dataclasses import dataclass, replace
 
-from trainyard.parallel.config import JobConfig, ParallelConfig
+from trainyard.parallel.config import JobConfig, ParallelConfig, ScheduleKind
 from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS, optimizer_kind
 from trainyard.parallel.plan.admission import ClusterResources
@@ -85,6 +85,8 @@ SEARCHED: dict[str, typing.Callable[[], tuple]] = {
 }
 """Dotted option -> the values the search tries (an option the config does not have is skipped): one line
 per option. Layout-only options: none changes the training's numbers."""
+_SCHEDULE_KINDS: tuple[ScheduleKind, ...] = typing.get_args(ScheduleKind)
+"""The kinds `parallel.schedule` may name, in SCHEDULES's order (tests/unit/test_schedules.py keeps them equal)."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,8 @@ class Candidate:
 
     def layout_summary(self) -> dict:
         par = self.config.fixed_parallel
-        out = {"dp": par.dp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "vpp": par.vpp, "sp": par.sp,
-               "microbatches": par.microbatches, "schedule": par.schedule}
+        out: dict[str, object] = {"dp": par.dp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "vpp": par.vpp,
+                                  "sp": par.sp, "microbatches": par.microbatches, "schedule": par.schedule}
         out.update({path: option_value(self.config, path) for path in _searched_paths(self.config)})
         return out
 
@@ -202,7 +204,7 @@ class _Base:
     ep: int
     sp: bool
     m: int
-    kind: str
+    kind: ScheduleKind
     vpp: int
 
 
@@ -215,7 +217,8 @@ class _Search:
         self.cpus = config.resources.cpus_per_worker
         nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes]
         self.nodes = nodes
-        per_node = [n.gpus if self.gpus else math.floor(n.cpus / self.cpus + 1e-9) for n in cluster.nodes]
+        # ranks a node holds: a rank takes `gpus_per_worker` of its GPUs, or (CPU ranks) cpus_per_worker of its cores
+        per_node = [math.floor((n.gpus / self.gpus if self.gpus else n.cpus / self.cpus) + 1e-9) for n in cluster.nodes]
         self.node_ranks = max(per_node, default=0)
         self.smallest: tuple[int, JobConfig] | None = None
         self.paths = _searched_paths(config)
@@ -250,11 +253,11 @@ class _Search:
                                              kind, vpp))
         return out
 
-    def _schedules(self, pp: int, m: int) -> list[tuple[str, int]]:
+    def _schedules(self, pp: int, m: int) -> list[tuple[ScheduleKind, int]]:
         n_layer = self.config.model.n_layer
         vpps = range(1, MAX_VPP + 1) if pp > 1 else (1,)  # one rank: virtual chunks only add hand-overs
-        kinds = [(kind, vpp) for kind, s in SCHEDULES.items() for vpp in vpps
-                 if n_layer % (pp * vpp) == 0 and pp * vpp * m <= MAX_SEARCH_CHUNKS and s.refuse(pp, m, vpp) is None]
+        kinds = [(kind, vpp) for kind in _SCHEDULE_KINDS for vpp in vpps if n_layer % (pp * vpp) == 0
+                 and pp * vpp * m <= MAX_SEARCH_CHUNKS and SCHEDULES[kind].refuse(pp, m, vpp) is None]
         if pp == 1:  # one pipeline rank runs every kind alike: the spec's own, else the first that takes it
             kinds = [k for k in kinds if k[0] == self.config.fixed_parallel.schedule] or kinds[:1]
         return kinds

@@ -6,6 +6,8 @@ schedule simulator). Byte counts are formatted by `parallel.plan.units`, which t
 
 from __future__ import annotations
 
+from typing import Any
+
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.memory import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
@@ -13,6 +15,7 @@ from trainyard.parallel.plan.replica_sync import cross_replica_bytes, is_local
 from trainyard.parallel.plan.schedule_sim import Costs, render_gantt, simulate
 from trainyard.parallel.plan.schedules import ActionKind, format_actions, placement_of
 from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.plan.sizing import Sizing
 
 
 def describe(plan: Plan) -> dict:
@@ -32,7 +35,7 @@ def describe(plan: Plan) -> dict:
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),
         "memory": describe_memory(plan),
-        "reduction": reduction_bytes(plan),
+        "reduction": reduction_bytes(Sizing(plan.layout, plan.config)),
         "chosen": ({"automatically": True, "predicted_step_s": plan.config.planned.predicted_step_s,
                     "node_type": plan.config.planned.node_type} if plan.config.planned else {"automatically": False}),
         "sync": describe_sync(plan),
@@ -53,7 +56,7 @@ def describe_memory(plan: Plan) -> dict:
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
     zero = plan.config.fixed_parallel.zero
     sharding = sharding_for(zero)
-    out = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
+    out: dict[str, Any] = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
     if sharding.shards_parameters:
         gathered = "the chunk computing and the next one being gathered" if sharding.reshard_after_forward else \
             "every chunk of the rank, whole for the step"
@@ -67,7 +70,8 @@ def describe_sync(plan: Plan) -> dict:
     on average (the payload: gradients every step, or parameters once per `every` steps), per pipeline stage."""
     sync, par = plan.config.fixed_parallel.sync, plan.config.fixed_parallel
     wire = 2 if par.reduce_dtype == "bf16" else 4
-    per_stage = [cross_replica_bytes(sync, param_counts(plan, s).total, plan.dp, wire) for s in range(plan.pp)]
+    sizing = Sizing(plan.layout, plan.config)
+    per_stage = [cross_replica_bytes(sync, param_counts(sizing, s).total, plan.dp, wire) for s in range(plan.pp)]
     return {"kind": sync.kind, **({"every": sync.every} if is_local(sync) else {}),
             **({"outer_lr": sync.outer_lr, "outer_momentum": sync.outer_momentum} if sync.kind == "diloco" else {}),
             "cross_replica_bytes_per_step": per_stage}

@@ -76,10 +76,11 @@ def reduction_bytes(plan: Sizing) -> dict:
         par = cfg.fixed_parallel
         per_step = par.microbatches if sharding_for(par.zero).reduces_every_microbatch else 1
         plain = sent = wire * elements * per_step
-        for rows, cols, _ in matrices if compression is not None else []:
-            r = approximation_rank(rows, cols, compression)
-            if r is not None:
-                sent += FP32 * (rows + cols) * r - wire * rows * cols
+        if compression is not None:
+            for rows, cols, _ in matrices:
+                r = approximation_rank(rows, cols, compression)
+                if r is not None:
+                    sent += FP32 * (rows + cols) * r - wire * rows * cols
         stages.append({"uncompressed": plain, "sent": sent})
     return {"compression": None if compression is None else compression.kind, "per_stage": stages}
 

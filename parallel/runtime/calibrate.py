@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -271,7 +271,7 @@ def fixed_from_steps(costs: MachineCosts, step: dict[str, float], backward_share
                    measured={**costs.measured, "fixed_steps": step})
 
 
-def _least_squares(rows: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
+def _least_squares(rows: Sequence[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
     """x minimising |A x - b| for rows (A's row, b) (normal equations, Gauss-Jordan; a few unknowns)."""
     n = len(rows[0][0])
     ata = [[sum(a[i] * a[j] for a, _ in rows) for j in range(n)] + [sum(a[i] * b for a, b in rows)]

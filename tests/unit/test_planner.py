@@ -9,7 +9,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from trainyard.parallel.config import JobConfig, ModelConfig, MoEConfig
+from trainyard.parallel.config import JobConfig, ModelConfig, MoEConfig, ResourcesConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
 from trainyard.parallel.plan.cost_model import Fit, MachineCosts, default_gpu_costs
@@ -432,3 +432,18 @@ def test_a_cpu_rank_is_sized_with_what_offload_moves_to_the_host_its_own_memory(
     with pytest.raises(PlanError, match="host_optimizer"):
         make_plan(cfg, between)
     assert make_plan(cfg, cpu_cluster(cpus=1, memory=need.total + need.host)).world_size == 1
+
+
+def test_ranks_of_several_gpus_fill_a_node_by_their_gpus():
+    """A node of 8 GPUs holds 4 ranks of 2 GPUs: the planner predicts such ranks as it predicts one-GPU ranks on
+    nodes of 4 GPUs (it once counted a node's GPUs as its ranks, so 8 two-GPU ranks' all-reduce was on one node)."""
+    slow_between_nodes = replace(machine(), inter_node_factor=0.01)
+
+    def best(gpus_per_node: int, gpus_per_worker: int):
+        cfg = replace(config(), global_batch=8, resources=ResourcesConfig(gpus_per_worker=gpus_per_worker))
+        nodes = (NodeResources(cpus=8, gpus=gpus_per_node, memory=2**40, gpu_memory=80 * 2**30),) * 2
+        return plan_layouts(cfg, ClusterResources(nodes=nodes), slow_between_nodes).candidates
+
+    two_gpu_ranks, one_gpu_ranks = best(8, 2), best(4, 1)
+    assert [(c.layout_summary(), c.step_s) for c in two_gpu_ranks] == \
+        [(c.layout_summary(), c.step_s) for c in one_gpu_ranks]

@@ -146,6 +146,7 @@ def test_combinations_a_kind_cannot_run_are_refused_with_the_rule(kind, pp, m, v
 def test_every_kind_the_spec_accepts_is_built_and_offered():
     accepted = set(get_args(ScheduleKind))  # what `parallel.schedule` may say in a JobSpec
     assert set(SCHEDULE_KINDS) == accepted
+    assert SCHEDULE_KINDS == get_args(ScheduleKind)  # in one order: the planner tries the spec's kinds in it
     assert {kind for kind, *_ in OFFERED} == accepted
 
 
