@@ -20,6 +20,7 @@ and key/value heads are not Llama's.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import Any
 
 from trainyard.parallel.config import ModelConfig, RuleError
 from trainyard.parallel.models.hf_mapping import Source, hf_bool
@@ -89,6 +90,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if moe is not None and moe.every != 1:
         raise RuleError("model.moe.every", f"is {moe.every}; MixtralForCausalLM has experts in every block "
                                            "(every: 1), so this model has no Hugging Face form")
+    out: dict[str, Any]
     out = {"architectures": [ARCHITECTURES[1] if moe else ARCHITECTURES[0]],
            "model_type": "mixtral" if moe else "llama", "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.d_model, "intermediate_size": _ffn(cfg), "num_hidden_layers": cfg.n_layer,
