@@ -16,6 +16,12 @@ from dataclasses import dataclass
 import ray
 from trainyard.parallel.plan import Plan
 
+OUT_OF_MEMORY_SIGNS = ("running low on memory", "OutOfMemoryError", "out of memory", "can't allocate memory",
+                       "Cannot allocate memory", "MemoryError")
+"""What an error says when its rank ran out of memory: Ray's memory monitor killed it ("Task was killed due to
+the node running low on memory"), torch's allocator refused it (CPU: "can't allocate memory"; CUDA:
+"OutOfMemoryError: CUDA out of memory"), or Python raised MemoryError."""
+
 DEATH_GRACE_S = 5.0
 """After a rank fails, how long to wait for the other ranks' results of the same call, so that a rank
 whose process died is found among them (Ray reports a death a moment after the peers see broken pipes)."""
@@ -25,9 +31,12 @@ class StepFailed(RuntimeError):
     """A call that failed on some ranks: which ones died, raised, or never answered (hung or blocked)."""
 
     def __init__(self, message: str, *, dead: tuple[int, ...] = (), raised: tuple[int, ...] = (),
-                 pending: tuple[int, ...] = (), blamed: tuple[int, ...] = (), answered: tuple[dict, ...] = ()):
+                 pending: tuple[int, ...] = (), blamed: tuple[int, ...] = (), answered: tuple[dict, ...] = (),
+                 out_of_memory: tuple[int, ...] = ()):
         super().__init__(message)
         self.dead, self.raised, self.pending, self.blamed = dead, raised, pending, blamed
+        self.out_of_memory = out_of_memory
+        """The blamed ranks that ran out of memory (`out_of_memory`)."""
         self.answered = answered
         """What the ranks that did finish the call returned."""
 
@@ -50,13 +59,15 @@ class Failure:
     """The coordinator's own process died: every rank died with it."""
     answered: tuple[dict, ...] = ()
     """The results of the ranks that finished the failed call (a step's StepStats dicts)."""
+    out_of_memory: tuple[int, ...] = ()
+    """The blamed ranks that ran out of memory: the same layout would again, so it is not retried."""
 
     @classmethod
     def of(cls, error: StepFailed, step: int, call_began: float) -> Failure:
         now = time.time()
         return cls(cause=str(error), blamed=error.blamed, dead=error.dead, raised=error.raised,
                    pending=error.pending, failed_at=now, waited_s=now - call_began, step=step,
-                   answered=error.answered)
+                   answered=error.answered, out_of_memory=error.out_of_memory)
 
     @property
     def reusable(self) -> set[int]:
@@ -97,8 +108,10 @@ async def call_all(refs: list, what: str, timeout: float, plan: Plan, ranks: lis
         dead = tuple(sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)))
         raised = tuple(sorted(set(failures) - set(dead)))
         answered = tuple(t.result() for t in done if t.exception() is None)
+        blamed = dead or raised[:1]
         raise StepFailed(describe_failure(failures, what, plan, ranks), dead=dead, raised=raised, pending=late,
-                         blamed=dead or raised[:1], answered=answered)
+                         blamed=blamed, answered=answered,
+                         out_of_memory=tuple(r for r in blamed if out_of_memory(failures[r])))
     if pending:
         rule = ("fault.hang_factor x the median recent step, at least fault.hang_floor_s" if hang and
                 timeout < plan.config.fault.step_timeout_s else "fault.step_timeout_s")
@@ -120,6 +133,16 @@ def describe_failure(failures: dict[int, BaseException], what: str, plan: Plan, 
         return "\n".join(lines)
     rank = min(failures)
     return f"rank {rank} ({plan.worker_name(rank)}) failed in {what}:\n{_remote_traceback(failures[rank])}"
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a rank's error says it ran out of memory (`OUT_OF_MEMORY_SIGNS`)."""
+    if isinstance(error, MemoryError | ray.exceptions.OutOfMemoryError):
+        return True
+    cause = getattr(error, "cause", None)  # a RayTaskError carries the rank's own exception
+    if isinstance(cause, MemoryError) or type(cause).__name__ == "OutOfMemoryError":
+        return True
+    return any(sign in str(error) for sign in OUT_OF_MEMORY_SIGNS)
 
 
 def _death_cause(error: BaseException, info: dict) -> str:

@@ -16,6 +16,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -177,6 +178,8 @@ class Controller:
         """A failed call as an outcome: the failure, whether a node was lost, and the point to go on from (only
         looked for when the job will recover: it hashes the checkpoint, in a thread)."""
         failure = Failure.of(error, self.rows.next_step(self.progress.start_step), self.progress.step_started)
+        if failure.out_of_memory:
+            failure = replace(failure, cause=f"{failure.cause}\n{self._memory_note(failure.out_of_memory)}")
         if isinstance(self.state, Starting):
             return CallFailed(failure, None)  # a job that cannot start is not recovered
         node_lost = self.plan.dp_range is not None and not self.stop and await self._node_lost(failure)
@@ -184,6 +187,21 @@ class Controller:
         log.info("job %s: failure policy: %s (%s)", self.job_id, decision.action, decision.reason)
         restore = None if decision.action is FailureAction.RAISE else await asyncio.to_thread(self.restore_point)
         return CallFailed(failure, restore, node_lost)
+
+    def _memory_note(self, ranks: tuple[int, ...]) -> str:
+        """What a user needs beside an out-of-memory failure: the plan's prediction for those ranks, the largest
+        resident peak the ranks reported, and what to change (the same layout would run out again)."""
+        from trainyard.parallel.plan.memory import estimate
+        from trainyard.parallel.plan.units import format_size
+
+        predicted = estimate(self.plan.layout, self.plan.config)
+        plans = ", ".join(f"rank {r}: {format_size(predicted[r].total)}" for r in ranks)
+        peaks = [row["peak_rss_bytes"] for row in self.rows.since(0) if row.get("peak_rss_bytes")]
+        measured = f"; the largest rank's resident peak measured before it: {format_size(max(peaks))}" if peaks else ""
+        return (f"Out of memory: the plan predicted {plans} (what `trainyard plan` shows){measured}. Not retried: the "
+                "same layout would run out again. Use smaller micro-batches (more parallel.microbatches), "
+                "activation_checkpointing, a higher parallel.zero or optimizer.offload, or spread the model over "
+                "more ranks (pp, tp).")
 
     def restore_point(self) -> Point | None:
         """Where a recovery goes on from: the latest valid checkpoint with every step before it in the metrics log,

@@ -234,7 +234,8 @@ def failure_decision(outcome: CallFailed, inputs: Inputs, policy: FailurePolicy)
     """The failure policy asked about `outcome`: the one place its arguments are read from what the controller
     knows. `step` acts on it; the controller asks it first only to know whether a point to go on from is needed
     (hashing a checkpoint for a job about to fail is wasted time)."""
-    return policy.decide(len(inputs.causes), node_lost=outcome.node_lost, stopping=inputs.stop)
+    return policy.decide(len(inputs.causes), node_lost=outcome.node_lost, stopping=inputs.stop,
+                         out_of_memory=bool(outcome.failure.out_of_memory))
 
 
 def _on_failure(outcome: CallFailed, inputs: Inputs, policy: FailurePolicy) -> State:

@@ -93,6 +93,9 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
         # The most any rank all-reduced across the data-parallel replicas (parallel.sync).
         "cross_replica_bytes": sent,
     }
+    rss = [r["peak_rss_bytes"] for r in results if "peak_rss_bytes" in r]
+    if rss:
+        row["peak_rss_bytes"] = max(rss)  # the largest rank process's resident high-water mark so far (the OS's)
     compiled = max(r["compile_s"] for r in results)
     if compiled > 0:
         row["compile_s"] = compiled  # the slowest rank's torch.compile time in this step (`compile: true`)

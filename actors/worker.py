@@ -93,7 +93,8 @@ class Worker:
 
             with self._traceback_to_stderr(f"step {step}"):
                 request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
-                self._last = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request, round_=round_)
+                stats = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request, round_=round_)
+                self._last = {**stats, "peak_rss_bytes": peak_rss_bytes()}
                 return self._last
         except Exception:
             self._step_failed = True
@@ -164,4 +165,25 @@ def _run_drill(drill: str, rank: int, step: int) -> None:
     if drill == "hang_worker":
         while True:  # a rank stuck forever: only the coordinator's hang detection ends it
             time.sleep(3600)
+    if drill == "oom_worker":
+        _cap_memory_and_overflow()
     raise ValueError(f"unknown drill {drill}")
+
+
+def _cap_memory_and_overflow() -> None:
+    """The rank's address space capped 256 MiB above its size now, then a 4 GiB tensor asked for: the OS
+    refuses it as it refuses a rank whose node is full (the allocator raises), and the cap stays on."""
+    import resource
+
+    import torch
+
+    size = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+    torch.empty(1 << 30, dtype=torch.float32).fill_(1.0)
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark, as the OS counts it (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

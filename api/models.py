@@ -67,6 +67,8 @@ class MetricsRow(BaseModel):
     """Mean token loss on the validation data, on the steps `eval.every` picks and the last."""
     checkpoint_blocked_s: float | None = None
     """On a step that saved a checkpoint: how long the save held the step up (with async, the staging)."""
+    peak_rss_bytes: int | None = None
+    """The largest rank process's resident memory high-water mark so far, as the OS counts it."""
     predicted_step_s: float | None = None
     """A layout the planner chose (`parallel: auto`): the step time its cost model predicted, beside step_time_s."""
 
@@ -105,8 +107,9 @@ class FaultDrill(BaseModel):
     """A fault to inject into a running job (`trainyard serve --allow-fault-injection` only)."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["kill_worker", "hang_worker", "kill_coordinator", "kill_worker_in_recovery"]
-    """kill_worker: the rank's process exits; hang_worker: the rank's step never returns;
+    kind: Literal["kill_worker", "hang_worker", "oom_worker", "kill_coordinator", "kill_worker_in_recovery"]
+    """kill_worker: the rank's process exits; hang_worker: the rank's step never returns; oom_worker: the rank's
+    memory is capped just above what it holds (RLIMIT_AS) and its step asks for more, which the OS refuses;
     kill_worker_in_recovery: the rank's process is killed as the ranks take the job's state in the next
     recovery (a failure during a recovery)."""
     rank: Annotated[int, Field(ge=0, le=MAX_DEGREE), NOT_BOOL]

@@ -27,6 +27,20 @@ from trainyard.service.store import JobStore
 log = logging.getLogger("trainyard.manager")
 
 
+def coordinator_lost(error: Exception) -> tuple[JobStatus, str | None]:
+    """What a poll that Ray answered with `error` means for the job: RECOVERING while Ray restarts its coordinator
+    (within `fault.max_failures`), else FAILED with a sentence saying why (never the service's own traceback)."""
+    if isinstance(error, ray.exceptions.ActorUnavailableError):  # its process died and Ray is starting it again
+        return JobStatus.RECOVERING, None
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, ray.exceptions.OutOfMemoryError) or "running low on memory" in str(error):
+        return JobStatus.FAILED, (f"the job's coordinator was killed: its node ran out of memory (Ray's memory "
+                                  f"monitor): {first}")
+    if isinstance(error, ray.exceptions.RayActorError):
+        return JobStatus.FAILED, f"the job's coordinator died: {error}"
+    return JobStatus.FAILED, f"the service could not reach the job's coordinator: {type(error).__name__}: {first}"
+
+
 class LiveJobs:
     def __init__(self, store: JobStore):
         self.store = store
@@ -77,11 +91,12 @@ class LiveJobs:
     def _take_report(self, job_id: str, ref: ray.ObjectRef) -> None:
         try:
             report = ray.get(ref)
-        except ray.exceptions.ActorUnavailableError:  # its process died and Ray is starting it again
-            self.store.update(job_id, status=JobStatus.RECOVERING)
-            return
-        except ray.exceptions.RayActorError as e:
-            self.finish(job_id, JobStatus.FAILED, f"the job's coordinator died: {e}")
+        except ray.exceptions.RayError as e:
+            status, error = coordinator_lost(e)
+            if status is JobStatus.FAILED:
+                self.finish(job_id, status, error)
+            else:
+                self.store.update(job_id, status=status)
             return
         self.apply(job_id, report)
 

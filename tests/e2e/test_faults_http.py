@@ -115,3 +115,23 @@ def test_a_drill_needs_a_running_job_and_an_existing_rank(runs, client):
     with pytest.raises(ApiError) as info:
         client._call("POST", f"/api/jobs/{job['job_id']}/faults", json={"kind": "kill_worker", "rank": 0})
     assert info.value.status_code == 409
+
+
+def test_a_rank_out_of_memory_fails_the_job_once_saying_so(service):
+    """The rank's address space is capped and its step 4 asks for more, which the OS refuses (the oom_worker
+    drill): the job ends FAILED at once with an error naming the rank, the step and the plan's prediction,
+    although fault.max_failures would allow three recoveries: the same layout would run out again."""
+    client = service.client()
+    job_id = client.submit(tiny_spec(name="oom", steps=8, parallel={"dp": 2}, fault={"max_failures": 3}))
+    wait_for(lambda: client.job(job_id)["status"] == "RUNNING", 300, "the job to run")
+    client._call("POST", f"/api/jobs/{job_id}/faults", json={"kind": "oom_worker", "rank": 1, "at_step": 4})
+    job = wait_terminal(client, job_id, timeout_s=300)
+    assert job["status"] == "FAILED", job
+    assert "rank 1" in job["error"] and "step 4" in job["error"] and "can't allocate memory" in job["error"]
+    assert "Out of memory: the plan predicted rank 1:" in job["error"] and "Not retried" in job["error"]
+    assert "resident peak measured before it" in job["error"]  # the ranks' peak RSS reached the coordinator
+    events = client.events(job_id)
+    assert not [e for e in events if e["kind"] in ("recovered", "failure")], events
+    assert [r["step"] for r in client.metrics(job_id)] == [0, 1, 2, 3]
+    assert all(r["peak_rss_bytes"] > 0 for r in client.metrics(job_id))
+    client.close()
