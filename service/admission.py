@@ -9,7 +9,9 @@ no Ray process; the last free resources read are kept for the queue's view of wh
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -21,8 +23,9 @@ from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.spec import parse_spec
+from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue
+from trainyard.service.errors import Calibrating
 from trainyard.service.live_jobs import LiveJobs
 from trainyard.service.paths import JobPaths
 from trainyard.service.ray_runtime import cluster_resources, free_resources
@@ -37,9 +40,11 @@ taken them in between); then it is given back and the queue tried again."""
 
 class Admission:
     def __init__(self, live: LiveJobs, paths: JobPaths, resume_point: Callable[[JobConfig], tuple[str, int] | None],
-                 detach_jobs: bool):
+                 detach_jobs: bool, choose_layout: Callable[[JobConfig], JobConfig] = lambda config: config):
+        """`choose_layout`: `parallel: auto` resolved (raises Calibrating while the costs are being measured)."""
         self.live, self.store, self.paths = live, live.store, paths
         self.resume_point = resume_point
+        self.choose_layout = choose_layout
         self.detach_jobs = detach_jobs
         self.free: list[dict[str, float]] = []
         """Each node's free resources, as last read (the queue's view shows what a job waits for against it)."""
@@ -48,10 +53,37 @@ class Admission:
         """Admit jobs from the head of the queue for as long as the head fits."""
         while not stopping():
             waiting = self.store.queue()
+            unplanned = [job for job in waiting if not queue.planned(job)]
+            for job in unplanned:  # until the costs are known (one measurement serves them all)
+                if not self.live.guarded(job.job_id, self._plan, job):
+                    break
+            if unplanned:
+                waiting = self.store.queue()
             self.free = free_resources() if waiting else self.free
             head = queue.next_to_admit(waiting, self.free)
             if head is None or not self.live.guarded(head.job_id, self._admit, head):
                 return
+
+    def _plan(self, job: JobRecord) -> bool:
+        """A `parallel: auto` job submitted while the costs were measured: its layout chosen once they are known
+        (True), or not yet (False). A job no layout fits fails, saying why."""
+        config = parse_spec(job.spec)
+        try:
+            chosen = self.choose_layout(config)
+        except Calibrating:
+            return False
+        try:
+            plan = make_plan(chosen, cluster_resources())
+        except RuleError as e:
+            self.live.finish(job.job_id, JobStatus.FAILED, f"no layout of this job runs on this cluster: {e}")
+            return True
+        if self.store.set_plan(job.job_id, spec_to_dict(chosen), asdict(plan.gang)):
+            layout = {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "world_size": plan.world_size}
+            self.store.add_events(job.job_id, [{"time": time.time(), "kind": "planned", "layout": layout,
+                                                "cause": "the node type's costs are measured: the planner chose "
+                                                         "the layout"}])
+            log.info("job %s planned (world size %d)", job.job_id, plan.world_size)
+        return True
 
     def _admit(self, job: JobRecord) -> bool:
         """Reserve the job's placement group and start its coordinator; False if the resources were taken

@@ -1,7 +1,8 @@
 """The measured costs `parallel: auto` plans with, as the service holds them: cached per node type in the state
 directory (`parallel.runtime.calibrate`), and measured in the background on first use, one measurement at a time. A
-request never waits for a measurement (a minute of tiny training runs on 2 cores): until the costs are there,
-`parallel: auto` is answered 503 with a Retry-After (`service.errors.Calibrating`)."""
+request never waits for a measurement (a minute of tiny training runs on 2 cores): until the costs are there, a
+plan of `parallel: auto` is answered 503 with a Retry-After (`service.errors.Calibrating`), and a submitted job
+waits in the queue for them (`service.admission` plans it once they are known)."""
 
 from __future__ import annotations
 

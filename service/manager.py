@@ -44,7 +44,7 @@ from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue
 from trainyard.service.admission import RESERVE_TIMEOUT_S, Admission
 from trainyard.service.calibration import Calibrations
-from trainyard.service.errors import JobConflict, JobNotFound, QueueFull, RankNotFound
+from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
 from trainyard.service.live_jobs import LiveJobs
 from trainyard.service.logs import read_rank_log
 from trainyard.service.paths import JobPaths
@@ -91,7 +91,8 @@ class JobManager:
         self.admit = admit
         self.calibrations = Calibrations(self.data_dir)
         self.live = LiveJobs(store)
-        self.admission = Admission(self.live, self.paths, self.resume_point, detach_jobs)
+        self.admission = Admission(self.live, self.paths, self.resume_point, detach_jobs,
+                                   choose_layout=lambda config: self.choose_layout(config)[0])
         self._stopping = threading.Event()
         self._wake = threading.Event()
         # Ray builds its serialization context on the first call with arguments, importing pydantic.v1 as it
@@ -112,11 +113,15 @@ class JobManager:
     def plan(self, config: JobConfig) -> Plan:
         """All submit-time checks; raises PlanError (or DatasetError) naming the field and the rule."""
         plan = make_plan(config, cluster_resources())
+        self._check_inputs(config)
+        return plan
+
+    def _check_inputs(self, config: JobConfig) -> None:
+        """The checks of what the job reads, whatever its layout: its datasets and the checkpoint it resumes."""
         open_dataset(config)
         if config.eval.every > 0:
             open_dataset(config, "val")
         self.resume_point(config)
-        return plan
 
     def choose_layout(self, config: JobConfig) -> tuple[JobConfig, dict | None]:
         """`parallel: auto` resolved by the planner with this cluster's calibrated costs (measured on first
@@ -146,9 +151,22 @@ class JobManager:
         return cluster_resources()
 
     def submit(self, config: JobConfig) -> str:
-        """Validate and queue the job; returns at once (the admission thread starts it when it fits)."""
-        config, _ = self.choose_layout(config)
+        """Validate and queue the job; returns at once (the admission thread starts it when it fits). A
+        `parallel: auto` job submitted while the node type's costs are being measured is queued all the same,
+        with an event saying it waits for them: the admission thread chooses its layout once they are known."""
+        try:
+            config, _ = self.choose_layout(config)
+        except Calibrating as waiting:
+            self._check_inputs(config)
+            event = {"time": time.time(), "kind": "waiting_for_calibration", "cause": str(waiting)}
+            return self._queue(config, needs={}, events=[event])
         plan = self.plan(config)
+        job_id = self._queue(config, needs=asdict(plan.gang))
+        log.info("job %s queued (%s, world size %d, priority %d)", job_id, config.name, plan.world_size,
+                 config.priority)
+        return job_id
+
+    def _queue(self, config: JobConfig, needs: dict, events: builtins.list[dict] | None = None) -> str:
         job_id = uuid.uuid4().hex[:12]
         with self.live.lock:  # the count and the insert together, so concurrent submits cannot overshoot
             if self.store.queued_count() >= self.max_queued:
@@ -156,10 +174,8 @@ class JobManager:
                                 "submit again when some have started, or stop some")
             self.store.insert(JobRecord(job_id=job_id, name=config.name, status=JobStatus.PENDING,
                                         spec=spec_to_dict(config), steps=config.steps, priority=config.priority,
-                                        needs=asdict(plan.gang)))
+                                        needs=needs, events=events or []))
         self._wake.set()
-        log.info("job %s queued (%s, world size %d, priority %d)", job_id, config.name, plan.world_size,
-                 config.priority)
         return job_id
 
     # --- queries and control -------------------------------------------------------------------

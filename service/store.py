@@ -172,6 +172,16 @@ class JobStore:
                 self._insert_events(job_id, events, first=0)
         return cursor.rowcount > 0
 
+    def set_plan(self, job_id: str, spec: dict, needs: dict) -> bool:
+        """A waiting job's layout chosen at last (`parallel: auto` submitted during a calibration): its spec with
+        the layout, and what it needs from the cluster. False if it no longer waits (stopped or deleted)."""
+        with self._lock:
+            cursor = self._db.execute("UPDATE jobs SET spec = ?, needs = ?, updated_at = ? WHERE job_id = ? AND "
+                                      "status = ? AND admitted_at IS NULL",
+                                      (json.dumps(spec), json.dumps(needs), time.time(), job_id,
+                                       JobStatus.PENDING.value))
+        return cursor.rowcount > 0
+
     def add_events(self, job_id: str, events: list[dict]) -> None:
         """Append events to a job's (those of a job deleted meanwhile are dropped)."""
         if events:

@@ -210,3 +210,38 @@ def test_a_stop_racing_admission_never_leaks_a_coordinator_or_a_placement_group(
     groups = [pg for pg in ray.util.placement_group_table().values() if pg["name"].split("/")[-1] in ids]
     wait_for(lambda: all(ray.util.placement_group_table()[pg["placement_group_id"]]["state"] == "REMOVED"
                          for pg in groups), 60, "placement groups to be removed")
+
+
+def test_parallel_auto_submitted_while_calibrating_is_queued_then_planned_and_run(ray_session, tmp_path):
+    """A submit is never refused for what the service can wait out: `parallel: auto` while the node type's
+    costs are being measured is a 201 and a PENDING job whose event says why it waits (a plan request is still
+    a 503 with Retry-After); once the costs are known the admission thread chooses its layout and runs it."""
+    from trainyard.parallel.plan.cost_model import default_gpu_costs
+    from trainyard.parallel.runtime.calibrate import node_type, store_costs
+
+    measured = threading.Event()
+
+    def measure(state_dir, cluster):  # stands in for the minute-long `calibrate.machine_costs`, which it writes
+        assert measured.wait(60)
+        store_costs(state_dir, node_type(cluster), default_gpu_costs(node_type(cluster)))
+
+    svc = start_service(tmp_path / "state")
+    svc.manager.calibrations._measure = measure
+    client = svc.client()
+    try:
+        job_id = client.submit({**tiny_spec(name="auto"), "parallel": "auto"})
+        job = client.job(job_id)
+        assert job["status"] == "PENDING" and "measured costs" in job["waiting_for"]["reason"], job
+        assert [e["kind"] for e in client.events(job_id)] == ["waiting_for_calibration"]
+        with pytest.raises(ApiError, match="503"):
+            client.plan({**tiny_spec(), "parallel": "auto"})
+        other = client.submit(tiny_spec(name="fixed"))  # the waiting job does not hold the queue
+        assert wait_terminal(client, other)["status"] == "SUCCEEDED"
+        measured.set()
+        job = wait_terminal(client, job_id)
+        assert job["status"] == "SUCCEEDED", job
+        planned = [e for e in client.events(job_id) if e["kind"] == "planned"]
+        assert len(planned) == 1 and planned[0]["layout"]["world_size"] >= 1
+    finally:
+        client.close()
+        svc.shutdown()

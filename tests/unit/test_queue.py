@@ -122,3 +122,14 @@ def test_the_progress_bar_shows_the_queue_position_and_the_reason():
     job = {"queue_position": 3, "waiting_for": {"reason": "behind 2 earlier job(s) in the queue"}}
     assert _waiting_text(job) == "queued #3: behind 2 earlier job(s) in the queue"
     assert _waiting_text({"queue_position": None, "waiting_for": None}) == "starting"
+
+
+def test_a_job_waiting_for_its_layout_does_not_hold_the_queue():
+    from trainyard.service.queue import next_to_admit, waiting_for
+
+    unplanned = JobRecord(job_id="auto", name="a", status=JobStatus.PENDING, spec={}, steps=1, needs={})
+    planned = JobRecord(job_id="fixed", name="f", status=JobStatus.PENDING, spec={}, steps=1,
+                        needs={"bundle": {"CPU": 1.0}, "count": 2})
+    assert next_to_admit([unplanned, planned], [{"CPU": 4.0}]) is planned
+    assert next_to_admit([unplanned], [{"CPU": 4.0}]) is None
+    assert "measured costs" in waiting_for(1, unplanned, [{"CPU": 4.0}])["reason"]
