@@ -207,12 +207,24 @@ class Controller:
         """Where a recovery goes on from: the latest valid checkpoint with every step before it in the metrics log,
         else the resume point, else the start."""
         found = checkpoint.latest_valid(self.root, at_most=steps_logged(self.root))
-        return (str(found.directory), found.step) if found else self.storage.resume
+        if found is None:
+            return self.storage.resume
+        if found.skipped:
+            self._passed_over(found.skipped, found.step)
+        return str(found.directory), found.step
+
+    def _passed_over(self, damaged: tuple[str, ...], step: int) -> None:
+        """An event for the damaged checkpoints a start or a recovery passed over, and the step it goes on from:
+        the steps lost to them are said, not silent."""
+        self.journal.add_event({"time": time.time(), "kind": "checkpoint_damaged", "damaged": list(damaged),
+                                "restore_step": step})
+        log.warning("job %s: passed over damaged checkpoints (%s); going on from step %d", self.job_id,
+                    "; ".join(damaged), step)
 
     def _start_point(self) -> Point | None:
         """The point to start from, its files hashed (the service checked only their sizes): a restarted
-        coordinator's latest valid checkpoint; else the resume point, or if that is damaged the latest valid
-        checkpoint of this job."""
+        coordinator's latest valid checkpoint; else the resume point, or if that is damaged the newest intact
+        checkpoint before it of the job `resume_from` names (when no step was named), else of this job."""
         if self.restarted:
             return self.restore_point()
         resume = self.storage.resume
@@ -224,9 +236,13 @@ class Controller:
             self.journal.add_event({"time": time.time(), "kind": "verified", "step": resume[1],
                                     "verify_s": time.time() - began})
             return resume
-        found = checkpoint.latest_valid(self.root, at_most=steps_logged(self.root))
+        logged = steps_logged(self.root)
+        root, before = (Path(resume[0]).parent, resume[1] - 1) if self.storage.resume_falls_back else \
+            (self.root, resume[1] - 1 if logged is None else min(resume[1] - 1, logged))
+        found = checkpoint.latest_valid(root, at_most=before)
         if found is None:
             raise Unrecoverable(f"the checkpoint to start from ({resume[0]}) is damaged: {problem}")
+        self._passed_over((f"step {resume[1]}: {problem}", *found.skipped), found.step)
         self.progress.restarted_at(found.step)
         return str(found.directory), found.step
 

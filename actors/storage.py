@@ -18,6 +18,9 @@ class JobStorage:
     resume: tuple[str, int] | None = None
     """(checkpoint directory, its step) to start from: checked for its files and sizes by the service; its
     hashes are verified by the coordinator off the event loop (`actors.controller`)."""
+    resume_falls_back: bool = False
+    """`resume` is the newest checkpoint of the job `resume_from` names (no step asked for): when its hashes show it
+    damaged, that job's newest intact one before it is taken instead (a named step is not replaced)."""
     events: tuple[dict, ...] = ()
     """The job's events so far (a job relaunched after the service came back keeps its history)."""
 

@@ -96,8 +96,9 @@ class Admission:
             # with every step before it in the coordinator's metrics log (`steps_logged`).
             own = checkpoint.latest_valid(root, at_most=steps_logged(root), hashes=False)
             resume = (str(own.directory), own.step) if own else self.resume_point(config)
+            latest_of_another = own is None and config.resume_from is not None and config.resume_from.step is None
             storage = JobStorage(checkpoint_root=str(root), model_path=str(self.paths.model_path(job.job_id)),
-                                 resume=resume, events=tuple(job.events))
+                                 resume=resume, resume_falls_back=latest_of_another, events=tuple(job.events))
         except RuleError as e:  # e.g. the cluster lost nodes since the job was queued
             self.live.finish(job.job_id, JobStatus.FAILED, f"the job can no longer run on this cluster: {e}")
             return True

@@ -9,9 +9,11 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 from helpers import tiny_spec
 from trainyard.actors.controller import Controller
 from trainyard.actors.journal import append_metrics_log, steps_logged
+from trainyard.actors.recovery import Unrecoverable
 from trainyard.actors.storage import JobStorage
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
@@ -52,3 +54,40 @@ def test_a_restarted_coordinator_goes_on_from_the_last_checkpoint_the_rows_reach
         storage = JobStorage(checkpoint_root=str(root), model_path=str(where / "model"))
         ctl = Controller("job", make_plan(parse_spec(tiny_spec(steps=100))), None, storage, restarted=True)
         assert ctl.restore_point() == (str(checkpoint.step_dir(root, expected)), expected)
+
+
+def damage(root: Path, step: int) -> None:
+    """The checkpoint's bytes changed, its sizes kept (a bad disk, a torn copy)."""
+    shard = checkpoint.step_dir(root, step) / "__0_0.distcp"
+    shard.write_bytes(bytes(b ^ 0xFF for b in shard.read_bytes()))
+
+
+def test_a_recovery_passes_over_a_damaged_checkpoint_and_says_so(tmp_path):
+    root = job_root(tmp_path, 60)
+    damage(root, 50)
+    storage = JobStorage(checkpoint_root=str(root), model_path=str(tmp_path / "model"))
+    ctl = Controller("job", make_plan(parse_spec(tiny_spec(steps=100))), None, storage, restarted=False)
+    assert ctl.restore_point() == (str(checkpoint.step_dir(root, 40)), 40)
+    [event] = [e for e in ctl.journal.events if e["kind"] == "checkpoint_damaged"]
+    assert event["restore_step"] == 40 and event["damaged"][0].startswith("step 50: ")
+
+
+def test_resume_from_a_jobs_damaged_newest_checkpoint_starts_from_the_one_before(tmp_path):
+    """`resume_from: {job_id}` (no step) names the source's newest: damaged, its newest intact one before it is
+    taken, with an event; a step named explicitly is never replaced."""
+    source = job_root(tmp_path / "source", 60)
+    damage(source, 50)
+    newest = (str(checkpoint.step_dir(source, 50)), 50)
+    plan = make_plan(parse_spec(tiny_spec(steps=100)))
+    for falls_back in (True, False):
+        where = tmp_path / str(falls_back)
+        storage = JobStorage(checkpoint_root=str(where / "checkpoints"), model_path=str(where / "model"),
+                             resume=newest, resume_falls_back=falls_back)
+        ctl = Controller("job", plan, None, storage, restarted=False)
+        if falls_back:
+            assert ctl._start_point() == (str(checkpoint.step_dir(source, 40)), 40) and ctl.progress.start_step == 40
+            [event] = [e for e in ctl.journal.events if e["kind"] == "checkpoint_damaged"]
+            assert event["restore_step"] == 40 and event["damaged"][0].startswith("step 50: ")
+        else:
+            with pytest.raises(Unrecoverable, match="is damaged"):
+                ctl._start_point()
