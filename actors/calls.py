@@ -41,6 +41,10 @@ class StepFailed(RuntimeError):
         """What the ranks that did finish the call returned."""
 
 
+class Unrecoverable(RuntimeError):
+    """The job cannot go on whatever its failure budget (e.g. an elastic job below its minimum size)."""
+
+
 @dataclass(frozen=True)
 class Failure:
     """A failure as the states carry it: its cause and the ranks it concerns (none: the coordinator died)."""

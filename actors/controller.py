@@ -21,7 +21,7 @@ from pathlib import Path
 
 import ray
 from trainyard.actors import recovery, training
-from trainyard.actors.calls import Failure, StepFailed
+from trainyard.actors.calls import Failure, StepFailed, Unrecoverable
 from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
 from trainyard.actors.policies import (
     FailureAction,
@@ -32,7 +32,6 @@ from trainyard.actors.policies import (
     scaling_policy,
 )
 from trainyard.actors.progress import Progress
-from trainyard.actors.recovery import Unrecoverable
 from trainyard.actors.state import (
     Admitted,
     CallFailed,

@@ -9,7 +9,10 @@ on reading. `coordinator.json`, the whole-file journal of earlier versions, is s
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+log = logging.getLogger("trainyard.coordinator")
 
 JOURNAL, OLD_JOURNAL, METRICS_LOG = "journal.jsonl", "coordinator.json", "metrics.jsonl"
 
@@ -30,11 +33,36 @@ def _lines(path: Path) -> list[dict]:
 
 def _append(path: Path, record: dict) -> int:
     """Append one line; returns the bytes written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record) + "\n"
-    with path.open("a") as f:
-        f.write(line)
-    return len(line)
+    return AppendOnly(path).append(record)
+
+
+class AppendOnly:
+    """A JSON-lines file appended to. Lines a full disk (or any write error) refused wait in memory and go out
+    with the next append that succeeds, in order: the coordinator never dies of its own bookkeeping (its
+    checkpoints' file system may be full while the job trains on). A write cut short by the error leaves a torn
+    line, which readers skip; the retry starts on a line of its own."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pending: list[str] = []
+        self.torn = False
+
+    def append(self, record: dict) -> int:
+        """Append `record` (and any lines still pending); the bytes written, 0 while the file refuses them."""
+        self.pending.append(json.dumps(record) + "\n")
+        text = ("\n" if self.torn else "") + "".join(self.pending)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(text)
+        except OSError as e:
+            if not self.torn:
+                log.warning("%s refused a write (%s): %d lines wait in memory for the next append", self.path, e,
+                            len(self.pending))
+            self.torn = True
+            return 0
+        self.pending, self.torn = [], False
+        return len(text)
 
 
 def merge_events(*lists: list[dict]) -> list[dict]:
@@ -51,6 +79,7 @@ class Journal:
         """`known`: the events the service had when it started this coordinator; `restarted`: Ray restarted
         it, and it goes on counting the causes its predecessor recorded since the job was (re)launched."""
         self.root = root
+        self.file = AppendOnly(root / JOURNAL)
         old = {}
         try:
             old = json.loads((root / OLD_JOURNAL).read_text())
@@ -67,15 +96,15 @@ class Journal:
             self.causes = old.get("causes", []) if launched < 0 else []
             self.causes += [r["cause"] for r in lines[launched + 1:] if "cause" in r]
         else:
-            self.bytes_written += _append(root / JOURNAL, {"launch": True})
+            self.bytes_written += self.file.append({"launch": True})
 
     def add_event(self, event: dict) -> None:
         self.events.append(event)
-        self.bytes_written += _append(self.root / JOURNAL, {"event": event})
+        self.bytes_written += self.file.append({"event": event})
 
     def add_cause(self, cause: str) -> None:
         self.causes.append(cause)
-        self.bytes_written += _append(self.root / JOURNAL, {"cause": cause})
+        self.bytes_written += self.file.append({"cause": cause})
 
     def all_causes(self) -> str:
         return all_causes(self.causes)

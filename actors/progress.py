@@ -27,6 +27,8 @@ class Progress:
     """local_sgd, diloco: the steps each replica's state holds (the rows carry them: `replica_steps`)."""
     failed_at: float | None = None
     """When the failure a recovery is closing happened; None when no recovery is open."""
+    checkpoint_failures: int = 0
+    """Scheduled checkpoints in a row that could not be written."""
 
     def waiting_for(self, step: int, calls: list, upcoming: list) -> None:
         """The step loop now waits for `step`'s `calls`, with the next step's `upcoming` queued behind them."""
@@ -50,6 +52,11 @@ class Progress:
         self.dropped = dict(dropped or {})
         if not dropped:
             self.replica_steps = []
+
+    def checkpoint_written(self, ok: bool) -> int:
+        """A scheduled checkpoint was written (`ok`) or could not be: the failures in a row now."""
+        self.checkpoint_failures = 0 if ok else self.checkpoint_failures + 1
+        return self.checkpoint_failures
 
     def recovered(self) -> float | None:
         """A step finished: the open failure's time (its recovery closes here), or None."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeGuard
 
 import ray
-from trainyard.actors.calls import Failure
+from trainyard.actors.calls import Failure, Unrecoverable
 from trainyard.actors.policies import largest_size, live_point, replicas_may_recover
 from trainyard.actors.state import Point, Ready, Recovering, Resizing
 from trainyard.actors.storage import checkpoint_info
@@ -38,10 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainyard.coordinator")
 READY = Ready()
-
-
-class Unrecoverable(RuntimeError):
-    """The job cannot go on whatever its failure budget (e.g. an elastic job below its minimum size)."""
 
 
 async def recover(ctl: Controller, state: Recovering) -> Ready:

@@ -13,7 +13,7 @@ from bisect import bisect_left
 from pathlib import Path
 
 from ray.util.metrics import Gauge
-from trainyard.actors.journal import append_metrics_log
+from trainyard.actors.journal import METRICS_LOG, AppendOnly
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -49,6 +49,7 @@ class Rows:
 
     def __init__(self, root: Path, rows: list[dict]):
         self.root, self.rows = root, rows
+        self.log = AppendOnly(root / METRICS_LOG)
 
     def since(self, step: int) -> list[dict]:
         return self.rows[bisect_left(self.rows, step, key=lambda r: r["step"]):]
@@ -65,7 +66,7 @@ class Rows:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
-        append_metrics_log(self.root, row)
+        self.log.append(row)
 
 
 def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
@@ -110,6 +111,9 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
     blocked = [r["checkpoint_blocked_s"] for r in results if "checkpoint_blocked_s" in r]
     if blocked:
         row["checkpoint_blocked_s"] = max(blocked)  # the step waited for its slowest rank's save
+    failed = [r["checkpoint_error"] for r in results if "checkpoint_error" in r]
+    if failed:
+        row["checkpoint_error"] = failed[0]  # every rank of a save says so alike
     return row
 
 

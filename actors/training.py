@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
+from trainyard.actors.calls import Unrecoverable
 from trainyard.actors.policies import HANG_WINDOW
 from trainyard.actors.state import AtBoundary, Cancelled, Done, Outcome
 from trainyard.actors.storage import checkpoint_info
@@ -80,7 +81,7 @@ async def run_steps(ctl: Controller) -> Outcome:
         if not refs:
             break
     progress.stopped_at(done)
-    return AtBoundary(done, saved=saves_after(cfg, done - 1))
+    return AtBoundary(done, saved=saves_after(cfg, done - 1) and progress.checkpoint_failures == 0)
 
 
 def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> None:
@@ -100,12 +101,30 @@ def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> Non
     for event in (compile_event(row), checkpoint_event(row)):
         if event is not None:
             ctl.journal.add_event(event)
+    if "checkpoint_blocked_s" in row or "checkpoint_error" in row:
+        _checkpoint_written(ctl, row)
     if (failed_at := progress.recovered()) is not None:
         now = time.time()
         ctl.journal.add_event({"time": now, "kind": "recovered", "step": row["step"] + 1,
                                "recovery_s": now - failed_at, "failure": len(ctl.journal.causes)})
     ctl.rows.add(row)
     set_gauges(ctl.job_id, row, ctl.plan.config.steps)
+
+
+def _checkpoint_written(ctl: Controller, row: dict) -> None:
+    """A scheduled checkpoint written, or not: a failed write is an event, and `checkpoint.max_write_failures`
+    of them in a row fail the job (before that it trains on, from the checkpoints it has, and tries again)."""
+    error = row.get("checkpoint_error")
+    in_a_row = ctl.progress.checkpoint_written(ok=error is None)
+    if error is None:
+        return
+    limit = ctl.plan.config.checkpoint.max_write_failures
+    ctl.journal.add_event({"time": time.time(), "kind": "checkpoint_failed", "step": row["step"] + 1,
+                           "error": error, "in_a_row": in_a_row})
+    log.warning("job %s: %s (%d in a row, of checkpoint.max_write_failures=%d)", ctl.job_id, error, in_a_row, limit)
+    if in_a_row >= limit:
+        raise Unrecoverable(f"{in_a_row} checkpoints in a row could not be written (checkpoint.max_write_failures="
+                            f"{limit}); the last: {error}")
 
 
 async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:

@@ -328,6 +328,10 @@ class CheckpointConfig:
     """Directory holding a folder per job; null: `checkpoints/` in the service's state directory."""
     async_: bool = False
     """Save without blocking the step loop (DCP async save): only staging the state blocks."""
+    max_write_failures: Annotated[int, Gt(0), Le(1000), NOT_BOOL] = 3
+    """Scheduled checkpoints that may fail to be written in a row (a full disk, a write error) before the job
+    fails: each failure is an event, the job trains on from the checkpoints before it and tries again at the
+    next interval."""
 
 
 @dataclass(frozen=True, kw_only=True)

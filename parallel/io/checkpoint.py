@@ -127,19 +127,73 @@ def prune(root: Path, keep: int, step: int) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+class CheckpointWriteError(RuntimeError):
+    """Checkpoint `step` could not be written (a full file system, a permission, a write error): every rank of
+    the save raises it alike, and no checkpoint before it is touched, so the job can go on and try again."""
+
+    def __init__(self, step: int, error: str):
+        super().__init__(f"the checkpoint of step {step} was not written: {error}")
+        self.step = step
+
+
 def save(state: dict, root: Path, step: int, info: dict, group: dist.ProcessGroup | None,
          is_writer: bool, from_lowest_rank: bool = False) -> None:
     """Write `state` (this rank's part) as checkpoint `step` and, on the writer rank, commit it.
 
     Collective over `group`. `info` goes into the manifest (config, anything a resuming job checks).
     `from_lowest_rank`: a tensor that several ranks hold is written from the lowest of them (data-parallel
-    replica 0), not from whichever balances the writes (`_planner`)."""
+    replica 0), not from whichever balances the writes (`_planner`). A write that fails anywhere raises
+    `CheckpointWriteError` on every rank (the ranks agree on it: one rank raising alone would leave the others
+    waiting in the next collective)."""
     tmp = _fresh_tmp(root, step, group, is_writer)
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.save(state, checkpoint_id=tmp, process_group=group, planner=_planner(from_lowest_rank))
-    if is_writer:
-        commit(tmp, step_dir(root, step), {**info, "step": step})
+    try:
+        try:
+            dcp.save(state, checkpoint_id=tmp, process_group=group, planner=_planner(from_lowest_rank))
+        except CheckpointException as e:  # DCP gathers every rank's write errors and raises them on all ranks alike
+            raise CheckpointWriteError(step, _write_errors(e)) from e
+        _agree(step, group, _attempt(lambda: commit(tmp, step_dir(root, step), {**info, "step": step})
+                                     if is_writer else None))
+    except CheckpointWriteError:
+        if is_writer:  # every rank is done with it: the space its parts took is given back for the next try
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _attempt(write: Callable[[], object]) -> str | None:
+    """What went wrong writing on this rank (an OSError: no space, no permission, an I/O error), else None."""
+    try:
+        write()
+    except OSError as e:
+        return _first_line(e)
+    return None
+
+
+def _agree(step: int, group: dist.ProcessGroup | None, error: str | None) -> None:
+    """Every rank learns whether any rank's write failed, and all raise `CheckpointWriteError` if one did."""
+    errors = [error]
+    if group is not None:
+        import torch.distributed as dist
+
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    found = next((e for e in errors if e is not None), None)
+    if found is not None:
+        raise CheckpointWriteError(step, found)
+
+
+def _write_errors(error: BaseException) -> str:
+    """The ranks' own errors inside DCP's CheckpointException (its message is only the ranks' list)."""
+    failures = getattr(error, "failures", {})  # rank -> (exception, its traceback)
+    return "; ".join(f"rank {rank}: {_first_line(pair[0])}" for rank, pair in sorted(failures.items())) \
+        or _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _planner(from_lowest_rank: bool):
@@ -176,22 +230,28 @@ def start_async_save(state: dict, root: Path, step: int, info: dict, group: dist
 
     def finish() -> None:
         done.wait()
-        if errors:
-            raise errors[0]
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        failed = errors[0] if errors else None
+        if isinstance(failed, CheckpointException):
+            _agree(step, group, _write_errors(failed))
+        if failed is not None and not isinstance(failed, Exception):
+            raise failed  # not a write error (KeyboardInterrupt, SystemExit)
+        _agree(step, group, None if failed is None else _first_line(failed))
 
     return finish
 
 
 def _fresh_tmp(root: Path, step: int, group: dist.ProcessGroup | None, is_writer: bool) -> Path:
-    """The empty temporary directory a save writes into (made by the writer while the others wait)."""
+    """The empty temporary directory a save writes into (made by the writer while the others wait: they learn
+    whether it could be made)."""
     tmp = step_dir(root, step).with_name(step_dir(root, step).name + _TMP)
-    if is_writer:
+
+    def make() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    if group is not None:
-        import torch.distributed as dist
 
-        dist.barrier(group=group)
+    _agree(step, group, _attempt(make) if is_writer else None)
     return tmp
 
 

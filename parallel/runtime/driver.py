@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from trainyard.parallel.data.datasets import open_dataset, step_microbatches
+from trainyard.parallel.io.checkpoint import CheckpointWriteError
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
 from trainyard.parallel.runtime.trainer import RankTrainer
@@ -59,7 +60,8 @@ class RankDriver:
              save: Save | None = None, round_: dict | None = None) -> dict:
         """One training step (on this rank's own share of the step's batch unless `microbatch_ids` are given),
         then, if asked, the validation loss and a checkpoint of the state after it: the StepStats as a dict,
-        with `val_loss` and `checkpoint_blocked_s` (how long the save blocked) when they were asked for.
+        with `val_loss` and `checkpoint_blocked_s` (how long the save blocked) when they were asked for, or
+        `checkpoint_error` when the checkpoint could not be written (every rank says so alike).
         `round_` (local_sgd, diloco, while a replica is dropped: `replica_sync.round_of`): the `live` replicas
         step; one `rejoining` at this step's sync takes part in it, then takes the state of the lowest live
         replica; any other sits the step out (its answer says so: `sat_out`)."""
@@ -81,7 +83,10 @@ class RankDriver:
         if evaluate:
             stats["val_loss"] = self.trainer.evaluate()
         if save is not None:
-            stats["checkpoint_blocked_s"] = self.save(save, step + 1)
+            try:
+                stats["checkpoint_blocked_s"] = self.save(save, step + 1)
+            except CheckpointWriteError as e:  # the job goes on; the coordinator counts the failures in a row
+                stats["checkpoint_error"] = str(e)
         return stats
 
     def run(self, steps: range, *, save_after: tuple[int, ...] = (), save: Save | None = None,

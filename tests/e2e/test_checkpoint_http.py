@@ -104,3 +104,38 @@ def test_deleting_a_job_removes_its_model_and_checkpoints(service, originals, re
     assert root.is_dir() and model.is_file()
     client.delete(job["job_id"])
     assert not root.exists() and not model.exists()
+
+
+def test_a_full_disk_fails_checkpoints_not_the_job_which_succeeds_once_space_returns(service, tmp_path):
+    """The checkpoints go to a small file system that is full: each failed write is an event, the job trains on
+    (the checkpoints before stay), and once space returns the next one is written and the job SUCCEEDS."""
+    import subprocess
+
+    from helpers import wait_for, wait_terminal
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount permission)")
+    client = service.client()
+    try:
+        filler = disk / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)  # until the disk is full
+        # 120 steps (about six seconds here): the job must outlast the test's freeing the disk after the first
+        # failure (under a second), or no checkpoint after it would show that the writes came back
+        job_id = client.submit(tiny_spec(name="full-disk", steps=120, parallel={"dp": 2},
+                                         checkpoint={"every": 2, "path": str(disk), "max_write_failures": 100}))
+        wait_for(lambda: any(e["kind"] == "checkpoint_failed" for e in client.events(job_id))
+                 or client.job(job_id)["status"] in ("FAILED", "SUCCEEDED"), 120, "a checkpoint to fail")
+        assert client.job(job_id)["status"] == "RUNNING", (client.job(job_id)["error"], client.events(job_id))
+        filler.unlink()
+        job = wait_terminal(client, job_id)
+        assert job["status"] == "SUCCEEDED", job
+        events = client.events(job_id)
+        failed = [e for e in events if e["kind"] == "checkpoint_failed"]
+        assert failed[0]["in_a_row"] == 1 and "No space left on device" in failed[0]["error"], failed
+        assert any(e["kind"] == "checkpoint" and e["step"] > failed[-1]["step"] for e in events), \
+            [(e["kind"], e.get("step")) for e in events]
+    finally:
+        client.close()
+        subprocess.run(["umount", "-l", str(disk)], check=True)

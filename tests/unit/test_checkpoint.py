@@ -98,3 +98,38 @@ def test_latest_valid_at_most_a_step(tmp_path):
         write(tmp_path, step)
     assert checkpoint.latest_valid(tmp_path, at_most=5).step == 3
     assert checkpoint.latest_valid(tmp_path / "none") is None
+
+
+@pytest.fixture()
+def small_file_system(tmp_path):
+    """A 2 MiB tmpfs of its own (a full disk that a test can fill and free); skipped where mounting is refused."""
+    import subprocess
+
+    where = tmp_path / "fs"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount permission)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_a_checkpoint_the_disk_cannot_hold_fails_alone_and_the_next_is_written_once_space_returns(small_file_system):
+    root = small_file_system / "ckpt"
+    checkpoint.save({"w": torch.full((1024,), 2.0)}, root, 2, {}, None, is_writer=True)
+    filler = small_file_system / "filler"
+    with filler.open("wb") as f:  # the rest of the disk taken
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    with pytest.raises(checkpoint.CheckpointWriteError, match="checkpoint of step 4 was not written"):
+        checkpoint.save({"w": torch.full((65536,), 4.0)}, root, 4, {}, None, is_writer=True)
+    assert checkpoint.committed_steps(root) == [2] and checkpoint.verify(checkpoint.step_dir(root, 2)) is None
+    filler.unlink()
+    checkpoint.save({"w": torch.full((65536,), 6.0)}, root, 6, {}, None, is_writer=True)
+    assert checkpoint.latest_valid(root).step == 6
+
+
+def test_a_checkpoint_root_that_cannot_be_made_is_a_write_error():
+    with pytest.raises(checkpoint.CheckpointWriteError, match="NotADirectoryError"):
+        checkpoint.save({"w": torch.zeros(4)}, Path(__file__) / "ckpt", 2, {}, None, is_writer=True)

@@ -26,3 +26,38 @@ def test_the_end_syncs_the_live_replicas_when_some_sit_out():
     p = Progress(dropped={2: 9})
     assert p.take_dropped(dp=3) == (0, 1) and p.dropped == {}
     assert p.take_dropped(dp=3) is None
+
+
+def test_checkpoints_failing_in_a_row_fail_the_job_at_the_limit_and_a_written_one_resets_the_count(tmp_path):
+    import pytest
+    from helpers import tiny_spec
+    from trainyard.actors.calls import Unrecoverable
+    from trainyard.actors.controller import Controller
+    from trainyard.actors.storage import JobStorage
+    from trainyard.actors.training import _checkpoint_written
+    from trainyard.parallel.plan import make_plan
+    from trainyard.parallel.spec import parse_spec
+
+    plan = make_plan(parse_spec(tiny_spec(steps=20, checkpoint={"every": 2, "max_write_failures": 2})))
+    ctl = Controller("job", plan, None, JobStorage(str(tmp_path / "ckpt"), str(tmp_path / "model")), False)
+    full = {"step": 1, "checkpoint_error": "the checkpoint of step 2 was not written: OSError: No space left"}
+    _checkpoint_written(ctl, full)
+    _checkpoint_written(ctl, {"step": 3, "checkpoint_blocked_s": 0.1})  # space came back: the count starts over
+    _checkpoint_written(ctl, {**full, "step": 5})
+    with pytest.raises(Unrecoverable, match="2 checkpoints in a row could not be written"):
+        _checkpoint_written(ctl, {**full, "step": 7})
+    assert [e["in_a_row"] for e in ctl.journal.events if e["kind"] == "checkpoint_failed"] == [1, 1, 2]
+
+
+def test_the_journal_keeps_what_a_refused_write_left_and_writes_it_with_the_next_that_succeeds(tmp_path):
+    """A write the file system refuses (a full disk; here a file where the folder should be) keeps its lines in
+    memory, and they go out in order with the next append that succeeds."""
+    from trainyard.actors.journal import AppendOnly, _lines
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the folder should be")
+    log = AppendOnly(blocked / "journal.jsonl")
+    assert log.append({"n": 1}) == 0 and log.append({"n": 2}) == 0 and len(log.pending) == 2
+    blocked.unlink()
+    assert log.append({"n": 3}) > 0 and log.pending == []
+    assert _lines(blocked / "journal.jsonl") == [{"n": 1}, {"n": 2}, {"n": 3}]

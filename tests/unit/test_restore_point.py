@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_spec
+from trainyard.actors.calls import Unrecoverable
 from trainyard.actors.controller import Controller
 from trainyard.actors.journal import append_metrics_log, steps_logged
-from trainyard.actors.recovery import Unrecoverable
 from trainyard.actors.storage import JobStorage
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_spec
+from trainyard.actors.calls import Unrecoverable
 from trainyard.actors.controller import Controller
-from trainyard.actors.recovery import Unrecoverable
 from trainyard.actors.state import JobStatus, Pending
 from trainyard.actors.storage import JobStorage
 from trainyard.parallel.io import checkpoint
