@@ -2,7 +2,8 @@
 
 Owns the layout (`layout`), the rules between fields (`rules`), admission (`admission`), the memory plan
 (`memory`), the ZeRO strategies (`sharding`), pipeline schedules and their simulator (`schedules`,
-`schedule_sim`), the cost model and the automatic planner (`cost_model`, `planner`), and the plan as data for
+`schedule_sim`), the cost model and the automatic planner (`cost_model`, `planner` with `search_options`,
+`planner_search`, `prediction`, `planner_explain`), and the plan as data for
 the API (`present`). `make_plan(config, cluster)` (in `job_plan`) returns the frozen `Plan` every other room
 reads. May import `parallel.config`, `parallel.seeds`, `parallel.models` (its registry and counting) and
 `parallel.optim.kinds` (the optimizer registry); never torch, `runtime`, `data` or `io`.

@@ -184,7 +184,7 @@ def test_a_pipeline_on_shared_cores_lends_the_bubbles_idle_cores_to_the_stages_c
     busy (BENCHMARKS.md, section `planner`): in the bubble they are not. The simulation speeds a compute up by how
     many stages compute beside it; a layout without a pipeline, or with a device per rank, is timed as before."""
     from trainyard.parallel.plan.cost_model import pipeline_sharing, sharing_floor, step_costs
-    from trainyard.parallel.plan.planner import lower_bound, predict
+    from trainyard.parallel.plan.prediction import lower_bound, predict
 
     cores = replace(machine(), contention=(1.0, 1.2, 1.8, 2.5), block_s=1e-3)
     pp4 = replace(config(), parallel=replace(config().parallel, pp=4, microbatches=4))
@@ -222,9 +222,9 @@ def test_on_shared_cores_the_best_first_search_finds_the_top_five_of_every_layou
     """Its bounds stay below every layout's prediction where a pipeline's stages lend each other their cores: a
     bound that added the pipeline's fill on top of the node's best throughput pruned dp2 x pp2 zb-h1, the fastest
     on 8 cores, and answered dp2 at 1.02x it."""
-    import trainyard.parallel.plan.planner as planner
+    import trainyard.parallel.plan.search_options as options
 
-    monkeypatch.setattr(planner, "SEARCHED", {"parallel.zero": lambda: (0,)})  # the layouts only: a second to time
+    monkeypatch.setattr(options, "SEARCHED", {"parallel.zero": lambda: (0,)})  # the layouts only: a second to time
     cfg = JobConfig(model=ModelConfig(n_layer=n_layer, n_head=8, d_model=d_model, vocab_size=512, seq_len=128),
                     steps=1, global_batch=batch)
     cluster = cpu_cluster(cpus=cpus)
