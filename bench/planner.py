@@ -26,10 +26,11 @@ from pathlib import Path
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
+from trainyard.parallel.plan.calibration import quartile
 from trainyard.parallel.plan.cost_model import MachineCosts
 from trainyard.parallel.plan.planner import choose
 from trainyard.parallel.plan.prediction import predict_step
-from trainyard.parallel.runtime.calibrate import measure, quartile
+from trainyard.parallel.runtime.calibrate import measure
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 from trainyard.parallel.spec import parse_spec
 
