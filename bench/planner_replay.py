@@ -17,7 +17,7 @@ import sys
 
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.plan.cost_model import MachineCosts
+from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.prediction import predict_step
 
 from bench.planner import GRID, NODE_RANKS, RAW, _config, _label, spearman

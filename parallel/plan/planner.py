@@ -40,7 +40,8 @@ from dataclasses import replace
 
 from trainyard.parallel.config import JobConfig, ParallelConfig
 from trainyard.parallel.plan.admission import ClusterResources
-from trainyard.parallel.plan.cost_model import MachineCosts, StepCosts
+from trainyard.parallel.plan.cost_model import StepCosts
+from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.planner_explain import distinct, no_fit_error, why_lost
 from trainyard.parallel.plan.planner_search import BaseLayout, Search
 from trainyard.parallel.plan.prediction import Candidate, PlannerResult, lower_bound

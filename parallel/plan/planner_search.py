@@ -15,7 +15,6 @@ from trainyard.parallel.config import JobConfig, ScheduleKind
 from trainyard.parallel.models import family_of
 from trainyard.parallel.plan.admission import ClusterResources
 from trainyard.parallel.plan.cost_model import (
-    MachineCosts,
     StepCosts,
     fixed_costs,
     option_value,
@@ -24,6 +23,7 @@ from trainyard.parallel.plan.cost_model import (
     step_costs,
 )
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
+from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.memory import rank_memory
 from trainyard.parallel.plan.prediction import Candidate, cached_schedule, placement_of, predict
 from trainyard.parallel.plan.rules import violations

@@ -7,7 +7,7 @@ sizes and an AdamW step at a few parameter counts, and compute's slowdown with 1
 those timings, the node type and the cache are `parallel.plan.calibration`'s (pure, no torch).
 `machine_costs(state_dir, cluster)` returns the cached costs of the cluster's node type and measures them on first
 use. The service measures locally, in its own machine: right for the embedded (laptop) cluster, whose node is this
-machine; a GPU node type nobody measured yet is planned with `cost_model.default_gpu_costs` (a worker-side
+machine; a GPU node type nobody measured yet is planned with `machine_costs.default_gpu_costs` (a worker-side
 calibration on GPU nodes is not written yet).
 """
 
@@ -46,7 +46,7 @@ from trainyard.parallel.plan.calibration import (
     two_point_fit,
     wide_config,
 )
-from trainyard.parallel.plan.cost_model import MachineCosts
+from trainyard.parallel.plan.machine_costs import MachineCosts
 
 MATMUL_SIZES = (8, 64, 256, 512)
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)

@@ -13,7 +13,7 @@ from trainyard.parallel.config import JobConfig, ModelConfig, MoEConfig, Resourc
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
 from trainyard.parallel.plan.calibration import CACHE_FILE, contention_from, node_type
-from trainyard.parallel.plan.cost_model import Fit, MachineCosts, default_gpu_costs
+from trainyard.parallel.plan.machine_costs import Fit, MachineCosts, default_gpu_costs
 from trainyard.parallel.plan.planner import choose, plan_layouts
 from trainyard.parallel.plan.rules import PlanError, violations
 from trainyard.parallel.runtime.calibrate import machine_costs
