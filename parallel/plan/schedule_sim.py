@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainyard.parallel.plan.schedules import (
+from trainyard.parallel.plan.actions import (
     COMM_KINDS,
     FREEING_KINDS,
     INPUT_GRAD_KINDS,
@@ -83,7 +83,7 @@ class SimResult:
 def simulate(stages: list[list[Action]], microbatches: int, vpp: int = 1,
              costs: Costs = Costs(), placement: str = "interleaved") -> SimResult:
     """Check the per-rank lists (index = pp rank) and time them; ScheduleError on the first fault. `placement`
-    is how virtual stages sit on the ranks (`parallel.plan.schedules.virtual_stage`; `placement_of(kind)`)."""
+    is how virtual stages sit on the ranks (`parallel.plan.actions.virtual_stage`; `placement_of(kind)`)."""
     return check(stages, microbatches, vpp, placement).run(costs)
 
 
