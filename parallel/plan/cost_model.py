@@ -71,7 +71,7 @@ class StepCosts:
     """The options' own terms (OPTION_EXTRAS), by name."""
     shared: tuple[float, ...] = ()
     """Where a pipeline's ranks share one node's cores: a chunk's forward or backward time with k of the pp stages
-    computing at once (index k - 1) over its time above, with all of them computing (`schedule_sim.Costs.shared`:
+    computing at once (index k - 1) over its time above, with all of them computing (`schedule_timing.Costs.shared`:
     a stage idle in the bubble lends the others its core); (): no such sharing."""
 
 

@@ -15,7 +15,8 @@ from trainyard.parallel.config import JobConfig, ParallelConfig
 from trainyard.parallel.plan.cost_model import StepCosts, option_value, pipeline_floor, ratio_key, step_costs
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.machine_costs import MachineCosts
-from trainyard.parallel.plan.schedule_sim import CheckedSchedule, Costs, check
+from trainyard.parallel.plan.schedule_sim import check
+from trainyard.parallel.plan.schedule_timing import CheckedSchedule, Costs
 from trainyard.parallel.plan.schedules import SCHEDULES, build_schedule
 from trainyard.parallel.plan.search_options import searched_paths
 

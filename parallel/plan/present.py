@@ -13,7 +13,8 @@ from trainyard.parallel.plan.actions import ActionKind, format_actions
 from trainyard.parallel.plan.memory import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.replica_sync import cross_replica_bytes, is_local
-from trainyard.parallel.plan.schedule_sim import Costs, render_gantt, simulate
+from trainyard.parallel.plan.schedule_sim import render_gantt, simulate
+from trainyard.parallel.plan.schedule_timing import Costs
 from trainyard.parallel.plan.schedules import placement_of
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
