@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from trainyard.parallel.plan.schedule_sim import Costs, simulate
+from trainyard.parallel.plan.schedule_sim import simulate
+from trainyard.parallel.plan.schedule_timing import Costs
 from trainyard.parallel.plan.schedules import build_schedule, placement_of
 from trainyard.parallel.runtime.local_world import spawn
 from trainyard.parallel.runtime.pipeline import PipelineExecutor

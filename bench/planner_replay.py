@@ -2,7 +2,7 @@
 
 Run: `python -m bench.planner_replay` after `python -m bench.planner` (or `bench.run --only planner`), which leaves
 every step time and the calibrated machine in `bench/.runs/planner-<d_model>.json`. For each model size it
-predicts every measured layout again with `parallel.plan.planner.predict_step` and that machine, and prints the
+predicts every measured layout again with `parallel.plan.prediction.predict_step` and that machine, and prints the
 Spearman correlation against the median steps, the predicted layout's measured time over the fastest, and per
 layout its measured / predicted ratio and the Spearman over the grid without it: the layouts whose leaving out
 raises it most are where the cost model is wrong. A change to the cost model can be tried here before the ten
@@ -17,8 +17,8 @@ import sys
 
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.plan.cost_model import MachineCosts
-from trainyard.parallel.plan.planner import predict_step
+from trainyard.parallel.plan.machine_costs import MachineCosts
+from trainyard.parallel.plan.prediction import predict_step
 
 from bench.planner import GRID, NODE_RANKS, RAW, _config, _label, spearman
 

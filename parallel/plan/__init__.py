@@ -1,11 +1,14 @@
 """The plan room: everything decided before a rank starts, in pure Python (no torch).
 
-Owns the layout (`layout`), the rules between fields (`rules`), admission (`admission`), the memory plan
-(`memory`), the ZeRO strategies (`sharding`), pipeline schedules and their simulator (`schedules`,
-`schedule_sim`), the cost model and the automatic planner (`cost_model`, `planner`), and the plan as data for
-the API (`present`). `make_plan(config, cluster)` (in `job_plan`) returns the frozen `Plan` every other room
-reads. May import `parallel.config`, `parallel.seeds`, `parallel.models` (its registry and counting) and
-`parallel.optim.kinds` (the optimizer registry); never torch, `runtime`, `data` or `io`.
+Owns the layout (`layout`), the rules between fields (`rules`), admission (`admission`), the memory plan (`memory`),
+the ZeRO strategies (`sharding`), pipeline schedules in their action vocabulary (`schedules`, `actions`) and their
+simulator (`schedule_sim`: the checks, `schedule_timing`: the run), the cost model (`cost_model`, over what a
+calibration measured: `machine_costs`), calibration's fits and cache (`calibration`; the measuring run is
+`parallel.runtime.calibrate`), the automatic planner (`planner`, with `search_options`, `planner_search`,
+`prediction`, `planner_explain`), and the plan as data for the API (`present`). `make_plan(config, cluster)` (in
+`job_plan`) returns the frozen `Plan` every other room reads. May import `parallel.config`, `parallel.seeds`,
+`parallel.models` (its registry and counting) and `parallel.optim.kinds` (the optimizer registry); never torch,
+`runtime`, `data` or `io`.
 """
 
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources

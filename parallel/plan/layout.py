@@ -17,7 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainyard.parallel.plan.schedules import Action, build_schedule, placement_of, virtual_stage
+from trainyard.parallel.plan.actions import Action, virtual_stage
+from trainyard.parallel.plan.schedules import build_schedule, placement_of
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Layout:
     stage_layers: tuple[tuple[int, ...], ...] = ()
     """Global block indices of each virtual stage v (`placement` says which rank and chunk hold it)."""
     placement: str = "interleaved"
-    """How virtual stages sit on the ranks (`parallel.plan.schedules.virtual_stage`): the schedule kind's."""
+    """How virtual stages sit on the ranks (`parallel.plan.actions.virtual_stage`): the schedule kind's."""
     schedule: tuple[tuple[Action, ...], ...] = ()
     """The action list each pipeline rank runs every step (index = pp rank); see parallel.plan.schedules."""
     experts: int = 0

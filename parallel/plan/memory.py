@@ -46,9 +46,9 @@ from trainyard.parallel.config import JobConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
 from trainyard.parallel.optim.kinds import optimizer_kind
+from trainyard.parallel.plan.actions import FREEING_KINDS, ActionKind, virtual_stage
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
-from trainyard.parallel.plan.schedules import FREEING_KINDS, ActionKind, virtual_stage
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan.actions import ActionKind, format_actions
 from trainyard.parallel.plan.memory import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.replica_sync import cross_replica_bytes, is_local
-from trainyard.parallel.plan.schedule_sim import Costs, render_gantt, simulate
-from trainyard.parallel.plan.schedules import ActionKind, format_actions, placement_of
+from trainyard.parallel.plan.schedule_sim import render_gantt, simulate
+from trainyard.parallel.plan.schedule_timing import Costs
+from trainyard.parallel.plan.schedules import placement_of
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
 
@@ -81,7 +83,7 @@ def describe_schedule(plan: Plan) -> dict:
     """The step's schedule, simulated with the spec's `sim_costs` before anything runs.
 
     `stages` holds each pipeline rank's actions in order (communication runs bracketed, see
-    `parallel.plan.schedules.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
+    `parallel.plan.actions.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
     """
     c = plan.config.sim_costs
     splits = any(a.kind is ActionKind.BACKWARD_WEIGHT for actions in plan.schedule for a in actions)
@@ -94,7 +96,7 @@ def describe_schedule(plan: Plan) -> dict:
         "kind": plan.config.fixed_parallel.schedule,
         "pp": plan.pp,
         "vpp": plan.vpp,
-        "placement": plan.placement,  # which rank holds which virtual stage (parallel.plan.schedules.virtual_stage)
+        "placement": plan.placement,  # which rank holds which virtual stage (parallel.plan.actions.virtual_stage)
         "microbatches": plan.microbatches,
         "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm, **split},
         "stages": [format_actions(list(actions)) for actions in plan.schedule],

@@ -15,7 +15,7 @@ from __future__ import annotations
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32
-from trainyard.parallel.plan.schedules import virtual_stage
+from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes

@@ -12,8 +12,9 @@ from __future__ import annotations
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
+from trainyard.parallel.plan.actions import ScheduleError
 from trainyard.parallel.plan.replica_sync import is_local
-from trainyard.parallel.plan.schedules import SCHEDULES, ScheduleError, check_schedule_args
+from trainyard.parallel.plan.schedules import SCHEDULES, check_schedule_args
 from trainyard.parallel.plan.sharding import sharding_for
 
 

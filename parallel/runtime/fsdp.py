@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.moe import moe_layers
-from trainyard.parallel.plan.schedules import Action, ActionKind
+from trainyard.parallel.plan.actions import Action, ActionKind
 from trainyard.parallel.plan.sharding import Sharding
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}

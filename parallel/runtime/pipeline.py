@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.plan.schedules import COMM_KINDS, Action, ActionKind, stage_location, virtual_stage
+from trainyard.parallel.plan.actions import COMM_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.runtime.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.runtime.split_backward import ParamGroups, backward_input, backward_weight
 
@@ -89,7 +89,7 @@ class PipelineExecutor:
         chunk's last one); `sharded`: the chunks' parameters are sharded by FSDP2 (ZeRO-2/3, `parallel.runtime.fsdp`),
         which is told before each forward and backward which chunk computes now and which next, and whose
         gathered parameters the saved-tensor meter does not count as activations; `placement` is how the
-        schedule places virtual stages (`schedules.virtual_stage`)."""
+        schedule places virtual stages (`actions.virtual_stage`)."""
         self.chunks, self.pp_rank, self.pp, self.pp_ranks = chunks, pp_rank, pp, pp_ranks
         self.placement = placement
         self.n_virtual = pp * len(chunks)

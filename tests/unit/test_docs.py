@@ -24,7 +24,7 @@ def test_every_jobspec_field_has_a_description():
     schema = script.spec_schema()
     undocumented = [f"{section}.{name}" for section, node in [("JobConfig", schema), *schema["$defs"].items()]
                     for name, prop in node.get("properties", {}).items() if not prop.get("description")]
-    assert undocumented == [], f"give these fields a docstring in parallel/config.py: {undocumented}"
+    assert undocumented == [], f"give these fields a docstring in parallel/config*.py: {undocumented}"
 
 
 def test_jobspec_check_reports_a_stale_reference(tmp_path):

@@ -6,9 +6,9 @@ from helpers import tiny_spec
 from trainyard.cli.offline import format_plan
 from trainyard.parallel.models.whole import GPTStage
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
+from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.memory import param_counts, peak_activation_bytes
 from trainyard.parallel.plan.present import describe
-from trainyard.parallel.plan.schedules import virtual_stage
 from trainyard.parallel.spec import parse_spec
 from trainyard.service.ray_runtime import gpu_memory
 

@@ -12,10 +12,11 @@ import pytest
 from trainyard.parallel.config import JobConfig, ModelConfig, MoEConfig, ResourcesConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
-from trainyard.parallel.plan.cost_model import Fit, MachineCosts, default_gpu_costs
+from trainyard.parallel.plan.calibration import CACHE_FILE, contention_from, node_type
+from trainyard.parallel.plan.machine_costs import Fit, MachineCosts, default_gpu_costs
 from trainyard.parallel.plan.planner import choose, plan_layouts
 from trainyard.parallel.plan.rules import PlanError, violations
-from trainyard.parallel.runtime.calibrate import CACHE_FILE, contention_from, machine_costs, node_type
+from trainyard.parallel.runtime.calibrate import machine_costs
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 
 MiB = 2**20
@@ -137,7 +138,7 @@ def test_contention_is_never_below_what_the_cores_allow():
     assert contention_from([10.0, 10.5, 14.9, 15.2], cores=2) == pytest.approx((1.0, 1.05, 1.5, 2.0))
     assert contention_from([10.0, 12.0, 30.0], cores=8) == pytest.approx((1.0, 1.2, 3.0))  # measured above it
     assert contention_from([10.0, 9.0], cores=4) == (1.0, 1.0)  # never faster than alone
-    from trainyard.parallel.runtime.calibrate import paired_slowdowns
+    from trainyard.parallel.plan.calibration import paired_slowdowns
 
     drifting = [[t * speed for t in (10.0, 12.0, 18.0, 25.0)] for speed in (1.0, 1.3, 0.8, 1.2, 1.0)]
     drifting[2][3] = 80.0  # a burst in one round
@@ -184,7 +185,7 @@ def test_a_pipeline_on_shared_cores_lends_the_bubbles_idle_cores_to_the_stages_c
     busy (BENCHMARKS.md, section `planner`): in the bubble they are not. The simulation speeds a compute up by how
     many stages compute beside it; a layout without a pipeline, or with a device per rank, is timed as before."""
     from trainyard.parallel.plan.cost_model import pipeline_sharing, sharing_floor, step_costs
-    from trainyard.parallel.plan.planner import lower_bound, predict
+    from trainyard.parallel.plan.prediction import lower_bound, predict
 
     cores = replace(machine(), contention=(1.0, 1.2, 1.8, 2.5), block_s=1e-3)
     pp4 = replace(config(), parallel=replace(config().parallel, pp=4, microbatches=4))
@@ -222,9 +223,9 @@ def test_on_shared_cores_the_best_first_search_finds_the_top_five_of_every_layou
     """Its bounds stay below every layout's prediction where a pipeline's stages lend each other their cores: a
     bound that added the pipeline's fill on top of the node's best throughput pruned dp2 x pp2 zb-h1, the fastest
     on 8 cores, and answered dp2 at 1.02x it."""
-    import trainyard.parallel.plan.planner as planner
+    import trainyard.parallel.plan.search_options as options
 
-    monkeypatch.setattr(planner, "SEARCHED", {"parallel.zero": lambda: (0,)})  # the layouts only: a second to time
+    monkeypatch.setattr(options, "SEARCHED", {"parallel.zero": lambda: (0,)})  # the layouts only: a second to time
     cfg = JobConfig(model=ModelConfig(n_layer=n_layer, n_head=8, d_model=d_model, vocab_size=512, seq_len=128),
                     steps=1, global_batch=batch)
     cluster = cpu_cluster(cpus=cpus)
@@ -300,9 +301,16 @@ def test_each_sharding_level_is_charged_its_own_collectives_and_its_measured_fix
 
 def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_between():
     from trainyard.parallel.models import family_of
+    from trainyard.parallel.plan.calibration import (
+        TOKENS,
+        TOKENS_WIDTH,
+        WIDE_SEQ,
+        WIDTHS,
+        flops_from_steps,
+        wide_config,
+    )
     from trainyard.parallel.plan.memory import param_counts
     from trainyard.parallel.plan.sizing import Sizing
-    from trainyard.parallel.runtime.calibrate import TOKENS, TOKENS_WIDTH, WIDE_SEQ, WIDTHS, _wide, flops_from_steps
 
     base = replace(machine(), block_s=1e-3, microbatch_s=2e-3, step_s=3e-3, optimizer=Fit(1e-4, 1e9))
     rates = {d: 10e9 * (1 + i) for i, d in enumerate(WIDTHS)}
@@ -315,9 +323,9 @@ def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_be
         return flops / rate + 3e-3 + 2e-3 + c.model.n_layer * 1e-3 + base.optimizer.time(params)
 
     for d in WIDTHS:
-        steps[f"width {d}"] = step(_wide(d), rates[d])
+        steps[f"width {d}"] = step(wide_config(d), rates[d])
     for t in TOKENS:
-        steps[f"width {TOKENS_WIDTH} tokens {t}"] = step(_wide(TOKENS_WIDTH, t // WIDE_SEQ),
+        steps[f"width {TOKENS_WIDTH} tokens {t}"] = step(wide_config(TOKENS_WIDTH, t // WIDE_SEQ),
                                                            rates[TOKENS_WIDTH] * efficiency[t])
     got = flops_from_steps(base, steps)
     assert [e for _, e in got.token_efficiency] == pytest.approx([*efficiency.values(), 1.0])
@@ -338,7 +346,7 @@ def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_be
 def test_collectives_past_the_measured_world_are_slowed_as_an_all_reduce_of_that_many_ranks_measured():
     """On shared cores the measured all-reduce of k ranks, over what the 2-rank fit predicts for k, is the factor on
     every collective of a layout with k ranks on the node; without it, compute's slowdown ratio stands."""
-    from trainyard.parallel.runtime.calibrate import comm_contention_from
+    from trainyard.parallel.plan.calibration import comm_contention_from
 
     m = replace(machine(allreduce=Fit(1e-3, 1e8)), contention=(1.0, 1.25, 1.6, 2.5))
     predicted = {k: {size: m.collective("allreduce", size, k) for size in (1e5, 1e6, 4e6)} for k in (3, 4)}
@@ -369,7 +377,7 @@ def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
 
 
 def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
-    from trainyard.parallel.runtime.calibrate import FIXED_RUNS, ONE_RANK, _tiny_params, fixed_from_steps
+    from trainyard.parallel.plan.calibration import FIXED_RUNS, ONE_RANK, fixed_from_steps, tiny_params
 
     base = replace(machine(), contention=(1.0, 2.0))
     block, micro, step, tp_block, sp_block, pp_micro = 1e-3, 3e-3, 5e-3, 8e-3, 2e-3, 4e-3
@@ -384,11 +392,11 @@ def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
              enumerate(ONE_RANK.items())}  # a little noise: least squares averages it
     steps |= {"L4 m2 tp2": 2.0 * (one_rank(4, 2) + 8 * tp_block), "L2 m2 pp2": pp2(2), "L2 m8 pp2": pp2(8),
               "L4 m2 tp2 sp": 2.0 * (one_rank(4, 2) + 8 * (tp_block + sp_block)),
-              "L2 m1 dp2": 2.0 * (one_rank(2, 1) + 6e-3) + base.collective("allreduce", 4 * _tiny_params(2), 2)}
+              "L2 m1 dp2": 2.0 * (one_rank(2, 1) + 6e-3) + base.collective("allreduce", 4 * tiny_params(2), 2)}
     zero_fixed = {"2": (2e-3, 1e-3), "3": (1e-3, 5e-3)}  # per block: per step, per micro-batch
     for name, (blocks, par) in FIXED_RUNS.items():
         if par.get("zero"):  # ZeRO-2 and -3 reduce-scatter every micro-batch's gradients; -3 gathers 2m times
-            m, z, grads = par["microbatches"], par["zero"], 4 * _tiny_params(blocks)
+            m, z, grads = par["microbatches"], par["zero"], 4 * tiny_params(blocks)
             per_step, per_micro = zero_fixed[str(z)]
             colls = m * base.collective("reducescatter", grads, 2) + (1 if z == 2 else 2 * m) * base.collective(
                 "allgather", grads, 2)

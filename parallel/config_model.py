@@ -1,0 +1,105 @@
+"""The JobSpec's `model` section: the family and its sizes, mixture-of-experts blocks, Llama 3's rope scaling.
+
+Part of the JobSpec (`parallel.config` re-exports every name); the docstring under each field is its
+description in docs/jobspec.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Gt, Le
+from trainyard.parallel.config_fields import MAX_SEQ_LEN, NOT_BOOL, STRICT
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    __pydantic_config__ = STRICT
+    experts: Annotated[int, Gt(0), Le(4096), NOT_BOOL]
+    """Experts per MoE layer."""
+    top_k: Annotated[int, Gt(0), Le(4096), NOT_BOOL] = 2
+    """Experts each token is routed to; their gate weights are renormalised to sum to 1."""
+    every: Annotated[int, Gt(0), Le(4096), NOT_BOOL] = 2
+    """Every `every`-th block is an MoE block (blocks every-1, 2*every-1, ...; 1: all of them)."""
+    capacity_factor: Annotated[float, Gt(0), Le(1e3), NOT_BOOL] | None = None
+    """null: dropless (every token reaches its experts). A number caps each expert's tokens per sequence at
+    ceil(capacity_factor x seq_len x top_k / experts), earlier positions first; a token over the cap skips
+    that expert and keeps its residual."""
+    aux_loss_coef: Annotated[float, Ge(0), Le(1e3), NOT_BOOL] = 0.01
+    """Weight of the Switch/GShard load-balancing loss."""
+    z_loss_coef: Annotated[float, Ge(0), Le(1e3), NOT_BOOL] = 0.001
+    """Weight of the router z-loss (ST-MoE): the squared log-sum-exp of the router logits."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScalingConfig:
+    """Llama 3's rotary-frequency scaling (transformers' `rope_type: llama3`): low frequencies are divided by
+    `factor`, high ones kept, the band between interpolated smoothly."""
+
+    __pydantic_config__ = STRICT
+    rope_type: Literal["llama3"] = "llama3"
+    """The only scaling trainyard implements; any other type is refused."""
+    factor: Annotated[float, Ge(1), Le(1e6), NOT_BOOL] = 8.0
+    """How much longer the extended context is than the original one."""
+    low_freq_factor: Annotated[float, Gt(0), Le(1e6), NOT_BOOL] = 1.0
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are divided by `factor`."""
+    high_freq_factor: Annotated[float, Gt(0), Le(1e6), NOT_BOOL] = 4.0
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept as they are."""
+    original_max_position_embeddings: Annotated[int, Gt(0), Le(MAX_SEQ_LEN), NOT_BOOL] = 8192
+    """The context the frequencies were trained for before scaling."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    __pydantic_config__ = STRICT
+    n_layer: Annotated[int, Gt(0), Le(4096), NOT_BOOL]
+    """Transformer blocks."""
+    n_head: Annotated[int, Gt(0), Le(4096), NOT_BOOL]
+    """Attention heads per block."""
+    d_model: Annotated[int, Gt(0), Le(2**17), NOT_BOOL]
+    """Hidden size."""
+    vocab_size: Annotated[int, Gt(0), Le(2**32), NOT_BOOL] = 256
+    """Token ids are in [0, vocab_size). Byte-level text needs 256; uint32 token files hold up to 2**32."""
+    seq_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN), NOT_BOOL] = 64
+    """Tokens per training sequence."""
+    context_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN), NOT_BOOL] | None = None
+    """Positions the model can attend over (position-embedding rows); null means seq_len."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output head (nanoGPT style)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts blocks; null for a dense model."""
+    family: Literal["gpt2", "llama"] = "gpt2"
+    """The model family (`parallel.models`): gpt2 (LayerNorm, GELU, learned positions, biases) or llama
+    (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases)."""
+    n_kv_head: Annotated[int, Gt(0), Le(4096), NOT_BOOL] | None = None
+    """Key/value heads (grouped-query attention, llama); null: n_head. Must divide n_head."""
+    ffn_hidden: Annotated[int, Gt(0), Le(2**20), NOT_BOOL] | None = None
+    """Hidden size of the feed-forward part (and of each expert); null: 4 x d_model for gpt2, Llama's rule
+    for llama (8 x d_model / 3 rounded up to a multiple of 256)."""
+    rope_theta: Annotated[float, Gt(0), Le(1e12), NOT_BOOL] = 10000.0
+    """Base of the rotary embedding's frequencies (llama)."""
+    norm_eps: Annotated[float, Gt(0), Le(1), NOT_BOOL] = 1e-5
+    """Epsilon of every norm: gpt2's LayerNorms, llama's RMSNorms."""
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    """gpt2's MLP activation: exact GELU, or the tanh approximation (Hugging Face GPT-2's `gelu_new`). llama
+    always uses SwiGLU, and refuses gelu_tanh."""
+    rope_scaling: RopeScalingConfig | None = None
+    """Llama 3 rope scaling (llama); null: none."""
+
+    @property
+    def context(self) -> int:
+        return self.context_len if self.context_len is not None else self.seq_len
+
+    def is_moe_block(self, block: int) -> bool:
+        """Whether global block `block` is a mixture-of-experts block: every `moe.every`-th one."""
+        return self.moe is not None and (block + 1) % self.moe.every == 0
+
+    @property
+    def moe_blocks(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.is_moe_block(i)]
+
+    @property
+    def experts(self) -> int:
+        """Experts of each mixture-of-experts block; 0 in a dense model."""
+        return self.moe.experts if self.moe is not None else 0

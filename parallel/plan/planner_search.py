@@ -1,0 +1,223 @@
+"""The planner's search state: the base layouts it enumerates (degrees, micro-batches, schedule, vpp) with a cheap
+lower bound on each, the variants of a base (the searched options), and a variant's costs, memory and prediction.
+
+`parallel.plan.planner.plan_layouts` drives it best first; the memory check reads the first, middle and last
+stage only. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+from trainyard.parallel.config import JobConfig, ScheduleKind
+from trainyard.parallel.models import family_of
+from trainyard.parallel.plan.admission import ClusterResources
+from trainyard.parallel.plan.cost_model import (
+    StepCosts,
+    fixed_costs,
+    option_value,
+    pipeline_floor,
+    pipeline_sharing,
+    step_costs,
+)
+from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
+from trainyard.parallel.plan.machine_costs import MachineCosts
+from trainyard.parallel.plan.memory import rank_memory
+from trainyard.parallel.plan.prediction import Candidate, cached_schedule, placement_of, predict
+from trainyard.parallel.plan.rules import violations
+from trainyard.parallel.plan.schedules import SCHEDULES
+from trainyard.parallel.plan.search_options import SCHEDULE_KINDS, searched_paths, searched_values, with_option
+from trainyard.parallel.plan.sharding import SHARDINGS
+from trainyard.parallel.plan.sizing import Sizing
+
+MAX_VPP = 4
+"""Virtual chunks per pipeline rank tried (more rarely pays: each adds a point-to-point run per micro-batch)."""
+MAX_SEARCH_CHUNKS = 2048
+"""pp x vpp x microbatches tried at most (the simulator's cost grows with it; more rarely pays)."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Sizing(Sizing):
+    """A Sizing whose rank coordinates are arithmetic (the layout's own grid is built on first use: thousands
+    of ranks, for the one rank per stage the memory plan asks about)."""
+
+    def coords(self, rank: int) -> RankCoords:
+        layout = self.layout
+        pp, rest = divmod(rank, layout.dp * layout.tp)
+        dp, tp = divmod(rest, layout.tp)
+        return RankCoords(rank=rank, pp=pp, tp=tp, dp=dp)
+
+
+@dataclass(frozen=True, order=True)
+class BaseLayout:
+    bound: float
+    dp: int
+    pp: int
+    tp: int
+    ep: int
+    sp: bool
+    m: int
+    kind: ScheduleKind
+    vpp: int
+
+
+class Search:
+    def __init__(self, config: JobConfig, cluster: ClusterResources, machine: MachineCosts, margin: float):
+        self.config, self.cluster, self.machine, self.margin = config, cluster, machine, margin
+        self.gpus = 1 if cluster.gpus > 0 else 0
+        if config.resources.gpus_per_worker != "auto":
+            self.gpus = config.resources.gpus_per_worker
+        self.cpus = config.resources.cpus_per_worker
+        nodes = [{"CPU": n.cpus, "GPU": n.gpus} for n in cluster.nodes]
+        self.nodes = nodes
+        # ranks a node holds: a rank takes `gpus_per_worker` of its GPUs, or (CPU ranks) cpus_per_worker of its cores
+        per_node = [math.floor((n.gpus / self.gpus if self.gpus else n.cpus / self.cpus) + 1e-9) for n in cluster.nodes]
+        self.node_ranks = max(per_node, default=0)
+        self.smallest: tuple[int, JobConfig] | None = None
+        self.paths = searched_paths(config)
+        self.values = searched_values(config)
+        self.evaluated = 0
+
+    def capacity(self, tp: int) -> int:
+        return Gang.of(self.cpus, self.gpus, tp=tp, groups=1).placeable(self.nodes) * tp
+
+    def bases(self) -> list[BaseLayout]:
+        c, m = self.config, self.config.model
+        fpt = family_of(m).flops_per_token(m)
+        tokens = c.global_batch * m.seq_len
+        self.params = fpt / 6 * 0.9  # the matmul parameters, about (flops_per_token = 6 N + attention)
+        out = []
+        tps = [t for t in _divisors(m.n_head) if m.vocab_size % t == 0 and self.capacity(t) >= t]
+        for tp in tps:
+            cap = self.capacity(tp)
+            for dp in _divisors(c.global_batch):
+                if dp * tp > cap:
+                    break
+                eps = [e for e in _divisors(dp) if m.moe.experts % e == 0] if m.moe else [1]
+                for pp in range(1, min(m.n_layer, cap // (dp * tp)) + 1):  # every world size: fewer ranks
+                    # can be faster (fixed costs, ranks sharing cores), and the bounds prune the slow ones
+                    if m.n_layer % pp:
+                        continue  # even stages only (the planner does not search uneven stage_layers)
+                    micro = [mb for mb in _divisors(c.global_batch // dp)
+                             if pp * mb <= MAX_SEARCH_CHUNKS and (pp == 1 or mb >= pp)]
+                    for sp, ep, mb in itertools.product((False, True) if tp > 1 else (False,), eps, micro):
+                        for kind, vpp in self._schedules(pp, mb):
+                            out.append(BaseLayout(self._bound(fpt, tokens, dp, pp, tp, mb, vpp), dp, pp, tp, ep, sp, mb,
+                                             kind, vpp))
+        return out
+
+    def _schedules(self, pp: int, m: int) -> list[tuple[ScheduleKind, int]]:
+        n_layer = self.config.model.n_layer
+        vpps = range(1, MAX_VPP + 1) if pp > 1 else (1,)  # one rank: virtual chunks only add hand-overs
+        kinds = [(kind, vpp) for kind in SCHEDULE_KINDS for vpp in vpps if n_layer % (pp * vpp) == 0
+                 and pp * vpp * m <= MAX_SEARCH_CHUNKS and SCHEDULES[kind].refuse(pp, m, vpp) is None]
+        if pp == 1:  # one pipeline rank runs every kind alike: the spec's own, else the first that takes it
+            kinds = [k for k in kinds if k[0] == self.config.fixed_parallel.schedule] or kinds[:1]
+        return kinds
+
+    def _bound(self, fpt: float, tokens: int, dp: int, pp: int, tp: int, m: int, vpp: int) -> float:
+        """About a lower bound of the step time: the rank's share of the FLOPs (3 x forward) and of the kernels'
+        latencies, the pipeline's fill of pp - 1 chunk forwards before the last stage starts, the gradient
+        all-reduce of the rank's share of the parameters beyond what one micro-batch's backward hides, and the
+        cheapest sharding level's optimizer step with its parameter all-gathers."""
+        n_layer, world = self.config.model.n_layer, dp * pp * tp
+        on_node = min(world, self.node_ranks or world)
+        slow = self.machine.slowdown(on_node)
+        flops = fpt * tokens / world
+        fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False, pp))
+        compute = slow * (flops / self.machine.flops_per_s(self.config.model.d_model) + m * fixed)
+        grads = 4 * self.params / (pp * tp) * (0.5 if self.config.fixed_parallel.reduce_dtype == "bf16" else 1)
+        reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
+        mb_tokens = tokens // (dp * m)
+        act = mb_tokens * self.config.model.d_model * (2 if self.config.precision == "bf16" else 4)
+        tp_comm = 4 * n_layer * m * self.machine.collective("allreduce", act, tp) / pp
+        local = int(self.params / (pp * tp))
+        levels = self.values.get("parallel.zero", (self.config.fixed_parallel.zero,))
+
+        def step_end(zero: int) -> float:  # the optimizer's step on a level's shard, and its parameter gathers
+            sharding = SHARDINGS[zero]
+            gathers = sharding.gathers_per_step(m) * self.machine.collective(
+                "allgather", 4 * local, dp, spans_nodes=dp * tp > self.node_ranks)
+            return slow * self.machine.optimizer.time(sharding.optimizer_elements(local, dp)) + gathers
+
+        optimizer = slow * self.machine.step_s + min(step_end(z) for z in (levels if dp > 1 else levels[:1]))
+        hidden = 0.8 * (compute + tp_comm) / m  # one micro-batch's backward, with some room for uneven stages
+        dp_fixed = slow * self.machine.dp_step_s if dp > 1 else 0.0
+        busy = compute + tp_comm
+        span = pipeline_floor(pipeline_sharing(self.machine, pp, world, on_node), busy,
+                              busy * (pp - 1) / (3 * m * vpp))  # the fill: pp - 1 chunk forwards
+        return span + max(reduce - hidden, 0.0) + dp_fixed + optimizer
+
+    def saver_free(self, config: JobConfig) -> bool:
+        """Whether every searched option but the sharding level is at its first value (off: no recompute, no
+        offload), which the others only add time to."""
+        return all(option_value(config, path) == self.values[path][0] for path in self.paths if path != "parallel.zero")
+
+    def variants(self, base: BaseLayout) -> list[JobConfig]:
+        par = replace(self.config.fixed_parallel, dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,
+                      vpp=base.vpp, microbatches=base.m, schedule=base.kind, stage_layers=None)
+        config = replace(self.config, parallel=par)
+        paths = self.paths
+        values = []
+        for path in paths:
+            vals = self.values[path]
+            if path == "parallel.zero" and base.dp == 1:
+                vals = vals[:1]  # no data-parallel group to shard over: every level is level 0
+            values.append(vals)
+        out = [config]  # every combination, in itertools.product's order, each prefix built once
+        for path, vals in zip(paths, values, strict=True):
+            out = [with_option(cfg, path, v) for cfg in out for v in vals]
+        return out
+
+    def layout(self, config: JobConfig, with_schedule: bool = True) -> Layout:
+        par, moe = config.fixed_parallel, config.model.moe
+        counts = even_layer_counts(config.model.n_layer, par.pp * par.vpp)
+        return Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
+                      micro_batch_size=config.global_batch // (par.fixed_dp * par.microbatches),
+                      stage_layers=stage_layers_of(counts),
+                      schedule=(cached_schedule(par.schedule, par.pp, par.microbatches, par.vpp)
+                                if with_schedule else ()),
+                      experts=moe.experts if moe else 0, gpus_per_worker=self.gpus, cpus_per_worker=self.cpus,
+                      **placement_of(par.schedule))
+
+    def rank_capacity(self, layout: Layout) -> float:
+        """Bytes a rank may hold (admission's rule: one GPU's memory, or a CPU rank's share of its node's); 0:
+        unknown."""
+        if layout.gpus_per_worker:
+            return max((n.gpu_memory for n in self.cluster.nodes if n.gpus > 0), default=0.0)
+        gang = layout.gang
+        shares = [n.memory / (layout.tp * held) for n in self.cluster.nodes
+                  if n.memory > 0 and (held := min(gang.count, gang.placeable([{"CPU": n.cpus, "GPU": n.gpus}])))]
+        return max(shares, default=0.0)
+
+    def costs(self, config: JobConfig) -> StepCosts | None:
+        """The layout's per-chunk and per-step costs; None when it breaks a rule."""
+        if violations(config):
+            return None
+        self.evaluated += 1
+        return step_costs(self.layout(config, with_schedule=False), config, self.machine, node_gpus=self.node_ranks)
+
+    def evaluate(self, config: JobConfig, costs: StepCosts | None = None) -> Candidate | None:
+        """The layout's prediction; None when it breaks a rule or does not fit."""
+        costs = costs or self.costs(config)
+        if costs is None:
+            return None
+        layout = self.layout(config)
+        have = self.rank_capacity(layout) * (1 - self.margin)
+        sizing = _Sizing(layout, config)
+        memory = 0
+        for stage in dict.fromkeys((0, layout.pp - 1, layout.pp // 2)):  # the first holds most activations,
+            memory = max(memory, rank_memory(sizing, layout.rank_of(stage, 0, 0))  # the last the head
+                         .resident(bool(layout.gpus_per_worker)))
+            if have > 0 and memory > have:
+                break
+        if self.smallest is None or memory < self.smallest[0]:
+            self.smallest = (memory, config)
+        if have > 0 and memory > have:
+            return None
+        return predict(layout, config, costs, memory)
