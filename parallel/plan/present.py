@@ -11,6 +11,7 @@ from trainyard.parallel.plan.memory import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.schedule_sim import Costs, render_gantt, simulate
 from trainyard.parallel.plan.schedules import ActionKind, format_actions, placement_of
+from trainyard.parallel.plan.units import format_bytes
 from trainyard.parallel.runtime.sync import cross_replica_bytes
 
 
@@ -46,7 +47,8 @@ def describe(plan: Plan) -> dict:
 def describe_memory(plan: Plan) -> dict:
     """The memory plan (`parallel.plan.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
     activations and recompute transient, their total, and the rank with the largest total; `zero` is the
-    sharding they were counted under (at 2 and 3, `params` is the shard plus the chunks gathered at the peak)."""
+    sharding they were counted under (at 2 and 3, `params` is the shard plus `gathered`, what is gathered whole at
+    the peak: ZeRO-2 every chunk, ZeRO-3 per block)."""
     ranks = estimate(plan.layout, plan.config)
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
@@ -54,9 +56,12 @@ def describe_memory(plan: Plan) -> dict:
     out = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
     if zero >= 2:
         gathered = "every chunk of the rank, whole for the step" if zero == 2 else \
-            "the chunk computing and the next one being gathered"
-        out["note"] = (f"parallel.zero: {zero} (FSDP2): params are the 1/N shard kept between steps plus {gathered}; "
-                       "grads and optimizer are the 1/N shards")
+            "per block: the block computing and the next one being gathered (the embedding and the head are units " \
+            "of their own)"
+        most = max(m["gathered"] for m in per_rank)
+        out["note"] = (f"parallel.zero: {zero} (FSDP2): params are the 1/N shard kept between steps plus {gathered}, "
+                       f"at most {format_bytes(most)} gathered at once on a rank; grads and optimizer are the 1/N "
+                       "shards")
     return out
 
 
