@@ -208,7 +208,7 @@ def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
 def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     """fp32 buckets holding every local gradient; with ZeRO-1 also the reduced 1/N slice of them; with
     `reduce_dtype: bf16` the bf16 copies on the wire (every bucket's at once at worst, as the reduction
-    overlaps backward). ZeRO-2/3 keep the reduced 1/N shard only (the whole gradient of the chunk whose
+    overlaps backward). ZeRO-2/3 keep the reduced 1/N shard only (the whole gradient of the block whose
     backward is running lives until its reduce-scatter: a transient, not counted). A set reduced by no
     other rank (N = 1) is neither sharded nor sent."""
     par, bytes_ = plan.config.parallel, 0

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 Pass = list[tuple[Hashable, int]]
 """One compute (a forward or a backward of a chunk): the FSDP2 units it runs, in order, each with its local
-parameter elements that are sharded; a unit that runs twice in it is listed twice."""
+parameter elements that are sharded; a unit that runs twice in it is listed twice. The computes of one chunk and
+direction repeat over the micro-batches: the caller passes the same list for each."""
 
 
 @dataclass(frozen=True)
@@ -141,10 +142,9 @@ class ParameterSharding(GradientSharding):
     def gathered_elements(self, passes: list[Pass]) -> int:
         peak, inner = 0, {}
         for i, units in enumerate(passes):
-            key = tuple(units)  # the computes of one chunk and direction repeat: each is walked once
-            if key not in inner:
-                inner[key] = _pass_peak(units)
-            peak = max(peak, inner[key])
+            if id(units) not in inner:  # a compute that repeats another is the same list: walked once
+                inner[id(units)] = _pass_peak(units)
+                peak = max(peak, inner[id(units)])
             if units and i + 1 < len(passes) and passes[i + 1]:  # the last unit and the next compute's first
                 (last, n), (first, m) = units[-1], passes[i + 1][0]
                 peak = max(peak, n if last == first else n + m)
