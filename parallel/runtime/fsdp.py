@@ -34,6 +34,13 @@ What is ours, and why:
   The pipeline executor calls `before_compute(action, next_action)` before each forward and backward: the unit
   this action runs last is pointed at the unit the next compute action runs first (the first of its chunk's units
   for a forward, the last for a backward), so that gather starts while this action's last unit computes;
+- when the next compute runs first the unit this one runs last (the head from a forward to its backward at the
+  last stage, the embedding or first block from a backward to the next forward), ZeRO-3 keeps that unit whole in
+  between (`set_reshard_after_forward` / `set_reshard_after_backward` for that action) rather than free it and
+  gather it again at once;
+- a chunk's backwards before its last in the step are not FSDP2's "last backward" (`set_is_last_backward`):
+  FSDP2 would end each by dropping the gather prefetched for the chunk's next backward; `arm` sets it for the
+  last, which waits for the reductions, as FSDP2's micro-batching expects;
 - a unit that runs twice in one forward (tied embeddings: the embedding first, the head last) has no list that
   fits both runs: it prefetches nothing and is gathered when it runs;
 - when to free: ZeRO-3 frees a unit after each forward and backward (`reshard_after_forward=True`); ZeRO-2
@@ -46,13 +53,7 @@ What is ours, and why:
 
 FSDP2's private state is used in three places: each root is initialised at construction (`_lazy_init`, which
 its first forward would run), so a gather prefetched into a chunk that has not run yet finds its units ready;
-`_set_unshard_async_op` (above); and each unit's parameter groups (`fsdp_params` with their
-`all_gather_outputs`, and `_all_gather_result`, a gather in flight) are read in `ShardedChunks._refresh` and
-`_sample` only, to know which storages hold gathered parameters right now: the pipeline's saved-tensor meter must
-not count them as activations, and `peak_gathered_bytes` is what the memory plan's per-block figure is checked
-against. The meter looks at a unit and its neighbours in the order (the one just freed, the one being gathered)
-after FSDP2's hooks, before and after its forward and when its backward starts, and at everything once per
-action, so its cost does not grow with the number of blocks.
+`_set_unshard_async_op` (above); and `parallel.runtime.fsdp_meter`, which measures what is gathered.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
 from trainyard.parallel.models.moe import moe_layers
 from trainyard.parallel.plan.schedules import Action, ActionKind
 from trainyard.parallel.plan.sharding import Sharding
+from trainyard.parallel.runtime.fsdp_meter import GatheredMeter
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -94,22 +95,22 @@ class ShardedChunks:
         self.tops = [[root] if root is not None else nested[c] for c, root in enumerate(roots)]
         self.backwards = [0] * len(chunks)
         """Backwards of each chunk in this step: each one reduce-scatters the chunk's gradients (`wire_bytes`)."""
-        self.peak_gathered_bytes = 0
-        """Most bytes of gathered parameters (whole, or in flight) held at once in the last step."""
-        self.gathered: set[int] = set()
-        """Addresses of the storages holding gathered (whole) parameters: what the saved-tensor meter skips."""
-        self._storages: dict[FSDPModule, dict[int, int]] = {}
-        self._held = 0
-        self._target: FSDPModule | None = None
-        """The unit the next compute action runs first (being gathered by the end of this one)."""
+        self._kept: tuple[FSDPModule, ActionKind] | None = None
+        """ZeRO-3: the unit the current action keeps whole for the next one, which runs it first."""
         self._once = [{u for u in order if order.count(u) == 1} for order in orders]
-        self._near = self._neighbourhoods()
         for c in range(len(chunks)):
             self._wire(c)
-        for unit, modules in members.items():
-            for module in modules:  # after FSDP2's own hooks: its pre-forward gathers, its post-forward frees
-                module.register_forward_pre_hook(self._before_hook(unit))
-                module.register_forward_hook(self._after_hook(unit))
+        self.meter = GatheredMeter(self.wrapped, self._neighbourhoods(), members)
+
+    @property
+    def gathered(self) -> set[int]:
+        """Addresses of the storages holding gathered (whole) parameters now: what the saved-tensor meter skips."""
+        return self.meter.gathered
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Most bytes of gathered parameters (whole, or in flight) held at once in the last step."""
+        return self.meter.peak_gathered_bytes
 
     def _neighbourhoods(self) -> dict[FSDPModule, list[FSDPModule]]:
         """Each unit (or nested module) -> the wrapped modules whose state may change while it runs: its unit,
@@ -140,67 +141,27 @@ class ShardedChunks:
         for module in self.nested[c]:
             module.set_modules_to_backward_prefetch([module])
 
-    def _before_hook(self, unit: FSDPModule) -> Callable[..., None]:
-        @torch.compiler.disable
-        def before(*_: object) -> None:
-            self._look(unit)
-
-        return before
-
-    def _after_hook(self, unit: FSDPModule) -> Callable[..., None]:
-        def at_backward(_: torch.Tensor) -> None:  # after FSDP2's pre-backward, registered on the same outputs
-            self._look(unit)
-
-        @torch.compiler.disable
-        def after(_module: nn.Module, _args: object, output: object) -> None:
-            self._look(unit)
-            if torch.is_grad_enabled():
-                for t in tree_leaves(output):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(at_backward)
-
-        return after
-
-    def _look(self, unit: FSDPModule) -> None:
-        near = self._near[unit] if self._target is None else list(dict.fromkeys([*self._near[unit], self._target]))
-        for module in near:
-            self._refresh(module)
-        self._sample(near)
-
-    def _refresh(self, module: FSDPModule) -> None:
-        """Look again at which storages of `module`'s parameters are gathered (allocated) now."""
-        old = self._storages.get(module, {})
-        new = {}
-        for group in _param_groups(module):
-            for p in group.fsdp_params:
-                for t in p.all_gather_outputs:
-                    if (n := t.untyped_storage().nbytes()) > 0:
-                        new[t.untyped_storage().data_ptr()] = n
-        self.gathered.difference_update(old)
-        self.gathered.update(new)
-        self._held += sum(new.values()) - sum(old.values())
-        self._storages[module] = new
-
-    def _sample(self, modules: list[FSDPModule]) -> None:
-        """The peak so far, with the buffers of gathers in flight on `modules`."""
-        in_flight = sum(group._all_gather_result.all_gather_output.untyped_storage().nbytes()
-                        for module in modules for group in _param_groups(module)
-                        if group._all_gather_result is not None)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held + in_flight)
-
     def start_step(self) -> None:
-        """Before a step: everything sharded (an evaluation may have left ZeRO-2's units whole), and ZeRO-2's
-        units kept whole after each backward until `arm` says the next one is their chunk's last."""
+        """Before a step: everything sharded (an evaluation may have left ZeRO-2's units whole), ZeRO-2's
+        units kept whole after each backward until `arm` says the next one is their chunk's last, and no backward
+        taken for its chunk's last (FSDP2 would then drop a gather prefetched for the chunk's next backward)."""
+        self._keep(None)
         self.reshard()
         for module in (m for top in self.tops for m in top):
             module.set_reshard_after_backward(self.sharding.reshard_after_forward)
+        for root in self.roots:
+            if root is not None:
+                root.set_is_last_backward(False)
         self.backwards = [0] * len(self.chunks)
-        self.peak_gathered_bytes = 0
+        self.meter.reset()
 
     def arm(self, chunk: int) -> None:
-        """The next backward of `chunk` is its last in this step: free its units' parameters after it."""
+        """The next backward of `chunk` is its last in this step: free its units' parameters after it, and let
+        FSDP2 finish the chunk's backward there (wait for its reductions, drop what nothing will use)."""
         for module in self.tops[chunk]:
             module.set_reshard_after_backward(True)
+        if self.roots[chunk] is not None:
+            self.roots[chunk].set_is_last_backward(True)
 
     def before_compute(self, action: Action, next_action: Action | None) -> None:
         """Before a forward or backward of `action.chunk`: point the unit it runs last at the unit the next compute
@@ -208,15 +169,37 @@ class ShardedChunks:
         again (a backward's last unit is freed without a hook of ours)."""
         if action.kind is ActionKind.BACKWARD:
             self.backwards[action.chunk] += 1
-        self._target = self._runs_first(next_action)
+        target = self.meter.target = self._runs_first(next_action)
         order, once = self.orders[action.chunk], self._once[action.chunk]
-        if order and action.kind is ActionKind.FORWARD and order[-1] in once:
-            order[-1].set_modules_to_forward_prefetch([] if self._target is None else [self._target])
-        elif order and action.kind is ActionKind.BACKWARD and order[0] in once:
-            order[0].set_modules_to_backward_prefetch([self._target or order[0]])
-        for module in self.wrapped:
-            self._refresh(module)
-        self._sample(self.wrapped)
+        last = (order[-1] if action.kind is ActionKind.FORWARD else order[0]) if order else None
+        if last is not None and last not in once:
+            last = None
+        if last is not None and action.kind is ActionKind.FORWARD:
+            last.set_modules_to_forward_prefetch([] if target is None else [target])
+        elif last is not None:
+            last.set_modules_to_backward_prefetch([target or last])
+        self._keep((last, action.kind) if last is not None and last is target else None)
+        self.meter.look_all()
+
+    def _keep(self, kept: tuple[FSDPModule, ActionKind] | None) -> None:
+        """ZeRO-3: keep whole, after this action, the unit it runs last when the next compute runs it first (the
+        head from a forward to its backward, the embedding or a block from a backward to the next forward) rather
+        than free it and gather it again; the unit the last action kept is freed as usual again."""
+        if not self.sharding.reshard_after_forward:
+            return  # ZeRO-2 keeps every unit whole until its chunk's last backward anyway
+        if self._kept is not None:
+            unit, kind = self._kept
+            if kind is ActionKind.FORWARD:
+                unit.set_reshard_after_forward(True, recurse=False)
+            else:
+                unit.set_reshard_after_backward(True, recurse=False)
+        self._kept = kept
+        if kept is not None:
+            unit, kind = kept
+            if kind is ActionKind.FORWARD:
+                unit.set_reshard_after_forward(False, recurse=False)
+            else:
+                unit.set_reshard_after_backward(False, recurse=False)
 
     def _runs_first(self, action: Action | None) -> FSDPModule | None:
         """The unit a compute action runs first: its chunk's first unit for a forward, its last for a backward."""
@@ -229,13 +212,7 @@ class ShardedChunks:
         """Free every gathered parameter (`reshard` does not recurse: each wrapped module)."""
         for module in self.wrapped:
             module.reshard()
-            self._refresh(module)
-
-
-def _param_groups(module: FSDPModule) -> list:
-    # Private FSDP2 state (torch 2.13): a wrapped module's parameter groups, each with its `fsdp_params`
-    # (whose `all_gather_outputs` hold the gathered parameter) and the all-gather in flight.
-    return fully_shard.state(module)._fsdp_param_groups
+            self.meter.refresh(module)
 
 
 def shard_chunks(chunks: list[nn.Module], dp_mesh: DeviceMesh | None, router_group: dist.ProcessGroup | None,
