@@ -3,12 +3,12 @@ workers run.
 
 One spawned world of 8 processes runs every plan in turn: zero=2 and zero=3 at (dp2, pp2, tp2, sp, 1f1b), at
 (pp2, vpp2, dp2, interleaved-1f1b) and, for MoE, at (dp2, ep2) with full recompute, zero=3 alone at (dp2),
-(dp2, pp2, 1f1b) with full recompute and (dp2, tp2), each against the one-rank zero=0 run (which every layout
-follows within 1e-4: the project's layout-equivalence rule), the interleaved ones with a validation pass after step
-1 as well; a zero=3 checkpoint resumed at zero=0 dp=1, and a zero=0 dp=1 checkpoint resumed at zero=3 (pp2, vpp2,
-dp2), both continuing that curve. Every rank reports the most parameter bytes FSDP2 held gathered at once in its
-last step (`peak_gathered_bytes`), which the memory plan's figure must match: per block at zero=3 (two blocks at
-most), every chunk whole at zero=2.
+(dp2, pp2, 1f1b) with full recompute, (dp2, tp2) and (dp2) with tied embeddings, each against the one-rank zero=0
+run (which every layout follows within 1e-4: the project's layout-equivalence rule), the interleaved ones with a
+validation pass after step 1 as well; a zero=3 checkpoint resumed at zero=0 dp=1, and a zero=0 dp=1 checkpoint
+resumed at zero=3 (pp2, vpp2, dp2), both continuing that curve. Every rank reports the most parameter bytes FSDP2
+held gathered at once in its last step (`peak_gathered_bytes`), which the memory plan's figure must match: per
+block at zero=3 (two blocks at most, and a tied embedding beside them), every chunk whole at zero=2.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ RUNS: dict[str, tuple[Plan, dict]] = {
     "zero3-pp2": (plan_for(activation_checkpointing="full",
                            parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "1f1b", "zero": 3}), {}),
     "zero3-tp2": (plan_for(parallel={"dp": 2, "tp": 2, "microbatches": 2, "zero": 3}), {}),
+    "tied-reference": (plan_for(model={"tie_embeddings": True}, parallel={"microbatches": 2}), {}),
+    "zero3-tied": (plan_for(model={"tie_embeddings": True}, parallel={"dp": 2, "microbatches": 2, "zero": 3}), {}),
     "zero3-resumed-at-zero0-dp1": (plan_for(parallel={"microbatches": 2}), {"resume": "zero3-tp"}),
     "zero0-resumed-at-zero3": (plan_for(parallel={**INTERLEAVED, "zero": 3}), {"resume": "reference"}),
 }
@@ -128,19 +130,28 @@ def test_per_block_zero3_follows_the_zero0_losses(runs, name):
     assert_follows(runs[name], runs["reference"][0])
 
 
-ZERO3 = ["zero3-dp2", "zero3-pp2", "zero3-tp2", "zero3-tp", "zero3-interleaved", "moe-zero3"]
+def test_per_block_zero3_with_tied_embeddings_follows_the_zero0_losses(runs):
+    """The embedding and the head share their weight: one FSDP2 unit, run first and last in the forward."""
+    assert_follows(runs["zero3-tied"], runs["tied-reference"][0])
+
+
+ZERO3 = ["zero3-dp2", "zero3-pp2", "zero3-tp2", "zero3-tp", "zero3-interleaved", "moe-zero3", "zero3-tied"]
 
 
 @pytest.mark.parametrize("name", ZERO3)
 def test_zero3_holds_at_most_two_blocks_gathered_as_the_memory_plan_says(results, name):
     plan = RUNS[name][0]
     family, m = family_of(plan.config.model), plan.config.model
-    # a block's local parameters (its experts included): what FSDP2 gathers at most for it
-    block = 4 * max(family.param_counts(m, (i,), first=False, last=False, tp=plan.tp, ep=plan.ep).total
-                    for i in range(m.n_layer))
+
+    def local(layers: tuple[int, ...], first: bool = False, last: bool = False) -> int:
+        return 4 * family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep).total
+
+    block = max(local((i,)) for i in range(m.n_layer))  # its experts included: what FSDP2 gathers at most for it
+    # tied embeddings: one unit, held from the forward's first unit to its last, beside two blocks
+    bound = 2 * block + (local((), first=True, last=True) if m.tie_embeddings else 0)
     for rank, result in enumerate(results[name]):
         expected = plan.memory()[rank].gathered
-        assert 0 < expected <= 2 * block, rank
+        assert 0 < expected <= bound, rank
         if m.moe is None:
             assert result.probe == pytest.approx(expected, rel=0.01), rank
         else:  # the plan counts a block with all its experts, which FSDP2 gathers one at a time
