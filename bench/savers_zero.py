@@ -7,8 +7,8 @@ perf section's JobSpec on the same process groups and train them side by side, i
 round to round (see `bench.perf`), so the machine's drift hits every variant alike; a time ratio is the median
 of the per-round ratios. The memory rows are what rank 0 holds after a step: the reduced gradients (zero 0's
 fp32 buckets, FSDP2's shards), the parameters kept between steps, and their peak during the step (the kept
-shard plus the most FSDP2 held gathered: at pp=1 the one chunk is the whole model, so ZeRO-3's peak is the
-shard plus the model). The section fails unless every variant's losses equal zero 0's within LOSS_RTOL.
+shard plus the most FSDP2 held gathered: ZeRO-2 the one chunk, at pp=1 the whole model, for the step; ZeRO-3 per
+block, two units at once). The section fails unless every variant's losses equal zero 0's within LOSS_RTOL.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class ParallelConfig:
     zero: Annotated[Literal[0, 1, 2, 3], NOT_BOOL] = 0
     """1: ZeRO-1, each data-parallel rank keeps the optimizer state of its shard of the parameters only
     (gradients reduce-scattered, parameters all-gathered after the step); 2: ZeRO-2, the reduced gradients
-    too; 3: ZeRO-3, the parameters too, gathered per pipeline chunk around its forward and backward."""
+    too; 3: ZeRO-3, the parameters too, gathered one block at a time around its forward and backward."""
     overlap_reduce: bool = True
     """Start each gradient bucket's reduction during backward, as soon as its gradients are final."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"

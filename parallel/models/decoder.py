@@ -9,7 +9,8 @@ feed the residual stream (`RESIDUAL`, scaled down at init).
 
 What a stage offers the pipeline and the trainer: `forward(x)` (token ids on the first stage, hidden states
 elsewhere), `loss_sum(hidden, targets)` (summed cross-entropy, ignore_index -100), `set_activation_
-checkpointing(mode)`, and `cfg`, `first`, `last`, `blocks`.
+checkpointing(mode)`, `shard_units()` (what ZeRO-3 gathers together, in the order the forward runs it), and
+`cfg`, `first`, `last`, `blocks`.
 
 Initialisation depends only on the job seed and each parameter's name, never on the layout: every
 parameter draws from its own generator seeded by (seed, name).
@@ -110,6 +111,20 @@ class DecoderStage(nn.Module):
         self.offload_blocks = False
         self.compiled_blocks = False
         """Set by `parallel.runtime.compile.compile_blocks`."""
+
+    def shard_units(self) -> list[list[nn.Module]]:
+        """The modules ZeRO-2/3 gather and reduce together (one FSDP2 unit each), in the order the forward runs
+        them: the embedding (whatever `build_embeddings` made), each block, the head (final norm and output
+        projection). Tied embeddings on one stage make the embedding and the head one unit (they share a
+        weight), listed twice: the same list object opens and closes the forward."""
+        head = [self.ln_f, self.lm_head] if self.last else []
+        embedding = [m for name, m in self.named_children() if name != "blocks" and m not in head
+                     and next(m.parameters(), None) is not None]
+        blocks = [[block] for block in self.blocks.values()]
+        if self.first and self.last and self.cfg.tie_embeddings:
+            tied = embedding + head
+            return [tied, *blocks, tied]  # one unit, listed where it runs: first (embedding) and last (head)
+        return [unit for unit in [embedding, *blocks, head] if unit]
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """none, full (recompute each block in backward: only block inputs are kept) or selective (each

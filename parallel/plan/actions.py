@@ -42,6 +42,9 @@ SEND_KINDS = frozenset({ActionKind.SEND_ACT, ActionKind.SEND_GRAD})
 INPUT_GRAD_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
 """The computes that produce a chunk's input gradient (what SEND_GRAD sends)."""
 FREEING_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT})
+COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                           ActionKind.BACKWARD_WEIGHT})
+"""The actions that compute (the rest send and receive)."""
 """The computes after which a chunk's activation of a micro-batch is no longer held."""
 
 

@@ -13,7 +13,8 @@ registry's (`parallel.optim.kinds`).
 
 Model state (exact, counted by the model's family, `ModelFamily.param_counts`, from the shapes its stages
 have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever the precision (with
-`parallel.zero: 2 | 3` a 1/N shard plus the chunks FSDP2 holds gathered at the peak: `param_bytes`); gradients live
+`parallel.zero: 2 | 3` a 1/N shard plus what FSDP2 holds gathered at the peak: at ZeRO-2 every chunk, at ZeRO-3
+two units (blocks, or a block and the embedding or the head): `param_bytes`, `gathered_bytes`); gradients live
 in fp32 flat buckets that hold every local parameter (4 B each, also under ZeRO-1, which keeps whole
 gradients and adds the reduced 1/N slice; see `parallel.runtime.data_parallel`); AdamW keeps two fp32 states per
 parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size
@@ -46,11 +47,13 @@ from trainyard.parallel.config import JobConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
 from trainyard.parallel.optim.kinds import optimizer_kind
-from trainyard.parallel.plan.actions import FREEING_KINDS, ActionKind, virtual_stage
+from trainyard.parallel.plan.actions import COMPUTE_KINDS, FREEING_KINDS, ActionKind, virtual_stage
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
+
+"""The actions that run a chunk's units (the split halves, which ZeRO-2/3 refuse, as a backward each)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class RankMemory:
     their gradients (`optimizer` is then 0)."""
     host_activations: int = 0
     """`activation_offload`: most bytes of the blocks' saved activations in host memory at once."""
+    gathered: int = 0
+    """Of `params`, with ZeRO-2/3: the bytes FSDP2 holds gathered whole at the step's peak (`gathered_bytes`;
+    ZeRO-3: per block), what the runtime's `peak_gathered_bytes` measures."""
 
     @property
     def total(self) -> int:
@@ -88,7 +94,7 @@ class RankMemory:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "recompute": self.recompute, "total": self.total,
                 "host_optimizer": self.host_optimizer, "host_activations": self.host_activations,
-                "host_total": self.host}
+                "host_total": self.host, "gathered": self.gathered}
 
 
 Plan = Sizing
@@ -119,6 +125,7 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
         recompute=max(transient for _, transient in chunks),
         host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
         host_activations=peak_activation_bytes(plan, pp, offloaded),
+        gathered=gathered_bytes(plan, pp),
     )
 
 
@@ -142,15 +149,52 @@ def _chunk_counts(plan: Plan, pp_rank: int) -> list[ParamCounts]:
 
 def param_bytes(plan: Plan, pp_rank: int) -> int:
     """fp32 parameters: every local one, or with ZeRO-2/3 the 1/N shard of each set reduced over N > 1 ranks
-    plus what is gathered whole at the step's peak (ZeRO-2: every chunk; ZeRO-3: one chunk computing and the
-    next one's gather in flight), each chunk counted whole with its MoE routers and experts (FSDP2 gathers
-    those one module at a time, so for an MoE chunk this is a bound)."""
+    plus what is gathered whole at the step's peak (`gathered_bytes`)."""
     sharding = sharding_for(plan.config.fixed_parallel.zero)
-    chunks = _chunk_counts(plan, pp_rank)
-    total = sum(chunks, ParamCounts(dense=0, router=0, experts=0))
+    total = sum(_chunk_counts(plan, pp_rank), ParamCounts(dense=0, router=0, experts=0))
     kept = sum(sharding.param_elements(n, size) for n, size in _reduced_sets(plan, total))
-    gathered = sharding.gathered_elements([sum(n for n, size in _reduced_sets(plan, c) if size > 1) for c in chunks])
-    return FP32 * (kept + gathered)
+    return FP32 * kept + gathered_bytes(plan, pp_rank)
+
+
+def gathered_bytes(plan: Plan, pp_rank: int) -> int:
+    """fp32 bytes of parameters FSDP2 holds gathered whole at the step's peak, besides the shards (0 below
+    ZeRO-2): ZeRO-2 every unit of every chunk; ZeRO-3 per block: the unit computing and the next one's gather
+    in flight, walked over the rank's computes in the schedule's order (the pair that crosses from one compute
+    to the next included), and a unit that runs twice in one forward (tied embeddings) held in between. A
+    block is counted with its MoE router and experts, which FSDP2 gathers one module at a time inside it: for
+    an MoE block this is a bound."""
+    sharding = sharding_for(plan.config.fixed_parallel.zero)
+    if not sharding.shards_parameters:
+        return 0
+    units = _shard_units(plan, pp_rank)
+    backward = [units[::-1] for units in units]
+    passes = [units[a.chunk] if a.kind is ActionKind.FORWARD else backward[a.chunk]
+              for a in plan.schedule[pp_rank] if a.kind in COMPUTE_KINDS]
+    return FP32 * sharding.gathered_elements(passes)
+
+
+def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], int]]]:
+    """Each chunk's FSDP2 units in the order its forward runs them, as `DecoderStage.shard_units` makes them
+    (the embedding, each block, the head; tied embeddings one unit, first and last), each as ((chunk, name),
+    its local parameter elements that are sharded: the sets reduced over more than this rank)."""
+    m, family = plan.config.model, family_of(plan.config.model)
+
+    def sharded(layers: tuple[int, ...], first: bool, last: bool) -> int:
+        counts = family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep)
+        return sum(n for n, size in _reduced_sets(plan, counts) if size > 1)
+
+    out = []
+    for c, layers in enumerate(plan.chunk_layers(pp_rank)):
+        v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
+        first, last = v == 0, v == plan.n_virtual_stages - 1
+        blocks = [((c, f"block {i}"), sharded((i,), False, False)) for i in layers]
+        if first and last and m.tie_embeddings:
+            tied = ((c, "embedding and head"), sharded((), True, True))
+            out.append([tied, *blocks, tied])
+            continue
+        out.append(([((c, "embedding"), sharded((), True, False))] if first else []) + blocks
+                   + ([((c, "head"), sharded((), False, True))] if last else []))
+    return out
 
 
 def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
@@ -163,7 +207,7 @@ def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
 def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     """fp32 buckets holding every local gradient; with ZeRO-1 also the reduced 1/N slice of them; with
     `reduce_dtype: bf16` the bf16 copies on the wire (every bucket's at once at worst, as the reduction
-    overlaps backward). ZeRO-2/3 keep the reduced 1/N shard only (the whole gradient of the chunk whose
+    overlaps backward). ZeRO-2/3 keep the reduced 1/N shard only (the whole gradient of the block whose
     backward is running lives until its reduce-scatter: a transient, not counted). A set reduced by no
     other rank (N = 1) is neither sharded nor sent."""
     par, bytes_ = plan.config.fixed_parallel, 0

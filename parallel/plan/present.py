@@ -18,6 +18,7 @@ from trainyard.parallel.plan.schedule_timing import Costs
 from trainyard.parallel.plan.schedules import placement_of
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
+from trainyard.parallel.plan.units import format_bytes
 
 
 def describe(plan: Plan) -> dict:
@@ -52,7 +53,8 @@ def describe(plan: Plan) -> dict:
 def describe_memory(plan: Plan) -> dict:
     """The memory plan (`parallel.plan.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
     activations and recompute transient, their total, and the rank with the largest total; `zero` is the
-    sharding they were counted under (at 2 and 3, `params` is the shard plus the chunks gathered at the peak)."""
+    sharding they were counted under (at 2 and 3, `params` is the shard plus `gathered`, what is gathered whole at
+    the peak: ZeRO-2 every chunk, ZeRO-3 per block)."""
     ranks = estimate(plan.layout, plan.config)
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
@@ -60,10 +62,13 @@ def describe_memory(plan: Plan) -> dict:
     sharding = sharding_for(zero)
     out: dict[str, Any] = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
     if sharding.shards_parameters:
-        gathered = "the chunk computing and the next one being gathered" if sharding.reshard_after_forward else \
+        gathered = ("per block: the block computing and the next one being gathered (the embedding and the head are "
+                    "units of their own)") if sharding.reshard_after_forward else \
             "every chunk of the rank, whole for the step"
-        out["note"] = (f"parallel.zero: {zero} (FSDP2): params are the 1/N shard kept between steps plus {gathered}; "
-                       "grads and optimizer are the 1/N shards")
+        most = max(m["gathered"] for m in per_rank)
+        out["note"] = (f"parallel.zero: {zero} (FSDP2): params are the 1/N shard kept between steps plus {gathered}, "
+                       f"at most {format_bytes(most)} gathered at once on a rank; grads and optimizer are the 1/N "
+                       "shards")
     return out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from trainyard.parallel.plan.actions import (
     COMM_KINDS,
+    COMPUTE_KINDS,
     FREEING_KINDS,
     INPUT_GRAD_KINDS,
     SEND_KINDS,
@@ -33,7 +34,7 @@ from trainyard.parallel.plan.actions import (
     stage_location,
     virtual_stage,
 )
-from trainyard.parallel.plan.schedule_timing import COMPUTE_KINDS, CheckedSchedule, Costs, SimResult
+from trainyard.parallel.plan.schedule_timing import CheckedSchedule, Costs, SimResult
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 BI, BW = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainyard.parallel.plan.actions import Action, ActionKind, ScheduleError
+from trainyard.parallel.plan.actions import COMPUTE_KINDS, Action, ActionKind, ScheduleError
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 BI, BW = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
-
-COMPUTE_KINDS = frozenset({F, B, BI, BW})
 
 
 @dataclass(frozen=True)

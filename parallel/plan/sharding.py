@@ -3,7 +3,7 @@
 A registry keyed by the spec's `parallel.zero`: 0 keeps everything on every rank (all-reduce), 1 is ZeRO-1
 (each rank keeps the reduced gradients and the optimizer state of its 1/N slice: reduce-scatter, then an
 all-gather of the parameters after the step), 2 is ZeRO-2 (the reduced gradients exist as this rank's 1/N
-shard only) and 3 is ZeRO-3 (the parameters too, gathered per pipeline chunk around its forward and
+shard only) and 3 is ZeRO-3 (the parameters too, gathered one block at a time around its forward and
 backward); 2 and 3 are torch's FSDP2 (`parallel.runtime.fsdp`). Each strategy answers the questions the rest of the
 code asks of it: the memory plan its parameter, gradient and optimizer-state elements per rank
 (`parallel.plan.memory`), the gradient reducer whether to shard (`parallel.runtime.data_parallel`), the trainer whether
@@ -15,7 +15,13 @@ Pure: no torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
+
+Pass = list[tuple[Hashable, int]]
+"""One compute (a forward or a backward of a chunk): the FSDP2 units it runs, in order, each with its local
+parameter elements that are sharded; a unit that runs twice in it is listed twice. The computes of one chunk and
+direction repeat over the micro-batches: the caller passes the same list for each."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +53,10 @@ class Sharding:
         """Parameter elements a rank keeps between steps, of `n` local ones sharded over `group_size` ranks."""
         return n
 
-    def gathered_elements(self, chunks: list[int]) -> int:
-        """Parameter elements gathered whole at the step's peak, besides `param_elements`, given the local
-        elements of each of the rank's chunks that are sharded (0: nothing is gathered)."""
+    def gathered_elements(self, passes: list[Pass]) -> int:
+        """Parameter elements gathered whole at the step's peak, besides `param_elements`, given the rank's
+        computes in the schedule's order, each the FSDP2 units it runs in order with their local elements that
+        are sharded (0: nothing is gathered)."""
         return 0
 
     def gradient_elements(self, n: int, group_size: int) -> int:
@@ -92,8 +99,9 @@ class GradientSharding(Sharding):
     """ZeRO-2 (FSDP2 with `reshard_after_forward=False`): each rank keeps the 1/N shard of the parameters,
     their reduced gradients and optimizer state between steps. A chunk's parameters are gathered at its
     first forward of the step and kept whole until its last backward, so during the step every chunk is
-    held whole beside its shard; each micro-batch's backward reduce-scatters the chunk's gradients into the
-    shard (DeepSpeed stage 2's accumulation), so no whole gradient outlives the backward that made it."""
+    held whole beside its shard; each micro-batch's backward reduce-scatters each block's gradients into the
+    shard as soon as that block's backward is done (DeepSpeed stage 2's accumulation, per FSDP2 unit: the
+    embedding, a block, the head), so no whole gradient outlives the backward of the block that made it."""
 
     zero: int = 2
     shards_optimizer_state: bool = True
@@ -108,8 +116,8 @@ class GradientSharding(Sharding):
     def param_elements(self, n: int, group_size: int) -> int:
         return _shard(n, group_size)
 
-    def gathered_elements(self, chunks: list[int]) -> int:
-        return sum(chunks)
+    def gathered_elements(self, passes: list[Pass]) -> int:
+        return sum({unit: n for units in passes for unit, n in units}.values())  # every unit, whole all step
 
     def gradient_elements(self, n: int, group_size: int) -> int:
         return _shard(n, group_size)
@@ -120,18 +128,44 @@ class GradientSharding(Sharding):
 
 @dataclass(frozen=True)
 class ParameterSharding(GradientSharding):
-    """ZeRO-3 (FSDP2 with `reshard_after_forward=True`): as ZeRO-2, but a chunk's parameters are gathered
-    just before each of its forwards and backwards and freed after; the next chunk's gather is started while
-    this one computes, so at the peak one chunk is whole and the next one's gather is in flight."""
+    """ZeRO-3 (FSDP2 with `reshard_after_forward=True`), per block: as ZeRO-2, but each unit of a chunk (the
+    embedding, a block, the head) is gathered just before each of its forwards and backwards and freed after;
+    the next unit's gather (in the same compute or the next one) is started while this one computes, so at the
+    peak one unit is whole and the next one's gather is in flight."""
 
     zero: int = 3
     reshard_after_forward: bool = True
 
     def gathers_per_step(self, microbatches: int) -> int:
-        return 2 * microbatches  # each chunk before each of its forwards and backwards
+        return 2 * microbatches  # each unit of each chunk before each of its forwards and backwards
 
-    def gathered_elements(self, chunks: list[int]) -> int:
-        return sum(sorted(chunks)[-2:])  # the largest chunk computing while the next largest is gathered
+    def gathered_elements(self, passes: list[Pass]) -> int:
+        peak, inner = 0, {}
+        for i, units in enumerate(passes):
+            if id(units) not in inner:  # a compute that repeats another is the same list: walked once
+                inner[id(units)] = _pass_peak(units)
+                peak = max(peak, inner[id(units)])
+            if units and i + 1 < len(passes) and passes[i + 1]:  # the last unit and the next compute's first
+                (last, n), (first, m) = units[-1], passes[i + 1][0]
+                peak = max(peak, n if last == first else n + m)
+        return peak
+
+
+def _pass_peak(units: Pass) -> int:
+    """The most one compute holds gathered at once: the unit computing, the next one's gather, and a unit that
+    runs twice in it (tied embeddings: the embedding and the head), which FSDP2 frees only after its second run."""
+    first: dict[Hashable, int] = {}
+    last: dict[Hashable, int] = {}
+    for k, (unit, _) in enumerate(units):
+        first.setdefault(unit, k)
+        last[unit] = k
+    sizes, twice = dict(units), [u for u in first if last[u] > first[u]]
+    peak = 0
+    for k, (unit, _) in enumerate(units):
+        following = [units[k + 1][0]] if k + 1 < len(units) else []
+        held = {unit, *following, *(u for u in twice if first[u] < k < last[u])}
+        peak = max(peak, sum(sizes[u] for u in held))
+    return peak
 
 
 def _shard(n: int, group_size: int) -> int:

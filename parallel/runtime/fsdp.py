@@ -1,43 +1,65 @@
-"""ZeRO-2 and ZeRO-3 (`parallel.zero: 2 | 3`) with torch's FSDP2 (`fully_shard`), driven by the pipeline's schedule.
+"""ZeRO-2 and ZeRO-3 (`parallel.zero: 2 | 3`) with torch's FSDP2 (`fully_shard`), per block, driven by the pipeline's
+schedule.
 
-`shard_chunks` hands every pipeline chunk of a rank to FSDP2 as a root of its own, on the data-parallel
+`shard_chunks` wraps, inside every pipeline chunk of a rank, each unit the model family names
+(`DecoderStage.shard_units`: the embedding, each transformer block, the head) with FSDP2 on the data-parallel
 dimension of the world mesh (`parallel.runtime.distributed`), so a tensor-parallel DTensor parameter becomes a 2-D
-(dp, tp) DTensor and a plain one a 1-D (dp) DTensor, sharded along its first dimension. An MoE block's router
-and each of its experts are wrapped apart, on a 1-D mesh made of their own reduction group (the router: the
+(dp, tp) DTensor and a plain one a 1-D (dp) DTensor, sharded along its first dimension; the chunk itself is then
+wrapped as the root of its units (it holds no parameter of its own). An MoE block's router and each of its
+experts are wrapped apart, inside their block, on a 1-D mesh made of their own reduction group (the router: the
 stage's dp x tp ranks; experts: the ranks holding the same experts; see `parallel.models.moe`), so every set of
 gradients is summed over the ranks that computed it, as the hand-written reducers do at zero 0 and 1. A set
-whose group is this rank alone is left out of FSDP (`ignored_params`) and reduced by a plain
-`GradientReducer` (which then sends nothing). FSDP2 does the sharding, the gathers, the reduce-scatters (in
-`reduce_dtype` on the wire), the sharded gradients the optimizer updates, and the DTensors DCP checkpoints
-under the unsharded model's names and shapes, so a checkpoint stays layout-independent.
+whose group is this rank alone is left out of FSDP (`ignored_params`) and reduced by a plain `GradientReducer`
+(which then sends nothing). FSDP2 does the sharding, the gathers, the reduce-scatters (in `reduce_dtype` on the
+wire), the sharded gradients the optimizer updates, and the DTensors DCP checkpoints under the unsharded model's
+names and shapes, so a checkpoint stays layout-independent.
+
+Gathering one unit at a time: each unit's FSDP2 pre-forward (pre-backward) hook gathers it and, through FSDP2's
+explicit prefetch lists (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`), starts the gather
+of the unit that runs after it, so a block's gather overlaps the compute of the one before it, in forward and in
+backward. At ZeRO-3 each unit is freed after its forward and after its backward, so a rank holds at most the unit
+computing and the next one's gather: two blocks, or a block and the embedding or the head, never a chunk
+(`parallel.plan.memory` counts that pair; `peak_gathered_bytes` measures it). The gathers are issued with
+`async_op` (`_set_unshard_async_op`): they then overlap compute on gloo too, and FSDP2 keeps no copy of a unit's
+all-gather buffer after copying it out (with `async_op=False` it keeps the last one for its stream overlap).
 
 What is ours, and why:
 - the loss is already normalised by the global token count, so the gradient wanted is the SUM over the group:
   `set_gradient_divide_factor(1)`, and `set_force_sum_reduction_for_comms` because FSDP2 would otherwise send
   a factor of 1 as `ReduceOp.PREMUL_SUM`, which gloo refuses;
 - the head's loss runs in `loss_sum`, outside `forward`: registered with `register_fsdp_forward_method`;
-- when to gather: FSDP2 knows module order, not the coordinator's schedule, in which a rank's chunks and
-  micro-batches interleave. The pipeline executor calls `before_compute(action, next_action)` before each
-  forward and backward: this chunk is gathered (waiting for its prefetch, if one is in flight) and the gather
-  of the chunk the schedule computes next is started (`unshard(async_op=True)`), so it overlaps this compute;
-- when to free: ZeRO-3 frees a chunk after each forward and backward (`reshard_after_forward=True`); ZeRO-2
-  keeps it whole from its first forward of the step to its last backward, which only the schedule knows:
+- which unit runs next across actions: FSDP2 knows module order, not the coordinator's schedule, in which a
+  rank's chunks, micro-batches, forwards and backwards interleave (and its implicit backward prefetch, from the
+  order of the forwards since the last backward, mistargets in a pipeline, so every unit gets an explicit list).
+  The pipeline executor calls `before_compute(action, next_action)` before each forward and backward: the unit
+  this action runs last is pointed at the unit the next compute action runs first (the first of its chunk's units
+  for a forward, the last for a backward), so that gather starts while this action's last unit computes;
+- when the next compute runs first the unit this one runs last (the head from a forward to its backward at the
+  last stage, the embedding or first block from a backward to the next forward), ZeRO-3 keeps that unit whole in
+  between (`set_reshard_after_forward` / `set_reshard_after_backward` for that action) rather than free it and
+  gather it again at once;
+- a chunk's backwards before its last in the step are not FSDP2's "last backward" (`set_is_last_backward`):
+  FSDP2 would end each by dropping the gather prefetched for the chunk's next backward; `arm` sets it for the
+  last, which waits for the reductions, as FSDP2's micro-batching expects;
+- a unit that runs twice in one forward (tied embeddings: the embedding first, the head last) has no list that
+  fits both runs: it prefetches nothing and is gathered when it runs;
+- when to free: ZeRO-3 frees a unit after each forward and backward (`reshard_after_forward=True`); ZeRO-2
+  keeps it whole from its first forward of the step to its chunk's last backward, which only the schedule knows:
   `arm(chunk)` (the trainer's `before_backward`, as for the overlapped reducers) turns FSDP2's
-  `reshard_after_backward` on just for that backward;
-- micro-batch accumulation: `requires_gradient_sync` stays on, so each micro-batch's backward of a chunk
-  reduce-scatters its gradients and FSDP2 adds them to the shard (DeepSpeed stage 2's scheme): a whole
-  gradient exists only for the chunk whose backward is running, never across the step.
+  `reshard_after_backward` on for the chunk's units just for that backward;
+- micro-batch accumulation: `requires_gradient_sync` stays on, so each micro-batch's backward of a unit
+  reduce-scatters its gradients and FSDP2 adds them to the shard (DeepSpeed stage 2's scheme): a whole gradient
+  exists only for the block whose backward is running, at ZeRO-2 as at ZeRO-3.
 
-FSDP2's private per-module state (`_param_groups`: each group's `fsdp_params` with their `all_gather_outputs`,
-and `_all_gather_result`, a gather in flight) is read in `ShardedChunks._refresh` and `_sample` only, to know
-which storages hold gathered parameters right now: the pipeline's saved-tensor meter must not count them as
-activations, and `peak_gathered_bytes` is what the memory plan's gathered chunks are checked against.
+FSDP2's private state is used in three places: each root is initialised at construction (`_lazy_init`, which
+its first forward would run), so a gather prefetched into a chunk that has not run yet finds its units ready;
+`_set_unshard_async_op` (above); and `parallel.runtime.fsdp_meter`, which measures what is gathered.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +70,7 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.moe import moe_layers
 from trainyard.parallel.plan.actions import Action, ActionKind
 from trainyard.parallel.plan.sharding import Sharding
+from trainyard.parallel.runtime.fsdp_meter import GatheredMeter
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -56,112 +79,163 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 
 class ShardedChunks:
-    """A rank's chunks handed to FSDP2: which modules are wrapped, and the schedule's calls into them."""
+    """A rank's chunks handed to FSDP2 per block: which modules are wrapped, and the schedule's calls into them."""
 
-    def __init__(self, chunks: list[nn.Module], roots: list[FSDPModule | None], nested: list[list[FSDPModule]],
-                 sharding: Sharding):
-        """`roots[c]`: chunk c wrapped on the dp mesh (None when dp = 1); `nested[c]`: its routers and experts
-        wrapped on their own groups."""
-        self.chunks, self.roots, self.sharding = chunks, roots, sharding
-        self.wrapped = [m for c, root in enumerate(roots) for m in ([root] if root is not None else []) + nested[c]]
+    def __init__(self, chunks: list[nn.Module], roots: list[FSDPModule | None], orders: list[list[FSDPModule]],
+                 nested: list[list[FSDPModule]], members: dict[FSDPModule, list[nn.Module]], sharding: Sharding):
+        """`roots[c]`: chunk c wrapped on the dp mesh (None when dp = 1); `orders[c]`: its units (embedding,
+        blocks, head) in the order its forward runs them, a unit that runs twice listed twice (empty when dp = 1);
+        `nested[c]`: its routers and experts, wrapped on their own groups; `members`: each unit or nested module
+        -> the modules it was made of."""
+        self.chunks, self.roots, self.orders, self.sharding = chunks, roots, orders, sharding
+        self.nested = nested
+        units = [m for order in orders for m in dict.fromkeys(order)]
+        self.wrapped = [*(r for r in roots if r is not None), *units, *(m for ms in nested for m in ms)]
         # What the step's calls go to: a chunk's root (they recurse into what it holds), else its nested modules.
         self.tops = [[root] if root is not None else nested[c] for c, root in enumerate(roots)]
         self.backwards = [0] * len(chunks)
         """Backwards of each chunk in this step: each one reduce-scatters the chunk's gradients (`wire_bytes`)."""
-        self.peak_gathered_bytes = 0
+        self._kept: tuple[FSDPModule, ActionKind] | None = None
+        """ZeRO-3: the unit the current action keeps whole for the next one, which runs it first."""
+        self._once = [{u for u in order if order.count(u) == 1} for order in orders]
+        for c in range(len(chunks)):
+            self._wire(c)
+        self.meter = GatheredMeter(self.wrapped, self._neighbourhoods(), members)
+
+    @property
+    def gathered(self) -> set[int]:
+        """Addresses of the storages holding gathered (whole) parameters now: what the saved-tensor meter skips."""
+        return self.meter.gathered
+
+    @property
+    def peak_gathered_bytes(self) -> int:
         """Most bytes of gathered parameters (whole, or in flight) held at once in the last step."""
-        self.gathered: set[int] = set()
-        """Addresses of the storages holding gathered (whole) parameters: what the saved-tensor meter skips."""
-        self._storages: dict[FSDPModule, dict[int, int]] = {}
-        self._held = 0
-        for module in self.wrapped:  # after FSDP2's own hooks: its pre-forward gathers, its post-forward frees
-            module.register_forward_pre_hook(self._changed)
-            module.register_forward_hook(self._changed)
+        return self.meter.peak_gathered_bytes
 
-    def _changed(self, module: FSDPModule, *_: object) -> None:
-        self._refresh(module)
-        self._sample(self.roots)
+    def _neighbourhoods(self) -> dict[FSDPModule, list[FSDPModule]]:
+        """Each unit (or nested module) -> the wrapped modules whose state may change while it runs: its unit,
+        the units next to it in its chunk's order (the one just freed, the one being gathered), and the routers
+        and experts inside them."""
+        near: dict[FSDPModule, list[FSDPModule]] = {}
+        for order, nested in zip(self.orders, self.nested, strict=True):
+            inside = {u: [n for n in nested if any(n is m for m in u.modules())] for u in order}
+            for k, unit in enumerate(order):
+                around = [v for v in order[max(0, k - 1):k + 2] for v in (v, *inside[v])]
+                near[unit] = list(dict.fromkeys(near.get(unit, []) + around))
+            for n in nested:
+                near[n] = next((near[u] for u in order if n in inside[u]), [n])
+        return near
 
-    def _refresh(self, module: FSDPModule) -> None:
-        """Look again at which storages of `module`'s parameters are gathered (allocated) now."""
-        old = self._storages.get(module, {})
-        new = {}
-        for group in _param_groups(module):
-            for p in group.fsdp_params:
-                for t in p.all_gather_outputs:
-                    if (n := t.untyped_storage().nbytes()) > 0:
-                        new[t.untyped_storage().data_ptr()] = n
-        self.gathered.difference_update(old)
-        self.gathered.update(new)
-        self._held += sum(new.values()) - sum(old.values())
-        self._storages[module] = new
-
-    def _sample(self, modules: Iterable[FSDPModule | None]) -> None:
-        """The peak so far, with the buffers of gathers in flight on `modules`."""
-        in_flight = sum(group._all_gather_result.all_gather_output.untyped_storage().nbytes()
-                        for module in modules if module is not None for group in _param_groups(module)
-                        if group._all_gather_result is not None)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held + in_flight)
+    def _wire(self, c: int) -> None:
+        """FSDP2's prefetch lists inside chunk c: each unit gathers the next one in forward and the one before it
+        in backward. Every unit gets a backward list, at worst itself (a no-op): with none, FSDP2 guesses from the
+        order of the forwards since the last backward, which a pipeline interleaves."""
+        order, once = self.orders[c], self._once[c]
+        for k, unit in enumerate(order):
+            if unit not in once:
+                unit.set_modules_to_backward_prefetch([unit])
+                continue
+            if k + 1 < len(order):
+                unit.set_modules_to_forward_prefetch([order[k + 1]])
+            unit.set_modules_to_backward_prefetch([order[k - 1] if k > 0 else unit])
+        for module in self.nested[c]:
+            module.set_modules_to_backward_prefetch([module])
 
     def start_step(self) -> None:
-        """Before a step: everything sharded (an evaluation may have left ZeRO-2's chunks whole), and ZeRO-2's
-        chunks kept whole after each backward until `arm` says the next one is their last."""
+        """Before a step: everything sharded (an evaluation may have left ZeRO-2's units whole), ZeRO-2's
+        units kept whole after each backward until `arm` says the next one is their chunk's last, and no backward
+        taken for its chunk's last (FSDP2 would then drop a gather prefetched for the chunk's next backward)."""
+        self._keep(None)
         self.reshard()
         for module in (m for top in self.tops for m in top):
             module.set_reshard_after_backward(self.sharding.reshard_after_forward)
+        for root in self.roots:
+            if root is not None:
+                root.set_is_last_backward(False)
         self.backwards = [0] * len(self.chunks)
-        self.peak_gathered_bytes = 0
+        self.meter.reset()
 
     def arm(self, chunk: int) -> None:
-        """The next backward of `chunk` is its last in this step: free its parameters after it."""
+        """The next backward of `chunk` is its last in this step: free its units' parameters after it, and let
+        FSDP2 finish the chunk's backward there (wait for its reductions, drop what nothing will use)."""
         for module in self.tops[chunk]:
             module.set_reshard_after_backward(True)
+        if self.roots[chunk] is not None:
+            self.roots[chunk].set_is_last_backward(True)
 
     def before_compute(self, action: Action, next_action: Action | None) -> None:
-        """Before a forward or backward of `action.chunk`: gather it (a no-op when it is whole already) and start
-        gathering the chunk the schedule computes next, if that is another one. Then every module is looked at
-        again (a backward frees without a forward hook)."""
+        """Before a forward or backward of `action.chunk`: point the unit it runs last at the unit the next compute
+        runs first (FSDP2 gathers the units of this action from their own hooks). Then every module is looked at
+        again (a backward's last unit is freed without a hook of ours)."""
         if action.kind is ActionKind.BACKWARD:
             self.backwards[action.chunk] += 1
-        root = self.roots[action.chunk]
-        if root is not None:
-            root.unshard()
-        if next_action is not None and next_action.chunk != action.chunk:
-            following = self.roots[next_action.chunk]
-            if following is not None:
-                following.unshard(async_op=True)  # FSDP2 waits for it in that chunk's own unshard
-        for module in self.wrapped:
-            self._refresh(module)
-        self._sample(self.wrapped)
+        target = self.meter.target = self._runs_first(next_action)
+        order, once = self.orders[action.chunk], self._once[action.chunk]
+        last = (order[-1] if action.kind is ActionKind.FORWARD else order[0]) if order else None
+        if last is not None and last not in once:
+            last = None
+        if last is not None and action.kind is ActionKind.FORWARD:
+            last.set_modules_to_forward_prefetch([] if target is None else [target])
+        elif last is not None:
+            last.set_modules_to_backward_prefetch([target or last])
+        self._keep((last, action.kind) if last is not None and last is target else None)
+        self.meter.look_all()
+
+    def _keep(self, kept: tuple[FSDPModule, ActionKind] | None) -> None:
+        """ZeRO-3: keep whole, after this action, the unit it runs last when the next compute runs it first (the
+        head from a forward to its backward, the embedding or a block from a backward to the next forward) rather
+        than free it and gather it again; the unit the last action kept is freed as usual again."""
+        if not self.sharding.reshard_after_forward:
+            return  # ZeRO-2 keeps every unit whole until its chunk's last backward anyway
+        if self._kept is not None:
+            unit, kind = self._kept
+            if kind is ActionKind.FORWARD:
+                unit.set_reshard_after_forward(True, recurse=False)
+            else:
+                unit.set_reshard_after_backward(True, recurse=False)
+        self._kept = kept
+        if kept is not None:
+            unit, kind = kept
+            if kind is ActionKind.FORWARD:
+                unit.set_reshard_after_forward(False, recurse=False)
+            else:
+                unit.set_reshard_after_backward(False, recurse=False)
+
+    def _runs_first(self, action: Action | None) -> FSDPModule | None:
+        """The unit a compute action runs first: its chunk's first unit for a forward, its last for a backward."""
+        order = self.orders[action.chunk] if action is not None else []
+        if not order:
+            return None
+        return order[0] if action.kind is ActionKind.FORWARD else order[-1]
 
     def reshard(self) -> None:
         """Free every gathered parameter (`reshard` does not recurse: each wrapped module)."""
         for module in self.wrapped:
             module.reshard()
-            self._refresh(module)
-
-
-def _param_groups(module: FSDPModule) -> list:
-    # Private FSDP2 state (torch 2.13): a wrapped module's parameter groups, each with its `fsdp_params`
-    # (whose `all_gather_outputs` hold the gathered parameter) and the all-gather in flight.
-    return fully_shard.state(module)._fsdp_param_groups
+            self.meter.refresh(module)
 
 
 def shard_chunks(chunks: Sequence[nn.Module], dp_mesh: DeviceMesh | None, router_group: dist.ProcessGroup | None,
                  expert_group: dist.ProcessGroup | None, sharding: Sharding, reduce_dtype: str) -> ShardedChunks:
-    """Wrap each chunk (and its MoE routers and experts) with `fully_shard`, each set on the mesh of the ranks
-    that reduce it; a set reduced by this rank alone stays unwrapped."""
+    """Wrap each chunk's units (`shard_units`: embedding, blocks, head) and its MoE routers and experts with
+    `fully_shard`, each set on the mesh of the ranks that reduce it, then the chunk as their root; a set reduced
+    by this rank alone stays unwrapped."""
     device = next(p for chunk in chunks for p in chunk.parameters()).device.type
     router_mesh, expert_mesh = _mesh(router_group, device), _mesh(expert_group, device)
     kwargs = {"reshard_after_forward": sharding.reshard_after_forward,
               "mp_policy": MixedPrecisionPolicy(reduce_dtype=WIRE_DTYPES[reduce_dtype])}
     roots: list[FSDPModule | None] = []
+    orders: list[list[FSDPModule]] = []
     nested: list[list[FSDPModule]] = []
+    members: dict[FSDPModule, list[nn.Module]] = {}
 
-    def wrap(module: nn.Module, mesh: DeviceMesh, **extra: object) -> FSDPModule:
-        fsdp = fully_shard(module, mesh=mesh, **kwargs, **extra)
+    def wrap(modules: list[nn.Module], mesh: DeviceMesh, **extra: object) -> FSDPModule:
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **kwargs, **extra)
+        fsdp = modules[0]  # a unit of several modules shares one FSDP2 state: any of them stands for it
         fsdp.set_gradient_divide_factor(1.0)
         fsdp.set_force_sum_reduction_for_comms(True)
+        fsdp._set_unshard_async_op(True)
+        members[fsdp] = modules
         return fsdp
 
     for chunk in chunks:
@@ -170,15 +244,24 @@ def shard_chunks(chunks: Sequence[nn.Module], dp_mesh: DeviceMesh | None, router
         for _, layer in moe_layers(chunk):
             for module, mesh in [(layer.router, router_mesh), *((e, expert_mesh) for e in layer.experts.values())]:
                 if mesh is not None:
-                    nested[-1].append(wrap(module, mesh))
+                    nested[-1].append(wrap([module], mesh))
                 else:
                     ignored.update(module.parameters())
         if dp_mesh is None:
             roots.append(None)
+            orders.append([])
             continue
-        roots.append(wrap(chunk, dp_mesh, ignored_params=ignored or None))
+        units: dict[int, FSDPModule] = {}  # a unit listed twice (tied embeddings) is wrapped once
+        listed = chunk.shard_units()
+        for unit in listed:
+            if id(unit) not in units:
+                units[id(unit)] = wrap(unit, dp_mesh, ignored_params=ignored or None)
+        orders.append([units[id(unit)] for unit in listed])
+        root = fully_shard(chunk, mesh=dp_mesh, **kwargs, ignored_params=ignored or None)
         register_fsdp_forward_method(chunk, "loss_sum")
-    return ShardedChunks(chunks, roots, nested, sharding)
+        fully_shard.state(root)._lazy_init()  # what its first forward does: see the module docstring
+        roots.append(root)
+    return ShardedChunks(chunks, roots, orders, nested, members, sharding)
 
 
 def _mesh(group: dist.ProcessGroup | None, device: str) -> DeviceMesh | None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.plan.actions import COMM_KINDS, Action, ActionKind, stage_location, virtual_stage
+from trainyard.parallel.plan.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.runtime.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.runtime.split_backward import ParamGroups, backward_input, backward_weight
 
@@ -336,5 +336,3 @@ HANDLERS: dict[ActionKind, Callable[[PipelineExecutor, list[Action], int, _StepS
 }
 """Each action kind the executor runs -> its handler. A kind missing here is refused (UnsupportedAction)."""
 
-COMPUTE_KINDS = (ActionKind.FORWARD, ActionKind.BACKWARD)
-"""The kinds that compute with a chunk's parameters."""

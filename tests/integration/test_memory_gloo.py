@@ -1,7 +1,8 @@
 """The memory plan against what real gloo ranks hold (no Ray).
 
 Each rank builds its RankDriver, runs one step, and reports its local parameter bytes (a DTensor's local
-shard; with ZeRO-2/3 FSDP2's shards plus the most it held gathered during the step), its gradient buckets
+shard; with ZeRO-2/3 FSDP2's shards plus the most it held gathered during the step: every chunk at ZeRO-2, two
+blocks at ZeRO-3), its gradient buckets
 (and ZeRO-1's reduced slices; ZeRO-2/3's reduced shards), its optimizer's state (`optimizer_bytes`) and the
 pipeline meter's peak of bytes saved for backward; the plan's estimate must match the first three (up to
 the buckets' padding to a multiple of the group size; ZeRO-2/3's parameters within 1%) and the activations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 from gloo_ranks import PlanRun, run_plans
 from helpers import tiny_spec
+from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.data_parallel import local_part
 from trainyard.parallel.runtime.driver import RankDriver
@@ -90,5 +92,10 @@ def test_at_dp4_zero2_keeps_a_quarter_of_the_gradients_and_zero3_a_quarter_of_th
     assert zero2["grads"] == pytest.approx(base["grads"] / 4, rel=0.01)
     assert zero3["grads"] == pytest.approx(base["grads"] / 4, rel=0.01)
     assert zero3["kept_params"] == pytest.approx(base["params"] / 4, rel=0.01)
-    # plus one gathered chunk, which at pp=1 is the whole model (there is no next chunk to prefetch)
-    assert zero3["params"] - zero3["kept_params"] == pytest.approx(base["params"], rel=0.01)
+    # ZeRO-2 gathers the whole model (the one chunk) for the step; ZeRO-3 a block and the next one's gather
+    assert zero2["params"] - zero2["kept_params"] == pytest.approx(base["params"], rel=0.01)
+    plan = plan_for("dp4-zero3")
+    block = 4 * family_of(plan.config.model).param_counts(plan.config.model, (0,), first=False, last=False, tp=1,
+                                                          ep=1).total
+    assert zero3["params"] - zero3["kept_params"] == pytest.approx(2 * block, rel=0.01)
+    assert 2 * block < base["params"] / 2

@@ -2,22 +2,26 @@
 workers run.
 
 One spawned world of 8 processes runs every plan in turn: zero=2 and zero=3 at (dp2, pp2, tp2, sp, 1f1b), at
-(pp2, vpp2, dp2, interleaved-1f1b) and, for MoE, at (dp2, ep2) with full recompute, each against the one-rank
-zero=0 run (which every layout follows within 1e-4: the project's layout-equivalence rule), the interleaved ones with a
-validation pass after step 1 as well; a zero=3 checkpoint
-resumed at zero=0 dp=1, and a zero=0 dp=1 checkpoint resumed at zero=3 (pp2, vpp2, dp2), both continuing that
-curve.
+(pp2, vpp2, dp2, interleaved-1f1b) and, for MoE, at (dp2, ep2) with full recompute, zero=3 alone at (dp2),
+(dp2, pp2, 1f1b) with full recompute and (dp2) with tied embeddings, each against the one-rank zero=0 run (which
+every layout follows within 1e-4: the project's layout-equivalence rule), the interleaved ones with a
+validation pass after step 1 as well; a zero=3 checkpoint resumed at zero=0 dp=1, and a zero=0 dp=1 checkpoint
+resumed at zero=3 (pp2, vpp2, dp2), both continuing that curve. Every rank reports the most parameter bytes FSDP2
+held gathered at once in its last step (`peak_gathered_bytes`), which the memory plan's figure must match: per
+block at zero=3 (two blocks at most, and a tied embedding beside them), every chunk whole at zero=2.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import PlanRun, run_plans, stats_of
+from gloo_ranks import PlanRun, RankResult, run_plans, stats_of
 from helpers import REPO, tiny_spec
 from trainyard.parallel.io.checkpoint import step_dir
+from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
+from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.spec import parse_spec
 
 STEPS = 2
@@ -45,24 +49,41 @@ RUNS: dict[str, tuple[Plan, dict]] = {
     "moe-reference": (plan_for(model={"moe": MOE}, parallel={"microbatches": 2}), {}),
     **{f"moe-zero{z}": (plan_for(model={"moe": MOE}, activation_checkpointing="full",
                                  parallel={**MOE_LAYOUT, "zero": z}), {}) for z in (2, 3)},
+    "zero3-dp2": (plan_for(parallel={"dp": 2, "microbatches": 2, "zero": 3}), {}),
+    "zero3-pp2": (plan_for(activation_checkpointing="full",
+                           parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "1f1b", "zero": 3}), {}),
+    "tied-reference": (plan_for(model={"tie_embeddings": True}, parallel={"microbatches": 2}), {}),
+    "zero3-tied": (plan_for(model={"tie_embeddings": True}, parallel={"dp": 2, "microbatches": 2, "zero": 3}), {}),
     "zero3-resumed-at-zero0-dp1": (plan_for(parallel={"microbatches": 2}), {"resume": "zero3-tp"}),
     "zero0-resumed-at-zero3": (plan_for(parallel={**INTERLEAVED, "zero": 3}), {"resume": "reference"}),
 }
 
 
+def gathered_peak(driver: RankDriver, stats: list[dict]) -> int:
+    """The most parameter bytes FSDP2 held gathered at once in the rank's last step (0 without FSDP2)."""
+    sharded = driver.trainer.sharded
+    return sharded.peak_gathered_bytes if sharded is not None else 0
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[list[dict]]]:
-    """Every run's StepStats dicts, [rank][step]."""
+def results(tmp_path_factory) -> dict[str, list[RankResult]]:
+    """Every run's results, [rank]: the StepStats dicts of each step, and `gathered_peak`."""
     out = tmp_path_factory.mktemp("zero")
 
     def run_of(name: str, plan: Plan, checkpoints: dict) -> PlanRun:
         resume = checkpoints.get("resume")
         return PlanRun(plan, save_after=(checkpoints["save"],) if "save" in checkpoints else (), root=str(out / name),
                        resume=(str(step_dir(out / resume, 1)), 1) if resume else None,
-                       evaluate_after=(1,) if plan.config.eval.every else ())
+                       evaluate_after=(1,) if plan.config.eval.every else (), probe=gathered_peak)
 
-    results = run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()])
-    return {name: stats_of(result) for name, result in zip(RUNS, results, strict=True)}
+    ran = run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()])
+    return dict(zip(RUNS, ran, strict=True))
+
+
+@pytest.fixture(scope="module")
+def runs(results) -> dict[str, list[list[dict]]]:
+    """Every run's StepStats dicts, [rank][step]."""
+    return {name: stats_of(result) for name, result in results.items()}
 
 
 def assert_follows(per_rank: list[list[dict]], reference: list[dict], first_step: int = 0) -> None:
@@ -101,6 +122,48 @@ def test_zero2_and_zero3_follow_the_zero0_losses_with_moe_at_dp2_ep2_full_recomp
     assert_follows(runs[f"moe-zero{zero}"], reference)
     for stats in runs[f"moe-zero{zero}"]:
         assert stats[0]["moe"]["1"]["load"] == reference[0]["moe"]["1"]["load"]
+
+
+@pytest.mark.parametrize("name", ["zero3-dp2", "zero3-pp2"])
+def test_per_block_zero3_follows_the_zero0_losses(runs, name):
+    assert_follows(runs[name], runs["reference"][0])
+
+
+def test_per_block_zero3_with_tied_embeddings_follows_the_zero0_losses(runs):
+    """The embedding and the head share their weight: one FSDP2 unit, run first and last in the forward."""
+    assert_follows(runs["zero3-tied"], runs["tied-reference"][0])
+
+
+ZERO3 = ["zero3-dp2", "zero3-pp2", "zero3-tp", "zero3-interleaved", "moe-zero3", "zero3-tied"]
+
+
+@pytest.mark.parametrize("name", ZERO3)
+def test_zero3_holds_at_most_two_blocks_gathered_as_the_memory_plan_says(results, name):
+    plan = RUNS[name][0]
+    family, m = family_of(plan.config.model), plan.config.model
+
+    def local(layers: tuple[int, ...], first: bool = False, last: bool = False) -> int:
+        return 4 * family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep).total
+
+    block = max(local((i,)) for i in range(m.n_layer))  # its experts included: what FSDP2 gathers at most for it
+    # tied embeddings: one unit, held from the forward's first unit to its last, beside two blocks
+    bound = 2 * block + (local((), first=True, last=True) if m.tie_embeddings else 0)
+    for rank, result in enumerate(results[name]):
+        expected = plan.memory()[rank].gathered
+        assert 0 < expected <= bound, rank
+        if m.moe is None:
+            assert result.probe == pytest.approx(expected, rel=0.01), rank
+        else:  # the plan counts a block with all its experts, which FSDP2 gathers one at a time
+            assert 0 < result.probe <= expected, rank
+
+
+@pytest.mark.parametrize("layout", ["tp", "interleaved"])
+def test_zero2_holds_every_chunk_gathered_as_the_memory_plan_says(results, layout):
+    plan = RUNS[f"zero2-{layout}"][0]
+    for rank, result in enumerate(results[f"zero2-{layout}"]):
+        assert result.probe == pytest.approx(plan.memory()[rank].gathered, rel=0.01), rank
+    assert all(zero2.probe > zero3.probe for zero2, zero3 in zip(results[f"zero2-{layout}"],
+                                                                  results[f"zero3-{layout}"], strict=True))
 
 
 def test_a_zero3_checkpoint_resumes_at_zero0_dp1(runs):

@@ -4,11 +4,13 @@ the schedule, and the refusal of a job whose ranks cannot fit."""
 import pytest
 from helpers import tiny_spec
 from trainyard.cli.offline import format_plan
+from trainyard.parallel.models import family_of
 from trainyard.parallel.models.whole import GPTStage
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.memory import param_counts, peak_activation_bytes
 from trainyard.parallel.plan.present import describe
+from trainyard.parallel.plan.units import format_bytes
 from trainyard.parallel.spec import parse_spec
 from trainyard.service.ray_runtime import gpu_memory
 
@@ -74,23 +76,59 @@ def test_zero1_keeps_the_optimizer_state_of_half_the_parameters_at_dp2():
     assert dense_zero.memory()[0].optimizer * 2 == pytest.approx(dense.memory()[0].optimizer, abs=16)
 
 
-def test_zero2_and_zero3_keep_a_quarter_at_dp4_and_gather_chunks():
+def unit_params(plan, *, layers=(), first=False, last=False) -> int:
+    """Local parameters of one FSDP2 unit (a block, the embedding, the head), by the model's family."""
+    return family_of(plan.config.model).param_counts(plan.config.model, layers, first=first, last=last, tp=plan.tp,
+                                                     ep=plan.ep).total
+
+
+def test_zero2_and_zero3_keep_a_quarter_at_dp4_zero2_gathers_the_chunk_and_zero3_two_blocks():
     base = plan_for(parallel={"dp": 4}).memory()[0]
-    zero2, zero3 = (plan_for(parallel={"dp": 4, "zero": z}).memory()[0] for z in (2, 3))
+    plan2, plan3 = (plan_for(parallel={"dp": 4, "zero": z}) for z in (2, 3))
+    zero2, zero3 = plan2.memory()[0], plan3.memory()[0]
     for z in (zero2, zero3):
         assert z.grads == pytest.approx(base.grads / 4, abs=16)
         assert z.optimizer == pytest.approx(base.optimizer / 4, abs=32)
-        assert z.params == pytest.approx(base.params * 5 / 4, abs=16)  # the shard and the one chunk, whole
-    # two chunks per rank: ZeRO-3 holds one gathered and the next one's gather, ZeRO-2 both all step
+    assert zero2.params == pytest.approx(base.params * 5 / 4, abs=16)  # the shard and the one chunk, whole
+    assert zero2.gathered == base.params
+    # per block: the block computing and the next one's gather (a block outweighs the embedding and the head)
+    block = 4 * unit_params(plan3, layers=(0,))
+    assert block > 4 * max(unit_params(plan3, first=True), unit_params(plan3, last=True))
+    assert zero3.gathered == 2 * block and zero3.params == pytest.approx(base.params / 4 + 2 * block, abs=16)
+    text = format_plan(describe(plan3))
+    assert "parallel.zero: 3 (FSDP2): params are the 1/N shard" in text and "per block" in text
+    assert f"at most {format_bytes(2 * block)} gathered at once" in text
+
+
+def test_zero3_counts_the_pair_that_crosses_from_one_compute_to_the_next():
+    """A large vocabulary: the embedding and the head outweigh a block. 1f1b at pp=1 runs F B F B: a forward's
+    last unit (the head) is the backward's first, and a backward's last (the embedding) the forward's first, so
+    the peak is the embedding and the block after it; gpipe runs F F B B: the head computes while the next
+    forward's embedding is gathered."""
+    model = {"vocab_size": 4096}
+    one_f_one_b = plan_for(model=model, parallel={"dp": 2, "zero": 3, "microbatches": 2})
+    gpipe = plan_for(model=model, parallel={"dp": 2, "zero": 3, "microbatches": 2, "schedule": "gpipe"})
+    embedding, head = unit_params(gpipe, first=True), unit_params(gpipe, last=True)
+    block = unit_params(gpipe, layers=(0,))
+    assert block < head < embedding
+    assert one_f_one_b.memory()[0].gathered == 4 * (embedding + block)
+    assert gpipe.memory()[0].gathered == 4 * (embedding + head)
+
+
+def test_zero3_holds_a_tied_embedding_from_the_forward_s_first_unit_to_its_last():
+    """Tied embeddings make the embedding and the head one unit, which FSDP2 frees after its second run."""
+    plan = plan_for(model={"tie_embeddings": True}, parallel={"dp": 2, "zero": 3})
+    tied, block = unit_params(plan, first=True, last=True), unit_params(plan, layers=(0,))
+    assert plan.memory()[0].gathered == 4 * (tied + 2 * block)
+
+
+def test_zero3_gathers_per_block_across_the_chunks_of_an_interleaved_rank():
     layout = {"dp": 2, "pp": 2, "vpp": 2, "microbatches": 2, "schedule": "interleaved-1f1b"}
-    full = plan_for(parallel=layout).memory()[0].params
-    assert plan_for(parallel={**layout, "zero": 2}).memory()[0].params == pytest.approx(full * 3 / 2, abs=16)
-    assert plan_for(parallel={**layout, "zero": 3}).memory()[0].params == pytest.approx(full * 3 / 2, abs=16)
-    three = plan_for(model={"n_layer": 6}, parallel={**layout, "vpp": 3, "zero": 3}).memory()[0]
-    whole = plan_for(model={"n_layer": 6}, parallel={**layout, "vpp": 3}).memory()[0]
-    assert whole.params / 2 < three.params < whole.params * 3 / 2  # a shard and two of three chunks
-    assert "parallel.zero: 3 (FSDP2): params are the 1/N shard" in format_plan(describe(
-        plan_for(parallel={"dp": 4, "zero": 3})))
+    plan = plan_for(model={"n_layer": 8}, parallel={**layout, "zero": 3})
+    whole = plan_for(model={"n_layer": 8}, parallel=layout).memory()[0]
+    zero2 = plan_for(model={"n_layer": 8}, parallel={**layout, "zero": 2}).memory()[0]
+    assert zero2.gathered == whole.params  # both chunks whole all step
+    assert plan.memory()[0].gathered == 4 * 2 * unit_params(plan, layers=(0,))  # two blocks of four
 
 
 def test_zero2_refuses_overlap_reduce_false_naming_the_field():

@@ -24,16 +24,23 @@ def test_zero_0_keeps_everything_and_zero_1_keeps_a_slice_of_the_optimizer_state
     assert plain.replicas_identical and not zero1.replicas_identical
 
 
-def test_zero_2_and_3_keep_a_shard_of_everything_and_gather_chunks():
+def test_zero_2_and_3_keep_a_shard_of_everything_and_gather_every_chunk_or_two_units():
     zero2, zero3 = sharding_for(2), sharding_for(3)
     for z in (zero2, zero3):
         assert (z.param_elements(10, 4), z.gradient_elements(10, 4), z.optimizer_elements(10, 4)) == (3, 3, 3)
         assert (z.param_elements(10, 1), z.gradient_elements(10, 1)) == (10, 10)  # a group of one: all of it
         assert z.shards_parameters and not z.replicas_identical
-    # ZeRO-2 holds every chunk whole during the step; ZeRO-3 one chunk computing and the next one's gather
-    assert (zero2.gathered_elements([5, 7, 6]), zero3.gathered_elements([5, 7, 6])) == (18, 13)
-    assert zero3.gathered_elements([5]) == 5  # one chunk: nothing to prefetch
-    assert sharding_for(1).gathered_elements([5, 7]) == 0 and not sharding_for(1).shards_parameters
+    # ZeRO-2 holds every unit whole during the step; ZeRO-3 the unit computing and the next one's gather
+    forward = [("embedding", 5), ("block 0", 7), ("block 1", 6)]
+    passes = [forward, forward[::-1]]
+    assert (zero2.gathered_elements(passes), zero3.gathered_elements(passes)) == (18, 13)
+    assert zero3.gathered_elements([[("block 0", 5)], [("block 0", 5)]]) == 5  # the next compute's is itself
+    # the next compute's first unit is gathered while this one's last computes
+    assert zero3.gathered_elements([[("a", 5), ("b", 7)], [("c", 9)]]) == 7 + 9
+    # tied embeddings: the unit a forward runs first and last is held in between
+    tied = [("tied", 4), ("block 0", 7), ("block 1", 6), ("tied", 4)]
+    assert zero3.gathered_elements([tied, tied[::-1]]) == 4 + 7 + 6
+    assert sharding_for(1).gathered_elements(passes) == 0 and not sharding_for(1).shards_parameters
 
 
 def test_an_unknown_zero_value_names_the_field():
