@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     save(out, merge(load(out), rows, meta, machine, order=list(SECTIONS), partial=bool(args.case)))
     print(f"\n{markdown_table([r for name in names for r in rows[name]])}")
     print(f"\nrows written to {out}; total wall time {time.perf_counter() - start:.0f} s")
+    if out == RESULTS:
+        print("BENCHMARKS.md's tables: `python -m bench.report` rewrites them from these rows (CI checks they agree)")
     return 0
 
 
