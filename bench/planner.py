@@ -192,13 +192,24 @@ def planning_time_1024() -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def calibration_rows(machine: MachineCosts, seconds: float, load: tuple[float, float]) -> list[Row]:
+    """What the predictions stand on: the calibration's time and terms, and compute's slowdown per busy rank."""
+    rows = [Row("planner calibration: seconds to calibrate this machine", seconds, None, None, "s",
+                f"load {load[0]:.1f} -> {load[1]:.1f}; {describe(machine)}")]
+    for k, slowdown in enumerate(machine.contention[1:], start=2):
+        rows.append(Row(f"planner calibration: compute slowdown with {k} ranks busy at once vs 1", slowdown, None,
+                        None, "x", "an MLP block's training step; median over rounds of the slowest of the k ranks "
+                                   "over the same round's one rank alone"))
+    return rows
+
+
 def layout_rows(name: str, r: dict) -> list[Row]:
     """One row per layout of a size's grid: the measured median step against the predicted one."""
     rows = []
     for i, label in enumerate(r["labels"]):
         measured, predicted = r["median"]["measured"][i], r["predicted"][i]
         chosen = "; the planner's choice" if label == r["chosen"] else ""
-        rows.append(Row(f"planner layout {name}: {label}, measured vs predicted step time (median ms)",
+        rows.append(Row(f"planner layout {name}: {label} (median ms)",
                         measured * 1e3, predicted * 1e3, ratio(measured, predicted), "ms",
                         f"lower quartile {r['quartile']['measured'][i] * 1e3:.1f} ms; min-max "
                         f"{r['min'][i] * 1e3:.0f}-{r['max'][i] * 1e3:.0f} ms{chosen}"))
@@ -215,8 +226,9 @@ def _rows(log) -> list[Row]:  # noqa: ANN001
     layouts = []
     start, load = time.perf_counter(), os.getloadavg()[0]
     machine = measure(2, "bench", node_ranks=NODE_RANKS)
-    log(f"calibrated in {time.perf_counter() - start:.0f} s (load {load:.1f} -> {os.getloadavg()[0]:.1f}): "
-        f"{describe(machine)}")
+    seconds, load_after = time.perf_counter() - start, os.getloadavg()[0]
+    log(f"calibrated in {seconds:.0f} s (load {load:.1f} -> {load_after:.1f}): {describe(machine)}")
+    rows += calibration_rows(machine, seconds, (load, load_after))
     for name, model in SIZES.items():
         log(f"{name}: {model}")
         r = measure_size(model, machine, log)
