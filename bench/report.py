@@ -85,7 +85,7 @@ def measured_line(meta: dict[str, Any]) -> str:
     """When and where a section ran, from its metadata in results.json."""
     when = datetime.strptime(meta["measured_at"], "%Y-%m-%dT%H:%M:%S%z").astimezone(UTC)
     load = meta.get("load")
-    load_text = f"; load average {load[0]:g} before, {load[1]:g} after" if load else ""
+    load_text = f"; load average {load[0]:.1f} before, {load[1]:.1f} after" if load else ""
     quick = ", `--quick`" if meta.get("quick") else ""
     m = meta["machine"]
     return (f"Measured {when:%Y-%m-%d %H:%M} UTC ({meta['wall_s']:g} s{quick}{load_text}) on {m['nproc']} cores, "
