@@ -139,7 +139,8 @@ def _totals(run, plain) -> tuple[float, float, float | None]:
 def sweep(steps: int, settings: dict[str, dict | None], optimizer: dict | None = None,
           corpus: str | None = None) -> None:
     """Print the end loss and bytes of the demo job at dp=2 under each `grad_compression` setting (None:
-    uncompressed), run side by side in one world: how BENCHMARKS.md's warm-up and rank sweep was measured.
+    uncompressed), run side by side in one world. It prints and writes no rows: a figure from it is not one
+    BENCHMARKS.md quotes until a section measures it.
     `optimizer`: settings over the demo's `optimizer` section, for every run (e.g. `{"kind": "sgd", "lr": 0.1}`);
     `corpus`: a text file in place of the demo's corpus."""
     names = list(settings)
