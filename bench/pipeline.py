@@ -32,7 +32,7 @@ from trainyard.parallel.runtime.local_world import spawn
 from trainyard.parallel.runtime.pipeline import PipelineExecutor
 
 from bench.context import BenchContext
-from bench.results import Row, median, ratio
+from bench.results import Row, at_most, median, ratio
 from bench.service_job import TrainyardService
 
 PP, MICROBATCHES = 4, 8
@@ -126,12 +126,11 @@ def _schedule_row(ctx: BenchContext, kind: str, vpp: int) -> Row:
     sim = simulate(build_schedule(kind, PP, MICROBATCHES, vpp), MICROBATCHES, vpp, costs, placement_of(kind))
     r = ratio(measured, sim.makespan)
     ctx.log(f"pipeline {kind:<17} measured {measured:.4f} s, simulated makespan {sim.makespan:.4f} s, ratio {r:.3f}")
-    verdict = "meets" if r is not None and r <= TARGET_RATIO else "MISSES"
     return Row(f"pp{PP} m{MICROBATCHES} {kind} vpp{vpp} step time vs simulated makespan (median s)",
                measured, sim.makespan, r, "s",
-               f"{verdict} target <= {TARGET_RATIO}; synthetic stages forward {FORWARD_S * 1e3:g} ms + backward "
+               f"synthetic stages forward {FORWARD_S * 1e3:g} ms + backward "
                f"{BACKWARD_S * 1e3:g} ms per micro-batch; simulated bubble {sim.bubble_fraction:.1%}; "
-               f"{len(step_times)} steps measured")
+               f"{len(step_times)} steps measured", target=at_most(TARGET_RATIO, of="ratio"))
 
 
 # --- activation memory, GPipe vs 1F1B --------------------------------------------------------------

@@ -1,17 +1,18 @@
 """Section "planner": the planner's predicted step times against measured ones, over a grid of layouts.
 
-Run: `python -m bench.run --only planner` (about ten minutes on 2 busy cores), or `python -m bench.planner` for
-the table alone. Calibrates this machine first (`parallel.runtime.calibrate.measure`: matmuls, optimizer, the
-collectives at a few sizes, compute's slowdown with 1-4 ranks busy at once, and the trainer's fixed costs on
-tiny models; nothing of the grid below), then for each of two model sizes runs a grid of 18 layouts of 1, 2 or
-4 ranks (dp, pp with gpipe / 1f1b / interleaved / zb-h1, tp with and without sp, their products, micro-batches,
-ZeRO-1, activation checkpointing) plus the planner's own choice for the cluster the service reports here (one
-node of 4 logical CPUs on 2 cores, as `trainyard serve --num-cpus 4`), in one spawned gloo world
+Run: `python -m bench.planner` (= `python -m bench.run --only planner`: the rows go to bench/results.json; about ten
+minutes on 2 busy cores). Calibrates this machine first (`parallel.runtime.calibrate.measure`: matmuls, optimizer,
+the collectives at a few sizes, compute's slowdown with 1-4 ranks busy at once, and the trainer's fixed costs on
+tiny models; nothing of the grid below), then for each of two model sizes runs a grid of 18 layouts of 1, 2 or 4
+ranks (dp, pp with gpipe / 1f1b / interleaved / zb-h1, tp with and without sp, their products, micro-batches,
+ZeRO-1, activation checkpointing) plus the planner's own choice for the cluster the service reports here (one node
+of 4 logical CPUs on 2 cores, as `trainyard serve --num-cpus 4`), in one spawned gloo world
 (`parallel.runtime.local_world.run_plans`). The layouts are run round-robin, REPEATS times each, so a burst of load
-from other processes falls on all of them rather than on one; a layout's step time is the median over its
-repeats' steps after each run's first (a step: the slowest rank's `compute_s`). Compared: Spearman's rank
-correlation of predicted vs measured step time (the Done-when wants >= 0.8) and the chosen layout's measured
-time over the fastest measured (<= 1.10). The load average is printed before and after each size.
+from other processes falls on all of them rather than on one; a layout's step time is the median over its repeats'
+steps after each run's first (a step: the slowest rank's `compute_s`). Compared: Spearman's rank correlation of
+predicted vs measured step time (the Done-when wants >= 0.8) and the chosen layout's measured time over the fastest
+measured (<= 1.10), as rows with those targets; and a row per layout, its measured step time against the predicted
+one. The load average is printed before and after each size, and kept in the notes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from trainyard.parallel.plan.prediction import predict_step
 from trainyard.parallel.runtime.calibrate import measure
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 from trainyard.parallel.spec import parse_spec
+
+from bench.results import Row, at_least, at_most, ratio
 
 STEPS = 5
 """Steps per run (the first of each run is not counted)."""
@@ -64,6 +67,12 @@ GRID: list[dict] = [
     {"parallel": {"dp": 2, "tp": 2}},
 ]
 NODE_RANKS = 4
+SPEARMAN_TARGET = 0.8
+"""The Done-when's bars: Spearman's rho of predicted vs measured step times at least this, ..."""
+CHOSEN_TARGET = 1.1
+"""... the chosen layout's measured step at most this times the fastest measured, ..."""
+PLANNING_TARGET_S = 2.0
+"""... and a 7B Llama on 1024 GPUs planned within this many seconds."""
 RAW = Path(__file__).parent / ".runs" / "planner.json"
 CLUSTER = ClusterResources(nodes=(NodeResources(cpus=NODE_RANKS, gpus=0, memory=8 * 2**30),))
 
@@ -129,7 +138,8 @@ def measure_size(model: dict, machine: MachineCosts, log=print) -> dict:
         {"model": model, "labels": labels, "predicted": predicted, "load": [load_before, load_after],
          "machine": machine.to_dict(), "steps": steps}))
     chosen_at = labels.index(_label(chosen))
-    out = {"labels": labels, "predicted": predicted, "chosen": labels[chosen_at], "load": (load_before, load_after)}
+    out = {"labels": labels, "predicted": predicted, "chosen": labels[chosen_at], "load": (load_before, load_after),
+           "min": [min(t) for t in steps], "max": [max(t) for t in steps]}
     for stat, fn in (("median", statistics.median), ("quartile", quartile)):
         measured = [fn(t) for t in steps]
         best = min(measured)
@@ -165,10 +175,8 @@ def describe(m: MachineCosts) -> str:
                + ", ".join(f"{c:.2f}" for c in m.comm_contention) if m.comm_contention else ""))
 
 
-def run_section(ctx) -> list:  # noqa: ANN001 - BenchContext
-    from bench.results import Row
-
-    return [Row(*r) for r in _rows(ctx.log)]
+def run_section(ctx) -> list[Row]:  # noqa: ANN001 - BenchContext
+    return _rows(ctx.log)
 
 
 def planning_time_1024() -> tuple[float, float]:
@@ -186,16 +194,43 @@ def planning_time_1024() -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def _rows(log) -> list[tuple]:  # noqa: ANN001
+def calibration_rows(machine: MachineCosts, seconds: float, load: tuple[float, float]) -> list[Row]:
+    """What the predictions stand on: the calibration's time and terms, and compute's slowdown per busy rank."""
+    rows = [Row("planner calibration: seconds to calibrate this machine", seconds, None, None, "s",
+                f"load {load[0]:.1f} -> {load[1]:.1f}; {describe(machine)}")]
+    for k, slowdown in enumerate(machine.contention[1:], start=2):
+        rows.append(Row(f"planner calibration: compute slowdown with {k} ranks busy at once vs 1", slowdown, None,
+                        None, "x", "an MLP block's training step; median over rounds of the slowest of the k ranks "
+                                   "over the same round's one rank alone"))
+    return rows
+
+
+def layout_rows(name: str, r: dict) -> list[Row]:
+    """One row per layout of a size's grid: the measured median step against the predicted one."""
+    rows = []
+    for i, label in enumerate(r["labels"]):
+        measured, predicted = r["median"]["measured"][i], r["predicted"][i]
+        chosen = "; the planner's choice" if label == r["chosen"] else ""
+        rows.append(Row(f"planner layout {name}: {label} (median ms)",
+                        measured * 1e3, predicted * 1e3, ratio(measured, predicted), "ms",
+                        f"lower quartile {r['quartile']['measured'][i] * 1e3:.1f} ms; min-max "
+                        f"{r['min'][i] * 1e3:.0f}-{r['max'][i] * 1e3:.0f} ms{chosen}"))
+    return rows
+
+
+def _rows(log) -> list[Row]:  # noqa: ANN001
     seconds, cpu = planning_time_1024()
     log(f"planning a 7B Llama on 1024 GPUs: {seconds:.2f} s wall, {cpu:.2f} s CPU (a fresh process: no schedule "
         f"cached; load {os.getloadavg()[0]:.1f})")
-    rows = [("planner: time to plan a 7B Llama on 1024 GPUs", seconds, 2.0, None, "s",
-             f"fresh caches; {cpu:.2f} s of CPU time; load {os.getloadavg()[0]:.1f}")]
+    rows = [Row("planner: time to plan a 7B Llama on 1024 GPUs", seconds, None, None, "s",
+                f"fresh caches; {cpu:.2f} s of CPU time; load {os.getloadavg()[0]:.1f}",
+                target=at_most(PLANNING_TARGET_S))]
+    layouts = []
     start, load = time.perf_counter(), os.getloadavg()[0]
     machine = measure(2, "bench", node_ranks=NODE_RANKS)
-    log(f"calibrated in {time.perf_counter() - start:.0f} s (load {load:.1f} -> {os.getloadavg()[0]:.1f}): "
-        f"{describe(machine)}")
+    seconds, load_after = time.perf_counter() - start, os.getloadavg()[0]
+    log(f"calibrated in {seconds:.0f} s (load {load:.1f} -> {load_after:.1f}): {describe(machine)}")
+    rows += calibration_rows(machine, seconds, (load, load_after))
     for name, model in SIZES.items():
         log(f"{name}: {model}")
         r = measure_size(model, machine, log)
@@ -205,14 +240,16 @@ def _rows(log) -> list[tuple]:  # noqa: ANN001
                 f"{r['chosen']} is {q['chosen_over_fastest']:.2f}x the fastest measured ({q['fastest']})")
             note = (f"{len(r['labels'])} layouts of 1-4 CPU ranks, gloo, {stat} of {REPEATS * (STEPS - 1)} steps; "
                     f"load {r['load'][0]:.1f} -> {r['load'][1]:.1f}")
-            rows.append((f"planner {name}: Spearman predicted vs measured step time ({stat})", q["spearman"], 0.8,
-                         None, "rho", note))
-            rows.append((f"planner {name}: chosen layout / fastest measured ({stat})", q["chosen_over_fastest"], 1.1,
-                         None, "x", f"chosen {r['chosen']}, fastest {q['fastest']}"))
-    return rows
+            rows.append(Row(f"planner {name}: Spearman predicted vs measured step time ({stat})", q["spearman"],
+                            None, None, "rho", note, target=at_least(SPEARMAN_TARGET)))
+            rows.append(Row(f"planner {name}: chosen layout / fastest measured ({stat})", q["chosen_over_fastest"],
+                            None, None, "x", f"chosen {r['chosen']}, fastest {q['fastest']}",
+                            target=at_most(CHOSEN_TARGET)))
+        layouts += layout_rows(name, r)
+    return rows + layouts
 
 
-if __name__ == "__main__":
-    for row in _rows(lambda text: print(text, flush=True)):
-        print(row)
-    sys.exit(0)
+if __name__ == "__main__":  # the section through bench.run, so that its rows are written like every section's
+    from bench.run import main
+
+    sys.exit(main(["--only", "planner", *sys.argv[1:]]))

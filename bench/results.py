@@ -1,7 +1,10 @@
 """The rows every benchmark section returns, and `bench/results.json`, which holds the latest rows of each.
 
 A row compares one quantity between trainyard (`ours`) and a baseline: `ratio` is ours / baseline unless
-the row's note says otherwise, and `baseline` is null where there is none. The file is
+the row's note says otherwise, and `baseline` is null where there is none. A baseline is always a measurement
+(or the simulator's figure), never a goal: what the row should reach is its `target` (`{"of": "ours" | "ratio",
+"op": "<=" | "<" | ">=", "value": x}`, null where there is none), which BENCHMARKS.md shows in a column of its
+own with whether it was met. The file is
 `{"machine": {...}, "sections": {name: {"measured_at", "wall_s", "machine", "scratch"}}, "rows": [...]}`
 (`machine` is the latest run's); re-running some sections replaces only their rows and keeps the others'.
 """
@@ -15,6 +18,42 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+DIMENSIONLESS = ("", "x", "rho")
+"""Units that a figure's text leaves out."""
+_OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b}
+
+
+@dataclass(frozen=True)
+class Target:
+    """The bar a row is held to: its `of` ("ours" or "ratio") compared by `op` with `value`."""
+
+    of: str
+    op: str
+    value: float
+
+    def __post_init__(self) -> None:
+        if self.of not in ("ours", "ratio") or self.op not in _OPS:
+            raise ValueError(f"target: of {self.of!r} must be ours or ratio, op {self.op!r} one of {sorted(_OPS)}")
+
+    def met(self, ours: float | None, ratio_: float | None) -> bool | None:
+        """Whether the row's figure meets the bar (None: the row has no such figure)."""
+        value = ours if self.of == "ours" else ratio_
+        return None if value is None else _OPS[self.op](value, self.value)
+
+    def text(self, unit: str) -> str:
+        """`<= 10 s` (a bar on ours, in the row's unit) or `ratio <= 1.05`."""
+        if self.of == "ratio":
+            return f"ratio {self.op} {self.value:g}"
+        return f"{self.op} {self.value:g}" + (f" {unit}" if unit not in DIMENSIONLESS else "")
+
+
+def at_most(value: float, of: str = "ours") -> Target:
+    return Target(of, "<=", value)
+
+
+def at_least(value: float, of: str = "ours") -> Target:
+    return Target(of, ">=", value)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -26,9 +65,19 @@ class Row:
     note: str = ""
     section: str = ""
     """Set by bench.run from the section that produced the row."""
+    target: Target | None = None
+    """The bar this row is held to, apart from its baseline (None: none)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Row:
+        target = data.get("target")
+        return cls(**{**data, "target": Target(**target) if target else None})
+
+    def met(self) -> bool | None:
+        return None if self.target is None else self.target.met(self.ours, self.ratio)
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -74,14 +123,25 @@ def save(path: Path, data: dict[str, Any]) -> None:
 def _number(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
-    return f"{value:.4f}" if unit == "s" else f"{value:.4g}"
+    if unit == "s":
+        return f"{value:.4f}"
+    return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+
+
+def target_text(row: Row) -> str:
+    """The target column: the bar and whether the row meets it ("-" where the row has none)."""
+    if row.target is None:
+        return "-"
+    met = row.met()
+    verdict = "no figure" if met is None else ("met" if met else "**missed**")
+    return f"{row.target.text(row.unit)}: {verdict}"
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
     """The rows as a Markdown table (readable in a terminal too), as BENCHMARKS.md shows them."""
-    lines = ["| benchmark | ours | baseline | ratio | unit | note |", "|---|---:|---:|---:|---|---|"]
+    lines = ["| benchmark | ours | baseline | ratio | unit | target | note |", "|---|---:|---:|---:|---|---|---|"]
     for r in rows:
         ratio_text = "-" if r.ratio is None else f"{r.ratio:.3f}"
         lines.append(f"| {r.name} | {_number(r.ours, r.unit)} | {_number(r.baseline, r.unit)} | {ratio_text} "
-                     f"| {r.unit} | {r.note} |")
+                     f"| {r.unit or '-'} | {target_text(r)} | {r.note} |")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ Never run in CI: the numbers are this machine's.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = args.rounds or (QUICK_ROUNDS.get(name, 1) if args.quick else None)
         ctx = BenchContext(run_dir=run_root / name, rounds=rounds, quick=args.quick, cases=tuple(args.case or ()))
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
+        t0, load_before = time.perf_counter(), os.getloadavg()[0]
         try:
             rows[name] = section.run(ctx)
         except (BenchError, ApiError) as e:
@@ -115,10 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         meta[name] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
                       "quick": args.quick, "rounds": rounds,
+                      "load": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # 1-minute, before and after
                       "machine": machine, "scratch": str(ctx.run_dir.relative_to(BENCH.parent))}
     save(out, merge(load(out), rows, meta, machine, order=list(SECTIONS), partial=bool(args.case)))
     print(f"\n{markdown_table([r for name in names for r in rows[name]])}")
     print(f"\nrows written to {out}; total wall time {time.perf_counter() - start:.0f} s")
+    if out == RESULTS:
+        print("BENCHMARKS.md's tables: `python -m bench.report` rewrites them from these rows (CI checks they agree)")
     return 0
 
 

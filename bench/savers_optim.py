@@ -36,7 +36,7 @@ from trainyard.parallel.spec import parse_spec
 
 from bench.context import REPO, BenchContext
 from bench.perf import rotated
-from bench.results import Row, ratio
+from bench.results import Row, at_most, ratio
 from bench.service_job import BenchError, free_port
 
 LAST = 20
@@ -131,9 +131,8 @@ def run_section(ctx: BenchContext) -> list[Row]:
                 "ratio: median of the per-step ratios, side by side"),
             Row(f"{name} vs adamw: mean loss of the last {LAST} of {n} steps", final[name], final["adamw"],
                 final[name] / final["adamw"], "loss",
-                f"{100 * gap:+.2f}% (the issue's claim: within {100 * claim:.0f}%: "
-                f"{'met' if gap <= claim else 'MISSED'}{': lower than adamw' if gap < -claim else ''})"
-                + (f"; Adafactor at {ADAFACTOR}" if name == "adafactor" else "")),
+                f"{100 * gap:+.2f}%" + (f"; Adafactor at {ADAFACTOR}" if name == "adafactor" else ""),
+                target=at_most(1 + claim, of="ratio")),  # the claim is one-sided: lower than adamw meets it
         ]
     for row in rows:
         ctx.log(f"{row.name}: {row.ours:.4g} vs {row.baseline:.4g}")

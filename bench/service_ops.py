@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from trainyard.cli.client import Client
 
 from bench.context import BenchContext
-from bench.results import Row, ratio
+from bench.results import Row, Target, ratio
 from bench.service_job import BenchError, TrainyardService
 
 BURST = 200
@@ -63,7 +63,7 @@ def run_section(ctx: BenchContext) -> list[Row]:
     ctx.log(f"SIGTERM with 2 running jobs and 1 waiting: exited 0 after {exit_s:.2f} s")
     return [
         Row(f"submit latency p50, burst of {BURST} ({CLIENTS} clients)", p50, idle_p50, ratio(p50, idle_p50), "s",
-            "baseline: one submit to the idle service; target < 1 s"),
+            "baseline: one submit to the idle service", target=Target("ours", "<", 1.0)),
         Row(f"submit latency p99, burst of {BURST}", p99, None, None, "s", f"max {latencies[-1]:.3f} s"),
         Row("exit after SIGTERM, 2 running + 1 waiting job", exit_s, None, None, "s",
             "exit code 0; live jobs STOPPED, the waiting one still queued; target: a few seconds"),
