@@ -17,8 +17,8 @@ schedule (warm-up, cosine) as AdamW's is; weight decay is decoupled (a x wd). Th
 state are torch's `Adafactor`'s (step, row_var and col_var with the reduced dimension kept, variance for a
 vector), which `parallel.optim.states` exports and loads.
 
-Why scale_parameter: on the demo job at 400 steps (BENCHMARKS.md, section savers-optim) the plain lr did
-best at 1e-3, 62% above AdamW's loss; the parameter-relative step reached AdamW's loss (at lr 0.07): with it
+Why scale_parameter: on the demo job at 400 steps the plain lr did best at 1e-3, far above AdamW's loss (a sweep
+by hand, not a committed row); the parameter-relative step reached AdamW's loss (at lr 0.07): with it
 LayerNorm gains (RMS 1) move fast and zero-initialised biases slowly, as Adafactor's authors meant.
 
 Written by hand because torch's `torch.optim.Adafactor` cannot be configured into it: its step is always

@@ -46,8 +46,8 @@ BLOCK_8BIT = 256
 
 
 def _build_adamw(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
-    """foreach on the device; on the host (offload) torch's fused CPU kernel, 3.7x foreach's speed there (98 vs
-    362 ms a step over 406M parameters on the H100 machine's 16 cores: BENCHMARKS.md "GPU")."""
+    """foreach on the device; on the host (offload) torch's fused CPU kernel, which ran several times foreach's
+    speed there when a GPU machine's 16 cores stepped a 406M model (not a committed row: to be measured again)."""
     # here, not at the top: the plan and the API read the registry without loading torch
     from trainyard.parallel.optim.dynamo_free import AdamW
 

@@ -22,7 +22,7 @@ not written here (before a node type is calibrated, `machine_costs.default_gpu_c
 ranks share CPU cores (a measured `contention`), a collective is CPU work on those same cores: it is slowed as
 compute is, by the node's slowdown over the one it was measured at (`comm_share`), and the data-parallel reduction
 hides behind nothing, since no core is idle to run it during the backward (on this 2-core machine 4 ranks measured
-up to 2.6x their prediction before: BENCHMARKS.md, section `planner`); a pipeline's stages are not all busy at once,
+well above their prediction before this term); a pipeline's stages are not all busy at once,
 so its simulation speeds a compute up by how many compute beside it (`pipeline_sharing`; a stage waiting in the
 bubble lends the others its core). A tensor-parallel shard's FLOPs run at the rate of a model as wide as the shard
 (narrower matrices, and the norms and residuals stay whole on every shard). Ignored: kernel fusion and overlap

@@ -31,9 +31,9 @@ DTensor shards and ZeRO-1 slices in its buckets. The algorithm and its choices (
 rule, warm start, QR, warm-up) follow that hook, and its numbers are the hook's: tests/integration/
 test_grads_gloo.py runs the hook itself on the same gradients from the same Q (ours = its result x world
 size, within 6e-7 over compressed steps with error feedback). Under AdamW a low rank costs loss that no
-warm-up short of most of the run recovers (BENCHMARKS.md, section savers_grads: rank 4 +49% on the demo
-job at 400 steps; freezing Adam's second moment does not help, nor do 16 power iterations a step instead of
-one: `bench.powersgd_iterations`, +44%).
+warm-up short of most of the run recovers (BENCHMARKS.md, section savers_grads: rank 4 on the demo job at 400
+steps); by hand, freezing Adam's second moment did not help, nor did 16 power iterations a step instead of one
+(`bench.powersgd_iterations`, which writes no row).
 
 Timing: phase 1 (P, with the uncompressed rest) starts as soon as the bucket is complete, overlapped with
 backward; phase 2 (orthonormalise, Q) runs in `finish`, bucket by bucket in order (every rank issues the same

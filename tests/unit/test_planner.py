@@ -181,8 +181,8 @@ def test_compute_is_slowed_by_the_measured_contention_of_ranks_sharing_a_node():
 
 
 def test_a_pipeline_on_shared_cores_lends_the_bubbles_idle_cores_to_the_stages_computing():
-    """pp 4 on a 2-core node measured 0.61x its prediction when every compute was slowed as if all 4 ranks were
-    busy (BENCHMARKS.md, section `planner`): in the bubble they are not. The simulation speeds a compute up by how
+    """pp 4 on a 2-core node measured well under its prediction when every compute was slowed as if all 4 ranks
+    were busy (an earlier planner grid): in the bubble they are not. The simulation speeds a compute up by how
     many stages compute beside it; a layout without a pipeline, or with a device per rank, is timed as before."""
     from trainyard.parallel.plan.cost_model import pipeline_sharing, sharing_floor, step_costs
     from trainyard.parallel.plan.prediction import lower_bound, predict
@@ -245,7 +245,7 @@ def test_a_tensor_parallel_shard_runs_its_flops_at_the_rate_of_a_model_as_wide_a
 
 
 def test_collectives_on_shared_cpu_cores_are_slowed_as_compute_and_hide_behind_nothing():
-    """4 ranks on a 2-core node measured up to 2.6x their prediction (BENCHMARKS.md, section `planner`): gloo's
+    """4 ranks on a 2-core node measured well above their prediction before this term (an earlier planner grid): gloo's
     collectives are CPU work on the ranks' own busy cores. Where each rank has its own device, nothing changes."""
     from trainyard.parallel.plan.cost_model import step_costs
 
