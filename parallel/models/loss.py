@@ -1,0 +1,106 @@
+"""The language-model loss fused with the output projection, in chunks of tokens: no full-size fp32 logits.
+
+`linear_cross_entropy_sum(hidden, weight, targets)` is `F.cross_entropy(F.linear(hidden, weight).float(),
+targets, reduction="sum", ignore_index=-100)` in value and gradients, but the (tokens, vocab) logits are made a
+chunk of tokens at a time, upcast and reduced in fp32, and dropped before the next chunk. Torch's own path holds
+the whole logits tensor in the compute dtype, its fp32 copy, and the fp32 log-softmax it saves for backward
+(at GPT-2 medium's 16 x 1024 tokens and 50,304 words, 3.3 GB each).
+
+Written by hand (a custom autograd Function) because torch has no fused linear cross-entropy, and chunking with
+`torch.utils.checkpoint` would recompute every chunk's logits in backward (one more head matmul a step). As
+Liger-Kernel's fused linear cross-entropy does, the gradients are computed in forward, where each chunk's
+logits exist anyway: the loss is the graph's end, so its gradient is a scalar `g` that only scales them.
+Backward returns `g x` the stored gradients of the hidden states (tokens, d_model) and of the weight (vocab,
+d_model, fp32): what is kept for backward is that, never logits. Per chunk:
+
+    logits = h W^T (compute dtype) -> fp32;  lse = logsumexp(logits);  loss += sum(lse - logits[target])
+    dlogits = softmax(logits) - onehot(target) (zero rows for ignored targets);  dh = dlogits W;  dW += dlogits^T h
+
+Chunks hold `chunk_tokens` tokens: about d_model, at least enough to cover the tokens in ceil(vocab / d_model)
+chunks (Liger's rule). A chunk's fp32 logits are then no bigger than the head's weight (or the hidden states),
+which the step holds anyway. dW accumulates in fp32 across chunks (summed in bf16 it would lose the precision
+one bf16 matmul keeps); under bf16 autocast each chunk's bf16 product is added into it, one more pass over a
+(vocab, d_model) tensor per chunk (on a GPU, torch's `addmm(out_dtype=float32)` or Liger's kernel would fold
+it into the matmul: not used here, it does not run on CPU, where this is tested).
+
+Not used for a vocabulary-parallel head (tensor parallelism): its logits are a DTensor sharded over the
+vocabulary and `loss_parallel` computes the loss; no rank then holds more than vocab / tp of them (see
+`DecoderStage.loss_sum`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IGNORE_INDEX = -100
+"""A target the loss does not count (torch's cross_entropy default)."""
+
+
+def chunk_tokens(tokens: int, vocab: int, d_model: int) -> int:
+    """Tokens per chunk: d_model (a chunk's logits as big as the weight), or more when that would take more than
+    ceil(vocab / d_model) chunks (a chunk's logits as big as the hidden states: Liger's rule)."""
+    return max(1, d_model, math.ceil(tokens / math.ceil(vocab / d_model)))
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             chunk: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of `hidden @ weight.T` against `targets` (ignore_index -100), an fp32 scalar.
+    `hidden` (..., d_model), `weight` (vocab, d_model), `targets` hidden's leading shape. The matmuls run in
+    the autocast dtype when autocast is on (as `F.linear` would), else in `hidden`'s; `chunk` tokens at a
+    time (default `chunk_tokens`)."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    grads = torch.is_grad_enabled()
+    if chunk is None:
+        chunk = chunk_tokens(hidden.shape[0], weight.shape[0], weight.shape[1])
+    return _LinearCrossEntropy.apply(hidden, weight, targets.reshape(-1), dtype, chunk,
+                                     grads and hidden.requires_grad, grads and weight.requires_grad)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                chunk: int, grads_h: bool, grads_w: bool) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            counted = targets != IGNORE_INDEX
+            safe = torch.where(counted, targets, 0).unsqueeze(1)
+            # Subtracted from an ignored row's logits before exp, so its softmax row (its gradient) is zero.
+            shift = torch.where(counted, 0.0, math.inf).unsqueeze(1)
+            lse = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+            picked = torch.empty_like(lse)
+            grad_h = torch.empty_like(hidden) if grads_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads_w else None
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                h = hidden[rows].to(dtype)
+                logits = (h @ w.T).float()
+                torch.logsumexp(logits, 1, out=lse[rows])
+                torch.gather(logits, 1, safe[rows], out=picked[rows].unsqueeze(1))
+                if not (grads_h or grads_w):
+                    continue
+                probs = logits.sub_(lse[rows].unsqueeze(1) + shift[rows]).exp_()  # in place: no second chunk
+                probs.scatter_add_(1, safe[rows], -counted[rows].unsqueeze(1).to(probs.dtype))
+                low = probs.to(dtype)
+                if grad_h is not None:
+                    if dtype == hidden.dtype:
+                        torch.mm(low, w, out=grad_h[rows])
+                    else:
+                        grad_h[rows] = low @ w
+                if grad_w is not None and dtype == torch.float32:
+                    grad_w.addmm_(low.T, h)
+                elif grad_w is not None:
+                    grad_w.add_(low.T @ h)
+            loss = ((lse - picked) * counted).sum()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        return (None if grad_h is None else grad_h * grad_loss,
+                None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None)
