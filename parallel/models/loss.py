@@ -4,7 +4,7 @@
 targets, reduction="sum", ignore_index=-100)` in value and gradients, but the (tokens, vocab) logits are made a
 chunk of tokens at a time, upcast and reduced in fp32, and dropped before the next chunk. Torch's own path holds
 the whole logits tensor in the compute dtype, its fp32 copy, and the fp32 log-softmax it saves for backward
-(at GPT-2 medium's 16 x 1024 tokens and 50,304 words, 3.3 GB each).
+(at GPT-2 medium's 16 x 1024 tokens and 50,304 words, 3.3 GB for each fp32 one).
 
 Written by hand (a custom autograd Function) because torch has no fused linear cross-entropy, and chunking with
 `torch.utils.checkpoint` would recompute every chunk's logits in backward (one more head matmul a step). As
@@ -13,8 +13,11 @@ logits exist anyway: the loss is the graph's end, so its gradient is a scalar `g
 Backward returns `g x` the stored gradients of the hidden states (tokens, d_model) and of the weight (vocab,
 d_model, fp32): what is kept for backward is that, never logits. Per chunk:
 
-    logits = h W^T (compute dtype) -> fp32;  lse = logsumexp(logits);  loss += sum(lse - logits[target])
-    dlogits = softmax(logits) - onehot(target) (zero rows for ignored targets);  dh = dlogits W;  dW += dlogits^T h
+    logp = log_softmax(fp32(h W^T));  loss -= sum(logp[target])  (as torch's cross_entropy: log_softmax, nll)
+    dlogits = exp(logp) - onehot(target), in place;  dh = dlogits W;  dW += dlogits^T h
+
+(an ignored target's row counts nothing: its loss term is masked, its hidden state zeroed for dW and its dh row
+zeroed at the end, passes d_model wide rather than vocabulary wide).
 
 Chunks hold `chunk_tokens` tokens: about d_model, at least enough to cover the tokens in ceil(vocab / d_model)
 chunks (Liger's rule). A chunk's fp32 logits are then no bigger than the head's weight (or the hidden states),
@@ -22,6 +25,9 @@ which the step holds anyway. dW accumulates in fp32 across chunks (summed in bf1
 one bf16 matmul keeps); under bf16 autocast each chunk's bf16 product is added into it, one more pass over a
 (vocab, d_model) tensor per chunk (on a GPU, torch's `addmm(out_dtype=float32)` or Liger's kernel would fold
 it into the matmul: not used here, it does not run on CPU, where this is tested).
+
+In a split backward (zero-bubble schedules, `parallel.runtime.split_backward`) this node is where the head's
+weight meets the input's path: both halves run its backward, and it keeps its gradients until the weight half.
 
 Not used for a vocabulary-parallel head (tensor parallelism): its logits are a DTensor sharded over the
 vocabulary and `loss_parallel` computes the loss; no rank then holds more than vocab / tp of them (see
@@ -66,35 +72,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 chunk: int, grads_h: bool, grads_w: bool) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
-            counted = targets != IGNORE_INDEX
-            safe = torch.where(counted, targets, 0).unsqueeze(1)
-            # Subtracted from an ignored row's logits before exp, so its softmax row (its gradient) is zero.
-            shift = torch.where(counted, 0.0, math.inf).unsqueeze(1)
-            lse = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
-            picked = torch.empty_like(lse)
+            w_t = w.t()
+            h_all = hidden.to(dtype)
+            counted = (targets != IGNORE_INDEX).unsqueeze(1)
+            safe = torch.where(counted.squeeze(1), targets, 0).unsqueeze(1)
+            picked = torch.empty(safe.shape, dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(hidden) if grads_h else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads_w else None
+            # An ignored token's row of the logits' gradient is zero: left out of dW by zeroing its hidden state
+            # here, and out of dh by zeroing its row at the end (two d_model-wide passes, not a vocab-wide one).
+            h_counted = h_all * counted if grads_w else None
+            minus_one = torch.full((min(chunk, hidden.shape[0]), 1), -1.0, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                h = hidden[rows].to(dtype)
-                logits = (h @ w.T).float()
-                torch.logsumexp(logits, 1, out=lse[rows])
-                torch.gather(logits, 1, safe[rows], out=picked[rows].unsqueeze(1))
+                logp = torch.log_softmax((h_all[rows] @ w_t).float(), 1)  # the chunk's logits, in fp32
+                torch.gather(logp, 1, safe[rows], out=picked[rows])
                 if not (grads_h or grads_w):
                     continue
-                probs = logits.sub_(lse[rows].unsqueeze(1) + shift[rows]).exp_()  # in place: no second chunk
-                probs.scatter_add_(1, safe[rows], -counted[rows].unsqueeze(1).to(probs.dtype))
+                probs = logp.exp_()  # in place: the chunk's softmax, then its gradient (softmax - onehot)
+                probs.scatter_add_(1, safe[rows], minus_one[:probs.shape[0]])
                 low = probs.to(dtype)
-                if grad_h is not None:
-                    if dtype == hidden.dtype:
-                        torch.mm(low, w, out=grad_h[rows])
-                    else:
-                        grad_h[rows] = low @ w
+                if grad_h is not None and dtype == hidden.dtype:
+                    torch.mm(low, w, out=grad_h[rows])
+                elif grad_h is not None:
+                    grad_h[rows] = low @ w
                 if grad_w is not None and dtype == torch.float32:
-                    grad_w.addmm_(low.T, h)
+                    grad_w.addmm_(low.t(), h_counted[rows])
                 elif grad_w is not None:
-                    grad_w.add_(low.T @ h)
-            loss = ((lse - picked) * counted).sum()
+                    grad_w.add_(low.t() @ h_counted[rows])  # fp32 accumulation of the chunks' bf16 products
+            if grad_h is not None:
+                grad_h.mul_(counted)
+            loss = -(picked * counted).sum()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
