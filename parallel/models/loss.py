@@ -70,39 +70,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
                 chunk: int, grads_h: bool, grads_w: bool) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            w_t = w.t()
-            h_all = hidden.to(dtype)
-            counted = (targets != IGNORE_INDEX).unsqueeze(1)
-            safe = torch.where(counted.squeeze(1), targets, 0).unsqueeze(1)
-            picked = torch.empty(safe.shape, dtype=torch.float32, device=hidden.device)
-            grad_h = torch.empty_like(hidden) if grads_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads_w else None
-            # An ignored token's row of the logits' gradient is zero: left out of dW by zeroing its hidden state
-            # here, and out of dh by zeroing its row at the end (two d_model-wide passes, not a vocab-wide one).
-            h_counted = h_all * counted if grads_w else None
-            minus_one = torch.full((min(chunk, hidden.shape[0]), 1), -1.0, device=hidden.device)
-            for start in range(0, hidden.shape[0], chunk):
-                rows = slice(start, start + chunk)
-                logp = torch.log_softmax((h_all[rows] @ w_t).float(), 1)  # the chunk's logits, in fp32
-                torch.gather(logp, 1, safe[rows], out=picked[rows])
-                if not (grads_h or grads_w):
-                    continue
-                probs = logp.exp_()  # in place: the chunk's softmax, then its gradient (softmax - onehot)
-                probs.scatter_add_(1, safe[rows], minus_one[:probs.shape[0]])
-                low = probs.to(dtype)
-                if grad_h is not None and dtype == hidden.dtype:
-                    torch.mm(low, w, out=grad_h[rows])
-                elif grad_h is not None:
-                    grad_h[rows] = low @ w
-                if grad_w is not None and dtype == torch.float32:
-                    grad_w.addmm_(low.t(), h_counted[rows])
-                elif grad_w is not None:
-                    grad_w.add_(low.t() @ h_counted[rows])  # fp32 accumulation of the chunks' bf16 products
-            if grad_h is not None:
-                grad_h.mul_(counted)
-            loss = -(picked * counted).sum()
+        # Every operand is cast to `dtype` (the autocast dtype when autocast is on) by hand, so autocast, if
+        # on, has nothing to change here.
+        w = weight.to(dtype)
+        w_t = w.t()
+        h_all = hidden.to(dtype)
+        counted = (targets != IGNORE_INDEX).unsqueeze(1)
+        safe = targets.clamp_min(0).unsqueeze(1)  # any index for an ignored target (-100): its row is masked
+        picked = torch.empty(safe.shape, dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if grads_h else None
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if grads_w else None
+        # An ignored token's row of the logits' gradient is zero: left out of dW by zeroing its hidden state here,
+        # and out of dh by zeroing its row at the end (two d_model-wide passes, not a vocabulary-wide one).
+        h_counted = h_all * counted if grads_w else None
+        minus_one = torch.full((min(chunk, hidden.shape[0]), 1), -1.0, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logp = torch.log_softmax((h_all[rows] @ w_t).float(), 1)  # the chunk's logits, in fp32
+            torch.gather(logp, 1, safe[rows], out=picked[rows])
+            if not (grads_h or grads_w):
+                continue
+            probs = logp.exp_()  # in place: the chunk's softmax, then its gradient (softmax - onehot)
+            probs.scatter_add_(1, safe[rows], minus_one[:probs.shape[0]])
+            low = probs.to(dtype)
+            if grad_h is not None and dtype == hidden.dtype:
+                torch.mm(low, w, out=grad_h[rows])
+            elif grad_h is not None:
+                grad_h[rows] = low @ w
+            if grad_w is not None:
+                _accumulate(grad_w, low.t(), h_counted[rows], first=start == 0)
+        if grad_h is not None:
+            grad_h.mul_(counted)
+        loss = -(picked * counted).sum()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -112,3 +111,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad_loss,
                 None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None)
+
+
+def _accumulate(grad_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """grad_w (fp32) = a @ b on the first chunk, += after: in place when a and b are fp32, else their product
+    (in their dtype) added in fp32."""
+    if a.dtype == grad_w.dtype:
+        if first:
+            torch.mm(a, b, out=grad_w)
+        else:
+            grad_w.addmm_(a, b)
+    elif first:
+        grad_w.copy_(a @ b)
+    else:
+        grad_w.add_(a @ b)

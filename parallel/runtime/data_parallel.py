@@ -180,12 +180,16 @@ class GradientReducer:
             if b.chunk == chunk:
                 b.pending = len(b.params)
 
-    @torch.no_grad()
     def _accumulated(self, bucket: _Bucket, i: int) -> None:
-        p, view = bucket.params[i], bucket.grads[i]
-        if p.grad is not view:  # the step's first gradient of p, autograd's own tensor: into the bucket, once
-            _copy_grad(view, p.grad)
-            p.grad = view
+        # Runs once per parameter and backward, inside backward (grad mode is off there): kept lean.
+        view = bucket.grads[i]
+        grad = bucket.params[i].grad
+        if grad is not view:  # the step's first gradient of p, autograd's own tensor: into the bucket, once
+            if isinstance(view, DTensor):
+                _copy_grad(view, grad)
+            else:
+                view.copy_(grad)
+            bucket.params[i].grad = view
             bucket.landed += 1
         if bucket.chunk not in self.armed or bucket.pending == 0:
             return
