@@ -13,7 +13,7 @@ Runs with torch alone (no Ray, no service), in one process, on one device:
   the trainer's groups (weight decay on matrices and embeddings only) and learning-rate schedule (warm-up
   then cosine, `parallel.optim.optimizer.lr_at`); gradients set to None each step; no host synchronisation in a step.
 - with `--diagnose`, two more plain loops, each with one of the trainer's habits added: `plain+buckets`
-  (gradients as views into flat buckets zeroed every step) and `plain+sync` (reads the norm and the loss
+  (gradients copied into the trainer's flat buckets) and `plain+sync` (reads the norm and the loss
   every step). Their ratios to `plain` tell what each habit costs.
 Every side takes the same steps (the same data and learning rate at each index), so the losses match step
 by step (in fp32 to rounding; bf16 drifts): the harness reports the largest difference, a check that the
@@ -96,9 +96,9 @@ class PlainVariant:
 
     name: str
     buckets: bool = False
-    """Gradients as views into flat buckets kept for the whole run and zeroed every step (the trainer's
-    `GradientReducer`, with no group: backward adds into them, and each parameter's post-accumulate hook
-    counts down its bucket), instead of set to None and allocated by backward."""
+    """Gradients in flat buckets kept for the whole run (the trainer's `GradientReducer`, with no group: each
+    parameter's post-accumulate hook copies backward's gradient into its bucket view and counts down its
+    bucket), instead of left where backward allocated them."""
     sync: bool = False
     """Read the gradient norm (before AdamW) and the loss as Python floats every step, as the trainer does."""
 

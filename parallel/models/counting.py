@@ -78,3 +78,16 @@ def moe_routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
     # the z-loss) and probabilities, the top-k values and indices, and the gate sums and log-sum-exp.
     router = routed * (s.act * s.d + 2 * FP32 * moe.experts + moe.top_k * (INDEX + FP32) + 2 * FP32)
     return rows, router
+
+
+def head_and_loss(m: ModelConfig, s: Shapes) -> int:
+    """What the output head and the loss keep for backward per micro-batch, after the final norm; the same in
+    every family (`DecoderStage.loss_sum`). Fused (tp 1, `parallel.models.loss`): the gradients it computed
+    in forward, the hidden states' (fp32, the norm's output) and the head weight's (fp32), never logits.
+    Vocabulary-parallel (tp > 1): the norm's output kept by the head (all-gathered under sp; its bf16 copy
+    under autocast), the weight's bf16 copy, cross_entropy's fp32 log-softmax vocab / tp wide, the targets."""
+    d, vocab = s.d, m.vocab_size
+    if s.tp == 1:
+        return s.tokens * FP32 * d + FP32 * vocab * d
+    weight = BF16 * vocab * d // s.tp if s.bf16 else 0
+    return s.tokens * s.act * d + weight + s.tokens * (FP32 * vocab // s.tp + INDEX) + FP32

@@ -8,9 +8,9 @@ The whole model is the stage that is both first and last. A family subclasses it
 feed the residual stream (`RESIDUAL`, scaled down at init).
 
 What a stage offers the pipeline and the trainer: `forward(x)` (token ids on the first stage, hidden states
-elsewhere), `loss_sum(hidden, targets)` (summed cross-entropy, ignore_index -100), `set_activation_
-checkpointing(mode)`, `shard_units()` (what ZeRO-3 gathers together, in the order the forward runs it), and
-`cfg`, `first`, `last`, `blocks`.
+elsewhere), `loss_sum(hidden, targets)` (summed cross-entropy, ignore_index -100, fused with the head: no
+full-size fp32 logits), `set_activation_checkpointing(mode)`, `shard_units()` (what ZeRO-3 gathers together, in
+the order the forward runs it), and `cfg`, `first`, `last`, `blocks`.
 
 Initialisation depends only on the job seed and each parameter's name, never on the layout: every
 parameter draws from its own generator seeded by (seed, name).
@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.loss import linear_cross_entropy_sum
 from trainyard.parallel.models.moe import MoELayer
 from trainyard.parallel.seeds import derive_seed
 
@@ -159,11 +160,17 @@ class DecoderStage(nn.Module):
         """Summed (not averaged) cross-entropy: the caller divides by the global token count. Targets of -100
         count nothing.
 
-        With tensor parallelism the logits are a DTensor sharded over the vocabulary and the caller runs this
-        and its backward under `loss_parallel`; the loss is then a replicated DTensor, returned as its local
-        value, which is the whole loss.
+        The head and the loss are fused, a chunk of tokens at a time (`parallel.models.loss`): no full-size fp32
+        logits tensor exists, in forward or backward. With tensor parallelism the head's weight is a DTensor
+        sharded over the vocabulary, the logits are one too, and the caller runs this and its backward under
+        `loss_parallel` (each rank holds vocab / tp of the logits); the loss is then a replicated DTensor,
+        returned as its local value, which is the whole loss. (A head whose weight is a DTensor for another
+        reason, sharded by FSDP2 outside this call, takes the same unfused path, through the module's hooks.)
         """
-        logits = self.lm_head(self.ln_f(hidden))
+        hidden = self.ln_f(hidden)
+        if not isinstance(self.lm_head.weight, DTensor):
+            return linear_cross_entropy_sum(hidden, self.lm_head.weight, targets)
+        logits = self.lm_head(hidden)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         return loss.to_local() if isinstance(loss, DTensor) else loss
 

@@ -11,8 +11,14 @@ stages in DistributedDataParallel (or FSDP2's `fully_shard`) because:
   (`arm`), not autograd; DDP would need `no_sync` around all the others and knows nothing of chunks;
 - one reducer serves every set (dense, router, experts), each over its own group, whatever the layout.
 
-As DDP's `gradient_as_bucket_view` does, every parameter's `.grad` is a view into a flat bucket kept for
-the whole job, so autograd accumulates straight into the buckets and the reduction runs in place.
+Gradients in place, as DDP's `gradient_as_bucket_view`: each parameter's gradient lives in a view into a flat
+bucket kept for the whole job, so the reduction runs in place and the optimizer reads it there. Nothing is
+zeroed: `zero_grad` sets `.grad` to None, autograd hands the step's first gradient of a parameter over as a
+tensor of its own (no add), and the parameter's post-accumulate hook copies it into its view once and makes the
+view its `.grad`; later micro-batches add into the view in place. (Zeroing every bucket each step and adding
+every first gradient into it was one write and one read more per element.) A parameter that got no gradient
+in the step (an expert no token reached) has its view zeroed just before its bucket's reduction starts (and
+one whose `.grad` was set by hand is copied in then).
 Buckets hold one chunk's parameters in reverse order, the order their gradients become final.
 
 Overlap: `arm(chunk)` before the chunk's last backward turns on its parameters' post-accumulate hooks; a
@@ -69,10 +75,15 @@ class _Bucket:
     flat: torch.Tensor
     """Every parameter's gradient, back to back (padded to a multiple of the group size)."""
     offsets: list[int]
+    grads: list[torch.Tensor]
+    """Each parameter's view into `flat`, shaped as its `.grad` (a DTensor with the parameter's placements for a
+    DTensor parameter): its `.grad` once its first gradient of the step has landed."""
     shard: torch.Tensor | None = None
     """ZeRO-1: the summed gradients of this rank's slice of `flat`."""
     pending: int = 0
     """Parameters whose final gradient has not arrived yet in the armed backward."""
+    landed: int = 0
+    """Parameters whose gradient is in `flat` this step (the rest have none yet)."""
     work: dist.Work | None = None
     wire: torch.Tensor | None = None
     """The reduced-precision copy on the wire (reduce_dtype bf16), written back to fp32 after the wait."""
@@ -128,22 +139,22 @@ class GradientReducer:
         self.started_early = 0
         """Buckets whose reduction started during backward in the last step (before `finish`)."""
         for b in self.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(lambda p, b=b: self._accumulated(b))
+            for i, p in enumerate(b.params):
+                p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self._accumulated(b, i))
 
     def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> _Bucket:
         sizes = [local_part(p).numel() for p in params]
         total = -(-sum(sizes) // self.size) * self.size  # padded so it splits into equal slices
         first = local_part(params[0])
         flat = torch.zeros(total, dtype=first.dtype, device=first.device)
-        offsets, offset = [], 0
+        offsets, grads, offset = [], [], 0
         for p, n in zip(params, sizes, strict=True):
-            view = flat[offset:offset + n].view_as(local_part(p))
-            p.grad = view if not isinstance(p, DTensor) else DTensor.from_local(
-                view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+            p.grad = like_param(p, flat[offset:offset + n].view_as(local_part(p)))
+            grads.append(p.grad)
             offsets.append(offset)
             offset += n
-        return _Bucket(chunk=chunk, params=params, flat=flat, offsets=offsets)
+        return _Bucket(chunk=chunk, params=params, flat=flat, offsets=offsets, grads=grads,
+                       landed=len(params))
 
     @property
     def holders(self) -> int:
@@ -156,10 +167,12 @@ class GradientReducer:
         that, a reduce-scatter about once); a compressing reducer says what it sent in the last step."""
         return sum(b.flat.numel() for b in self.buckets) * self.reduce_dtype.itemsize if self.group else 0
 
-    @torch.no_grad()
     def zero_grad(self) -> None:
+        """Start a step: no parameter has a gradient (the buckets keep the last step's until each is replaced)."""
         for b in self.buckets:
-            b.flat.zero_()
+            for p in b.params:
+                p.grad = None
+            b.landed = 0
 
     def arm(self, chunk: int) -> None:
         """The next backward of `chunk` is its last in this step: start each bucket once it is complete."""
@@ -168,7 +181,17 @@ class GradientReducer:
             if b.chunk == chunk:
                 b.pending = len(b.params)
 
-    def _accumulated(self, bucket: _Bucket) -> None:
+    def _accumulated(self, bucket: _Bucket, i: int) -> None:
+        # Runs once per parameter and backward, inside backward (grad mode is off there): kept lean.
+        view = bucket.grads[i]
+        grad = bucket.params[i].grad
+        if grad is not view:  # the step's first gradient of p, autograd's own tensor: into the bucket, once
+            if isinstance(view, DTensor):
+                _copy_grad(view, grad)
+            else:
+                view.copy_(grad)
+            bucket.params[i].grad = view
+            bucket.landed += 1
         if bucket.chunk not in self.armed or bucket.pending == 0:
             return
         bucket.pending -= 1
@@ -180,6 +203,8 @@ class GradientReducer:
             b = self.buckets[self.next_to_start]
             if not everything and (b.chunk not in self.armed or b.pending > 0):
                 return
+            if b.landed < len(b.params):
+                _settle(b)
             self._start(b)
             self.next_to_start += 1
 
@@ -314,6 +339,31 @@ class ShardedGradientReducer(GradientReducer):
             for p, a in zip(b.params, b.offsets, strict=True):
                 local = local_part(p)
                 local.view(-1).copy_(everything[a:a + local.numel()])
+
+
+def _copy_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
+    """`grad` into its bucket view. A DTensor gradient is first brought to the view's placements, as autograd's
+    `grad += new` would (a sequence-parallel norm's partial sum all-reduced over tp, a vocabulary-parallel
+    embedding's whole gradient sliced to this rank's rows)."""
+    if isinstance(view, DTensor):
+        if isinstance(grad, DTensor) and grad.placements != view.placements:
+            grad = grad.redistribute(view.device_mesh, view.placements)
+        grad = local_part(grad)
+        view = view.to_local()
+    view.copy_(grad)
+
+
+@torch.no_grad()
+def _settle(b: _Bucket) -> None:
+    """Before a bucket's reduction, each parameter whose gradient is not in the bucket yet: zeros in its view if
+    it got none this step, else (set as `.grad` by hand, not by autograd's accumulation) its gradient."""
+    for p, view in zip(b.params, b.grads, strict=True):
+        if p.grad is None:
+            local_part(view).zero_()
+        elif p.grad is not view:
+            _copy_grad(view, p.grad)
+        p.grad = view
+    b.landed = len(b.params)
 
 
 def like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

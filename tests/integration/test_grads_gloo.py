@@ -57,7 +57,7 @@ def _reduce(reducer, params, rank: int, step: int, compressor) -> dict:
     compressor.step = step
     reducer.zero_grad()
     for p, g in zip(params, _grads(rank, step), strict=True):
-        p.grad.copy_(g)
+        p.grad = g  # as a backward leaves a step's first gradient: a tensor of its own, moved into the bucket
     reducer.finish()
     state = reducer._states.get(0)
     return {"w": params[0].grad.clone(), "b": params[1].grad.clone(), "bytes": reducer.wire_bytes,

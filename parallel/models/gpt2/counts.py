@@ -12,7 +12,16 @@ import math
 from collections.abc import Sequence
 
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.models.counting import BF16, FP32, INDEX, LN_STATS, ParamCounts, Shapes, moe_routing
+from trainyard.parallel.models.counting import (
+    BF16,
+    FP32,
+    INDEX,
+    LN_STATS,
+    ParamCounts,
+    Shapes,
+    head_and_loss,
+    moe_routing,
+)
 
 
 def ffn_hidden(m: ModelConfig) -> int:
@@ -116,10 +125,5 @@ def moe_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
 
 def head_activations(m: ModelConfig, s: Shapes) -> int:
     """ln_f, the output head and the loss of one micro-batch."""
-    d, vocab = s.d, m.vocab_size
-    ln_f = s.stream * (FP32 * d + LN_STATS)
-    head_input = s.tokens * s.act * d  # ln_f's output (all-gathered under sp), kept by lm_head
-    weight = BF16 * vocab * d // s.tp if s.bf16 else 0
-    # cross_entropy keeps its fp32 log-softmax, vocab / tp wide (loss_parallel), and the targets
-    loss = s.tokens * (FP32 * vocab // s.tp + INDEX) + FP32
-    return ln_f + head_input + weight + loss
+    ln_f = s.stream * (FP32 * s.d + LN_STATS)
+    return ln_f + head_and_loss(m, s)

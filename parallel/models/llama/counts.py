@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.models.counting import BF16, FP32, INDEX, ParamCounts, Shapes, moe_routing
+from trainyard.parallel.models.counting import BF16, FP32, INDEX, ParamCounts, Shapes, head_and_loss, moe_routing
 
 
 def rms_norm(s: Shapes) -> int:
@@ -128,9 +128,5 @@ def moe_block(m: ModelConfig, s: Shapes) -> tuple[int, int, int]:
 
 def head_activations(m: ModelConfig, s: Shapes) -> int:
     """ln_f, the output head and the loss of one micro-batch."""
-    d, vocab = s.d, m.vocab_size
     ln_f = rms_norm(s)
-    head_input = s.tokens * s.act * d  # ln_f's output (all-gathered under sp), kept by lm_head
-    weight = BF16 * vocab * d // s.tp if s.bf16 else 0
-    loss = s.tokens * (FP32 * vocab // s.tp + INDEX) + FP32  # fp32 log-softmax (vocab / tp wide), targets
-    return ln_f + head_input + weight + loss
+    return ln_f + head_and_loss(m, s)
