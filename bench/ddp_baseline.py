@@ -35,7 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
 from trainyard.parallel.models.whole import GPTStage, full_model
-from trainyard.parallel.optim.optimizer import clip_grad_norm, lr_at, make_optimizer, set_lr
+from trainyard.parallel.optim.lr_schedules import lr_at
+from trainyard.parallel.optim.optimizer import clip_grad_norm, make_optimizer, set_lr
 from trainyard.parallel.runtime.data_parallel import GradientReducer
 from trainyard.parallel.spec import load_spec_text, parse_spec
 

@@ -60,7 +60,7 @@ from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, Parall
 from trainyard.parallel.data.datasets import Dataset, load_batch, open_dataset, step_microbatches
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.whole import GPTStage, full_model
-from trainyard.parallel.optim.optimizer import lr_at
+from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.plan import Plan, PlanError, make_plan
 from trainyard.parallel.runtime.data_parallel import GradientReducer
 from trainyard.parallel.runtime.distributed import shutdown_distributed

@@ -54,9 +54,15 @@ class OptimizerConfig:
     beta2: Annotated[float, Ge(0), Le(1), NOT_BOOL] = 0.95
     """AdamW's second-moment decay (below 1 with adamw, adamw8bit)."""
     warmup_steps: Steps = 10
-    """Linear warm-up from 0 to `lr`; afterwards cosine decay to `min_lr_ratio * lr` at the last step."""
+    """Linear warm-up from 0 to `lr`; afterwards the `schedule`."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """After warm-up: cosine or linear decay to `min_lr_ratio * lr` at the last step; constant `lr`; or wsd
+    (warm-up, stable, decay): `lr` until the last `decay_steps` steps, then linear decay to `min_lr_ratio * lr`
+    (`parallel.optim.lr_schedules`)."""
+    decay_steps: Steps | None = None
+    """wsd: the steps of the final decay; null: the last tenth of the job."""
     min_lr_ratio: Annotated[float, Ge(0), Le(1), NOT_BOOL] = 0.1
-    """The learning rate at the last step, as a fraction of `lr` (the end of the cosine decay)."""
+    """The learning rate at the last step, as a fraction of `lr` (the end of the decay)."""
     grad_clip: Annotated[float, Ge(0), Le(1e9), NOT_BOOL] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     kind: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"

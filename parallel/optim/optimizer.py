@@ -1,5 +1,5 @@
-"""The optimizer (the spec's `optimizer.kind`, from `parallel.optim.kinds`), the learning-rate schedule and
-global-norm gradient clipping.
+"""The optimizer (the spec's `optimizer.kind`, from `parallel.optim.kinds`), setting its learning rate (the schedule
+is `parallel.optim.lr_schedules.lr_at`) and global-norm gradient clipping.
 
 Clipping is written here rather than taken from `torch.nn.utils.clip_grad_norm_` because each rank holds
 only part of the gradients (its pipeline stage, its tp shards, its experts, its ZeRO-1 slice), some of
@@ -10,7 +10,6 @@ foreach kernels refuse in one list.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -39,16 +38,6 @@ def make_optimizer(params: Iterable[tuple[torch.Tensor, nn.Parameter]],
             if chosen:
                 groups.append({"params": chosen, "weight_decay": cfg.weight_decay if decay else 0.0})
     return optimizer_kind(cfg).build(groups, cfg)
-
-
-def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine decay to `min_lr_ratio * lr` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, total_steps - 1 - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

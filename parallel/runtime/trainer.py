@@ -46,7 +46,8 @@ from trainyard.parallel.io import checkpoint, hf_checkpoint
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.moe import MoEContext, moe_layers
-from trainyard.parallel.optim.optimizer import clip_grad_norm, lr_at, set_lr
+from trainyard.parallel.optim.lr_schedules import lr_at
+from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after, syncs_before_save
 from trainyard.parallel.plan.schedules import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
