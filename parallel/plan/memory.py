@@ -41,9 +41,11 @@ and the attention matrix of scaled_dot_product_attention's math path, taken wher
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from trainyard.parallel.config import JobConfig
+from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
 from trainyard.parallel.optim.kinds import optimizer_kind
@@ -183,11 +185,12 @@ def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], i
         counts = family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep)
         return sum(n for n, size in _reduced_sets(plan, counts) if size > 1)
 
+    per_kind = by_block_kind(m, lambda i: sharded((i,), False, False))
     out = []
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
         v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
         first, last = v == 0, v == plan.n_virtual_stages - 1
-        blocks = [((c, f"block {i}"), sharded((i,), False, False)) for i in layers]
+        blocks = [((c, f"block {i}"), per_kind(i)) for i in layers]
         if first and last and m.tie_embeddings:
             tied = ((c, "embedding and head"), sharded((), True, True))
             out.append([tied, *blocks, tied])
@@ -195,6 +198,24 @@ def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], i
         out.append(([((c, "embedding"), sharded((), True, False))] if first else []) + blocks
                    + ([((c, "head"), sharded((), False, True))] if last else []))
     return out
+
+
+T = TypeVar("T")
+
+
+def by_block_kind(m: ModelConfig, count: Callable[[int], T]) -> Callable[[int], T]:
+    """`count(block)` computed once per kind of block (dense, or mixture-of-experts): a family's blocks of one
+    kind have the same parameters and activations, and a model of thousands of blocks is counted in the time of
+    two (the planner counts many layouts of it)."""
+    known: dict[bool, T] = {}
+
+    def of(block: int) -> T:
+        kind = m.is_moe_block(block)
+        if kind not in known:
+            known[kind] = count(block)
+        return known[kind]
+
+    return of
 
 
 def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
@@ -275,8 +296,9 @@ def _chunk_activations(plan: Plan, pp_rank: int, chunk: int) -> tuple[int, int]:
     kept = transient = 0
     if v == 0:
         kept += family.embed_activations(m, s)
+    activations = by_block_kind(m, lambda block: family.block_activations(m, block, s))
     for block in plan.stage_layers[v]:
-        full, selective_saving, region = family.block_activations(m, block, s)
+        full, selective_saving, region = activations(block)
         if mode == "full":
             kept += FP32 * s.d * s.stream  # only the block's input: checkpoint keeps it to recompute the block
             transient = max(transient, full)
