@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,14 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+class HasParamGroups(Protocol):
+    """A torch optimizer, or an object stepping several (`parallel.runtime.train_optimizer.TrainOptimizer`)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
+def set_lr(optimizer: HasParamGroups, lr: float) -> None:
     """Every group's learning rate (torchao's optimizers keep it as a tensor, to be filled in place)."""
     for group in optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor):

@@ -22,16 +22,16 @@ from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.layout import RankCoords
 from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_before_save
-from trainyard.parallel.runtime.data_parallel import GradientReducer, local_part
+from trainyard.parallel.runtime.data_parallel import Reducer
 from trainyard.parallel.runtime.distributed import RankGroups
-from trainyard.parallel.runtime.fsdp import FsdpReducer
+from trainyard.parallel.runtime.local_parts import local_part
 from trainyard.parallel.runtime.sync import ReplicaSync, saved_outer_state
 from trainyard.parallel.runtime.train_optimizer import StateView, TrainOptimizer
 
 
 class RankState:
     def __init__(self, plan: Plan, rank: int, groups: RankGroups, chunks: list[DecoderStage],
-                 reducers: dict[str, GradientReducer | FsdpReducer], optimizer: TrainOptimizer,
+                 reducers: dict[str, Reducer], optimizer: TrainOptimizer,
                  sync: ReplicaSync | None):
         """`sync`: local_sgd / diloco's replica sync (None: the replicas step together, or dp = 1)."""
         self.plan, self.rank, self.groups = plan, rank, groups
@@ -52,7 +52,7 @@ class RankState:
         names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
         self._view = view = self.optimizer.export()
         state_keys = self.optimizer.kind.state
-        moments = {p: m for r in self.reducers.values() for p, m in r.moments(view, state_keys).items()}
+        moments = {p: m for r in self.reducers.values() for p, m in r.moments(view.state, state_keys).items()}
         state = {"model": {name: p for p, name in names.items()}, "optim": {names[p]: m for p, m in moments.items()}}
         outer = self.sync.outer_state() if self.sync is not None else []
         if outer:  # diloco's outer momentum; its anchor is the parameters, as checkpoints are taken at syncs
@@ -154,7 +154,9 @@ class RankState:
         the layout before a resize), then, when `source` is set, from that global rank of this rank's
         data-parallel group (a broadcast, so new ranks get the state of a surviving replica)."""
         state, self.steps_done = self.checkpoint_state(), None
-        tensors = [(("model", k), local_part(t)) for k, t in sorted(state["model"].items())]
+        # ("model", name) or ("optim", name, moment): where each tensor's value is in `kept`
+        tensors: list[tuple[tuple[str, ...], torch.Tensor]] = [
+            (("model", k), local_part(t)) for k, t in sorted(state["model"].items())]
         tensors += [(("optim", k, m), local_part(t)) for k, v in sorted(state["optim"].items())
                     for m, t in sorted(v.items())]
         with torch.no_grad():
@@ -172,7 +174,7 @@ class RankState:
         moments = {names[name]: m for name, m in state["optim"].items()}
         assert self._view is not None  # the view checkpoint_state() exported, whose tensors were filled
         for reducer in self.reducers.values():
-            reducer.load_moments(self._view, moments)
+            reducer.load_moments(self._view.state, moments)
         self._view.write_back()
         self._view = None
         self.optimizer.set_step(step)

@@ -53,7 +53,7 @@ from trainyard.parallel.plan.actions import FREEING_KINDS, Action, ActionKind, s
 from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
-from trainyard.parallel.runtime.data_parallel import GradientReducer, make_reducer
+from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.fsdp import shard_chunks
 from trainyard.parallel.runtime.pipeline import Batch, PipelineExecutor, PipelineTimings
@@ -97,7 +97,7 @@ class RankTrainer:
         # their own groups) over the same groups (parallel.runtime.fsdp).
         self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
                                     par.reduce_dtype) if sharding.shards_parameters else None
-        self.reducers: dict[str, GradientReducer] = {}
+        self.reducers: dict[str, Reducer] = {}
         self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
         for kind, group in sets.items():
             per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
@@ -108,7 +108,7 @@ class RankTrainer:
         self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer, offload=cfg.optimizer.offload)
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
-        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters()]
         self.sync = ReplicaSync(par.sync, params, groups.dp, plan.dp) if self.local_sync else None
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
@@ -167,7 +167,7 @@ class RankTrainer:
         loss_sum, timings = self._forward_backward(microbatch_ids)
         for reducer in self.reducers.values():
             reducer.finish()
-        grad_norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
+        norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
         self.rank_state.steps_done = None
@@ -192,7 +192,7 @@ class RankTrainer:
             if self.groups.dp is not None and not self.local_sync:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
             loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
-        grad_norm = float(grad_norm)
+        grad_norm = float(norm)
         if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
             self.rank_state.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
             clip = "" if self.plan.config.optimizer.grad_clip > 0 else ", or turn optimizer.grad_clip on"
