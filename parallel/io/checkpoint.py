@@ -16,7 +16,7 @@ count is all the trainer state the next step depends on: the data order and the 
 functions of (seed, step), and nothing else is random.
 
 Written around DCP rather than through `get_state_dict`/`set_state_dict` because a rank's model is several
-pipeline chunks and, with ZeRO-1, its optimizer holds pieces of parameters (see `parallel.runtime.trainer`'s
+pipeline chunks and, with ZeRO-1, its optimizer holds pieces of parameters (see `parallel.runtime.rank_state`'s
 `checkpoint_state`), neither of which those functions take. With ZeRO-2/3 the parameters and their moments
 are FSDP2's DTensors, sharded over dp (and tp): DCP saves them under the same names and unsharded shapes, so
 a checkpoint written at zero=3 loads at zero=0 dp=1 and the reverse.

@@ -11,6 +11,7 @@ foreach kernels refuse in one list.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,14 @@ def make_optimizer(params: Iterable[tuple[torch.Tensor, nn.Parameter]],
     return optimizer_kind(cfg).build(groups, cfg)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+class HasParamGroups(Protocol):
+    """A torch optimizer, or an object stepping several (`parallel.runtime.train_optimizer.TrainOptimizer`)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
+def set_lr(optimizer: HasParamGroups, lr: float) -> None:
     """Every group's learning rate (torchao's optimizers keep it as a tensor, to be filled in place)."""
     for group in optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor):

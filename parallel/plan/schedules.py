@@ -25,9 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# parallel.runtime.trainer (edited on another branch now) imports FREEING_KINDS from here: re-exported until it
-# imports parallel.plan.actions, which owns it.
-from trainyard.parallel.plan.actions import FREEING_KINDS as FREEING_KINDS
 from trainyard.parallel.plan.actions import Action, ActionKind, ScheduleError, stage_location, virtual_stage
 
 

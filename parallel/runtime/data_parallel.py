@@ -52,7 +52,7 @@ sums shards that line up, since the group's ranks hold the same tp coordinate (o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,8 +63,10 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.optim.optimizer import tp_copies
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp import FsdpReducer, ShardedChunks
+from trainyard.parallel.runtime.local_parts import like_param, local_part
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+OptimizerState = Mapping[torch.Tensor, Mapping[str, torch.Tensor]]  # `StateView.state`, the checkpoint's form
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -96,7 +98,7 @@ class _Bucket:
 def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,
                  reduce_dtype: str = "fp32", bucket_bytes: int = BUCKET_BYTES,
                  sharded: ShardedChunks | None = None,
-                 compressor: Compressor | None = None) -> GradientReducer | FsdpReducer:
+                 compressor: Compressor | None = None) -> Reducer:
     """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
     nothing: every strategy keeps everything there. ZeRO-2/3: the parameters FSDP2 sharded (`sharded`, see
     `parallel.runtime.fsdp`) are reduced by FSDP2. `compressor` (`parallel.grad_compression`): the same reducer with
@@ -185,6 +187,7 @@ class GradientReducer:
         # Runs once per parameter and backward, inside backward (grad mode is off there): kept lean.
         view = bucket.grads[i]
         grad = bucket.params[i].grad
+        assert grad is not None  # the hook runs after autograd accumulated the gradient
         if grad is not view:  # the step's first gradient of p, autograd's own tensor: into the bucket, once
             if isinstance(view, DTensor):
                 _copy_grad(view, grad)
@@ -227,6 +230,7 @@ class GradientReducer:
         self._start_ready(everything=True)
         for b in self.buckets:
             if b.work is not None:
+                assert b.wire is not None  # set with the work, in `_start`
                 b.work.wait()
                 target = self._reduced(b)
                 if b.wire is not target:
@@ -236,7 +240,7 @@ class GradientReducer:
 
     def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """The reduced gradients this rank holds after `finish`, each with its parameter."""
-        return [(local_part(p.grad), p) for b in self.buckets for p in b.params]
+        return [(local_part(_grad(p)), p) for b in self.buckets for p in b.params]
 
     @staticmethod
     def tp_copies(p: torch.Tensor, tp: int) -> int:
@@ -248,12 +252,12 @@ class GradientReducer:
         return [(p, p) for b in self.buckets for p in b.params]
 
     @torch.no_grad()
-    def moments(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
+    def moments(self, state: OptimizerState, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
         """Each parameter's optimizer state `keys`, shaped like the parameter (for a checkpoint)."""
-        return {p: {k: optimizer.state[p][k] for k in keys} for b in self.buckets for p in b.params}
+        return {p: {k: state[p][k] for k in keys} for b in self.buckets for p in b.params}
 
     @torch.no_grad()
-    def load_moments(self, optimizer: torch.optim.Optimizer, moments: dict[nn.Parameter, dict]) -> None:
+    def load_moments(self, state: OptimizerState, moments: dict[nn.Parameter, dict]) -> None:
         """After `moments`' tensors were filled from a checkpoint: nothing to do, they are the state itself."""
 
     @torch.no_grad()
@@ -291,41 +295,42 @@ class ShardedGradientReducer(GradientReducer):
     @torch.no_grad()
     def _start(self, b: _Bucket) -> None:
         send = b.flat if self.reduce_dtype == b.flat.dtype else b.flat.to(self.reduce_dtype)
-        b.wire = b.shard if send is b.flat else torch.empty_like(b.shard, dtype=self.reduce_dtype)
+        shard = _shard(b)
+        b.wire = shard if send is b.flat else torch.empty_like(shard, dtype=self.reduce_dtype)
         b.work = dist.reduce_scatter_tensor(b.wire, send, group=self.group, async_op=True)
 
     def _reduced(self, b: _Bucket) -> torch.Tensor:
-        return b.shard
+        return _shard(b)
 
     def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """The pieces of the reduced gradients in this rank's slices."""
-        return [(b.shard[s:s + n], p) for b in self.buckets for p, _, s, n in b.slices]
+        return [(_shard(b)[s:s + n], p) for b in self.buckets for p, _, s, n in b.slices]
 
     def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """Views of the parameters' pieces in this rank's slices, whose `.grad` is the reduced slice."""
         return [(piece, p) for b in self.buckets for piece, (p, *_) in zip(b.pieces, b.slices, strict=True)]
 
     @torch.no_grad()
-    def moments(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
+    def moments(self, state: OptimizerState, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
         """The slices are gathered over the group first: a new tensor per parameter."""
         out: dict[nn.Parameter, dict] = {p: {} for b in self.buckets for p in b.params}
         for b in self.buckets:
             for key in keys:
                 flat = torch.zeros_like(b.flat)
                 for piece, (_, _, s, n) in zip(b.pieces, b.slices, strict=True):
-                    flat[self.rank * b.shard.numel() + s:][:n] = optimizer.state[piece][key]
+                    flat[self.rank * _shard(b).numel() + s:][:n] = state[piece][key]
                 dist.all_reduce(flat, group=self.group)  # each slice is non-zero on one rank only
                 for p, a in zip(b.params, b.offsets, strict=True):
                     out[p][key] = like_param(p, flat[a:a + local_part(p).numel()].view_as(local_part(p)))
         return out
 
     @torch.no_grad()
-    def load_moments(self, optimizer: torch.optim.Optimizer, moments: dict[nn.Parameter, dict]) -> None:
+    def load_moments(self, state: OptimizerState, moments: dict[nn.Parameter, dict]) -> None:
         """Keep this rank's slices of the whole moments."""
         for b in self.buckets:
             for piece, (p, a, _, n) in zip(b.pieces, b.slices, strict=True):
                 for key, full in moments[p].items():
-                    optimizer.state[piece][key].copy_(local_part(full).reshape(-1)[a:a + n])
+                    state[piece][key].copy_(local_part(full).reshape(-1)[a:a + n])
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -339,6 +344,9 @@ class ShardedGradientReducer(GradientReducer):
             for p, a in zip(b.params, b.offsets, strict=True):
                 local = local_part(p)
                 local.view(-1).copy_(everything[a:a + local.numel()])
+
+
+Reducer = GradientReducer | FsdpReducer  # what `make_reducer` builds, whatever the sharding strategy
 
 
 def _copy_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
@@ -366,16 +374,14 @@ def _settle(b: _Bucket) -> None:
     b.landed = len(b.params)
 
 
-def like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` as a tensor laid out like parameter `p`: a DTensor with its placements when p is one."""
-    if not isinstance(p, DTensor):
-        return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+def _shard(b: _Bucket) -> torch.Tensor:
+    assert b.shard is not None  # ZeRO-1's `_make_bucket` gives every bucket its slice
+    return b.shard
 
 
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None  # after `finish`: its bucket view (`_settle` set it where no gradient came)
+    return p.grad
 
 
 def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

@@ -59,7 +59,7 @@ its first forward would run), so a gather prefetched into a chunk that has not r
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,10 +67,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.moe import moe_layers
 from trainyard.parallel.plan.actions import Action, ActionKind
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp_meter import GatheredMeter
+from trainyard.parallel.runtime.local_parts import local_part
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -81,7 +83,7 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 class ShardedChunks:
     """A rank's chunks handed to FSDP2 per block: which modules are wrapped, and the schedule's calls into them."""
 
-    def __init__(self, chunks: list[nn.Module], roots: list[FSDPModule | None], orders: list[list[FSDPModule]],
+    def __init__(self, chunks: Sequence[nn.Module], roots: list[FSDPModule | None], orders: list[list[FSDPModule]],
                  nested: list[list[FSDPModule]], members: dict[FSDPModule, list[nn.Module]], sharding: Sharding):
         """`roots[c]`: chunk c wrapped on the dp mesh (None when dp = 1); `orders[c]`: its units (embedding,
         blocks, head) in the order its forward runs them, a unit that runs twice listed twice (empty when dp = 1);
@@ -118,7 +120,7 @@ class ShardedChunks:
         and experts inside them."""
         near: dict[FSDPModule, list[FSDPModule]] = {}
         for order, nested in zip(self.orders, self.nested, strict=True):
-            inside = {u: [n for n in nested if any(n is m for m in u.modules())] for u in order}
+            inside = {u: [n for n in nested if any(n is m for m in _module(u).modules())] for u in order}
             for k, unit in enumerate(order):
                 around = [v for v in order[max(0, k - 1):k + 2] for v in (v, *inside[v])]
                 near[unit] = list(dict.fromkeys(near.get(unit, []) + around))
@@ -160,8 +162,9 @@ class ShardedChunks:
         FSDP2 finish the chunk's backward there (wait for its reductions, drop what nothing will use)."""
         for module in self.tops[chunk]:
             module.set_reshard_after_backward(True)
-        if self.roots[chunk] is not None:
-            self.roots[chunk].set_is_last_backward(True)
+        root = self.roots[chunk]
+        if root is not None:
+            root.set_is_last_backward(True)
 
     def before_compute(self, action: Action, next_action: Action | None) -> None:
         """Before a forward or backward of `action.chunk`: point the unit it runs last at the unit the next compute
@@ -203,9 +206,9 @@ class ShardedChunks:
 
     def _runs_first(self, action: Action | None) -> FSDPModule | None:
         """The unit a compute action runs first: its chunk's first unit for a forward, its last for a backward."""
-        order = self.orders[action.chunk] if action is not None else []
-        if not order:
+        if action is None or not self.orders[action.chunk]:
             return None
+        order = self.orders[action.chunk]
         return order[0] if action.kind is ActionKind.FORWARD else order[-1]
 
     def reshard(self) -> None:
@@ -215,23 +218,27 @@ class ShardedChunks:
             self.meter.refresh(module)
 
 
-def shard_chunks(chunks: Sequence[nn.Module], dp_mesh: DeviceMesh | None, router_group: dist.ProcessGroup | None,
+def shard_chunks(chunks: Sequence[DecoderStage], dp_mesh: DeviceMesh | None, router_group: dist.ProcessGroup | None,
                  expert_group: dist.ProcessGroup | None, sharding: Sharding, reduce_dtype: str) -> ShardedChunks:
     """Wrap each chunk's units (`shard_units`: embedding, blocks, head) and its MoE routers and experts with
     `fully_shard`, each set on the mesh of the ranks that reduce it, then the chunk as their root; a set reduced
     by this rank alone stays unwrapped."""
     device = next(p for chunk in chunks for p in chunk.parameters()).device.type
     router_mesh, expert_mesh = _mesh(router_group, device), _mesh(expert_group, device)
-    kwargs = {"reshard_after_forward": sharding.reshard_after_forward,
-              "mp_policy": MixedPrecisionPolicy(reduce_dtype=WIRE_DTYPES[reduce_dtype])}
+    reshard, mp_policy = sharding.reshard_after_forward, MixedPrecisionPolicy(reduce_dtype=WIRE_DTYPES[reduce_dtype])
     roots: list[FSDPModule | None] = []
     orders: list[list[FSDPModule]] = []
     nested: list[list[FSDPModule]] = []
     members: dict[FSDPModule, list[nn.Module]] = {}
 
-    def wrap(modules: list[nn.Module], mesh: DeviceMesh, **extra: object) -> FSDPModule:
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **kwargs, **extra)
+    def wrap(modules: list[nn.Module], mesh: DeviceMesh, ignored: set[nn.Parameter] | None = None) -> FSDPModule:
+        if len(modules) > 1:
+            fully_shard(modules, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, ignored_params=ignored)
+        else:
+            fully_shard(modules[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                        ignored_params=ignored)
         fsdp = modules[0]  # a unit of several modules shares one FSDP2 state: any of them stands for it
+        assert isinstance(fsdp, FSDPModule)  # fully_shard made its class a subclass of FSDPModule
         fsdp.set_gradient_divide_factor(1.0)
         fsdp.set_force_sum_reduction_for_comms(True)
         fsdp._set_unshard_async_op(True)
@@ -255,13 +262,28 @@ def shard_chunks(chunks: Sequence[nn.Module], dp_mesh: DeviceMesh | None, router
         listed = chunk.shard_units()
         for unit in listed:
             if id(unit) not in units:
-                units[id(unit)] = wrap(unit, dp_mesh, ignored_params=ignored or None)
+                units[id(unit)] = wrap(unit, dp_mesh, ignored or None)
         orders.append([units[id(unit)] for unit in listed])
-        root = fully_shard(chunk, mesh=dp_mesh, **kwargs, ignored_params=ignored or None)
+        root = fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                           ignored_params=ignored or None)
         register_fsdp_forward_method(chunk, "loss_sum")
-        fully_shard.state(root)._lazy_init()  # what its first forward does: see the module docstring
+        # What its first forward does (see the module docstring). contract() sets `.state` on fully_shard at run
+        # time; the stubs' overloads do not declare it.
+        fully_shard.state(root)._lazy_init()  # type: ignore[attr-defined]
         roots.append(root)
     return ShardedChunks(chunks, roots, orders, nested, members, sharding)
+
+
+def _module(unit: FSDPModule) -> nn.Module:
+    """A wrapped unit as the module it is: fully_shard gives it a class deriving from both FSDPModule and its own."""
+    assert isinstance(unit, nn.Module)
+    return unit
+
+
+def _dtensor(p: torch.Tensor) -> DTensor:
+    """A parameter FSDP2 sharded: a DTensor on its (dp) or (dp, tp) mesh."""
+    assert isinstance(p, DTensor)
+    return p
 
 
 def _mesh(group: dist.ProcessGroup | None, device: str) -> DeviceMesh | None:
@@ -284,7 +306,7 @@ class FsdpReducer:
         itemsize = (WIRE_DTYPES[reduce_dtype] or torch.float32).itemsize
         # What one backward of each chunk hands to its reduce-scatters: the gradients of the rank's (tp-local)
         # parameters, whole: the shard's elements times the group's size (dim 0 of the parameter's mesh).
-        self._chunk_wire = [sum(_local(p).numel() * p.device_mesh.size(0) for p in params) * itemsize
+        self._chunk_wire = [sum(local_part(p).numel() * _dtensor(p).device_mesh.size(0) for p in params) * itemsize
                             for params in chunk_params]
 
     @property
@@ -310,30 +332,30 @@ class FsdpReducer:
         """Nothing left: FSDP2 waited for every reduce-scatter at the end of each backward."""
 
     def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
-        return [(_local(p.grad), p) for p in self.params if p.grad is not None]
+        return [(local_part(p.grad), p) for p in self.params if p.grad is not None]
 
     @staticmethod
     def tp_copies(p: torch.Tensor, tp: int) -> int:
         """tp ranks holding the same local gradient: 1 if `p` is sharded over the mesh's tp dimension."""
-        names = p.device_mesh.mesh_dim_names or ()
-        return 1 if any(n == "tp" and pl.is_shard() for n, pl in zip(names, p.placements, strict=True)) else tp
+        sharded = _dtensor(p)
+        names = sharded.device_mesh.mesh_dim_names or ()
+        return 1 if any(n == "tp" and pl.is_shard() for n, pl in zip(names, sharded.placements, strict=True)) else tp
 
     def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         return [(p, p) for p in self.params]
 
-    def moments(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[nn.Parameter, dict]:
-        """Each parameter's state: sharded like the parameter, so DCP saves it under the unsharded shape."""
-        return {p: {k: optimizer.state[p][k] for k in keys} for p in self.params}
+    def moments(self, state: Mapping[torch.Tensor, Mapping[str, torch.Tensor]], keys: tuple[str, ...]
+                ) -> dict[nn.Parameter, dict]:
+        """Each parameter's state (`data_parallel.OptimizerState`): sharded like the parameter, so DCP saves it under
+        the unsharded shape."""
+        return {p: {k: state[p][k] for k in keys} for p in self.params}
 
-    def load_moments(self, optimizer: torch.optim.Optimizer, moments: dict[nn.Parameter, dict]) -> None:
+    def load_moments(self, state: Mapping[torch.Tensor, Mapping[str, torch.Tensor]],
+                     moments: dict[nn.Parameter, dict]) -> None:
         """The state's tensors were filled in place: nothing to do."""
 
     def gather_params(self) -> None:
         """Nothing: the next forward gathers what it needs."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def next_computes(actions: list[Action], is_compute: Callable[[Action], bool]) -> list[Action | None]:

@@ -202,6 +202,7 @@ class PipelineExecutor:
         x = state.inputs.pop(key)
         state.live -= 1
         if v > 0:
+            assert x.grad is not None  # a received or handed-over activation, which requires grad and fed `out`
             self._input_grad(a, v, x.grad, state)
 
     def _input_grad(self, a: Action, v: int, grad: torch.Tensor, state: _StepState) -> None:
@@ -241,6 +242,7 @@ class PipelineExecutor:
     def _communicate(self, actions: list[Action], state: _StepState) -> None:
         ops, received = [], []
         for a in actions:
+            assert a.peer is not None  # every communication action names its peer stage
             key, peer = (a.microbatch, a.chunk), self.pp_ranks[a.peer]
             if a.kind is ActionKind.SEND_ACT:
                 ops.append(dist.P2POp(dist.isend, state.outputs[key].detach().contiguous(), peer))
@@ -277,7 +279,7 @@ class _SavedTensorMeter:
         self.live = 0
         self.peak = 0
 
-    def pack(self, t: torch.Tensor) -> object:
+    def pack(self, t: torch.Tensor) -> torch.Tensor | _Counted:
         storage = _local(t).untyped_storage()
         gathered = self.sharded.gathered if self.sharded is not None else ()
         if storage.data_ptr() in self.param_storage or storage.data_ptr() in gathered:
@@ -288,7 +290,7 @@ class _SavedTensorMeter:
         # input path's nodes. Autograd rebuilds the history on unpack.
         return _Counted(t.detach(), storage.data_ptr(), storage.nbytes(), self)
 
-    def unpack(self, packed: object) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor | _Counted) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Counted) else packed
 
     def hold(self, key: int, nbytes: int) -> None:

@@ -58,7 +58,8 @@ import torch.distributed as dist
 from torch import nn
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan.reduction_bytes import approximation_rank
-from trainyard.parallel.runtime.data_parallel import GradientReducer, ShardedGradientReducer, _Bucket, local_part
+from trainyard.parallel.runtime.data_parallel import GradientReducer, ShardedGradientReducer, _Bucket
+from trainyard.parallel.runtime.local_parts import local_part
 from trainyard.parallel.seeds import derive_seed
 
 
@@ -145,7 +146,7 @@ class PowerSGDReducer(GradientReducer):
                 local = local_part(p)
                 shape = matrix_shape(local.shape)
                 r = approximation_rank(*shape, self.compressor.config) if shape is not None else None
-                if r is None:
+                if shape is None or r is None:
                     rest.append((offset, local.numel()))
                     continue
                 rows, cols = shape
@@ -171,11 +172,13 @@ class PowerSGDReducer(GradientReducer):
             st.rest_wire = rest if rest.dtype == self.reduce_dtype else rest.to(self.reduce_dtype)
             st.works.append(dist.all_reduce(st.rest_wire, group=self.group, async_op=True))
         if st.matrices:
+            ps = []
             for m in st.matrices:
                 M = self._matrix(b, m)
                 M.add_(m.error)
                 m.p = M @ m.q
-            st.p_wire = torch.cat([m.p.reshape(-1) for m in st.matrices])
+                ps.append(m.p.reshape(-1))
+            st.p_wire = torch.cat(ps)
             st.works.append(dist.all_reduce(st.p_wire, group=self.group, async_op=True))
 
     @torch.no_grad()
@@ -194,14 +197,17 @@ class PowerSGDReducer(GradientReducer):
             st.works = []
             if st.rest_wire is not None:
                 sent += st.rest_wire.numel() * st.rest_wire.element_size()
-                self._unpack_rest(b, st)
+                self._unpack_rest(b, st.rest_wire, st)
             if not st.matrices:
                 continue
-            sent += st.p_wire.numel() * st.p_wire.element_size()
+            p_wire = st.p_wire
+            assert p_wire is not None  # `_start` sent the matrices' P
+            sent += p_wire.numel() * p_wire.element_size()
             offset, qs = 0, []
             for m in st.matrices:
+                assert m.p is not None  # set with p_wire
                 n = m.p.numel()
-                m.p = torch.linalg.qr(st.p_wire[offset:offset + n].view_as(m.p)).Q
+                m.p = torch.linalg.qr(p_wire[offset:offset + n].view_as(m.p)).Q
                 offset += n
                 M = self._matrix(b, m)
                 q_local = M.T @ m.p
@@ -218,6 +224,7 @@ class PowerSGDReducer(GradientReducer):
                 for m in st.matrices:
                     m.q = st.q_wire[offset:offset + m.q.numel()].view_as(m.q).clone()
                     offset += m.q.numel()
+                    assert m.p is not None  # orthonormalised in phase 2
                     self._matrix(b, m).copy_(m.p @ m.q.T)
                     m.p = None
                 st.q_wire = st.p_wire = None
@@ -226,10 +233,10 @@ class PowerSGDReducer(GradientReducer):
         self._sent = sent
         self.next_to_start, self.armed = 0, set()
 
-    def _unpack_rest(self, b: _Bucket, st: _BucketState) -> None:
+    def _unpack_rest(self, b: _Bucket, rest_wire: torch.Tensor, st: _BucketState) -> None:
         offset = 0
         for o, n in st.rest:
-            b.flat[o:o + n].copy_(st.rest_wire[offset:offset + n])
+            b.flat[o:o + n].copy_(rest_wire[offset:offset + n])
             offset += n
 
     def _keep_reduced(self, b: _Bucket) -> None:

@@ -38,6 +38,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     from torch.distributed.pipelining._backward import stage_backward_input
 
     (dx,), groups = stage_backward_input([out], None if grad is None else [grad], [x], iter(params))
+    assert dx is not None  # x requires grad (a received activation) and `out` was computed from it
     return dx, groups
 
 

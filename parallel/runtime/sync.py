@@ -108,9 +108,9 @@ class ReplicaSync:
                 state = torch.cat([t.reshape(-1) for t in optimizer_state]) * float(adds)
                 dist.all_reduce(state, group=self.group)
                 state /= count
-                for t, mean in zip(optimizer_state, torch.split(state, [t.numel() for t in optimizer_state]),
-                                   strict=True):
-                    t.copy_(mean.view_as(t))
+                for t, averaged in zip(optimizer_state, torch.split(state, [t.numel() for t in optimizer_state]),
+                                       strict=True):
+                    t.copy_(averaged.view_as(t))
             flat = torch.cat([p.reshape(-1) for p in self.params])
             if self.group is not None:
                 flat *= float(adds)
@@ -141,6 +141,7 @@ class ReplicaSync:
         """The outer momentum buffers as local tensors (created at zero if the outer step has not run)."""
         if not self.outer_state():
             return []
+        assert self.outer is not None  # outer_state() is empty without one
         return [self.outer.state[a]["momentum_buffer"] for a in self.anchor]
 
     def outer_state(self) -> list[torch.Tensor]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +38,8 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.optim import states as optimizer_states
 from trainyard.parallel.optim.kinds import OptimizerKind, optimizer_kind
-from trainyard.parallel.runtime.data_parallel import like_param as _like
-from trainyard.parallel.runtime.data_parallel import local_part as _local
+from trainyard.parallel.runtime.local_parts import like_param as _like
+from trainyard.parallel.runtime.local_parts import local_part as _local
 
 OFFLOAD_CHUNK = 2**24
 """Elements per chunk of the offloaded step (64 MiB of fp32): the grain of the H2D copies' overlap."""
@@ -85,7 +86,7 @@ class TrainOptimizer:
                 leaf.held = _host_copy(_local(leaf.tensor), pin=self.cuda)
         # Groups as `parallel.optim.optimizer.make_optimizer` forms them; offloaded, one optimizer per chunk of each
         # group.
-        by_decay: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+        by_decay: dict[bool, list[Leaf]] = {True: [], False: []}
         for t, p in pairs:
             by_decay[p.dim() >= 2] += self.leaves[t]
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -104,7 +105,7 @@ class TrainOptimizer:
                                 for o in self.optimizers] if offload else []
 
     @property
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict[str, Any]]:
         return [g for o in self.optimizers for g in o.param_groups]
 
     def _all_leaves(self) -> list[Leaf]:
@@ -129,7 +130,10 @@ class TrainOptimizer:
             return
         with _on(self._stream):
             for leaf in self._all_leaves():
-                leaf.held.grad.copy_(_local(leaf.tensor.grad).reshape(leaf.held.shape), non_blocking=True)
+                host_grad, grad = leaf.held.grad, leaf.tensor.grad
+                # `_host_copy` made the host gradient; the reducers (or `_link_grads`, for a view) set the device one
+                assert host_grad is not None and grad is not None
+                host_grad.copy_(_local(grad).reshape(leaf.held.shape), non_blocking=True)
         if self._stream is not None:
             self._stream.synchronize()  # the gradients are on the host
         for o, chunk in zip(self.optimizers, self._offload_chunks, strict=True):
@@ -217,8 +221,8 @@ def _leaves(t: torch.Tensor, p: nn.Parameter, matrices: bool) -> list[Leaf]:
     n = flat.numel()
     cuts = [0, n]
     if p.dim() >= 2:
-        cols = _local(p).shape[-1]
-        offset = local.storage_offset() - _local(p).storage_offset()  # where the slice starts in the parameter
+        cols = int(_local(p).shape[-1])
+        offset = int(local.storage_offset() - _local(p).storage_offset())  # where the slice starts in the parameter
         first, last = -offset % cols, n - (offset + n) % cols
         if first < last:
             cuts = sorted({0, first, last, n})

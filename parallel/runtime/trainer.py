@@ -14,9 +14,10 @@ tokens; with a loss mask, the assistant/completion ones: `parallel.data.datasets
 every rank from the step's sample ids) before backward, so summed gradients equal the gradient of the
 global mean loss whatever the layout.
 
-(Over 400 lines: one rank's state and step, where the strategies meet (sharding, compression, sync,
-split backward, offload) and the checkpoint's form of that state; each strategy's own logic lives in its
-module, what is left here is how they are wired for a step.)
+The state that moves (the checkpoint's form of it, saves and loads, a resize's or a rejoining replica's state,
+local_sgd / diloco's averaging) is `parallel.runtime.rank_state`'s `RankState`, which the trainer holds and
+delegates to; what is left here is how the strategies (sharding, compression, sync, split backward, offload) are
+wired for a step.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -42,66 +43,27 @@ from trainyard.parallel.data.datasets import (
     step_counted_targets,
     validation_batches,
 )
-from trainyard.parallel.io import checkpoint, hf_checkpoint
+from trainyard.parallel.io import hf_checkpoint
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after, syncs_before_save
-from trainyard.parallel.plan.schedules import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
+from trainyard.parallel.plan.actions import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
+from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
-from trainyard.parallel.runtime.data_parallel import GradientReducer, local_part, make_reducer
+from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.fsdp import shard_chunks
 from trainyard.parallel.runtime.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.powersgd import PowerSGD
-from trainyard.parallel.runtime.sync import ReplicaSync, replica_group, saved_outer_state
+from trainyard.parallel.runtime.rank_state import RankState
+from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
+from trainyard.parallel.runtime.sync import ReplicaSync, replica_group
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
-from trainyard.parallel.runtime.train_optimizer import StateView, TrainOptimizer
-
-
-@dataclass(frozen=True)
-class StepStats:
-    step: int
-    loss: float | None
-    """Mean token loss of the global batch; only the last pipeline stage knows it (None elsewhere)."""
-    grad_norm: float
-    lr: float
-    compute_s: float
-    """Time this rank spent inside train_step."""
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
-    forward_s: float
-    backward_s: float
-    comm_s: float
-    schedule_s: float
-    peak_activations: int
-    peak_activation_bytes: int
-    optimizer_bytes: int
-    """Bytes of optimizer state this rank holds on its device (with ZeRO-1, its slice's only; offloaded: 0)."""
-    optimizer_host_bytes: int
-    """Offloaded: bytes of optimizer state and of the host copies of parameters and gradients in host memory."""
-    early_reductions: int
-    """Gradient buckets whose reduction started during backward (overlapped), of `buckets`."""
-    buckets: int
-    """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
-    reduce_bytes: int
-    """Bytes this rank handed to the step's gradient reductions (payload; compressed with PowerSGD)."""
-    compile_s: float
-    """Seconds torch.compile spent compiling during this step (`compile: true`; the first steps)."""
-    moe: dict[str, dict]
-    """Per MoE block of this rank's stage (global index): aux_loss, z_loss, dropped_fraction and load (tokens
-    routed to each expert), summed over the stage's ranks. Empty for a dense model."""
-    cross_replica_bytes: int = 0
-    """Bytes this rank all-reduced across the data-parallel replicas in this step (gradients with allreduce,
-    parameters at a local_sgd or diloco sync; `parallel.sync`)."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
 
 
 def autocast_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
@@ -110,11 +72,6 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], Abstr
     if precision == "bf16":
         return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
-
-
-class DivergedError(RuntimeError):
-    """A step whose loss or gradient norm is not finite (NaN, infinity): training has diverged, and every later
-    step would train on NaN. The rank stops there instead; the message names the step."""
 
 
 FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
@@ -137,10 +94,11 @@ class RankTrainer:
         self.local_sync = is_local(par.sync) and plan.dp > 1
         sets = {"dense": None if self.local_sync else groups.dp, "router": groups.stage, "experts": groups.experts}
         family, sharding = family_of(cfg.model), sharding_for(par.zero)
-        # ZeRO-2/3: FSDP2 shards each chunk (and its routers and experts) over the same groups (parallel.runtime.fsdp).
+        # ZeRO-2/3: FSDP2 shards each chunk per block (its embedding, each block, its head; routers and experts on
+        # their own groups) over the same groups (parallel.runtime.fsdp).
         self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
                                     par.reduce_dtype) if sharding.shards_parameters else None
-        self.reducers: dict[str, GradientReducer] = {}
+        self.reducers: dict[str, Reducer] = {}
         self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
         for kind, group in sets.items():
             per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
@@ -150,15 +108,10 @@ class RankTrainer:
                                                    sharded=self.sharded, compressor=self.compressor)
         self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer, offload=cfg.optimizer.offload)
-        self._state_view: StateView | None = None
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
-        named = [(name, p) for chunk in self.chunks for name, p in chunk.named_parameters()]
-        self.sync = ReplicaSync(par.sync, [p for _, p in named], groups.dp, plan.dp) if self.local_sync else None
-        self._sync_names = [name for name, _ in named]
-        self._pending_checkpoint: tuple[Callable[[], None], Path, int] | None = None
-        self.steps_done: int | None = 0
-        """The steps the parameters and moments hold; None while they are being replaced or stepped (a failure
-        then leaves them half-done), so a recovery takes state only from a rank that knows its step."""
+        params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters()]
+        self.sync = ReplicaSync(par.sync, params, groups.dp, plan.dp) if self.local_sync else None
+        self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
         self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
                               if a.kind in FREEING_KINDS}
@@ -215,10 +168,10 @@ class RankTrainer:
         loss_sum, timings = self._forward_backward(microbatch_ids)
         for reducer in self.reducers.values():
             reducer.finish()
-        grad_norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
+        norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
-        self.steps_done = None
+        self.rank_state.steps_done = None
         self.optimizer.step()
         for reducer in self.reducers.values():
             reducer.gather_params()
@@ -229,10 +182,10 @@ class RankTrainer:
         if self.sync is not None and syncs_after(step, cfg.fixed_parallel.sync, cfg.steps):
             checkpointed = averages_optimizer_state(step, cfg.fixed_parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
-            sent = self._sync_replicas(view, live)
+            sent = self.rank_state.sync_replicas(view, live)
             if view is not None:
                 view.write_back()
-        self.steps_done = step + 1
+        self.rank_state.steps_done = step + 1
         loss = None
         if self.is_last_stage:
             # local_sgd, diloco: each replica's loss is its own share's mean (the coordinator averages them), so that
@@ -240,9 +193,9 @@ class RankTrainer:
             if self.groups.dp is not None and not self.local_sync:
                 dist.all_reduce(loss_sum, group=self.groups.dp)
             loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
-        grad_norm = float(grad_norm)
+        grad_norm = float(norm)
         if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
-            self.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
+            self.rank_state.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
             clip = "" if self.plan.config.optimizer.grad_clip > 0 else ", or turn optimizer.grad_clip on"
             raise DivergedError(f"step {step}: training diverged: loss {loss}, gradient norm {grad_norm} (not "
                                 f"finite) at lr {lr:.6g}; lower optimizer.lr{clip}")
@@ -255,39 +208,6 @@ class RankTrainer:
                          reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
                          compile_s=compile_seconds() - compiled_before if compiling else 0.0,
                          moe=self._moe_stats(), cross_replica_bytes=sent, **asdict(timings))
-
-    def sit_in_sync(self, step: int, live: tuple[int, ...]) -> int:
-        """A rejoining replica's part of the sync after `step`, which it did not step: it adds nothing to the
-        averages (`ReplicaSync.synchronise`); `take_replica_state` then gives it the result. The bytes sent."""
-        assert self.sync is not None
-        cfg = self.plan.config
-        view = self.optimizer.export() if averages_optimizer_state(step, cfg.fixed_parallel.sync, cfg.checkpoint.every,
-                                                                   cfg.steps) else None
-        self.steps_done = None
-        return self._sync_replicas(view, live)
-
-    def _sync_replicas(self, view: StateView | None, live: tuple[int, ...] | None) -> int:
-        """local_sgd / diloco's sync (`ReplicaSync.synchronise`), averaging the inner state of `view` too when one is
-        given; the optimizer then takes the parameters it changed (offloaded: into its host copies). The bytes sent."""
-        assert self.sync is not None
-        sent = self.sync.synchronise(self._inner_state(view) if view is not None else [], live, self.coords.dp)
-        self.optimizer.params_changed()
-        return sent
-
-    @torch.no_grad()
-    def take_replica_state(self, step: int, source: int, receiving: bool) -> None:
-        """After the sync a dropped replica rejoins at: its ranks (`receiving`) take the state after `step` steps
-        (parameters, moments, diloco's outer momentum) by broadcast from global rank `source` of their
-        data-parallel group; the other live replicas keep their own (they receive into scratch copies)."""
-        state = self.checkpoint_state()
-        tensors = [local_part(t) for _, t in sorted(state["model"].items())]
-        tensors += [local_part(t) for _, v in sorted(state["optim"].items()) for _, t in sorted(v.items())]
-        tensors += self.sync.momentum_buffers() if self.sync is not None else []
-        for t in tensors:
-            dist.broadcast(t if receiving or self.rank == source else t.clone(), src=source, group=self.groups.dp)
-        if receiving:
-            self._took_state(state, step)
-        self._state_view = None
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -310,113 +230,37 @@ class RankTrainer:
             dist.all_reduce(total, group=self.groups.dp)
         return float(total)
 
+    @property
+    def steps_done(self) -> int | None:
+        """The steps the parameters and moments hold (None while they are replaced or stepped): `RankState`'s."""
+        return self.rank_state.steps_done
+
+    # The state that moves (checkpoints, replicas, resizes) is `parallel.runtime.rank_state`'s: the callers (the
+    # driver, the worker actor, tests and benches) keep calling the trainer.
     def checkpoint_state(self) -> dict:
-        """This rank's part of a checkpoint (see parallel.io.checkpoint): its parameters and their optimizer state
-        (AdamW's moments, or another kind's state in that form: `parallel.optim.states`), under the
-        unsharded model's names and in the parameters' shapes."""
-        names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
-        self._state_view = view = self.optimizer.export()
-        state_keys = self.optimizer.kind.state
-        moments = {p: m for r in self.reducers.values() for p, m in r.moments(view, state_keys).items()}
-        state = {"model": {name: p for p, name in names.items()}, "optim": {names[p]: m for p, m in moments.items()}}
-        outer = self.sync.outer_state() if self.sync is not None else []
-        if outer:  # diloco's outer momentum; its anchor is the parameters, as checkpoints are taken at syncs
-            state["sync"] = dict(zip(self._sync_names, outer, strict=True))
-        return state
+        return self.rank_state.checkpoint_state()
+
+    def sit_in_sync(self, step: int, live: tuple[int, ...]) -> int:
+        return self.rank_state.sit_in_sync(step, live)
+
+    def take_replica_state(self, step: int, source: int, receiving: bool) -> None:
+        self.rank_state.take_replica_state(step, source, receiving)
 
     def save_checkpoint(self, root: Path, step: int, info: dict, *, background: bool = False,
                         live: tuple[int, ...] | None = None) -> None:
-        """Write the state after `step` steps as checkpoint `step` under root (collective). In the background,
-        the state is staged first and written by a thread: `finish_checkpoint` (called by the next save, and
-        by the caller before the job ends) waits for the write and commits. local_sgd, diloco: a save between
-        syncs (a stop, a resize) syncs first, over the `live` replicas when others sit out (`round_of`), which
-        then take the lowest live replica's state, as at a rejoin: the checkpoint holds one model."""
-        self.finish_checkpoint()
-        cfg = self.plan.config
-        if self.sync is not None and syncs_before_save(step, cfg.fixed_parallel.sync, cfg.steps):
-            self._sync_replicas(None, live)
-        if self.sync is not None and live is not None and len(live) < self.plan.dp:
-            source = self.plan.rank_of(self.coords.pp, self.coords.tp, min(live))
-            self.take_replica_state(step, source, receiving=self.coords.dp not in live)
-        state, writer = self.checkpoint_state(), self.rank == 0
-        self._state_view = None  # a load fills and takes it back; a save only reads it (and keeps no copy)
-        # local_sgd, diloco: replica 0's inner moments where the replicas' differ (`parallel.sync`)
-        lowest = self.local_sync
-        if background:
-            finish = checkpoint.start_async_save(state, root, step, info, self.groups.checkpoint, writer, lowest)
-            self._pending_checkpoint = (finish, root, step)
-        else:
-            checkpoint.save(state, root, step, info, self.groups.checkpoint, writer, lowest)
-            self._committed(root, step)
+        self.rank_state.save_checkpoint(root, step, info, background=background, live=live)
 
     def finish_checkpoint(self) -> None:
-        """Wait for a checkpoint being written in the background, and commit it."""
-        if self._pending_checkpoint is not None:
-            finish, root, step = self._pending_checkpoint
-            self._pending_checkpoint = None
-            finish()
-            self._committed(root, step)
+        self.rank_state.finish_checkpoint()
 
-    def _committed(self, root: Path, step: int) -> None:
-        if self.rank == 0:
-            checkpoint.prune(root, self.plan.config.checkpoint.keep, step)
-
-    @torch.no_grad()
     def load_checkpoint(self, directory: Path, step: int) -> None:
-        """Take parameters and optimizer state from the checkpoint of `step`, whatever layout wrote it."""
-        state, self.steps_done = self.checkpoint_state(), None
-        if "sync" in state and not saved_outer_state(directory):
-            del state["sync"]  # an allreduce job's checkpoint: diloco's outer momentum starts at zero
-        checkpoint.load(state, directory, self.groups.checkpoint)
-        self._took_state(state, step)
+        self.rank_state.load_checkpoint(directory, step)
 
     def local_state(self, finish_saves: bool = True) -> dict:
-        """This rank's parameters and AdamW moments as plain local tensors (not copies), to outlive the trainer
-        and its process groups across an in-memory resize or a recovery from a live replica (`adopt_state`).
-        `finish_saves=False` after a failure: a background save is left unfinished (its peers may be gone)."""
-        if finish_saves:
-            self.finish_checkpoint()
-        state = self.checkpoint_state()
-        self._state_view = None
-        return {"model": {k: local_part(t).detach() for k, t in state["model"].items()},
-                "optim": {k: {m: local_part(t) for m, t in v.items()} for k, v in state["optim"].items()}}
+        return self.rank_state.local_state(finish_saves)
 
     def adopt_state(self, kept: dict | None, step: int, source: int | None) -> None:
-        """Take parameters and moments after `step` steps from `kept` (this rank's own, from `local_state` in
-        the layout before a resize), then, when `source` is set, from that global rank of this rank's
-        data-parallel group (a broadcast, so new ranks get the state of a surviving replica)."""
-        state, self.steps_done = self.checkpoint_state(), None
-        tensors = [(("model", k), local_part(t)) for k, t in sorted(state["model"].items())]
-        tensors += [(("optim", k, m), local_part(t)) for k, v in sorted(state["optim"].items())
-                    for m, t in sorted(v.items())]
-        with torch.no_grad():
-            for key, mine in tensors:
-                if kept is not None:
-                    mine.copy_(kept["model"][key[1]] if key[0] == "model" else kept["optim"][key[1]][key[2]])
-                if source is not None and self.groups.dp is not None:
-                    dist.broadcast(mine, src=source, group=self.groups.dp)
-        self._took_state(state, step)
-
-    def _took_state(self, state: dict, step: int) -> None:
-        """After `checkpoint_state()`'s tensors were filled (from a checkpoint, or in memory by a resize): the
-        moments into the optimizer (with ZeRO-1, this rank's slices) and its step counter set to `step`."""
-        names = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
-        moments = {names[name]: m for name, m in state["optim"].items()}
-        assert self._state_view is not None  # the view checkpoint_state() exported, whose tensors were filled
-        for reducer in self.reducers.values():
-            reducer.load_moments(self._state_view, moments)
-        self._state_view.write_back()
-        self._state_view = None
-        self.optimizer.set_step(step)
-        if self.sync is not None:
-            self.sync.took_state()
-        self.steps_done = step
-
-    @staticmethod
-    def _inner_state(view: StateView) -> list[torch.Tensor]:
-        """This rank's optimizer state (its moments, in the checkpoint's form: `view`), which a local_sgd or diloco
-        sync a checkpoint follows averages across the replicas."""
-        return [local_part(t) for state in view.state.values() for t in state.values()]
+        self.rank_state.adopt_state(kept, step, source)
 
     def _arm_reduction(self, action: Action) -> None:
         """Before a chunk's last backward (B or W) of the step: its gradients' reduction may start during it."""

@@ -68,7 +68,7 @@ def _count_reads() -> None:
 
 def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
     """What the rank read of the checkpoint, what it holds, and its two steps' losses."""
-    from trainyard.parallel.runtime.data_parallel import local_part
+    from trainyard.parallel.runtime.local_parts import local_part
 
     read = sum(n for _, n in _CountingOpen.read)
     held = sum(local_part(p).numel() for chunk in driver.trainer.chunks for p in chunk.parameters())
