@@ -36,7 +36,7 @@ def test_a_job_reports_progress_and_metrics_rows(client):
     ({"parallel": {"pp": 2, "stage_layers": [1, 2]}}, "parallel.stage_layers", "sums to 3 but n_layer=2"),
     ({"parallel": {"pp": 4}}, "parallel.pp", "n_layer=2 cannot be split into pp x vpp = 4"),
     # about 1.5 TiB of parameters, gradients and AdamW state on one rank: more than any node's memory
-    ({"model": {"d_model": 65536, "n_head": 2}}, "model", "rank 0 (pp0-tp0-dp0) needs 1,537.6 GiB (params 384.1"),
+    ({"model": {"d_model": 65536, "n_head": 2}}, "model", "rank 0 (pp0-tp0-dp0) needs 1,537.7 GiB (params 384.1"),
 ])
 def test_invalid_specs_are_422_naming_the_field_and_create_no_job(client, service, overrides, field, text):
     before = len(client.jobs())
