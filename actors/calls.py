@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import ray
 from trainyard.parallel.plan import Plan
 
-OUT_OF_MEMORY_SIGNS = ("running low on memory", "OutOfMemoryError", "out of memory", "can't allocate memory",
-                       "Cannot allocate memory", "MemoryError")
+OUT_OF_MEMORY_SIGNS = ("running low on memory", "OutOfMemoryError", "can't allocate memory", "Cannot allocate memory",
+                       "MemoryError")
 """What an error says when its rank ran out of memory: Ray's memory monitor killed it ("Task was killed due to
 the node running low on memory"), torch's allocator refused it (CPU: "can't allocate memory"; CUDA:
-"OutOfMemoryError: CUDA out of memory"), or Python raised MemoryError."""
+"torch.OutOfMemoryError: CUDA out of memory"), or Python raised MemoryError. Not a bare "out of memory": Ray's
+message for any worker that died lists it among the possible causes."""
 
 DEATH_GRACE_S = 5.0
 """After a rank fails, how long to wait for the other ranks' results of the same call, so that a rank
