@@ -122,8 +122,12 @@ class Worker:
     def _traceback_to_stderr(self, what: str) -> Iterator[None]:
         try:
             yield
-        except Exception:
-            print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        except Exception as e:
+            if peer_lost(e):  # a consequence: the rank that failed (or died) first has the cause in its log
+                print(f"rank {self.rank} stopped in {what}: a peer's connection closed ({_first_line(e)})",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
 
     def keep_state(self, after_failure: bool = False) -> tuple[int | None, dict | None]:
@@ -180,6 +184,22 @@ def _cap_memory_and_overflow() -> None:
     size = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
     torch.empty(1 << 30, dtype=torch.float32).fill_(1.0)
+
+
+PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                   "NCCL communicator was aborted", "remote process exited")
+"""What gloo and NCCL say when a peer of a collective or a send/receive went away (it failed and was reset, or
+its process was killed): this rank's error is then a consequence, not a cause."""
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` says only that a peer of this rank's communication went away."""
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOST_SIGNS)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def peak_rss_bytes() -> int:

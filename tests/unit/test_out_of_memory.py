@@ -37,3 +37,14 @@ def test_a_coordinator_lost_to_memory_is_a_sentence_not_the_services_traceback()
     assert coordinator_lost(ray.exceptions.ActorUnavailableError("restarting", None)) == (JobStatus.RECOVERING, None)
     status, error = coordinator_lost(ray.exceptions.ActorDiedError())
     assert status is JobStatus.FAILED and error.startswith("the job's coordinator died: The actor died")
+
+
+def test_a_rank_whose_peer_went_away_logs_a_line_not_a_traceback():
+    """Its error is a consequence of the peer's (the job's error and the failing rank's log name the cause)."""
+    from trainyard.actors.worker import peer_lost
+
+    assert peer_lost(RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:37091: Connection "
+                                  "reset by peer. This is typically caused by a remote worker hanging"))
+    assert peer_lost(RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:5"))
+    assert not peer_lost(RuntimeError("data.path: /data/tokens.bin holds token id 300 at offset 446"))
+    assert not peer_lost(ValueError("Connection reset by peer"))  # not a collective's error
