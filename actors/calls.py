@@ -150,10 +150,15 @@ def out_of_memory(error: BaseException) -> bool:
     return any(sign in str(error) for sign in OUT_OF_MEMORY_SIGNS)
 
 
+def first_line(error: BaseException) -> str:
+    """An error's first line (its type's name when it says nothing)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _death_cause(error: BaseException, info: dict) -> str:
     where = f"pid {info['pid']} on node {info['node']}; " if info else ""
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"{where}Ray: {first_line}"
+    return f"{where}Ray: {first_line(error)}"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

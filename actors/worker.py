@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
+from trainyard.actors.calls import first_line
 from trainyard.parallel.plan import Plan
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class Worker:
             yield
         except Exception as e:
             if peer_lost(e):  # a consequence: the rank that failed (or died) first has the cause in its log
-                print(f"rank {self.rank} stopped in {what}: a peer's connection closed ({_first_line(e)})",
+                print(f"rank {self.rank} stopped in {what}: a peer's connection closed ({first_line(e)})",
                       file=sys.stderr, flush=True)
             else:
                 print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -195,11 +196,6 @@ its process was killed): this rank's error is then a consequence, not a cause.""
 def peer_lost(error: BaseException) -> bool:
     """Whether `error` says only that a peer of this rank's communication went away."""
     return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOST_SIGNS)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def peak_rss_bytes() -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
+from trainyard.actors.calls import first_line
 from trainyard.actors.naming import placement_group_name
 from trainyard.actors.state import JobStatus
 from trainyard.service.follow import Cursor, apply_report
@@ -32,7 +33,7 @@ def coordinator_lost(error: Exception) -> tuple[JobStatus, str | None]:
     (within `fault.max_failures`), else FAILED with a sentence saying why (never the service's own traceback)."""
     if isinstance(error, ray.exceptions.ActorUnavailableError):  # its process died and Ray is starting it again
         return JobStatus.RECOVERING, None
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = first_line(error)
     if isinstance(error, ray.exceptions.OutOfMemoryError) or "running low on memory" in str(error):
         return JobStatus.FAILED, (f"the job's coordinator was killed: its node ran out of memory (Ray's memory "
                                   f"monitor): {first}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,3 +101,19 @@ def live_actor(name: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+@contextlib.contextmanager
+def small_file_system(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "2m") mounted at `where`: a disk a test can fill and free. Skips the test where
+    mounting is refused (not root, or no mount permission)."""
+    import pytest
+
+    where.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount permission)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)

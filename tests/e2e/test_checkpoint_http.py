@@ -5,6 +5,8 @@ at another layout, dense and MoE, on the same loss curve: tests/integration/test
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import run_all, tiny_spec
@@ -111,14 +113,9 @@ def test_a_full_disk_fails_checkpoints_not_the_job_which_succeeds_once_space_ret
     (the checkpoints before stay), and once space returns the next one is written and the job SUCCEEDS."""
     import subprocess
 
-    from helpers import wait_for, wait_terminal
+    from helpers import small_file_system, wait_for, wait_terminal
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root, or no mount permission)")
-    client = service.client()
-    try:
+    with small_file_system(tmp_path / "disk", "4m") as disk, contextlib.closing(service.client()) as client:
         filler = disk / "filler"
         subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)  # until the disk is full
         # 120 steps (about six seconds here): the job must outlast the test's freeing the disk after the first
@@ -136,6 +133,3 @@ def test_a_full_disk_fails_checkpoints_not_the_job_which_succeeds_once_space_ret
         assert failed[0]["in_a_row"] == 1 and "No space left on device" in failed[0]["error"], failed
         assert any(e["kind"] == "checkpoint" and e["step"] > failed[-1]["step"] for e in events), \
             [(e["kind"], e.get("step")) for e in events]
-    finally:
-        client.close()
-        subprocess.run(["umount", "-l", str(disk)], check=True)
