@@ -71,7 +71,7 @@ def dense_fields(hf: Mapping, family: str) -> dict:
     theta, scaling = _rope(hf)
     return {"family": family, "n_layer": hf["num_hidden_layers"], "n_head": heads, "d_model": d,
             "n_kv_head": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
-            "head_dim": None if head_dim in (None, d // heads) and d % heads == 0 else head_dim,
+            "head_dim": None if d % heads == 0 and head_dim in (None, d // heads) else head_dim,
             "vocab_size": hf["vocab_size"], "context_len": hf.get("max_position_embeddings"),
             "tie_embeddings": hf_bool(hf, "tie_word_embeddings", False),
             "norm_eps": float(hf["rms_norm_eps"]), "rope_theta": theta, "rope_scaling": scaling}
