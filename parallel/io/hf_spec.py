@@ -7,7 +7,8 @@ as submitted, before it is validated. The architecture fields come from config.j
 as `resume_from` does (a value spelled otherwise that means the same, e.g. gpt2's ffn_hidden: 4 x d_model for
 n_inner: null, is no other value). Fields config.json does not fix (seq_len, the MoE capacity and loss weights) stay the
 spec's. A missing directory or file, an unsupported architecture or a config.json field trainyard cannot
-honour is a RuleError naming `init_from.hf` and the config.json field.
+honour is a RuleError naming `init_from.hf` and the config.json field; an architecture no family reads names
+itself and the supported ones. `init_from_event` is the job's event saying which family claimed the directory.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
-from trainyard.parallel.config import RuleError
+from trainyard.parallel.config import JobConfig, RuleError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -105,6 +106,19 @@ def model_fields(directory: str | Path) -> dict:
         raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
     except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError) as e:  # e.g. num_attention_heads: 0
         raise RuleError(FIELD, f"{CONFIG_FILE} lacks or garbles field {e}") from None
+
+
+def init_from_event(config: JobConfig, now: float) -> dict | None:
+    """The job's `init_from` event: which family claimed `init_from.hf` (for its config.json's architecture);
+    None without init_from. The directory was read at submit; a config.json gone since names no architecture."""
+    if config.init_from is None:
+        return None
+    try:
+        architectures = read_hf_config(config.init_from.hf).get("architectures")
+    except RuleError:
+        architectures = None
+    return {"time": now, "kind": "init_from", "hf": config.init_from.hf, "architectures": architectures,
+            "family": config.model.family}
 
 
 def resolve_init_from(spec: Mapping) -> Mapping:

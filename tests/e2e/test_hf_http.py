@@ -25,6 +25,8 @@ def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_pa
     job = wait_terminal(client, job_id)
     assert job["status"] == "SUCCEEDED", job["error"]
     assert job["spec"]["model"]["activation"] == "gelu_tanh" and job["spec"]["model"]["tie_embeddings"]
+    [claimed] = [e for e in client.events(job_id) if e["kind"] == "init_from"]
+    assert (claimed["family"], claimed["architectures"]) == ("gpt2", ["GPT2LMHeadModel"])
 
     config = parse_submitted_spec(spec)
     inputs, targets = load_batch(open_dataset(config), global_batch_ids(config.seed, 0, 4,
