@@ -41,7 +41,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def norm_sources(cfg: ModelConfig) -> dict[str, Source]:
-    out = {}
+    out: dict[str, Source] = {}
     for i in range(cfg.n_layer):
         out |= {f"blocks.{i}.attn.ln_{n}.weight": Source(f"model.layers.{i}.self_attn.{n}_norm.weight") for n in "qk"}
     return out
