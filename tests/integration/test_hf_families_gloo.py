@@ -37,9 +37,14 @@ LOSS_TOL, CURVE_TOL = 1e-5, 1e-4
 slow = pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
 
 
-def _spec(directory: Path, parallel: dict) -> dict:
+ZERO3 = {"dp": 2, "tp": 2, "zero": 3}
+"""qwen3 once more in `make test`: its per-head norms (replicated DTensors under tp) inside ZeRO-3's units, with
+selective recompute."""
+
+
+def _spec(directory: Path, parallel: dict, **extra) -> dict:
     spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=parallel,
-                     optimizer={"lr": 1e-2, "warmup_steps": 0})
+                     optimizer={"lr": 1e-2, "warmup_steps": 0}, **extra)
     spec["model"] = {"seq_len": 16}  # the architecture comes from config.json
     return spec
 
@@ -52,22 +57,26 @@ def _hf_loss(model, config, step: int) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
-def _world(root: Path, layouts: dict[str, dict]) -> dict:
+def _world(root: Path, layouts: dict[str, dict], extra: tuple = ()) -> dict:
     """Each family two steps at its layout (the state after the first saved under root/<name>) and at one rank,
-    all in one spawned world: name -> (HF model, config, layout losses, one-rank losses)."""
+    and the `extra` (name, spec) runs, all in one spawned world: name -> (HF model, config, layout losses,
+    one-rank losses); an extra run's losses under its own name."""
     models = {name: build(root / f"{name}-src") for name, build in BUILD.items()}
     configs = {name: parse_submitted_spec(_spec(root / f"{name}-src", layouts[name])) for name in BUILD}
     ones = {name: parse_submitted_spec(_spec(root / f"{name}-src", {})) for name in BUILD}
     runs = [PlanRun(make_plan(configs[name]), save_after=(1,), root=str(root / name)) for name in BUILD]
     runs += [PlanRun(make_plan(ones[name])) for name in BUILD]
+    runs += [PlanRun(make_plan(parse_submitted_spec(spec(root)))) for _, spec in extra]
     results = [last_stage_losses(stats_of(r)) for r in run_plans(runs)]
-    return {name: (models[name], configs[name], results[i], results[len(BUILD) + i]) for i, name in enumerate(BUILD)}
+    world = {name: (models[name], configs[name], results[i], results[len(BUILD) + i]) for i, name in enumerate(BUILD)}
+    return world | {name: results[2 * len(BUILD) + i] for i, (name, _) in enumerate(extra)}
 
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
     root = tmp_path_factory.mktemp("kin")
-    return _world(root, FAST), root
+    zero3 = ("qwen3-zero3", lambda r: _spec(r / "qwen3-src", ZERO3, activation_checkpointing="selective"))
+    return _world(root, FAST, (zero3,)), root
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +111,12 @@ def _check(world: dict, root: Path, name: str) -> None:
 def test_kin_load_train_and_export_at_pp2_tp2(fast, name):
     world, root = fast
     _check(world, root, name)
+
+
+def test_qwen3_at_zero3_with_recompute_follows_its_one_rank_curve(fast):
+    world, _ = fast
+    zero3, one_rank = world["qwen3-zero3"], world["qwen3"][3]
+    assert max(abs(a - b) for a, b in zip(zero3, one_rank, strict=True)) < CURVE_TOL
 
 
 @pytest.mark.slow
