@@ -59,14 +59,14 @@ def _hf_loss(model, config, step: int) -> float:
 
 def _world(root: Path, layouts: dict[str, dict], extra: tuple = ()) -> dict:
     """Each family two steps at its layout (the state after the first saved under root/<name>) and at one rank,
-    and the `extra` (name, spec) runs, all in one spawned world: name -> (HF model, config, layout losses,
-    one-rank losses); an extra run's losses under its own name."""
+    and the `extra` (name, root -> PlanRun) runs after them, all in one spawned world: name -> (HF model, config,
+    layout losses, one-rank losses); an extra run's losses under its own name."""
     models = {name: build(root / f"{name}-src") for name, build in BUILD.items()}
     configs = {name: parse_submitted_spec(_spec(root / f"{name}-src", layouts[name])) for name in BUILD}
     ones = {name: parse_submitted_spec(_spec(root / f"{name}-src", {})) for name in BUILD}
     runs = [PlanRun(make_plan(configs[name]), save_after=(1,), root=str(root / name)) for name in BUILD]
     runs += [PlanRun(make_plan(ones[name])) for name in BUILD]
-    runs += [PlanRun(make_plan(parse_submitted_spec(spec(root)))) for _, spec in extra]
+    runs += [run(root) for _, run in extra]
     results = [last_stage_losses(stats_of(r)) for r in run_plans(runs)]
     world = {name: (models[name], configs[name], results[i], results[len(BUILD) + i]) for i, name in enumerate(BUILD)}
     return world | {name: results[2 * len(BUILD) + i] for i, (name, _) in enumerate(extra)}
@@ -75,8 +75,22 @@ def _world(root: Path, layouts: dict[str, dict], extra: tuple = ()) -> dict:
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
     root = tmp_path_factory.mktemp("kin")
-    zero3 = ("qwen3-zero3", lambda r: _spec(r / "qwen3-src", ZERO3, activation_checkpointing="selective"))
-    return _world(root, FAST, (zero3,)), root
+    zero3 = ("qwen3-zero3", lambda r: PlanRun(make_plan(parse_submitted_spec(
+        _spec(r / "qwen3-src", ZERO3, activation_checkpointing="selective")))))
+    resumed = tuple((f"{name}-resumed", _resumed(name)) for name in RESUMED)
+    return _world(root, FAST, (zero3, *resumed)), root
+
+
+RESUMED = ("mistral", "qwen3_moe")
+"""Resumed at one rank from the step-1 checkpoint of their layout (tp2 and sp; ep2 and pp2)."""
+
+
+def _resumed(name: str):
+    def run(root: Path) -> PlanRun:
+        plan = make_plan(parse_submitted_spec(_spec(root / f"{name}-src", {})))
+        return PlanRun(plan, resume=(str(checkpoint.step_dir(root / name, 1)), 1))
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +131,13 @@ def test_qwen3_at_zero3_with_recompute_follows_its_one_rank_curve(fast):
     world, _ = fast
     zero3, one_rank = world["qwen3-zero3"], world["qwen3"][3]
     assert max(abs(a - b) for a, b in zip(zero3, one_rank, strict=True)) < CURVE_TOL
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_kin_checkpoint_resumes_at_one_rank_with_the_layouts_next_loss(fast, name):
+    world, _ = fast
+    [second] = world[f"{name}-resumed"]
+    assert abs(second - world[name][2][1]) < CURVE_TOL
 
 
 @pytest.mark.slow
