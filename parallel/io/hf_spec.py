@@ -157,8 +157,8 @@ def resolve_init_from(spec: Mapping) -> Mapping:
 
 def _meaning(model: Mapping) -> dict | None:
     """The dense part of `model` as trainyard reads it: a nested config's left-out keys at their defaults, a null
-    ffn_hidden as the family's rule (gpt2's n_inner: null is 4 x d_model). None when it is no valid model:
-    validation then names what is wrong."""
+    ffn_hidden as the family's rule (gpt2's n_inner: null is 4 x d_model), a null head_dim as d_model / n_head.
+    None when it is no valid model: validation then names what is wrong."""
     from dataclasses import fields
 
     from pydantic import TypeAdapter, ValidationError
@@ -169,4 +169,5 @@ def _meaning(model: Mapping) -> dict | None:
         cfg = TypeAdapter(ModelConfig).validate_python({**model, "moe": None})
     except ValidationError:
         return None
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {"ffn_hidden": family_of(cfg).ffn_hidden(cfg)}
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {"ffn_hidden": family_of(cfg).ffn_hidden(cfg),
+                                                                   "head_dim": cfg.head_size}

@@ -55,6 +55,7 @@ LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "origi
 
 @pytest.mark.parametrize("build,same,other", [
     (tiny_gpt2, {"ffn_hidden": 128}, {"ffn_hidden": 64}),  # config.json's n_inner: null is 4 x n_embd = 128
+    (tiny_llama, {"head_dim": 8}, {"head_dim": 16}),  # no head_dim in the model: hidden_size / heads = 8
     (lambda d: tiny_llama(d, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, **LLAMA3}),
      {"rope_scaling": LLAMA3}, {"rope_scaling": LLAMA3 | {"factor": 4.0}}),  # rope_type's default is llama3
 ])
