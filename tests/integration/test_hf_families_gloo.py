@@ -1,13 +1,14 @@
 """Llama's kin from Hugging Face checkpoints at a multi-dimensional layout: a tiny Qwen2ForCausalLM (q, k, v
 biases), Qwen3ForCausalLM (per-head q and k norms, head_dim 16 apart from hidden_size / heads = 8),
-MistralForCausalLM (a sliding window of 5 over sequences of 16, with sp) and Qwen3MoeForCausalLM (4 experts,
+MistralForCausalLM (a sliding window of 5 over sequences of 16) and Qwen3MoeForCausalLM (4 experts,
 top 2, norm_topk_prob false, with ep), each built from its transformers config and `save_pretrained`, loaded
 with `init_from`: the first loss is transformers' (1e-5, fp32), the two steps follow the one-rank run (1e-4),
 and the state after the first step, exported as an HF directory, loads in transformers with no missing or
 unexpected keys, gives trainyard's logits and the layout's second loss.
 
-`make test` runs them at pp2 x tp2 (dp2 x pp2 x ep2 for the MoE): one spawned world of 4 gloo ranks for all
-eight runs. `make test-slow` runs the issue's 3D layout, dp2 x pp2 x tp2 (and ep2 for the MoE), 8 ranks."""
+`make test` runs them at pp2 x tp2 (with sp for qwen3 and mistral; dp2 x pp2 x ep2 for the MoE), with qwen3 at
+ZeRO-3 and two resumes at one rank: one spawned world of 4 gloo ranks for all eleven runs. `make test-slow` runs
+the issue's 3D layout, dp2 x pp2 x tp2 (and ep2 for the MoE), 8 ranks."""
 
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from trainyard.parallel.plan import make_plan
 BUILD = {"qwen2": lambda d: tiny_qwen2(d, tied=False),  # tied embeddings need pp=1 (another issue's work)
          "qwen3": tiny_qwen3, "mistral": tiny_mistral, "qwen3_moe": tiny_qwen3_moe}
 MB = {"microbatches": 2}
-FAST = {"qwen2": {"pp": 2, "tp": 2, **MB}, "qwen3": {"pp": 2, "tp": 2, **MB},
+FAST = {"qwen2": {"pp": 2, "tp": 2, **MB}, "qwen3": {"pp": 2, "tp": 2, "sp": True, **MB},
         "mistral": {"pp": 2, "tp": 2, "sp": True, **MB}, "qwen3_moe": {"dp": 2, "pp": 2, "ep": 2, **MB}}
 THREE_D = {"dp": 2, "pp": 2, "tp": 2, **MB}
-SLOW = {"qwen2": THREE_D, "qwen3": THREE_D, "mistral": {**THREE_D, "sp": True},
+SLOW = {"qwen2": THREE_D, "qwen3": {**THREE_D, "sp": True}, "mistral": {**THREE_D, "sp": True},
         "qwen3_moe": {**THREE_D, "ep": 2}}
 LOSS_TOL, CURVE_TOL = 1e-5, 1e-4
 slow = pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
