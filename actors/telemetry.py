@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ray.util.metrics import Gauge
 from trainyard.actors.journal import METRICS_LOG, AppendOnly
+from trainyard.actors.tracking import Trackers
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -47,8 +48,8 @@ _EXPERT_LOAD = Gauge("trainyard_moe_expert_load", "Tokens routed to an expert of
 class Rows:
     """The metrics rows of the job, one per step, in step order, and where they are logged."""
 
-    def __init__(self, root: Path, rows: list[dict]):
-        self.root, self.rows = root, rows
+    def __init__(self, root: Path, rows: list[dict], trackers: Trackers | None = None):
+        self.root, self.rows, self.trackers = root, rows, trackers
         self.log = AppendOnly(root / METRICS_LOG)
 
     def since(self, step: int) -> list[dict]:
@@ -67,6 +68,8 @@ class Rows:
     def add(self, row: dict) -> None:
         self.rows.append(row)
         self.log.append(row)
+        if self.trackers is not None:  # after the log: a row a tracker has is one the job has
+            self.trackers.add(row)
 
 
 def make_row(step: int, results: list[dict], elapsed: float, tokens: int,

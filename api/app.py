@@ -198,6 +198,12 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
                                 filename=f"{job_id}-hf.tar")
         return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}.safetensors")
 
+    @app.get("/api/jobs/{job_id}/tracking", dependencies=guarded)
+    def tracking(job_id: str) -> dict[str, str]:
+        """Where the job's experiment trackers write (the spec's `tracking`): `tensorboard` (a logdir), `wandb`
+        (the directory of its W&B runs), `mlflow` (the tracking URI); empty when it asks for none."""
+        return manager.tracking(job_id)
+
     @app.get("/api/jobs/{job_id}/events", dependencies=guarded)
     def events(job_id: str) -> list[dict]:
         """What happened to the job as it ran, oldest first: `failure` (cause, ranks, nodes, step, steps_lost,

@@ -165,11 +165,25 @@ def metrics(args: argparse.Namespace) -> int:
     rows = client.metrics(args.job_id, since=args.since)
     if args.plot:
         return _plot(client.job(args.job_id), rows, args.plot)
-    print(f"{'step':>6} {'loss':>9} {'lr':>10} {'grad_norm':>10} {'tokens/s':>10} {'step_s':>8}")
+    epochs = any(r.get("epoch") is not None for r in rows)
+    print(f"{'step':>6}" + (f" {'epoch':>6}" if epochs else "") +
+          f" {'loss':>9} {'val_loss':>9} {'lr':>10} {'grad_norm':>10} {'tokens/s':>10} {'step_s':>8}")
     for r in rows:
         r = {k: _finite(v) for k, v in r.items()}
-        print(f"{r['step']:>6} {r['loss']:>9.4f} {r['lr']:>10.3e} {r['grad_norm']:>10.4f} "
+        val = f"{r['val_loss']:>9.4f}" if r.get("val_loss") is not None else f"{'-':>9}"
+        epoch = f" {r['epoch']:>6.2f}" if epochs and r.get("epoch") is not None else f" {'-':>6}" if epochs else ""
+        print(f"{r['step']:>6}{epoch} {r['loss']:>9.4f} {val} {r['lr']:>10.3e} {r['grad_norm']:>10.4f} "
               f"{r['tokens_per_s']:>10.0f} {r['step_time_s']:>8.3f}")
+    return 0
+
+
+def tensorboard(args: argparse.Namespace) -> int:
+    where = client_of(args).tracking(args.job_id)
+    if "tensorboard" not in where:
+        print(f"error: job {args.job_id} logs no TensorBoard events (its spec has no `tracking: {{tensorboard: "
+              "true}`)", file=sys.stderr)
+        return 1
+    print(where["tensorboard"])
     return 0
 
 

@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--since", type=int, default=0)
     s.add_argument("--plot", metavar="FILE.png", help="draw loss, tokens/s (and a pipeline's bubble) into a PNG")
     s.set_defaults(func=jobs.metrics)
+    s = sub.add_parser("tensorboard", help="print a job's TensorBoard logdir (`tensorboard --logdir $(trainyard "
+                       "tensorboard ID)`)")
+    s.add_argument("job_id")
+    s.set_defaults(func=jobs.tensorboard)
     s = sub.add_parser("scale", help="resize a running job's data parallelism (at its next step)")
     s.add_argument("job_id")
     s.add_argument("--dp", type=int, required=True, help="the new number of data-parallel replicas")

@@ -1,5 +1,5 @@
 """The JobSpec's training sections: `data` (with its mixture `sources`), `optimizer`, `eval`, `checkpoint`,
-`resume_from` and `init_from`.
+`resume_from`, `init_from` and `tracking` (the experiment trackers the coordinator logs to).
 
 Part of the JobSpec (`parallel.config` re-exports every name); the docstring under each field is its
 description in docs/jobspec.md.
@@ -118,3 +118,36 @@ class EvalConfig:
     """Compute val_loss every N steps and at the last; 0: never."""
     batches: Annotated[int, Gt(0), Le(10_000), NOT_BOOL] = 4
     """Batches of global_batch validation sequences per evaluation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    __pydantic_config__ = STRICT
+    project: Annotated[str, MinLen(1), MaxLen(128)] = "trainyard"
+    """The W&B project the job's run goes to (its run id is the job's id; its name the job's name)."""
+    entity: Annotated[str, MinLen(1), MaxLen(128)] | None = None
+    """The W&B team or user; null: the account's default."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """offline: the run is written under the job's directory (`wandb sync` uploads it later); online: sent as it
+    runs; auto: online when W&B has an API key (WANDB_API_KEY, or `wandb login`), else offline."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlflowConfig:
+    __pydantic_config__ = STRICT
+    uri: Annotated[str, MinLen(1), MaxLen(4096)] | None = None
+    """The MLflow tracking URI (a server, or a local file store such as `file:///data/mlruns`); null: a file
+    store in the job's directory (`mlruns/`)."""
+    experiment: Annotated[str, MinLen(1), MaxLen(256)] = "trainyard"
+    """The MLflow experiment the job's run goes to (made if it does not exist)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    __pydantic_config__ = STRICT
+    tensorboard: bool = False
+    """TensorBoard event files under the job's directory (`trainyard tensorboard ID` prints where)."""
+    wandb: WandbConfig | None = None
+    """A Weights & Biases run (needs `pip install 'trainyard[track]'`)."""
+    mlflow: MlflowConfig | None = None
+    """An MLflow run (needs `pip install 'trainyard[track]'`)."""

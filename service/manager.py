@@ -34,6 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import ray
+from trainyard.actors import tracking
 from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig
@@ -117,7 +118,11 @@ class JobManager:
         return plan
 
     def _check_inputs(self, config: JobConfig) -> None:
-        """The checks of what the job reads, whatever its layout: its datasets and the checkpoint it resumes."""
+        """The checks of what the job reads, whatever its layout: its datasets and the checkpoint it resumes; and
+        that the trackers it logs to are installed."""
+        missing = tracking.missing_extra(config)
+        if missing is not None:
+            raise missing
         open_dataset(config)
         if config.eval.every > 0:
             open_dataset(config, "val")
@@ -142,6 +147,11 @@ class JobManager:
 
     def model_path(self, job_id: str) -> Path:
         return self.paths.model_path(job_id)
+
+    def tracking(self, job_id: str) -> dict[str, str]:
+        """Where the job's trackers write (`actors.tracking.locations`): empty when its spec asks for none."""
+        config = parse_spec(self.get(job_id).spec)
+        return tracking.locations(config, self.checkpoint_root(job_id, config))
 
     def resume_point(self, config: JobConfig) -> tuple[str, int] | None:
         """The checkpoint `resume_from` names, checked without hashing it (see `service.resume`)."""
