@@ -71,6 +71,8 @@ def flat_params(spec: dict, prefix: str = "") -> Iterator[tuple[str, str]]:
 
 
 class Tracker(Protocol):
+    def __init__(self, job_id: str, config: JobConfig, root: Path, spec: dict) -> None: ...
+
     def log(self, step: int, values: dict[str, float]) -> None: ...
 
     def close(self, status: str) -> None: ...
@@ -108,8 +110,9 @@ class Trackers:
 
     def _open(self) -> list[Tracker]:
         spec = spec_to_dict(self.config)
-        makers = [(self.config.tracking.tensorboard, _TensorBoard), (self.config.tracking.wandb, _Wandb),
-                  (self.config.tracking.mlflow, _Mlflow)]
+        makers: list[tuple[object, type[Tracker]]] = [(self.config.tracking.tensorboard, _TensorBoard),
+                                                        (self.config.tracking.wandb, _Wandb),
+                                                        (self.config.tracking.mlflow, _Mlflow)]
         opened: list[Tracker] = []
         for wanted, make in makers:
             if not wanted:
