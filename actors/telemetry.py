@@ -108,6 +108,11 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
     moe = moe_metrics(results)
     if moe:
         row["moe"] = moe
+    examples = sorted((r for r in results if "sample_ids" in r and r["pp_rank"] == 0 and r["tp_rank"] == 0),
+                      key=lambda r: r["dp_rank"])
+    if examples:  # whole examples (`data.packing`): the global batch's sample ids, and the epochs done
+        row["sample_ids"] = [i for r in examples for i in r["sample_ids"]]
+        row["epoch"] = examples[0]["epoch"]
     val = [r["val_loss"] for r in results if r.get("val_loss") is not None]
     if val:
         row["val_loss"] = val[0]

@@ -40,6 +40,13 @@ class DataConfig:
     sources: Annotated[list[DataSource], MinLen(1), MaxLen(1024)] | None = None
     """`tokens` only, instead of `path`: datasets mixed by weight. The sample at each position of a step's
     global batch is a function of (seed, step, position) alone, as for one dataset."""
+    packing: bool | None = None
+    """null: a sample is a window of seq_len + 1 tokens starting anywhere in the data (pretraining). false: whole
+    examples (the documents of a `trainyard prepare` directory), each padded to its own sequence (one longer
+    than seq_len is cut into consecutive pieces), every example seen once per epoch in a shuffled order."""
+    epochs: Annotated[int, Gt(0), Le(1_000_000), NOT_BOOL] | None = None
+    """With whole examples (`packing` set): passes over them; the job ends after `steps` or the last epoch,
+    whichever comes first (the service lowers `steps` at submit, saying so in the job's events)."""
 
 
 @dataclass(frozen=True, kw_only=True)
