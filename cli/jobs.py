@@ -53,8 +53,9 @@ def follow(client: Client, job_id: str, poll_s: float = 0.5) -> int:
             rows = client.metrics(job_id, since=bar.n)
             if rows:
                 last_loss = _finite(rows[-1]["loss"])
+                epoch = {"epoch": f"{rows[-1]['epoch']:.2f}"} if rows[-1].get("epoch") is not None else {}
                 bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{_finite(rows[-1]['tokens_per_s']):.0f}",
-                                refresh=False)
+                                **epoch, refresh=False)
                 bar.update(rows[-1]["step"] + 1 - bar.n)
             elif job["status"] == "PENDING":
                 bar.set_postfix_str(_waiting_text(job), refresh=True)
