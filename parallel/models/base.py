@@ -12,6 +12,7 @@ trainer, the plan, the memory plan and tensor parallelism ask it; they never nam
   plan (which projections are column- or row-parallel, which norms sequence-parallel);
 - counting (pure arithmetic, for `parallel.plan.memory` and MFU): `param_counts`, `embed_activations`,
   `block_activations`, `head_activations`, `flops_per_token`; `ffn_hidden(cfg)` the feed-forward width;
+- LoRA: `lora_targets` names the projections `model.lora.targets` may adapt (`parallel.models.lora`);
 - gradients: `reduction_set(name)` says which group sums a parameter's gradient (dense, router, experts);
 - Hugging Face: `hf` is the family's `parallel/models/<family>/hf.py` module, imported on first use.
 
@@ -43,6 +44,8 @@ Matrix = tuple[int, int, ReductionSet]
 class ModelFamily(ABC):
     name: str
     """The value of `model.family` that selects this family (also its folder under `parallel/models/`)."""
+    lora_targets: dict[str, str] = {}
+    """`model.lora.targets`' names -> the projection's module path inside a block (`parallel.models.lora`)."""
 
     @property
     def hf(self) -> ModuleType:

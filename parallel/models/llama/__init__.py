@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 class Llama(ModelFamily):
     name = "llama"
+    lora_targets = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "gate": "mlp.gate", "up": "mlp.up",
+                    "down": "mlp.down"}
 
     def check(self, config: JobConfig) -> list[RuleError]:
         m, tp, errors = config.model, config.fixed_parallel.tp, []
