@@ -111,6 +111,25 @@ class ModelFamily(ABC):
             active += counts.experts * cfg.moe.top_k / cfg.moe.experts
         return 6 * active + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
+    def lora_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+        """Each of `lora_targets`' projections: (in features, out features, row-parallel under tp)."""
+        return {}
+
+    def adapter_elements(self, cfg: ModelConfig, layers: Sequence[int], *, tp: int) -> int:
+        """Local elements of the LoRA adapters of blocks `layers` at tensor-parallel degree tp (`parallel.models.lora`:
+        A (rank x in) and B (out x rank), the one split over tp that the base splits; an MoE block's feed-forward has
+        none)."""
+        if cfg.lora is None:
+            return 0
+        shapes, r, total = self.lora_shapes(cfg), cfg.lora.rank, 0
+        for block in layers:
+            for target in cfg.lora.targets:
+                if cfg.is_moe_block(block) and self.lora_targets[target].startswith("mlp."):
+                    continue
+                n_in, n_out, rowwise = shapes[target]
+                total += r * n_in // tp + r * n_out if rowwise else r * n_in + r * n_out // tp
+        return total
+
     def reduction_set(self, name: str) -> ReductionSet:
         """Which ranks sum a parameter's gradient (see `parallel.models.moe`): dense parameters over dp, an MoE
         router over its whole stage, experts over the ranks holding the same experts."""

@@ -78,6 +78,11 @@ class GPT2(ModelFamily):
             layers |= tp.head(stream, sequence_parallel)
         return layers
 
+    def lora_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+        d, ffn = cfg.d_model, self.ffn_hidden(cfg)
+        return {"q": (d, d, False), "k": (d, d, False), "v": (d, d, False), "o": (d, d, True), "fc": (d, ffn, False),
+                "proj": (ffn, d, True)}
+
     def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
                      ep: int) -> ParamCounts:
         return counts.param_counts(cfg, layers, first=first, last=last, tp=tp, ep=ep)

@@ -86,6 +86,11 @@ class Llama(ModelFamily):
             layers |= tp.head(stream, sequence_parallel)
         return layers
 
+    def lora_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+        d, ffn, kv = cfg.d_model, self.ffn_hidden(cfg), (cfg.n_kv_head or cfg.n_head) * (cfg.d_model // cfg.n_head)
+        return {"q": (d, d, False), "k": (d, kv, False), "v": (d, kv, False), "o": (d, d, True),
+                "gate": (d, ffn, False), "up": (d, ffn, False), "down": (ffn, d, True)}
+
     def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
                      ep: int) -> ParamCounts:
         return counts.param_counts(cfg, layers, first=first, last=last, tp=tp, ep=ep)
