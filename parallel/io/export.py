@@ -30,6 +30,7 @@ from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
 from trainyard.parallel.io.checkpoint import MODEL_FILE as MODEL_FILE  # the file export_model writes
 from trainyard.parallel.io.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, load_into, write_hf_dir
 from trainyard.parallel.io.peft_adapter import write_peft_dir
+from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.lora import apply_lora, is_adapter, merged
 from trainyard.parallel.models.whole import full_model
 
@@ -92,4 +93,7 @@ def export_peft(path: Path, out: Path) -> Path:
 def _model(cfg: ModelConfig, seed: int) -> nn.Module:
     """The whole model, with LoRA's adapters (as training built them) when `cfg.lora` says."""
     model = full_model(cfg, seed)
-    return apply_lora(model, seed=seed) if cfg.lora is not None else model
+    if cfg.lora is None:
+        return model
+    assert isinstance(model, DecoderStage)  # every family's whole model is one stage
+    return apply_lora(model, seed=seed)

@@ -45,7 +45,7 @@ def is_adapter(name: str) -> bool:
     return any(f".{a}." in name for a in ADAPTERS)
 
 
-def target_paths(cfg: ModelConfig, blocks: Mapping[str, nn.Module]) -> Iterator[tuple[str, nn.Linear]]:
+def target_paths(cfg: ModelConfig, blocks: nn.ModuleDict) -> Iterator[tuple[str, nn.Linear]]:
     """(path in the stage, module) of each projection `cfg.lora.targets` names, block by block. An MoE block has no
     `mlp`: its experts are not adapted."""
     assert cfg.lora is not None
@@ -86,10 +86,11 @@ class _AddAdapter:
         self.scaling, self.rowwise, self.out_layout, self.local_output = scaling, rowwise, out_layout, local_output
 
     def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        h = module.lora_A(module.lora_dropout(args[0]))
+        adapter_a, adapter_b, dropout = (module.get_submodule(n) for n in (*ADAPTERS, "lora_dropout"))
+        h = adapter_a(dropout(args[0]))
         if self.rowwise:  # a partial sum over tp (A is row-parallel): summed at rank width
             h = h.redistribute(placements=[Replicate()])
-        y = module.lora_B(h) * self.scaling
+        y = adapter_b(h) * self.scaling
         if isinstance(y, DTensor):
             assert self.out_layout is not None
             y = y.redistribute(placements=[self.out_layout])
