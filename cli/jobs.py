@@ -128,12 +128,12 @@ def events(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     out = Path(args.output)
-    if args.format == "hf" and out.is_dir() and any(out.iterdir()):
+    if args.format in ("hf", "peft") and out.is_dir() and any(out.iterdir()):
         # transformers loads whatever the directory holds: another model's shards or tokenizer would come with it
         print(f"error: {out} is not empty; a Hugging Face export needs a new or empty directory", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    if args.format == "hf":
+    if args.format in ("hf", "peft"):
         return _export_hf(args, out)
     from safetensors import safe_open
 
@@ -149,15 +149,16 @@ def export(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace, out: Path) -> int:
     import tarfile
 
-    archive = client_of(args).download_model(args.job_id, out / ".hf.tar", format="hf")
+    archive = client_of(args).download_model(args.job_id, out / ".hf.tar", format=args.format)
     try:
         with tarfile.open(archive) as tar:
             names = tar.getnames()
             tar.extractall(out, filter="data")
     finally:
         archive.unlink()
-    print(f"{out}: {', '.join(sorted(names))}; load it with "
-          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    how = (f"peft.PeftModel.from_pretrained(base, {str(out)!r}), base: the job's init_from model"
+           if args.format == "peft" else f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(f"{out}: {', '.join(sorted(names))}; load it with {how}")
     return 0
 
 

@@ -34,7 +34,7 @@ from trainyard.parallel.config_fields import (
     RuleError,
     Steps,
 )
-from trainyard.parallel.config_model import ModelConfig, MoEConfig, RopeScalingConfig
+from trainyard.parallel.config_model import LoraConfig, ModelConfig, MoEConfig, RopeScalingConfig
 from trainyard.parallel.config_parallel import (
     DpRange,
     FaultConfig,
@@ -59,10 +59,10 @@ from trainyard.parallel.config_training import (
 )
 
 __all__ = ["CheckpointConfig", "DataConfig", "DataSource", "Degree", "DpRange", "EvalConfig", "FaultConfig",
-           "GradCompressionConfig", "InitFromConfig", "JobConfig", "MAX_DEGREE", "MAX_GLOBAL_BATCH", "MAX_PRIORITY",
-           "MAX_SEQ_LEN", "MAX_STEPS", "MoEConfig", "ModelConfig", "NOT_BOOL", "OptimizerConfig", "ParallelConfig",
-           "PlannerNote", "ResourcesConfig", "ResumeConfig", "RopeScalingConfig", "RuleError", "ScheduleKind",
-           "SimCostsConfig", "Steps", "SyncConfig", "MlflowConfig", "TrackingConfig", "WandbConfig"]
+           "GradCompressionConfig", "InitFromConfig", "JobConfig", "LoraConfig", "MAX_DEGREE", "MAX_GLOBAL_BATCH",
+           "MAX_PRIORITY", "MAX_SEQ_LEN", "MAX_STEPS", "MoEConfig", "ModelConfig", "NOT_BOOL", "OptimizerConfig",
+           "ParallelConfig", "PlannerNote", "ResourcesConfig", "ResumeConfig", "RopeScalingConfig", "RuleError",
+           "ScheduleKind", "SimCostsConfig", "Steps", "SyncConfig", "MlflowConfig", "TrackingConfig", "WandbConfig"]
 
 
 

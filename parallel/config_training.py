@@ -116,6 +116,9 @@ class InitFromConfig:
     """A local Hugging Face checkpoint directory (config.json and model.safetensors, or shards with
     model.safetensors.index.json) of GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM. The model's
     architecture comes from its config.json (`model` may leave it out); training starts from its weights."""
+    adapter: Annotated[str, MinLen(1), MaxLen(4096)] | None = None
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) made for `hf`'s model: its
+    adapters start `model.lora`'s (same rank and targets)."""
 
 
 @dataclass(frozen=True, kw_only=True)
