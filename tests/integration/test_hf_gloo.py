@@ -1,6 +1,7 @@
 """Hugging Face checkpoints at a 3D layout (dp2 x pp2 x tp2 = 8 gloo ranks, one spawned world for both
-families): a tiny LlamaForCausalLM (GQA, untied) and a tiny GPT2LMHeadModel loaded with `init_from` give
-transformers' first-step loss; each rank reads only its own blocks of the checkpoint; the state trained at
+families): a tiny LlamaForCausalLM (GQA, untied; at ZeRO-3, so read into FSDP2's shards) and a tiny
+GPT2LMHeadModel loaded with `init_from` give transformers' first-step loss; each rank reads only its own blocks
+of the checkpoint (its shards); the state trained at
 that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and gives
 trainyard's logits and the layout's next loss."""
 
@@ -83,8 +84,12 @@ def _hf_loss(model, config, step: int) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
-def _spec(directory: Path) -> dict:
-    spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=LAYOUT,
+ZERO = {"llama": 3, "gpt2": 0}
+"""llama at ZeRO-3: `init_from` is read straight into FSDP2's shards of tp's shards (uneven ones included)."""
+
+
+def _spec(directory: Path, zero: int) -> dict:
+    spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel={**LAYOUT, "zero": zero},
                      optimizer={"lr": 1e-2, "warmup_steps": 0})
     spec["model"] = {"seq_len": 16}  # the architecture comes from config.json
     return spec
@@ -95,7 +100,7 @@ def world(tmp_path_factory):
     """Both families trained two steps at the 3D layout: (HF models, configs, per-rank results, out dir)."""
     root = tmp_path_factory.mktemp("hf3d")
     models = {"llama": tiny_llama(root / "llama-src"), "gpt2": tiny_gpt2(root / "gpt2-src", tied=False)}
-    configs = {name: parse_submitted_spec(_spec(root / f"{name}-src")) for name in models}
+    configs = {name: parse_submitted_spec(_spec(root / f"{name}-src", ZERO[name])) for name in models}
     plans = {name: make_plan(cfg) for name, cfg in configs.items()}
     # two steps, the state after the first saved under root/<name>: one spawned world of 8 for both families
     results = run_plans([PlanRun(plan, save_after=(1,), root=str(root / name), setup=_count_reads,
