@@ -210,7 +210,9 @@ def initial_value(name: str, shape: Sequence[int], *, seed: int, n_layer: int,
     gen = torch.Generator().manual_seed(derive_seed(seed, "param", name))
     # Residual projections are scaled down by depth (GPT-2), keeping the residual stream's variance flat.
     std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(residual) else 0.02
-    return torch.randn(tuple(shape), generator=gen) * std
+    # In place: one whole tensor at a time is construction's transient (the memory plan's `construction`); the same
+    # values as `randn(...) * std`.
+    return torch.randn(tuple(shape), generator=gen).mul_(std)
 
 
 @torch.no_grad()
