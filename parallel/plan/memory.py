@@ -25,6 +25,10 @@ With `model.lora` the base is frozen: its weights count as parameters only, and 
 state are the adapters' (`trainable_counts`; `ModelFamily.adapter_elements` counts them, split over tp as the
 base is).
 
+Start-up (`startup`): the rank builds its chunks on the meta device and materializes only its shards, drawing one
+whole parameter at a time (`construction`, the largest of its chunks) before keeping its slice: its parameter
+shards plus that one parameter.
+
 Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
 (`parallel.plan.reduction_bytes.compression_state_bytes`).
 
@@ -81,6 +85,15 @@ class RankMemory:
     gathered: int = 0
     """Of `params`, with ZeRO-2/3: the bytes FSDP2 holds gathered whole at the step's peak (`gathered_bytes`;
     ZeRO-3: per block), what the runtime's `peak_gathered_bytes` measures."""
+    construction: int = 0
+    """Construction's transient, in host memory: one whole parameter (the largest of the rank's chunks), drawn
+    from its (seed, name) generator before the rank keeps its slice (`parallel.runtime.materialize`)."""
+
+    @property
+    def startup(self) -> int:
+        """Bytes at the start-up peak: the rank's parameter shards (nothing gathered yet) and construction's one
+        whole parameter; on a GPU rank the shards are on the device and the whole parameter on the host."""
+        return self.params - self.gathered + self.construction
 
     @property
     def total(self) -> int:
@@ -93,14 +106,16 @@ class RankMemory:
 
     def resident(self, on_gpu: bool) -> int:
         """Bytes in the memory a rank is sized against: a GPU rank's device bytes; a CPU rank's device is the
-        host, so what offload moves "to the host" stays in the same memory."""
-        return self.total if on_gpu else self.total + self.host
+        host, so what offload moves "to the host" stays in the same memory, and so does construction's transient
+        (the step's peak, or the start-up peak where that is larger)."""
+        return self.total if on_gpu else max(self.total + self.host, self.startup)
 
     def to_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "recompute": self.recompute, "total": self.total,
                 "host_optimizer": self.host_optimizer, "host_activations": self.host_activations,
-                "host_total": self.host, "gathered": self.gathered}
+                "host_total": self.host, "gathered": self.gathered, "construction": self.construction,
+                "startup": self.startup}
 
 
 Plan = Sizing
@@ -132,7 +147,22 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
         host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
         host_activations=peak_activation_bytes(plan, pp, offloaded),
         gathered=gathered_bytes(plan, pp),
+        construction=construction_bytes(plan, pp),
     )
+
+
+def construction_bytes(plan: Plan, pp_rank: int) -> int:
+    """fp32 bytes of the largest whole parameter of the rank's chunks: what construction holds besides the shards
+    while it draws one parameter whole and keeps this rank's slice (with `init_from`, the block it reads: a
+    bound). The matrices at tp = 1 are the whole ones; 1-D parameters (norms, biases) are smaller than any."""
+    m, family = plan.config.model, family_of(plan.config.model)
+    largest = 0
+    for c, layers in enumerate(plan.chunk_layers(pp_rank)):
+        v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
+        kinds = tuple({m.is_moe_block(i): i for i in layers}.values())  # one block of each kind has every shape
+        matrices = family.matrices(m, kinds, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=1, ep=plan.ep)
+        largest = max([largest, *(rows * cols for rows, cols, _ in matrices)])
+    return FP32 * largest
 
 
 def param_counts(plan: Plan, pp_rank: int) -> ParamCounts:

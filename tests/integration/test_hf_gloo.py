@@ -1,6 +1,7 @@
 """Hugging Face checkpoints at a 3D layout (dp2 x pp2 x tp2 = 8 gloo ranks, one spawned world for both
-families): a tiny LlamaForCausalLM (GQA, untied) and a tiny GPT2LMHeadModel loaded with `init_from` give
-transformers' first-step loss; each rank reads only its own blocks of the checkpoint; the state trained at
+families): a tiny LlamaForCausalLM (GQA, untied; at ZeRO-3, so read into FSDP2's shards) and a tiny
+GPT2LMHeadModel loaded with `init_from` give transformers' first-step loss; each rank reads only its own blocks
+of the checkpoint (its shards); the state trained at
 that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and gives
 trainyard's logits and the layout's next loss. In the same world, LoRA on the Llama (every projection adapted) at
 (dp2, zero 3) and at the 3D layout follows its one-rank twin; the frozen base stays bitwise the checkpoint's, the
@@ -105,6 +106,10 @@ def _frozen_and_state(driver: RankDriver, stats: list[dict]) -> dict:
     return {"frozen": len(frozen), "unchanged": same, "optimizer_bytes": [s["optimizer_bytes"] for s in stats]}
 
 
+ZERO = {"llama": 3, "gpt2": 0}
+"""llama at ZeRO-3: `init_from` is read straight into FSDP2's shards of tp's shards (uneven ones included)."""
+
+
 def _spec(directory: Path, parallel: dict = LAYOUT, lora: dict | None = None) -> dict:
     spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=parallel,
                      optimizer={"lr": 1e-2, "warmup_steps": 0})
@@ -117,7 +122,8 @@ def world(tmp_path_factory):
     """Both families trained two steps at the 3D layout: (HF models, configs, per-rank results, out dir)."""
     root = tmp_path_factory.mktemp("hf3d")
     models = {"llama": tiny_llama(root / "llama-src"), "gpt2": tiny_gpt2(root / "gpt2-src", tied=False)}
-    configs = {name: parse_submitted_spec(_spec(root / f"{name}-src")) for name in models}
+    configs = {name: parse_submitted_spec(_spec(root / f"{name}-src", {**LAYOUT, "zero": ZERO[name]}))
+               for name in models}
     plans = {name: make_plan(cfg) for name, cfg in configs.items()}
     lora = {name: make_plan(parse_submitted_spec(_spec(root / "llama-src", par, LORA)))
             for name, par in LORA_LAYOUTS.items()}

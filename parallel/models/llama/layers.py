@@ -62,9 +62,15 @@ class LlamaAttention(nn.Module):
         self.v = nn.Linear(cfg.d_model, kv, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         # Not a parameter, and not persistent: no part of a checkpoint; derived from the config alone.
-        self.register_buffer("inv_freq", rope_frequencies(self.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
+        self.rope = (cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", rope_frequencies(self.head_dim, *self.rope), persistent=False)
         self.recompute = False
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """`inv_freq` again (after `to_empty`, on a stage built on the meta device), computed on the CPU as at
+        construction and copied to the buffer's device."""
+        self.inv_freq.copy_(rope_frequencies(self.head_dim, *self.rope))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
