@@ -34,6 +34,7 @@ from bench import (
     pipeline,
     poll,
     savers_grads,
+    scale,
     service_ops,
     signals,
     sync,
@@ -87,6 +88,8 @@ SECTIONS: dict[str, Section] = {
                 planner_bench.run_section),
         Section("sync", "diloco and local SGD vs all-reduce (dp=4; dp=2 pp=2): loss at equal tokens vs bytes "
                         "across replicas", sync.run_section),
+        Section("scale", "a 501M llama at dp=4 zero=3, built on the meta device: each rank's peak RSS vs the plan",
+                scale.run_section),
     )
 }
 

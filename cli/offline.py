@@ -190,7 +190,8 @@ def format_plan(d: dict) -> str:
     return "\n".join(lines)
 
 
-_MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "total")
+_MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "total", "startup")
+"""total: the step's peak on the device; startup: the start-up peak (the parameter shards and one whole parameter)."""
 _HOST_COLUMNS = ("host_optimizer", "host_activations")
 
 

@@ -13,7 +13,10 @@ full-size fp32 logits), `set_activation_checkpointing(mode)`, `shard_units()` (w
 the order the forward runs it), and `cfg`, `first`, `last`, `blocks`.
 
 Initialisation depends only on the job seed and each parameter's name, never on the layout: every
-parameter draws from its own generator seeded by (seed, name).
+parameter draws from its own generator seeded by (seed, name) (`initial_value`). A stage built under
+`torch.device("meta")` (the trainer's construction, `parallel.runtime.materialize`) gets no values here: its
+parameters are filled after sharding, each rank its own slices of the same whole values, and its buffers
+(`reset_buffers`) recomputed.
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ class _Recomputes(Protocol):
     """A module with a selective-recompute part (a `recompute` flag; the attention core, the MLP activation)."""
 
     recompute: bool
+
+
+@runtime_checkable
+class _HasBuffers(Protocol):
+    """A module whose buffers follow from the config alone (`reset_buffers` recomputes them in place)."""
+
+    def reset_buffers(self) -> None: ...
 
 
 class DecoderStage(nn.Module):
@@ -107,11 +117,20 @@ class DecoderStage(nn.Module):
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.tie_embeddings and first:
                 self.lm_head.weight = self.wte.weight
-        init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL)
+        # On the meta device there is nothing to fill: `parallel.runtime.materialize` does it after sharding.
+        if not any(p.is_meta for p in self.parameters()):
+            init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL)
         self.recompute_blocks = False
         self.offload_blocks = False
         self.compiled_blocks = False
         """Set by `parallel.runtime.compile.compile_blocks`."""
+
+    def reset_buffers(self) -> None:
+        """Recompute every buffer (rotary frequencies, MoE statistics) from the config: after `to_empty`, which
+        leaves them uninitialised. Each module with buffers has a `reset_buffers` of its own."""
+        for module in self.modules():
+            if module is not self and isinstance(module, _HasBuffers):
+                module.reset_buffers()
 
     def shard_units(self) -> list[list[nn.Module]]:
         """The modules ZeRO-2/3 gather and reduce together (one FSDP2 unit each), in the order the forward runs
@@ -180,17 +199,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def initial_value(name: str, shape: Sequence[int], *, seed: int, n_layer: int,
+                  residual: tuple[str, ...] = ("proj.weight",)) -> torch.Tensor:
+    """The whole fp32 value parameter `name` starts from (GPT-2 init), on the CPU, from its own (seed, name)
+    generator, so the layout cannot matter: biases 0, norms 1, the rest normal with std 0.02."""
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if ".ln_" in name or name.startswith("ln_f"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(derive_seed(seed, "param", name))
+    # Residual projections are scaled down by depth (GPT-2), keeping the residual stream's variance flat.
+    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(residual) else 0.02
+    # In place: one whole tensor at a time is construction's transient (the memory plan's `construction`); the same
+    # values as `randn(...) * std`.
+    return torch.randn(tuple(shape), generator=gen).mul_(std)
+
+
 @torch.no_grad()
 def init_parameters(module: nn.Module, *, seed: int, n_layer: int, residual: tuple[str, ...] = ("proj.weight",)) \
         -> None:
-    """GPT-2 init, each parameter from its own (seed, name) generator so the layout cannot matter."""
+    """Every parameter of a whole (unsharded) module from `initial_value`."""
     for name, p in module.named_parameters():
-        gen = torch.Generator().manual_seed(derive_seed(seed, "param", name))
-        if name.endswith("bias"):
-            p.zero_()
-        elif ".ln_" in name or name.startswith("ln_f"):
-            p.fill_(1.0)
-        else:
-            # Residual projections are scaled down by depth (GPT-2), keeping the residual stream's variance flat.
-            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(residual) else 0.02
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        p.copy_(initial_value(name, p.shape, seed=seed, n_layer=n_layer, residual=residual))

@@ -96,6 +96,11 @@ class MoELayer(nn.Module):
         self.register_buffer("stats", torch.zeros(N_STAT_SLOTS + self.n_experts, dtype=torch.float64),
                              persistent=False)
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """`stats` zeroed (after `to_empty`, on a stage built on the meta device)."""
+        self.stats.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         logits = self.router(x).float()

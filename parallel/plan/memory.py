@@ -21,6 +21,14 @@ parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N o
 of the group that reduces them: dense parameters over dp, the MoE router over the stage's dp x tp ranks,
 experts over the ranks holding the same experts (dp / ep x tp).
 
+With `model.lora` the base is frozen: its weights count as parameters only, and the gradients and the optimizer
+state are the adapters' (`trainable_counts`; `ModelFamily.adapter_elements` counts them, split over tp as the
+base is).
+
+Start-up (`startup`): the rank builds its chunks on the meta device and materializes only its shards, drawing one
+whole parameter at a time (`construction`, the largest of its chunks) before keeping its slice: its parameter
+shards plus that one parameter.
+
 Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
 (`parallel.plan.reduction_bytes.compression_state_bytes`).
 
@@ -77,6 +85,15 @@ class RankMemory:
     gathered: int = 0
     """Of `params`, with ZeRO-2/3: the bytes FSDP2 holds gathered whole at the step's peak (`gathered_bytes`;
     ZeRO-3: per block), what the runtime's `peak_gathered_bytes` measures."""
+    construction: int = 0
+    """Construction's transient, in host memory: one whole parameter (the largest of the rank's chunks), drawn
+    from its (seed, name) generator before the rank keeps its slice (`parallel.runtime.materialize`)."""
+
+    @property
+    def startup(self) -> int:
+        """Bytes at the start-up peak: the rank's parameter shards (nothing gathered yet) and construction's one
+        whole parameter; on a GPU rank the shards are on the device and the whole parameter on the host."""
+        return self.params - self.gathered + self.construction
 
     @property
     def total(self) -> int:
@@ -89,14 +106,16 @@ class RankMemory:
 
     def resident(self, on_gpu: bool) -> int:
         """Bytes in the memory a rank is sized against: a GPU rank's device bytes; a CPU rank's device is the
-        host, so what offload moves "to the host" stays in the same memory."""
-        return self.total if on_gpu else self.total + self.host
+        host, so what offload moves "to the host" stays in the same memory, and so does construction's transient
+        (the step's peak, or the start-up peak where that is larger)."""
+        return self.total if on_gpu else max(self.total + self.host, self.startup)
 
     def to_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "recompute": self.recompute, "total": self.total,
                 "host_optimizer": self.host_optimizer, "host_activations": self.host_activations,
-                "host_total": self.host, "gathered": self.gathered}
+                "host_total": self.host, "gathered": self.gathered, "construction": self.construction,
+                "startup": self.startup}
 
 
 Plan = Sizing
@@ -112,7 +131,7 @@ def estimate(layout: Layout, config: JobConfig) -> list[RankMemory]:
 
 
 def rank_memory(plan: Plan, rank: int) -> RankMemory:
-    counts = param_counts(plan, plan.coords(rank).pp)
+    counts = trainable_counts(plan, plan.coords(rank).pp)
     pp = plan.coords(rank).pp
     chunks = [_chunk_activations(plan, pp_rank=pp, chunk=c) for c in range(plan.vpp)]
     offloaded = [_offloaded_activations(plan, pp, c) for c in range(plan.vpp)]
@@ -128,7 +147,22 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
         host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
         host_activations=peak_activation_bytes(plan, pp, offloaded),
         gathered=gathered_bytes(plan, pp),
+        construction=construction_bytes(plan, pp),
     )
+
+
+def construction_bytes(plan: Plan, pp_rank: int) -> int:
+    """fp32 bytes of the largest whole parameter of the rank's chunks: what construction holds besides the shards
+    while it draws one parameter whole and keeps this rank's slice (with `init_from`, the block it reads: a
+    bound). The matrices at tp = 1 are the whole ones; 1-D parameters (norms, biases) are smaller than any."""
+    m, family = plan.config.model, family_of(plan.config.model)
+    largest = 0
+    for c, layers in enumerate(plan.chunk_layers(pp_rank)):
+        v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
+        kinds = tuple({m.is_moe_block(i): i for i in layers}.values())  # one block of each kind has every shape
+        matrices = family.matrices(m, kinds, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=1, ep=plan.ep)
+        largest = max([largest, *(rows * cols for rows, cols, _ in matrices)])
+    return FP32 * largest
 
 
 def param_counts(plan: Plan, pp_rank: int) -> ParamCounts:
@@ -139,13 +173,25 @@ def param_counts(plan: Plan, pp_rank: int) -> ParamCounts:
     return total
 
 
+def trainable_counts(plan: Plan, pp_rank: int) -> ParamCounts:
+    """The local parameters that get gradients and optimizer state: with `model.lora` its adapters alone (dense,
+    reduced over dp), the frozen base being parameters only; else all of them."""
+    m = plan.config.model
+    if m.lora is None:
+        return param_counts(plan, pp_rank)
+    adapters = sum(family_of(m).adapter_elements(m, layers, tp=plan.tp) for layers in plan.chunk_layers(pp_rank))
+    return ParamCounts(dense=adapters, router=0, experts=0)
+
+
 def _chunk_counts(plan: Plan, pp_rank: int) -> list[ParamCounts]:
+    """Each chunk's local parameters, LoRA's adapters (dense) included."""
     m, family = plan.config.model, family_of(plan.config.model)
     out = []
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
         v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
-        out.append(family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
-                                       ep=plan.ep))
+        counts = family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
+                                     ep=plan.ep)
+        out.append(counts + ParamCounts(dense=family.adapter_elements(m, layers, tp=plan.tp), router=0, experts=0))
     return out
 
 
@@ -183,6 +229,7 @@ def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], i
 
     def sharded(layers: tuple[int, ...], first: bool, last: bool) -> int:
         counts = family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep)
+        counts += ParamCounts(dense=family.adapter_elements(m, layers, tp=plan.tp), router=0, experts=0)
         return sum(n for n, size in _reduced_sets(plan, counts) if size > 1)
 
     per_kind = by_block_kind(m, lambda i: sharded((i,), False, False))

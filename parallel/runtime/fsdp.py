@@ -51,8 +51,9 @@ What is ours, and why:
   reduce-scatters its gradients and FSDP2 adds them to the shard (DeepSpeed stage 2's scheme): a whole gradient
   exists only for the block whose backward is running, at ZeRO-2 as at ZeRO-3.
 
-FSDP2's private state is used in three places: each root is initialised at construction (`_lazy_init`, which
-its first forward would run), so a gather prefetched into a chunk that has not run yet finds its units ready;
+FSDP2's private state is used in three places: each root is initialised at construction, once its parameters
+hold values (`ready`: `_lazy_init`, which its first forward would run), so a gather prefetched into a chunk that
+has not run yet finds its units ready;
 `_set_unshard_async_op` (above); and `parallel.runtime.fsdp_meter`, which measures what is gathered.
 """
 
@@ -143,6 +144,15 @@ class ShardedChunks:
         for module in self.nested[c]:
             module.set_modules_to_backward_prefetch([module])
 
+    def ready(self) -> None:
+        """Once the parameters hold their values (`parallel.runtime.materialize`: the chunks are wrapped on the meta
+        device, and FSDP2 refuses to initialise meta parameters): what each root's first forward does (see the
+        module docstring). contract() sets `.state` on fully_shard at run time; the stubs' overloads do not
+        declare it."""
+        for root in self.roots:
+            if root is not None:
+                fully_shard.state(root)._lazy_init()  # type: ignore[attr-defined]
+
     def start_step(self) -> None:
         """Before a step: everything sharded (an evaluation may have left ZeRO-2's units whole), ZeRO-2's
         units kept whole after each backward until `arm` says the next one is their chunk's last, and no backward
@@ -219,12 +229,13 @@ class ShardedChunks:
 
 
 def shard_chunks(chunks: Sequence[DecoderStage], dp_mesh: DeviceMesh | None, router_group: dist.ProcessGroup | None,
-                 expert_group: dist.ProcessGroup | None, sharding: Sharding, reduce_dtype: str) -> ShardedChunks:
+                 expert_group: dist.ProcessGroup | None, sharding: Sharding, reduce_dtype: str,
+                 device_type: str) -> ShardedChunks:
     """Wrap each chunk's units (`shard_units`: embedding, blocks, head) and its MoE routers and experts with
     `fully_shard`, each set on the mesh of the ranks that reduce it, then the chunk as their root; a set reduced
-    by this rank alone stays unwrapped."""
-    device = next(p for chunk in chunks for p in chunk.parameters()).device.type
-    router_mesh, expert_mesh = _mesh(router_group, device), _mesh(expert_group, device)
+    by this rank alone stays unwrapped. The chunks may be on the meta device (`device_type`: the device they will
+    be materialized on, which the meshes name); `ready` then follows their materialization."""
+    router_mesh, expert_mesh = _mesh(router_group, device_type), _mesh(expert_group, device_type)
     reshard, mp_policy = sharding.reshard_after_forward, MixedPrecisionPolicy(reduce_dtype=WIRE_DTYPES[reduce_dtype])
     roots: list[FSDPModule | None] = []
     orders: list[list[FSDPModule]] = []
@@ -267,9 +278,6 @@ def shard_chunks(chunks: Sequence[DecoderStage], dp_mesh: DeviceMesh | None, rou
         root = fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
                            ignored_params=ignored or None)
         register_fsdp_forward_method(chunk, "loss_sum")
-        # What its first forward does (see the module docstring). contract() sets `.state` on fully_shard at run
-        # time; the stubs' overloads do not declare it.
-        fully_shard.state(root)._lazy_init()  # type: ignore[attr-defined]
         roots.append(root)
     return ShardedChunks(chunks, roots, orders, nested, members, sharding)
 

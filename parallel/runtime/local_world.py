@@ -58,8 +58,8 @@ class PlanRun:
     """One plan's part of a world: call `setup()` on every rank before its driver is built, train `steps`
     (default: from `resume`'s step, or 0, to the plan's last), save after the step counts in `save_after` under
     `root` and take the validation loss after those in `evaluate_after`, then call `probe(driver, stats)` on
-    every rank and return what it returns along with the steps' stats (`setup` and `probe`: module-level
-    functions, so they pickle)."""
+    every rank and return what it returns along with the steps' stats (`setup`, `at_start` and `probe`:
+    module-level functions, so they pickle)."""
 
     plan: Plan
     steps: range | None = None
@@ -70,6 +70,9 @@ class PlanRun:
     resume: tuple[str, int] | None = None
     """(checkpoint directory, step) to load before the first step."""
     probe: Callable[[RankDriver, list[dict]], Any] | None = None
+    at_start: Callable[[RankDriver], Any] | None = None
+    """Called on every rank once its driver is built (and a `resume` loaded), before the first step: what it
+    returns comes back as `RankResult.start` (e.g. a look at the initial parameters)."""
     setup: Callable[[], None] | None = None
     """What a rank does before the driver exists: e.g. wrap a reader the trainer's construction uses."""
     extra: dict = field(default_factory=dict)
@@ -81,6 +84,8 @@ class RankResult:
     stats: list[dict]
     """The StepStats dicts of each step this rank ran."""
     probe: Any = None
+    start: Any = None
+    """What `PlanRun.at_start` returned."""
 
 
 def run_plans(runs: Sequence[PlanRun]) -> list[list[RankResult]]:
@@ -128,9 +133,10 @@ def _run_one(run: PlanRun, rank: int, init_method: str) -> RankResult:
         if run.resume is not None:
             directory, start = run.resume
             driver.load(Path(directory), start)
+        at_start = run.at_start(driver) if run.at_start is not None else None
         steps = run.steps if run.steps is not None else range(start, run.plan.config.steps)
         save = Save(Path(run.root), {}, run.background) if run.root is not None else None
         stats = driver.run(steps, save_after=run.save_after, save=save, evaluate_after=run.evaluate_after)
-        return RankResult(stats, run.probe(driver, stats) if run.probe is not None else None)
+        return RankResult(stats, run.probe(driver, stats) if run.probe is not None else None, at_start)
     finally:
         driver.close()

@@ -43,9 +43,10 @@ from trainyard.parallel.data.datasets import (
     step_counted_targets,
     validation_batches,
 )
-from trainyard.parallel.io import hf_checkpoint
+from trainyard.parallel.io import hf_checkpoint, peft_adapter
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.lora import apply_lora
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
@@ -57,6 +58,7 @@ from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
 from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.fsdp import shard_chunks
+from trainyard.parallel.runtime.materialize import materialize
 from trainyard.parallel.runtime.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.powersgd import PowerSGD
 from trainyard.parallel.runtime.rank_state import RankState
@@ -83,9 +85,9 @@ class RankTrainer:
         cfg = plan.config
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         self.coords = plan.coords(rank)
+        # Built on the meta device and sharded there (tp, ep, then ZeRO-2/3 below): each rank materializes only its
+        # own shards (parallel.runtime.materialize), never a whole chunk.
         self.chunks = [self._build_chunk(c, layers) for c, layers in enumerate(plan.chunk_layers(self.coords.pp))]
-        if cfg.init_from is not None:  # the start's weights; a checkpoint loaded later replaces them
-            hf_checkpoint.load_into(self.chunks, cfg.model, Path(cfg.init_from.hf))
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
         # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.moe): dense
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
@@ -97,11 +99,22 @@ class RankTrainer:
         # ZeRO-2/3: FSDP2 shards each chunk per block (its embedding, each block, its head; routers and experts on
         # their own groups) over the same groups (parallel.runtime.fsdp).
         self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
-                                    par.reduce_dtype) if sharding.shards_parameters else None
+                                    par.reduce_dtype, device.type) if sharding.shards_parameters else None
+        # Every parameter's values: from (seed, name), or the start's weights read slice by slice into the shards
+        # (`load_into` checks first that the checkpoint names every parameter); a checkpoint loaded later replaces
+        # them.
+        materialize(self.chunks, device, seed=cfg.seed, fill=cfg.init_from is None)
+        if cfg.init_from is not None:
+            hf_checkpoint.load_into(self.chunks, cfg.model, Path(cfg.init_from.hf))
+            if cfg.init_from.adapter is not None:  # LoRA continued from a PEFT adapter
+                peft_adapter.load_into(self.chunks, cfg.model, Path(cfg.init_from.adapter))
+        if self.sharded is not None:
+            self.sharded.ready()
         self.reducers: dict[str, Reducer] = {}
         self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
         for kind, group in sets.items():
-            per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
+            # a frozen parameter (LoRA's base) has no gradient to reduce and no optimizer state
+            per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind and p.requires_grad]
                          for chunk in self.chunks]
             if any(per_chunk):
                 self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
@@ -109,7 +122,7 @@ class RankTrainer:
         self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer, offload=cfg.optimizer.offload)
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
-        params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters()]
+        params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self.sync = ReplicaSync(par.sync, params, groups.dp, plan.dp) if self.local_sync else None
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
@@ -129,15 +142,19 @@ class RankTrainer:
         )
 
     def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> DecoderStage:
-        """One model chunk: built whole from the seed (so every layout starts from the same weights), then
-        sharded over tp. Gradient buckets and the optimizer come after, as they need the final parameters."""
+        """One model chunk on the meta device (shapes, no storage), sharded over tp there; ZeRO-2/3 then shard it
+        over dp, and `materialize` gives this rank's shards their values. Gradient buckets and the optimizer come
+        after, as they need the final parameters."""
         v = virtual_stage(self.coords.pp, chunk, self.plan.pp, self.plan.placement)
         cfg = self.plan.config
-        stage = family_of(cfg.model).build_stage(
-            cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
-            experts=self.plan.experts_of(self.rank)).to(self.device)
+        with torch.device("meta"):
+            stage = family_of(cfg.model).build_stage(
+                cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
+                experts=self.plan.experts_of(self.rank))
         if self.groups.tp_mesh is not None:
             apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
+        if cfg.model.lora is not None:  # after tp: the adapters are split to match their (sharded) base
+            apply_lora(stage, seed=cfg.seed, tp_mesh=self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
         stage.set_activation_checkpointing(cfg.activation_checkpointing)
         stage.set_activation_offload(cfg.activation_offload)
         if cfg.compile:

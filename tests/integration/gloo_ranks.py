@@ -7,13 +7,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.local_parts import local_part
 from trainyard.parallel.runtime.local_world import PlanRun, RankResult, run_plan, run_plans, spawn
+from trainyard.parallel.runtime.materialize import local_slices
 
 K = TypeVar("K")
 
-__all__ = ["PlanRun", "RankResult", "last_stage_losses", "layout_id", "losses", "run_named", "run_plans", "run_ranks",
-           "spawn", "stats_of"]
+__all__ = ["PlanRun", "RankResult", "check_initial", "initial_mismatches", "last_stage_losses", "layout_id", "losses",
+           "run_named", "run_plans", "run_ranks", "spawn", "stats_of"]
 
 
 def run_ranks(plan: Plan, out_dir: Path | None = None, **checkpoints) -> list[list[dict]]:
@@ -49,3 +54,30 @@ def last_stage_losses(per_rank: list[list[dict]]) -> list[float]:
 
 def losses(plan: Plan, out_dir: Path | None = None) -> list[float]:
     return last_stage_losses(run_ranks(plan, out_dir))
+
+
+def initial_mismatches(driver: RankDriver) -> list[str]:
+    """What of a rank's chunks, as built on the meta device, sharded and materialized, is not bitwise the slice of
+    the same stage built whole on the CPU (today's construction, `build_stage` from the seed): the names of the
+    parameters and buffers that differ, and "tied" where the head stopped being the embedding's tensor. Call it
+    before the first step (`PlanRun.at_start`), on a job without `init_from`."""
+    plan, trainer = driver.plan, driver.trainer
+    bad = []
+    for chunk in trainer.chunks:
+        whole = family_of(plan.config.model).build_stage(
+            plan.config.model, [int(i) for i in chunk.blocks], first=chunk.first, last=chunk.last,
+            seed=plan.config.seed, experts=plan.experts_of(driver.rank))
+        expected = dict(whole.named_parameters()) | dict(whole.named_buffers())
+        for name, p in [*chunk.named_parameters(), *chunk.named_buffers()]:
+            if not torch.equal(local_part(p).cpu(), expected[name][local_slices(p)]):
+                bad.append(name)
+        if chunk.first and chunk.last and plan.config.model.tie_embeddings and chunk.lm_head.weight is not \
+                chunk.wte.weight:
+            bad.append("tied")
+    return bad
+
+
+def check_initial(driver: RankDriver) -> tuple[int, list[str]]:
+    """`at_start` for a PlanRun: (how many tensors were compared, `initial_mismatches`)."""
+    compared = sum(1 for chunk in driver.trainer.chunks for _ in [*chunk.named_parameters(), *chunk.named_buffers()])
+    return compared, initial_mismatches(driver)

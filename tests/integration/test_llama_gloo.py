@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import PlanRun, run_plans, stats_of
+from gloo_ranks import PlanRun, RankResult, check_initial, run_plans, stats_of
 from helpers import tiny_spec
 from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import Plan, make_plan
@@ -49,17 +49,33 @@ RUNS: dict[str, tuple[Plan, dict]] = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[list[dict]]]:
-    """Every run's StepStats dicts, [rank][step]."""
+def results(tmp_path_factory) -> dict[str, list[RankResult]]:
+    """Every run's results, [rank]: its StepStats dicts, and `check_initial` before the first step."""
     out = tmp_path_factory.mktemp("llama")
 
     def run_of(name: str, plan: Plan, checkpoints: dict) -> PlanRun:
         resume = checkpoints.get("resume")
         return PlanRun(plan, save_after=(checkpoints["save"],) if "save" in checkpoints else (), root=str(out / name),
-                       resume=(str(step_dir(out / resume[0], resume[1])), resume[1]) if resume else None)
+                       resume=(str(step_dir(out / resume[0], resume[1])), resume[1]) if resume else None,
+                       at_start=None if resume else check_initial)
 
-    results = run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()])
-    return {name: stats_of(result) for name, result in zip(RUNS, results, strict=True)}
+    return dict(zip(RUNS, run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()]),
+                    strict=True))
+
+
+@pytest.fixture(scope="module")
+def runs(results) -> dict[str, list[list[dict]]]:
+    """Every run's StepStats dicts, [rank][step]."""
+    return {name: stats_of(result) for name, result in results.items()}
+
+
+@pytest.mark.parametrize("name", [name for name, (_, checkpoints) in RUNS.items() if "resume" not in checkpoints])
+def test_meta_construction_starts_from_the_whole_construction_bitwise(results, name):
+    """Rotary frequencies (buffers, recomputed after `to_empty`), GQA's kv heads over tp, experts over ep: every
+    rank's parameters and buffers are the slices of the stage built whole on the CPU."""
+    for rank, result in enumerate(results[name]):
+        compared, mismatches = result.start
+        assert compared > 0 and mismatches == [], f"rank {rank}"
 
 
 def last_stage(per_rank: list[list[dict]]) -> list[list[dict]]:

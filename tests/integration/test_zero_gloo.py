@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import PlanRun, RankResult, run_plans, stats_of
+from gloo_ranks import PlanRun, RankResult, check_initial, run_plans, stats_of
 from helpers import REPO, tiny_spec
 from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.models import family_of
@@ -74,7 +74,8 @@ def results(tmp_path_factory) -> dict[str, list[RankResult]]:
         resume = checkpoints.get("resume")
         return PlanRun(plan, save_after=(checkpoints["save"],) if "save" in checkpoints else (), root=str(out / name),
                        resume=(str(step_dir(out / resume, 1)), 1) if resume else None,
-                       evaluate_after=(1,) if plan.config.eval.every else (), probe=gathered_peak)
+                       evaluate_after=(1,) if plan.config.eval.every else (), probe=gathered_peak,
+                       at_start=None if resume else check_initial)
 
     ran = run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()])
     return dict(zip(RUNS, ran, strict=True))
@@ -94,6 +95,15 @@ def assert_follows(per_rank: list[list[dict]], reference: list[dict], first_step
     for stats in per_rank:
         np.testing.assert_allclose([s["grad_norm"] for s in stats], [s["grad_norm"] for s in reference[first_step:]],
                                    rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", [name for name, (_, checkpoints) in RUNS.items() if "resume" not in checkpoints])
+def test_meta_construction_starts_from_the_whole_construction_bitwise(results, name):
+    """Built on the meta device, sharded (tp, ep, FSDP2 per block, uneven shards included) and materialized: every
+    rank's shards hold exactly the slices of the stage built whole on the CPU, tied weights one tensor."""
+    for rank, result in enumerate(results[name]):
+        compared, mismatches = result.start
+        assert compared > 0 and mismatches == [], f"rank {rank}"
 
 
 @pytest.mark.parametrize("zero", [2, 3])

@@ -8,7 +8,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.models.whole import GPTStage
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
 from trainyard.parallel.plan.actions import virtual_stage
-from trainyard.parallel.plan.memory import param_counts, peak_activation_bytes
+from trainyard.parallel.plan.memory import estimate, param_counts, peak_activation_bytes
 from trainyard.parallel.plan.present import describe
 from trainyard.parallel.plan.units import format_bytes
 from trainyard.parallel.spec import parse_spec
@@ -180,7 +180,22 @@ def test_the_plan_describes_the_memory_of_every_rank_and_the_cli_shows_it():
     assert first["total"] == sum(first[k] for k in ("params", "grads", "optimizer", "activations", "recompute"))
     assert memory["largest"]["total"] == max(r["total"] for r in memory["per_rank"])
     text = format_plan(describe(plan))
-    assert "ranks 0-1" in text and "ranks 2-3" in text and "activations" in text
+    assert "ranks 0-1" in text and "ranks 2-3" in text and "activations" in text and "startup" in text
+
+
+def test_the_start_up_peak_is_the_shards_and_the_largest_whole_parameter():
+    """Construction on the meta device draws one whole parameter at a time: at zero=3 a rank holds its 1/dp shards
+    and the largest parameter of its chunks whole (the embedding here, vocab x d_model, whatever tp or dp)."""
+    zero3 = plan_for(parallel={"dp": 4, "tp": 2, "zero": 3})
+    m = zero3.config.model
+    first = estimate(zero3.layout, zero3.config)[0]
+    assert first.construction == 4 * m.vocab_size * m.d_model
+    assert first.startup == first.params - first.gathered + first.construction
+    assert first.to_dict()["startup"] == first.startup
+    whole = estimate(plan_for().layout, plan_for().config)[0]
+    assert whole.params == 4 * real_numel(plan_for(), 0)
+    assert whole.startup == whole.params + whole.construction  # zero=0: every parameter, and the one transient
+    assert first.startup < whole.startup / 2
 
 
 def huge_model(**overrides):

@@ -67,8 +67,8 @@ class LlamaAttention(nn.Module):
         self.proj = nn.Linear(q, cfg.d_model, bias=False)
         self.window = cfg.sliding_window
         # Not a parameter, and not persistent: no part of a checkpoint; derived from the config alone.
-        self.register_buffer("inv_freq", rope_frequencies(self.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
+        self.rope = (cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", rope_frequencies(self.head_dim, *self.rope), persistent=False)
         self.recompute = False
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,6 +76,12 @@ class LlamaAttention(nn.Module):
         b, t = x.shape[:2]
         q, k, v = (lin(x).view(b, t, -1, self.head_dim) for lin in (self.q, self.k, self.v))
         return q, k, v
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """`inv_freq` again (after `to_empty`, on a stage built on the meta device), computed on the CPU as at
+        construction and copied to the buffer's device."""
+        self.inv_freq.copy_(rope_frequencies(self.head_dim, *self.rope))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
