@@ -118,3 +118,15 @@ def test_the_job_event_names_the_family_that_claimed_the_directory(checkpoints):
     assert event == {"time": 1.0, "kind": "init_from", "hf": str(directory), "architectures": ["Qwen3ForCausalLM"],
                      "family": "qwen3"}
     assert init_from_event(parse_spec(tiny_spec()), now=1.0) is None
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe"])
+def test_lora_adapts_the_kin_and_the_memory_plan_counts_their_adapters(checkpoints, name):
+    from trainyard.parallel.models.lora import apply_lora, is_adapter
+
+    _, directory = checkpoints[name]
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    cfg = model_cfg(model_fields(directory) | {"lora": {"rank": 4, "alpha": 8, "targets": targets}})
+    ours = apply_lora(full_model(cfg, seed=0), seed=0)
+    adapters = sum(p.numel() for n, p in ours.named_parameters() if is_adapter(n))
+    assert adapters > 0 and FAMILIES[name].adapter_elements(cfg, range(cfg.n_layer), tp=1) == adapters

@@ -103,8 +103,8 @@ class Llama(ModelFamily):
         return layers
 
     def lora_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int, bool]]:
-        d, ffn, kv = cfg.d_model, self.ffn_hidden(cfg), (cfg.n_kv_head or cfg.n_head) * (cfg.d_model // cfg.n_head)
-        return {"q": (d, d, False), "k": (d, kv, False), "v": (d, kv, False), "o": (d, d, True),
+        d, ffn, q, kv = cfg.d_model, self.ffn_hidden(cfg), counts.q_width(cfg), counts.kv_width(cfg)
+        return {"q": (d, q, False), "k": (d, kv, False), "v": (d, kv, False), "o": (q, d, True),
                 "gate": (d, ffn, False), "up": (d, ffn, False), "down": (ffn, d, True)}
 
     def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
