@@ -14,6 +14,11 @@ the order the forward runs it), and `cfg`, `first`, `last`, `blocks`.
 
 Initialisation depends only on the job seed and each parameter's name, never on the layout: every
 parameter draws from its own generator seeded by (seed, name).
+
+Tied embeddings: a stage that is both first and last makes the head's weight the embedding's Parameter. A last
+stage without the embedding (pp > 1, or another chunk of an interleaved rank) holds its own copy as the head
+(`tied_copy`), drawn from the embedding's generator (`EMBEDDING`'s name), so the two start equal; the trainer keeps
+them equal (`parallel.runtime.tied`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class DecoderStage(nn.Module):
     """Name endings of the projections that write into the residual stream (init scaled by depth)."""
     wte: nn.Embedding
     """The token embedding of a first stage (`build_embeddings`)."""
+    EMBEDDING: ClassVar[str] = "wte.weight"
+    """The token embedding's parameter name, which a tied head copy is initialised and checkpointed as."""
 
     @staticmethod
     def norm(cfg: ModelConfig) -> nn.Module:
@@ -107,11 +114,17 @@ class DecoderStage(nn.Module):
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.tie_embeddings and first:
                 self.lm_head.weight = self.wte.weight
-        init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL)
+        aliases = {"lm_head.weight": self.EMBEDDING} if self.tied_copy else {}
+        init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL, aliases=aliases)
         self.recompute_blocks = False
         self.offload_blocks = False
         self.compiled_blocks = False
         """Set by `parallel.runtime.compile.compile_blocks`."""
+
+    @property
+    def tied_copy(self) -> bool:
+        """Whether the head's weight is this stage's own copy of a tied embedding held by another stage."""
+        return self.cfg.tie_embeddings and self.last and not self.first
 
     def shard_units(self) -> list[list[nn.Module]]:
         """The modules ZeRO-2/3 gather and reduce together (one FSDP2 unit each), in the order the forward runs
@@ -181,10 +194,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, *, seed: int, n_layer: int, residual: tuple[str, ...] = ("proj.weight",)) \
-        -> None:
-    """GPT-2 init, each parameter from its own (seed, name) generator so the layout cannot matter."""
+def init_parameters(module: nn.Module, *, seed: int, n_layer: int, residual: tuple[str, ...] = ("proj.weight",),
+                    aliases: dict[str, str] | None = None) -> None:
+    """GPT-2 init, each parameter from its own (seed, name) generator so the layout cannot matter. `aliases`: a
+    parameter drawn as another (a tied head copy as the embedding: the same values)."""
     for name, p in module.named_parameters():
+        name = (aliases or {}).get(name, name)
         gen = torch.Generator().manual_seed(derive_seed(seed, "param", name))
         if name.endswith("bias"):
             p.zero_()
