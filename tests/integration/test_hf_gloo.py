@@ -1,8 +1,10 @@
 """Hugging Face checkpoints at a 3D layout (dp2 x pp2 x tp2 = 8 gloo ranks, one spawned world for both
-families): a tiny LlamaForCausalLM (GQA, untied) and a tiny GPT2LMHeadModel loaded with `init_from` give
-transformers' first-step loss; each rank reads only its own blocks of the checkpoint; the state trained at
-that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and gives
-trainyard's logits and the layout's next loss."""
+families): a tiny LlamaForCausalLM (GQA) and a tiny GPT2LMHeadModel as published, both with tied embeddings
+(`tie_word_embeddings`: the last stage holds its own copy of the embedding, `parallel.runtime.tied`), loaded with
+`init_from` give transformers' first-step loss and follow the same job at pp=1 (one rank, one tied tensor); the two
+copies are bitwise equal after every step; each rank reads only its own blocks of the checkpoint; the state
+trained at that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and
+gives trainyard's logits and the layout's next loss."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from trainyard.parallel.runtime.driver import RankDriver
 
 LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2}
 ATOL = 1e-5
+CURVE_ATOL = 1e-4
+_TIED_AFTER_STEPS: list[dict[str, torch.Tensor]] = []
+"""A rank's copies of the tied embedding (its local parts) after each step it ran."""
 
 
 class _CountingOpen:
@@ -59,11 +64,27 @@ class _CountingOpen:
 
 
 def _count_reads() -> None:
-    """Before a rank's driver (and so its trainer, which reads init_from.hf) is built: count what it reads."""
+    """Before a rank's driver (and so its trainer, which reads init_from.hf) is built: count what it reads, and
+    keep its copies of the tied embedding after each step."""
     from trainyard.parallel.io import hf_checkpoint
+    from trainyard.parallel.runtime.local_parts import local_part
+    from trainyard.parallel.runtime.trainer import RankTrainer
 
     hf_checkpoint.safe_open = _CountingOpen
     _CountingOpen.read.clear()
+    _TIED_AFTER_STEPS.clear()
+    if getattr(RankTrainer.train_step, "keeps_tied_copies", False):  # an earlier run in this process wrapped it
+        return
+    step = RankTrainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        stats = step(self, *args, **kwargs)
+        copies = {"embedding": self.tied.embedding, "head": self.tied.head}
+        _TIED_AFTER_STEPS.append({k: local_part(p).detach().clone() for k, p in copies.items() if p is not None})
+        return stats
+
+    train_step.keeps_tied_copies = True  # type: ignore[attr-defined]
+    RankTrainer.train_step = train_step  # type: ignore[method-assign]
 
 
 def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
@@ -72,7 +93,9 @@ def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
 
     read = sum(n for _, n in _CountingOpen.read)
     held = sum(local_part(p).numel() for chunk in driver.trainer.chunks for p in chunk.parameters())
-    return {"read": read, "held": held, "losses": (stats[0]["loss"], stats[1]["loss"])}
+    c = driver.trainer.coords
+    return {"read": read, "held": held, "losses": (stats[0]["loss"], stats[1]["loss"]), "coords": (c.dp, c.tp),
+            "tied": list(_TIED_AFTER_STEPS)}
 
 
 def _hf_loss(model, config, step: int) -> float:
@@ -83,8 +106,8 @@ def _hf_loss(model, config, step: int) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
-def _spec(directory: Path) -> dict:
-    spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=LAYOUT,
+def _spec(directory: Path, layout: dict = LAYOUT) -> dict:
+    spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=layout,
                      optimizer={"lr": 1e-2, "warmup_steps": 0})
     spec["model"] = {"seq_len": 16}  # the architecture comes from config.json
     return spec
@@ -92,15 +115,18 @@ def _spec(directory: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """Both families trained two steps at the 3D layout: (HF models, configs, per-rank results, out dir)."""
+    """Both families trained two steps at the 3D layout: (HF models, configs, per-rank results, out dir), and at
+    pp=1 on one rank (per_rank[0][f"{name}-pp1"])."""
     root = tmp_path_factory.mktemp("hf3d")
-    models = {"llama": tiny_llama(root / "llama-src"), "gpt2": tiny_gpt2(root / "gpt2-src", tied=False)}
+    models = {"llama": tiny_llama(root / "llama-src", tied=True), "gpt2": tiny_gpt2(root / "gpt2-src")}
     configs = {name: parse_submitted_spec(_spec(root / f"{name}-src")) for name in models}
     plans = {name: make_plan(cfg) for name, cfg in configs.items()}
+    plans |= {f"{name}-pp1": make_plan(parse_submitted_spec(_spec(root / f"{name}-src", {"microbatches": 4})))
+              for name in models}
     # two steps, the state after the first saved under root/<name>: one spawned world of 8 for both families
-    results = run_plans([PlanRun(plan, save_after=(1,), root=str(root / name), setup=_count_reads,
-                                 probe=_read_and_held) for name, plan in plans.items()])
-    per_rank = [{name: results[i][r].probe for i, name in enumerate(plans)} for r in range(8)]
+    results = run_plans([PlanRun(plan, save_after=(1,) if plan.world_size > 1 else (), root=str(root / name),
+                                 setup=_count_reads, probe=_read_and_held) for name, plan in plans.items()])
+    per_rank = [{name: results[i][r].probe for i, name in enumerate(plans) if r < len(results[i])} for r in range(8)]
     return models, configs, per_rank, root
 
 
@@ -110,6 +136,23 @@ def test_init_from_gives_transformers_first_step_loss_at_3d(world, name):
     losses = {r[name]["losses"][0] for r in per_rank if r[name]["losses"][0] is not None}
     assert len(losses) == 1
     assert abs(losses.pop() - _hf_loss(models[name], configs[name], 0)) < ATOL
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_tied_embeddings_at_3d_follow_pp1_and_stay_bitwise_equal(world, name):
+    _, _, per_rank, _ = world
+    at_3d = next(r[name]["losses"] for r in per_rank if r[name]["losses"][0] is not None)
+    at_pp1 = per_rank[0][f"{name}-pp1"]["losses"]
+    assert max(abs(a - b) for a, b in zip(at_3d, at_pp1, strict=True)) < CURVE_ATOL
+    embeddings = {r[name]["coords"]: r[name]["tied"] for r in per_rank if "embedding" in r[name]["tied"][0]}
+    heads = {r[name]["coords"]: r[name]["tied"] for r in per_rank if "head" in r[name]["tied"][0]}
+    assert len(embeddings) == len(heads) == 4  # the first and the last stage of each (dp, tp)
+    for coords, steps in embeddings.items():
+        assert len(steps) == 2
+        for mine, theirs in zip(steps, heads[coords], strict=True):
+            assert torch.equal(mine["embedding"], theirs["head"])
+    # the pair moved off its start: equality is not the untouched checkpoint's
+    assert not torch.equal(embeddings[0, 0][0]["embedding"], embeddings[0, 0][1]["embedding"])
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
