@@ -57,7 +57,7 @@ class RankState:
         self._view = view = self.optimizer.export()
         state_keys = self.optimizer.kind.state
         moments = {p: m for r in self.reducers.values() for p, m in r.moments(view.state, state_keys).items()}
-        self._head_moments = moments.pop(self.tied.head) if self.tied.local else None  # type: ignore[arg-type]
+        self._head_moments = moments.pop(self.tied.head) if self.tied.head is not None and self.tied.local else None
         state = {"model": {name: p for p, name in names.items()}, "optim": {names[p]: m for p, m in moments.items()}}
         outer = self.sync.outer_state() if self.sync is not None else []
         if outer:  # diloco's outer momentum; its anchor is the parameters, as checkpoints are taken at syncs

@@ -20,6 +20,7 @@ checkpoint tensor. `TiedEmbeddings` keeps the copies equal:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,10 @@ class TiedEmbeddings:
     group of the rank holding the other one."""
 
     def __init__(self, chunks: Sequence[DecoderStage], group: dist.ProcessGroup | None):
-        self.embedding: nn.Parameter | None = next((c.wte.weight for c in chunks if c.cfg.tie_embeddings
-                                                    and c.first and not c.last), None)
-        self.head: nn.Parameter | None = next((c.lm_head.weight for c in chunks if c.tied_copy), None)
+        firsts = [c.wte.weight for c in chunks if c.cfg.tie_embeddings and c.first and not c.last]
+        self.embedding = cast(nn.Parameter, firsts[0]) if firsts else None
+        heads = [c.lm_head.weight for c in chunks if c.tied_copy]
+        self.head = cast(nn.Parameter, heads[0]) if heads else None
         self.group = group
         self.name = chunks[0].EMBEDDING
 
