@@ -65,6 +65,7 @@ from trainyard.parallel.runtime.rank_state import RankState
 from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
 from trainyard.parallel.runtime.sync import ReplicaSync, replica_group
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
+from trainyard.parallel.runtime.tied import TiedEmbeddings
 from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
 
 
@@ -110,6 +111,9 @@ class RankTrainer:
                 peft_adapter.load_into(self.chunks, cfg.model, Path(cfg.init_from.adapter))
         if self.sharded is not None:
             self.sharded.ready()
+        # Tied embeddings in two chunks: the two copies' gradients in buckets of their own, summed every step.
+        self.tied = TiedEmbeddings(self.chunks, groups.tied)
+        self.tied.mark()
         self.reducers: dict[str, Reducer] = {}
         self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
         for kind, group in sets.items():
@@ -124,7 +128,8 @@ class RankTrainer:
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
         params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self.sync = ReplicaSync(par.sync, params, groups.dp, plan.dp) if self.local_sync else None
-        self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync)
+        self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
+                                    self.tied)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
         self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
                               if a.kind in FREEING_KINDS}
@@ -185,6 +190,8 @@ class RankTrainer:
         loss_sum, timings = self._forward_backward(microbatch_ids)
         for reducer in self.reducers.values():
             reducer.finish()
+        if self.tied.active:
+            self.tied.sum_grads(pair for reducer in self.reducers.values() for pair in reducer.held_grads())
         norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
@@ -290,12 +297,12 @@ class RankTrainer:
         the reduction group's ranks all hold it unless ZeRO-1 split it, and a dense parameter replicated over
         tp is also held by every tp rank (routers and experts are reduced over tp already)."""
         tp = self.plan.tp
-        weighted = []
+        weighted = []  # a tied embedding's head copy weighs 0: its gradient is the embedding's (`TiedEmbeddings`)
         for kind, reducer in self.reducers.items():
             replicas = reducer.holders
             for grad, p in reducer.held_grads():
                 copies = replicas * (reducer.tp_copies(p, tp) if kind == "dense" else 1)
-                weighted.append((grad, 1.0 / copies))
+                weighted.append((grad, self.tied.norm_weight(p) / copies))
         return weighted
 
     def _moe_stats(self) -> dict[str, dict]:
