@@ -69,7 +69,7 @@ def materialize(chunks: Sequence[DecoderStage], device: torch.device, *, seed: i
         n_layer, residual, aliases = chunk.cfg.n_layer, type(chunk).RESIDUAL, chunk.init_aliases
         for name, p in chunk.named_parameters():  # a tied parameter once, by its first name (as whole)
             if is_adapter(name):  # LoRA's adapters start from PEFT's init whatever the base starts from
-                fill_local(p, init_adapter(seed, name, tuple(p.shape)))
+                fill_local(p, init_adapter(seed, name, (p.shape[0], p.shape[1])))
             elif fill:
                 fill_local(p, initial_value(aliases.get(name, name), p.shape, seed=seed, n_layer=n_layer,
                                             residual=residual))
