@@ -57,8 +57,8 @@ class Admission:
     def waiting(self) -> tuple[list[JobRecord], dict[str, dict[str, float]]]:
         """The queue in admission order (`queue.fair_order`), and what each user's live jobs hold."""
         live = self.store.live_needs()
-        held = quota.usage((owner, Gang(**needs).needed() if needs else {}) for owner, needs in live)
-        return queue.fair_order(self.store.queue(), Counter(owner for owner, _ in live)), held
+        held = quota.usage((owner, Gang(**needs).needed() if needs else {}) for _, owner, needs in live)
+        return queue.fair_order(self.store.queue(), Counter(owner for _, owner, _ in live)), held
 
     def admit_queued(self, stopping: Callable[[], bool] = lambda: False) -> None:
         """Admit jobs from the head of the queue for as long as the head fits."""

@@ -40,7 +40,7 @@ from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.io import checkpoint
-from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
+from trainyard.parallel.plan import ClusterResources, Gang, Plan, make_plan, resize_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue
 from trainyard.service.admission import RESERVE_TIMEOUT_S, Admission
@@ -49,7 +49,7 @@ from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, Queu
 from trainyard.service.live_jobs import LiveJobs
 from trainyard.service.logs import read_rank_log
 from trainyard.service.paths import JobPaths
-from trainyard.service.quota import NO_QUOTA
+from trainyard.service.quota import NO_QUOTA, usage
 from trainyard.service.ray_runtime import cluster_resources
 from trainyard.service.reconcile import reconcile
 from trainyard.service.resume import resume_point
@@ -293,7 +293,8 @@ class JobManager:
         the job cannot take that size on this cluster; JobConflict (409) when it is not RUNNING or the added
         ranks' resources are not free."""
         job = self.get(job_id)
-        resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources())
+        needed = resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources()).gang.needed()
+        self._check_quota(job, needed)
         coordinator = self.live.coordinator(job_id)
         if job.status is not JobStatus.RUNNING or coordinator is None:
             raise JobConflict(f"job {job_id} is {job.status}; only a RUNNING job can be resized")
@@ -301,6 +302,17 @@ class JobManager:
         if "refused" in answer:
             raise JobConflict(answer["refused"])
         return {"job_id": job_id, **answer}
+
+    def _check_quota(self, job: JobRecord, needed: dict[str, float]) -> None:
+        """A resize of `job` to what needs `needed` within its owner's quota: RuleError (422) beyond the whole quota,
+        JobConflict (409) beyond what their other live jobs leave."""
+        owner_quota = self.quotas(job.owner)
+        if (beyond := owner_quota.never_fits(needed)) is not None:
+            raise RuleError("dp", beyond)
+        others = [(owner, Gang(**needs).needed()) for other, owner, needs in self.store.live_needs()
+                  if owner == job.owner and other != job.job_id]
+        if (over := owner_quota.over(usage(others).get(job.owner, {}), needed)) is not None:
+            raise JobConflict(f"job {job.job_id} is not resized: {over}")
 
     def delete(self, job_id: str) -> None:
         job = self.get(job_id)

@@ -53,7 +53,8 @@ def held_by_quota(job: JobRecord, held: Mapping[str, dict[str, float]], quotas: 
     """Why the job's owner's quota holds it back while their live jobs hold `held[owner]`, or None."""
     if not planned(job):
         return None
-    return quotas(job.owner).over(held.get(job.owner, {}), gang_of(job).needed())
+    reason = quotas(job.owner).over(held.get(job.owner, {}), gang_of(job).needed())
+    return None if reason is None else f"{reason}; it starts when some of their jobs end"
 
 
 def next_to_admit(queue: list[JobRecord], free: list[dict[str, float]], held: Mapping[str, dict[str, float]] = {},

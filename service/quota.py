@@ -40,7 +40,7 @@ class Quota:
             held = used.get(resource, 0.0)
             if limit is not None and held + needed.get(resource, 0.0) > limit + 1e-9:
                 return (f"the user's quota: their running jobs hold {held:g} of their {limit:g} {word} and this job "
-                        f"needs {needed[resource]:g} more; it starts when some of their jobs end")
+                        f"needs {needed[resource]:g} more")
         return None
 
 

@@ -244,11 +244,12 @@ class JobStore:
             events = self._events([r[0] for r in rows]) if rows else {}
         return [_record(r, events[r[0]]) for r in rows]
 
-    def live_needs(self) -> builtins.list[tuple[str, dict]]:
-        """(owner, what the job needs at once) of every admitted job that has not ended: what each user holds."""
+    def live_needs(self) -> builtins.list[tuple[str, str, dict]]:
+        """(job_id, owner, what the job needs at once) of every admitted job that has not ended: what each user
+        holds."""
         with self._lock:
-            rows = self._db.execute(f"SELECT owner, needs FROM jobs WHERE {_LIVE}").fetchall()
-        return [(owner, json.loads(needs)) for owner, needs in rows]
+            rows = self._db.execute(f"SELECT job_id, owner, needs FROM jobs WHERE {_LIVE}").fetchall()
+        return [(job_id, owner, json.loads(needs)) for job_id, owner, needs in rows]
 
     def queued_count(self) -> int:
         with self._lock:

@@ -1,7 +1,6 @@
 """Two users and the admin over HTTP (a real uvicorn, manager and Ray): each user sees and controls only their own
 jobs, whatever request the fuzzer makes of the other's (403, never a 5xx); the admin sees and controls both; a
-user's quota holds their second job in the queue while another user's job is admitted, and fair share admits
-the other user first."""
+user's quota holds their second job in the queue while another user's job is admitted, and holds a resize too."""
 
 from __future__ import annotations
 
@@ -105,7 +104,7 @@ def test_a_quota_holds_a_users_second_job_while_another_users_job_is_admitted(ra
         assert info.value.status_code == 422 and "resources: the job needs 2 cpus at once" in str(info.value)
         assert alice.jobs() == []
 
-        spec = tiny_spec(steps=100_000, fault={"max_failures": 0})
+        spec = tiny_spec(steps=100_000, fault={"max_failures": 0}, parallel={"microbatches": 2})  # dp=2 splits it
         first, second = alice.submit(spec), alice.submit(spec)
         other = bob.submit(spec)
         wait_for(lambda: bob.job(other)["admitted_at"] is not None, 60, "bob's job to be admitted")
@@ -115,6 +114,12 @@ def test_a_quota_holds_a_users_second_job_while_another_users_job_is_admitted(ra
         job = alice.job(second)
         assert job["admitted_at"] is None and "the user's quota" in job["waiting_for"]["reason"]
         assert alice.job(first)["admitted_at"] is not None
+        with pytest.raises(ApiError) as info:  # a resize is held to the quota too: beyond all of it, a 422
+            alice.scale(first, 2)
+        assert info.value.status_code == 422 and "dp: the job needs 2 cpus at once" in str(info.value)
+        with pytest.raises(ApiError) as info:  # ... beyond what her running job leaves, a 409
+            alice.scale(second, 1)
+        assert info.value.status_code == 409 and "is not resized: the user's quota" in str(info.value)
     finally:
         # The jobs never need to train: their coordinators are killed (and their ranks with them) rather than
         # stopped at a step boundary, which waits for the ranks to start (4 s on two cores).

@@ -182,4 +182,4 @@ def test_the_store_lists_a_users_jobs_and_what_each_users_live_jobs_hold(store):
     assert [j.job_id for j in store.list("alice")] == ["a1", "a2"] and len(store.list()) == 3
     assert store.claim("a1") and store.claim("b1")
     store.update("b1", status=JobStatus.FAILED, error="x")  # ended: holds nothing
-    assert store.live_needs() == [("alice", {"bundle": {"CPU": 2.0}, "count": 1})]
+    assert store.live_needs() == [("a1", "alice", {"bundle": {"CPU": 2.0}, "count": 1})]
