@@ -24,7 +24,7 @@ from trainyard.actors.naming import coordinator_name, placement_group_name
 from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.io import checkpoint
-from trainyard.parallel.plan import Gang, make_plan
+from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue, quota
 from trainyard.service.errors import Calibrating
@@ -57,7 +57,7 @@ class Admission:
     def waiting(self) -> tuple[list[JobRecord], dict[str, dict[str, float]]]:
         """The queue in admission order (`queue.fair_order`), and what each user's live jobs hold."""
         live = self.store.live_needs()
-        held = quota.usage((owner, Gang(**needs).needed() if needs else {}) for _, owner, needs in live)
+        held = quota.usage(live)
         return queue.fair_order(self.store.queue(), Counter(owner for _, owner, _ in live)), held
 
     def admit_queued(self, stopping: Callable[[], bool] = lambda: False) -> None:

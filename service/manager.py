@@ -37,19 +37,18 @@ from pathlib import Path
 import ray
 from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.state import JobStatus
-from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.io import checkpoint
-from trainyard.parallel.plan import ClusterResources, Gang, Plan, make_plan, resize_plan
+from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
-from trainyard.service import queue
+from trainyard.service import queue, quota
 from trainyard.service.admission import RESERVE_TIMEOUT_S, Admission
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
 from trainyard.service.live_jobs import LiveJobs
 from trainyard.service.logs import read_rank_log
 from trainyard.service.paths import JobPaths
-from trainyard.service.quota import NO_QUOTA, usage
 from trainyard.service.ray_runtime import cluster_resources
 from trainyard.service.reconcile import reconcile
 from trainyard.service.resume import resume_point
@@ -79,7 +78,7 @@ def _export_latest(config: JobConfig, root: str, out: str) -> int | None:
 class JobManager:
     def __init__(self, store: JobStore, dashboard_url: str | None = None, poll_interval_s: float = 0.5,
                  max_queued: int = 1000, admit: bool = True, data_dir: Path | None = None,
-                 detach_jobs: bool = False, quotas: queue.Quotas = lambda _: NO_QUOTA):
+                 detach_jobs: bool = False, quotas: queue.Quotas = lambda _: quota.NO_QUOTA):
         """`admit=False` keeps every job waiting (maintenance, and the API fuzz test). `data_dir` holds the
         jobs' checkpoints and trained models (default: beside the store). `detach_jobs`: the cluster outlives
         the service, and so do its jobs (see the module docstring). `quotas`: each user's, by name."""
@@ -165,9 +164,7 @@ class JobManager:
             event = {"time": time.time(), "kind": "waiting_for_calibration", "cause": str(waiting)}
             return self._queue(config, owner, needs={}, events=[event])
         plan = self.plan(config)
-        beyond = self.quotas(owner).never_fits(plan.gang.needed())
-        if beyond is not None:
-            raise RuleError("resources", beyond)
+        quota.check(self.quotas(owner), plan.gang.needed(), "resources")  # a job over what is left waits instead
         job_id = self._queue(config, owner, needs=asdict(plan.gang))
         log.info("job %s queued (%s, world size %d, priority %d, user %s)", job_id, config.name, plan.world_size,
                  config.priority, owner)
@@ -294,7 +291,8 @@ class JobManager:
         ranks' resources are not free."""
         job = self.get(job_id)
         needed = resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources()).gang.needed()
-        self._check_quota(job, needed)
+        held = quota.usage(self.store.live_needs(), leave_out=job_id).get(job.owner, {})
+        quota.check(self.quotas(job.owner), needed, "dp", held)
         coordinator = self.live.coordinator(job_id)
         if job.status is not JobStatus.RUNNING or coordinator is None:
             raise JobConflict(f"job {job_id} is {job.status}; only a RUNNING job can be resized")
@@ -302,17 +300,6 @@ class JobManager:
         if "refused" in answer:
             raise JobConflict(answer["refused"])
         return {"job_id": job_id, **answer}
-
-    def _check_quota(self, job: JobRecord, needed: dict[str, float]) -> None:
-        """A resize of `job` to what needs `needed` within its owner's quota: RuleError (422) beyond the whole quota,
-        JobConflict (409) beyond what their other live jobs leave."""
-        owner_quota = self.quotas(job.owner)
-        if (beyond := owner_quota.never_fits(needed)) is not None:
-            raise RuleError("dp", beyond)
-        others = [(owner, Gang(**needs).needed()) for other, owner, needs in self.store.live_needs()
-                  if owner == job.owner and other != job.job_id]
-        if (over := owner_quota.over(usage(others).get(job.owner, {}), needed)) is not None:
-            raise JobConflict(f"job {job.job_id} is not resized: {over}")
 
     def delete(self, job_id: str) -> None:
         job = self.get(job_id)

@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from trainyard.parallel.config import RuleError
+from trainyard.parallel.plan import Gang
+from trainyard.service.errors import JobConflict
+
 RESOURCES = (("CPU", "cpus"), ("GPU", "gpus"))
 
 
@@ -47,11 +51,22 @@ class Quota:
 NO_QUOTA = Quota()
 
 
-def usage(live: Iterable[tuple[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """What each user's live jobs hold: (owner, needed) pairs summed per owner."""
+def usage(live: Iterable[tuple[str, str, dict]], leave_out: str | None = None) -> dict[str, dict[str, float]]:
+    """What each user's live jobs hold, from the store's (job_id, owner, needs) rows (`JobStore.live_needs`), but
+    job `leave_out`'s."""
     out: dict[str, dict[str, float]] = {}
-    for owner, needed in live:
+    for job_id, owner, needs in live:
         held = out.setdefault(owner, {"CPU": 0.0, "GPU": 0.0})
+        needed = Gang(**needs).needed() if needs and job_id != leave_out else {}
         for resource, _ in RESOURCES:
             held[resource] += needed.get(resource, 0.0)
     return out
+
+
+def check(quota: Quota, needed: dict[str, float], field: str, held: dict[str, float] | None = None) -> None:
+    """RuleError on `field` (a 422) when `needed` is more than all of `quota`; with `held` (what the user's other
+    live jobs hold), JobConflict (a 409) when it is more than they leave."""
+    if (beyond := quota.never_fits(needed)) is not None:
+        raise RuleError(field, beyond)
+    if held is not None and (over := quota.over(held, needed)) is not None:
+        raise JobConflict(over)

@@ -119,7 +119,7 @@ def test_a_quota_holds_a_users_second_job_while_another_users_job_is_admitted(ra
         assert info.value.status_code == 422 and "dp: the job needs 2 cpus at once" in str(info.value)
         with pytest.raises(ApiError) as info:  # ... beyond what her running job leaves, a 409
             alice.scale(second, 1)
-        assert info.value.status_code == 409 and "is not resized: the user's quota" in str(info.value)
+        assert info.value.status_code == 409 and "the user's quota: their running jobs hold 1" in str(info.value)
     finally:
         # The jobs never need to train: their coordinators are killed (and their ranks with them) rather than
         # stopped at a step boundary, which waits for the ranks to start (4 s on two cores).

@@ -7,9 +7,11 @@ import sqlite3
 import pytest
 from trainyard.actors.state import JobStatus
 from trainyard.cli.main import _attach_values
+from trainyard.parallel.config import RuleError
 from trainyard.parallel.plan import Gang
 from trainyard.service import queue
-from trainyard.service.quota import NO_QUOTA, Quota, usage
+from trainyard.service.errors import JobConflict
+from trainyard.service.quota import NO_QUOTA, Quota, check, usage
 from trainyard.service.state_dir import new_token
 from trainyard.service.store import JobRecord, JobStore
 
@@ -158,8 +160,16 @@ def test_a_quota_refuses_a_job_bigger_than_all_of_it_and_holds_one_over_what_is_
     assert q.over({"CPU": 3.0, "GPU": 0.0}, {"CPU": 1.0, "GPU": 2.0}) is None
     assert "hold 3 of their 4 cpus and this job needs 2 more" in q.over({"CPU": 3.0}, {"CPU": 2.0, "GPU": 0.0})
     assert NO_QUOTA.never_fits({"CPU": 1e9, "GPU": 1e9}) is None and NO_QUOTA.over({"CPU": 1e9}, {"CPU": 1.0}) is None
-    assert usage([("a", {"CPU": 2.0}), ("b", {"CPU": 1.0, "GPU": 1.0}), ("a", {"CPU": 1.0, "GPU": 2.0})]) == {
-        "a": {"CPU": 3.0, "GPU": 2.0}, "b": {"CPU": 1.0, "GPU": 1.0}}
+    live = [("a1", "a", {"bundle": {"CPU": 2.0}, "count": 1}), ("b1", "b", {"bundle": {"CPU": 1.0, "GPU": 1.0},
+            "count": 1}), ("a2", "a", {"bundle": {"CPU": 0.5, "GPU": 1.0}, "count": 2})]
+    assert usage(live) == {"a": {"CPU": 3.0, "GPU": 2.0}, "b": {"CPU": 1.0, "GPU": 1.0}}
+    assert usage(live, leave_out="a2")["a"] == {"CPU": 2.0, "GPU": 0.0}
+    with pytest.raises(RuleError, match="more than the user's quota of 4 cpus") as info:
+        check(q, {"CPU": 5.0}, "dp")
+    assert info.value.field == "dp"
+    with pytest.raises(JobConflict, match="hold 3 of their 4 cpus"):
+        check(q, {"CPU": 2.0}, "dp", held={"CPU": 3.0})
+    check(q, {"CPU": 2.0}, "resources")  # at submit only all of the quota counts: the job waits for the rest
 
 
 def test_a_job_its_owners_quota_holds_waits_without_holding_the_queue(store):
