@@ -57,6 +57,7 @@ from trainyard.actors.state import (
 )
 from trainyard.actors.storage import JobStorage
 from trainyard.actors.telemetry import Rows
+from trainyard.actors.tracking import Trackers
 from trainyard.actors.worker_group import WorkerGroup, slot_keys
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, resize_plan
@@ -74,14 +75,17 @@ class Controller:
         self.progress = Progress(start_step=storage.resume[1] if storage.resume else 0)
         self.journal = Journal(self.root, list(storage.events), restarted)
         rows = read_metrics_log(self.root)
-        self.rows = Rows(self.root, rows if restarted else [r for r in rows if r["step"] < self.progress.start_step])
+        # Steps the metrics log holds were logged to the trackers by the coordinator that ran them.
+        self.trackers = Trackers(job_id, plan.config, self.root, last_logged=max((r["step"] for r in rows), default=-1))
+        kept = rows if restarted else [r for r in rows if r["step"] < self.progress.start_step]
+        self.rows = Rows(self.root, kept, self.trackers)
         self.failure_policy = failure_policy(plan)
         self.hang = HangPolicy(plan.config.fault)
         self.scaling = scaling_policy(plan)
         self.desk = ResizeDesk()
         self.drills = training.Drills()
         self.state: State = Pending()
-        self.listeners: list[Callable[[State, State], None]] = []
+        self.listeners: list[Callable[[State, State], None]] = [self._close_trackers]
         self.stop = self.suspend = False
         self.model: dict | None = None
         """The exported model, {path, step}, once the job's end wrote it (`Done.model`)."""
@@ -105,6 +109,10 @@ class Controller:
             "events_from": events_from, "incarnation": self.incarnation,
             "metrics": self.rows.since(since), "actors": self.group.actor_names(), "ranks": self.group.ranks,
         }
+
+    def _close_trackers(self, old: State, new: State) -> None:
+        if is_terminal(new):
+            self.trackers.close(new.status.value)
 
     def _set_state(self, new: State) -> None:
         old, self.state = self.state, new

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ray.util.metrics import Gauge
 from trainyard.actors.journal import METRICS_LOG, AppendOnly
+from trainyard.actors.tracking import Trackers
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -47,8 +48,8 @@ _EXPERT_LOAD = Gauge("trainyard_moe_expert_load", "Tokens routed to an expert of
 class Rows:
     """The metrics rows of the job, one per step, in step order, and where they are logged."""
 
-    def __init__(self, root: Path, rows: list[dict]):
-        self.root, self.rows = root, rows
+    def __init__(self, root: Path, rows: list[dict], trackers: Trackers | None = None):
+        self.root, self.rows, self.trackers = root, rows, trackers
         self.log = AppendOnly(root / METRICS_LOG)
 
     def since(self, step: int) -> list[dict]:
@@ -67,6 +68,8 @@ class Rows:
     def add(self, row: dict) -> None:
         self.rows.append(row)
         self.log.append(row)
+        if self.trackers is not None:  # after the log: a row a tracker has is one the job has
+            self.trackers.add(row)
 
 
 def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
@@ -105,6 +108,11 @@ def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
     moe = moe_metrics(results)
     if moe:
         row["moe"] = moe
+    examples = sorted((r for r in results if "sample_ids" in r and r["pp_rank"] == 0 and r["tp_rank"] == 0),
+                      key=lambda r: r["dp_rank"])
+    if examples:  # whole examples (`data.packing`): the global batch's sample ids, and the epochs done
+        row["sample_ids"] = [i for r in examples for i in r["sample_ids"]]
+        row["epoch"] = examples[0]["epoch"]
     val = [r["val_loss"] for r in results if r.get("val_loss") is not None]
     if val:
         row["val_loss"] = val[0]

@@ -207,20 +207,30 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
                               "description": "format=trainyard: the final weights as one safetensors file; "
                                              "`__metadata__` holds `config` (the model config, JSON) and `step`. "
                                              "format=hf: a tar of a Hugging Face directory (config.json, "
-                                             "safetensors, generation_config.json, the tokenizer)"},
+                                             "safetensors, generation_config.json, the tokenizer). "
+                                             "format=peft: a tar of a LoRA job's PEFT adapter directory "
+                                             "(adapter_config.json, adapter_model.safetensors)"},
                         409: {"description": "the job has not ended SUCCEEDED or STOPPED, or wrote no model"},
-                        422: {"description": "format=hf: a model Hugging Face has no form for"}})
-    def model(job_id: str, format: Literal["trainyard", "hf"] = Query(  # noqa: A002 - the query's name
-            "trainyard", description="trainyard: one safetensors file; hf: a Hugging Face directory as a tar")
+                        422: {"description": "format=hf: a model Hugging Face has no form for; format=peft: no "
+                                             "LoRA adapters, or ones PEFT has no form for"}})
+    def model(job_id: str, format: Literal["trainyard", "hf", "peft"] = Query(  # noqa: A002 - the query's name
+            "trainyard", description="trainyard: one safetensors file; hf: a Hugging Face directory as a tar (a "
+                                     "LoRA job's merged model); peft: a LoRA job's PEFT adapter directory as a tar")
               ) -> FileResponse:
         """The trained model of an ended job, consolidated from its final checkpoint whatever its layout."""
         path = manager.model_file(job_id)
-        if format == "hf":
+        if format in ("hf", "peft"):
             from trainyard.service.hf_export import hf_archive  # torch: only when asked for
 
-            return FileResponse(hf_archive(path, manager.get(job_id).spec), media_type="application/x-tar",
-                                filename=f"{job_id}-hf.tar")
+            return FileResponse(hf_archive(path, manager.get(job_id).spec, format), media_type="application/x-tar",
+                                filename=f"{job_id}-{format}.tar")
         return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}.safetensors")
+
+    @app.get("/api/jobs/{job_id}/tracking", dependencies=owned, responses=others)
+    def tracking(job_id: str) -> dict[str, str]:
+        """Where the job's experiment trackers write (the spec's `tracking`): `tensorboard` (a logdir), `wandb`
+        (the directory of its W&B runs), `mlflow` (the tracking URI); empty when it asks for none."""
+        return manager.tracking(job_id)
 
     @app.get("/api/jobs/{job_id}/events", dependencies=owned, responses=others)
     def events(job_id: str) -> list[dict]:

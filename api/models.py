@@ -67,6 +67,10 @@ class MetricsRow(BaseModel):
     """Per MoE layer (keyed by block index) for a mixture-of-experts model."""
     val_loss: float | None = None
     """Mean token loss on the validation data, on the steps `eval.every` picks and the last."""
+    epoch: float | None = None
+    """Whole examples (`data.packing`): epochs done at the end of the step (1.0: the first pass is complete)."""
+    sample_ids: list[int] | None = None
+    """Whole examples: the global batch's sample ids (sequence indices), in data-parallel rank order."""
     checkpoint_blocked_s: float | None = None
     """On a step that saved a checkpoint: how long the save held the step up (with async, the staging)."""
     peak_rss_bytes: int | None = None

@@ -97,6 +97,9 @@ class Client:
         tmp.replace(path)
         return path
 
+    def tracking(self, job_id: str) -> dict[str, str]:
+        return self._call("GET", f"{_job(job_id)}/tracking")
+
     def events(self, job_id: str) -> list[dict]:
         return self._call("GET", f"{_job(job_id)}/events")
 

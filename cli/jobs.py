@@ -53,8 +53,9 @@ def follow(client: Client, job_id: str, poll_s: float = 0.5) -> int:
             rows = client.metrics(job_id, since=bar.n)
             if rows:
                 last_loss = _finite(rows[-1]["loss"])
+                epoch = {"epoch": f"{rows[-1]['epoch']:.2f}"} if rows[-1].get("epoch") is not None else {}
                 bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{_finite(rows[-1]['tokens_per_s']):.0f}",
-                                refresh=False)
+                                **epoch, refresh=False)
                 bar.update(rows[-1]["step"] + 1 - bar.n)
             elif job["status"] == "PENDING":
                 bar.set_postfix_str(_waiting_text(job), refresh=True)
@@ -127,12 +128,12 @@ def events(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     out = Path(args.output)
-    if args.format == "hf" and out.is_dir() and any(out.iterdir()):
+    if args.format in ("hf", "peft") and out.is_dir() and any(out.iterdir()):
         # transformers loads whatever the directory holds: another model's shards or tokenizer would come with it
         print(f"error: {out} is not empty; a Hugging Face export needs a new or empty directory", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    if args.format == "hf":
+    if args.format in ("hf", "peft"):
         return _export_hf(args, out)
     from safetensors import safe_open
 
@@ -148,15 +149,16 @@ def export(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace, out: Path) -> int:
     import tarfile
 
-    archive = client_of(args).download_model(args.job_id, out / ".hf.tar", format="hf")
+    archive = client_of(args).download_model(args.job_id, out / ".hf.tar", format=args.format)
     try:
         with tarfile.open(archive) as tar:
             names = tar.getnames()
             tar.extractall(out, filter="data")
     finally:
         archive.unlink()
-    print(f"{out}: {', '.join(sorted(names))}; load it with "
-          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    how = (f"peft.PeftModel.from_pretrained(base, {str(out)!r}), base: the job's init_from model"
+           if args.format == "peft" else f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(f"{out}: {', '.join(sorted(names))}; load it with {how}")
     return 0
 
 
@@ -165,11 +167,25 @@ def metrics(args: argparse.Namespace) -> int:
     rows = client.metrics(args.job_id, since=args.since)
     if args.plot:
         return _plot(client.job(args.job_id), rows, args.plot)
-    print(f"{'step':>6} {'loss':>9} {'lr':>10} {'grad_norm':>10} {'tokens/s':>10} {'step_s':>8}")
+    epochs = any(r.get("epoch") is not None for r in rows)
+    print(f"{'step':>6}" + (f" {'epoch':>6}" if epochs else "") +
+          f" {'loss':>9} {'val_loss':>9} {'lr':>10} {'grad_norm':>10} {'tokens/s':>10} {'step_s':>8}")
     for r in rows:
         r = {k: _finite(v) for k, v in r.items()}
-        print(f"{r['step']:>6} {r['loss']:>9.4f} {r['lr']:>10.3e} {r['grad_norm']:>10.4f} "
+        val = f"{r['val_loss']:>9.4f}" if r.get("val_loss") is not None else f"{'-':>9}"
+        epoch = f" {r['epoch']:>6.2f}" if epochs and r.get("epoch") is not None else f" {'-':>6}" if epochs else ""
+        print(f"{r['step']:>6}{epoch} {r['loss']:>9.4f} {val} {r['lr']:>10.3e} {r['grad_norm']:>10.4f} "
               f"{r['tokens_per_s']:>10.0f} {r['step_time_s']:>8.3f}")
+    return 0
+
+
+def tensorboard(args: argparse.Namespace) -> int:
+    where = client_of(args).tracking(args.job_id)
+    if "tensorboard" not in where:
+        print(f"error: job {args.job_id} logs no TensorBoard events (its spec has no `tracking: {{tensorboard: "
+              "true}`)", file=sys.stderr)
+        return 1
+    print(where["tensorboard"])
     return 0
 
 

@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--since", type=int, default=0)
     s.add_argument("--plot", metavar="FILE.png", help="draw loss, tokens/s (and a pipeline's bubble) into a PNG")
     s.set_defaults(func=jobs.metrics)
+    s = sub.add_parser("tensorboard", help="print a job's TensorBoard logdir (`tensorboard --logdir $(trainyard "
+                       "tensorboard ID)`)")
+    s.add_argument("job_id")
+    s.set_defaults(func=jobs.tensorboard)
     s = sub.add_parser("scale", help="resize a running job's data parallelism (at its next step)")
     s.add_argument("job_id")
     s.add_argument("--dp", type=int, required=True, help="the new number of data-parallel replicas")
@@ -94,12 +98,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("job_id")
     s.set_defaults(func=jobs.events)
     s = sub.add_parser("export", help="download a finished job's trained model: DIR/model.safetensors and "
-                                      "DIR/config.json, or a Hugging Face directory (--format hf)")
+                                      "DIR/config.json, a Hugging Face directory (--format hf), or a LoRA job's "
+                                      "PEFT adapter (--format peft)")
     s.add_argument("job_id")
     s.add_argument("-o", "--output", required=True, metavar="DIR")
-    s.add_argument("--format", choices=("trainyard", "hf"), default="trainyard",
+    s.add_argument("--format", choices=("trainyard", "hf", "peft"), default="trainyard",
                    help="trainyard (default): one safetensors file; hf: config.json, safetensors, "
-                        "generation_config.json and the tokenizer, for transformers.from_pretrained")
+                        "generation_config.json and the tokenizer, for transformers.from_pretrained (a LoRA job: "
+                        "the merged model); peft: adapter_config.json and adapter_model.safetensors, for "
+                        "peft.PeftModel.from_pretrained")
     s.set_defaults(func=jobs.export)
     s = sub.add_parser("logs", help="print the ranks' logs (stderr by default), read from Ray")
     s.add_argument("job_id")

@@ -34,7 +34,7 @@ from trainyard.parallel.config_fields import (
     RuleError,
     Steps,
 )
-from trainyard.parallel.config_model import ModelConfig, MoEConfig, RopeScalingConfig
+from trainyard.parallel.config_model import LoraConfig, ModelConfig, MoEConfig, RopeScalingConfig
 from trainyard.parallel.config_parallel import (
     DpRange,
     FaultConfig,
@@ -51,15 +51,18 @@ from trainyard.parallel.config_training import (
     DataSource,
     EvalConfig,
     InitFromConfig,
+    MlflowConfig,
     OptimizerConfig,
     ResumeConfig,
+    TrackingConfig,
+    WandbConfig,
 )
 
 __all__ = ["CheckpointConfig", "DataConfig", "DataSource", "Degree", "DpRange", "EvalConfig", "FaultConfig",
-           "GradCompressionConfig", "InitFromConfig", "JobConfig", "MAX_DEGREE", "MAX_GLOBAL_BATCH", "MAX_PRIORITY",
-           "MAX_SEQ_LEN", "MAX_STEPS", "MoEConfig", "ModelConfig", "NOT_BOOL", "OptimizerConfig", "ParallelConfig",
-           "PlannerNote", "ResourcesConfig", "ResumeConfig", "RopeScalingConfig", "RuleError", "ScheduleKind",
-           "SimCostsConfig", "Steps", "SyncConfig"]
+           "GradCompressionConfig", "InitFromConfig", "JobConfig", "LoraConfig", "MAX_DEGREE", "MAX_GLOBAL_BATCH",
+           "MAX_PRIORITY", "MAX_SEQ_LEN", "MAX_STEPS", "MoEConfig", "ModelConfig", "NOT_BOOL", "OptimizerConfig",
+           "ParallelConfig", "PlannerNote", "ResourcesConfig", "ResumeConfig", "RopeScalingConfig", "RuleError",
+           "ScheduleKind", "SimCostsConfig", "Steps", "SyncConfig", "MlflowConfig", "TrackingConfig", "WandbConfig"]
 
 
 
@@ -125,6 +128,9 @@ class JobConfig:
     """What each rank reserves on the Ray cluster."""
     sim_costs: SimCostsConfig = field(default_factory=SimCostsConfig)
     """Per-action costs the plan's schedule simulation uses."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Experiment trackers the job's coordinator logs each step's metrics (and the spec) to: TensorBoard, W&B,
+    MLflow. No rank talks to a tracker."""
 
     @property
     def fixed_parallel(self) -> ParallelConfig:

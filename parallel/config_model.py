@@ -1,4 +1,5 @@
-"""The JobSpec's `model` section: the family and its sizes, mixture-of-experts blocks, Llama 3's rope scaling.
+"""The JobSpec's `model` section: the family and its sizes, mixture-of-experts blocks, Llama 3's rope scaling,
+LoRA adapters.
 
 Part of the JobSpec (`parallel.config` re-exports every name); the docstring under each field is its
 description in docs/jobspec.md.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from annotated_types import Ge, Gt, Le
+from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 from trainyard.parallel.config_fields import MAX_SEQ_LEN, NOT_BOOL, STRICT
 
 
@@ -51,6 +52,24 @@ class RopeScalingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, as PEFT makes them): every weight of the model is frozen and each targeted
+    projection W gets a trained update (alpha / rank) B A, A (rank x in) Kaiming-uniform and B (out x rank) zero at
+    the start (PEFT's init), each drawn from (seed, its name)."""
+
+    __pydantic_config__ = STRICT
+    rank: Annotated[int, Gt(0), Le(4096), NOT_BOOL] = 8
+    """The adapters' rank r."""
+    alpha: Annotated[float, Gt(0), Le(1e6), NOT_BOOL] = 8.0
+    """The update is scaled by alpha / rank (PEFT's `lora_alpha`; no rsLoRA)."""
+    dropout: Annotated[float, Ge(0), Le(0.99), NOT_BOOL] = 0.0
+    """Dropout on an adapter's input (PEFT's `lora_dropout`), in training only."""
+    targets: Annotated[tuple[Annotated[str, MinLen(1), MaxLen(32)], ...], MinLen(1), MaxLen(16)] = ("q", "v")
+    """The projections adapted, by the family's names: llama q, k, v, o, gate, up, down; gpt2 q, k, v, o (its
+    attention's output), fc, proj (the MLP's). An MoE block's experts are not adapted (its attention is)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     __pydantic_config__ = STRICT
     n_layer: Annotated[int, Gt(0), Le(4096), NOT_BOOL]
@@ -86,6 +105,8 @@ class ModelConfig:
     always uses SwiGLU, and refuses gelu_tanh."""
     rope_scaling: RopeScalingConfig | None = None
     """Llama 3 rope scaling (llama); null: none."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters on a frozen model instead of every weight; null: full training."""
 
     @property
     def context(self) -> int:

@@ -1,5 +1,5 @@
 """The JobSpec's training sections: `data` (with its mixture `sources`), `optimizer`, `eval`, `checkpoint`,
-`resume_from` and `init_from`.
+`resume_from`, `init_from` and `tracking` (the experiment trackers the coordinator logs to).
 
 Part of the JobSpec (`parallel.config` re-exports every name); the docstring under each field is its
 description in docs/jobspec.md.
@@ -40,6 +40,13 @@ class DataConfig:
     sources: Annotated[list[DataSource], MinLen(1), MaxLen(1024)] | None = None
     """`tokens` only, instead of `path`: datasets mixed by weight. The sample at each position of a step's
     global batch is a function of (seed, step, position) alone, as for one dataset."""
+    packing: bool | None = None
+    """null: a sample is a window of seq_len + 1 tokens starting anywhere in the data (pretraining). false: whole
+    examples (the documents of a `trainyard prepare` directory), each padded to its own sequence (one longer
+    than seq_len is cut into consecutive pieces), every example seen once per epoch in a shuffled order."""
+    epochs: Annotated[int, Gt(0), Le(1_000_000), NOT_BOOL] | None = None
+    """With whole examples (`packing` set): passes over them; the job ends after `steps` or the last epoch,
+    whichever comes first (the service lowers `steps` at submit, saying so in the job's events)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +116,9 @@ class InitFromConfig:
     """A local Hugging Face checkpoint directory (config.json and model.safetensors, or shards with
     model.safetensors.index.json) of GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM. The model's
     architecture comes from its config.json (`model` may leave it out); training starts from its weights."""
+    adapter: Annotated[str, MinLen(1), MaxLen(4096)] | None = None
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) made for `hf`'s model: its
+    adapters start `model.lora`'s (same rank and targets)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,3 +128,36 @@ class EvalConfig:
     """Compute val_loss every N steps and at the last; 0: never."""
     batches: Annotated[int, Gt(0), Le(10_000), NOT_BOOL] = 4
     """Batches of global_batch validation sequences per evaluation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    __pydantic_config__ = STRICT
+    project: Annotated[str, MinLen(1), MaxLen(128)] = "trainyard"
+    """The W&B project the job's run goes to (its run id is the job's id; its name the job's name)."""
+    entity: Annotated[str, MinLen(1), MaxLen(128)] | None = None
+    """The W&B team or user; null: the account's default."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """offline: the run is written under the job's directory (`wandb sync` uploads it later); online: sent as it
+    runs; auto: online when W&B has an API key (WANDB_API_KEY, or `wandb login`), else offline."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlflowConfig:
+    __pydantic_config__ = STRICT
+    uri: Annotated[str, MinLen(1), MaxLen(4096)] | None = None
+    """The MLflow tracking URI (a server, or a local file store such as `file:///data/mlruns`); null: a file
+    store in the job's directory (`mlruns/`)."""
+    experiment: Annotated[str, MinLen(1), MaxLen(256)] = "trainyard"
+    """The MLflow experiment the job's run goes to (made if it does not exist)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    __pydantic_config__ = STRICT
+    tensorboard: bool = False
+    """TensorBoard event files under the job's directory (`trainyard tensorboard ID` prints where)."""
+    wandb: WandbConfig | None = None
+    """A Weights & Biases run (needs `pip install 'trainyard[track]'`)."""
+    mlflow: MlflowConfig | None = None
+    """An MLflow run (needs `pip install 'trainyard[track]'`)."""

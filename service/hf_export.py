@@ -1,4 +1,5 @@
-"""A job's trained model as a Hugging Face directory, packed as one tar for `GET /api/jobs/{id}/model?format=hf`.
+"""A job's trained model as a Hugging Face directory, packed as one tar for `GET /api/jobs/{id}/model?format=hf`
+(and a LoRA job's adapters as a PEFT adapter directory, `format=peft`).
 
 Converted from the consolidated safetensors file the job's end wrote (`parallel.io.export.export_hf`), once,
 beside it (`hf/` and `hf.tar`); a later request serves the same tar. The tokenizer of the job's prepared
@@ -15,22 +16,26 @@ import threading
 from pathlib import Path
 
 from trainyard.parallel.data.datasets import resolve_path
-from trainyard.parallel.io.export import export_hf
+from trainyard.parallel.io.export import export_hf, export_peft
 
 _lock = threading.Lock()
 ARCHIVE = "hf.tar"
 
 
-def hf_archive(model_file: Path, spec: dict) -> Path:
-    """The tar of the HF directory of `model_file` (made on first use); RuleError when HF has no such model."""
-    archive = model_file.parent / ARCHIVE
+def hf_archive(model_file: Path, spec: dict, format: str = "hf") -> Path:  # noqa: A002 - the query's name
+    """The tar of the HF directory (`format` peft: the PEFT adapter directory) of `model_file` (made on first use);
+    RuleError when HF (PEFT) has no such model."""
+    archive = model_file.parent / f"{format}.tar"
     with _lock:  # two requests at once convert once
         if archive.is_file() and archive.stat().st_mtime >= model_file.stat().st_mtime:
             return archive
-        data_path = _prepared_data(spec.get("data") or {})
-        directory = export_hf(model_file, model_file.parent / "hf",
-                              tokenizer_from=resolve_path(data_path) if data_path else None)
-        tmp = archive.with_name(ARCHIVE + ".tmp")
+        if format == "peft":
+            directory = export_peft(model_file, model_file.parent / "peft")
+        else:
+            data_path = _prepared_data(spec.get("data") or {})
+            directory = export_hf(model_file, model_file.parent / "hf",
+                                  tokenizer_from=resolve_path(data_path) if data_path else None)
+        tmp = archive.with_name(archive.name + ".tmp")
         with tarfile.open(tmp, "w") as tar:
             for path in sorted(directory.iterdir()):
                 tar.add(path, arcname=path.name)

@@ -26,6 +26,7 @@ to Ray at start (`service.reconcile`), where a job's files go (`service.paths`),
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import shutil
 import threading
@@ -35,10 +36,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import ray
+from trainyard.actors import tracking
 from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import open_dataset
+from trainyard.parallel.data.examples import epochs_steps
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
@@ -119,7 +122,11 @@ class JobManager:
         return plan
 
     def _check_inputs(self, config: JobConfig) -> None:
-        """The checks of what the job reads, whatever its layout: its datasets and the checkpoint it resumes."""
+        """The checks of what the job reads, whatever its layout: its datasets and the checkpoint it resumes; and
+        that the trackers it logs to are installed."""
+        missing = tracking.missing_extra(config)
+        if missing is not None:
+            raise missing
         open_dataset(config)
         if config.eval.every > 0:
             open_dataset(config, "val")
@@ -145,6 +152,11 @@ class JobManager:
     def model_path(self, job_id: str) -> Path:
         return self.paths.model_path(job_id)
 
+    def tracking(self, job_id: str) -> dict[str, str]:
+        """Where the job's trackers write (`actors.tracking.locations`): empty when its spec asks for none."""
+        config = parse_spec(self.get(job_id).spec)
+        return tracking.locations(config, self.checkpoint_root(job_id, config))
+
     def resume_point(self, config: JobConfig) -> tuple[str, int] | None:
         """The checkpoint `resume_from` names, checked without hashing it (see `service.resume`)."""
         return resume_point(self.store, self.checkpoint_root, config)
@@ -157,18 +169,34 @@ class JobManager:
         `parallel: auto` job submitted while the node type's costs are being measured is queued all the same,
         with an event saying it waits for them: the admission thread chooses its layout once they are known. A
         job that needs more than its owner's whole quota is refused (RuleError on `resources`)."""
+        config, events = self._bound_by_epochs(config)
         try:
             config, _ = self.choose_layout(config)
         except Calibrating as waiting:
             self._check_inputs(config)
             event = {"time": time.time(), "kind": "waiting_for_calibration", "cause": str(waiting)}
-            return self._queue(config, owner, needs={}, events=[event])
+            return self._queue(config, owner, needs={}, events=[*events, event])
         plan = self.plan(config)
         quota.check(self.quotas(owner), plan.gang.needed(), "resources")  # a job over what is left waits instead
-        job_id = self._queue(config, owner, needs=asdict(plan.gang))
+        job_id = self._queue(config, owner, needs=asdict(plan.gang), events=events)
         log.info("job %s queued (%s, world size %d, priority %d, user %s)", job_id, config.name, plan.world_size,
                  config.priority, owner)
         return job_id
+
+    @staticmethod
+    def _bound_by_epochs(config: JobConfig) -> tuple[JobConfig, builtins.list[dict]]:
+        """`data.epochs` ends the job first when its passes take fewer steps than `steps`: the job is stored with
+        those steps (so its learning-rate schedule ends with it), and an event says so."""
+        if config.data.epochs is None:
+            return config, []
+        sequences = open_dataset(config).num_samples
+        steps = epochs_steps(config.data.epochs, sequences, config.global_batch)
+        if steps >= config.steps:
+            return config, []
+        event = {"time": time.time(), "kind": "steps_from_epochs", "steps": steps, "asked": config.steps,
+                 "cause": f"data.epochs={config.data.epochs} over {sequences} sequences of whole examples at "
+                          f"global_batch={config.global_batch}: {steps} steps, fewer than steps={config.steps}"}
+        return dataclasses.replace(config, steps=steps), [event]
 
     def _queue(self, config: JobConfig, owner: str, needs: dict, events: builtins.list[dict] | None = None) -> str:
         job_id = uuid.uuid4().hex[:12]

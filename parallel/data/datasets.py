@@ -20,6 +20,9 @@ stages' summed cross-entropy ignores; `counted_targets` is the number of targets
 samples, which the trainer divides the loss by (the global batch's, derived from its sample ids: the same
 number on every rank and layout, with no communication).
 
+Whole examples (`data.packing` set; `parallel.data.examples`): the documents of one prepared directory, each
+seen once per epoch (`data.epochs`), the held-out validation examples the last VAL_FRACTION of its documents.
+
 Validation: `data.val_path` when given (a file or directory; a mixture then validates on it alone); else,
 with eval on, the last VAL_FRACTION of the tokens of `path`, or of each source of a mixture (the same mixture
 over the held-out tails), none of which is trained on.
@@ -35,7 +38,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from trainyard.parallel.config import JobConfig, RuleError
-from trainyard.parallel.data.token_dir import DTYPES, Manifest, Segments, check_directory, open_streams
+from trainyard.parallel.data.examples import ExampleDataset, epoch_batch_ids, pieces
+from trainyard.parallel.data.token_dir import (
+    DTYPES,
+    Manifest,
+    Segments,
+    check_directory,
+    document_ends,
+    open_streams,
+)
 from trainyard.parallel.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -148,7 +159,7 @@ class MixtureDataset:
         return any(p.mask is not None for p in self.parts)
 
 
-Dataset = TokenDataset | SyntheticDataset | MixtureDataset
+Dataset = TokenDataset | SyntheticDataset | MixtureDataset | ExampleDataset
 
 
 VAL_FRACTION = 0.05
@@ -173,6 +184,11 @@ def open_dataset(config: JobConfig, split: str = "train") -> Dataset:
     if data.sources is not None and data.kind != "tokens":
         raise DatasetError("data.sources", f"a mixture of sources is for data.kind=tokens, not {data.kind}")
     held_out = not data.val_path and config.eval.every > 0
+    if data.epochs is not None and data.packing is None:
+        raise DatasetError("data.epochs", "epochs count passes over whole examples: set data.packing (false: "
+                                          "each example in its own padded sequence)")
+    if data.packing is not None:
+        return _open_examples(config, split, held_out)
     if split == "val" and data.val_path:
         val = _open_one(config, "data.val_path", data.val_path, None)
         if val.manifest is not None:  # a prepared directory: its ids mean what the training data's mean (only
@@ -187,6 +203,43 @@ def open_dataset(config: JobConfig, split: str = "train") -> Dataset:
     parts = [_open_one(config, name, p, split if held_out else None) for name, p in _training_paths(config)]
     _same_tokenizer([(p.field, p.source, p.manifest) for p in parts])
     return MixtureDataset(parts, [s.weight for s in data.sources])
+
+
+def _open_examples(config: JobConfig, split: str, held_out: bool) -> ExampleDataset:
+    """The whole examples of `data.path` (or, for validation, of `data.val_path`, or the held-out last
+    VAL_FRACTION of `data.path`'s documents)."""
+    data = config.data
+    if data.kind != "tokens" or data.sources is not None:
+        raise DatasetError("data.packing", "whole examples are read from one `trainyard prepare` directory: "
+                                           "data.kind: tokens with data.path")
+    if data.packing:
+        raise DatasetError("data.packing", "packing: true is not available yet; packing: false trains each "
+                                           "example in its own padded sequence")
+    field, path_text = ("data.val_path", data.val_path) if split == "val" and data.val_path else ("data.path",
+                                                                                                 data.path)
+    assert path_text is not None
+    path = resolve_path(path_text)
+    if not path.is_dir():
+        raise DatasetError(field, f"{path} is not a `trainyard prepare` directory: whole examples (data.packing) "
+                                  "need its document index")
+    tokens, mask, manifest = _read_directory(config, field, path)
+    if manifest.document_ends is None:
+        raise DatasetError(field, f"{path} was prepared before documents.bin (where each example ends) existed: "
+                                  "run `trainyard prepare` again")
+    ends = document_ends(path, manifest)
+    begin = 0  # where the first document read starts
+    if held_out and field == "data.path":
+        cut = len(ends) - max(1, round(len(ends) * VAL_FRACTION))
+        if cut < 1:
+            raise DatasetError(field, f"{path} holds {len(ends)} example(s): too few to hold some out for eval; "
+                                      "give data.val_path")
+        begin, ends = (int(ends[cut - 1]), ends[cut:]) if split == "val" else (0, ends[:cut])
+    starts, stops, cut_examples = pieces(ends, config.model.seq_len, begin)
+    if len(starts) == 0:
+        raise DatasetError(field, f"{path} holds no example with a target (every document is one token)")
+    return ExampleDataset(tokens=tokens, starts=starts, stops=stops, seq_len=config.model.seq_len,
+                          vocab_size=config.model.vocab_size, source=str(path), pad_id=manifest.eos_id, mask=mask,
+                          field=field, manifest=manifest, cut_examples=cut_examples)
 
 
 def _training_paths(config: JobConfig) -> list[tuple[str, str]]:
@@ -274,7 +327,9 @@ def _same_tokenizer(parts: list[tuple[str, str, Manifest | None]]) -> None:
 
 
 def has_loss_mask(ds: Dataset) -> bool:
-    return (isinstance(ds, MixtureDataset) and ds.has_mask) or (isinstance(ds, TokenDataset) and ds.mask is not None)
+    """Whether some targets may not count: chat data's prompts, whole examples' padding."""
+    return (isinstance(ds, MixtureDataset) and ds.has_mask) or (isinstance(ds, TokenDataset) and ds.mask is not None) \
+        or isinstance(ds, ExampleDataset)
 
 
 def counted_targets(ds: Dataset, ids: list[int]) -> int:
@@ -291,7 +346,7 @@ def counted_targets(ds: Dataset, ids: list[int]) -> int:
 
 def step_counted_targets(config: JobConfig, ds: Dataset, step: int) -> int:
     """The targets that count in step `step`'s global batch: what every rank divides its loss by."""
-    return counted_targets(ds, global_batch_ids(config.seed, step, config.global_batch, ds.num_samples))
+    return counted_targets(ds, step_batch_ids(config, step, ds.num_samples))
 
 
 def validation_batches(config: JobConfig, num_samples: int) -> list[list[int]]:
@@ -311,11 +366,18 @@ def global_batch_ids(seed: int, step: int, global_batch: int, num_samples: int) 
     return torch.randint(num_samples, (global_batch,), generator=gen).tolist()
 
 
+def step_batch_ids(config: JobConfig, step: int, num_samples: int) -> list[int]:
+    """Sample ids of step `step`'s global batch: windows drawn at random, or whole examples epoch by epoch."""
+    if config.data.packing is None:
+        return global_batch_ids(config.seed, step, config.global_batch, num_samples)
+    return epoch_batch_ids(config.seed, step, config.global_batch, num_samples)
+
+
 def step_microbatches(plan: Plan, rank: int, step: int, num_samples: int) -> list[list[int]]:
     """The sample ids of `rank`'s micro-batches in step `step`: its data-parallel share of the global batch
     (what the coordinator sends the rank; it computes the global batch once for all ranks)."""
     cfg = plan.config
-    ids = global_batch_ids(cfg.seed, step, cfg.global_batch, num_samples)
+    ids = step_batch_ids(cfg, step, num_samples)
     return rank_share(ids, plan.coords(rank).dp, plan.dp, plan.microbatches)
 
 

@@ -42,6 +42,7 @@ from trainyard.parallel.data.readers import (
     input_files,
 )
 from trainyard.parallel.data.token_dir import (
+    DOCUMENT_ENDS,
     DTYPES,
     MANIFEST,
     TOKENIZER,
@@ -204,7 +205,7 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
     fp = fingerprint(inputs_meta, source, options)
     if is_prepared(out):
         old = check_directory(out)  # a shard deleted or cut short since: prepare again
-        if isinstance(old, Manifest) and old.fingerprint == fp:
+        if isinstance(old, Manifest) and old.fingerprint == fp and old.document_ends is not None:
             return PrepareResult(old, skipped=True, seconds=time.perf_counter() - start)
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PrepareError(f"-o: {out} exists and is not a prepared dataset directory; refusing to overwrite it")
@@ -218,6 +219,7 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
     try:
         writer = _ShardWriter(tmp, options.chat, options.shard_tokens)
         docs = tokens = counted = 0
+        ends, ends_hash = open(tmp / DOCUMENT_ENDS, "wb"), hashlib.sha256()  # noqa: SIM115 (closed below)
         from tqdm import tqdm
 
         init = (str(source.file), source.config, options.chat, eos_id, dtype)
@@ -228,10 +230,14 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
                     writer.write(ids, mask)
                     docs, tokens = docs + 1, tokens + len(ids)
                     counted += int(mask.sum()) if mask is not None else 0
+                    end = np.array([tokens], dtype="<u8").tobytes()
+                    ends.write(end)
+                    ends_hash.update(end)
                 bar.update(read)
                 bar.set_postfix(tokens=tokens, refresh=False)
             bar.total = bar.n
         shards = writer.close()
+        ends.close()
         named = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         if tokens == 0:
             raise PrepareError(f"{named}: no document to tokenize (every one is empty)")
@@ -246,7 +252,8 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path, options: PrepareOpti
             counted_tokens=counted if options.chat else None, shards=shards,
             tokenizer={"file": TOKENIZER, "sha256": file_sha256(source.file),
                        "config": TOKENIZER_CONFIG if source.config_file else None, "eos_token": eos_token},
-            fingerprint=fp, inputs=inputs_meta, options=asdict(options))
+            fingerprint=fp, inputs=inputs_meta, options=asdict(options),
+            document_ends={"file": DOCUMENT_ENDS, "sha256": ends_hash.hexdigest()})
         (tmp / MANIFEST).write_text(manifest.to_json())
         _swap_into_place(tmp, out)
     finally:

@@ -9,6 +9,8 @@ On disk (all names fixed here, used by `parallel.data.prepare` to write and by `
                                one after another, each followed by the EOS id
     DIR/mask-00000.bin ...     chat data only: uint8, one per token; 1 where the token is an assistant or
                                completion token, i.e. counted in the loss when it is a target
+    DIR/documents.bin          little-endian uint64, one per document: where it ends in the token stream (its
+                               EOS included), for whole-example training (`parallel.data.examples`)
 
 The shards, in manifest order, are one token stream (a window may run across a shard boundary), so a
 directory reads exactly like one flat file of its concatenated shards. A directory is written under a
@@ -28,6 +30,7 @@ import numpy as np
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+DOCUMENT_ENDS = "documents.bin"
 FORMAT = "trainyard-tokens"
 VERSION = 1
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -81,6 +84,9 @@ class Manifest:
     """The options that shaped the tokens (field, column, chat, eos, shard_tokens)."""
     format: str = FORMAT
     version: int = VERSION
+    document_ends: dict | None = None
+    """{file, sha256} of `documents.bin`; null in a directory prepared before it existed (whole-example training
+    needs it: prepare again)."""
 
     @property
     def chat(self) -> bool:
@@ -147,7 +153,18 @@ def check_directory(directory: Path) -> Manifest | str:
         mask = directory / shard["mask_file"] if manifest.chat else None
         if mask is not None and (not mask.is_file() or mask.stat().st_size != shard["tokens"]):
             return f"{mask} (the loss mask) is missing or not {shard['tokens']} bytes as {MANIFEST} says"
+    if manifest.document_ends is not None:
+        ends = directory / manifest.document_ends["file"]
+        if not ends.is_file() or ends.stat().st_size != 8 * manifest.documents:
+            return f"{ends} (where each document ends) is missing or not {manifest.documents} uint64 as {MANIFEST} says"
     return manifest
+
+
+def document_ends(directory: Path, manifest: Manifest) -> np.ndarray:
+    """Where each document of a prepared directory ends in its token stream (EOS included), ascending."""
+    assert manifest.document_ends is not None
+    path = directory / manifest.document_ends["file"]
+    return np.fromfile(path, dtype="<u8").astype(np.int64) if path.stat().st_size else np.zeros(0, np.int64)
 
 
 class Segments:

@@ -32,6 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from trainyard.parallel.config import ModelConfig, RuleError
 from trainyard.parallel.io.hf_spec import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, adapter_for_family
 from trainyard.parallel.models.hf_mapping import Block, from_hf_block, hf_block, to_hf, whole
+from trainyard.parallel.models.lora import is_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """save_pretrained's default shard size."""
@@ -99,6 +100,8 @@ def load_into(modules: Iterable[nn.Module], cfg: ModelConfig, directory: Path) -
     _check_shapes(modules, cfg, sources, files, directory)
     for module in modules:
         for name, p in module.named_parameters():
+            if is_adapter(name):  # LoRA's adapters are no part of the base (`parallel.io.peft_adapter` reads them)
+                continue
             source = sources[name]
             block = local_block(p)
             part = from_hf_block(source, files.read(source.key, hf_block(source, block)))
@@ -130,6 +133,8 @@ def _check_shapes(modules: Iterable[nn.Module], cfg: ModelConfig, sources: Mappi
     expected: dict[str, list[int]] = {}
     for module in modules:
         for name, p in module.named_parameters():  # a DTensor's shape is the whole tensor's
+            if is_adapter(name):
+                continue
             source = sources[name]
             stops = [stop for _, stop in hf_block(source, whole(p.shape))]
             if source.expert is not None:

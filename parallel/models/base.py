@@ -12,6 +12,7 @@ trainer, the plan, the memory plan and tensor parallelism ask it; they never nam
   plan (which projections are column- or row-parallel, which norms sequence-parallel);
 - counting (pure arithmetic, for `parallel.plan.memory` and MFU): `param_counts`, `embed_activations`,
   `block_activations`, `head_activations`, `flops_per_token`; `ffn_hidden(cfg)` the feed-forward width;
+- LoRA: `lora_targets` names the projections `model.lora.targets` may adapt (`parallel.models.lora`);
 - gradients: `reduction_set(name)` says which group sums a parameter's gradient (dense, router, experts);
 - Hugging Face: `hf` is the family's `parallel/models/<family>/hf.py` module, imported on first use.
 
@@ -43,6 +44,8 @@ Matrix = tuple[int, int, ReductionSet]
 class ModelFamily(ABC):
     name: str
     """The value of `model.family` that selects this family (also its folder under `parallel/models/`)."""
+    lora_targets: dict[str, str] = {}
+    """`model.lora.targets`' names -> the projection's module path inside a block (`parallel.models.lora`)."""
 
     @property
     def hf(self) -> ModuleType:
@@ -107,6 +110,25 @@ class ModelFamily(ABC):
         if cfg.moe is not None:
             active += counts.experts * cfg.moe.top_k / cfg.moe.experts
         return 6 * active + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+    def lora_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+        """Each of `lora_targets`' projections: (in features, out features, row-parallel under tp)."""
+        return {}
+
+    def adapter_elements(self, cfg: ModelConfig, layers: Sequence[int], *, tp: int) -> int:
+        """Local elements of the LoRA adapters of blocks `layers` at tensor-parallel degree tp (`parallel.models.lora`:
+        A (rank x in) and B (out x rank), the one split over tp that the base splits; an MoE block's feed-forward has
+        none)."""
+        if cfg.lora is None:
+            return 0
+        shapes, r, total = self.lora_shapes(cfg), cfg.lora.rank, 0
+        for block in layers:
+            for target in cfg.lora.targets:
+                if cfg.is_moe_block(block) and self.lora_targets[target].startswith("mlp."):
+                    continue
+                n_in, n_out, rowwise = shapes[target]
+                total += r * n_in // tp + r * n_out if rowwise else r * n_in + r * n_out // tp
+        return total
 
     def reduction_set(self, name: str) -> ReductionSet:
         """Which ranks sum a parameter's gradient (see `parallel.models.moe`): dense parameters over dp, an MoE

@@ -21,6 +21,10 @@ parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N o
 of the group that reduces them: dense parameters over dp, the MoE router over the stage's dp x tp ranks,
 experts over the ranks holding the same experts (dp / ep x tp).
 
+With `model.lora` the base is frozen: its weights count as parameters only, and the gradients and the optimizer
+state are the adapters' (`trainable_counts`; `ModelFamily.adapter_elements` counts them, split over tp as the
+base is).
+
 Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
 (`parallel.plan.reduction_bytes.compression_state_bytes`).
 
@@ -112,7 +116,7 @@ def estimate(layout: Layout, config: JobConfig) -> list[RankMemory]:
 
 
 def rank_memory(plan: Plan, rank: int) -> RankMemory:
-    counts = param_counts(plan, plan.coords(rank).pp)
+    counts = trainable_counts(plan, plan.coords(rank).pp)
     pp = plan.coords(rank).pp
     chunks = [_chunk_activations(plan, pp_rank=pp, chunk=c) for c in range(plan.vpp)]
     offloaded = [_offloaded_activations(plan, pp, c) for c in range(plan.vpp)]
@@ -139,13 +143,25 @@ def param_counts(plan: Plan, pp_rank: int) -> ParamCounts:
     return total
 
 
+def trainable_counts(plan: Plan, pp_rank: int) -> ParamCounts:
+    """The local parameters that get gradients and optimizer state: with `model.lora` its adapters alone (dense,
+    reduced over dp), the frozen base being parameters only; else all of them."""
+    m = plan.config.model
+    if m.lora is None:
+        return param_counts(plan, pp_rank)
+    adapters = sum(family_of(m).adapter_elements(m, layers, tp=plan.tp) for layers in plan.chunk_layers(pp_rank))
+    return ParamCounts(dense=adapters, router=0, experts=0)
+
+
 def _chunk_counts(plan: Plan, pp_rank: int) -> list[ParamCounts]:
+    """Each chunk's local parameters, LoRA's adapters (dense) included."""
     m, family = plan.config.model, family_of(plan.config.model)
     out = []
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
         v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
-        out.append(family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
-                                       ep=plan.ep))
+        counts = family.param_counts(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
+                                     ep=plan.ep)
+        out.append(counts + ParamCounts(dense=family.adapter_elements(m, layers, tp=plan.tp), router=0, experts=0))
     return out
 
 
@@ -183,6 +199,7 @@ def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], i
 
     def sharded(layers: tuple[int, ...], first: bool, last: bool) -> int:
         counts = family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep)
+        counts += ParamCounts(dense=family.adapter_elements(m, layers, tp=plan.tp), router=0, experts=0)
         return sum(n for n, size in _reduced_sets(plan, counts) if size > 1)
 
     per_kind = by_block_kind(m, lambda i: sharded((i,), False, False))

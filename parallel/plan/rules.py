@@ -93,8 +93,26 @@ def model_violations(config: JobConfig) -> list[PlanError]:
     if m.tie_embeddings and config.fixed_parallel.pp > 1:
         errors.append(PlanError("model.tie_embeddings", "tied embeddings need pp=1 (the embedding and the head "
                                                         "live on different pipeline stages)"))
+    errors += lora_violations(config)
     # the family's own rules (parallel.models)
     errors += [PlanError(error.field, error.message) for error in family_of(m).check(config)]
+    return errors
+
+
+def lora_violations(config: JobConfig) -> list[PlanError]:
+    """`model.lora.targets` are the family's projections, each once; an adapter to start from needs `model.lora`."""
+    lora, known = config.model.lora, family_of(config.model).lora_targets
+    errors = []
+    if lora is not None:
+        unknown = [t for t in lora.targets if t not in known]
+        if unknown:
+            errors.append(PlanError("model.lora.targets", f"{unknown} are not projections of family "
+                                                          f"{config.model.family}; its targets are {list(known)}"))
+        if len(set(lora.targets)) != len(lora.targets):
+            errors.append(PlanError("model.lora.targets", f"{list(lora.targets)} names a projection twice"))
+    if config.init_from is not None and config.init_from.adapter is not None and lora is None:
+        errors.append(PlanError("init_from.adapter", "an adapter to start from needs model.lora (its rank and "
+                                                     "targets)"))
     return errors
 
 

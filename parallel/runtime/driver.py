@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from trainyard.parallel.data.datasets import open_dataset, step_microbatches
+from trainyard.parallel.data.examples import epoch_of
 from trainyard.parallel.io.checkpoint import CheckpointWriteError
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
@@ -50,11 +51,15 @@ class RankDriver:
         assert plan.world_size == self.plan.world_size and plan.coords(self.rank) == self.plan.coords(self.rank)
         return RankTrainer(plan, self.rank, self.groups, self.device)
 
-    def microbatches(self, step: int) -> list[list[int]]:
-        """This rank's micro-batch sample ids in `step` (what the coordinator sends a worker)."""
+    @property
+    def num_samples(self) -> int:
         if self._num_samples is None:
             self._num_samples = open_dataset(self.plan.config).num_samples
-        return step_microbatches(self.plan, self.rank, step, self._num_samples)
+        return self._num_samples
+
+    def microbatches(self, step: int) -> list[list[int]]:
+        """This rank's micro-batch sample ids in `step` (what the coordinator sends a worker)."""
+        return step_microbatches(self.plan, self.rank, step, self.num_samples)
 
     def step(self, step: int, microbatch_ids: list[list[int]] | None = None, *, evaluate: bool = False,
              save: Save | None = None, round_: dict | None = None) -> dict:
@@ -76,6 +81,9 @@ class RankDriver:
             stats: dict[str, Any] = {"step": step, "dp_rank": mine.dp, "rejoined": True, "cross_replica_bytes": sent}
         else:
             stats = self.trainer.train_step(step, ids, live).to_dict()
+        if self.plan.config.data.packing is not None:  # whole examples: which ones, and how far into the epochs
+            stats["sample_ids"] = [i for mb in ids for i in mb]
+            stats["epoch"] = epoch_of(step, self.plan.config.global_batch, self.num_samples)
         if rejoining:
             assert live is not None
             source = self.plan.rank_of(mine.pp, mine.tp, min(live))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.decoder import DecoderStage
@@ -221,7 +222,7 @@ class PipelineExecutor:
             state.weight_work[key] = (out, grad)
             return
         with self.loss_context() if grad is None else nullcontext():
-            dx, groups = backward_input(out, grad, x, list(self.chunks[a.chunk].parameters()))
+            dx, groups = backward_input(out, grad, x, _trainable(self.chunks[a.chunk]))
         state.weight_work[key] = groups
         self._input_grad(a, v, dx, state)
 
@@ -236,7 +237,7 @@ class PipelineExecutor:
                 out, grad = work
                 out.backward(grad)
             else:
-                backward_weight(work, list(self.chunks[a.chunk].parameters()))
+                backward_weight(work, _trainable(self.chunks[a.chunk]))
         state.live -= 1
 
     def _communicate(self, actions: list[Action], state: _StepState) -> None:
@@ -319,6 +320,11 @@ class _Counted:
 
     def __del__(self):
         self.meter.release(self.key)
+
+
+def _trainable(chunk: nn.Module) -> list[nn.Parameter]:
+    """The parameters a backward's weight half computes gradients for: not a frozen one (LoRA's base)."""
+    return [p for p in chunk.parameters() if p.requires_grad]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ class RankState:
         self.plan, self.rank, self.groups = plan, rank, groups
         self.coords: RankCoords = plan.coords(rank)
         self.chunks, self.reducers, self.optimizer, self.sync = chunks, reducers, optimizer, sync
-        self._sync_names = [name for chunk in chunks for name, _ in chunk.named_parameters()]
+        self._sync_names = [name for chunk in chunks for name, p in chunk.named_parameters() if p.requires_grad]
         self._view: StateView | None = None
         """The optimizer state `checkpoint_state` exported, until a load fills it and `_took_state` takes it back."""
         self._pending_checkpoint: tuple[Callable[[], None], Path, int] | None = None
@@ -49,7 +49,8 @@ class RankState:
         """This rank's part of a checkpoint (see parallel.io.checkpoint): its parameters and their optimizer state
         (AdamW's moments, or another kind's state in that form: `parallel.optim.states`), under the
         unsharded model's names and in the parameters' shapes."""
-        names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters()}
+        # A frozen parameter (LoRA's base) is not saved: it never changes, and comes back from init_from or the seed.
+        names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters() if p.requires_grad}
         self._view = view = self.optimizer.export()
         state_keys = self.optimizer.kind.state
         moments = {p: m for r in self.reducers.values() for p, m in r.moments(view.state, state_keys).items()}

@@ -43,9 +43,10 @@ from trainyard.parallel.data.datasets import (
     step_counted_targets,
     validation_batches,
 )
-from trainyard.parallel.io import hf_checkpoint
+from trainyard.parallel.io import hf_checkpoint, peft_adapter
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.lora import apply_lora
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
@@ -86,6 +87,8 @@ class RankTrainer:
         self.chunks = [self._build_chunk(c, layers) for c, layers in enumerate(plan.chunk_layers(self.coords.pp))]
         if cfg.init_from is not None:  # the start's weights; a checkpoint loaded later replaces them
             hf_checkpoint.load_into(self.chunks, cfg.model, Path(cfg.init_from.hf))
+            if cfg.init_from.adapter is not None:
+                peft_adapter.load_into(self.chunks, cfg.model, Path(cfg.init_from.adapter))
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
         # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.moe): dense
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
@@ -101,7 +104,8 @@ class RankTrainer:
         self.reducers: dict[str, Reducer] = {}
         self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
         for kind, group in sets.items():
-            per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind]
+            # a frozen parameter (LoRA's base) has no gradient to reduce and no optimizer state
+            per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind and p.requires_grad]
                          for chunk in self.chunks]
             if any(per_chunk):
                 self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
@@ -109,7 +113,7 @@ class RankTrainer:
         self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer, offload=cfg.optimizer.offload)
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
-        params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters()]
+        params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self.sync = ReplicaSync(par.sync, params, groups.dp, plan.dp) if self.local_sync else None
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
@@ -138,6 +142,8 @@ class RankTrainer:
             experts=self.plan.experts_of(self.rank)).to(self.device)
         if self.groups.tp_mesh is not None:
             apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
+        if cfg.model.lora is not None:  # after tp: the adapters are split to match their (sharded) base
+            apply_lora(stage, seed=cfg.seed, tp_mesh=self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
         stage.set_activation_checkpointing(cfg.activation_checkpointing)
         stage.set_activation_offload(cfg.activation_offload)
         if cfg.compile:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 from helpers import tiny_spec, wait_terminal
+from trainyard.actors import tracking
 from trainyard.actors.naming import coordinator_name, worker_name
 from trainyard.cli.client import ApiError, Client
 
 
-def test_a_job_reports_progress_and_metrics_rows(client):
-    job_id = client.submit(tiny_spec(steps=3, name="metrics", parallel={"dp": 2}))
+def test_a_job_reports_progress_and_metrics_rows(client, monkeypatch):
+    job_id = client.submit(tiny_spec(steps=3, name="metrics", parallel={"dp": 2}, tracking={"tensorboard": True}))
     job = wait_terminal(client, job_id)
     assert job["status"] == "SUCCEEDED" and job["step"] == 3 and job["steps"] == 3
     assert job["spec"]["name"] == "metrics"
@@ -22,6 +23,18 @@ def test_a_job_reports_progress_and_metrics_rows(client):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["grad_norm"] > 0 for r in rows)
     assert any(j["job_id"] == job_id for j in client.jobs())
+    # The coordinator logged each step to TensorBoard where `trainyard tensorboard ID` says.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(client.tracking(job_id)["tensorboard"])
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [0, 1, 2]
+    # A tracker not installed on the service's side is a 422 naming the field and the extra.
+    monkeypatch.setitem(tracking.LIBRARIES, "mlflow", "mlflow_not_installed_here")
+    with pytest.raises(ApiError) as refused:
+        client.submit(tiny_spec(steps=1, tracking={"mlflow": {}}))
+    assert refused.value.status_code == 422 and "tracking.mlflow" in str(refused.value)
+    assert "trainyard[track]" in str(refused.value)
 
 
 @pytest.mark.parametrize("overrides,field,text", [

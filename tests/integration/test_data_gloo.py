@@ -5,7 +5,9 @@
   and the val_loss are the same at dp=1, at dp=2 with two micro-batches per rank, and at tp=2 (the
   vocabulary-parallel loss ignores -100 too);
 - a batch whose targets are all masked has loss 0 and gradient 0 (no division by zero);
-- training on a directory prepared from Parquet makes val_loss fall.
+- training on a directory prepared from Parquet makes val_loss fall;
+- whole examples (`packing: false`) over two epochs at dp=1 and dp=2: each sequence once per epoch, the same
+  losses, and step 0's loss equals transformers' on each example run alone (summed, over the counted targets).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from data_helpers import bpe_tokenizer
 from gloo_ranks import PlanRun, RankResult, run_plans
 from helpers import REPO, tiny_spec
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset
+from trainyard.parallel.data.examples import epochs_steps
 from trainyard.parallel.data.prepare import PrepareOptions, prepare
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, make_plan
@@ -34,6 +37,40 @@ def _plan_run(plan: Plan) -> PlanRun:
 def _rows(results: list[RankResult]) -> list[dict]:
     """Rank 0's loss, grad_norm and val_loss (None where eval was not due) of each step."""
     return [{"loss": s["loss"], "grad_norm": s["grad_norm"], "val_loss": s.get("val_loss")} for s in results[0].stats]
+
+
+def test_whole_examples_are_each_seen_once_per_epoch_at_dp1_and_dp2(runs):
+    plans, rows = runs
+    sequences = open_dataset(plans["examples_dp1"].config).num_samples
+    g = plans["examples_dp1"].config.global_batch
+    for name in ("examples_dp1", "examples_dp2"):
+        seen = [i for row in rows[name] for i in row["sample_ids"]]
+        assert sorted(seen[:sequences]) == list(range(sequences)) == sorted(seen[sequences:2 * sequences])
+        assert rows[name][-1]["epoch"] >= 2.0 > rows[name][-2]["epoch"]
+    assert [r["sample_ids"] for r in rows["examples_dp2"]] == [r["sample_ids"] for r in rows["examples_dp1"]]
+    for one, two in zip(rows["examples_dp1"], rows["examples_dp2"], strict=True):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert len(rows["examples_dp1"][0]["sample_ids"]) == g
+
+
+def test_a_padded_example_s_loss_is_transformers_loss_on_the_example_alone(runs):
+    plans, rows = runs
+    cfg = plans["examples_dp1"].config
+    ds = open_dataset(cfg)
+    assert ds.cut_examples > 0  # some examples are longer than seq_len: their pieces are examples here too
+    hf = hf_gpt2(cfg.model, cfg.seed, cfg.model.seq_len + 1)
+    total, counted = 0.0, 0
+    with torch.no_grad():
+        for i in rows["examples_dp1"][0]["sample_ids"]:  # each alone, unpadded, prompt labels at -100
+            a, b = int(ds.starts[i]), int(ds.stops[i])
+            tokens = torch.as_tensor(ds.tokens[a:b].astype("int64"))[None]
+            labels = tokens.clone()
+            labels[0, 1:][~ds.target_mask(i)[: b - a - 1]] = -100
+            n = int((labels[0, 1:] != -100).sum())
+            if n:
+                total += hf(input_ids=tokens, labels=labels).loss.item() * n
+                counted += n
+    assert rows["examples_dp1"][0]["loss"] == pytest.approx(total / counted, abs=1e-5)
 
 
 def spec(path: Path, **overrides) -> dict:
@@ -57,7 +94,12 @@ def runs(tmp_path_factory):
     pq.write_table(pa.table({"text": paragraphs}), root / "corpus.parquet")
     prepare([root / "corpus.parquet"], root / "corpus", tok, progress=False)
     chat = spec(root / "chat", eval={"every": 2, "batches": 2})
+    whole = spec(root / "chat", data={"kind": "tokens", "path": str(root / "chat"), "packing": False, "epochs": 2},
+                 model={"vocab_size": 300, "seq_len": 40})
+    whole["steps"] = epochs_steps(2, open_dataset(parse_spec(whole)).num_samples, whole["global_batch"])
     plans = {
+        "examples_dp1": make_plan(parse_spec(whole)),
+        "examples_dp2": make_plan(parse_spec({**whole, "parallel": {"dp": 2, "microbatches": 2}})),
         "chat_dp2": make_plan(parse_spec({**chat, "parallel": {"dp": 2, "microbatches": 2}})),
         "chat_dp1": make_plan(parse_spec(chat)),
         "chat_tp2": make_plan(parse_spec({**chat, "parallel": {"tp": 2}})),  # vocabulary-parallel loss, -100
@@ -67,6 +109,11 @@ def runs(tmp_path_factory):
     }
     results = run_plans([_plan_run(plan) for plan in plans.values()])  # one world of two processes
     rows = {name: _rows(r) for name, r in zip(plans, results, strict=True)}
+    for name in ("examples_dp1", "examples_dp2"):  # each step's global batch, in dp rank order (dp rank = rank here)
+        ranks = results[list(plans).index(name)]
+        for step, row in enumerate(rows[name]):
+            row["sample_ids"] = [i for r in ranks for i in r.stats[step]["sample_ids"]]
+            row["epoch"] = ranks[0].stats[step]["epoch"]
     return plans, rows
 
 

@@ -2,7 +2,10 @@
 families): a tiny LlamaForCausalLM (GQA, untied) and a tiny GPT2LMHeadModel loaded with `init_from` give
 transformers' first-step loss; each rank reads only its own blocks of the checkpoint; the state trained at
 that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and gives
-trainyard's logits and the layout's next loss."""
+trainyard's logits and the layout's next loss. In the same world, LoRA on the Llama (every projection adapted) at
+(dp2, zero 3) and at the 3D layout follows its one-rank twin; the frozen base stays bitwise the checkpoint's, the
+optimizer state is the adapters' alone (as the memory plan says), and the 3D run's export loads in peft onto the
+base with trainyard's logits, its merged export in transformers."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from trainyard.parallel.runtime.driver import RankDriver
 
 LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2}
 ATOL = 1e-5
+LORA = {"rank": 4, "alpha": 8, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}
+LORA_LAYOUTS = {"lora-one": {}, "lora-z3": {"dp": 2, "zero": 3}, "lora-3d": LAYOUT}
 
 
 class _CountingOpen:
@@ -83,10 +88,27 @@ def _hf_loss(model, config, step: int) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
-def _spec(directory: Path) -> dict:
-    spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=LAYOUT,
+def _frozen_and_state(driver: RankDriver, stats: list[dict]) -> dict:
+    """Whether every frozen parameter still equals its block of the HF checkpoint, and the optimizer's bytes."""
+    from trainyard.parallel.io import hf_checkpoint
+    from trainyard.parallel.io.hf_spec import adapter_for_family
+    from trainyard.parallel.models.hf_mapping import from_hf_block, hf_block
+    from trainyard.parallel.runtime.local_parts import local_part
+
+    cfg = driver.trainer.plan.config
+    files = hf_checkpoint.HFFiles(Path(cfg.init_from.hf))
+    sources = adapter_for_family(cfg.model.family).sources(cfg.model, files.file_of.keys())
+    frozen = [(sources[n], p) for chunk in driver.trainer.chunks for n, p in chunk.named_parameters()
+              if not p.requires_grad]
+    same = all(torch.equal(from_hf_block(s, files.read(s.key, hf_block(s, hf_checkpoint.local_block(p)))),
+                           local_part(p)) for s, p in frozen)
+    return {"frozen": len(frozen), "unchanged": same, "optimizer_bytes": [s["optimizer_bytes"] for s in stats]}
+
+
+def _spec(directory: Path, parallel: dict = LAYOUT, lora: dict | None = None) -> dict:
+    spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=parallel,
                      optimizer={"lr": 1e-2, "warmup_steps": 0})
-    spec["model"] = {"seq_len": 16}  # the architecture comes from config.json
+    spec["model"] = {"seq_len": 16} | ({"lora": lora} if lora else {})  # the architecture comes from config.json
     return spec
 
 
@@ -97,16 +119,21 @@ def world(tmp_path_factory):
     models = {"llama": tiny_llama(root / "llama-src"), "gpt2": tiny_gpt2(root / "gpt2-src", tied=False)}
     configs = {name: parse_submitted_spec(_spec(root / f"{name}-src")) for name in models}
     plans = {name: make_plan(cfg) for name, cfg in configs.items()}
+    lora = {name: make_plan(parse_submitted_spec(_spec(root / "llama-src", par, LORA)))
+            for name, par in LORA_LAYOUTS.items()}
     # two steps, the state after the first saved under root/<name>: one spawned world of 8 for both families
     results = run_plans([PlanRun(plan, save_after=(1,), root=str(root / name), setup=_count_reads,
-                                 probe=_read_and_held) for name, plan in plans.items()])
+                                 probe=_read_and_held) for name, plan in plans.items()]
+                        + [PlanRun(plan, save_after=(1,), root=str(root / name), probe=_frozen_and_state)
+                           for name, plan in lora.items()])
     per_rank = [{name: results[i][r].probe for i, name in enumerate(plans)} for r in range(8)]
-    return models, configs, per_rank, root
+    lora_runs = {name: (plan, results[len(plans) + i]) for i, (name, plan) in enumerate(lora.items())}
+    return models, configs, per_rank, root, lora_runs
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_init_from_gives_transformers_first_step_loss_at_3d(world, name):
-    models, configs, per_rank, _ = world
+    models, configs, per_rank, _, _ = world
     losses = {r[name]["losses"][0] for r in per_rank if r[name]["losses"][0] is not None}
     assert len(losses) == 1
     assert abs(losses.pop() - _hf_loss(models[name], configs[name], 0)) < ATOL
@@ -114,7 +141,7 @@ def test_init_from_gives_transformers_first_step_loss_at_3d(world, name):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_each_rank_reads_only_its_own_blocks(world, name):
-    models, _, per_rank, _ = world
+    models, _, per_rank, _, _ = world
     whole = sum(p.numel() for p in models[name].parameters())
     for r in per_rank:
         assert r[name]["read"] == r[name]["held"]  # exactly its local shards, nothing more
@@ -126,7 +153,7 @@ def test_the_state_trained_at_3d_exports_to_transformers(world, name):
     from trainyard.parallel.io.export import export_hf, export_model, load_exported
     from transformers import AutoModelForCausalLM
 
-    _, configs, per_rank, root = world
+    _, configs, per_rank, root, _ = world
     cfg = configs[name]
     exported = export_model(cfg, checkpoint.step_dir(root / name, 1), 1, root / f"{name}.safetensors")
     out = export_hf(exported, root / f"{name}-hf", max_shard_bytes=50_000)
@@ -139,3 +166,40 @@ def test_the_state_trained_at_3d_exports_to_transformers(world, name):
         torch.testing.assert_close(theirs(tokens).logits, ours.lm_head(ours.ln_f(ours(tokens))), rtol=0, atol=ATOL)
     second = {r[name]["losses"][1] for r in per_rank if r[name]["losses"][1] is not None}
     assert abs(second.pop() - _hf_loss(theirs, cfg, 1)) < ATOL  # the layout's own forward, after its step
+
+
+def test_lora_follows_its_one_rank_twin_with_the_base_frozen_and_the_adapters_state_alone(world):
+    from trainyard.parallel.plan.memory import rank_memory
+
+    runs = world[4]
+    twin = next(r.stats for r in runs["lora-one"][1])
+    for name, (plan, results) in runs.items():
+        losses = [[s["loss"] for s in r.stats] for r in results if r.stats[0]["loss"] is not None]
+        for mine in losses:
+            assert max(abs(a - b["loss"]) for a, b in zip(mine, twin, strict=True)) < 1e-4, name
+        for rank, r in enumerate(results):
+            assert r.probe["frozen"] > 0 and r.probe["unchanged"], (name, rank)
+            assert set(r.probe["optimizer_bytes"]) == {rank_memory(plan, rank).optimizer}, (name, rank)
+    assert twin[1]["loss"] < twin[0]["loss"]  # the adapters learn
+
+
+def test_the_lora_state_trained_at_3d_exports_to_peft_and_merged_to_transformers(world):
+    from peft import PeftModel
+    from trainyard.parallel.io.export import export_hf, export_model, export_peft, load_exported
+    from transformers import AutoModelForCausalLM
+
+    models, _, _, root, runs = world
+    plan, results = runs["lora-3d"]
+    exported = export_model(plan.config, checkpoint.step_dir(root / "lora-3d", 1), 1, root / "lora.safetensors")
+    ours = load_exported(exported)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours.lm_head(ours.ln_f(ours(tokens)))
+        assert (expected - models["llama"](tokens).logits).abs().max() > 1e-4  # the step moved the adapters
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "llama-src"),
+                                            export_peft(exported, root / "lora-peft")).eval()
+        torch.testing.assert_close(adapted(tokens).logits, expected, rtol=0, atol=ATOL)
+        merged = AutoModelForCausalLM.from_pretrained(export_hf(exported, root / "lora-hf")).eval()
+        torch.testing.assert_close(merged(tokens).logits, expected, rtol=0, atol=ATOL)
+    second = {r.stats[1]["loss"] for r in results if r.stats[1]["loss"] is not None}
+    assert abs(second.pop() - _hf_loss(merged, plan.config, 1)) < ATOL  # the layout's own forward, after its step

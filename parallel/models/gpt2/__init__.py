@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 class GPT2(ModelFamily):
     name = "gpt2"
+    lora_targets = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "fc": "mlp.fc", "proj": "mlp.proj"}
 
     def check(self, config: JobConfig) -> list[RuleError]:
         m, errors = config.model, []
@@ -76,6 +77,11 @@ class GPT2(ModelFamily):
         if stage.last:
             layers |= tp.head(stream, sequence_parallel)
         return layers
+
+    def lora_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+        d, ffn = cfg.d_model, self.ffn_hidden(cfg)
+        return {"q": (d, d, False), "k": (d, d, False), "v": (d, d, False), "o": (d, d, True), "fc": (d, ffn, False),
+                "proj": (ffn, d, True)}
 
     def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
                      ep: int) -> ParamCounts:

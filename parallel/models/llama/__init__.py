@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 class Llama(ModelFamily):
     name = "llama"
+    lora_targets = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "gate": "mlp.gate", "up": "mlp.up",
+                    "down": "mlp.down"}
 
     def check(self, config: JobConfig) -> list[RuleError]:
         m, tp, errors = config.model, config.fixed_parallel.tp, []
@@ -83,6 +85,11 @@ class Llama(ModelFamily):
         if stage.last:
             layers |= tp.head(stream, sequence_parallel)
         return layers
+
+    def lora_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+        d, ffn, kv = cfg.d_model, self.ffn_hidden(cfg), (cfg.n_kv_head or cfg.n_head) * (cfg.d_model // cfg.n_head)
+        return {"q": (d, d, False), "k": (d, kv, False), "v": (d, kv, False), "o": (d, d, True),
+                "gate": (d, ffn, False), "up": (d, ffn, False), "down": (ffn, d, True)}
 
     def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
                      ep: int) -> ParamCounts:
