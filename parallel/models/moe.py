@@ -48,7 +48,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from trainyard.parallel.config import ModelConfig
 
