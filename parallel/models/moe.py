@@ -42,6 +42,7 @@ saved-tensor meter cannot inspect.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.grouped import use_grouped_mm
 
 N_STAT_SLOTS = 4
 """Per-layer statistics before the per-expert loads: aux sum, z sum, dropped and all assignments."""
@@ -89,6 +91,9 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): expert(cfg) for e in sorted(experts)})
         self.context = MoEContext()
+        self.grouped_mm: bool | None = None
+        """Run the experts as grouped matmuls: None where `parallel.models.grouped` says the device has a kernel
+        for it; True or False to force it (tests compare the two paths)."""
         # Sums over a step's calls (see `summarize`), zeroed by the trainer at each step's start. A buffer so
         # it moves with the module; not persistent: it is no part of the model.
         self.register_buffer("stats", torch.zeros(N_STAT_SLOTS + self.n_experts, dtype=torch.float64),
@@ -205,7 +210,17 @@ class MoELayer(nn.Module):
         return _Exchange.apply(out, send, recv, group)
 
     def _local_experts(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        outs = [expert(part) for expert, part in zip(self.experts.values(), rows.split(list(counts)), strict=True)]
+        """Rows sorted by this rank's experts (`counts` of each) through them: one grouped matmul per weight where
+        the device has one (`parallel.models.grouped`), else one expert after another."""
+        experts = list(self.experts.values())
+        grouped = getattr(type(experts[0]), "grouped", None) if experts else None
+        # Recomputing experts (selective checkpointing) run as their modules, whose checkpointed regions they have.
+        if grouped is not None and not any(getattr(e, "recompute", False) for e in experts) and (
+                self.grouped_mm if self.grouped_mm is not None
+                else use_grouped_mm(rows, next(experts[0].parameters()).shape[0])):  # (hidden, d_model) in each family
+            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
+            return grouped(experts, rows, offs)
+        outs = [expert(part) for expert, part in zip(experts, rows.split(list(counts)), strict=True)]
         return torch.cat(outs) if outs else rows
 
     def summarize(self, stats: torch.Tensor | Sequence[float], sequences: int) -> dict:
