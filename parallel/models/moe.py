@@ -20,11 +20,12 @@ Both join the training loss inside the block (`_AddLoss`, Megatron's aux-loss sc
 carries them into backward, whichever pipeline stage it runs on, and the executor does not change.
 
 Expert parallelism. The ep ranks of a group (dp ranks with the same pp and tp coordinates, see
-`parallel.plan`) each host experts / ep experts. A rank sorts its kept (token, expert) assignments by
-expert, exchanges the per-expert counts with `all_to_all_single`, sends each rank the rows for its
-experts (uneven splits), runs its experts and sends the outputs back the same way; autograd reverses both
-exchanges in backward. Expert gradients are then summed over the ranks that hold the same experts and the
-router's over the whole stage (`parallel.runtime.trainer`).
+`parallel.plan`) each host experts / ep experts. Dropless, a rank sorts its (token, expert) assignments by
+expert, exchanges the per-expert counts with `all_to_all_single`, sends each rank the rows for its experts
+(uneven splits), runs its experts and sends the outputs back the same way; with a capacity it sends each rank
+its experts' fixed-size buffers (equal splits, no counts). Autograd reverses both exchanges in backward.
+Expert gradients are then summed over the ranks that hold the same experts and the router's over the whole
+stage (`parallel.runtime.trainer`).
 
 Tensor parallelism. The tp ranks of a group do not duplicate the routing work: each routes and dispatches
 only its slice of the sequence (with sp it holds just that slice; without sp `parallel.runtime.tensor_parallel`
@@ -33,6 +34,14 @@ the ranks exchange their per-expert counts (a few integers) and each counts the 
 the load-balancing loss is linear in P, so each rank adds its slice's share with the whole sequence's f,
 and the shares sum to the loss. Experts are not sharded over tp: each tp rank holds whole experts and
 computes its own tokens; their gradients are summed over tp with the data-parallel ones.
+
+Dispatch and the host. Dropless, a layer sorts its (token, expert) assignments by expert and reads the
+per-expert counts to the host once per call (with ep, after the counts' exchange, its own and the incoming
+together): the experts' row splits and the exchange's need them. With a capacity nothing is read: each expert
+gets a buffer of min(capacity, slice length) rows per sequence of the micro-batch, a kept choice goes to the row
+of its place in the expert's queue, and the experts compute on the whole buffers (the empty rows are zeros nobody
+reads); with ep the buffers travel in equal splits (micro-batches are equal over dp). The experts run as grouped
+matmuls where the device has a kernel for it (`parallel.models.grouped`), one after another elsewhere.
 
 Written by hand because torch has no MoE layer. The token exchange is `dist.all_to_all_single` in a
 five-line autograd Function (`_Exchange`), as `torch.distributed.nn.functional.all_to_all_single` does:

@@ -196,13 +196,13 @@ class RankTrainer:
             if view is not None:
                 view.write_back()
         self.rank_state.steps_done = step + 1
-        loss_sum = self._step_loss(loss_sum)
+        step_loss = self._step_loss(loss_sum)
         moe_stats = self._moe_stats_tensor()
         # The step's one read from the device: the loss, the norm and the MoE statistics in one tensor, once
         # every kernel of the step is queued (module doc, "Host reads").
         parts = [norm.reshape(1).double(), moe_stats.flatten()]
-        figures = torch.cat(parts if loss_sum is None else [loss_sum.reshape(1).double(), *parts]).tolist()
-        loss = None if loss_sum is None else figures.pop(0)
+        figures = torch.cat(parts if step_loss is None else [step_loss.reshape(1).double(), *parts]).tolist()
+        loss = None if step_loss is None else figures.pop(0)
         grad_norm = figures.pop(0)
         if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
             self.rank_state.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
