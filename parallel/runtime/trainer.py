@@ -204,6 +204,7 @@ class RankTrainer:
         figures = torch.cat(parts if step_loss is None else [step_loss.reshape(1).double(), *parts]).tolist()
         loss = None if step_loss is None else figures.pop(0)
         grad_norm = figures.pop(0)
+        self.executor.clock.settle(timings)  # the actions' CUDA events are complete now (stage_clock)
         if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
             self.rank_state.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
             clip = "" if self.plan.config.optimizer.grad_clip > 0 else ", or turn optimizer.grad_clip on"
@@ -235,10 +236,13 @@ class RankTrainer:
         if self.sharded is not None:  # ZeRO-2 keeps what a forward gathered: free it, the step updates shards
             self.sharded.reshard()
         if not self.is_last_stage:
-            return None
-        if self.groups.dp is not None:
-            dist.all_reduce(total, group=self.groups.dp)
-        return float(total)
+            value = None
+        else:
+            if self.groups.dp is not None:
+                dist.all_reduce(total, group=self.groups.dp)
+            value = float(total)
+        self.executor.clock.settle(PipelineTimings())  # evaluation's timings are not reported: its events dropped
+        return value
 
     @property
     def steps_done(self) -> int | None:
