@@ -1,4 +1,9 @@
-"""The REST API: FastAPI routes over a JobManager, bearer-token auth, and error mapping.
+"""The REST API: FastAPI routes over a JobManager, bearer-token auth, users, and error mapping.
+
+Each request carries a user's bearer token: the state directory's `token` is the admin's, the others are made
+by `trainyard token create` (`service.users`). A job belongs to its submitter: a user lists only their own jobs,
+and another user's job is a 403 on every route that names it (an unknown one a 404); an admin sees and controls
+every job.
 
 Every error a user can fix is a 422 in FastAPI's own shape (`detail: [{loc, msg, type}]`), whether
 pydantic found it (types, ranges, unknown fields) or the plan did (cross-field rules, dataset, cluster
@@ -33,6 +38,7 @@ from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
 from trainyard.parallel.plan.present import describe
 from trainyard.parallel.spec import describe_error, relevant_errors
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
+from trainyard.service.users import ADMIN_USER, Registry, User
 
 if TYPE_CHECKING:
     from trainyard.service.manager import JobManager
@@ -81,17 +87,29 @@ class _JsonBodyRoute(APIRoute):
 
 
 def create_app(manager: JobManager, token: str, ray_address: str | None = None,
-               allow_fault_injection: bool = False) -> FastAPI:
+               allow_fault_injection: bool = False, users: Registry | None = None) -> FastAPI:
+    """`token`: the admin's; `users`: the other users' tokens (none without)."""
     app = FastAPI(title="trainyard", version="0.1.0",
                   description="Submit GPT training jobs and follow them as they train on Ray.")
     app.router.route_class = _JsonBodyRoute  # before any route is added: every body is read by _JsonBody
+    registry = users or Registry(None)
 
-    def authorized(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    def caller(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> User:
         # As bytes: compare_digest raises TypeError on a str with non-ASCII characters (a 500, not a 401).
-        if creds is None or not secrets.compare_digest(creds.credentials.encode(), token.encode()):
-            raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token "
-                                "(it is in the state directory's `token` file)",
-                                headers={"WWW-Authenticate": "Bearer"})
+        if creds is not None:
+            if secrets.compare_digest(creds.credentials.encode(), token.encode()):
+                return ADMIN_USER
+            if (user := registry.authenticate(creds.credentials)) is not None:
+                return user
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token (the admin's is in the "
+                            "state directory's `token` file; `trainyard token create NAME` makes a user's)",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+    def owner_or_admin(job_id: str, user: User = Depends(caller)) -> None:
+        """The rule of every route that names a job: only its owner or an admin (JobNotFound: a 404)."""
+        if not user.admin and manager.get(job_id).owner != user.name:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"job {job_id} is another user's; only its owner and "
+                                                           "admins see and control it")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_spec(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -131,7 +149,10 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         return JSONResponse(status_code=503, content={"detail": str(exc)},
                             headers={"Retry-After": str(exc.retry_after_s)})
 
-    guarded = [Depends(authorized)]
+    guarded = [Depends(caller)]
+    owned = [Depends(owner_or_admin)]
+    others: dict[int | str, dict[str, Any]] = {
+        403: {"description": "the job is another user's (only its owner and admins see and control it)"}}
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -143,26 +164,29 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
 
     @app.post("/api/jobs", status_code=201, dependencies=guarded,
               responses={429: {"description": "the queue is full (`trainyard serve --max-queued`)"}, **calibrating})
-    def submit(spec: SubmittedSpec) -> JobCreated:
-        """Validate the spec and queue the job (PENDING); it starts when the whole job's resources are free."""
-        return JobCreated(job_id=manager.submit(spec))
+    def submit(spec: SubmittedSpec, user: User = Depends(caller)) -> JobCreated:
+        """Validate the spec and queue the job (PENDING), owned by the caller; it starts when the whole job's
+        resources are free and within the caller's quota (a job beyond the whole quota is a 422 on `resources`)."""
+        return JobCreated(job_id=manager.submit(spec, owner=user.name))
 
-    @app.get("/api/jobs", dependencies=guarded)
-    def list_jobs() -> list[JobInfo]:
+    @app.get("/api/jobs")
+    def list_jobs(user: User = Depends(caller)) -> list[JobInfo]:
+        """The caller's jobs (an admin's: every job)."""
         queue = manager.queue_view()
-        return [job_info(j, manager.dashboard_url, queue, with_spec=False) for j in manager.list()]
+        jobs = manager.list(None if user.admin else user.name)
+        return [job_info(j, manager.dashboard_url, queue, with_spec=False) for j in jobs]
 
-    @app.get("/api/jobs/{job_id}", dependencies=guarded)
+    @app.get("/api/jobs/{job_id}", dependencies=owned, responses=others)
     def job(job_id: str) -> JobInfo:
         return job_info(manager.get(job_id), manager.dashboard_url, manager.queue_view())
 
-    @app.get("/api/jobs/{job_id}/metrics", dependencies=guarded)
+    @app.get("/api/jobs/{job_id}/metrics", dependencies=owned, responses=others)
     def metrics(job_id: str, since: int = Query(0, ge=0, le=MAX_STEPS,
                                                  description="first step to return")) -> list[MetricsRow]:
         return [MetricsRow(**row) for row in manager.metrics(job_id, since)]
 
-    @app.get("/api/jobs/{job_id}/logs", dependencies=guarded,
-             responses={404: {"description": "no such job, or no such rank in it"},
+    @app.get("/api/jobs/{job_id}/logs", dependencies=owned,
+             responses={**others, 404: {"description": "no such job, or no such rank in it"},
                         409: {"description": "the job has not started its workers (it has no ranks yet)"}})
     def logs(job_id: str,
              rank: int | None = Query(None, ge=0, le=MAX_DEGREE**3, description="one rank (default: every rank)"),
@@ -178,8 +202,8 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
                                            "msg": "since counts the lines of one rank's log: give `rank` too"}])
         return JobLogs(**manager.logs(job_id, rank, stream, tail, since))
 
-    @app.get("/api/jobs/{job_id}/model", dependencies=guarded, response_class=FileResponse,
-             responses={200: {"content": {"application/octet-stream": {}, "application/x-tar": {}},
+    @app.get("/api/jobs/{job_id}/model", dependencies=owned, response_class=FileResponse,
+             responses={**others, 200: {"content": {"application/octet-stream": {}, "application/x-tar": {}},
                               "description": "format=trainyard: the final weights as one safetensors file; "
                                              "`__metadata__` holds `config` (the model config, JSON) and `step`. "
                                              "format=hf: a tar of a Hugging Face directory (config.json, "
@@ -202,27 +226,29 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
                                 filename=f"{job_id}-{format}.tar")
         return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}.safetensors")
 
-    @app.get("/api/jobs/{job_id}/tracking", dependencies=guarded)
+    @app.get("/api/jobs/{job_id}/tracking", dependencies=owned, responses=others)
     def tracking(job_id: str) -> dict[str, str]:
         """Where the job's experiment trackers write (the spec's `tracking`): `tensorboard` (a logdir), `wandb`
         (the directory of its W&B runs), `mlflow` (the tracking URI); empty when it asks for none."""
         return manager.tracking(job_id)
 
-    @app.get("/api/jobs/{job_id}/events", dependencies=guarded)
+    @app.get("/api/jobs/{job_id}/events", dependencies=owned, responses=others)
     def events(job_id: str) -> list[dict]:
         """What happened to the job as it ran, oldest first: `failure` (cause, ranks, nodes, step, steps_lost,
         restore_step), `recovered` (recovery_s: from the failure to the next finished step), `checkpoint`."""
         return manager.events(job_id)
 
-    @app.post("/api/jobs/{job_id}/scale", dependencies=guarded, status_code=202,
-              responses={409: {"description": "the job is not RUNNING, or the resources for more ranks are not free"},
+    @app.post("/api/jobs/{job_id}/scale", dependencies=owned, status_code=202,
+              responses={**others,
+                         409: {"description": "the job is not RUNNING, or the resources for more ranks are not free"},
                          422: {"description": "a size the job cannot take (range, global batch, cluster)"}})
     def scale(job_id: str, request: ScaleRequest) -> dict:
         """Resize a running job's data parallelism at its next step boundary (the job is RESIZING meanwhile)."""
         return manager.scale(job_id, request.dp)
 
-    @app.post("/api/jobs/{job_id}/faults", dependencies=guarded, status_code=202,
-              responses={403: {"description": "fault drills are off (`trainyard serve --allow-fault-injection`)"},
+    @app.post("/api/jobs/{job_id}/faults", dependencies=owned, status_code=202,
+              responses={403: {"description": "fault drills are off (`trainyard serve --allow-fault-injection`), "
+                                              "or the job is another user's"},
                          409: {"description": "the job is not RUNNING"}})
     def fault(job_id: str, drill: FaultDrill) -> dict:
         """Schedule a fault drill in a running job."""
@@ -231,11 +257,11 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
                                                            "`trainyard serve --allow-fault-injection`")
         return manager.inject_fault(job_id, drill.kind, drill.rank, drill.at_step)
 
-    @app.post("/api/jobs/{job_id}/stop", dependencies=guarded)
+    @app.post("/api/jobs/{job_id}/stop", dependencies=owned, responses=others)
     def stop(job_id: str) -> JobInfo:
         return job_info(manager.stop(job_id), manager.dashboard_url, {})
 
-    @app.delete("/api/jobs/{job_id}", status_code=204, dependencies=guarded)
+    @app.delete("/api/jobs/{job_id}", status_code=204, dependencies=owned, responses=others)
     def delete(job_id: str) -> None:
         manager.delete(job_id)
 

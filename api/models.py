@@ -18,6 +18,8 @@ class JobCreated(BaseModel):
 class JobInfo(BaseModel):
     job_id: str
     name: str
+    owner: str
+    """The user who submitted it (`admin`: the state directory's token, or a job from before users)."""
     status: str
     step: int
     """Steps finished so far."""
@@ -133,8 +135,8 @@ def job_info(job: JobRecord, dashboard_url: str | None, queue: dict[str, tuple[i
              with_spec: bool = True) -> JobInfo:
     """`queue` maps each waiting job to (position, what it waits for), as `JobManager.queue_view` gives it."""
     position, waiting = queue.get(job.job_id, (None, None))
-    return JobInfo(job_id=job.job_id, name=job.name, status=job.status.value, step=job.step, steps=job.steps,
-                   error=job.error, actors=job.actors, ranks=job.ranks, priority=job.priority,
+    return JobInfo(job_id=job.job_id, name=job.name, owner=job.owner, status=job.status.value, step=job.step,
+                   steps=job.steps, error=job.error, actors=job.actors, ranks=job.ranks, priority=job.priority,
                    queue_position=position, waiting_for=waiting, dashboard_url=dashboard_url,
                    created_at=job.created_at, admitted_at=job.admitted_at, ended_at=job.ended_at,
                    updated_at=job.updated_at, spec=job.spec if with_spec else None)

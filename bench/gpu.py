@@ -5,8 +5,8 @@ Runs with torch alone (no Ray, no service), in one process, on one device:
   `parallel.runtime.driver.RankDriver` (NCCL on CUDA, gloo on CPU) and its `RankTrainer`'s
   `train_step(step, micro-batch ids)`. Each step reads its samples from the job's (synthetic) dataset on the
   CPU and copies them to the device, as a worker does; the sample ids come
-  ready-made, as a worker gets them from the coordinator. The trainer reads the gradient norm and the loss
-  as Python floats, so it waits for the device twice a step.
+  ready-made, as a worker gets them from the coordinator. The trainer reads the step's figures (loss,
+  gradient norm) to the host once, at the step's end, so it waits for the device once a step.
 - plain: the same model (`parallel.models.whole.full_model`, same init), the same samples of the same steps
   already on the device, autocast around forward and loss (when bf16), mean `F.cross_entropy`, backward,
   `clip_grad_norm_` at the spec's grad_clip, and `torch.optim.AdamW(foreach=True)` (as the trainer's) with
@@ -69,6 +69,8 @@ from trainyard.parallel.runtime.local_world import free_ports
 
 GPT_MEDIUM = {"n_layer": 24, "n_head": 16, "d_model": 1024, "vocab_size": 50304, "seq_len": 1024}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 256, "seq_len": 32}
+SMALL = {"n_layer": 4, "n_head": 4, "d_model": 256, "vocab_size": 8192, "seq_len": 128}
+"""`--small`: the `make bench` step section's CPU model (bench/step.py says why this one)."""
 TARGET_RATIO = 0.97
 TARGET_MFU = 0.45
 # Dense bf16 tensor-core peaks (datasheets, without sparsity), matched in order against the device's name.
@@ -100,7 +102,8 @@ class PlainVariant:
     parameter's post-accumulate hook copies backward's gradient into its bucket view and counts down its
     bucket), instead of left where backward allocated them."""
     sync: bool = False
-    """Read the gradient norm (before AdamW) and the loss as Python floats every step, as the trainer does."""
+    """Read the gradient norm (before AdamW) and the loss as Python floats every step, two waits for the device (as
+    the trainer did before it read its step's figures once, at the step's end)."""
 
 
 PLAIN = PlainVariant("plain")
@@ -178,8 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _plan(args: argparse.Namespace, device: torch.device, precision: str) -> Plan:
-    shape = TINY if args.tiny else GPT_MEDIUM
-    batch = args.batch if args.batch is not None else (4 if args.tiny else 16)
+    shape = TINY if args.tiny else SMALL if args.small else GPT_MEDIUM
+    batch = args.batch if args.batch is not None else (4 if args.tiny else 8 if args.small else 16)
     cfg = JobConfig(
         name="bench-gpu", model=ModelConfig(**shape), steps=args.warmup + args.rounds * args.steps,
         data=DataConfig(kind="synthetic"), global_batch=batch, precision=precision,
@@ -424,6 +427,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 GPT, batch 4: checks the code path")
+    p.add_argument("--small", action="store_true",
+                   help="a 4-layer d_model 256, vocab 8192, seq 128 GPT, batch 8: the CPU step section's model")
     p.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 16; 4 with --tiny)")
     p.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation micro-batches per step")

@@ -37,6 +37,7 @@ from bench import (
     scale,
     service_ops,
     signals,
+    step,
     sync,
     tp_memory,
 )
@@ -79,6 +80,8 @@ SECTIONS: dict[str, Section] = {
         Section("service", "submit latency under a burst of 200; exit time on SIGTERM", service_ops.run_section),
         Section("data", "prepare tokens/s; loader tokens/s per rank vs what a step consumes", data.run_section),
         Section("families", "a llama step vs a gpt2 step at equal parameter count", families.run_section),
+        Section("step", "trainyard's one-rank step vs a plain torch loop of the same model and data; the loss's peak "
+                        "bytes", step.run_section),
         Section("signals", "SIGTERM to the service's process group vs to its process", signals.run_section),
         Section("poll", "a poll at step 20,000 vs early; resume_from of a 2 GiB checkpoint", poll.run_section),
         Section("savers-zero", "ZeRO-2 and ZeRO-3 vs zero 0 (dp=2): memory and step time", savers_zero_section),

@@ -2,12 +2,13 @@
 
 Client commands find the server and its token in the state directory that `serve` wrote
 (`--state-dir`, default ~/.trainyard), or take `--url` / `--token` (or TRAINYARD_URL / TRAINYARD_TOKEN).
-`plan` needs no server: it validates the file and prints the plan locally. `logs` reads the ranks' logs
+`plan` needs no server: it validates the file and prints the plan locally; `token` makes the service's users on the
+state directory. `logs` reads the ranks' logs
 (which the service reads from Ray) and `logs --follow` polls them; `metrics --plot` draws the rows with
 matplotlib (`cli.plot`).
 
 This module is the command table (one parser for every subcommand); the commands live in `cli.offline` (no
-server needed) and `cli.jobs` (over the API).
+server needed), `cli.tokens` (users) and `cli.jobs` (over the API).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import os
 import sys
 
-from trainyard.cli import jobs, offline
+from trainyard.cli import jobs, offline, tokens
 from trainyard.cli.client import ApiError
 
 
@@ -115,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--follow", "-f", action="store_true", help="then print new lines as they come, until the job ends")
     s.set_defaults(func=jobs.logs)
     _add_prepare(sub)
+    tokens.add_parser(sub)
     sub.add_parser("list", help="list jobs").set_defaults(func=jobs.list_jobs)
     sub.add_parser("cluster", help="show the Ray cluster").set_defaults(func=jobs.cluster)
     return p

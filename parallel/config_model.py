@@ -88,7 +88,8 @@ class ModelConfig:
     context_len: Annotated[int, Gt(0), Le(MAX_SEQ_LEN), NOT_BOOL] | None = None
     """Positions the model can attend over (position-embedding rows); null means seq_len."""
     tie_embeddings: bool = False
-    """Share the token embedding with the output head (nanoGPT style)."""
+    """Share the token embedding with the output head (nanoGPT style); at pp > 1 the last stage holds a copy kept
+    equal to it."""
     moe: MoEConfig | None = None
     """Mixture-of-experts blocks; null for a dense model."""
     family: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"] = "gpt2"

@@ -3,13 +3,15 @@
 The admission thread's body (`Admission.admit_queued`) reserves the head's placement group (ready at once, or given
 back and tried again later: another job may have taken the resources in between), and only then starts the
 job's Coordinator with it, on the service's own node, and hands it to `LiveJobs` to follow. A waiting job holds
-no Ray process; the last free resources read are kept for the queue's view of what each job waits for.
+no Ray process; the last free resources read are kept for the queue's view of what each job waits for. A job its
+owner's quota holds back gets an event saying so, once per wait.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -24,7 +26,7 @@ from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
-from trainyard.service import queue
+from trainyard.service import queue, quota
 from trainyard.service.errors import Calibrating
 from trainyard.service.live_jobs import LiveJobs
 from trainyard.service.paths import JobPaths
@@ -40,29 +42,47 @@ taken them in between); then it is given back and the queue tried again."""
 
 class Admission:
     def __init__(self, live: LiveJobs, paths: JobPaths, resume_point: Callable[[JobConfig], tuple[str, int] | None],
-                 detach_jobs: bool, choose_layout: Callable[[JobConfig], JobConfig] = lambda config: config):
-        """`choose_layout`: `parallel: auto` resolved (raises Calibrating while the costs are being measured)."""
+                 detach_jobs: bool, choose_layout: Callable[[JobConfig], JobConfig] = lambda config: config,
+                 quotas: queue.Quotas = lambda _: quota.NO_QUOTA):
+        """`choose_layout`: `parallel: auto` resolved (raises Calibrating while the costs are being measured);
+        `quotas`: each user's (`service.users`)."""
         self.live, self.store, self.paths = live, live.store, paths
+        self.quotas = quotas
         self.resume_point = resume_point
         self.choose_layout = choose_layout
         self.detach_jobs = detach_jobs
         self.free: list[dict[str, float]] = []
         """Each node's free resources, as last read (the queue's view shows what a job waits for against it)."""
 
+    def waiting(self) -> tuple[list[JobRecord], dict[str, dict[str, float]]]:
+        """The queue in admission order (`queue.fair_order`), and what each user's live jobs hold."""
+        live = self.store.live_needs()
+        held = quota.usage(live)
+        return queue.fair_order(self.store.queue(), Counter(owner for _, owner, _ in live)), held
+
     def admit_queued(self, stopping: Callable[[], bool] = lambda: False) -> None:
         """Admit jobs from the head of the queue for as long as the head fits."""
         while not stopping():
-            waiting = self.store.queue()
+            waiting, held = self.waiting()
             unplanned = [job for job in waiting if not queue.planned(job)]
             for job in unplanned:  # until the costs are known (one measurement serves them all)
                 if not self.live.guarded(job.job_id, self._plan, job):
                     break
             if unplanned:
-                waiting = self.store.queue()
+                waiting, held = self.waiting()
+            self._say_why_held(waiting, held)
             self.free = free_resources() if waiting else self.free
-            head = queue.next_to_admit(waiting, self.free)
+            head = queue.next_to_admit(waiting, self.free, held, self.quotas)
             if head is None or not self.live.guarded(head.job_id, self._admit, head):
                 return
+
+    def _say_why_held(self, waiting: list[JobRecord], held: dict[str, dict[str, float]]) -> None:
+        """An event on each job its owner's quota holds back, unless its last event says so already."""
+        for job in waiting:
+            reason = queue.held_by_quota(job, held, self.quotas)
+            if reason is not None and (not job.events or job.events[-1].get("kind") != "waiting_for_quota"):
+                self.store.add_events(job.job_id, [{"time": time.time(), "kind": "waiting_for_quota",
+                                                    "cause": reason}])
 
     def _plan(self, job: JobRecord) -> bool:
         """A `parallel: auto` job submitted while the costs were measured: its layout chosen once they are known
@@ -76,6 +96,10 @@ class Admission:
             plan = make_plan(chosen, cluster_resources())
         except RuleError as e:
             self.live.finish(job.job_id, JobStatus.FAILED, f"no layout of this job runs on this cluster: {e}")
+            return True
+        beyond = self.quotas(job.owner).never_fits(plan.gang.needed())
+        if beyond is not None:  # what a submit refuses with a 422 when the layout is known then
+            self.live.finish(job.job_id, JobStatus.FAILED, f"resources: {beyond}")
             return True
         if self.store.set_plan(job.job_id, spec_to_dict(chosen), asdict(plan.gang)):
             layout = {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "world_size": plan.world_size}

@@ -4,8 +4,9 @@ two threads. What each thread does lives beside it: admission (`service.admissio
 to Ray at start (`service.reconcile`), where a job's files go (`service.paths`), resume points
 (`service.resume`) and logs (`service.logs`).
 
-- `submit` validates a JobConfig against the cluster (plan rules, dataset, fit), stores the job as PENDING
-  and returns: a waiting job is a row in the store and holds no Ray process.
+- `submit` validates a JobConfig against the cluster (plan rules, dataset, fit, its owner's quota), stores the job
+  as PENDING, owned by the submitter, and returns: a waiting job is a row in the store and holds no Ray process.
+  Who may see and control which job is the API's rule (`service.users` has the users).
 - The admission thread takes the head of the queue (`service.queue`) when its whole gang fits the free
   resources, reserves its placement group (ready at once, or given back and tried again later), and only
   then starts the job's Coordinator with that placement group.
@@ -45,7 +46,7 @@ from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.hf_spec import init_from_event
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
-from trainyard.service import queue
+from trainyard.service import queue, quota
 from trainyard.service.admission import RESERVE_TIMEOUT_S, Admission
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
@@ -55,7 +56,7 @@ from trainyard.service.paths import JobPaths
 from trainyard.service.ray_runtime import cluster_resources
 from trainyard.service.reconcile import reconcile
 from trainyard.service.resume import resume_point
-from trainyard.service.store import JobRecord, JobStore
+from trainyard.service.store import ADMIN, JobRecord, JobStore
 
 log = logging.getLogger("trainyard.manager")
 
@@ -81,10 +82,10 @@ def _export_latest(config: JobConfig, root: str, out: str) -> int | None:
 class JobManager:
     def __init__(self, store: JobStore, dashboard_url: str | None = None, poll_interval_s: float = 0.5,
                  max_queued: int = 1000, admit: bool = True, data_dir: Path | None = None,
-                 detach_jobs: bool = False):
+                 detach_jobs: bool = False, quotas: queue.Quotas = lambda _: quota.NO_QUOTA):
         """`admit=False` keeps every job waiting (maintenance, and the API fuzz test). `data_dir` holds the
         jobs' checkpoints and trained models (default: beside the store). `detach_jobs`: the cluster outlives
-        the service, and so do its jobs (see the module docstring)."""
+        the service, and so do its jobs (see the module docstring). `quotas`: each user's, by name."""
         self.store = store
         self.detach_jobs = detach_jobs
         self.data_dir = data_dir or store.path.parent
@@ -93,10 +94,11 @@ class JobManager:
         self.poll_interval_s = poll_interval_s
         self.max_queued = max_queued
         self.admit = admit
+        self.quotas = quotas
         self.calibrations = Calibrations(self.data_dir)
         self.live = LiveJobs(store)
         self.admission = Admission(self.live, self.paths, self.resume_point, detach_jobs,
-                                   choose_layout=lambda config: self.choose_layout(config)[0])
+                                   choose_layout=lambda config: self.choose_layout(config)[0], quotas=quotas)
         self._stopping = threading.Event()
         self._wake = threading.Event()
         # Ray builds its serialization context on the first call with arguments, importing pydantic.v1 as it
@@ -163,21 +165,23 @@ class JobManager:
     def cluster(self) -> ClusterResources:
         return cluster_resources()
 
-    def submit(self, config: JobConfig) -> str:
-        """Validate and queue the job; returns at once (the admission thread starts it when it fits). A
+    def submit(self, config: JobConfig, owner: str = ADMIN) -> str:
+        """Validate and queue `owner`'s job; returns at once (the admission thread starts it when it fits). A
         `parallel: auto` job submitted while the node type's costs are being measured is queued all the same,
-        with an event saying it waits for them: the admission thread chooses its layout once they are known."""
+        with an event saying it waits for them: the admission thread chooses its layout once they are known. A
+        job that needs more than its owner's whole quota is refused (RuleError on `resources`)."""
         config, events = self._bound_by_epochs(config)
         try:
             config, _ = self.choose_layout(config)
         except Calibrating as waiting:
             self._check_inputs(config)
             event = {"time": time.time(), "kind": "waiting_for_calibration", "cause": str(waiting)}
-            return self._queue(config, needs={}, events=[*events, event])
+            return self._queue(config, owner, needs={}, events=[*events, event])
         plan = self.plan(config)
-        job_id = self._queue(config, needs=asdict(plan.gang), events=events)
-        log.info("job %s queued (%s, world size %d, priority %d)", job_id, config.name, plan.world_size,
-                 config.priority)
+        quota.check(self.quotas(owner), plan.gang.needed(), "resources")  # a job over what is left waits instead
+        job_id = self._queue(config, owner, needs=asdict(plan.gang), events=events)
+        log.info("job %s queued (%s, world size %d, priority %d, user %s)", job_id, config.name, plan.world_size,
+                 config.priority, owner)
         return job_id
 
     @staticmethod
@@ -195,7 +199,7 @@ class JobManager:
                           f"global_batch={config.global_batch}: {steps} steps, fewer than steps={config.steps}"}
         return dataclasses.replace(config, steps=steps), [event]
 
-    def _queue(self, config: JobConfig, needs: dict, events: builtins.list[dict] | None = None) -> str:
+    def _queue(self, config: JobConfig, owner: str, needs: dict, events: builtins.list[dict] | None = None) -> str:
         job_id = uuid.uuid4().hex[:12]
         claimed = init_from_event(config, time.time())  # which family reads init_from.hf
         events = ([claimed] if claimed else []) + (events or [])
@@ -205,7 +209,7 @@ class JobManager:
                                 "submit again when some have started, or stop some")
             self.store.insert(JobRecord(job_id=job_id, name=config.name, status=JobStatus.PENDING,
                                         spec=spec_to_dict(config), steps=config.steps, priority=config.priority,
-                                        needs=needs, events=events or []))
+                                        needs=needs, events=events or [], owner=owner))
         self._wake.set()
         return job_id
 
@@ -217,13 +221,14 @@ class JobManager:
             raise JobNotFound(job_id)
         return job
 
-    def list(self) -> builtins.list[JobRecord]:
-        return self.store.list()
+    def list(self, owner: str | None = None) -> builtins.list[JobRecord]:
+        """Every job, or `owner`'s."""
+        return self.store.list(owner)
 
     def queue_view(self) -> dict[str, tuple[int, dict]]:
         """job_id -> (queue position from 1, what it waits for) for every waiting job."""
-        waiting, free = self.store.queue(), self.admission.free
-        return {job.job_id: (i, queue.waiting_for(i, job, free)) for i, job in enumerate(waiting, start=1)}
+        waiting, held = self.admission.waiting()
+        return queue.view(waiting, self.admission.free, held, self.quotas)
 
     def metrics(self, job_id: str, since: int = 0) -> builtins.list[dict]:
         self.get(job_id)
@@ -316,7 +321,9 @@ class JobManager:
         the job cannot take that size on this cluster; JobConflict (409) when it is not RUNNING or the added
         ranks' resources are not free."""
         job = self.get(job_id)
-        resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources())
+        needed = resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources()).gang.needed()
+        held = quota.usage(self.store.live_needs(), leave_out=job_id).get(job.owner, {})
+        quota.check(self.quotas(job.owner), needed, "dp", held)
         coordinator = self.live.coordinator(job_id)
         if job.status is not JobStatus.RUNNING or coordinator is None:
             raise JobConflict(f"job {job_id} is {job.status}; only a RUNNING job can be resized")

@@ -24,6 +24,7 @@ from trainyard.service import state_dir as sd
 from trainyard.service.manager import JobManager
 from trainyard.service.ray_runtime import connect, record_embedded_processes, remove_orphans
 from trainyard.service.store import JobStore
+from trainyard.service.users import Registry
 
 log = logging.getLogger("trainyard.server")
 
@@ -53,8 +54,8 @@ class _Server(uvicorn.Server):
 
 
 AppFactory = Callable[..., Any]
-"""`api.app.create_app`'s shape: (manager, token, *, ray_address, allow_fault_injection) -> an ASGI app. Passed in
-by the CLI, so the service runs the web layer without importing it."""
+"""`api.app.create_app`'s shape: (manager, token, *, ray_address, allow_fault_injection, users) -> an ASGI app.
+Passed in by the CLI, so the service runs the web layer without importing it."""
 
 
 def serve(make_app: AppFactory, host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | None = None,
@@ -70,9 +71,11 @@ def serve(make_app: AppFactory, host: str = "127.0.0.1", port: int = 8000, state
     info = connect(address=ray_address, num_cpus=num_cpus)
     if info.embedded:
         record_embedded_processes(processes)
+    users = Registry(directory)  # `trainyard token create` writes it; read again whenever it changes
     manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url, max_queued=max_queued,
-                         detach_jobs=not info.embedded)
-    app = make_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection)
+                         detach_jobs=not info.embedded, quotas=users.quota)
+    app = make_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection,
+                   users=users)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=GRACEFUL_HTTP_S))
 

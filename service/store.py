@@ -58,10 +58,16 @@ _ADDED_COLUMNS = {
     "ended_at": "REAL",
     "ranks": "TEXT NOT NULL DEFAULT '[]'",
     "events": "TEXT NOT NULL DEFAULT '[]'",
+    "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs stored before users belong to the admin (ADMIN)
 }
 _TERMINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_terminal)
 _QUEUED = "status = 'PENDING' AND admitted_at IS NULL"
 _QUEUE_ORDER = "priority DESC, created_at, rowid"
+_LIVE = f"admitted_at IS NOT NULL AND status NOT IN ({_TERMINAL})"
+
+ADMIN = "admin"
+"""The user of the state directory's `token` (`trainyard serve`'s own), an admin: the owner of the jobs submitted with
+it, and of those stored before jobs had owners."""
 
 
 @dataclass
@@ -86,6 +92,8 @@ class JobRecord:
     """Where each rank runs: rank, name, node, pid, device (once the workers have started)."""
     events: list[dict] = field(default_factory=list)
     """What happened to the job as it ran: failures, recoveries, checkpoints (see actors.coordinator)."""
+    owner: str = ADMIN
+    """The user who submitted it (`service.users`)."""
 
     @property
     def queued(self) -> bool:
@@ -143,7 +151,7 @@ class JobStore:
                 f"INSERT INTO jobs ({_COLUMNS}) VALUES ({', '.join('?' * len(_COLUMN_LIST))})",
                 (job.job_id, job.name, job.status.value, json.dumps(job.spec), job.steps, job.step, job.error,
                  json.dumps(job.actors), now, now, job.priority, json.dumps(job.needs), job.admitted_at,
-                 job.ended_at, json.dumps(job.ranks), "[]"),
+                 job.ended_at, json.dumps(job.ranks), "[]", job.owner),
             )
             self._insert_events(job.job_id, job.events, first=0)
 
@@ -221,9 +229,11 @@ class JobStore:
             events = self._events([job_id]) if row else {}
         return _record(row, events[job_id]) if row else None
 
-    def list(self) -> builtins.list[JobRecord]:
+    def list(self, owner: str | None = None) -> builtins.list[JobRecord]:
+        """Every job, or `owner`'s."""
+        where, args = ("WHERE owner = ?", (owner,)) if owner is not None else ("", ())
         with self._lock:
-            rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY created_at, rowid").fetchall()
+            rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs {where} ORDER BY created_at, rowid", args).fetchall()
             events = self._events([r[0] for r in rows])
         return [_record(r, events[r[0]]) for r in rows]
 
@@ -233,6 +243,13 @@ class JobStore:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE {_QUEUED} ORDER BY {_QUEUE_ORDER}").fetchall()
             events = self._events([r[0] for r in rows]) if rows else {}
         return [_record(r, events[r[0]]) for r in rows]
+
+    def live_needs(self) -> builtins.list[tuple[str, str, dict]]:
+        """(job_id, owner, what the job needs at once) of every admitted job that has not ended: what each user
+        holds."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT job_id, owner, needs FROM jobs WHERE {_LIVE}").fetchall()
+        return [(job_id, owner, json.loads(needs)) for job_id, owner, needs in rows]
 
     def queued_count(self) -> int:
         with self._lock:
@@ -268,14 +285,14 @@ class JobStore:
 
 
 _COLUMN_LIST = ("job_id", "name", "status", "spec", "steps", "step", "error", "actors", "created_at", "updated_at",
-                "priority", "needs", "admitted_at", "ended_at", "ranks", "events")
+                "priority", "needs", "admitted_at", "ended_at", "ranks", "events", "owner")
 _COLUMNS = ", ".join(_COLUMN_LIST)
 
 
 def _record(row: tuple, events: list[dict]) -> JobRecord:
     (job_id, name, status, spec, steps, step, error, actors, created, updated, priority, needs, admitted_at,
-     ended_at, ranks, _) = row
+     ended_at, ranks, _, owner) = row
     return JobRecord(job_id=job_id, name=name, status=JobStatus(status), spec=json.loads(spec), steps=steps,
                      step=step, error=error, actors=json.loads(actors), created_at=created, updated_at=updated,
                      priority=priority, needs=json.loads(needs), admitted_at=admitted_at, ended_at=ended_at,
-                     ranks=json.loads(ranks), events=events)
+                     ranks=json.loads(ranks), events=events, owner=owner)

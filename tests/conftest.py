@@ -73,15 +73,17 @@ def start_service(state_dir: Path, allow_fault_injection: bool = True, **manager
     from trainyard.service import state_dir as sd
     from trainyard.service.manager import JobManager
     from trainyard.service.store import JobStore
+    from trainyard.service.users import Registry
 
     token = sd.load_or_create_token(sd.resolve(state_dir))
+    users = Registry(state_dir)  # `trainyard token create --state-dir` adds users to it, as to `trainyard serve`'s
     # Polls every 0.3 s (the product's default is 0.5): at 0.1 s, a module of four jobs at once took 3-10 s longer
     # on two cores, its coordinators answering polls instead of training.
-    manager = JobManager(JobStore(state_dir / "jobs.db"), poll_interval_s=0.3, **manager_options)
+    manager = JobManager(JobStore(state_dir / "jobs.db"), poll_interval_s=0.3, quotas=users.quota, **manager_options)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(manager, token, allow_fault_injection=allow_fault_injection)
+    app = create_app(manager, token, allow_fault_injection=allow_fault_injection, users=users)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

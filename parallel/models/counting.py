@@ -57,23 +57,26 @@ class Shapes:
         return BF16 if self.bf16 else FP32
 
 
-def kept_fraction(m: ModelConfig) -> float:
-    """Fraction of (token, expert) choices the experts keep: 1 dropless, at most capacity x experts of a
-    sequence's seq_len x top_k choices with a capacity factor."""
+def expert_rows_fraction(m: ModelConfig, tp: int = 1) -> float:
+    """Rows the experts compute on per (token, expert) choice: 1 dropless (every choice, sorted by expert); with a
+    capacity factor, the fixed-size buffers' rows (`parallel.models.moe`): experts x min(capacity, the slice's
+    length) per slice of seq_len / tp tokens' x top_k choices, kept or not (more than 1 when capacity x experts
+    exceeds the choices)."""
     moe = m.moe
     if moe is None or moe.capacity_factor is None:
         return 1.0
     cap = math.ceil(moe.capacity_factor * m.seq_len * moe.top_k / moe.experts)
-    return min(1.0, cap * moe.experts / (m.seq_len * moe.top_k))
+    slice_len = max(1, m.seq_len // tp)
+    return min(cap, slice_len) * moe.experts / (slice_len * moe.top_k)
 
 
 def moe_routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
-    """(routed (token, expert) rows on this rank, bytes the router keeps); the same in every family
+    """(rows the experts compute on on this rank, bytes the router keeps); the same in every family
     (`parallel.models.moe` routes alike whatever the experts are)."""
     moe = m.moe
     assert moe is not None, "routing is an MoE model's"
     routed = s.tokens // s.tp  # each tp rank routes its slice of every sequence
-    rows = math.ceil(routed * moe.top_k * kept_fraction(m))  # (token, expert) pairs, balanced over ep
+    rows = math.ceil(routed * moe.top_k * expert_rows_fraction(m, s.tp))  # balanced over ep
     # Per routed token: the router's input (ln_2's output slice, or its bf16 copy), its fp32 logits (kept by
     # the z-loss) and probabilities, the top-k values and indices, and the gate sums and log-sum-exp.
     router = routed * (s.act * s.d + 2 * FP32 * moe.experts + moe.top_k * (INDEX + FP32) + 2 * FP32)

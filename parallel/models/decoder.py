@@ -17,6 +17,11 @@ parameter draws from its own generator seeded by (seed, name) (`initial_value`).
 `torch.device("meta")` (the trainer's construction, `parallel.runtime.materialize`) gets no values here: its
 parameters are filled after sharding, each rank its own slices of the same whole values, and its buffers
 (`reset_buffers`) recomputed.
+
+Tied embeddings: a stage that is both first and last makes the head's weight the embedding's Parameter. A last
+stage without the embedding (pp > 1, or another chunk of an interleaved rank) holds its own copy as the head
+(`tied_copy`), drawn from the embedding's generator (`EMBEDDING`'s name), so the two start equal; the trainer keeps
+them equal (`parallel.runtime.tied`).
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class DecoderStage(nn.Module):
     """Name endings of the projections that write into the residual stream (init scaled by depth)."""
     wte: nn.Embedding
     """The token embedding of a first stage (`build_embeddings`)."""
+    EMBEDDING: ClassVar[str] = "wte.weight"
+    """The token embedding's parameter name, which a tied head copy is initialised and checkpointed as."""
 
     @staticmethod
     def norm(cfg: ModelConfig) -> nn.Module:
@@ -119,7 +126,7 @@ class DecoderStage(nn.Module):
                 self.lm_head.weight = self.wte.weight
         # On the meta device there is nothing to fill: `parallel.runtime.materialize` does it after sharding.
         if not any(p.is_meta for p in self.parameters()):
-            init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL)
+            init_parameters(self, seed=seed, n_layer=cfg.n_layer, residual=self.RESIDUAL, aliases=self.init_aliases)
         self.recompute_blocks = False
         self.offload_blocks = False
         self.compiled_blocks = False
@@ -131,6 +138,16 @@ class DecoderStage(nn.Module):
         for module in self.modules():
             if module is not self and isinstance(module, _HasBuffers):
                 module.reset_buffers()
+
+    @property
+    def tied_copy(self) -> bool:
+        """Whether the head's weight is this stage's own copy of a tied embedding held by another stage."""
+        return self.cfg.tie_embeddings and self.last and not self.first
+
+    @property
+    def init_aliases(self) -> dict[str, str]:
+        """Parameters drawn as another: a tied head copy as the embedding (the same values)."""
+        return {"lm_head.weight": self.EMBEDDING} if self.tied_copy else {}
 
     def shard_units(self) -> list[list[nn.Module]]:
         """The modules ZeRO-2/3 gather and reduce together (one FSDP2 unit each), in the order the forward runs
@@ -216,8 +233,10 @@ def initial_value(name: str, shape: Sequence[int], *, seed: int, n_layer: int,
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, *, seed: int, n_layer: int, residual: tuple[str, ...] = ("proj.weight",)) \
-        -> None:
-    """Every parameter of a whole (unsharded) module from `initial_value`."""
+def init_parameters(module: nn.Module, *, seed: int, n_layer: int, residual: tuple[str, ...] = ("proj.weight",),
+                    aliases: dict[str, str] | None = None) -> None:
+    """Every parameter of a whole (unsharded) module from `initial_value`. `aliases`: a parameter drawn as another
+    (a tied head copy as the embedding: the same values)."""
     for name, p in module.named_parameters():
+        name = (aliases or {}).get(name, name)
         p.copy_(initial_value(name, p.shape, seed=seed, n_layer=n_layer, residual=residual))

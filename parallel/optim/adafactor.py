@@ -59,7 +59,9 @@ class Adafactor(DynamoFree):
                     continue
                 lr = group["lr"]
                 if group["scale_parameter"]:  # HF's option: the step relative to the parameter's RMS
-                    lr *= max(group["eps"][1], float(p.float().norm(2) / p.numel() ** 0.5))
+                    # A device tensor (read as a float it made a host read per tensor per step), in float64 as the
+                    # Python float was: the same bits.
+                    lr = (p.float().norm(2) / p.numel() ** 0.5).double().clamp_(min=group["eps"][1]) * lr
                 grad = p.grad.float()
                 state = self.state[p]
                 if not state:

@@ -90,6 +90,9 @@ class Plan:
     def experts_of(self, rank: int) -> range:
         return self.layout.experts_of(rank)
 
+    def tied_groups(self) -> list[list[int]]:
+        return self.layout.tied_groups()
+
     def chunk_layers(self, pp_rank: int) -> list[tuple[int, ...]]:
         return self.layout.chunk_layers(pp_rank)
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainyard.parallel.plan.actions import Action, virtual_stage
+from trainyard.parallel.plan.actions import Action, stage_location, virtual_stage
 from trainyard.parallel.plan.schedules import build_schedule, placement_of
 
 
@@ -137,6 +137,14 @@ class Layout:
     def stage_groups(self) -> list[list[int]]:
         """Every rank of one pipeline stage: they sum the router's gradients and the MoE statistics."""
         return [[self.rank_of(p, t, d) for d in range(self.dp) for t in range(self.tp)] for p in range(self.pp)]
+
+    def tied_groups(self) -> list[list[int]]:
+        """Ranks holding the first and the last virtual stage of one pipeline, one pair per (dp, tp): they sum the
+        two copies' gradients of a tied embedding. None when one rank holds both (the V placement's rank 0)."""
+        last = stage_location(self.n_virtual_stages - 1, self.pp, self.placement)[0]
+        if last == 0:
+            return []
+        return [[self.rank_of(0, t, d), self.rank_of(last, t, d)] for d in range(self.dp) for t in range(self.tp)]
 
     def experts_of(self, rank: int) -> range:
         """Global indices of the experts a rank hosts in each of its MoE blocks (empty for a dense model)."""

@@ -90,9 +90,6 @@ def model_violations(config: JobConfig) -> list[PlanError]:
                                                     f"(got {m.vocab_size})"))
     if config.data.kind in ("text", "tokens") and not config.data.path and not config.data.sources:
         errors.append(PlanError("data.path", f"data.kind={config.data.kind} needs a path (or, for tokens, sources)"))
-    if m.tie_embeddings and config.fixed_parallel.pp > 1:
-        errors.append(PlanError("model.tie_embeddings", "tied embeddings need pp=1 (the embedding and the head "
-                                                        "live on different pipeline stages)"))
     errors += lora_violations(config)
     # the family's own rules (parallel.models)
     errors += [PlanError(error.field, error.message) for error in family_of(m).check(config)]
@@ -193,6 +190,10 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
     if config.model.moe is not None:
         errors.append(PlanError("parallel.sync", f"{sync.kind} does not compose with model.moe yet (router and "
                                                  "expert gradients are reduced across the replicas every step)"))
+    if config.model.tie_embeddings and par.pp > 1:
+        errors.append(PlanError("parallel.sync", f"{sync.kind} does not compose with model.tie_embeddings at pp > 1 "
+                                                 "yet (the head's copy of the embedding would be averaged apart from "
+                                                 "the embedding, and could drift from it)"))
     if par.grad_compression is not None:
         errors.append(PlanError("parallel.grad_compression", f"compresses the gradients' all-reduce across the "
                                                              f"replicas, which {sync.kind} does not run (its replicas "

@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.optim.optimizer import tp_copies
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp import FsdpReducer, ShardedChunks
-from trainyard.parallel.runtime.local_parts import like_param, local_part
+from trainyard.parallel.runtime.local_parts import like_param, local_part, own_bucket
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 OptimizerState = Mapping[torch.Tensor, Mapping[str, torch.Tensor]]  # `StateView.state`, the checkpoint's form
@@ -390,10 +390,11 @@ def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parame
     for p in params:
         shard = local_part(p)
         nbytes = shard.numel() * shard.element_size()
-        if buckets[-1] and (size + nbytes > bucket_bytes or (shard.dtype, shard.device) != kind):
+        key = (shard.dtype, shard.device, id(p) if own_bucket(p) else None)  # a tied copy alone: sliced alike
+        if buckets[-1] and (size + nbytes > bucket_bytes or key != kind):
             buckets.append([])
             size = 0
-        kind = (shard.dtype, shard.device)
+        kind = key
         buckets[-1].append(p)
         size += nbytes
     return [b for b in buckets if b]

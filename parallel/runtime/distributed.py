@@ -8,7 +8,9 @@ must create every group, in the same order).
 Mixture-of-experts jobs add three groups the mesh does not hold as dimensions, created with `new_subgroups_
 by_enumeration` from the plan's lists: the expert-parallel group (dp ranks that exchange tokens), the
 group of ranks holding the same experts (they sum expert gradients: dp replicas and tp ranks), and the
-whole stage (router gradients and MoE statistics). Dense jobs create none of them.
+whole stage (router gradients and MoE statistics). Dense jobs create none of them. A model with tied embeddings
+across pipeline ranks adds the pairs holding its first and last virtual stage (`Plan.tied_groups`), which sum the
+embedding's and the head copy's gradients (`parallel.runtime.tied`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class RankGroups:
     """The ranks holding this rank's experts (MoE jobs only)."""
     stage: dist.ProcessGroup | None = None
     """Every rank of this rank's pipeline stage (MoE jobs only)."""
+    tied: dist.ProcessGroup | None = None
+    """This rank and the one holding the other copy of a tied embedding (first and last virtual stage, same dp
+    and tp); None when no other rank holds one."""
     checkpoint: dist.ProcessGroup | None = None
     """All ranks, on gloo, for checkpoints only: an async save's collectives run in a background thread and
     must not share a group with the step's."""
@@ -84,11 +89,14 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
         groups.ep = _subgroup(plan.ep_groups())
         groups.experts = _subgroup(plan.expert_groups())
         groups.stage = _subgroup(plan.stage_groups())
+    if plan.config.model.tie_embeddings and plan.tied_groups():
+        groups.tied = _subgroup(plan.tied_groups())
     return groups
 
 
 def _subgroup(ranks: list[list[int]]) -> dist.ProcessGroup | None:
-    """This rank's group among `ranks` (every rank creates all of them); None when it is alone in it."""
+    """This rank's group among `ranks` (every rank creates all of them); None when it is alone in it (or in none:
+    a middle pipeline stage holds no tied embedding)."""
     if len(ranks[0]) == 1:
         return None
     mine, _ = dist.new_subgroups_by_enumeration(ranks)

@@ -1,5 +1,6 @@
 """A rank's part of a tensor that may be a DTensor (tensor-parallel or FSDP2-sharded), and back: `local_part` and
-`like_param`, which the reducers, FSDP2's reducer, the optimizer, the replica sync and the rank's state all need.
+`like_param`, which the reducers, FSDP2's reducer, the optimizer, the replica sync and the rank's state all need;
+and `own_bucket`, whether a parameter's part is bucketed alone (so every rank holding a copy slices it alike).
 """
 
 from __future__ import annotations
@@ -18,3 +19,12 @@ def like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return local
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+OWN_BUCKET = "trainyard_own_bucket"
+"""The attribute marking a parameter whose gradient the reducers put in a bucket of its own: a tied embedding's
+copies (`parallel.runtime.tied`), which ZeRO-1 must slice alike on the two ranks holding them."""
+
+
+def own_bucket(p: torch.Tensor) -> bool:
+    return getattr(p, OWN_BUCKET, False)

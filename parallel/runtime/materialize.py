@@ -66,11 +66,12 @@ def materialize(chunks: Sequence[DecoderStage], device: torch.device, *, seed: i
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swapping)
     for chunk in chunks:
-        n_layer, residual = chunk.cfg.n_layer, type(chunk).RESIDUAL
+        n_layer, residual, aliases = chunk.cfg.n_layer, type(chunk).RESIDUAL, chunk.init_aliases
         for name, p in chunk.named_parameters():  # a tied parameter once, by its first name (as whole)
             if is_adapter(name):  # LoRA's adapters start from PEFT's init whatever the base starts from
-                fill_local(p, init_adapter(seed, name, tuple(p.shape)))
+                fill_local(p, init_adapter(seed, name, (p.shape[0], p.shape[1])))
             elif fill:
-                fill_local(p, initial_value(name, p.shape, seed=seed, n_layer=n_layer, residual=residual))
+                fill_local(p, initial_value(aliases.get(name, name), p.shape, seed=seed, n_layer=n_layer,
+                                            residual=residual))
         chunk.reset_buffers()
 

@@ -21,7 +21,6 @@ exactly that list; the torch schedules generate and run their own order internal
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.plan.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.runtime.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.runtime.split_backward import ParamGroups, backward_input, backward_weight
+from trainyard.parallel.runtime.stage_clock import StageClock
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch
 
@@ -97,6 +97,8 @@ class PipelineExecutor:
         self.activation_shape, self.device, self.loss_scale = activation_shape, device, loss_scale
         self.loss_context, self.autocast, self.before_backward = loss_context, autocast, before_backward
         self.sharded = sharded
+        self.clock = StageClock(device)
+        """The actions' timings: host timers on CPU, CUDA events on a GPU (settled after the step's read)."""
 
     def run(self, actions: list[Action], batch: Callable[[int], Batch]) -> tuple[torch.Tensor, PipelineTimings]:
         """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings.
@@ -108,12 +110,11 @@ class PipelineExecutor:
         state = _StepState(batch=batch, loss_sum=torch.zeros((), device=self.device),
                            next_compute=next_computes(actions, lambda a: a.kind in COMPUTE_KINDS))
         meter = _SavedTensorMeter([p for chunk in self.chunks for p in chunk.parameters()], self.sharded)
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        with self.clock.span(state.timings, "schedule_s"), \
+                torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             i = 0
             while i < len(actions):
                 i = HANDLERS[actions[i].kind](self, actions, i, state)
-        state.timings.schedule_s = time.perf_counter() - start
         state.timings.peak_activation_bytes = meter.peak
         return state.loss_sum, state.timings
 
@@ -121,43 +122,39 @@ class PipelineExecutor:
     # index of the next action to run.
 
     def _run_forward(self, actions: list[Action], i: int, state: _StepState) -> int:
-        t0 = time.perf_counter()
-        if self.sharded is not None:
-            self.sharded.before_compute(actions[i], state.next_compute[i])
-        loss = self._forward(actions[i], state, state.batch)
-        if loss is not None:
-            state.loss_sum += loss.detach()
-        state.timings.forward_s += time.perf_counter() - t0
+        with self.clock.span(state.timings, "forward_s"):
+            if self.sharded is not None:
+                self.sharded.before_compute(actions[i], state.next_compute[i])
+            loss = self._forward(actions[i], state, state.batch)
+            if loss is not None:
+                state.loss_sum += loss.detach()
         state.timings.peak_activations = max(state.timings.peak_activations, state.live)
         return i + 1
 
     def _run_backward(self, actions: list[Action], i: int, state: _StepState) -> int:
-        t0 = time.perf_counter()
-        if self.sharded is not None:
-            self.sharded.before_compute(actions[i], state.next_compute[i])
-        self._backward(actions[i], state)
-        state.timings.backward_s += time.perf_counter() - t0
+        with self.clock.span(state.timings, "backward_s"):
+            if self.sharded is not None:
+                self.sharded.before_compute(actions[i], state.next_compute[i])
+            self._backward(actions[i], state)
         state.timings.peak_activations = max(state.timings.peak_activations, state.live)
         return i + 1
 
     def _run_backward_input(self, actions: list[Action], i: int, state: _StepState) -> int:
-        t0 = time.perf_counter()
-        self._backward_input(actions[i], state)
-        state.timings.backward_s += time.perf_counter() - t0
+        with self.clock.span(state.timings, "backward_s"):
+            self._backward_input(actions[i], state)
         return i + 1
 
     def _run_backward_weight(self, actions: list[Action], i: int, state: _StepState) -> int:
-        t0 = time.perf_counter()
-        self._backward_weight(actions[i], state)
-        state.timings.backward_s += time.perf_counter() - t0
+        with self.clock.span(state.timings, "backward_s"):
+            self._backward_weight(actions[i], state)
         return i + 1
 
     def _run_communication(self, actions: list[Action], i: int, state: _StepState) -> int:
-        t0, j = time.perf_counter(), i
+        j = i
         while j < len(actions) and actions[j].kind in COMM_KINDS:
             j += 1
-        self._communicate(actions[i:j], state)
-        state.timings.comm_s += time.perf_counter() - t0
+        with self.clock.span(state.timings, "comm_s"):
+            self._communicate(actions[i:j], state)
         return j
 
     def _virtual(self, chunk: int) -> int:

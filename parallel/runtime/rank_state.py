@@ -26,18 +26,22 @@ from trainyard.parallel.runtime.data_parallel import Reducer
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.local_parts import local_part
 from trainyard.parallel.runtime.sync import ReplicaSync, saved_outer_state
+from trainyard.parallel.runtime.tied import TiedEmbeddings
 from trainyard.parallel.runtime.train_optimizer import StateView, TrainOptimizer
 
 
 class RankState:
     def __init__(self, plan: Plan, rank: int, groups: RankGroups, chunks: list[DecoderStage],
                  reducers: dict[str, Reducer], optimizer: TrainOptimizer,
-                 sync: ReplicaSync | None):
-        """`sync`: local_sgd / diloco's replica sync (None: the replicas step together, or dp = 1)."""
-        self.plan, self.rank, self.groups = plan, rank, groups
+                 sync: ReplicaSync | None, tied: TiedEmbeddings):
+        """`sync`: local_sgd / diloco's replica sync (None: the replicas step together, or dp = 1). `tied`: the
+        copies of a tied embedding, which checkpoints see as one tensor."""
+        self.plan, self.rank, self.groups, self.tied = plan, rank, groups, tied
         self.coords: RankCoords = plan.coords(rank)
         self.chunks, self.reducers, self.optimizer, self.sync = chunks, reducers, optimizer, sync
         self._sync_names = [name for chunk in chunks for name, p in chunk.named_parameters() if p.requires_grad]
+        self._head_moments: dict[str, torch.Tensor] | None = None
+        """The tied head copy's moments from `checkpoint_state`, where the embedding stands for it on this rank."""
         self._view: StateView | None = None
         """The optimizer state `checkpoint_state` exported, until a load fills it and `_took_state` takes it back."""
         self._pending_checkpoint: tuple[Callable[[], None], Path, int] | None = None
@@ -50,10 +54,11 @@ class RankState:
         (AdamW's moments, or another kind's state in that form: `parallel.optim.states`), under the
         unsharded model's names and in the parameters' shapes."""
         # A frozen parameter (LoRA's base) is not saved: it never changes, and comes back from init_from or the seed.
-        names = {p: name for chunk in self.chunks for name, p in chunk.named_parameters() if p.requires_grad}
+        names = {p: name for p, name in self.tied.state_names(self.chunks).items() if p.requires_grad}
         self._view = view = self.optimizer.export()
         state_keys = self.optimizer.kind.state
         moments = {p: m for r in self.reducers.values() for p, m in r.moments(view.state, state_keys).items()}
+        self._head_moments = moments.pop(self.tied.head) if self.tied.head is not None and self.tied.local else None
         state = {"model": {name: p for p, name in names.items()}, "optim": {names[p]: m for p, m in moments.items()}}
         outer = self.sync.outer_state() if self.sync is not None else []
         if outer:  # diloco's outer momentum; its anchor is the parameters, as checkpoints are taken at syncs
@@ -171,8 +176,9 @@ class RankState:
     def _took_state(self, state: dict, step: int) -> None:
         """After `checkpoint_state()`'s tensors were filled (from a checkpoint, or in memory by a resize): the
         moments into the optimizer (with ZeRO-1, this rank's slices) and its step counter set to `step`."""
-        names = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
+        names = {name: p for p, name in self.tied.state_names(self.chunks).items()}
         moments = {names[name]: m for name, m in state["optim"].items()}
+        self.tied.copy_to_head(moments, self._head_moments)  # where the embedding stood for both copies
         assert self._view is not None  # the view checkpoint_state() exported, whose tensors were filled
         for reducer in self.reducers.values():
             reducer.load_moments(self._view.state, moments)

@@ -14,6 +14,16 @@ tokens; with a loss mask, the assistant/completion ones: `parallel.data.datasets
 every rank from the step's sample ids) before backward, so summed gradients equal the gradient of the
 global mean loss whatever the layout.
 
+Host reads. Nothing in a step waits for the device until every kernel of it is queued: the loss, the clipped
+gradient norm (`clip_grad_norm` scales by min(1, max / norm) on the device), the token counts (from the sample ids,
+on the host) and the MoE statistics stay device tensors, and the step ends with one read of all of them, stacked
+(`torch.cat(...).tolist()`), which the divergence check (`DivergedError`, naming the step) then acts on. The MoE
+layers' dispatch is the exception, one read per layer and micro-batch when dropless, none with a capacity
+(`parallel.models.moe`). tests/unit/test_host_reads.py counts them. The read is at the step's end, not a step
+late: the coordinator already queues each step's call one step ahead (`actors.training`), so the rank goes from
+this read straight into the next step; what a read one step late would add on a GPU is the device's idle time
+between the end of this step's kernels and the first of the next one's (reading the next batch, queueing).
+
 The state that moves (the checkpoint's form of it, saves and loads, a resize's or a rejoining replica's state,
 local_sgd / diloco's averaging) is `parallel.runtime.rank_state`'s `RankState`, which the trainer holds and
 delegates to; what is left here is how the strategies (sharding, compression, sync, split backward, offload) are
@@ -65,6 +75,7 @@ from trainyard.parallel.runtime.rank_state import RankState
 from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
 from trainyard.parallel.runtime.sync import ReplicaSync, replica_group
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
+from trainyard.parallel.runtime.tied import TiedEmbeddings
 from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
 
 
@@ -110,6 +121,9 @@ class RankTrainer:
                 peft_adapter.load_into(self.chunks, cfg.model, Path(cfg.init_from.adapter))
         if self.sharded is not None:
             self.sharded.ready()
+        # Tied embeddings in two chunks: the two copies' gradients in buckets of their own, summed every step.
+        self.tied = TiedEmbeddings(self.chunks, groups.tied)
+        self.tied.mark()
         self.reducers: dict[str, Reducer] = {}
         self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
         for kind, group in sets.items():
@@ -124,7 +138,8 @@ class RankTrainer:
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
         params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self.sync = ReplicaSync(par.sync, params, groups.dp, plan.dp) if self.local_sync else None
-        self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync)
+        self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
+                                    self.tied)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
         self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
                               if a.kind in FREEING_KINDS}
@@ -185,6 +200,8 @@ class RankTrainer:
         loss_sum, timings = self._forward_backward(microbatch_ids)
         for reducer in self.reducers.values():
             reducer.finish()
+        if self.tied.active:
+            self.tied.sum_grads(pair for reducer in self.reducers.values() for pair in reducer.held_grads())
         norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
@@ -203,14 +220,15 @@ class RankTrainer:
             if view is not None:
                 view.write_back()
         self.rank_state.steps_done = step + 1
-        loss = None
-        if self.is_last_stage:
-            # local_sgd, diloco: each replica's loss is its own share's mean (the coordinator averages them), so that
-            # nothing crosses the replicas between syncs and a replica can fail alone.
-            if self.groups.dp is not None and not self.local_sync:
-                dist.all_reduce(loss_sum, group=self.groups.dp)
-            loss = float(loss_sum)  # the step's one wait for the device, with the norm's just below
-        grad_norm = float(norm)
+        step_loss = self._step_loss(loss_sum)
+        moe_stats = self._moe_stats_tensor()
+        # The step's one read from the device: the loss, the norm and the MoE statistics in one tensor, once
+        # every kernel of the step is queued (module doc, "Host reads").
+        parts = [norm.reshape(1).double(), moe_stats.flatten()]
+        figures = torch.cat(parts if step_loss is None else [step_loss.reshape(1).double(), *parts]).tolist()
+        loss = None if step_loss is None else figures.pop(0)
+        grad_norm = figures.pop(0)
+        self.executor.clock.settle(timings)  # the actions' CUDA events are complete now (stage_clock)
         if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
             self.rank_state.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
             clip = "" if self.plan.config.optimizer.grad_clip > 0 else ", or turn optimizer.grad_clip on"
@@ -224,7 +242,7 @@ class RankTrainer:
                          buckets=sum(len(r.buckets) for r in self.reducers.values()),
                          reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
                          compile_s=compile_seconds() - compiled_before if compiling else 0.0,
-                         moe=self._moe_stats(), cross_replica_bytes=sent, **asdict(timings))
+                         moe=self._moe_stats(figures), cross_replica_bytes=sent, **asdict(timings))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -242,10 +260,13 @@ class RankTrainer:
         if self.sharded is not None:  # ZeRO-2 keeps what a forward gathered: free it, the step updates shards
             self.sharded.reshard()
         if not self.is_last_stage:
-            return None
-        if self.groups.dp is not None:
-            dist.all_reduce(total, group=self.groups.dp)
-        return float(total)
+            value = None
+        else:
+            if self.groups.dp is not None:
+                dist.all_reduce(total, group=self.groups.dp)
+            value = float(total)
+        self.executor.clock.settle(PipelineTimings())  # evaluation's timings are not reported: its events dropped
+        return value
 
     @property
     def steps_done(self) -> int | None:
@@ -290,24 +311,40 @@ class RankTrainer:
         the reduction group's ranks all hold it unless ZeRO-1 split it, and a dense parameter replicated over
         tp is also held by every tp rank (routers and experts are reduced over tp already)."""
         tp = self.plan.tp
-        weighted = []
+        weighted = []  # a tied embedding's head copy weighs 0: its gradient is the embedding's (`TiedEmbeddings`)
         for kind, reducer in self.reducers.items():
             replicas = reducer.holders
             for grad, p in reducer.held_grads():
                 copies = replicas * (reducer.tp_copies(p, tp) if kind == "dense" else 1)
-                weighted.append((grad, 1.0 / copies))
+                weighted.append((grad, self.tied.norm_weight(p) / copies))
         return weighted
 
-    def _moe_stats(self) -> dict[str, dict]:
-        """This step's MoE statistics of each block of the stage, summed over the stage's ranks."""
+    def _step_loss(self, loss_sum: torch.Tensor) -> torch.Tensor | None:
+        """The step's loss on the device, on the last stage's ranks (None elsewhere): summed over dp. local_sgd,
+        diloco: each replica's loss is its own share's mean (the coordinator averages them), so that nothing crosses
+        the replicas between syncs and a replica can fail alone."""
+        if not self.is_last_stage:
+            return None
+        if self.groups.dp is not None and not self.local_sync:
+            dist.all_reduce(loss_sum, group=self.groups.dp)
+        return loss_sum
+
+    def _moe_stats_tensor(self) -> torch.Tensor:
+        """This step's MoE statistics of each block of the stage, summed over the stage's ranks, on the device
+        (one row per block; empty for a dense model)."""
         if not self.moe_layers:
-            return {}
+            return torch.zeros((0,), dtype=torch.float64, device=self.device)
         stats = torch.stack([layer.stats for _, layer in self.moe_layers])
         if self.groups.stage is not None:
             dist.all_reduce(stats, group=self.groups.stage)
+        return stats
+
+    def _moe_stats(self, figures: list[float]) -> dict[str, dict]:
+        """The MoE statistics as metrics, from the step's figures read to the host (`_moe_stats_tensor`'s rows)."""
         sequences = self.plan.config.global_batch
-        return {block: layer.summarize(row, sequences) for (block, layer), row in zip(self.moe_layers, stats,
-                                                                                       strict=True)}
+        width = len(figures) // max(1, len(self.moe_layers))
+        return {block: layer.summarize(figures[i * width:(i + 1) * width], sequences)
+                for i, (block, layer) in enumerate(self.moe_layers)}
 
     def _loss_scale(self, step: int, microbatch_ids: list[list[int]]) -> float:
         """1 / the step's global count of targets that count (at least 1: a batch of masked targets only

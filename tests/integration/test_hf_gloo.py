@@ -1,12 +1,13 @@
 """Hugging Face checkpoints at a 3D layout (dp2 x pp2 x tp2 = 8 gloo ranks, one spawned world for both
-families): a tiny LlamaForCausalLM (GQA, untied; at ZeRO-3, so read into FSDP2's shards) and a tiny
-GPT2LMHeadModel loaded with `init_from` give transformers' first-step loss; each rank reads only its own blocks
-of the checkpoint (its shards); the state trained at
-that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and gives
-trainyard's logits and the layout's next loss. In the same world, LoRA on the Llama (every projection adapted) at
-(dp2, zero 3) and at the 3D layout follows its one-rank twin; the frozen base stays bitwise the checkpoint's, the
-optimizer state is the adapters' alone (as the memory plan says), and the 3D run's export loads in peft onto the
-base with trainyard's logits, its merged export in transformers."""
+families): a tiny LlamaForCausalLM (GQA) and a tiny GPT2LMHeadModel as published, both with tied embeddings
+(`tie_word_embeddings`: the last stage holds its own copy of the embedding, `parallel.runtime.tied`), loaded with
+`init_from` give transformers' first-step loss and follow the same job at pp=1 (one rank, one tied tensor); the two
+copies are bitwise equal after every step; each rank reads only its own blocks of the checkpoint; the state
+trained at that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and
+gives trainyard's logits and the layout's next loss. In the same world, LoRA on the
+Llama (every projection adapted) at (dp2, zero 3) and at the 3D layout follows its one-rank twin; the frozen base
+stays bitwise the checkpoint's, the optimizer state is the adapters' alone (as the memory plan says), and the 3D
+run's export loads in peft onto the base with trainyard's logits, its merged export in transformers."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2}
 ATOL = 1e-5
 LORA = {"rank": 4, "alpha": 8, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}
 LORA_LAYOUTS = {"lora-one": {}, "lora-z3": {"dp": 2, "zero": 3}, "lora-3d": LAYOUT}
+CURVE_ATOL = 1e-4
+_TIED_AFTER_STEPS: list[dict[str, torch.Tensor]] = []
+"""A rank's copies of the tied embedding (its local parts) after each step it ran."""
 
 
 class _CountingOpen:
@@ -65,11 +69,27 @@ class _CountingOpen:
 
 
 def _count_reads() -> None:
-    """Before a rank's driver (and so its trainer, which reads init_from.hf) is built: count what it reads."""
+    """Before a rank's driver (and so its trainer, which reads init_from.hf) is built: count what it reads, and
+    keep its copies of the tied embedding after each step."""
     from trainyard.parallel.io import hf_checkpoint
+    from trainyard.parallel.runtime.local_parts import local_part
+    from trainyard.parallel.runtime.trainer import RankTrainer
 
     hf_checkpoint.safe_open = _CountingOpen
     _CountingOpen.read.clear()
+    _TIED_AFTER_STEPS.clear()
+    if getattr(RankTrainer.train_step, "keeps_tied_copies", False):  # an earlier run in this process wrapped it
+        return
+    step = RankTrainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        stats = step(self, *args, **kwargs)
+        copies = {"embedding": self.tied.embedding, "head": self.tied.head}
+        _TIED_AFTER_STEPS.append({k: local_part(p).detach().clone() for k, p in copies.items() if p is not None})
+        return stats
+
+    train_step.keeps_tied_copies = True  # type: ignore[attr-defined]
+    RankTrainer.train_step = train_step  # type: ignore[method-assign]
 
 
 def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
@@ -78,7 +98,9 @@ def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
 
     read = sum(n for _, n in _CountingOpen.read)
     held = sum(local_part(p).numel() for chunk in driver.trainer.chunks for p in chunk.parameters())
-    return {"read": read, "held": held, "losses": (stats[0]["loss"], stats[1]["loss"])}
+    c = driver.trainer.coords
+    return {"read": read, "held": held, "losses": (stats[0]["loss"], stats[1]["loss"]), "coords": (c.dp, c.tp),
+            "tied": list(_TIED_AFTER_STEPS)}
 
 
 def _hf_loss(model, config, step: int) -> float:
@@ -119,20 +141,23 @@ def _spec(directory: Path, parallel: dict = LAYOUT, lora: dict | None = None) ->
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """Both families trained two steps at the 3D layout: (HF models, configs, per-rank results, out dir)."""
+    """Both families trained two steps at the 3D layout: (HF models, configs, per-rank results, out dir), and at
+    pp=1 on one rank (per_rank[0][f"{name}-pp1"])."""
     root = tmp_path_factory.mktemp("hf3d")
-    models = {"llama": tiny_llama(root / "llama-src"), "gpt2": tiny_gpt2(root / "gpt2-src", tied=False)}
+    models = {"llama": tiny_llama(root / "llama-src", tied=True), "gpt2": tiny_gpt2(root / "gpt2-src")}
     configs = {name: parse_submitted_spec(_spec(root / f"{name}-src", {**LAYOUT, "zero": ZERO[name]}))
                for name in models}
     plans = {name: make_plan(cfg) for name, cfg in configs.items()}
+    plans |= {f"{name}-pp1": make_plan(parse_submitted_spec(_spec(root / f"{name}-src", {"microbatches": 4})))
+              for name in models}
     lora = {name: make_plan(parse_submitted_spec(_spec(root / "llama-src", par, LORA)))
             for name, par in LORA_LAYOUTS.items()}
-    # two steps, the state after the first saved under root/<name>: one spawned world of 8 for both families
-    results = run_plans([PlanRun(plan, save_after=(1,), root=str(root / name), setup=_count_reads,
-                                 probe=_read_and_held) for name, plan in plans.items()]
+    # two steps, the state after the first saved under root/<name>: one spawned world of 8 for every plan
+    results = run_plans([PlanRun(plan, save_after=(1,) if plan.world_size > 1 else (), root=str(root / name),
+                                 setup=_count_reads, probe=_read_and_held) for name, plan in plans.items()]
                         + [PlanRun(plan, save_after=(1,), root=str(root / name), probe=_frozen_and_state)
                            for name, plan in lora.items()])
-    per_rank = [{name: results[i][r].probe for i, name in enumerate(plans)} for r in range(8)]
+    per_rank = [{name: results[i][r].probe for i, name in enumerate(plans) if r < len(results[i])} for r in range(8)]
     lora_runs = {name: (plan, results[len(plans) + i]) for i, (name, plan) in enumerate(lora.items())}
     return models, configs, per_rank, root, lora_runs
 
@@ -143,6 +168,23 @@ def test_init_from_gives_transformers_first_step_loss_at_3d(world, name):
     losses = {r[name]["losses"][0] for r in per_rank if r[name]["losses"][0] is not None}
     assert len(losses) == 1
     assert abs(losses.pop() - _hf_loss(models[name], configs[name], 0)) < ATOL
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_tied_embeddings_at_3d_follow_pp1_and_stay_bitwise_equal(world, name):
+    _, _, per_rank, _, _ = world
+    at_3d = next(r[name]["losses"] for r in per_rank if r[name]["losses"][0] is not None)
+    at_pp1 = per_rank[0][f"{name}-pp1"]["losses"]
+    assert max(abs(a - b) for a, b in zip(at_3d, at_pp1, strict=True)) < CURVE_ATOL
+    embeddings = {r[name]["coords"]: r[name]["tied"] for r in per_rank if "embedding" in r[name]["tied"][0]}
+    heads = {r[name]["coords"]: r[name]["tied"] for r in per_rank if "head" in r[name]["tied"][0]}
+    assert len(embeddings) == len(heads) == 4  # the first and the last stage of each (dp, tp)
+    for coords, steps in embeddings.items():
+        assert len(steps) == 2
+        for mine, theirs in zip(steps, heads[coords], strict=True):
+            assert torch.equal(mine["embedding"], theirs["head"])
+    # the pair moved off its start: equality is not the untouched checkpoint's
+    assert not torch.equal(embeddings[0, 0][0]["embedding"], embeddings[0, 0][1]["embedding"])
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

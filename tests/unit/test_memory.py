@@ -42,11 +42,21 @@ def real_numel(plan, rank: int) -> int:
     {"model": {"moe": MOE}, "parallel": {"dp": 2, "ep": 2, "pp": 2}},
     {"model": {"moe": {**MOE, "every": 1}}},
     {"parallel": {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "zbv"}},  # rank 0: first and last stage
-], ids=["dense", "tied", "pp2-vpp2", "moe-ep2-pp2", "moe-every-block", "pp2-zbv"])
+    {"model": {"tie_embeddings": True}, "parallel": {"pp": 2}},  # the last stage's own copy of the embedding
+    {"model": {"tie_embeddings": True}, "parallel": {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "zbv"}},
+], ids=["dense", "tied", "pp2-vpp2", "moe-ep2-pp2", "moe-every-block", "pp2-zbv", "tied-pp2", "tied-pp2-zbv"])
 def test_parameter_counts_equal_the_real_stages(overrides):
     plan = plan_for(**overrides)
     for rank in range(plan.world_size):
         assert param_counts(plan, plan.coords(rank).pp).total == real_numel(plan, rank), rank
+
+
+def test_a_tied_embedding_across_stages_counts_its_head_copy_on_the_last_stage():
+    tied, untied = plan_for(model={"tie_embeddings": True}, parallel={"pp": 2}), plan_for(parallel={"pp": 2})
+    whole = param_counts(plan_for(model={"tie_embeddings": True}), 0).total  # pp=1: one tensor for both
+    assert [param_counts(tied, pp).total for pp in (0, 1)] == [param_counts(untied, pp).total for pp in (0, 1)]
+    assert param_counts(tied, 0).total + param_counts(tied, 1).total == whole + 256 * 64  # + the copy (vocab x d)
+    assert tied.memory()[1].params == untied.memory()[1].params
 
 
 def test_tensor_parallel_shards_the_dense_layers_but_not_the_experts():

@@ -145,3 +145,30 @@ def test_a_stage_hosting_some_experts_has_the_full_models_weights_for_them():
     assert not any(".experts.0." in n or ".experts.1." in n for n in names)
     for name, p in names.items():
         assert torch.equal(p, full[name]), name
+
+
+@pytest.mark.parametrize(("family", "capacity_factor"), [("gpt2", None), ("llama", 1.0)],
+                         ids=["gpt2-dropless", "llama-capacity"])
+def test_grouped_experts_equal_the_loop(family, capacity_factor):
+    # torch._grouped_mm's CPU fallback (fp32) runs the grouped path here; on a GPU it serves Hopper in bf16 only.
+    cfg = ModelConfig(n_layer=1, n_head=2, d_model=16, seq_len=T, family=family, moe=MoEConfig(
+        experts=E, top_k=2, every=1, capacity_factor=capacity_factor))
+    torch.manual_seed(0)
+    loop = MoELayer(cfg, range(E), family_of(cfg).feed_forward)
+    grouped = MoELayer(cfg, range(E), family_of(cfg).feed_forward)
+    grouped.load_state_dict(loop.state_dict())
+    loop.grouped_mm, grouped.grouped_mm = False, True
+    x = torch.randn(3, T, 16)
+    probe = torch.randn(3, T, 16)
+    outs = []
+    for moe in (loop, grouped):
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        (y * probe).sum().backward()
+        outs.append((y, xi.grad, {n: p.grad for n, p in moe.named_parameters()}))
+    (y0, g0, p0), (y1, g1, p1) = outs
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+    assert p0.keys() == p1.keys()
+    for name in p0:
+        torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-6, msg=name)

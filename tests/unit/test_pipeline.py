@@ -49,9 +49,14 @@ def test_a_two_chunk_single_rank_schedule_gives_the_full_models_loss_and_gradien
     chunks = [GPTStage(CFG, [0, 1], first=True, last=False, seed=5), GPTStage(CFG, [2, 3], first=False, last=True,
                                                                              seed=5)]
     actions = build_schedule("gpipe", pp=1, microbatches=1, vpp=2)[0]
-    loss, timings = executor(chunks).run(actions, lambda mb: (tokens[:, :-1], tokens[:, 1:]))
+    ex = executor(chunks)
+    loss, timings = ex.run(actions, lambda mb: (tokens[:, :-1], tokens[:, 1:]))
     torch.testing.assert_close(loss, expected.detach())
     assert timings.peak_activations == 2
+    # On CPU the actions are timed on the host as they run (stage_clock): nothing is left for `settle`.
+    assert not ex.clock.on_device and ex.clock._pending == []
+    assert 0 < timings.forward_s and 0 < timings.backward_s
+    assert timings.forward_s + timings.backward_s <= timings.schedule_s
     grads = {n: p.grad for chunk in chunks for n, p in chunk.named_parameters()}
     for name, p in full.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)

@@ -142,10 +142,18 @@ def test_a_weight_gradient_cost_above_the_whole_backward_is_refused():
     assert err.value.field == "sim_costs.backward_weight"
 
 
-def test_tied_embeddings_across_stages_are_refused():
-    with pytest.raises(PlanError, match="tied embeddings need pp=1") as err:
-        make_plan(parse_spec(tiny_spec(model={"tie_embeddings": True}, parallel={"pp": 2})))
-    assert err.value.field == "model.tie_embeddings"
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "zbv"}])
+def test_tied_embeddings_plan_at_any_pp(parallel):
+    plan = make_plan(parse_spec(tiny_spec(model={"n_layer": 4, "tie_embeddings": True}, parallel=parallel)))
+    # the first and the last virtual stage on two ranks sum the two copies' gradients; zbv's rank 0 holds both
+    assert plan.tied_groups() == ([[0, 1]] if parallel.get("schedule") != "zbv" else [])
+
+
+def test_tied_embeddings_across_stages_with_replica_sync_are_refused():
+    spec = tiny_spec(model={"tie_embeddings": True}, parallel={"pp": 2, "dp": 2, "sync": {"kind": "local_sgd"}})
+    with pytest.raises(PlanError, match="local_sgd does not compose with model.tie_embeddings at pp > 1") as err:
+        make_plan(parse_spec(spec))
+    assert err.value.field == "parallel.sync"
 
 
 def tp_plan(cluster: ClusterResources | None = None, model: dict | None = None, **parallel) -> Plan:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig
 from trainyard.parallel.models.decoder import causal_attention
+from trainyard.parallel.models.grouped import grouped_linear
 
 
 class CausalSelfAttention(nn.Module):
@@ -61,3 +62,11 @@ class MLP(nn.Module):
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(h, approximate=self.approximate))
+
+    @staticmethod
+    def grouped(experts: list[MLP], rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Experts' rows (sorted by expert, `offs` where each one's end) through them in two grouped matmuls
+        (`parallel.models.grouped`)."""
+        h = grouped_linear(rows, [e.fc.weight for e in experts], offs, [e.fc.bias for e in experts])
+        h = F.gelu(h, approximate=experts[0].approximate)
+        return grouped_linear(h, [e.proj.weight for e in experts], offs, [e.proj.bias for e in experts])

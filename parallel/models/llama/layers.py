@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig, RopeScalingConfig
 from trainyard.parallel.models.decoder import causal_attention
+from trainyard.parallel.models.grouped import grouped_linear
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None) -> torch.Tensor:
@@ -129,3 +130,11 @@ class SwiGLU(nn.Module):
 
     def _activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(g) * u)
+
+    @staticmethod
+    def grouped(experts: list[SwiGLU], rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Experts' rows (sorted by expert, `offs` where each one's end) through them in three grouped matmuls
+        (`parallel.models.grouped`)."""
+        g = grouped_linear(rows, [e.gate.weight for e in experts], offs)
+        u = grouped_linear(rows, [e.up.weight for e in experts], offs)
+        return grouped_linear(F.silu(g) * u, [e.down.weight for e in experts], offs)

@@ -1,0 +1,156 @@
+"""The service's users: one bearer token each, kept hashed in the state directory's `users.json` (mode 0600).
+
+`trainyard token create NAME [--admin] [--max-cpus N] [--max-gpus M]` adds a user and prints their token once;
+only its SHA-256 is stored. The tokens are 32 random bytes, so an unsalted hash is as strong as a slow one
+(nothing to guess); a stolen `users.json` gives no token. The state directory's `token` (the one `trainyard
+serve` makes on first start) stays the admin's, user `admin`. An admin sees and controls every job; any other
+user their own. The running service reads the file at each request, so a new or revoked token counts from the
+next one, without a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trainyard.service.quota import NO_QUOTA, Quota
+from trainyard.service.state_dir import new_token
+from trainyard.service.store import ADMIN
+
+USERS_FILE = "users.json"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+
+
+class UserError(ValueError):
+    """A token command that cannot be done (a bad name, a user that exists or does not)."""
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    admin: bool = False
+    max_cpus: float | None = None
+    max_gpus: float | None = None
+    token_sha256: str = ""
+    created_at: float = 0.0
+
+    @property
+    def quota(self) -> Quota:
+        return Quota(cpus=self.max_cpus, gpus=self.max_gpus)
+
+
+ADMIN_USER = User(ADMIN, admin=True)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def find(users: list[User], token: str) -> User | None:
+    """The user whose token this is. Every stored hash is compared, each in constant time, so the answer's timing
+    says nothing of which hash (or how much of one) matched."""
+    presented = hash_token(token).encode()
+    found = None
+    for user in users:
+        if hmac.compare_digest(presented, user.token_sha256.encode()):
+            found = user
+    return found
+
+
+def check_name(name: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise UserError(f"user name {name!r}: 1 to 64 letters, digits, '_', '.', '@' or '-', starting with a letter "
+                        "or digit")
+    if name == ADMIN:
+        raise UserError(f"user name {ADMIN!r} is the state directory's token (the admin's); choose another name, "
+                        "with --admin for another admin")
+
+
+def check_limit(option: str, value: float | None) -> None:
+    if value is not None and not 0 < value < float("inf"):
+        raise UserError(f"{option} must be a positive number, got {value:g}")
+
+
+def read(state_dir: Path) -> list[User]:
+    path = state_dir / USERS_FILE
+    if not path.exists():
+        return []
+    return [User(**u) for u in json.loads(path.read_text())["users"]]
+
+
+@contextlib.contextmanager
+def _locked(state_dir: Path) -> Iterator[list[User]]:
+    """The users, to change in place and written back (whole, then renamed) when the block ends; one writer at a
+    time (two `token create` at once must not lose one)."""
+    with open(state_dir / f"{USERS_FILE}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        users = read(state_dir)
+        yield users
+        tmp = state_dir / f"{USERS_FILE}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"users": [asdict(u) for u in users]}, f, indent=1)
+        tmp.replace(state_dir / USERS_FILE)
+
+
+def create(state_dir: Path, name: str, admin: bool = False, max_cpus: float | None = None,
+           max_gpus: float | None = None) -> str:
+    """Add a user; their token (shown once: only its hash is kept)."""
+    check_name(name)
+    check_limit("--max-cpus", max_cpus)
+    check_limit("--max-gpus", max_gpus)
+    token = new_token()
+    with _locked(state_dir) as users:
+        if any(u.name == name for u in users):
+            raise UserError(f"user {name!r} exists; `trainyard token revoke {name}` first for a new token")
+        users.append(User(name, admin, max_cpus, max_gpus, hash_token(token), time.time()))
+    return token
+
+
+def revoke(state_dir: Path, name: str) -> None:
+    """Remove a user: their token is refused from the service's next request. Their jobs stay (an admin sees them;
+    a user made again with the same name owns them again)."""
+    with _locked(state_dir) as users:
+        if not any(u.name == name for u in users):
+            raise UserError(f"no user {name!r} (`trainyard token list` shows them)")
+        users[:] = [u for u in users if u.name != name]
+
+
+class Registry:
+    """The service's view of `users.json`, read at each request (a few hundred bytes) and parsed again when its
+    bytes changed: a new or revoked token counts from the next request."""
+
+    def __init__(self, state_dir: Path | None):
+        self.path = state_dir / USERS_FILE if state_dir is not None else None
+        self._lock = threading.Lock()
+        self._seen: bytes = b""
+        self._users: list[User] = []
+
+    def users(self) -> list[User]:
+        try:
+            text = self.path.read_bytes() if self.path is not None else b""
+        except FileNotFoundError:
+            text = b""
+        with self._lock:
+            if text != self._seen:
+                self._users = [User(**u) for u in json.loads(text)["users"]] if text else []
+                self._seen = text
+            return self._users
+
+    def authenticate(self, token: str) -> User | None:
+        return find(self.users(), token)
+
+    def quota(self, name: str) -> Quota:
+        """A user's quota; none for an admin, or a user no longer there (their jobs were admitted already)."""
+        user = next((u for u in self.users() if u.name == name), None)
+        return user.quota if user is not None else NO_QUOTA

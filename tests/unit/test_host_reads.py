@@ -1,0 +1,130 @@
+"""The host reads a training step makes (issue 48 item 7): one per step for the step's figures (loss, gradient norm,
+MoE statistics, stacked), and in MoE blocks one per layer and micro-batch when dropless, none with a capacity.
+
+A read is counted where, on a GPU, it would make the host wait for the device: `_local_scalar_dense` (`.item()`,
+`float(t)`, `int(t)`), `is_nonzero` (`bool(t)`, `if t:`), `equal`, a `Tensor.tolist()` (which does not dispatch:
+counted by wrapping the method while the step runs), and the ops whose output's size depends on the data
+(`nonzero`, `masked_select`, `bincount`, `unique`, `repeat_interleave` without `output_size`). On CPU every tensor
+counts as the device's but torch's optimizer step counters, which torch keeps on the host on every device (not
+capturable): reading one is no wait for a GPU. The data is synthetic, so reading the step's samples (host data on
+every device) makes no read here. One rank, one process, gloo at world size 1: a worker's `RankDriver` as is.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.local_world import free_ports
+
+aten = torch.ops.aten
+SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}
+SIZE_FROM_DATA = {aten.nonzero.default, aten.masked_select.default, aten.bincount.default, aten._unique2.default,
+                  aten.unique_consecutive.default, aten.unique_dim.default}
+MICROBATCHES, LAYERS = 2, 2
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads (module doc) made while it is entered, with where each was made; `host` tensors
+    (by storage) are not the device's."""
+
+    def __init__(self, host: set[int]):
+        super().__init__()
+        self.host = host
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        on_host = first is not None and first.untyped_storage().data_ptr() in self.host
+        if (func in SCALAR_READS and not on_host) or func in SIZE_FROM_DATA or (
+                func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None):
+            self.record(str(func))
+        return func(*args, **kwargs)
+
+    def record(self, what: str) -> None:
+        where = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in traceback.extract_stack()[:-2]]
+        self.reads.append(f"{what} at {' < '.join(reversed(where[-3:]))}")
+
+
+@contextmanager
+def counting(host: set[int]) -> Iterator[HostReads]:
+    mode = HostReads(host)
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self: torch.Tensor):
+        if self.untyped_storage().data_ptr() not in host:
+            mode.record("Tensor.tolist")
+        return tolist(self)
+
+    torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
+    try:
+        with mode:
+            yield mode
+    finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+
+
+def job(moe: MoEConfig | None = None, kind: str = "adamw") -> JobConfig:
+    model = ModelConfig(n_layer=LAYERS, n_head=2, d_model=32, vocab_size=128, seq_len=16, moe=moe)
+    return JobConfig(name="reads", model=model, steps=2, data=DataConfig(kind="synthetic"), global_batch=4,
+                     parallel=ParallelConfig(microbatches=MICROBATCHES), optimizer=OptimizerConfig(kind=kind))
+
+
+@pytest.fixture(scope="module")
+def driver() -> Iterator[RankDriver]:
+    """One rank's process group for every job here (each gets its own trainer: `trainer_for`)."""
+    driver = RankDriver(make_plan(job()), 0, "127.0.0.1", free_ports(1)[0], torch.device("cpu"), 60)
+    yield driver
+    driver.close()
+
+
+def step_reads(driver: RankDriver, cfg: JobConfig) -> list[str]:
+    """The reads of one step of a tiny one-rank job (its optimizer state created first, as its first step would)."""
+    trainer = driver.trainer_for(make_plan(cfg))
+    ids = [driver.microbatches(step) for step in range(2)]
+    trainer.optimizer.init_state()
+    counters = {s["step"].untyped_storage().data_ptr() for o in trainer.optimizer.optimizers
+                for s in o.state.values() if "step" in s}
+    with counting(counters) as reads:
+        stats = trainer.train_step(1, ids[1])
+    assert stats.loss is not None and stats.grad_norm > 0  # the step's figures reached the host
+    return reads.reads
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adafactor"])
+def test_a_dense_step_reads_the_device_once(driver, kind):
+    reads = step_reads(driver, job(kind=kind))
+    assert len(reads) == 1 and reads[0].startswith("Tensor.tolist at trainer.py"), reads
+
+
+def test_a_dropless_moe_step_reads_once_per_layer_and_microbatch(driver):
+    reads = step_reads(driver, job(MoEConfig(experts=4, top_k=2, every=1, capacity_factor=None)))
+    dispatch = [r for r in reads if "moe.py" in r]
+    assert len(dispatch) == LAYERS * MICROBATCHES and len(reads) == len(dispatch) + 1, reads
+
+
+def test_an_moe_step_with_a_capacity_reads_nothing_in_dispatch(driver):
+    reads = step_reads(driver, job(MoEConfig(experts=4, top_k=2, every=1, capacity_factor=1.0)))
+    assert len(reads) == 1 and "trainer.py" in reads[0], reads
+
+
+def test_the_counter_sees_each_kind_of_read():
+    # What the budget would miss if the counter were blind: each kind of read, on a CPU tensor, counted once.
+    t = torch.tensor([1.0, 0.0, 2.0])
+    with counting(set()) as reads:
+        float(t[0])
+        bool(t[1])
+        t.tolist()
+        t.nonzero()
+        torch.equal(t, t)
+        torch.tensor([1, 2]).repeat_interleave(torch.tensor([1, 1]))
+        torch.tensor([1, 2]).repeat_interleave(torch.tensor([1, 1]), output_size=2)  # sized: no read
+    assert len(reads.reads) == 6, reads.reads
