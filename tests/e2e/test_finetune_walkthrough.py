@@ -6,7 +6,11 @@ follow it, print its metrics, export the adapter with `--format peft` over HTTP,
 The base that README's pretraining would export to exported/tiny-llama is built here instead (a tiny
 LlamaForCausalLM of the examples' 1024-id vocabulary, and the examples' tokenizer), so the run takes seconds. The
 job's whole examples are each seen once per epoch at dp=2, its metrics print the epoch and val_loss columns, and the
-adapter peft loads gives the logits of trainyard's own export of the job."""
+adapter peft loads gives the logits of trainyard's own export of the job.
+
+In `make test-slow`, not `make test`: five CLI processes (`prepare --chat` imports transformers), a Ray job of a
+coordinator and two ranks and peft take about 35 s on a loaded 2-core machine (5 s of the CLI's CPU alone), more
+than `make test`'s headroom; the adapters' numbers are `make test`'s in tests/integration/test_hf_gloo.py."""
 
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from helpers import REPO
 from hf_tiny import tiny_llama
 
 MARKER = "<!-- run by tests/e2e/test_finetune_walkthrough.py -->"
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1",
+                                                   reason="slow: run with `make test-slow`")]
 
 
 def readme_blocks() -> dict[str, str]:
