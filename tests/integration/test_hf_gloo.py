@@ -253,6 +253,7 @@ def _lora_twin(name: str) -> str:
 
 def test_lora_follows_its_one_rank_twin_with_the_base_frozen_and_the_adapters_state_alone(world):
     from trainyard.parallel.plan.memory import rank_memory
+    from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 
     runs = world[4]
     for name, (plan, results) in runs.items():
@@ -265,6 +266,9 @@ def test_lora_follows_its_one_rank_twin_with_the_base_frozen_and_the_adapters_st
         for rank, r in enumerate(results):
             assert r.probe["frozen"] > 0 and r.probe["unchanged"], (name, rank)
             assert set(r.probe["optimizer_bytes"]) == {rank_memory(plan, rank).optimizer}, (name, rank)
+            # the adapters alone are reduced, as `trainyard plan` says
+            sent = reduction_bytes(plan)["per_stage"][plan.coords(rank).pp]["sent"]
+            assert [s["reduce_bytes"] for s in r.stats] == pytest.approx([sent] * len(r.stats), rel=0.01), name
     for twin_name in ("lora-one", "lora4-one", "lora4-one-bf16"):
         twin = next(r.stats for r in runs[twin_name][1])
         assert twin[1]["loss"] < twin[0]["loss"], twin_name  # the adapters learn
