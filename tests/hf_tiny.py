@@ -20,13 +20,14 @@ def tiny_gpt2(directory: Path, *, tied: bool = True, seed: int = 0, **overrides)
     return _saved(GPT2LMHeadModel(config), directory)
 
 
-def tiny_llama(directory: Path, *, tied: bool = False, seed: int = 0, **overrides):
+def tiny_llama(directory: Path, *, tied: bool = False, seed: int = 0, vocab_size: int = VOCAB, layers: int = 2,
+               **overrides):
     """A LlamaForCausalLM with grouped-query attention (4 query heads, 2 key/value heads), untied."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5,
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=64, rms_norm_eps=1e-5,
                          tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, **overrides)
     return _saved(LlamaForCausalLM(config), directory)
 
