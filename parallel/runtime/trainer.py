@@ -136,12 +136,12 @@ class RankTrainer:
                                                    sharded=self.sharded, compressor=self.compressor)
         # Offloaded: the optimizer's chunks follow the forward's units; overlapped, each unit's forward waits for its
         # own chunks' host step (`parallel.runtime.host_steps`), where nothing else reads the parameters in between.
-        units = forward_units(self.chunks)
+        units = forward_units(self.chunks) if cfg.optimizer.offload else []
         overlap = (cfg.optimizer.offload_overlap and not cfg.compile
                    and not any(r.zero for r in self.reducers.values()))
         self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
                                         cfg.optimizer, offload=cfg.optimizer.offload, overlap=overlap,
-                                        units=[[p for m in unit for p in m.parameters()] for unit in units])
+                                        units=[[p for m in unit for p in m.parameters()] for unit in units] or None)
         if self.optimizer.overlap:
             wait_in_forward(units, self.optimizer.ready)
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
