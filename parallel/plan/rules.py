@@ -162,11 +162,6 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
-    if SCHEDULES[par.schedule].splits_backward and sharding_for(par.zero).shards_parameters:
-        return [PlanError("parallel.schedule", f"{par.schedule} splits each backward into input and weight halves; "
-                                               f"parallel.zero={par.zero} (FSDP2, which gathers and reduces from its "
-                                               "own backward hooks) is not built to follow them: use zero 0 or 1, or "
-                                               "a schedule without split backward")]
     if SCHEDULES[par.schedule].splits_backward and config.compile:
         return [PlanError("compile", f"{par.schedule} splits each backward into input and weight halves, which "
                                      "torch.compile'd blocks do not support; use compile: false or a schedule "
