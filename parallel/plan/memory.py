@@ -60,6 +60,7 @@ from trainyard.parallel.optim.kinds import optimizer_kind
 from trainyard.parallel.plan.actions import COMPUTE_KINDS, FREEING_KINDS, Action, ActionKind, virtual_stage
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
+from trainyard.parallel.plan.replica_sync import replica_dp
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
 
@@ -281,9 +282,10 @@ def by_block_kind(m: ModelConfig, count: Callable[[int], T]) -> Callable[[int], 
 
 def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
     """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
-    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts."""
-    return [(counts.dense, plan.dp), (counts.router, plan.dp * plan.tp),
-            (counts.experts, plan.dp // plan.ep * plan.tp)]
+    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts; dp being one
+    replica's with local_sgd and diloco (`replica_sync.replica_dp`)."""
+    dp = replica_dp(plan.config.fixed_parallel.sync, plan.dp)
+    return [(counts.dense, dp), (counts.router, dp * plan.tp), (counts.experts, dp // plan.ep * plan.tp)]
 
 
 def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:

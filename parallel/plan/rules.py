@@ -13,7 +13,7 @@ from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.actions import ScheduleError
-from trainyard.parallel.plan.replica_sync import is_local
+from trainyard.parallel.plan.replica_sync import is_local, replica_dp
 from trainyard.parallel.plan.schedules import SCHEDULES, check_schedule_args
 from trainyard.parallel.plan.sharding import sharding_for
 
@@ -173,18 +173,31 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
 
 
 def sync_violations(config: JobConfig) -> list[PlanError]:
-    """local_sgd and diloco replicas step alone between synchronisations: each must hold its whole state."""
+    """local_sgd and diloco replicas step alone between synchronisations: each must hold its whole state, so
+    what is sharded (ZeRO) or spread (MoE's experts at ep > 1) is within a replica (`parallel.sync.replicas`)."""
     sync, par = config.fixed_parallel.sync, config.fixed_parallel
     if not is_local(sync):
+        if sync.replicas is not None:
+            return [PlanError("parallel.sync.replicas", f"replicas={sync.replicas} with kind {sync.kind}: only "
+                                                        "local_sgd and diloco replicas step apart (allreduce's "
+                                                        "ranks are one replica)")]
         return []
-    errors = []
-    if sharding_for(par.zero).shards_optimizer_state:
-        errors.append(PlanError("parallel.sync", f"{sync.kind} needs parallel.zero: 0 (zero={par.zero} shards the "
-                                                 "optimizer state across the replicas, and a replica that steps "
-                                                 "alone needs all of it)"))
-    if config.model.moe is not None:
-        errors.append(PlanError("parallel.sync", f"{sync.kind} does not compose with model.moe yet (router and "
-                                                 "expert gradients are reduced across the replicas every step)"))
+    dp = par.fixed_dp
+    if sync.replicas is not None and dp % sync.replicas:
+        return [PlanError("parallel.sync.replicas", f"replicas={sync.replicas} does not divide dp={dp} (each "
+                                                    "replica is dp / replicas data-parallel ranks)")]
+    errors, in_replica = [], replica_dp(sync, dp)
+    if sharding_for(par.zero).shards_optimizer_state and in_replica == 1:
+        errors.append(PlanError("parallel.sync.replicas", f"parallel.zero={par.zero} shards the state over the "
+                                                          f"data-parallel ranks of a replica, and {sync.kind}'s "
+                                                          f"replicas are {in_replica} rank each (replicas="
+                                                          f"{sync.replicas or dp}): set replicas below dp={dp}, "
+                                                          "e.g. dp / 2, or zero: 0"))
+    if config.model.moe is not None and in_replica % par.ep:
+        errors.append(PlanError("parallel.sync.replicas", f"ep={par.ep} does not divide the {in_replica} "
+                                                          f"data-parallel ranks of each {sync.kind} replica "
+                                                          f"(replicas={sync.replicas or dp}): a replica must hold "
+                                                          "every expert"))
     if config.model.tie_embeddings and par.pp > 1:
         errors.append(PlanError("parallel.sync", f"{sync.kind} does not compose with model.tie_embeddings at pp > 1 "
                                                  "yet (the head's copy of the embedding would be averaged apart from "

@@ -1,4 +1,5 @@
-"""How data-parallel replicas keep in step (`parallel.sync`), a replica being a whole pp x tp group.
+"""How data-parallel replicas keep in step (`parallel.sync`), a replica being a whole pp x tp group of one or
+(`parallel.sync.replicas`) several dp ranks, which share ZeRO's shards and MoE's experts.
 
 - `allreduce` (the default): the gradient reducer (`parallel.runtime.data_parallel`) sums every gradient across the
   replicas every step; nothing here runs.
@@ -60,11 +61,14 @@ def saved_outer_state(directory: Path) -> bool:
 
 
 def replica_group(plan: Plan) -> dist.ProcessGroup | None:
-    """This rank's data-parallel replica (its whole pp x tp group) as a process group, every rank creating every
-    replica's; None when a replica is one rank. A local_sgd or diloco replica clips its gradients' norm over it."""
+    """This rank's data-parallel replica (its whole pp x tp group, of `reduce_dp` dp ranks) as a process group,
+    every rank creating every replica's; None when a replica is one rank. A local_sgd or diloco replica clips its
+    gradients' norm over it."""
     import torch.distributed as dist
 
-    replicas = [[plan.rank_of(p, t, d) for p in range(plan.pp) for t in range(plan.tp)] for d in range(plan.dp)]
+    rd = plan.reduce_dp
+    replicas = [[plan.rank_of(p, t, b * rd + i) for p in range(plan.pp) for t in range(plan.tp) for i in range(rd)]
+                for b in range(plan.dp // rd)]
     if len(replicas[0]) == 1:
         return None
     mine, _ = dist.new_subgroups_by_enumeration(replicas)
@@ -73,8 +77,9 @@ def replica_group(plan: Plan) -> dist.ProcessGroup | None:
 
 class ReplicaSync:
     """One rank's part of the synchronisations of a local_sgd or diloco job: `params` are this rank's parameters
-    (DTensors with tp; the math runs on their local shards), `group` the data-parallel group of its (pp, tp)
-    shard."""
+    (DTensors with tp or ZeRO-2/3; the math runs on their local shards), `group` the ranks holding the same shard
+    in every replica (same pp, tp and place in the replica: each replica's shards are averaged with the same
+    shards of the others), `dp` the replicas."""
 
     def __init__(self, cfg: SyncConfig, params: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int):
         from torch.distributed.tensor import DTensor
