@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
 from torch.distributed.tensor import DTensor
@@ -51,9 +52,18 @@ def final_params(driver, stats) -> dict[str, torch.Tensor]:
 
 
 def whole_params(driver, stats) -> dict[str, torch.Tensor]:
-    """This rank's parameters whole (ZeRO-3's gathered over the replica's ranks: a collective every rank runs)."""
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for chunk in driver.trainer.chunks for name, p in chunk.named_parameters()}
+    """This rank's parameters whole: ZeRO-3's dim-0 shards gathered over the replica's ranks, by hand (DTensor's
+    `full_tensor` caches its plans by mesh shape, which a later run of the shared world may meet with stale groups)."""
+    out, group = {}, driver.trainer.groups.reduce
+    for chunk in driver.trainer.chunks:
+        for name, p in chunk.named_parameters():
+            if isinstance(p, DTensor):
+                shards: list = [None] * dist.get_world_size(group)
+                dist.all_gather_object(shards, p.to_local().detach().clone(), group=group)
+                out[name] = torch.cat(shards)
+            else:
+                out[name] = p.detach().clone()
+    return out
 
 
 def _state(driver) -> dict[str, torch.Tensor]:
