@@ -203,10 +203,6 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
                                                           f"data-parallel ranks of each {sync.kind} replica "
                                                           f"(replicas={sync.replicas or dp}): a replica must hold "
                                                           "every expert"))
-    if config.model.tie_embeddings and par.pp > 1:
-        errors.append(PlanError("parallel.sync", f"{sync.kind} does not compose with model.tie_embeddings at pp > 1 "
-                                                 "yet (the head's copy of the embedding would be averaged apart from "
-                                                 "the embedding, and could drift from it)"))
     if par.grad_compression is not None:
         errors.append(PlanError("parallel.grad_compression", f"compresses the gradients' all-reduce across the "
                                                              f"replicas, which {sync.kind} does not run (its replicas "

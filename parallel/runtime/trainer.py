@@ -140,8 +140,9 @@ class RankTrainer:
                                         cfg.optimizer, offload=cfg.optimizer.offload)
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
         params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
-        self.sync = ReplicaSync(par.sync, params, groups.replicas, plan.dp // plan.reduce_dp) if self.local_sync \
-            else None
+        tied = frozenset(i for i, p in enumerate(params) if p is self.tied.embedding or p is self.tied.head)
+        self.sync = ReplicaSync(par.sync, params, groups.replicas, plan.dp // plan.reduce_dp, apart=tied) \
+            if self.local_sync else None
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
                                     self.tied)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.

@@ -5,7 +5,8 @@
   parallelism within 1e-5 (averaging the replicas' parameters after a step is then averaging their gradients
   before it; AdamW is not linear, so there the three differ by design);
 - the same with replicas of two dp ranks each (`parallel.sync.replicas`): at ZeRO-3 (a replica's ranks share its
-  shards) and with MoE at ep=2 (they share its experts);
+  shards) and with MoE at ep=2 (they share its experts); tied embeddings at pp=2 over three replicas, the two
+  copies bitwise equal after the syncs;
 - diloco every=4 at (dp=2, pp=2) with AdamW matches a reference computed in one process: two replicas as two
   one-rank trainers, each stepping on its share of the global batch, and the outer Nesterov step written out
   by hand (not torch's SGD, which `parallel.sync` uses): losses and final parameters within 1e-5;
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
+from test_tied_gloo import assert_tied_equal, copies
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset, rank_share
 from trainyard.parallel.io.checkpoint import step_dir
@@ -164,6 +166,11 @@ SHARDED = {  # replicas of two dp ranks each, sharing ZeRO-3's shards or MoE's e
     "allreduce-moe": (plan_for({"dp": 2, "ep": 2}, steps=3, model=MOE, **NO_CLIP), None),
     "diloco-moe": (plan_for({"dp": 4, "ep": 2}, EVERY_STEP, steps=3, model=MOE, **NO_CLIP), "allreduce-moe"),
 }
+TIED = {"model": {"tie_embeddings": True, "n_layer": 2}, "global_batch": 6, "steps": 3, **NO_CLIP}
+TIED_RUNS = {  # three replicas (a sum of more than two could round apart by its order in a buffer)
+    "allreduce-tied": plan_for({"dp": 3, "pp": 2, "microbatches": 2}, **TIED),
+    "diloco-tied": plan_for({"dp": 3, "pp": 2, "microbatches": 2}, {**EVERY_STEP, "replicas": 3}, **TIED),
+}
 DILOCO = {"kind": "diloco", "every": EVERY, "outer_lr": OUTER_LR, "outer_momentum": MOMENTUM}
 SAVES = {"checkpoint": {"every": EVERY}}  # the syncs a checkpoint follows average the inner optimizer state too
 
@@ -173,6 +180,7 @@ def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("checkpoints"))
     named = [(key, PlanRun(plan, probe=final_params)) for key, plan in EXACT.items()]
     named += [(key, PlanRun(plan, probe=whole_params)) for key, (plan, _) in SHARDED.items()]
+    named += [(key, PlanRun(plan, probe=copies)) for key, plan in TIED_RUNS.items()]
     named += [
         ("diloco-pp2", PlanRun(plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO, **SAVES),
                                probe=final_params, save_after=(EVERY,), root=root)),
@@ -221,6 +229,18 @@ def test_replicas_of_sharded_ranks_synchronising_every_step_equal_all_reduce(run
         twin = reference[plan.coords(rank).dp % 2].probe  # dp2's rank with the same experts (ep index)
         for name, p in local[rank].probe.items():
             torch.testing.assert_close(p, twin[name], rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embeddings_across_stages_stay_bitwise_equal_through_the_syncs(runs):
+    """The embedding (first stage) and its head copy (last stage) are averaged each in an all-reduce of its own
+    over the three replicas: equal going in, equal coming out; every step with a linear inner step, as all-reduce."""
+    local, reference = runs["diloco-tied"], runs["allreduce-tied"]
+    np.testing.assert_allclose(last_stage_losses(stats_of(local)), last_stage_losses(stats_of(reference)), rtol=1e-5)
+    assert_tied_equal(local)
+    for mine, twin in zip(local, reference, strict=True):
+        for key in ("embedding", "head"):
+            if key in mine.probe:
+                torch.testing.assert_close(mine.probe[key], twin.probe[key], rtol=1e-5, atol=1e-6)
 
 
 def test_diloco_at_dp2_pp2_matches_two_replicas_and_the_outer_step_by_hand(runs):

@@ -160,11 +160,9 @@ def test_tied_embeddings_plan_at_any_pp(parallel):
     assert plan.tied_groups() == ([[0, 1]] if parallel.get("schedule") != "zbv" else [])
 
 
-def test_tied_embeddings_across_stages_with_replica_sync_are_refused():
+def test_tied_embeddings_across_stages_plan_with_replica_sync():
     spec = tiny_spec(model={"tie_embeddings": True}, parallel={"pp": 2, "dp": 2, "sync": {"kind": "local_sgd"}})
-    with pytest.raises(PlanError, match="local_sgd does not compose with model.tie_embeddings at pp > 1") as err:
-        make_plan(parse_spec(spec))
-    assert err.value.field == "parallel.sync"
+    assert make_plan(parse_spec(spec)).tied_groups() == [[0, 2], [1, 3]]
 
 
 def tp_plan(cluster: ClusterResources | None = None, model: dict | None = None, **parallel) -> Plan:
