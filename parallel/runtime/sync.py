@@ -118,10 +118,10 @@ class ReplicaSync:
                 for t, averaged in zip(tensors, self._mean(tensors, adds, count), strict=True):
                     t.copy_(averaged.view_as(t))
             together = [i for i in range(len(self.params)) if i not in self.apart]
-            mean: list[torch.Tensor | None] = [None] * len(self.params)
+            averages: dict[int, torch.Tensor] = {}
             for indices in (together, *([i] for i in sorted(self.apart))):
-                for i, m in zip(indices, self._mean([self.params[i] for i in indices], adds, count), strict=True):
-                    mean[i] = m
+                averages |= zip(indices, self._mean([self.params[i] for i in indices], adds, count), strict=True)
+            mean = [averages[i] for i in range(len(self.params))]
             if self.outer is None:
                 for p, m in zip(self.params, mean, strict=True):
                     p.copy_(m.view_as(p))
