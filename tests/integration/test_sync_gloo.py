@@ -6,7 +6,7 @@
   before it; AdamW is not linear, so there the three differ by design);
 - the same with replicas of two dp ranks each (`parallel.sync.replicas`): at ZeRO-3 (a replica's ranks share its
   shards) and with MoE at ep=2 (they share its experts); tied embeddings at pp=2 over three replicas, the two
-  copies bitwise equal after the syncs;
+  copies bitwise equal after the syncs (in `make test-slow`);
 - diloco every=4 at (dp=2, pp=2) with AdamW matches a reference computed in one process: two replicas as two
   one-rank trainers, each stepping on its share of the global batch, and the outer Nesterov step written out
   by hand (not torch's SGD, which `parallel.sync` uses): losses and final parameters within 1e-5;
@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
 
 STEPS, BATCH, EVERY, OUTER_LR, MOMENTUM = 8, 8, 4, 0.7, 0.9
+SLOW = os.environ.get("TRAINYARD_SLOW_TESTS") == "1"
 
 
 def last_stage_losses(per_rank: list[list[dict]]) -> list[float]:
@@ -180,7 +182,8 @@ def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("checkpoints"))
     named = [(key, PlanRun(plan, probe=final_params)) for key, plan in EXACT.items()]
     named += [(key, PlanRun(plan, probe=whole_params)) for key, (plan, _) in SHARDED.items()]
-    named += [(key, PlanRun(plan, probe=copies)) for key, plan in TIED_RUNS.items()]
+    if SLOW:  # two 6-rank runs: `make test-slow`
+        named += [(key, PlanRun(plan, probe=copies)) for key, plan in TIED_RUNS.items()]
     named += [
         ("diloco-pp2", PlanRun(plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO, **SAVES),
                                probe=final_params, save_after=(EVERY,), root=root)),
@@ -231,6 +234,8 @@ def test_replicas_of_sharded_ranks_synchronising_every_step_equal_all_reduce(run
             torch.testing.assert_close(p, twin[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not SLOW, reason="slow: run with `make test-slow`")
 def test_tied_embeddings_across_stages_stay_bitwise_equal_through_the_syncs(runs):
     """The embedding (first stage) and its head copy (last stage) are averaged each in an all-reduce of its own
     over the three replicas: equal going in, equal coming out; every step with a linear inner step, as all-reduce."""
