@@ -57,13 +57,12 @@ from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
 from trainyard.parallel.optim.kinds import optimizer_kind
-from trainyard.parallel.plan.actions import COMPUTE_KINDS, FREEING_KINDS, ActionKind, virtual_stage
+from trainyard.parallel.plan.actions import COMPUTE_KINDS, FREEING_KINDS, Action, ActionKind, virtual_stage
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
+from trainyard.parallel.plan.replica_sync import replica_dp
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
-
-"""The actions that run a chunk's units (the split halves, which ZeRO-2/3 refuse, as a backward each)."""
 
 
 @dataclass(frozen=True)
@@ -206,19 +205,35 @@ def param_bytes(plan: Plan, pp_rank: int) -> int:
 
 def gathered_bytes(plan: Plan, pp_rank: int) -> int:
     """fp32 bytes of parameters FSDP2 holds gathered whole at the step's peak, besides the shards (0 below
-    ZeRO-2): ZeRO-2 every unit of every chunk; ZeRO-3 per block: the unit computing and the next one's gather
-    in flight, walked over the rank's computes in the schedule's order (the pair that crosses from one compute
-    to the next included), and a unit that runs twice in one forward (tied embeddings) held in between. A
-    block is counted with its MoE router and experts, which FSDP2 gathers one module at a time inside it: for
-    an MoE block this is a bound."""
+    ZeRO-2): ZeRO-2 every unit of every chunk; ZeRO-3 per block (a chunk in a zb schedule's split backward): the
+    unit computing and the next one's gather in flight, walked over the rank's computes in the schedule's order
+    (the pair that crosses from one compute to the next included), and a unit that runs twice in one forward (tied
+    embeddings) held in between. A block is counted with its MoE router and experts, which FSDP2 gathers one
+    module at a time inside it: for an MoE block this is a bound."""
     sharding = sharding_for(plan.config.fixed_parallel.zero)
     if not sharding.shards_parameters:
         return 0
     units = _shard_units(plan, pp_rank)
     backward = [units[::-1] for units in units]
     passes = [units[a.chunk] if a.kind is ActionKind.FORWARD else backward[a.chunk]
-              for a in plan.schedule[pp_rank] if a.kind in COMPUTE_KINDS]
-    return FP32 * sharding.gathered_elements(passes)
+              for a in plan.schedule[pp_rank] if a.kind in COMPUTE_KINDS and not _split(plan, pp_rank, a)]
+    split = {a.chunk for a in plan.schedule[pp_rank]
+             if a.kind is ActionKind.BACKWARD_WEIGHT and _split(plan, pp_rank, a)}
+    if not sharding.reshard_after_forward or not split:
+        return FP32 * sharding.gathered_elements(passes)  # ZeRO-2 holds every unit all step anyway
+    # ZeRO-3 under a zb schedule: either half of a split backward gathers its chunk's units all at once
+    # (`parallel.runtime.fsdp_split`) and FSDP2 frees them before the next compute gathers anything but the
+    # unit the input half ran last with the next one's first: the peak is a whole chunk, or the per-block walk of
+    # the other computes (the halves left out of it), whichever is larger.
+    return FP32 * max(sharding.gathered_elements(passes), *(sum(dict(units[c]).values()) for c in split))
+
+
+def _split(plan: Plan, pp_rank: int, a: Action) -> bool:
+    """A half of a split backward that is not a whole backward: not at virtual stage 0 (whose input half computes
+    nothing and whose weight half is the whole backward, through FSDP2's hooks as any backward)."""
+    if a.kind is ActionKind.BACKWARD_INPUT:
+        return True  # at virtual stage 0 it computes nothing: left out of the walk either way
+    return a.kind is ActionKind.BACKWARD_WEIGHT and virtual_stage(pp_rank, a.chunk, plan.pp, plan.placement) > 0
 
 
 def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], int]]]:
@@ -267,9 +282,10 @@ def by_block_kind(m: ModelConfig, count: Callable[[int], T]) -> Callable[[int], 
 
 def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
     """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
-    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts."""
-    return [(counts.dense, plan.dp), (counts.router, plan.dp * plan.tp),
-            (counts.experts, plan.dp // plan.ep * plan.tp)]
+    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts; dp being one
+    replica's with local_sgd and diloco (`replica_sync.replica_dp`)."""
+    dp = replica_dp(plan.config.fixed_parallel.sync, plan.dp)
+    return [(counts.dense, dp), (counts.router, dp * plan.tp), (counts.experts, dp // plan.ep * plan.tp)]
 
 
 def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
