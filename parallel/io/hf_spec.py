@@ -7,7 +7,9 @@ as submitted, before it is validated. The architecture fields come from config.j
 as `resume_from` does (a value spelled otherwise that means the same, e.g. gpt2's ffn_hidden: 4 x d_model for
 n_inner: null, is no other value). Fields config.json does not fix (seq_len, the MoE capacity and loss weights) stay the
 spec's. A missing directory or file, an unsupported architecture or a config.json field trainyard cannot
-honour is a RuleError naming `init_from.hf` and the config.json field.
+honour is a RuleError naming `init_from.hf` and the config.json field. An architecture no native family lists
+goes to the transformers backend (`model.family: hf`, `parallel/models/hf/hf.py`) when transformers'
+`AutoModelForCausalLM` builds it: native families claim a directory first.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FIELD = "init_from.hf"
+BACKEND = "hf"
+"""The transformers backend's family: it claims a config.json only when no native family's ARCHITECTURES does."""
 
 
 def adapter_for_family(family: str) -> ModuleType:
@@ -90,10 +94,18 @@ def model_fields(directory: str | Path) -> dict:
     config = read_hf_config(directory)
     architectures = config.get("architectures") or []
     adapter = adapter_for_architecture(architectures[0]) if len(architectures) == 1 else None
+    if adapter is None:  # no native family reads it: the transformers backend, if it is a causal LM
+        backend = adapter_for_family(BACKEND)
+        try:
+            claimed = backend.claims(config)
+        except RuleError as e:
+            raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
+        adapter = backend if claimed else None
     if adapter is None:
         supported = sorted(a for f in families() for a in adapter_for_family(f).ARCHITECTURES)
-        raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported "
-                               f"(supported: {', '.join(supported)})")
+        raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported: no native "
+                               f"family reads it (they read {', '.join(supported)}) and it is no "
+                               "AutoModelForCausalLM architecture of transformers (model.family hf)")
     quantized = config.get("quantization_config")
     if quantized:  # its weights are not fp tensors under the usual names
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"

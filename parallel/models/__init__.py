@@ -10,11 +10,13 @@ from __future__ import annotations
 from trainyard.parallel.config import ModelConfig
 from trainyard.parallel.models.base import ModelFamily
 from trainyard.parallel.models.gpt2 import GPT2
+from trainyard.parallel.models.hf import HFBackend
 from trainyard.parallel.models.llama import Llama
 
 FAMILIES: dict[str, ModelFamily] = {
     "gpt2": GPT2(),
     "llama": Llama(),
+    "hf": HFBackend(),  # last: the transformers backend claims only what no native family reads
 }
 
 
