@@ -43,6 +43,7 @@ from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.data.examples import epochs_steps
 from trainyard.parallel.io import checkpoint
+from trainyard.parallel.io.hf_spec import init_from_events
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue, quota
@@ -170,6 +171,7 @@ class JobManager:
         with an event saying it waits for them: the admission thread chooses its layout once they are known. A
         job that needs more than its owner's whole quota is refused (RuleError on `resources`)."""
         config, events = self._bound_by_epochs(config)
+        events += init_from_events(config)  # which family claimed init_from.hf's architecture
         try:
             config, _ = self.choose_layout(config)
         except Calibrating as waiting:

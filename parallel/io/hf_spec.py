@@ -15,11 +15,12 @@ goes to the transformers backend (`model.family: hf`, `parallel/models/hf/hf.py`
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
-from trainyard.parallel.config import RuleError
+from trainyard.parallel.config import JobConfig, RuleError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -117,6 +118,16 @@ def model_fields(directory: str | Path) -> dict:
         raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
     except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError) as e:  # e.g. num_attention_heads: 0
         raise RuleError(FIELD, f"{CONFIG_FILE} lacks or garbles field {e}") from None
+
+
+def init_from_events(config: JobConfig) -> list[dict]:
+    """A job's event naming the family that claimed its `init_from.hf` directory (a native one, or the transformers
+    backend `hf`) and the architectures its config.json gives; none without init_from."""
+    if config.init_from is None:
+        return []
+    architectures = read_hf_config(config.init_from.hf).get("architectures") or []
+    return [{"time": time.time(), "kind": "init_from", "family": config.model.family,
+             "architectures": list(architectures), "backend": config.model.family == BACKEND}]
 
 
 def resolve_init_from(spec: Mapping) -> Mapping:

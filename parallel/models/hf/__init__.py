@@ -61,6 +61,12 @@ class HFBackend(ModelFamily):
                                                                 "each decoder layer"))
         return errors
 
+    def summary(self, cfg: ModelConfig) -> str:
+        import json
+
+        architectures = json.loads(cfg.hf_config).get("architectures") if cfg.hf_config else None
+        return f"family hf (the transformers backend, {', '.join(architectures or ['?'])}): {LIMITS}"
+
     def ffn_hidden(self, cfg: ModelConfig) -> int:
         return cfg.ffn_hidden or 4 * cfg.d_model
 
