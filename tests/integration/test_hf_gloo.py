@@ -10,7 +10,7 @@ stays bitwise the checkpoint's, the optimizer state is the adapters' alone (as t
 run's export loads in peft onto the base with trainyard's logits, its merged export in transformers. And the
 transformers backend (`model.family: hf`) on three architectures no native family reads (Phi-3, Gemma 2, OLMo 2):
 transformers' first loss, dp2 with ZeRO-3 and per-layer recompute following one rank, a resume at dp1 from the dp2
-checkpoint continuing the curve, and an export transformers loads with trainyard's logits."""
+checkpoint continuing the curve (Gemma 2), and an export transformers loads with trainyard's logits."""
 
 from __future__ import annotations
 
@@ -261,11 +261,13 @@ def test_the_lora_state_trained_at_3d_exports_to_peft_and_merged_to_transformers
 
 BACKEND_STEPS = 3
 BACKEND_LAYOUTS = {"z3": {"dp": 2, "zero": 3}, "one": {}}
+RESUMED = "gemma2"
 
 
 def _backend_runs(root: Path):
     """The transformers backend's runs in this world: per architecture at dp2 with ZeRO-3 and recompute (saving after
-    step 1) and at dp1, then at dp1 resumed from the dp2 run's step-1 checkpoint (after it, in the world's order)."""
+    step 1) and at dp1, then Gemma 2 at dp1 resumed from the dp2 run's step-1 checkpoint (after it, in the world's
+    order)."""
     models = {name: tiny_backend(name, root / f"{name}-src") for name in BACKEND_ARCHITECTURES}
     configs = {}
     for name in models:
@@ -277,9 +279,9 @@ def _backend_runs(root: Path):
             configs[name, layout] = parse_submitted_spec(spec)
     runs = {key: PlanRun(make_plan(cfg), save_after=(1,) if key[1] == "z3" else (), root=str(root / "-".join(key)))
             for key, cfg in configs.items()}
-    runs |= {(name, "resumed"): PlanRun(make_plan(configs[name, "one"]),
-                                        resume=(str(checkpoint.step_dir(root / f"{name}-z3", 1)), 1))
-             for name in models}
+    # one resume (the tied Gemma 2): every architecture's checkpoint names are read back by its export test
+    runs[RESUMED, "resumed"] = PlanRun(make_plan(configs[RESUMED, "one"]),
+                                       resume=(str(checkpoint.step_dir(root / f"{RESUMED}-z3", 1)), 1))
     return models, configs, runs
 
 
@@ -295,10 +297,9 @@ def test_backend_first_loss_is_transformers_and_dp2_zero3_follows_one_rank(world
     assert one[-1] < one[0]  # it learns
 
 
-@pytest.mark.parametrize("name", BACKEND_ARCHITECTURES)
-def test_backend_resume_at_another_dp_continues_the_curve(world, name):
+def test_backend_resume_at_another_dp_continues_the_curve(world):
     _, _, curves = world[5]
-    resumed, z3 = curves[name, "resumed"][0], curves[name, "z3"][0]
+    resumed, z3 = curves[RESUMED, "resumed"][0], curves[RESUMED, "z3"][0]
     assert len(resumed) == BACKEND_STEPS - 1  # steps 1 and 2
     assert max(abs(a - b) for a, b in zip(resumed, z3[1:], strict=True)) < CURVE_ATOL
 

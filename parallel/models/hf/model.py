@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,17 +46,17 @@ def _parameters_on_meta() -> Iterator[None]:
         if p is not None and not p.is_meta:  # a meta one may be another module's (a tied head): kept as it is
             module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    setattr(nn.Module, "register_parameter", on_meta)  # noqa: B010 - a method patched for the construction only
     try:
         with torch.device("cpu"):
             yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", register)  # noqa: B010
 
 
-def hf_model(cfg: ModelConfig, *, meta: bool = False) -> nn.Module:
+def hf_model(cfg: ModelConfig, *, meta: bool = False) -> Any:
     """`AutoModelForCausalLM.from_config` of the job's config.json, in fp32; `meta`: parameters on meta, buffers
-    computed on the CPU."""
+    computed on the CPU. (Any: a transformers PreTrainedModel, from an optional package.)"""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     assert cfg.hf_config is not None, "the hf family's ModelConfig carries its config.json (hf_config)"
@@ -79,10 +80,10 @@ class HFStage(nn.Module):
     tied_copy = False
     init_aliases: dict[str, str] = {}
 
-    body: nn.Module
-    """The model's body (`get_decoder`): embedding, decoder layers, final norm."""
-    head: nn.Module
-    embedding: nn.Module
+    body: Any
+    """The model's body (`get_decoder`): embedding, decoder layers, final norm (a transformers module)."""
+    head: Any
+    embedding: Any
     norm: nn.Module | None
 
     def __init__(self, cfg: ModelConfig, *, seed: int):
@@ -96,7 +97,7 @@ class HFStage(nn.Module):
         body = hf.get_decoder()
         self.__dict__.update(body=body, head=hf.get_output_embeddings(), embedding=body.get_input_embeddings())
         self.softcap: float | None = getattr(hf.config, "final_logit_softcapping", None)
-        self.layers = [m for m in self.body.modules() if type(m).__name__ in set(hf._no_split_modules or ())]
+        self.layers: list[Any] = [m for m in body.modules() if type(m).__name__ in set(hf._no_split_modules or ())]
         if len(self.layers) != cfg.n_layer:
             raise ValueError(f"{type(hf).__name__}: found {len(self.layers)} decoder layers from _no_split_modules "
                              f"{hf._no_split_modules}, config.json says {cfg.n_layer}")
@@ -146,7 +147,7 @@ class HFStage(nn.Module):
     def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of the head's logits (targets of -100 count nothing): fused with the head unless
         the head does more than a matmul or FSDP2 holds its weight sharded (then through the module's hooks)."""
-        weight = self.head.weight
+        weight: torch.Tensor = self.head.weight
         plain = self.softcap is None and getattr(self.head, "bias", None) is None
         if plain and not isinstance(weight, DTensor):
             return linear_cross_entropy_sum(hidden, weight, targets)
