@@ -45,6 +45,8 @@ class HFBackend(ModelFamily):
                                                        "init_from.hf (which fills it in)"))
         if config.init_from is None:
             errors.append(RuleError("init_from.hf", "family hf trains a transformers checkpoint: give init_from.hf"))
+        elif not errors:  # built on meta (cached, no storage): what the ranks will build, checked at submit
+            errors += _build_errors(m)
         par = config.parallel
         if not isinstance(par, str):
             for field in ("pp", "tp", "ep"):
@@ -115,3 +117,19 @@ class HFBackend(ModelFamily):
 
     def reduction_set(self, name: str) -> ReductionSet:
         return "dense"  # no trainyard MoE layer: a name with `.moe.experts.` in it is still a dense parameter
+
+
+def _build_errors(cfg: ModelConfig) -> list[RuleError]:
+    """The model cannot be built from its config.json, or its decoder layers (the classes `_no_split_modules` names,
+    ZeRO's units) are not config.json's num_hidden_layers."""
+    from trainyard.parallel.models.hf.model import element_counts
+
+    try:
+        layers = len(element_counts(cfg)[2])
+    except Exception as e:  # noqa: BLE001 - transformers' own error, whatever its type, named for the user
+        return [RuleError("init_from.hf", f"transformers cannot build the model from config.json: {e!r}")]
+    if layers != cfg.n_layer:
+        return [RuleError("init_from.hf", f"found {layers} decoder layers (the classes _no_split_modules names), "
+                                          f"config.json says num_hidden_layers={cfg.n_layer}: the backend shards and "
+                                          "recomputes per decoder layer")]
+    return []
