@@ -158,6 +158,7 @@ def format_plan(d: dict) -> str:
         lines.append(f"layout chosen automatically (predicted step time {chosen['predicted_step_s'] * 1e3:.2f} ms "
                      f"on {chosen['node_type']})")
     lines += [
+        f"model: {d['model']['summary']}",
         f"world size {d['world_size']}  (dp={deg['dp']} pp={deg['pp']} tp={deg['tp']} ep={deg['ep']} vpp={deg['vpp']})",
         f"micro-batches per step per dp rank: {d['microbatches']} of {d['micro_batch_size']} sequences",
         f"resources needed: {d['resources']['needed']}  (per worker {d['resources']['per_worker']})",

@@ -92,11 +92,13 @@ class ModelConfig:
     equal to it."""
     moe: MoEConfig | None = None
     """Mixture-of-experts blocks; null for a dense model."""
-    family: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"] = "gpt2"
+    family: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "hf"] = "gpt2"
     """The model family (`parallel.models`): gpt2 (LayerNorm, GELU, learned positions, biases) or llama
     (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases), and llama's kin: mistral (an
     optional sliding window), qwen2 (biases on q, k and v), qwen3 (an RMSNorm per head on q and k) and qwen3_moe
-    (qwen3's attention, SwiGLU experts)."""
+    (qwen3's attention, SwiGLU experts); hf: the transformers backend, any `AutoModelForCausalLM` checkpoint no
+    native family reads, with transformers' own modules (`init_from.hf` required; data parallelism only;
+    `pip install 'trainyard[hf]'`)."""
     n_kv_head: Annotated[int, Gt(0), Le(4096), NOT_BOOL] | None = None
     """Key/value heads (grouped-query attention, llama); null: n_head. Must divide n_head."""
     ffn_hidden: Annotated[int, Gt(0), Le(2**20), NOT_BOOL] | None = None
@@ -119,6 +121,9 @@ class ModelConfig:
     whole causal context."""
     lora: LoraConfig | None = None
     """Train low-rank adapters on a frozen model instead of every weight; null: full training."""
+    hf_config: Annotated[str, MaxLen(1_000_000)] | None = None
+    """family hf: the checkpoint's config.json as JSON text, which `init_from.hf` fills in (the other fields above
+    are read from it too); null for a native family."""
 
     @property
     def context(self) -> int:

@@ -96,3 +96,21 @@ def _saved(model, directory: Path):
     model.eval()
     model.save_pretrained(directory)
     return model
+
+
+BACKEND_ARCHITECTURES = ("phi3", "gemma2", "olmo2")
+"""Architectures no native family reads: the transformers backend (`model.family: hf`) trains them."""
+
+
+def tiny_backend(name: str, directory: Path, *, seed: int = 0):
+    """A tiny Phi3ForCausalLM (fused qkv and gate_up), Gemma2ForCausalLM (tied, soft-capped logits, sliding window
+    on alternate layers, its own embedding scale) or Olmo2ForCausalLM (q and k norms, post-norms)."""
+    import transformers
+
+    config_class = {"phi3": "Phi3Config", "gemma2": "Gemma2Config", "olmo2": "Olmo2Config"}[name]
+    extra = {"head_dim": 8, "sliding_window": 8} if name == "gemma2" else {}
+    config = getattr(transformers, config_class)(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0, **extra)
+    torch.manual_seed(seed)
+    return _saved(transformers.AutoModelForCausalLM.from_config(config), directory)

@@ -7,8 +7,10 @@ as submitted, before it is validated. The architecture fields come from config.j
 as `resume_from` does (a value spelled otherwise that means the same, e.g. gpt2's ffn_hidden: 4 x d_model for
 n_inner: null, is no other value). Fields config.json does not fix (seq_len, the MoE capacity and loss weights) stay the
 spec's. A missing directory or file, an unsupported architecture or a config.json field trainyard cannot
-honour is a RuleError naming `init_from.hf` and the config.json field; an architecture no family reads names
-itself and the supported ones. `init_from_event` is the job's event saying which family claimed the directory.
+honour is a RuleError naming `init_from.hf` and the config.json field. An architecture no native family lists
+goes to the transformers backend (`model.family: hf`, `parallel/models/hf/hf.py`) when transformers'
+`AutoModelForCausalLM` builds it: native families claim a directory first; one neither can train is a RuleError
+naming it. `init_from_event` is the job's event saying which family claimed the directory.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FIELD = "init_from.hf"
+BACKEND = "hf"
+"""The transformers backend's family: it claims a config.json only when no native family's ARCHITECTURES does."""
 
 
 def adapter_for_family(family: str) -> ModuleType:
@@ -91,10 +95,18 @@ def model_fields(directory: str | Path) -> dict:
     config = read_hf_config(directory)
     architectures = config.get("architectures") or []
     adapter = adapter_for_architecture(architectures[0]) if len(architectures) == 1 else None
+    if adapter is None:  # no native family reads it: the transformers backend, if it is a causal LM
+        backend = adapter_for_family(BACKEND)
+        try:
+            claimed = backend.claims(config)
+        except RuleError as e:
+            raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
+        adapter = backend if claimed else None
     if adapter is None:
         supported = sorted(a for f in families() for a in adapter_for_family(f).ARCHITECTURES)
-        raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported "
-                               f"(supported: {', '.join(supported)})")
+        raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported: no native "
+                               f"family reads it (they read {', '.join(supported)}) and it is no "
+                               "AutoModelForCausalLM architecture of transformers (model.family hf)")
     quantized = config.get("quantization_config")
     if quantized:  # its weights are not fp tensors under the usual names
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
@@ -109,8 +121,9 @@ def model_fields(directory: str | Path) -> dict:
 
 
 def init_from_event(config: JobConfig, now: float) -> dict | None:
-    """The job's `init_from` event: which family claimed `init_from.hf` (for its config.json's architecture);
-    None without init_from. The directory was read at submit; a config.json gone since names no architecture."""
+    """The job's `init_from` event: which family claimed `init_from.hf` (a native one, or the transformers backend
+    `hf`) for its config.json's architectures; None without init_from. The directory was read at submit; a
+    config.json gone since names no architecture."""
     if config.init_from is None:
         return None
     try:
@@ -118,7 +131,7 @@ def init_from_event(config: JobConfig, now: float) -> dict | None:
     except RuleError:
         architectures = None
     return {"time": now, "kind": "init_from", "hf": config.init_from.hf, "architectures": architectures,
-            "family": config.model.family}
+            "family": config.model.family, "backend": config.model.family == BACKEND}
 
 
 def resolve_init_from(spec: Mapping) -> Mapping:

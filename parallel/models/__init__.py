@@ -10,6 +10,7 @@ from __future__ import annotations
 from trainyard.parallel.config import ModelConfig
 from trainyard.parallel.models.base import ModelFamily
 from trainyard.parallel.models.gpt2 import GPT2
+from trainyard.parallel.models.hf import HFBackend
 from trainyard.parallel.models.llama import Llama
 from trainyard.parallel.models.mistral import Mistral
 from trainyard.parallel.models.qwen2 import Qwen2
@@ -23,6 +24,7 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen2": Qwen2(),
     "qwen3": Qwen3(),
     "qwen3_moe": Qwen3Moe(),
+    "hf": HFBackend(),  # last: the transformers backend claims only what no native family reads
 }
 
 

@@ -47,6 +47,10 @@ class ModelFamily(ABC):
     lora_targets: dict[str, str] = {}
     """`model.lora.targets`' names -> the projection's module path inside a block (`parallel.models.lora`)."""
 
+    def summary(self, cfg: ModelConfig) -> str:
+        """What `trainyard plan` says of the model: the family, and what it cannot do (a native family: nothing)."""
+        return f"family {self.name}"
+
     @property
     def hf(self) -> ModuleType:
         """The family's Hugging Face mapping, `parallel/models/<name>/hf.py`, imported on first use."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.actions import ActionKind, format_actions
 from trainyard.parallel.plan.memory import estimate, param_counts
@@ -24,6 +25,7 @@ from trainyard.parallel.plan.units import format_bytes
 def describe(plan: Plan) -> dict:
     """The plan as plain data for the API and the CLI: degrees, rank map, groups, stages, schedule, resources."""
     layout = plan.layout  # asked directly: a plan of 65,536 ranks asks it hundreds of thousands of times
+    model = plan.config.model
     return {
         "world_size": layout.world_size,
         "degrees": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "ep": layout.ep, "vpp": layout.vpp},
@@ -34,6 +36,7 @@ def describe(plan: Plan) -> dict:
                    "experts": list(layout.experts_of(c.rank))} for c in layout.ranks],
         "groups": {"dp": layout.dp_groups(), "pp": layout.pp_groups(), "tp": layout.tp_groups(),
                    "ep": layout.ep_groups(), "experts": layout.expert_groups() if plan.config.model.moe else []},
+        "model": {"family": model.family, "summary": family_of(model).summary(model)},
         "moe_blocks": plan.config.model.moe_blocks,
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),

@@ -1,14 +1,16 @@
 """The flagship of Hugging Face checkpoints through the real service (uvicorn, Ray, gloo): a job started from
 a GPT2LMHeadModel directory with `init_from`, trained a few steps, exported with `trainyard export --format hf`
 (the REST path), loads in transformers with no missing or unexpected keys and gives the logits of trainyard's
-own export; its first loss is transformers' loss on the same batch."""
+own export; its first loss is transformers' loss on the same batch. Beside it (submitted at once, so the two
+run together), the transformers backend's flagship: a Gemma2ForCausalLM, which no native family reads, trained at
+dp2 with ZeRO-3 and per-layer recompute, with the same checks and its `init_from` event naming the backend."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from helpers import tiny_spec, wait_terminal
-from hf_tiny import tiny_gpt2
+from hf_tiny import tiny_backend, tiny_gpt2
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.cli.main import main as cli
 from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
@@ -22,6 +24,7 @@ def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_pa
     spec = tiny_spec(init_from={"hf": str(tmp_path / "src")}, steps=3, global_batch=4, parallel={"dp": 2})
     spec["model"] = {"seq_len": 16}
     job_id = client.submit(spec)
+    backend = _submit_backend_job(client, tmp_path)
     job = wait_terminal(client, job_id)
     assert job["status"] == "SUCCEEDED", job["error"]
     assert job["spec"]["model"]["activation"] == "gelu_tanh" and job["spec"]["model"]["tie_embeddings"]
@@ -50,3 +53,39 @@ def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(theirs.eval()(inputs).logits, ours.lm_head(ours.ln_f(ours(inputs))),
                                    rtol=0, atol=1e-5)
+    _check_backend_job(client, service, tmp_path, *backend)
+
+
+def _submit_backend_job(client, tmp_path):
+    source = tiny_backend("gemma2", tmp_path / "gemma2-src")  # tied, soft-capped logits, sliding window
+    spec = tiny_spec(init_from={"hf": str(tmp_path / "gemma2-src")}, steps=3, global_batch=4,
+                     parallel={"dp": 2, "zero": 3}, activation_checkpointing="full")
+    spec["model"] = {"seq_len": 16}
+    return client.submit(spec), source, spec
+
+
+def _check_backend_job(client, service, tmp_path, job_id, source, spec):
+    from transformers import AutoModelForCausalLM
+
+    job = wait_terminal(client, job_id)
+    assert job["status"] == "SUCCEEDED", job["error"]
+    assert job["spec"]["model"]["family"] == "hf"
+    [event] = [e for e in client.events(job_id) if e["kind"] == "init_from"]
+    assert (event["family"], event["architectures"]) == ("hf", ["Gemma2ForCausalLM"])
+    config = parse_submitted_spec(spec)
+    inputs, targets = load_batch(open_dataset(config), global_batch_ids(config.seed, 0, 4,
+                                                                        open_dataset(config).num_samples))
+    with torch.no_grad():
+        expected = float(F.cross_entropy(source(inputs).logits.flatten(0, 1), targets.flatten()))
+    assert abs(client.metrics(job_id)[0]["loss"] - expected) < 1e-5
+
+    auth = ["--url", service.url, "--token", service.token]
+    assert cli([*auth, "export", job_id, "--format", "hf", "-o", str(tmp_path / "gemma2-hf")]) == 0
+    assert cli([*auth, "export", job_id, "-o", str(tmp_path / "gemma2-ty")]) == 0
+    theirs, info = AutoModelForCausalLM.from_pretrained(tmp_path / "gemma2-hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ours = load_exported(tmp_path / "gemma2-ty" / "model.safetensors").eval()
+    assert not torch.equal(ours.state_dict()["model.embed_tokens.weight"], source.model.embed_tokens.weight)
+    with torch.no_grad():
+        logits = torch.tanh(ours.head(ours(inputs)) / ours.softcap) * ours.softcap  # Gemma 2's soft-capping
+        torch.testing.assert_close(theirs.eval()(inputs).logits, logits, rtol=0, atol=1e-5)

@@ -10,7 +10,10 @@ stays bitwise the checkpoint's, the optimizer state is the adapters' alone (as t
 run's export loads in peft onto the base with trainyard's logits, its merged export in transformers. So do LoRA on
 a 4-block Llama at pp=2 under every other schedule (gpipe and interleaved-1f1b at vpp=2; zb-h1 and zbv, whose split
 backward's weight half skips the frozen base, with full recompute), in bf16 at (dp2, pp2) against a bf16 twin, and
-the 3D run's checkpoint resumed at (dp2, zero 1) for its second step."""
+the 3D run's checkpoint resumed at (dp2, zero 1) for its second step. And the
+transformers backend (`model.family: hf`) on three architectures no native family reads (Phi-3, Gemma 2, OLMo 2):
+transformers' first loss, dp2 with ZeRO-3 and per-layer recompute following one rank, a resume at dp1 from the dp2
+checkpoint continuing the curve (Gemma 2), and an export transformers loads with trainyard's logits."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from gloo_ranks import PlanRun, run_plans
 from helpers import tiny_spec
-from hf_tiny import tiny_gpt2, tiny_llama
+from hf_tiny import BACKEND_ARCHITECTURES, tiny_backend, tiny_gpt2, tiny_llama
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
 from trainyard.parallel.io import checkpoint
@@ -177,22 +180,26 @@ def world(tmp_path_factory):
     lora |= {f"lora4-{name}": make_plan(parse_submitted_spec(_schedule_spec(root / "llama4-src", name)))
              for name in LORA_SCHEDULES}
     resumed = make_plan(parse_submitted_spec(_spec(root / "llama-src", LORA_RESUME, LORA)))
+    backend = _backend_runs(root)
     # two steps, the state after the first saved under root/<name>: one spawned world of 8 for every plan
     results = run_plans([PlanRun(plan, save_after=(1,) if plan.world_size > 1 else (), root=str(root / name),
                                  setup=_count_reads, probe=_read_and_held) for name, plan in plans.items()]
                         + [PlanRun(plan, save_after=(1,) if name in LORA_LAYOUTS else (), root=str(root / name),
                                    probe=_frozen_and_state) for name, plan in lora.items()]
                         + [PlanRun(resumed, resume=(str(checkpoint.step_dir(root / "lora-3d", 1)), 1),
-                                   probe=_frozen_and_state)])
+                                   probe=_frozen_and_state)]
+                        + list(backend[2].values()))
     per_rank = [{name: results[i][r].probe for i, name in enumerate(plans) if r < len(results[i])} for r in range(8)]
     lora_runs = {name: (plan, results[len(plans) + i]) for i, (name, plan) in enumerate(lora.items())}
-    lora_runs["lora-resumed"] = (resumed, results[-1])
-    return models, configs, per_rank, root, lora_runs
+    lora_runs["lora-resumed"] = (resumed, results[len(plans) + len(lora)])
+    curves = {key: [[s["loss"] for s in r.stats] for r in ranks]
+              for key, ranks in zip(backend[2], results[len(plans) + len(lora) + 1:], strict=True)}
+    return models, configs, per_rank, root, lora_runs, (backend[0], backend[1], curves)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_init_from_gives_transformers_first_step_loss_at_3d(world, name):
-    models, configs, per_rank, _, _ = world
+    models, configs, per_rank, _, _ = world[:5]
     losses = {r[name]["losses"][0] for r in per_rank if r[name]["losses"][0] is not None}
     assert len(losses) == 1
     assert abs(losses.pop() - _hf_loss(models[name], configs[name], 0)) < ATOL
@@ -200,7 +207,7 @@ def test_init_from_gives_transformers_first_step_loss_at_3d(world, name):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_tied_embeddings_at_3d_follow_pp1_and_stay_bitwise_equal(world, name):
-    _, _, per_rank, _, _ = world
+    _, _, per_rank, _, _ = world[:5]
     at_3d = next(r[name]["losses"] for r in per_rank if r[name]["losses"][0] is not None)
     at_pp1 = per_rank[0][f"{name}-pp1"]["losses"]
     assert max(abs(a - b) for a, b in zip(at_3d, at_pp1, strict=True)) < CURVE_ATOL
@@ -217,7 +224,7 @@ def test_tied_embeddings_at_3d_follow_pp1_and_stay_bitwise_equal(world, name):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_each_rank_reads_only_its_own_blocks(world, name):
-    models, _, per_rank, _, _ = world
+    models, _, per_rank, _, _ = world[:5]
     whole = sum(p.numel() for p in models[name].parameters())
     for r in per_rank:
         assert r[name]["read"] == r[name]["held"]  # exactly its local shards, nothing more
@@ -229,7 +236,7 @@ def test_the_state_trained_at_3d_exports_to_transformers(world, name):
     from trainyard.parallel.io.export import export_hf, export_model, load_exported
     from transformers import AutoModelForCausalLM
 
-    _, configs, per_rank, root, _ = world
+    _, configs, per_rank, root, _ = world[:5]
     cfg = configs[name]
     exported = export_model(cfg, checkpoint.step_dir(root / name, 1), 1, root / f"{name}.safetensors")
     out = export_hf(exported, root / f"{name}-hf", max_shard_bytes=50_000)
@@ -279,7 +286,7 @@ def test_the_lora_state_trained_at_3d_exports_to_peft_and_merged_to_transformers
     from trainyard.parallel.io.export import export_hf, export_model, export_peft, load_exported
     from transformers import AutoModelForCausalLM
 
-    models, _, _, root, runs = world
+    models, _, _, root, runs = world[:5]
     plan, results = runs["lora-3d"]
     exported = export_model(plan.config, checkpoint.step_dir(root / "lora-3d", 1), 1, root / "lora.safetensors")
     ours = load_exported(exported)
@@ -294,3 +301,70 @@ def test_the_lora_state_trained_at_3d_exports_to_peft_and_merged_to_transformers
         torch.testing.assert_close(merged(tokens).logits, expected, rtol=0, atol=ATOL)
     second = {r.stats[1]["loss"] for r in results if r.stats[1]["loss"] is not None}
     assert abs(second.pop() - _hf_loss(merged, plan.config, 1)) < ATOL  # the layout's own forward, after its step
+
+
+BACKEND_STEPS = 3
+BACKEND_LAYOUTS = {"z3": {"dp": 2, "zero": 3}, "one": {}}
+RESUMED = "gemma2"
+
+
+def _backend_runs(root: Path):
+    """The transformers backend's runs in this world: per architecture at dp2 with ZeRO-3 and recompute (saving after
+    step 1) and at dp1, then Gemma 2 at dp1 resumed from the dp2 run's step-1 checkpoint (after it, in the world's
+    order)."""
+    models = {name: tiny_backend(name, root / f"{name}-src") for name in BACKEND_ARCHITECTURES}
+    configs = {}
+    for name in models:
+        for layout, par in BACKEND_LAYOUTS.items():
+            spec = tiny_spec(init_from={"hf": str(root / f"{name}-src")}, global_batch=4, steps=BACKEND_STEPS,
+                             parallel=par, optimizer={"lr": 1e-2, "warmup_steps": 0},
+                             activation_checkpointing="full" if par else "none")
+            spec["model"] = {"seq_len": 16}  # the architecture comes from config.json
+            configs[name, layout] = parse_submitted_spec(spec)
+    runs = {key: PlanRun(make_plan(cfg), save_after=(1,) if key[1] == "z3" else (), root=str(root / "-".join(key)))
+            for key, cfg in configs.items()}
+    # one resume (the tied Gemma 2): every architecture's checkpoint names are read back by its export test
+    runs[RESUMED, "resumed"] = PlanRun(make_plan(configs[RESUMED, "one"]),
+                                       resume=(str(checkpoint.step_dir(root / f"{RESUMED}-z3", 1)), 1))
+    return models, configs, runs
+
+
+@pytest.mark.parametrize("name", BACKEND_ARCHITECTURES)
+def test_backend_first_loss_is_transformers_and_dp2_zero3_follows_one_rank(world, name):
+    models, configs, curves = world[5]
+    assert configs[name, "one"].model.family == "hf"  # no native family reads it
+    one, z3 = curves[name, "one"][0], curves[name, "z3"]
+    assert abs(one[0] - _hf_loss(models[name], configs[name, "one"], 0)) < ATOL
+    for rank in z3:
+        assert len(rank) == BACKEND_STEPS
+        assert max(abs(a - b) for a, b in zip(rank, one, strict=True)) < CURVE_ATOL
+    assert one[-1] < one[0]  # it learns
+
+
+def test_backend_resume_at_another_dp_continues_the_curve(world):
+    _, _, curves = world[5]
+    resumed, z3 = curves[RESUMED, "resumed"][0], curves[RESUMED, "z3"][0]
+    assert len(resumed) == BACKEND_STEPS - 1  # steps 1 and 2
+    assert max(abs(a - b) for a, b in zip(resumed, z3[1:], strict=True)) < CURVE_ATOL
+
+
+@pytest.mark.parametrize("name", BACKEND_ARCHITECTURES)
+def test_backend_export_loads_in_transformers_with_trainyards_logits(world, name):
+    from trainyard.parallel.io.export import export_hf, export_model, load_exported
+    from transformers import AutoModelForCausalLM
+
+    root, (_, configs, curves) = world[3], world[5]
+    cfg = configs[name, "z3"]
+    exported = export_model(cfg, checkpoint.step_dir(root / f"{name}-z3", 1), 1, root / f"{name}.safetensors")
+    theirs, info = AutoModelForCausalLM.from_pretrained(export_hf(exported, root / f"{name}-hf"),
+                                                        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    theirs.eval()
+    ours = load_exported(exported).eval()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = ours.head(ours(tokens))
+        if ours.softcap is not None:  # Gemma 2's final logit soft-capping
+            logits = torch.tanh(logits / ours.softcap) * ours.softcap
+        torch.testing.assert_close(theirs(tokens).logits, logits, rtol=0, atol=ATOL)
+    assert abs(curves[name, "z3"][0][1] - _hf_loss(theirs, cfg, 1)) < ATOL  # the trained state, exported

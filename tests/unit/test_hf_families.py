@@ -116,7 +116,7 @@ def test_the_job_event_names_the_family_that_claimed_the_directory(checkpoints):
     spec["model"] = {"seq_len": 16}
     event = init_from_event(parse_submitted_spec(spec), now=1.0)
     assert event == {"time": 1.0, "kind": "init_from", "hf": str(directory), "architectures": ["Qwen3ForCausalLM"],
-                     "family": "qwen3"}
+                     "family": "qwen3", "backend": False}
     assert init_from_event(parse_spec(tiny_spec()), now=1.0) is None
 
 
