@@ -29,6 +29,17 @@ Start-up (`startup`): the rank builds its chunks on the meta device and material
 whole parameter at a time (`construction`, the largest of its chunks) before keeping its slice: its parameter
 shards plus that one parameter.
 
+ZeRO-2/3's reduction (`reduction`): the step's peak is in the backward of the rank's largest unit (the head or the
+embedding at any real vocabulary), where one whole gradient of that unit exists besides everything above: in the
+loss's backward the head's weight gradient it returns next to the one it kept from forward, then FSDP2's
+reduce-scatter input next to the collective's own working copy (gloo's). Measured on the `scale` bench's 199M
+Llama at dp=4, zero=3 (bench/scale.py, each rank's RSS at every unit's backward): the high-water mark rises there
+and nowhere else, and the plan without this term was 11% under it.
+
+The optimizer's step makes temporaries (AdamW's foreach: the scaled gradients, the moments' square roots) as large
+as the tensors one torch optimizer steps, which `parallel.runtime.train_optimizer` bounds to STEP_CHUNK elements
+(64 MiB of fp32): not counted, as they live after the backward, when no unit is gathered and no activation kept.
+
 Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
 (`parallel.plan.reduction_bytes.compression_state_bytes`).
 
@@ -85,6 +96,9 @@ class RankMemory:
     gathered: int = 0
     """Of `params`, with ZeRO-2/3: the bytes FSDP2 holds gathered whole at the step's peak (`gathered_bytes`;
     ZeRO-3: per block), what the runtime's `peak_gathered_bytes` measures."""
+    reduction: int = 0
+    """ZeRO-2/3: one whole gradient of the rank's largest unit, the transient of its backward and reduce-scatter
+    (`largest_unit_grad_bytes`)."""
     construction: int = 0
     """Construction's transient, in host memory: one whole parameter (the largest of the rank's chunks), drawn
     from its (seed, name) generator before the rank keeps its slice (`parallel.runtime.materialize`)."""
@@ -98,7 +112,7 @@ class RankMemory:
     @property
     def total(self) -> int:
         """Device bytes."""
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute
+        return self.params + self.grads + self.optimizer + self.activations + self.recompute + self.reduction
 
     @property
     def host(self) -> int:
@@ -114,7 +128,8 @@ class RankMemory:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "recompute": self.recompute, "total": self.total,
                 "host_optimizer": self.host_optimizer, "host_activations": self.host_activations,
-                "host_total": self.host, "gathered": self.gathered, "construction": self.construction,
+                "host_total": self.host, "gathered": self.gathered, "reduction": self.reduction,
+                "construction": self.construction,
                 "startup": self.startup}
 
 
@@ -147,6 +162,7 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
         host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
         host_activations=peak_activation_bytes(plan, pp, offloaded),
         gathered=gathered_bytes(plan, pp),
+        reduction=largest_unit_grad_bytes(plan, pp),
         construction=construction_bytes(plan, pp),
     )
 
@@ -219,6 +235,15 @@ def gathered_bytes(plan: Plan, pp_rank: int) -> int:
     passes = [units[a.chunk] if a.kind is ActionKind.FORWARD else backward[a.chunk]
               for a in plan.schedule[pp_rank] if a.kind in COMPUTE_KINDS]
     return FP32 * sharding.gathered_elements(passes)
+
+
+def largest_unit_grad_bytes(plan: Plan, pp_rank: int) -> int:
+    """fp32 bytes of the largest FSDP2 unit's sharded parameters, whole: its gradient before the reduce-scatter, the
+    transient the backward of that unit adds to the step's peak (0 below ZeRO-2, which reduce from buckets the
+    gradients count already)."""
+    if not sharding_for(plan.config.fixed_parallel.zero).shards_parameters:
+        return 0
+    return FP32 * max((n for units in _shard_units(plan, pp_rank) for _, n in units), default=0)
 
 
 def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], int]]]:

@@ -13,7 +13,7 @@ parameter. The reducers read and fill the optimizer's state through `export()`, 
 Offload (`optimizer.offload: true`): each leaf has a host copy (pinned when CUDA is available) with a host
 gradient, and the torch optimizer, so all of its state, lives on the host and steps there. A step copies
 the (reduced, clipped) gradients to the host on a side stream, then steps the leaves in chunks of
-OFFLOAD_CHUNK elements: while the CPU steps chunk i+1, chunk i's updated values go back to the device on
+STEP_CHUNK elements: while the CPU steps chunk i+1, chunk i's updated values go back to the device on
 the side stream. The default stream waits for those copies before the next kernel that could read the
 parameters (the ZeRO-1 all-gather, the next step's forward), without blocking the host: the host is free
 to read the next step's batch and queue its forward while the last copies land. The update is not
@@ -41,8 +41,9 @@ from trainyard.parallel.optim.kinds import OptimizerKind, optimizer_kind
 from trainyard.parallel.runtime.local_parts import like_param as _like
 from trainyard.parallel.runtime.local_parts import local_part as _local
 
-OFFLOAD_CHUNK = 2**24
-"""Elements per chunk of the offloaded step (64 MiB of fp32): the grain of the H2D copies' overlap."""
+STEP_CHUNK = 2**24
+"""Elements per torch optimizer (64 MiB of fp32): the bound on a step's temporaries, and offloaded, the grain of the
+H2D copies' overlap."""
 
 
 @dataclass
@@ -84,15 +85,17 @@ class TrainOptimizer:
         if offload:
             for leaf in self._all_leaves():
                 leaf.held = _host_copy(_local(leaf.tensor), pin=self.cuda)
-        # Groups as `parallel.optim.optimizer.make_optimizer` forms them; offloaded, one optimizer per chunk of each
-        # group.
+        # Groups as `parallel.optim.optimizer.make_optimizer` forms them, one optimizer per chunk of STEP_CHUNK
+        # elements of each: a foreach step makes temporaries as large as all the tensors it steps (AdamW: the
+        # square root of the second moments, the scaled gradients), which over a rank's whole state were one more
+        # copy of its parameters at the step's peak. Elementwise, the chunks' updates are the same bits.
         by_decay: dict[bool, list[Leaf]] = {True: [], False: []}
         for t, p in pairs:
             by_decay[p.dim() >= 2] += self.leaves[t]
         self.optimizers: list[torch.optim.Optimizer] = []
         for decay, leaves in by_decay.items():
             wd = cfg.weight_decay if decay else 0.0
-            for chunk in (_chunks(leaves, OFFLOAD_CHUNK) if offload else [leaves]):
+            for chunk in _chunks(leaves, STEP_CHUNK):
                 groups = [{"params": [leaf.held for leaf in chunk if isinstance(leaf.held, DTensor) == sharded],
                            "weight_decay": wd} for sharded in (False, True)]
                 groups = [g for g in groups if g["params"]]
