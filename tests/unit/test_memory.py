@@ -120,6 +120,9 @@ def test_zero2_and_zero3_count_the_largest_unit_s_whole_gradient_in_the_step_s_p
     for z in (2, 3):
         m = plan_for(parallel={"dp": 4, "zero": z}).memory()[0]
         assert m.reduction == block and m.total == m.params + m.grads + m.optimizer + m.activations + block
+    headers = [next(line for line in format_plan(describe(p)).splitlines() if " optimizer " in line)
+               for p in (plan3, plan_for())]
+    assert " reduction " in headers[0] and " reduction " not in headers[1]  # a column at ZeRO-2/3 only
     wide = plan_for(model={"vocab_size": 4096}, parallel={"dp": 4, "zero": 3})  # tied: the embedding is the head
     embedding = 4 * unit_params(wide, first=True)
     assert wide.memory()[0].reduction == embedding > 4 * unit_params(wide, layers=(0,))
@@ -202,7 +205,8 @@ def test_the_plan_describes_the_memory_of_every_rank_and_the_cli_shows_it():
     memory = describe(plan)["memory"]
     assert [r["rank"] for r in memory["per_rank"]] == [0, 1, 2, 3]
     first = memory["per_rank"][0]
-    assert first["total"] == sum(first[k] for k in ("params", "grads", "optimizer", "activations", "recompute"))
+    assert first["total"] == sum(first[k] for k in ("params", "grads", "optimizer", "activations", "recompute",
+                                                    "reduction"))
     assert memory["largest"]["total"] == max(r["total"] for r in memory["per_rank"])
     text = format_plan(describe(plan))
     assert "ranks 0-1" in text and "ranks 2-3" in text and "activations" in text and "startup" in text
