@@ -34,7 +34,8 @@ embedding at any real vocabulary), where one whole gradient of that unit exists 
 loss's backward the head's weight gradient it returns next to the one it kept from forward, then FSDP2's
 reduce-scatter input next to the collective's own working copy (gloo's). Measured on the `scale` bench's 199M
 Llama at dp=4, zero=3 (bench/scale.py, each rank's RSS at every unit's backward): the high-water mark rises there
-and nowhere else, and the plan without this term was 11% under it.
+and nowhere else, and the plan without this term was 11% under it; with it the plan is 2.6% above the measured
+peak there, and 1.5% above it on the 16-layer 501M model (BENCHMARKS.md, `scale`).
 
 The optimizer's step makes temporaries (AdamW's foreach: the scaled gradients, the moments' square roots) as large
 as the tensors one torch optimizer steps, which `parallel.runtime.train_optimizer` bounds to STEP_CHUNK elements
