@@ -18,7 +18,6 @@ glibc only (Linux); elsewhere (musl, macOS) nothing is done.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_MMAP_THRESHOLD = -3
 """mallopt's parameter number (glibc's malloc.h)."""
@@ -28,10 +27,7 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 
 def return_freed_memory() -> bool:
     """Fix glibc's mmap threshold for this process (see the module docstring); False where it is not glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+    libc = ctypes.CDLL(None)  # the process's own symbols: libc's, without find_library's ldconfig subprocess
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):  # the latter: glibc only
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
