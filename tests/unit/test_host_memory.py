@@ -19,15 +19,15 @@ def test_freed_tensors_of_a_mib_and_more_leave_nothing_in_glibc_s_heaps():
         pytest.skip("not glibc 2.33+")
     libc.mallinfo2.restype = _Mallinfo2
     assert return_freed_memory()
-    first = torch.ones(2 << 20)
-    del first  # glibc's own rule: its threshold rises to 8 MiB at this free
+    first = torch.ones(1 << 20)
+    del first  # glibc's own rule: its threshold rises to 4 MiB at this free
     before = libc.mallinfo2()
     large, kept = [], []
-    for _ in range(16):  # 8 MiB tensors, each followed by a small one that stays (as a step's tensors interleave)
-        large.append(torch.ones(2 << 20))
+    for _ in range(8):  # 4 MiB tensors, each followed by a small one that stays (as a step's tensors interleave)
+        large.append(torch.ones(1 << 20))
         kept.append(torch.ones(16 << 10))
     del large
     after = libc.mallinfo2()
-    # what the heaps hold free: without the fixed threshold, the 128 MiB just freed, kept between the small ones
-    assert after.fordblks - before.fordblks < 8 << 20
+    # what the heaps hold free: without the fixed threshold, the 32 MiB just freed, kept between the small ones
+    assert after.fordblks - before.fordblks < 4 << 20
     assert after.hblkhd <= before.hblkhd  # and no mapping of the large ones is left
