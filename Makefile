@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest --durations=25
 
-# The minutes-long tests `make test` leaves out (elasticity on a two-node cluster).
+# The minutes-long tests `make test` leaves out (elasticity on a two-node cluster, README's fine-tuning walk-through).
 test-slow: $(STAMP)
 	TRAINYARD_SLOW_TESTS=1 $(BIN)/python -m pytest -m slow
 

@@ -171,8 +171,9 @@ def metrics(args: argparse.Namespace) -> int:
     print(f"{'step':>6}" + (f" {'epoch':>6}" if epochs else "") +
           f" {'loss':>9} {'val_loss':>9} {'lr':>10} {'grad_norm':>10} {'tokens/s':>10} {'step_s':>8}")
     for r in rows:
-        r = {k: _finite(v) for k, v in r.items()}
+        # val_loss is null on the steps without an eval: '-', not nan
         val = f"{r['val_loss']:>9.4f}" if r.get("val_loss") is not None else f"{'-':>9}"
+        r = {k: _finite(v) for k, v in r.items()}
         epoch = f" {r['epoch']:>6.2f}" if epochs and r.get("epoch") is not None else f" {'-':>6}" if epochs else ""
         print(f"{r['step']:>6}{epoch} {r['loss']:>9.4f} {val} {r['lr']:>10.3e} {r['grad_norm']:>10.4f} "
               f"{r['tokens_per_s']:>10.0f} {r['step_time_s']:>8.3f}")

@@ -31,6 +31,9 @@ class MoEConfig:
     """Weight of the Switch/GShard load-balancing loss."""
     z_loss_coef: Annotated[float, Ge(0), Le(1e3), NOT_BOOL] = 0.001
     """Weight of the router z-loss (ST-MoE): the squared log-sum-exp of the router logits."""
+    norm_topk_prob: bool = True
+    """Renormalise each token's top_k router probabilities to sum to 1 (Mixtral; Qwen3-MoE's `norm_topk_prob`);
+    false weighs the experts' outputs by the plain softmax probabilities."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,9 +92,11 @@ class ModelConfig:
     equal to it."""
     moe: MoEConfig | None = None
     """Mixture-of-experts blocks; null for a dense model."""
-    family: Literal["gpt2", "llama"] = "gpt2"
+    family: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"] = "gpt2"
     """The model family (`parallel.models`): gpt2 (LayerNorm, GELU, learned positions, biases) or llama
-    (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases)."""
+    (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases), and llama's kin: mistral (an
+    optional sliding window), qwen2 (biases on q, k and v), qwen3 (an RMSNorm per head on q and k) and qwen3_moe
+    (qwen3's attention, SwiGLU experts)."""
     n_kv_head: Annotated[int, Gt(0), Le(4096), NOT_BOOL] | None = None
     """Key/value heads (grouped-query attention, llama); null: n_head. Must divide n_head."""
     ffn_hidden: Annotated[int, Gt(0), Le(2**20), NOT_BOOL] | None = None
@@ -106,12 +111,23 @@ class ModelConfig:
     always uses SwiGLU, and refuses gelu_tanh."""
     rope_scaling: RopeScalingConfig | None = None
     """Llama 3 rope scaling (llama); null: none."""
+    head_dim: Annotated[int, Gt(0), Le(2**12), NOT_BOOL] | None = None
+    """Width of each attention head (llama and its kin; Qwen3's heads are wider than d_model / n_head); null:
+    d_model / n_head."""
+    sliding_window: Annotated[int, Gt(0), Le(MAX_SEQ_LEN), NOT_BOOL] | None = None
+    """mistral: each position attends to itself and the sliding_window - 1 positions before it; null: the
+    whole causal context."""
     lora: LoraConfig | None = None
     """Train low-rank adapters on a frozen model instead of every weight; null: full training."""
 
     @property
     def context(self) -> int:
         return self.context_len if self.context_len is not None else self.seq_len
+
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head: `head_dim`, or d_model / n_head."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
 
     def is_moe_block(self, block: int) -> bool:
         """Whether global block `block` is a mixture-of-experts block: every `moe.every`-th one."""

@@ -79,6 +79,10 @@ class OptimizerConfig:
     momentum `beta1` (0: plain SGD), linear in the gradient."""
     offload: bool = False
     """ZeRO-Offload: the optimizer's state lives in (pinned) host memory and its step runs on the CPU."""
+    offload_overlap: bool = True
+    """With `offload`: the CPU step of each block's parameters runs while the next step's forward proceeds
+    through the blocks already updated (as ZeRO-Offload does; the same numerics). Only at zero 0 without
+    `compile` (ZeRO-1 gathers every parameter right after the step; elsewhere the step completes in place)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,7 @@ from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.data.examples import epochs_steps
 from trainyard.parallel.io import checkpoint
+from trainyard.parallel.io.hf_spec import init_from_event
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue, quota
@@ -200,6 +201,8 @@ class JobManager:
 
     def _queue(self, config: JobConfig, owner: str, needs: dict, events: builtins.list[dict] | None = None) -> str:
         job_id = uuid.uuid4().hex[:12]
+        claimed = init_from_event(config, time.time())  # which family reads init_from.hf
+        events = ([claimed] if claimed else []) + (events or [])
         with self.live.lock:  # the count and the insert together, so concurrent submits cannot overshoot
             if self.store.queued_count() >= self.max_queued:
                 raise QueueFull(f"the queue already holds {self.max_queued} waiting jobs (--max-queued); "

@@ -20,13 +20,14 @@ def tiny_gpt2(directory: Path, *, tied: bool = True, seed: int = 0, **overrides)
     return _saved(GPT2LMHeadModel(config), directory)
 
 
-def tiny_llama(directory: Path, *, tied: bool = False, seed: int = 0, **overrides):
+def tiny_llama(directory: Path, *, tied: bool = False, seed: int = 0, vocab_size: int = VOCAB, layers: int = 2,
+               **overrides):
     """A LlamaForCausalLM with grouped-query attention (4 query heads, 2 key/value heads), untied."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5,
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=64, rms_norm_eps=1e-5,
                          tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, **overrides)
     return _saved(LlamaForCausalLM(config), directory)
 
@@ -40,6 +41,51 @@ def tiny_mixtral(directory: Path, *, seed: int = 0, **overrides):
                            num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
                            max_position_embeddings=64, bos_token_id=0, eos_token_id=0, **overrides)
     return _saved(MixtralForCausalLM(config), directory)
+
+
+def tiny_qwen2(directory: Path, *, tied: bool = True, seed: int = 0, **overrides):
+    """A Qwen2ForCausalLM: biases on q, k and v, tied embeddings (as the small published sizes)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, rope_theta=1e6,
+                         tie_word_embeddings=tied, **overrides)
+    return _saved(Qwen2ForCausalLM(config), directory)
+
+
+def tiny_qwen3(directory: Path, *, seed: int = 0, **overrides):
+    """A Qwen3ForCausalLM: per-head q and k norms, heads 16 wide (not hidden_size / heads = 8), untied."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
+                         tie_word_embeddings=False, **overrides)
+    return _saved(Qwen3ForCausalLM(config), directory)
+
+
+def tiny_mistral(directory: Path, *, seed: int = 0, window: int | None = 5, **overrides):
+    """A MistralForCausalLM with a sliding window of `window` positions (shorter than the tests' sequences)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                           sliding_window=window, **overrides)
+    return _saved(MistralForCausalLM(config), directory)
+
+
+def tiny_qwen3_moe(directory: Path, *, seed: int = 0, **overrides):
+    """A Qwen3MoeForCausalLM: 4 SwiGLU experts of width 24, top 2, norm_topk_prob false (Qwen3MoeConfig's
+    default), heads 16 wide."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, **overrides)
+    return _saved(Qwen3MoeForCausalLM(config), directory)
 
 
 def _saved(model, directory: Path):

@@ -7,7 +7,8 @@ as submitted, before it is validated. The architecture fields come from config.j
 as `resume_from` does (a value spelled otherwise that means the same, e.g. gpt2's ffn_hidden: 4 x d_model for
 n_inner: null, is no other value). Fields config.json does not fix (seq_len, the MoE capacity and loss weights) stay the
 spec's. A missing directory or file, an unsupported architecture or a config.json field trainyard cannot
-honour is a RuleError naming `init_from.hf` and the config.json field.
+honour is a RuleError naming `init_from.hf` and the config.json field; an architecture no family reads names
+itself and the supported ones. `init_from_event` is the job's event saying which family claimed the directory.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
-from trainyard.parallel.config import RuleError
+from trainyard.parallel.config import JobConfig, RuleError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -107,6 +108,19 @@ def model_fields(directory: str | Path) -> dict:
         raise RuleError(FIELD, f"{CONFIG_FILE} lacks or garbles field {e}") from None
 
 
+def init_from_event(config: JobConfig, now: float) -> dict | None:
+    """The job's `init_from` event: which family claimed `init_from.hf` (for its config.json's architecture);
+    None without init_from. The directory was read at submit; a config.json gone since names no architecture."""
+    if config.init_from is None:
+        return None
+    try:
+        architectures = read_hf_config(config.init_from.hf).get("architectures")
+    except RuleError:
+        architectures = None
+    return {"time": now, "kind": "init_from", "hf": config.init_from.hf, "architectures": architectures,
+            "family": config.model.family}
+
+
 def resolve_init_from(spec: Mapping) -> Mapping:
     """The spec with `model`'s architecture filled in from init_from.hf's config.json (the spec unchanged
     without init_from). RuleError naming `model` lists every architecture field the spec gives otherwise."""
@@ -143,8 +157,8 @@ def resolve_init_from(spec: Mapping) -> Mapping:
 
 def _meaning(model: Mapping) -> dict | None:
     """The dense part of `model` as trainyard reads it: a nested config's left-out keys at their defaults, a null
-    ffn_hidden as the family's rule (gpt2's n_inner: null is 4 x d_model). None when it is no valid model:
-    validation then names what is wrong."""
+    ffn_hidden as the family's rule (gpt2's n_inner: null is 4 x d_model), a null head_dim as d_model / n_head.
+    None when it is no valid model: validation then names what is wrong."""
     from dataclasses import fields
 
     from pydantic import TypeAdapter, ValidationError
@@ -155,4 +169,5 @@ def _meaning(model: Mapping) -> dict | None:
         cfg = TypeAdapter(ModelConfig).validate_python({**model, "moe": None})
     except ValidationError:
         return None
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {"ffn_hidden": family_of(cfg).ffn_hidden(cfg)}
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)} | {"ffn_hidden": family_of(cfg).ffn_hidden(cfg),
+                                                                   "head_dim": cfg.head_size}

@@ -11,10 +11,18 @@ from trainyard.parallel.config import ModelConfig
 from trainyard.parallel.models.base import ModelFamily
 from trainyard.parallel.models.gpt2 import GPT2
 from trainyard.parallel.models.llama import Llama
+from trainyard.parallel.models.mistral import Mistral
+from trainyard.parallel.models.qwen2 import Qwen2
+from trainyard.parallel.models.qwen3 import Qwen3
+from trainyard.parallel.models.qwen3_moe import Qwen3Moe
 
 FAMILIES: dict[str, ModelFamily] = {
     "gpt2": GPT2(),
     "llama": Llama(),
+    "mistral": Mistral(),
+    "qwen2": Qwen2(),
+    "qwen3": Qwen3(),
+    "qwen3_moe": Qwen3Moe(),
 }
 
 

@@ -2,7 +2,8 @@
 
 `MoELayer` takes the place of the MLP in every `moe.every`-th block. A bias-free router scores the
 experts of each token; the token goes to its `top_k` best, and their softmax probabilities, renormalised
-over the chosen k, weigh the experts' outputs. Experts are the model family's expert module (its stage class's `expert`:
+over the chosen k (unless `moe.norm_topk_prob` is false, as in some Qwen3-MoE checkpoints), weigh the experts'
+outputs. Experts are the model family's expert module (its stage class's `expert`:
 gpt2's GELU MLP, llama's SwiGLU), held in a ModuleDict keyed by their *global* index, so a parameter is named
 `blocks.3.moe.experts.5.fc.weight` on every layout and a rank holds only the experts it hosts.
 
@@ -118,7 +119,10 @@ class MoELayer(nn.Module):
         logits = self.router(x).float()
         probs = logits.softmax(-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        moe = self.cfg.moe
+        assert moe is not None, "an MoE layer's model has an moe section"
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
         # (b, t, E): 1 where the token chose the expert (its k choices are distinct). A scatter, not F.one_hot,
         # which reads its indices' range back to the host.
         assigned = torch.zeros((b, t, self.n_experts), dtype=torch.long, device=x.device).scatter_(2, chosen, 1)
@@ -134,8 +138,6 @@ class MoELayer(nn.Module):
         # This slice's share of the losses (summed over a step's slices they are the sequences' losses).
         aux = self.n_experts / (seq_len * self.top_k * seq_len) * (whole.to(probs.dtype) * probs.sum(1)).sum()
         z = torch.logsumexp(logits, -1).pow(2).sum()
-        moe = self.cfg.moe
-        assert moe is not None, "an MoE layer's model has an moe section"
         sequences = self.context.sequences_per_step or b
         loss = moe.aux_loss_coef * aux / sequences + moe.z_loss_coef * z / (sequences * seq_len)
 

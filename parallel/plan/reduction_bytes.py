@@ -7,13 +7,15 @@ dp, routers over the stage, experts over the ranks holding the same ones; see `p
 local gradients in `reduce_dtype`, or nothing when no other rank shares it. With PowerSGD
 (`parallel.grad_compression`), each matrix it compresses (`approximation_rank`, torch's rule) sends its two
 fp32 factors P (rows x r) and Q (cols x r) instead, and every other tensor goes whole. Shapes come from the
-model's family (`ModelFamily.matrices`). Pure arithmetic: no torch.
+model's family (`ModelFamily.matrices`); with `model.lora` only the adapters have gradients, so only they are
+reduced. Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
 
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.models import family_of
+from trainyard.parallel.models.base import Matrix
 from trainyard.parallel.models.counting import BF16, FP32
 from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.sharding import sharding_for
@@ -35,6 +37,13 @@ def _stage_matrices(plan: Sizing, pp: int):
     group = {"dense": plan.dp, "router": plan.dp * plan.tp, "experts": plan.dp // plan.ep * plan.tp}
     shared = {s for s, n in group.items() if n > 1}
     elements, matrices = 0, []
+    if cfg.model.lora is not None:  # the frozen base has no gradient: only the adapters (dense) are reduced
+        if "dense" not in shared:
+            return 0, []
+        for layers in plan.chunk_layers(pp):
+            elements += family.adapter_elements(cfg.model, layers, tp=plan.tp)
+            matrices += _adapter_matrices(plan, layers)
+        return elements, matrices
     for c, layers in enumerate(plan.chunk_layers(pp)):
         v = virtual_stage(pp, c, plan.pp)
         kw = {"first": v == 0, "last": v == plan.n_virtual_stages - 1, "tp": plan.tp, "ep": plan.ep}
@@ -43,6 +52,23 @@ def _stage_matrices(plan: Sizing, pp: int):
                                        ("experts", counts.experts)) if s in shared)
         matrices += [m for m in family.matrices(cfg.model, layers, **kw) if m[2] in shared]
     return elements, matrices
+
+
+def _adapter_matrices(plan: Sizing, layers: list[int]) -> list[Matrix]:
+    """The local shapes of blocks `layers`' LoRA adapters, A (rank x in) and B (out x rank), the one tp splits as
+    its base projection is split (`ModelFamily.adapter_elements` counts the same)."""
+    m, family = plan.config.model, family_of(plan.config.model)
+    assert m.lora is not None
+    shapes, r = family.lora_shapes(m), m.lora.rank
+    out: list[Matrix] = []
+    for block in layers:
+        for target in m.lora.targets:
+            if m.is_moe_block(block) and family.lora_targets[target].startswith("mlp."):
+                continue
+            n_in, n_out, rowwise = shapes[target]
+            out += [(r, n_in // plan.tp if rowwise else n_in, "dense"), (n_out if rowwise else n_out // plan.tp, r,
+                                                                         "dense")]
+    return out
 
 
 def compression_state_bytes(plan: Sizing, pp: int) -> int:

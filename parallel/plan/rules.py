@@ -80,7 +80,7 @@ def batch_violations(config: JobConfig) -> list[PlanError]:
 
 def model_violations(config: JobConfig) -> list[PlanError]:
     m, errors = config.model, []
-    if m.d_model % m.n_head:
+    if m.head_dim is None and m.d_model % m.n_head:  # with head_dim the heads need not tile d_model (qwen3)
         errors.append(PlanError("model.n_head", f"n_head={m.n_head} does not divide d_model={m.d_model}"))
     if m.seq_len > m.context:
         errors.append(PlanError("model.seq_len", f"seq_len={m.seq_len} exceeds the model context "

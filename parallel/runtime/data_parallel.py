@@ -19,7 +19,11 @@ view its `.grad`; later micro-batches add into the view in place. (Zeroing every
 every first gradient into it was one write and one read more per element.) A parameter that got no gradient
 in the step (an expert no token reached) has its view zeroed just before its bucket's reduction starts (and
 one whose `.grad` was set by hand is copied in then).
-Buckets hold one chunk's parameters in reverse order, the order their gradients become final.
+Buckets hold one chunk's parameters in reverse order, the order their gradients become final; each chunk's first
+bucket holds at most FIRST_BUCKET_BYTES, the rest BUCKET_BYTES (DDP's two sizes). Without the small first bucket
+a chunk under BUCKET_BYTES (the dp bench's 13 MB GPT) was one bucket, whose reduction could start only when
+backward's last gradient landed: `overlap_reduce` overlapped nothing, the step equal to one all-reduce after
+backward's.
 
 Overlap: `arm(chunk)` before the chunk's last backward turns on its parameters' post-accumulate hooks; a
 bucket whose parameters have all accumulated starts its reduction at once (asynchronously), in bucket order
@@ -66,6 +70,9 @@ from trainyard.parallel.runtime.fsdp import FsdpReducer, ShardedChunks
 from trainyard.parallel.runtime.local_parts import like_param, local_part, own_bucket
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+FIRST_BUCKET_BYTES = 1024 * 1024
+"""Each chunk's first bucket (its last layers' gradients, final first in backward) is at most this (DDP's
+`_DEFAULT_FIRST_BUCKET_BYTES`): its reduction starts early in backward, not once a whole BUCKET_BYTES is in."""
 OptimizerState = Mapping[torch.Tensor, Mapping[str, torch.Tensor]]  # `StateView.state`, the checkpoint's form
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -384,14 +391,16 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+def _split(params: list[nn.Parameter], bucket_bytes: int,
+           first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[list[nn.Parameter]]:
     buckets: list[list[nn.Parameter]] = [[]]
     size, kind = 0, None
     for p in params:
         shard = local_part(p)
         nbytes = shard.numel() * shard.element_size()
         key = (shard.dtype, shard.device, id(p) if own_bucket(p) else None)  # a tied copy alone: sliced alike
-        if buckets[-1] and (size + nbytes > bucket_bytes or key != kind):
+        cap = min(bucket_bytes, first_bucket_bytes) if len(buckets) == 1 else bucket_bytes
+        if buckets[-1] and (size + nbytes > cap or key != kind):
             buckets.append([])
             size = 0
         kind = key

@@ -54,6 +54,7 @@ class RankState:
         (AdamW's moments, or another kind's state in that form: `parallel.optim.states`), under the
         unsharded model's names and in the parameters' shapes."""
         # A frozen parameter (LoRA's base) is not saved: it never changes, and comes back from init_from or the seed.
+        self.optimizer.settle()  # offload overlapped: the last step's host steps done (`parallel.runtime.host_steps`)
         names = {p: name for p, name in self.tied.state_names(self.chunks).items() if p.requires_grad}
         self._view = view = self.optimizer.export()
         state_keys = self.optimizer.kind.state
@@ -78,6 +79,7 @@ class RankState:
     def sync_replicas(self, view: StateView | None, live: tuple[int, ...] | None) -> int:
         """local_sgd / diloco's sync (`ReplicaSync.synchronise`), averaging the inner state of `view` too when one is
         given; the optimizer then takes the parameters it changed (offloaded: into its host copies). The bytes sent."""
+        self.optimizer.settle()
         assert self.sync is not None
         sent = self.sync.synchronise(_inner_state(view) if view is not None else [], live, self.coords.dp)
         self.optimizer.params_changed()
@@ -125,6 +127,7 @@ class RankState:
 
     def finish_checkpoint(self) -> None:
         """Wait for a checkpoint being written in the background, and commit it."""
+        self.optimizer.settle()  # and the state complete (callers read the parameters after it: the job's end)
         if self._pending_checkpoint is not None:
             finish, root, step = self._pending_checkpoint
             self._pending_checkpoint = None

@@ -20,6 +20,14 @@ to read the next step's batch and queue its forward while the last copies land. 
 delayed by a step (DeepSpeed's delayed parameter update would overlap the whole CPU step with the next
 forward, at the price of a stale update): losses equal the non-offloaded ones.
 
+Overlapped (`optimizer.offload_overlap`, with the model's forward `units` given): the chunks follow the forward's
+units (the embedding, each block, the head; a unit larger than STEP_CHUNK is cut further), and the chunk
+steps run on a background thread (`parallel.runtime.host_steps`) after `step` returns: the next step's forward
+waits, unit by unit, for the chunks of the unit it is about to run, so the host steps the later units while
+the device runs the first ones, as ZeRO-Offload does. Every update still lands before anything reads it (the
+losses are bitwise those of the same offload run without overlap); whatever reads parameters or state outside
+the forward calls `settle` first.
+
 torchao's `CPUOffloadOptimizer` is not used: it refuses CPU-only machines, and it copies each parameter's
 gradient to the host from a post-accumulate hook, before the data-parallel reduction and the clipping that
 the trainer does afterwards, and on parameters only (not ZeRO-1 slices).
@@ -28,7 +36,8 @@ the trainer does afterwards, and on parameters only (not ZeRO-1 slices).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.optim import states as optimizer_states
 from trainyard.parallel.optim.kinds import OptimizerKind, optimizer_kind
+from trainyard.parallel.runtime.host_steps import HostSteps
 from trainyard.parallel.runtime.local_parts import like_param as _like
 from trainyard.parallel.runtime.local_parts import local_part as _local
 
@@ -76,36 +86,54 @@ class StateView:
 
 class TrainOptimizer:
     def __init__(self, params: Iterable[tuple[torch.Tensor, nn.Parameter]], cfg: OptimizerConfig,
-                 offload: bool = False):
+                 offload: bool = False, units: Sequence[Sequence[nn.Parameter]] | None = None,
+                 overlap: bool = False):
+        """`units`: offloaded, the model's parameters by forward unit, in forward order: the chunks follow them.
+        `overlap` (needs `units`): the chunk steps run behind the next forward (module doc); the caller makes
+        each unit's forward call `ready(unit)` (`host_steps.wait_in_forward`)."""
         self.kind: OptimizerKind = optimizer_kind(cfg)
         self.offload = offload
+        self.overlap = offload and overlap and units is not None
         pairs = list(params)
         self.leaves: dict[torch.Tensor, list[Leaf]] = {t: _leaves(t, p, self.kind.matrices) for t, p in pairs}
         self.cuda = any(_local(t).is_cuda for t, _ in pairs)
         if offload:
             for leaf in self._all_leaves():
                 leaf.held = _host_copy(_local(leaf.tensor), pin=self.cuda)
+        decays = {id(leaf.held): p.dim() >= 2 for t, p in pairs for leaf in self.leaves[t]}
         # Groups as `parallel.optim.optimizer.make_optimizer` forms them, one optimizer per chunk of STEP_CHUNK
-        # elements of each: a foreach step makes temporaries as large as all the tensors it steps (AdamW: the
-        # square root of the second moments, the scaled gradients), which over a rank's whole state were one more
-        # copy of its parameters at the step's peak. Elementwise, the chunks' updates are the same bits.
-        by_decay: dict[bool, list[Leaf]] = {True: [], False: []}
-        for t, p in pairs:
-            by_decay[p.dim() >= 2] += self.leaves[t]
+        # elements of each, or offloaded with `units` per chunk of each unit (its groups inside): a foreach step
+        # makes temporaries as large as all the tensors it steps (AdamW: the square root of the second moments, the
+        # scaled gradients), which over a rank's whole state were one more copy of its parameters at the step's
+        # peak. Elementwise, the chunks' updates are the same bits.
+        chunks: list[list[Leaf]] = []
+        self._unit_chunks: list[list[int]] = []
+        if offload and units is not None:
+            for unit in _by_unit(pairs, self.leaves, units):
+                self._unit_chunks.append(list(range(len(chunks), len(chunks) + len(unit))))
+                chunks += unit
+        else:
+            by_decay: dict[bool, list[Leaf]] = {True: [], False: []}
+            for t, p in pairs:
+                by_decay[p.dim() >= 2] += self.leaves[t]
+            chunks = [c for leaves in by_decay.values() for c in _chunks(leaves, STEP_CHUNK)]
         self.optimizers: list[torch.optim.Optimizer] = []
-        for decay, leaves in by_decay.items():
-            wd = cfg.weight_decay if decay else 0.0
-            for chunk in _chunks(leaves, STEP_CHUNK):
-                groups = [{"params": [leaf.held for leaf in chunk if isinstance(leaf.held, DTensor) == sharded],
-                           "weight_decay": wd} for sharded in (False, True)]
-                groups = [g for g in groups if g["params"]]
-                if groups:
-                    self.optimizers.append(self.kind.build(groups, cfg, host=offload))
+        for chunk in chunks:
+            groups = [{"params": [leaf.held for leaf in chunk if isinstance(leaf.held, DTensor) == sharded
+                                  and decays[id(leaf.held)] == decay],
+                       "weight_decay": cfg.weight_decay if decay else 0.0}
+                      for decay in (True, False) for sharded in (False, True)]
+            groups = [g for g in groups if g["params"]]
+            if groups:
+                self.optimizers.append(self.kind.build(groups, cfg, host=offload))
         self._optimizer_of = {id(t): o for o in self.optimizers for g in o.param_groups for t in g["params"]}
         self._stream = torch.cuda.Stream() if offload and self.cuda else None
         leaf_of_held = {id(leaf.held): leaf for leaf in self._all_leaves()}
         self._offload_chunks = [[leaf_of_held[id(held)] for g in o.param_groups for held in g["params"]]
                                 for o in self.optimizers] if offload else []
+        self._host = HostSteps()
+        self._state_bytes: tuple[int, int] | None = None
+        """Overlapped: `state_bytes` as of the last settled state (the state's sizes do not change between steps)."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -126,6 +154,7 @@ class TrainOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        self.settle()
         self._link_grads()
         if not self.offload:
             for o in self.optimizers:
@@ -139,23 +168,48 @@ class TrainOptimizer:
                 host_grad.copy_(_local(grad).reshape(leaf.held.shape), non_blocking=True)
         if self._stream is not None:
             self._stream.synchronize()  # the gradients are on the host
-        for o, chunk in zip(self.optimizers, self._offload_chunks, strict=True):
-            o.step()
-            with _on(self._stream):  # back to the device while the CPU steps the next chunk
-                for leaf in chunk:
-                    _local(leaf.tensor).copy_(leaf.held.view_as(_local(leaf.tensor)), non_blocking=True)
+        for i, (o, chunk) in enumerate(zip(self.optimizers, self._offload_chunks, strict=True)):
+            if self.overlap:  # behind the next forward, which waits for it unit by unit (`ready`)
+                self._host.submit(i, functools.partial(self._step_chunk, o, chunk))
+            else:
+                self._step_chunk(o, chunk)
+        if self._stream is not None and not self.overlap:
+            torch.cuda.current_stream().wait_stream(self._stream)
+
+    def _step_chunk(self, o: torch.optim.Optimizer, chunk: list[Leaf]) -> None:
+        o.step()
+        with _on(self._stream):  # back to the device while the CPU steps the next chunk
+            for leaf in chunk:
+                _local(leaf.tensor).copy_(leaf.held.view_as(_local(leaf.tensor)), non_blocking=True)
+
+    def ready(self, unit: int) -> None:
+        """Overlapped: the parameters of forward unit `unit` updated by the last step (waits for its chunks)."""
+        if not self._host.busy:
+            return
+        self._host.wait(self._unit_chunks[unit])
+        if self._stream is not None:  # their copies to the device were queued on the side stream
+            torch.cuda.current_stream().wait_stream(self._stream)
+
+    def settle(self) -> None:
+        """Overlapped: every chunk of the last step updated, on the host and on the device."""
+        if not self._host.busy:
+            return
+        self._host.settle()
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
 
     def init_state(self) -> None:
         """The state each optimizer creates at its first step, created now (a checkpoint before it, or a
         load, needs the state to exist)."""
+        self.settle()
+        self._state_bytes = None
         for leaf in self._all_leaves():
             o = self._optimizer_of[id(leaf.held)]
             if not o.state[leaf.held]:
                 o.state[leaf.held] = optimizer_states.empty_state(self.kind, o, leaf.held)
 
     def set_step(self, step: int) -> None:
+        self.settle()
         for o in self.optimizers:
             for state in o.state.values():
                 if "step" in state:  # SGD keeps no step counter
@@ -186,6 +240,7 @@ class TrainOptimizer:
     def params_changed(self) -> None:
         """The parameters were changed outside a step (local_sgd / diloco's sync): offloaded, into the host copies
         the optimizer steps, or its next step would undo the change."""
+        self.settle()
         if self.offload:
             for leaf in self._all_leaves():
                 leaf.held.copy_(_local(leaf.tensor).view(_local(leaf.held).shape))
@@ -194,6 +249,8 @@ class TrainOptimizer:
     def load_view(self, view: StateView) -> None:
         """Take every tensor's state from `view` (quantizing or factoring it again), and, offloaded, the
         parameters' current values into the host copies (a load or a resize changed them)."""
+        self.settle()
+        self._state_bytes = None
         for t, leaves in self.leaves.items():
             flat = {k: _local(v).reshape(-1) for k, v in view.state[t].items()}
             for leaf in leaves:
@@ -206,6 +263,14 @@ class TrainOptimizer:
     def state_bytes(self) -> tuple[int, int]:
         """(device, host) bytes of the optimizer's state; offloaded, the host also holds each leaf's copy and
         its gradient."""
+        if self.overlap:  # counted once the state exists (the first step settled), not while a step runs on it
+            if self._state_bytes is None:
+                self.settle()
+                self._state_bytes = self._count_state_bytes()
+            return self._state_bytes
+        return self._count_state_bytes()
+
+    def _count_state_bytes(self) -> tuple[int, int]:
         held = sum(optimizer_states.tensor_bytes(t) for o in self.optimizers for s in o.state.values()
                    for t in s.values() if isinstance(t, torch.Tensor))
         if not self.offload:
@@ -236,6 +301,20 @@ def _leaves(t: torch.Tensor, p: nn.Parameter, matrices: bool) -> list[Leaf]:
             view = view.view(-1, cols)
         leaves.append(Leaf(owner=t, start=a, tensor=view, held=view))
     return leaves
+
+
+def _by_unit(pairs: list[tuple[torch.Tensor, nn.Parameter]], leaves: dict[torch.Tensor, list[Leaf]],
+             units: Sequence[Sequence[nn.Parameter]]) -> list[list[list[Leaf]]]:
+    """Each unit's leaves cut into chunks (in forward order); a parameter in no unit goes with the first, whose
+    forward comes first."""
+    unit_of: dict[int, int] = {}
+    for i, unit in enumerate(units):
+        for p in unit:
+            unit_of.setdefault(id(p), i)
+    by_unit: list[list[Leaf]] = [[] for _ in units]
+    for t, p in pairs:
+        by_unit[unit_of.get(id(p), 0)] += leaves[t]
+    return [_chunks(unit, STEP_CHUNK) for unit in by_unit]
 
 
 def _chunks(leaves: list[Leaf], size: int) -> list[list[Leaf]]:

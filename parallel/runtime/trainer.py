@@ -68,6 +68,7 @@ from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
 from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.fsdp import shard_chunks
+from trainyard.parallel.runtime.host_steps import forward_units, wait_in_forward
 from trainyard.parallel.runtime.materialize import materialize
 from trainyard.parallel.runtime.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.powersgd import PowerSGD
@@ -133,8 +134,16 @@ class RankTrainer:
             if any(per_chunk):
                 self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
                                                    sharded=self.sharded, compressor=self.compressor)
+        # Offloaded: the optimizer's chunks follow the forward's units; overlapped, each unit's forward waits for its
+        # own chunks' host step (`parallel.runtime.host_steps`), where nothing else reads the parameters in between.
+        units = forward_units(self.chunks) if cfg.optimizer.offload else []
+        overlap = (cfg.optimizer.offload_overlap and not cfg.compile
+                   and not any(r.zero for r in self.reducers.values()))
         self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
-                                        cfg.optimizer, offload=cfg.optimizer.offload)
+                                        cfg.optimizer, offload=cfg.optimizer.offload, overlap=overlap,
+                                        units=[[p for m in unit for p in m.parameters()] for unit in units] or None)
+        if self.optimizer.overlap:
+            wait_in_forward(units, self.optimizer.ready)
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
         params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         self.sync = ReplicaSync(par.sync, params, groups.dp, plan.dp) if self.local_sync else None
@@ -202,6 +211,7 @@ class RankTrainer:
             reducer.finish()
         if self.tied.active:
             self.tied.sum_grads(pair for reducer in self.reducers.values() for pair in reducer.held_grads())
+        self.optimizer.settle()  # offload overlapped: the last step's host steps the forward did not wait for
         norm = clip_grad_norm(self._weighted_grads(), self.plan.config.optimizer.grad_clip, self.norm_group)
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
@@ -214,6 +224,7 @@ class RankTrainer:
         sent = 0 if self.local_sync or "dense" not in self.reducers else self.reducers["dense"].wire_bytes
         cfg = self.plan.config
         if self.sync is not None and syncs_after(step, cfg.fixed_parallel.sync, cfg.steps):
+            self.optimizer.settle()  # the sync reads the parameters
             checkpointed = averages_optimizer_state(step, cfg.fixed_parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
             sent = self.rank_state.sync_replicas(view, live)
@@ -271,6 +282,7 @@ class RankTrainer:
     @property
     def steps_done(self) -> int | None:
         """The steps the parameters and moments hold (None while they are replaced or stepped): `RankState`'s."""
+        self.optimizer.settle()
         return self.rank_state.steps_done
 
     # The state that moves (checkpoints, replicas, resizes) is `parallel.runtime.rank_state`'s: the callers (the

@@ -25,6 +25,8 @@ def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_pa
     job = wait_terminal(client, job_id)
     assert job["status"] == "SUCCEEDED", job["error"]
     assert job["spec"]["model"]["activation"] == "gelu_tanh" and job["spec"]["model"]["tie_embeddings"]
+    [claimed] = [e for e in client.events(job_id) if e["kind"] == "init_from"]
+    assert (claimed["family"], claimed["architectures"]) == ("gpt2", ["GPT2LMHeadModel"])
 
     config = parse_submitted_spec(spec)
     inputs, targets = load_batch(open_dataset(config), global_batch_ids(config.seed, 0, 4,
@@ -37,6 +39,10 @@ def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_pa
     assert cli([*auth, "export", job_id, "--format", "hf", "-o", str(tmp_path / "hf")]) == 0
     assert "AutoModelForCausalLM.from_pretrained" in capsys.readouterr().out
     assert cli([*auth, "export", job_id, "-o", str(tmp_path / "ty")]) == 0
+    # format=peft over HTTP: a job without LoRA has no adapter (a 422 naming model.lora); README's walk-through
+    # (tests/e2e/test_finetune_walkthrough.py, make test-slow) exports one and loads it in peft
+    assert cli([*auth, "export", job_id, "--format", "peft", "-o", str(tmp_path / "peft")]) == 2
+    assert "model.lora" in capsys.readouterr().err and not any((tmp_path / "peft").iterdir())
     theirs, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     ours = load_exported(tmp_path / "ty" / "model.safetensors")  # the hint `trainyard export` prints

@@ -88,7 +88,7 @@ def run_cli(service, *args: str) -> int:
 
 def test_cli_submits_follows_lists_and_prints_metrics(service, tmp_path, capsys):
     spec = tmp_path / "job.yaml"
-    spec.write_text(json.dumps(tiny_spec(steps=3, name="from-cli")))
+    spec.write_text(json.dumps(tiny_spec(steps=3, name="from-cli", eval={"every": 2, "batches": 1})))
     assert run_cli(service, "submit", str(spec), "--follow") == 0
     out = capsys.readouterr().out
     job_id = out.splitlines()[0].strip()
@@ -97,7 +97,11 @@ def test_cli_submits_follows_lists_and_prints_metrics(service, tmp_path, capsys)
     assert run_cli(service, "list") == 0
     assert job_id in capsys.readouterr().out
     assert run_cli(service, "metrics", job_id) == 0
-    assert len(capsys.readouterr().out.strip().splitlines()) == 1 + 3
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    assert header.split()[:3] == ["step", "loss", "val_loss"] and len(lines) == 3
+    # val_loss after the second step and the last; '-' (not nan) on the step without an eval
+    assert [line.split()[2] for line in lines][0] == "-"
+    assert all(float(line.split()[2]) > 0 for line in lines[1:])
     assert run_cli(service, "metrics", job_id, "--plot", str(tmp_path / "curve.png")) == 0
     assert "loss, tokens/s over steps 0-2" in capsys.readouterr().out
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

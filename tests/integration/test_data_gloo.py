@@ -7,7 +7,8 @@
 - a batch whose targets are all masked has loss 0 and gradient 0 (no division by zero);
 - training on a directory prepared from Parquet makes val_loss fall;
 - whole examples (`packing: false`) over two epochs at dp=1 and dp=2: each sequence once per epoch, the same
-  losses, and step 0's loss equals transformers' on each example run alone (summed, over the counted targets).
+  losses, and step 0's loss equals transformers' on each example run alone (summed, over the counted targets);
+  with LoRA the same at dp=1 and dp=2.
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def test_whole_examples_are_each_seen_once_per_epoch_at_dp1_and_dp2(runs):
     for one, two in zip(rows["examples_dp1"], rows["examples_dp2"], strict=True):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert len(rows["examples_dp1"][0]["sample_ids"]) == g
+
+
+def test_whole_examples_with_lora_at_dp2_follow_dp1_each_seen_once_per_epoch(runs):
+    plans, rows = runs
+    sequences = open_dataset(plans["examples_lora_dp1"].config).num_samples
+    for name in ("examples_lora_dp1", "examples_lora_dp2"):
+        seen = [i for row in rows[name] for i in row["sample_ids"]]
+        assert sorted(seen[:sequences]) == list(range(sequences)) == sorted(seen[sequences:2 * sequences])
+        assert [r["sample_ids"] for r in rows[name]] == [r["sample_ids"] for r in rows["examples_dp1"]]
+    for one, two in zip(rows["examples_lora_dp1"], rows["examples_lora_dp2"], strict=True):
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
+    # B starts at zero: the first step is the plain model's; then only the adapters learn, not as the full model
+    assert rows["examples_lora_dp1"][0]["loss"] == pytest.approx(rows["examples_dp1"][0]["loss"], abs=1e-6)
+    assert rows["examples_lora_dp1"][-1]["loss"] != pytest.approx(rows["examples_dp1"][-1]["loss"], abs=1e-4)
+    assert rows["examples_lora_dp1"][-1]["loss"] < rows["examples_lora_dp1"][0]["loss"]
 
 
 def test_a_padded_example_s_loss_is_transformers_loss_on_the_example_alone(runs):
@@ -97,9 +113,12 @@ def runs(tmp_path_factory):
     whole = spec(root / "chat", data={"kind": "tokens", "path": str(root / "chat"), "packing": False, "epochs": 2},
                  model={"vocab_size": 300, "seq_len": 40})
     whole["steps"] = epochs_steps(2, open_dataset(parse_spec(whole)).num_samples, whole["global_batch"])
+    lora = {**whole, "model": {**whole["model"], "lora": {"rank": 4, "alpha": 8, "targets": ["q", "v", "fc", "proj"]}}}
     plans = {
         "examples_dp1": make_plan(parse_spec(whole)),
         "examples_dp2": make_plan(parse_spec({**whole, "parallel": {"dp": 2, "microbatches": 2}})),
+        "examples_lora_dp1": make_plan(parse_spec(lora)),
+        "examples_lora_dp2": make_plan(parse_spec({**lora, "parallel": {"dp": 2, "microbatches": 2}})),
         "chat_dp2": make_plan(parse_spec({**chat, "parallel": {"dp": 2, "microbatches": 2}})),
         "chat_dp1": make_plan(parse_spec(chat)),
         "chat_tp2": make_plan(parse_spec({**chat, "parallel": {"tp": 2}})),  # vocabulary-parallel loss, -100
@@ -109,7 +128,8 @@ def runs(tmp_path_factory):
     }
     results = run_plans([_plan_run(plan) for plan in plans.values()])  # one world of two processes
     rows = {name: _rows(r) for name, r in zip(plans, results, strict=True)}
-    for name in ("examples_dp1", "examples_dp2"):  # each step's global batch, in dp rank order (dp rank = rank here)
+    for name in ("examples_dp1", "examples_dp2", "examples_lora_dp1", "examples_lora_dp2"):  # each step's global
+        # batch, in dp rank order (dp rank = rank here)
         ranks = results[list(plans).index(name)]
         for step, row in enumerate(rows[name]):
             row["sample_ids"] = [i for r in ranks for i in r.stats[step]["sample_ids"]]

@@ -7,7 +7,10 @@ trained at that layout, exported as an HF directory, loads in transformers with 
 gives trainyard's logits and the layout's next loss. In the same world, LoRA on the
 Llama (every projection adapted) at (dp2, zero 3) and at the 3D layout follows its one-rank twin; the frozen base
 stays bitwise the checkpoint's, the optimizer state is the adapters' alone (as the memory plan says), and the 3D
-run's export loads in peft onto the base with trainyard's logits, its merged export in transformers."""
+run's export loads in peft onto the base with trainyard's logits, its merged export in transformers. So do LoRA on
+a 4-block Llama at pp=2 under every other schedule (gpipe and interleaved-1f1b at vpp=2; zb-h1 and zbv, whose split
+backward's weight half skips the frozen base, with full recompute), in bf16 at (dp2, pp2) against a bf16 twin, and
+the 3D run's checkpoint resumed at (dp2, zero 1) for its second step."""
 
 from __future__ import annotations
 
@@ -29,6 +32,18 @@ LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2}
 ATOL = 1e-5
 LORA = {"rank": 4, "alpha": 8, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}
 LORA_LAYOUTS = {"lora-one": {}, "lora-z3": {"dp": 2, "zero": 3}, "lora-3d": LAYOUT}
+LORA_SCHEDULES = {  # on a 4-block llama (vpp=2 at pp=2 needs 4 stages), each against its one-rank twin
+    "one": {},
+    "gpipe": {"pp": 2, "vpp": 2, "schedule": "gpipe", "microbatches": 2},
+    "interleaved": {"pp": 2, "vpp": 2, "schedule": "interleaved-1f1b", "microbatches": 2},
+    "zb-h1-recompute": {"pp": 2, "schedule": "zb-h1", "microbatches": 2},
+    "zbv-recompute": {"pp": 2, "vpp": 2, "schedule": "zbv", "microbatches": 2},
+    "one-bf16": {},
+    "bf16": {"dp": 2, "pp": 2, "microbatches": 2},
+}
+"""The split backward's weight half (zb-h1, zbv) skips the frozen base; recompute runs under it, as does bf16."""
+LORA_RESUME = {"dp": 2, "zero": 1}
+"""lora-3d's checkpoint after step 1, resumed at another layout for step 2."""
 CURVE_ATOL = 1e-4
 _TIED_AFTER_STEPS: list[dict[str, torch.Tensor]] = []
 """A rank's copies of the tied embedding (its local parts) after each step it ran."""
@@ -132,11 +147,17 @@ ZERO = {"llama": 3, "gpt2": 0}
 """llama at ZeRO-3: `init_from` is read straight into FSDP2's shards of tp's shards (uneven ones included)."""
 
 
-def _spec(directory: Path, parallel: dict = LAYOUT, lora: dict | None = None) -> dict:
+def _spec(directory: Path, parallel: dict = LAYOUT, lora: dict | None = None, **top) -> dict:
     spec = tiny_spec(init_from={"hf": str(directory)}, global_batch=8, steps=2, parallel=parallel,
-                     optimizer={"lr": 1e-2, "warmup_steps": 0})
+                     optimizer={"lr": 1e-2, "warmup_steps": 0}, **top)
     spec["model"] = {"seq_len": 16} | ({"lora": lora} if lora else {})  # the architecture comes from config.json
     return spec
+
+
+def _schedule_spec(directory: Path, name: str) -> dict:
+    top = {"precision": "bf16"} if "bf16" in name else {}
+    top |= {"activation_checkpointing": "full"} if "recompute" in name else {}
+    return _spec(directory, LORA_SCHEDULES[name], LORA, **top)
 
 
 @pytest.fixture(scope="module")
@@ -152,13 +173,20 @@ def world(tmp_path_factory):
               for name in models}
     lora = {name: make_plan(parse_submitted_spec(_spec(root / "llama-src", par, LORA)))
             for name, par in LORA_LAYOUTS.items()}
+    tiny_llama(root / "llama4-src", layers=4)
+    lora |= {f"lora4-{name}": make_plan(parse_submitted_spec(_schedule_spec(root / "llama4-src", name)))
+             for name in LORA_SCHEDULES}
+    resumed = make_plan(parse_submitted_spec(_spec(root / "llama-src", LORA_RESUME, LORA)))
     # two steps, the state after the first saved under root/<name>: one spawned world of 8 for every plan
     results = run_plans([PlanRun(plan, save_after=(1,) if plan.world_size > 1 else (), root=str(root / name),
                                  setup=_count_reads, probe=_read_and_held) for name, plan in plans.items()]
-                        + [PlanRun(plan, save_after=(1,), root=str(root / name), probe=_frozen_and_state)
-                           for name, plan in lora.items()])
+                        + [PlanRun(plan, save_after=(1,) if name in LORA_LAYOUTS else (), root=str(root / name),
+                                   probe=_frozen_and_state) for name, plan in lora.items()]
+                        + [PlanRun(resumed, resume=(str(checkpoint.step_dir(root / "lora-3d", 1)), 1),
+                                   probe=_frozen_and_state)])
     per_rank = [{name: results[i][r].probe for i, name in enumerate(plans) if r < len(results[i])} for r in range(8)]
     lora_runs = {name: (plan, results[len(plans) + i]) for i, (name, plan) in enumerate(lora.items())}
+    lora_runs["lora-resumed"] = (resumed, results[-1])
     return models, configs, per_rank, root, lora_runs
 
 
@@ -216,19 +244,34 @@ def test_the_state_trained_at_3d_exports_to_transformers(world, name):
     assert abs(second.pop() - _hf_loss(theirs, cfg, 1)) < ATOL  # the layout's own forward, after its step
 
 
+def _lora_twin(name: str) -> str:
+    """The one-rank run a LoRA run follows: the same base, and the same precision."""
+    if not name.startswith("lora4-"):
+        return "lora-one"
+    return "lora4-one-bf16" if "bf16" in name else "lora4-one"
+
+
 def test_lora_follows_its_one_rank_twin_with_the_base_frozen_and_the_adapters_state_alone(world):
     from trainyard.parallel.plan.memory import rank_memory
+    from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 
     runs = world[4]
-    twin = next(r.stats for r in runs["lora-one"][1])
     for name, (plan, results) in runs.items():
+        twin = next(r.stats for r in runs[_lora_twin(name)][1])
+        if name == "lora-resumed":  # step 2 alone, from lora-3d's checkpoint after step 1
+            twin = twin[1:]
         losses = [[s["loss"] for s in r.stats] for r in results if r.stats[0]["loss"] is not None]
         for mine in losses:
             assert max(abs(a - b["loss"]) for a, b in zip(mine, twin, strict=True)) < 1e-4, name
         for rank, r in enumerate(results):
             assert r.probe["frozen"] > 0 and r.probe["unchanged"], (name, rank)
             assert set(r.probe["optimizer_bytes"]) == {rank_memory(plan, rank).optimizer}, (name, rank)
-    assert twin[1]["loss"] < twin[0]["loss"]  # the adapters learn
+            # the adapters alone are reduced, as `trainyard plan` says
+            sent = reduction_bytes(plan)["per_stage"][plan.coords(rank).pp]["sent"]
+            assert [s["reduce_bytes"] for s in r.stats] == pytest.approx([sent] * len(r.stats), rel=0.01), name
+    for twin_name in ("lora-one", "lora4-one", "lora4-one-bf16"):
+        twin = next(r.stats for r in runs[twin_name][1])
+        assert twin[1]["loss"] < twin[0]["loss"], twin_name  # the adapters learn
 
 
 def test_the_lora_state_trained_at_3d_exports_to_peft_and_merged_to_transformers(world):

@@ -2,12 +2,15 @@
 adamw8bit and adafactor train at (dp2, tp2) with ZeRO-1 and checkpoint after step 3; each checkpoint resumes
 at dp1 (tp2, so no ZeRO-1 slices: the states are cut elsewhere on load) and follows the original curve; and
 optimizer offload with activation offload (at the same layout, adamw8bit) gives the plain run's losses; and
-the same over FSDP2's shards (ZeRO-3) instead of ZeRO-1's slices."""
+the same over FSDP2's shards (ZeRO-3) instead of ZeRO-1's slices; and offload with its host steps overlapped with
+the next forward (dp2, zero 0, with a validation pass and a checkpoint between steps) gives bitwise the losses and
+parameters of the same offload stepped in place."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
 from trainyard.parallel.io.checkpoint import step_dir
@@ -33,6 +36,14 @@ def quantized_states(driver, stats) -> int:
                for state in o.state.values() for t in state.values())
 
 
+def overlap_and_params(driver, stats) -> tuple[bool, int, dict[str, torch.Tensor]]:
+    """Whether the offloaded step ran behind the next forward, the forward units it waited by, the final
+    parameters."""
+    optimizer = driver.trainer.optimizer
+    params = {n: p.detach().clone() for chunk in driver.trainer.chunks for n, p in chunk.named_parameters()}
+    return optimizer.overlap, len(optimizer._unit_chunks), params
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list]:
     root = tmp_path_factory.mktemp("optimizers")
@@ -49,6 +60,11 @@ def runs(tmp_path_factory) -> dict[str, list]:
         plans.append((f"{name}-zero3", PlanRun(plan_for(optimizer, {**LAYOUT, "zero": 3}))))
     plans.append(("adamw8bit-zero3-offload", PlanRun(plan_for({**OPTIMIZERS["adamw8bit"], "offload": True},
                                                              {**LAYOUT, "zero": 3}, activation_offload=True))))
+    for name, overlap in (("offload-overlap", True), ("offload-in-place", False)):
+        plans.append((name, PlanRun(plan_for({"offload": True, "offload_overlap": overlap}, {"dp": 2},
+                                             eval={"every": 2, "batches": 1}),
+                                    save_after=(SAVED,), evaluate_after=(2, 4), root=str(root / name),
+                                    probe=overlap_and_params)))
     results = run_plans([run for _, run in plans])
     return {key: r for (key, _), r in zip(plans, results, strict=True)}
 
@@ -100,3 +116,15 @@ def test_a_diverging_job_fails_at_the_step_whose_loss_is_not_finite():
                                                      "min_lr_ratio": 1, "grad_clip": 0})))
     with pytest.raises(RuntimeError, match=r"DivergedError: step [1-7]: training diverged"):
         run_plans([PlanRun(plan)])
+
+
+def test_offload_overlapped_with_the_next_forward_gives_bitwise_the_in_place_steps(runs):
+    overlapped, in_place = runs["offload-overlap"], runs["offload-in-place"]
+    assert all(r.probe[0] and r.probe[1] == 1 + MODEL["n_layer"] + 1 for r in overlapped)  # embedding, blocks, head
+    assert not any(r.probe[0] for r in in_place)
+    np.testing.assert_array_equal(last_stage_losses(stats_of(overlapped)), last_stage_losses(stats_of(in_place)))
+    assert [s.get("val_loss") for s in stats_of(overlapped)[0]] == [s.get("val_loss") for s in stats_of(in_place)[0]]
+    assert stats_of(overlapped)[0][-1]["optimizer_host_bytes"] == stats_of(in_place)[0][-1]["optimizer_host_bytes"]
+    for a, b in zip(overlapped, in_place, strict=True):
+        assert a.probe[2].keys() == b.probe[2].keys()
+        assert all(torch.equal(a.probe[2][n], b.probe[2][n]) for n in a.probe[2])

@@ -1,12 +1,13 @@
 """Gradients in place (`parallel.runtime.data_parallel`): backward's gradients land in the reduction buckets, and
-a step neither zeroes the buckets nor adds a first gradient into them."""
+a step neither zeroes the buckets nor adds a first gradient into them. And the overlap: a model smaller than one
+whole bucket still gets a small first bucket, whose reduction starts while backward is still computing."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainyard.parallel.runtime.data_parallel import GradientReducer
+from trainyard.parallel.runtime.data_parallel import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientReducer
 
 
 class _Ops(TorchDispatchMode):
@@ -72,3 +73,29 @@ def test_a_parameter_without_a_gradient_this_step_is_reduced_as_zeros_not_last_s
     _step(model, reducer, [x])  # `unused` takes no part in this step
     assert torch.equal(unused.grad, torch.zeros(3))
     assert unused.grad.untyped_storage().data_ptr() == reducer.buckets[0].flat.untyped_storage().data_ptr()
+
+
+class _StartLog(GradientReducer):
+    """Records, as each bucket's reduction starts, how many parameters' gradients of the step have landed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.landed_at_start: list[int] = []
+
+    def _start(self, b) -> None:
+        self.landed_at_start.append(sum(x.landed for x in self.buckets))
+        super()._start(b)
+
+
+def test_a_model_under_one_bucket_starts_reducing_its_last_layers_during_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(300, 300) for _ in range(4)])  # 1.4 MiB of fp32: under BUCKET_BYTES
+    params = list(model.parameters())
+    assert sum(p.numel() * 4 for p in params) < BUCKET_BYTES
+    reducer = _StartLog([params], None)
+    first = reducer.buckets[0]
+    assert len(reducer.buckets) == 2 and sum(p.numel() * 4 for p in first.params) <= FIRST_BUCKET_BYTES
+    assert first.params[0] is params[-1]  # the last layer's gradients, final first in backward
+    _step(model, reducer, [torch.randn(5, 300)])
+    # the first bucket started while the first layers' gradients were still to come; the last at backward's end
+    assert reducer.landed_at_start[0] < len(params) and reducer.landed_at_start[-1] == len(params)

@@ -55,6 +55,7 @@ LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "origi
 
 @pytest.mark.parametrize("build,same,other", [
     (tiny_gpt2, {"ffn_hidden": 128}, {"ffn_hidden": 64}),  # config.json's n_inner: null is 4 x n_embd = 128
+    (tiny_llama, {"head_dim": 8}, {"head_dim": 16}),  # no head_dim in the model: hidden_size / heads = 8
     (lambda d: tiny_llama(d, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, **LLAMA3}),
      {"rope_scaling": LLAMA3}, {"rope_scaling": LLAMA3 | {"factor": 4.0}}),  # rope_type's default is llama3
 ])
@@ -66,7 +67,7 @@ def test_a_model_field_spelled_otherwise_with_the_same_meaning_is_no_difference(
 
 
 @pytest.mark.parametrize("change,named", [
-    (lambda c: c | {"architectures": ["Qwen2ForCausalLM"]}, "architectures"),
+    (lambda c: c | {"architectures": ["Phi3ForCausalLM"]}, "architectures: ['Phi3ForCausalLM'] is not supported"),
     (lambda c: c | {"attention_bias": True}, "attention_bias"),
     (lambda c: c | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type"),
     (lambda c: c | {"sliding_window": 4096}, "sliding_window"),

@@ -65,6 +65,13 @@ def test_llama_ffn_hidden_defaults_to_llamas_rule_and_gpt2s_to_four_d_model():
     ("model.rope_scaling", {"model": {"family": "gpt2", "n_kv_head": None, "rope_theta": 10000.0,
                                       "rope_scaling": {}}}, "gpt2 has learned positions"),
     ("model.rope_theta", {"model": {"family": "gpt2", "n_kv_head": None}}, "gpt2 has learned positions"),
+    ("model.n_kv_head", {"model": {"family": "qwen2"}, "parallel": {"tp": 4}}, "tp=4 does not divide n_kv_head=2"),
+    ("model.sliding_window", {"model": {"sliding_window": 8}}, "a sliding window is family mistral's"),
+    ("model.sliding_window", {"model": {"family": "qwen3", "sliding_window": 8}}, "family qwen3 attends over"),
+    ("model.head_dim", {"model": {"family": "qwen3", "head_dim": 15}}, "head_dim=15 is odd"),
+    ("model.head_dim", {"model": {"family": "gpt2", "n_kv_head": None, "rope_theta": 10000.0, "head_dim": 32}},
+     "head_dim must be null or 16"),
+    ("model.moe", {"model": {"family": "qwen3_moe"}}, "family qwen3_moe has mixture-of-experts blocks"),
 ])
 def test_family_rules_name_the_field(field, overrides, message):
     err = plan_error(**overrides)
@@ -103,7 +110,13 @@ def real_numel(plan, rank: int) -> int:
     {"model": {"moe": MOE}, "parallel": {"dp": 2, "ep": 2, "pp": 2}},
     {"model": {"family": "gpt2", "n_kv_head": None, "rope_theta": 10000.0, "ffn_hidden": 96,
                "activation": "gelu_tanh", "moe": MOE}},
-], ids=["llama-gqa", "llama-tied", "llama-pp2-vpp2", "llama-moe-ep2-pp2", "gpt2-ffn96-moe"])
+    {"model": {"family": "qwen2", "tie_embeddings": True}},
+    {"model": {"family": "qwen3", "head_dim": 32}, "parallel": {"pp": 2}},
+    {"model": {"family": "qwen3_moe", "head_dim": 8, "moe": {**MOE, "norm_topk_prob": False}},
+     "parallel": {"dp": 2, "ep": 2, "pp": 2}},
+    {"model": {"family": "mistral", "sliding_window": 8}},
+], ids=["llama-gqa", "llama-tied", "llama-pp2-vpp2", "llama-moe-ep2-pp2", "gpt2-ffn96-moe", "qwen2-tied",
+        "qwen3-head32-pp2", "qwen3_moe-ep2-pp2", "mistral-window8"])
 def test_parameter_counts_equal_the_real_stages(overrides):
     plan = plan_for(**overrides)
     for rank in range(plan.world_size):
@@ -113,6 +126,17 @@ def test_parameter_counts_equal_the_real_stages(overrides):
 def test_tensor_parallel_splits_kv_heads_and_the_swiglu_but_not_the_norms():
     one, two = param_counts(plan_for(), 0), param_counts(plan_for(parallel={"tp": 2}), 0)
     replicated = (4 * 2 + 1) * 64  # the RMSNorms: two per block and ln_f
+    assert one.dense - replicated == 2 * (two.dense - replicated)
+
+
+@pytest.mark.parametrize("family,replicated", [
+    ("qwen2", (4 * 2 + 1) * 64),  # the RMSNorms; q, k and v's biases split with their weights
+    ("qwen3", (4 * 2 + 1) * 64 + 4 * 2 * 32),  # and the per-head q and k norms (head_dim 32), whole on every rank
+])
+def test_tensor_parallel_splits_the_biases_but_not_the_per_head_norms(family, replicated):
+    model = {"family": family, "head_dim": 32 if family == "qwen3" else None}
+    one = param_counts(plan_for(model=model), 0)
+    two = param_counts(plan_for(model=model, parallel={"tp": 2}), 0)
     assert one.dense - replicated == 2 * (two.dense - replicated)
 
 
@@ -135,7 +159,13 @@ def measured_activations(plan) -> int:
     {"precision": "bf16", "activation_checkpointing": "selective"},
     {"activation_checkpointing": "full"},
     {"precision": "bf16", "model": {"moe": MOE}},
-], ids=["fp32", "bf16-selective", "full", "moe-bf16"])
+    {"model": {"family": "qwen2"}},
+    {"model": {"family": "qwen3", "head_dim": 32}},
+    {"precision": "bf16", "model": {"family": "qwen3", "head_dim": 32}},
+    {"precision": "bf16", "model": {"family": "qwen3_moe", "moe": {**MOE, "every": 1}}},
+    {"model": {"family": "mistral", "sliding_window": 8}},
+], ids=["fp32", "bf16-selective", "full", "moe-bf16", "qwen2", "qwen3", "qwen3-bf16", "qwen3_moe-bf16",
+        "mistral-window8"])
 def test_the_llama_activation_estimate_matches_the_meter(overrides):
     plan = plan_for(**overrides)
     assert plan.memory()[0].activations == pytest.approx(measured_activations(plan), rel=0.02)

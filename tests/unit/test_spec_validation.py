@@ -234,5 +234,8 @@ def test_demo_spec_is_valid():
 def test_every_example_spec_plans(path):
     spec = load_spec_text(path.read_text())
     spec["data"] = {**spec["data"], "path": str(REPO / spec["data"]["path"])}
+    if "init_from" in spec:  # the architecture is the base's config.json: finetune.yaml's is what llama.yaml exports
+        base = load_spec_text((REPO / "examples" / "llama.yaml").read_text())["model"]
+        spec["model"] = {**base, **spec.get("model", {})}
     plan = make_plan(parse_spec(spec))
     assert plan.world_size == plan.dp * plan.pp * plan.tp >= 1

@@ -35,6 +35,12 @@ class GPT2(ModelFamily):
         if m.rope_theta != 10000.0:
             errors.append(RuleError("model.rope_theta", "family gpt2 has learned positions, no rotary embedding "
                                                         "(use family: llama)"))
+        if m.head_dim is not None and m.head_dim * m.n_head != m.d_model:
+            errors.append(RuleError("model.head_dim", f"family gpt2's heads are d_model / n_head wide; head_dim "
+                                                      f"must be null or {m.d_model // m.n_head}"))
+        if m.sliding_window is not None:
+            errors.append(RuleError("model.sliding_window", "family gpt2 attends over the whole causal context; a "
+                                                            "sliding window is family mistral's"))
         return errors
 
     def ffn_hidden(self, cfg: ModelConfig) -> int:

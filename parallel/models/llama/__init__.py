@@ -6,7 +6,11 @@ Its modules are in `model.py` and `layers.py` (imported when a stage is built), 
 
 Rules of its own (`check`): n_kv_head divides n_head, tp divides n_kv_head (each tensor-parallel rank keeps
 whole kv heads), the head size is even (rotary embeddings turn pairs of dimensions), and `activation`
-(gpt2's GELU variant) is refused rather than ignored: llama's MLP is SwiGLU.
+(gpt2's GELU variant) is refused rather than ignored: llama's MLP is SwiGLU; a sliding window is mistral's.
+
+Llama's kin (mistral, qwen2, qwen3, qwen3_moe) subclass `Llama`: their stage class (`stage_class`), what
+they add to the counts, and their HF mapping differ; the rules, the tensor-parallel plan and the rest are
+these.
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ class Llama(ModelFamily):
     name = "llama"
     lora_targets = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "gate": "mlp.gate", "up": "mlp.up",
                     "down": "mlp.down"}
+    SLIDING_WINDOW = False
+    """Whether `model.sliding_window` is honoured (mistral's)."""
+
+    def stage_class(self) -> type[DecoderStage]:
+        """The family's `DecoderStage` subclass (imported here: it needs torch)."""
+        from trainyard.parallel.models.llama.model import LlamaStage
+
+        return LlamaStage
 
     def check(self, config: JobConfig) -> list[RuleError]:
         m, tp, errors = config.model, config.fixed_parallel.tp, []
@@ -39,9 +51,15 @@ class Llama(ModelFamily):
         elif kv % tp:
             errors.append(RuleError("model.n_kv_head", f"tp={tp} does not divide n_kv_head={kv} (key/value heads "
                                                        "are split across tensor-parallel ranks)"))
-        if m.d_model % m.n_head == 0 and (m.d_model // m.n_head) % 2:
+        if m.head_dim is not None and m.head_dim % 2:
+            errors.append(RuleError("model.head_dim", f"head_dim={m.head_dim} is odd; rotary embeddings need it "
+                                                      "even"))
+        elif m.head_dim is None and m.d_model % m.n_head == 0 and (m.d_model // m.n_head) % 2:
             errors.append(RuleError("model.n_head", f"the head size d_model / n_head = {m.d_model // m.n_head} is "
                                                     "odd; rotary embeddings need it even"))
+        if m.sliding_window is not None and not self.SLIDING_WINDOW:
+            errors.append(RuleError("model.sliding_window", f"family {self.name} attends over the whole causal "
+                                                            "context; a sliding window is family mistral's"))
         if m.activation != "gelu":
             errors.append(RuleError("model.activation", f"activation={m.activation} is gpt2's; llama's MLP is "
                                                         "SwiGLU (leave activation out)"))
@@ -57,9 +75,7 @@ class Llama(ModelFamily):
 
     def build_stage(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, seed: int,
                     experts: Iterable[int] | None = None) -> DecoderStage:
-        from trainyard.parallel.models.llama.model import LlamaStage
-
-        return LlamaStage(cfg, layers, first=first, last=last, seed=seed, experts=experts)
+        return self.stage_class()(cfg, layers, first=first, last=last, seed=seed, experts=experts)
 
     def feed_forward(self, cfg: ModelConfig) -> nn.Module:
         from trainyard.parallel.models.llama.layers import SwiGLU
@@ -87,8 +103,8 @@ class Llama(ModelFamily):
         return layers
 
     def lora_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int, bool]]:
-        d, ffn, kv = cfg.d_model, self.ffn_hidden(cfg), (cfg.n_kv_head or cfg.n_head) * (cfg.d_model // cfg.n_head)
-        return {"q": (d, d, False), "k": (d, kv, False), "v": (d, kv, False), "o": (d, d, True),
+        d, ffn, q, kv = cfg.d_model, self.ffn_hidden(cfg), counts.q_width(cfg), counts.kv_width(cfg)
+        return {"q": (d, q, False), "k": (d, kv, False), "v": (d, kv, False), "o": (q, d, True),
                 "gate": (d, ffn, False), "up": (d, ffn, False), "down": (ffn, d, True)}
 
     def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,

@@ -29,18 +29,23 @@ def ffn_hidden(m: ModelConfig) -> int:
 
 
 def kv_width(m: ModelConfig) -> int:
-    """Width of k (and of v): n_kv_head heads of d_model / n_head."""
-    return (m.n_kv_head or m.n_head) * (m.d_model // m.n_head)
+    """Width of k (and of v): n_kv_head heads of `head_size` (d_model / n_head unless head_dim says)."""
+    return (m.n_kv_head or m.n_head) * m.head_size
+
+
+def q_width(m: ModelConfig) -> int:
+    """Width of q (and of attn.proj's input): n_head heads of `head_size`."""
+    return m.n_head * m.head_size
 
 
 def param_counts(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int, ep: int) -> ParamCounts:
-    d, vocab, f, kv = m.d_model, m.vocab_size, ffn_hidden(m), kv_width(m)
+    d, vocab, f, kv, q = m.d_model, m.vocab_size, ffn_hidden(m), kv_width(m), q_width(m)
     dense = router = experts = 0
     if first:
         dense += vocab * d // tp  # wte split over the vocabulary
     for block in layers:
-        # two RMSNorms (replicated); q and attn.proj d x d, k and v d x kv, all split over tp
-        dense += 2 * d + (2 * d * d + 2 * d * kv) // tp
+        # two RMSNorms (replicated); q and attn.proj d x q, k and v d x kv, all split over tp
+        dense += 2 * d + (2 * d * q + 2 * d * kv) // tp
         if m.is_moe_block(block):
             router += d * m.experts
             experts += m.experts // ep * 3 * d * f  # whole experts on every tp rank
@@ -53,12 +58,12 @@ def param_counts(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bo
 
 def matrices(m: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int, ep: int) -> list:
     """(rows, cols, set) of each local weight matrix, as `param_counts` counts them (Linear weights: out x in)."""
-    d, vocab, f, kv = m.d_model, m.vocab_size, ffn_hidden(m), kv_width(m)
+    d, vocab, f, kv, q = m.d_model, m.vocab_size, ffn_hidden(m), kv_width(m), q_width(m)
     out: list = []
     if first:
         out.append((vocab // tp, d, "dense"))
     for block in layers:
-        out += [(d // tp, d, "dense"), (kv // tp, d, "dense"), (kv // tp, d, "dense"), (d, d // tp, "dense")]
+        out += [(q // tp, d, "dense"), (kv // tp, d, "dense"), (kv // tp, d, "dense"), (d, q // tp, "dense")]
         if m.is_moe_block(block):
             out.append((m.experts, d, "router"))
             out += [(f, d, "experts"), (f, d, "experts"), (d, f, "experts")] * (m.experts // ep)
@@ -75,16 +80,16 @@ def embed_activations(m: ModelConfig, s: Shapes) -> int:
 
 def attention(m: ModelConfig, s: Shapes) -> int:
     """ln_1 and the attention of one block."""
-    d, kv = s.d, kv_width(m)
+    d, kv, q = s.d, kv_width(m), q_width(m)
     ln = rms_norm(s)  # ln_1
     # the region's input (ln_1's output, all-gathered under sp), kept by q, k and v: one fp32 tensor, or under
     # autocast one bf16 copy each
     region_input = s.tokens * (3 * BF16 * d if s.bf16 else FP32 * d)
     # q and k after rotation, v and the attention output (attn.proj's input too), each per rank's heads; the
     # log-sum-exp of every head; cos and sin of the rotation
-    core = s.tokens * (s.act * (2 * d + 2 * kv) // s.tp + FP32 * s.heads)
-    rotation = 2 * s.seq_len * (d // m.n_head) * s.act
-    weights = BF16 * (2 * d * d + 2 * d * kv) // s.tp if s.bf16 else 0  # autocast's bf16 weight copies
+    core = s.tokens * (s.act * (2 * q + 2 * kv) // s.tp + FP32 * s.heads)
+    rotation = 2 * s.seq_len * m.head_size * s.act
+    weights = BF16 * (2 * d * q + 2 * d * kv) // s.tp if s.bf16 else 0  # autocast's bf16 weight copies
     return ln + region_input + core + rotation + weights
 
 

@@ -49,23 +49,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    """Causal self-attention with rotary positions and n_kv_head key/value heads; no biases."""
+    """Causal self-attention with rotary positions and n_kv_head key/value heads of `head_size` each; no
+    biases unless `QKV_BIAS` (Qwen2's); over the whole causal context, or the last `sliding_window` positions
+    (Mistral's)."""
 
+    QKV_BIAS = False
+    """q, k and v carry biases (qwen2 sets it)."""
     inv_freq: torch.Tensor
     """A buffer (`register_buffer` in __init__)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_head
-        kv = (cfg.n_kv_head or cfg.n_head) * self.head_dim
-        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.k = nn.Linear(cfg.d_model, kv, bias=False)
-        self.v = nn.Linear(cfg.d_model, kv, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.head_dim = cfg.head_size
+        q, kv = cfg.n_head * self.head_dim, (cfg.n_kv_head or cfg.n_head) * self.head_dim
+        self.q = nn.Linear(cfg.d_model, q, bias=self.QKV_BIAS)
+        self.k = nn.Linear(cfg.d_model, kv, bias=self.QKV_BIAS)
+        self.v = nn.Linear(cfg.d_model, kv, bias=self.QKV_BIAS)
+        self.proj = nn.Linear(q, cfg.d_model, bias=False)
+        self.window = cfg.sliding_window
         # Not a parameter, and not persistent: no part of a checkpoint; derived from the config alone.
         self.rope = (cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", rope_frequencies(self.head_dim, *self.rope), persistent=False)
         self.recompute = False
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of `x` as (batch, seq, heads, head_dim), before rotation (qwen3 normalises q and k here)."""
+        b, t = x.shape[:2]
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim) for lin in (self.q, self.k, self.v))
+        return q, k, v
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -75,14 +86,25 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
-        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k, v = (h.transpose(1, 2) for h in self.heads(x))
         cos, sin = (c.to(q.dtype) for c in self._rotation(t, x.device))  # bf16 under autocast, as q is
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if self.recompute:
-            y = checkpoint(causal_attention, q, k, v, use_reentrant=False)
+            y = checkpoint(self._attend, q, k, v, use_reentrant=False)
         else:
-            y = causal_attention(q, k, v)
+            y = self._attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = q.shape[2]
+        if self.window is None or self.window >= t:
+            return causal_attention(q, k, v)
+        # Mistral's sliding window, as transformers masks it: query i sees keys j with i - window < j <= i.
+        # The whole sequence is here (with sp the attention's input is all-gathered), so the mask is exact.
+        pos = torch.arange(t, device=q.device)
+        behind = pos.unsqueeze(1) - pos.unsqueeze(0)
+        mask = (behind >= 0) & (behind < self.window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
     def _rotation(self, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position's angles, (t, head_dim), fp32 also under autocast."""

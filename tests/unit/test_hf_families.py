@@ -1,0 +1,132 @@
+"""Llama's kin and Hugging Face, without a process group: each family's config.json and tensor names both
+ways against transformers' own classes (what `save_pretrained` writes is exactly what the family maps), each
+tiny checkpoint's logits through `init_from`'s loader, the config.json fields each family refuses by name, the
+sliding window's effect, and the job event that names the family claiming a directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_tiny import tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
+from pydantic import TypeAdapter
+from safetensors import safe_open
+from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.io.hf_checkpoint import load_into
+from trainyard.parallel.io.hf_spec import init_from_event, model_fields
+from trainyard.parallel.models import FAMILIES
+from trainyard.parallel.models.whole import full_model
+from trainyard.parallel.spec import parse_spec
+
+BUILD = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "mistral": tiny_mistral, "qwen3_moe": tiny_qwen3_moe}
+TOL = 1e-5
+
+
+def model_cfg(fields: dict) -> ModelConfig:
+    return TypeAdapter(ModelConfig).validate_python({**fields, "seq_len": 16})
+
+
+def file_keys(directory) -> set[str]:
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        return set(f.keys())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kin")
+    return {name: (build(root / name), root / name) for name, build in BUILD.items()}
+
+
+@pytest.mark.parametrize("name", list(BUILD))
+def test_a_tiny_checkpoint_loads_with_transformers_logits(checkpoints, name):
+    hf, directory = checkpoints[name]
+    cfg = model_cfg(model_fields(directory))
+    assert cfg.family == name
+    ours = full_model(cfg, seed=0)
+    load_into([ours], cfg, directory)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(ids))), hf(ids).logits, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("name", list(BUILD))
+def test_config_and_names_map_both_ways(checkpoints, name, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, directory = checkpoints[name]
+    fields = model_fields(directory)
+    cfg = model_cfg(fields)
+    adapter = FAMILIES[name].hf
+    written = adapter.config_to_hf(cfg)
+    assert written["architectures"] == list(adapter.ARCHITECTURES)
+    assert adapter.config_from_hf(written) == fields  # config.json -> ModelConfig -> config.json -> the same
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).save_pretrained(tmp_path)
+    sources = adapter.sources(cfg)
+    assert {s.key for s in sources.values()} == file_keys(tmp_path) == file_keys(directory)
+    ours = dict(full_model(cfg, seed=0).named_parameters(remove_duplicate=False))
+    assert set(sources) == set(ours)
+
+
+@pytest.mark.parametrize("name,change,field", [
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
+    ("mistral", {"layer_types": ["sliding_attention"] * 2}, "layer_types"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "intermediate_size"),  # dense blocks 48 wide, experts 24
+])
+def test_what_a_family_cannot_honour_is_refused_by_name(checkpoints, name, change, field):
+    _, directory = checkpoints[name]
+    hf = json.loads((directory / "config.json").read_text()) | change
+    with pytest.raises(RuleError) as info:
+        FAMILIES[name].hf.config_from_hf(hf)
+    assert info.value.field == field
+
+
+def test_qwen3_moe_reads_its_sparse_step_and_both_spellings_of_the_expert_count(checkpoints):
+    _, directory = checkpoints["qwen3_moe"]
+    hf = json.loads((directory / "config.json").read_text())
+    adapter = FAMILIES["qwen3_moe"].hf
+    hf.pop("num_local_experts")
+    fields = adapter.config_from_hf(hf | {"num_experts": 8, "decoder_sparse_step": 2, "intermediate_size": 24})
+    assert fields["moe"] == {"experts": 8, "top_k": 2, "every": 2, "norm_topk_prob": False}
+    assert fields["ffn_hidden"] == 24 and fields["head_dim"] == 16
+
+
+def test_the_sliding_window_changes_what_mistral_computes():
+    window = model_cfg({"family": "mistral", "n_layer": 1, "n_head": 4, "n_kv_head": 2, "d_model": 32,
+                        "ffn_hidden": 48, "sliding_window": 4})
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = full_model(window, seed=0)(ids)
+        b = full_model(model_cfg({**window.__dict__, "sliding_window": None}), seed=0)(ids)
+    assert torch.equal(a[:, :4], b[:, :4])  # the first positions see their whole past either way
+    assert not torch.allclose(a[:, 4:], b[:, 4:])
+
+
+def test_the_job_event_names_the_family_that_claimed_the_directory(checkpoints):
+    from helpers import tiny_spec
+    from trainyard.api.spec import parse_submitted_spec
+
+    _, directory = checkpoints["qwen3"]
+    spec = tiny_spec(init_from={"hf": str(directory)})
+    spec["model"] = {"seq_len": 16}
+    event = init_from_event(parse_submitted_spec(spec), now=1.0)
+    assert event == {"time": 1.0, "kind": "init_from", "hf": str(directory), "architectures": ["Qwen3ForCausalLM"],
+                     "family": "qwen3"}
+    assert init_from_event(parse_spec(tiny_spec()), now=1.0) is None
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe"])
+def test_lora_adapts_the_kin_and_the_memory_plan_counts_their_adapters(checkpoints, name):
+    from trainyard.parallel.models.lora import apply_lora, is_adapter
+
+    _, directory = checkpoints[name]
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    cfg = model_cfg(model_fields(directory) | {"lora": {"rank": 4, "alpha": 8, "targets": targets}})
+    ours = apply_lora(full_model(cfg, seed=0), seed=0)
+    adapters = sum(p.numel() for n, p in ours.named_parameters() if is_adapter(n))
+    assert adapters > 0 and FAMILIES[name].adapter_elements(cfg, range(cfg.n_layer), tp=1) == adapters
