@@ -127,9 +127,11 @@ def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict
     """local_sgd, diloco: the replicas to drop from the round after a failure (those holding a rank that died;
     `parallel.sync` says how they rejoin), or None, and the job recovers as from any failure: no rank died (a
     hang), every replica holds a dead rank, a rank of another replica raised (it was in a sync with the dead
-    one, so its state is half-synchronised), or a replica is dropped already."""
+    one, so its state is half-synchronised), a replica is dropped already, or a replica is several dp ranks."""
 
     if not is_local(plan.config.fixed_parallel.sync) or plan.dp == 1 or not dead or dropped:
+        return None
+    if plan.reduce_dp > 1:  # replicas of several dp ranks (`parallel.sync.replicas`) are not dropped alone yet
         return None
     broken = {plan.coords(r).dp for r in dead}
     if len(broken) == plan.dp or any(plan.coords(r).dp not in broken for r in raised):

@@ -47,7 +47,8 @@ class GradCompressionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:
-    """How data-parallel replicas (each a whole pp x tp group) keep in step (`parallel.sync`)."""
+    """How data-parallel replicas (each a whole pp x tp group of one or `replicas` dp ranks) keep in step
+    (`parallel.sync`)."""
 
     __pydantic_config__ = STRICT
     kind: Literal["allreduce", "local_sgd", "diloco"] = "allreduce"
@@ -60,6 +61,10 @@ class SyncConfig:
     """diloco: the outer SGD's learning rate (DiLoCo's 0.7)."""
     outer_momentum: Annotated[float, Ge(0), Lt(1), NOT_BOOL] = 0.9
     """diloco: the outer SGD's Nesterov momentum (0: plain SGD)."""
+    replicas: Degree | None = None
+    """local_sgd, diloco: how many replicas the data-parallel ranks form (it must divide dp); each replica is then
+    dp / replicas consecutive dp ranks, which share ZeRO's shards and MoE's experts and sum their gradients every
+    step, as allreduce's ranks do. Default: dp (each data-parallel rank a replica)."""
 
 
 @dataclass(frozen=True, kw_only=True)

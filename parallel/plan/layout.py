@@ -76,6 +76,14 @@ class Layout:
     """Experts of each mixture-of-experts block (0: a dense model); ep ranks host experts / ep each."""
     gpus_per_worker: int = 0
     cpus_per_worker: float = 1.0
+    replica_dp: int = 0
+    """Data-parallel ranks that sum their gradients every step (local_sgd, diloco: one replica's,
+    `replica_sync.replica_dp`); 0: all dp ranks."""
+
+    @property
+    def reduce_dp(self) -> int:
+        """The data-parallel ranks of one replica (`replica_dp`, or every dp rank)."""
+        return self.replica_dp or self.dp
 
     @functools.cached_property
     def ranks(self) -> tuple[RankCoords, ...]:
@@ -85,14 +93,15 @@ class Layout:
     @staticmethod
     def build(*, dp: int, pp: int, tp: int, ep: int = 1, vpp: int = 1, microbatches: int = 1,
               micro_batch_size: int = 1, layer_counts: Sequence[int], schedule: str = "1f1b", experts: int = 0,
-              gpus_per_worker: int = 0, cpus_per_worker: float = 1.0) -> Layout:
+              gpus_per_worker: int = 0, cpus_per_worker: float = 1.0, replica_dp: int = 0) -> Layout:
         """A layout from degrees, the blocks of each virtual stage and a schedule kind (which must suit
         pp, microbatches and vpp: `parallel.plan.schedules.check_schedule_args`)."""
         return Layout(dp=dp, pp=pp, tp=tp, ep=ep, vpp=vpp, microbatches=microbatches,
                       micro_batch_size=micro_batch_size, stage_layers=stage_layers_of(layer_counts),
                       schedule=tuple(map(tuple, build_schedule(schedule, pp, microbatches, vpp))),
                       placement=placement_of(schedule),
-                      experts=experts, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker)
+                      experts=experts, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker,
+                      replica_dp=replica_dp)
 
     @property
     def world_size(self) -> int:
@@ -109,8 +118,18 @@ class Layout:
         return self.ranks[rank]
 
     def dp_groups(self) -> list[list[int]]:
-        """Ranks that hold the same parameters and average gradients."""
-        return [[self.rank_of(p, t, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        """Ranks that hold the same parameters and sum gradients every step: one replica's (`reduce_dp`
+        consecutive dp ranks; all of them but with local_sgd and diloco)."""
+        rd = self.reduce_dp
+        return [[self.rank_of(p, t, b * rd + i) for i in range(rd)]
+                for p in range(self.pp) for t in range(self.tp) for b in range(self.dp // rd)]
+
+    def cross_replica_groups(self) -> list[list[int]]:
+        """local_sgd, diloco: the ranks holding the same shard (same pp, tp and place in their replica) in every
+        replica, which average it at the syncs."""
+        rd = self.reduce_dp
+        return [[self.rank_of(p, t, b * rd + i) for b in range(self.dp // rd)]
+                for p in range(self.pp) for t in range(self.tp) for i in range(rd)]
 
     def pp_groups(self) -> list[list[int]]:
         """Ranks that form one pipeline, in stage order."""
@@ -130,13 +149,18 @@ class Layout:
 
     def expert_groups(self) -> list[list[int]]:
         """Ranks that hold the same experts and sum their gradients: one stage, one ep index, every tp rank
-        (each computed its own slice of the tokens) and every dp replica."""
-        return [[self.rank_of(p, t, d) for d in range(j, self.dp, self.ep) for t in range(self.tp)]
-                for p in range(self.pp) for j in range(self.ep)]
+        (each computed its own slice of the tokens) and every dp rank of one replica (every dp rank but with
+        local_sgd and diloco)."""
+        rd = self.reduce_dp
+        return [[self.rank_of(p, t, d) for d in range(b * rd + j, (b + 1) * rd, self.ep) for t in range(self.tp)]
+                for p in range(self.pp) for b in range(self.dp // rd) for j in range(self.ep)]
 
     def stage_groups(self) -> list[list[int]]:
-        """Every rank of one pipeline stage: they sum the router's gradients and the MoE statistics."""
-        return [[self.rank_of(p, t, d) for d in range(self.dp) for t in range(self.tp)] for p in range(self.pp)]
+        """Every rank of one pipeline stage in one replica: they sum the router's gradients and the MoE
+        statistics."""
+        rd = self.reduce_dp
+        return [[self.rank_of(p, t, d) for d in range(b * rd, (b + 1) * rd) for t in range(self.tp)]
+                for p in range(self.pp) for b in range(self.dp // rd)]
 
     def tied_groups(self) -> list[list[int]]:
         """Ranks holding the first and the last virtual stage of one pipeline, one pair per (dp, tp): they sum the

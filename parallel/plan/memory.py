@@ -29,17 +29,12 @@ Start-up (`startup`): the rank builds its chunks on the meta device and material
 whole parameter at a time (`construction`, the largest of its chunks) before keeping its slice: its parameter
 shards plus that one parameter.
 
-ZeRO-2/3's reduction (`reduction`): the step's peak is in the backward of the rank's largest unit (the head or the
-embedding at any real vocabulary), where one whole gradient of that unit exists besides everything above: in the
-loss's backward the head's weight gradient it returns next to the one it kept from forward, then FSDP2's
-reduce-scatter input next to the collective's own working copy (gloo's). Measured on the `scale` bench's 199M
-Llama at dp=4, zero=3 (bench/scale.py, each rank's RSS at every unit's backward): the high-water mark rises there
-and nowhere else, and the plan without this term was 11% under it; with it the plan is 2.6% above the measured
-peak there, and 1.5% above it on the 16-layer 501M model (BENCHMARKS.md, `scale`).
-
-The optimizer's step makes temporaries (AdamW's foreach: the scaled gradients, the moments' square roots) as large
-as the tensors one torch optimizer steps, which `parallel.runtime.train_optimizer` bounds to STEP_CHUNK elements
-(64 MiB of fp32): not counted, as they live after the backward, when no unit is gathered and no activation kept.
+ZeRO-2/3's `reduction`: the step peaks in the backward of the rank's largest unit (the head or the embedding at a
+real vocabulary), holding one whole gradient of it besides the above: the loss's returned head gradient next to
+the one kept from forward, then FSDP2's reduce-scatter input next to gloo's working copy. Measured (RSS at every
+unit's backward, `scale` bench, 199M Llama, dp=4 zero=3): the plan was 11% under the peak without it; with it
+2.6% above, and 1.5% above at 501M (BENCHMARKS.md). Not counted: the optimizer step's temporaries (AdamW's
+foreach), bounded to STEP_CHUNK elements (64 MiB, `parallel.runtime.train_optimizer`) after the backward.
 
 Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
 (`parallel.plan.reduction_bytes.compression_state_bytes`).
@@ -69,13 +64,12 @@ from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
 from trainyard.parallel.optim.kinds import optimizer_kind
-from trainyard.parallel.plan.actions import COMPUTE_KINDS, FREEING_KINDS, ActionKind, virtual_stage
+from trainyard.parallel.plan.actions import COMPUTE_KINDS, FREEING_KINDS, Action, ActionKind, virtual_stage
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
+from trainyard.parallel.plan.replica_sync import replica_dp
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
-
-"""The actions that run a chunk's units (the split halves, which ZeRO-2/3 refuse, as a backward each)."""
 
 
 @dataclass(frozen=True)
@@ -223,19 +217,35 @@ def param_bytes(plan: Plan, pp_rank: int) -> int:
 
 def gathered_bytes(plan: Plan, pp_rank: int) -> int:
     """fp32 bytes of parameters FSDP2 holds gathered whole at the step's peak, besides the shards (0 below
-    ZeRO-2): ZeRO-2 every unit of every chunk; ZeRO-3 per block: the unit computing and the next one's gather
-    in flight, walked over the rank's computes in the schedule's order (the pair that crosses from one compute
-    to the next included), and a unit that runs twice in one forward (tied embeddings) held in between. A
-    block is counted with its MoE router and experts, which FSDP2 gathers one module at a time inside it: for
-    an MoE block this is a bound."""
+    ZeRO-2): ZeRO-2 every unit of every chunk; ZeRO-3 per block (a chunk in a zb schedule's split backward): the
+    unit computing and the next one's gather in flight, walked over the rank's computes in the schedule's order
+    (the pair that crosses from one compute to the next included), and a unit that runs twice in one forward (tied
+    embeddings) held in between. A block is counted with its MoE router and experts, which FSDP2 gathers one
+    module at a time inside it: for an MoE block this is a bound."""
     sharding = sharding_for(plan.config.fixed_parallel.zero)
     if not sharding.shards_parameters:
         return 0
     units = _shard_units(plan, pp_rank)
     backward = [units[::-1] for units in units]
     passes = [units[a.chunk] if a.kind is ActionKind.FORWARD else backward[a.chunk]
-              for a in plan.schedule[pp_rank] if a.kind in COMPUTE_KINDS]
-    return FP32 * sharding.gathered_elements(passes)
+              for a in plan.schedule[pp_rank] if a.kind in COMPUTE_KINDS and not _split(plan, pp_rank, a)]
+    split = {a.chunk for a in plan.schedule[pp_rank]
+             if a.kind is ActionKind.BACKWARD_WEIGHT and _split(plan, pp_rank, a)}
+    if not sharding.reshard_after_forward or not split:
+        return FP32 * sharding.gathered_elements(passes)  # ZeRO-2 holds every unit all step anyway
+    # ZeRO-3 under a zb schedule: either half of a split backward gathers its chunk's units all at once
+    # (`parallel.runtime.fsdp_split`) and FSDP2 frees them before the next compute gathers anything but the
+    # unit the input half ran last with the next one's first: the peak is a whole chunk, or the per-block walk of
+    # the other computes (the halves left out of it), whichever is larger.
+    return FP32 * max(sharding.gathered_elements(passes), *(sum(dict(units[c]).values()) for c in split))
+
+
+def _split(plan: Plan, pp_rank: int, a: Action) -> bool:
+    """A half of a split backward that is not a whole backward: not at virtual stage 0 (whose input half computes
+    nothing and whose weight half is the whole backward, through FSDP2's hooks as any backward)."""
+    if a.kind is ActionKind.BACKWARD_INPUT:
+        return True  # at virtual stage 0 it computes nothing: left out of the walk either way
+    return a.kind is ActionKind.BACKWARD_WEIGHT and virtual_stage(pp_rank, a.chunk, plan.pp, plan.placement) > 0
 
 
 def largest_unit_grad_bytes(plan: Plan, pp_rank: int) -> int:
@@ -293,9 +303,10 @@ def by_block_kind(m: ModelConfig, count: Callable[[int], T]) -> Callable[[int], 
 
 def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
     """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
-    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts."""
-    return [(counts.dense, plan.dp), (counts.router, plan.dp * plan.tp),
-            (counts.experts, plan.dp // plan.ep * plan.tp)]
+    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts; dp being one
+    replica's with local_sgd and diloco (`replica_sync.replica_dp`)."""
+    dp = replica_dp(plan.config.fixed_parallel.sync, plan.dp)
+    return [(counts.dense, dp), (counts.router, dp * plan.tp), (counts.experts, dp // plan.ep * plan.tp)]
 
 
 def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:

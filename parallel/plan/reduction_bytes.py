@@ -45,7 +45,7 @@ def _stage_matrices(plan: Sizing, pp: int):
             matrices += _adapter_matrices(plan, layers)
         return elements, matrices
     for c, layers in enumerate(plan.chunk_layers(pp)):
-        v = virtual_stage(pp, c, plan.pp)
+        v = virtual_stage(pp, c, plan.pp, plan.placement)
         kw = {"first": v == 0, "last": v == plan.n_virtual_stages - 1, "tp": plan.tp, "ep": plan.ep}
         counts = family.param_counts(cfg.model, layers, **kw)
         elements += sum(n for s, n in (("dense", counts.dense), ("router", counts.router),

@@ -18,6 +18,12 @@ def is_local(cfg: SyncConfig) -> bool:
     return cfg.kind in LOCAL_KINDS
 
 
+def replica_dp(cfg: SyncConfig, dp: int) -> int:
+    """Data-parallel ranks in one replica, which sum their gradients every step (and share ZeRO's shards and MoE's
+    experts): every dp rank with allreduce (one replica), dp / `replicas` with local_sgd and diloco (default 1)."""
+    return dp // (cfg.replicas or dp) if is_local(cfg) else dp
+
+
 def syncs_after(step: int, cfg: SyncConfig, steps: int) -> bool:
     """Whether the replicas synchronise their parameters after step `step` (0-based): every `every` steps, and
     after the job's last step (so the final state, and every checkpoint, is one model)."""

@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainyard.parallel.plan import Plan
 
 MESH_DIMS = ("pp", "dp", "tp")
+REPLICA_MESH_DIMS = ("pp", "replica", "dp", "tp")
+"""local_sgd and diloco with replicas of several dp ranks (`parallel.sync.replicas`): dp is split in two."""
 
 
 @dataclass
@@ -39,7 +41,12 @@ class RankGroups:
     tp_mesh: DeviceMesh | None = None
     """The 1-D tensor-parallel mesh DTensor shards over; None when tp = 1."""
     dp_mesh: DeviceMesh | None = None
-    """The world mesh's data-parallel dimension (what FSDP2 shards over at ZeRO-2/3); None when dp = 1."""
+    """The world mesh's data-parallel dimension of one replica (what FSDP2 shards over at ZeRO-2/3): all of dp but
+    with local_sgd and diloco; None when it is one rank."""
+    reduce: dist.ProcessGroup | None = None
+    """The data-parallel ranks that sum the gradients every step: `dp`, or one local_sgd / diloco replica's."""
+    replicas: dist.ProcessGroup | None = None
+    """local_sgd, diloco: the ranks holding the same shard in every replica (what a sync averages over)."""
     ep: dist.ProcessGroup | None = None
     """Expert parallelism: the ranks whose experts this rank's tokens may go to."""
     experts: dist.ProcessGroup | None = None
@@ -73,18 +80,25 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
         world_size=plan.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    world = torch.arange(plan.world_size).reshape(plan.pp, plan.dp, plan.tp)
-    mesh = DeviceMesh(device.type, world, mesh_dim_names=MESH_DIMS)
-    coords = plan.coords(rank)
-    assert mesh.get_coordinate() == (coords.pp, coords.dp, coords.tp), "the mesh must follow the plan's rank map"
+    coords, rd = plan.coords(rank), plan.reduce_dp
+    if rd in (1, plan.dp):  # replicas of one dp rank each (reduce: none) or one replica (allreduce)
+        mesh = DeviceMesh(device.type, torch.arange(plan.world_size).reshape(plan.pp, plan.dp, plan.tp),
+                          mesh_dim_names=MESH_DIMS)
+        assert mesh.get_coordinate() == (coords.pp, coords.dp, coords.tp), "the mesh must follow the plan's rank map"
+    else:  # local_sgd, diloco replicas of several dp ranks: "dp" is a replica's (what ZeRO shards over)
+        mesh = DeviceMesh(device.type, torch.arange(plan.world_size).reshape(plan.pp, plan.dp // rd, rd, plan.tp),
+                          mesh_dim_names=REPLICA_MESH_DIMS)
+        assert mesh.get_coordinate() == (coords.pp, coords.dp // rd, coords.dp % rd, coords.tp)
 
     def group(dim: str) -> dist.ProcessGroup | None:
         return mesh.get_group(dim) if mesh[dim].size() > 1 else None
 
-    groups = RankGroups(rank=rank, dp=group("dp"), pp=group("pp"), pp_ranks=mesh["pp"].mesh.tolist(),
-                        tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None,
-                        dp_mesh=mesh["dp"] if plan.dp > 1 else None,
-                        checkpoint=dist.new_group(backend="gloo"))
+    split = 1 < rd < plan.dp
+    groups = RankGroups(rank=rank, dp=_subgroup(_all_dp(plan)) if split else group("dp"), pp=group("pp"),
+                        pp_ranks=mesh["pp"].mesh.tolist(), tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None,
+                        dp_mesh=mesh["dp"] if rd > 1 else None, checkpoint=dist.new_group(backend="gloo"))
+    groups.reduce = group("dp") if rd > 1 else None
+    groups.replicas = group("replica") if split else groups.dp
     if plan.config.model.moe is not None:
         groups.ep = _subgroup(plan.ep_groups())
         groups.experts = _subgroup(plan.expert_groups())
@@ -92,6 +106,11 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
     if plan.config.model.tie_embeddings and plan.tied_groups():
         groups.tied = _subgroup(plan.tied_groups())
     return groups
+
+
+def _all_dp(plan: Plan) -> list[list[int]]:
+    """Every data-parallel group across all the replicas (one per (pp, tp))."""
+    return [[plan.rank_of(p, t, d) for d in range(plan.dp)] for p in range(plan.pp) for t in range(plan.tp)]
 
 
 def _subgroup(ranks: list[list[int]]) -> dist.ProcessGroup | None:

@@ -73,6 +73,7 @@ from trainyard.parallel.models.moe import moe_layers
 from trainyard.parallel.plan.actions import Action, ActionKind
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp_meter import GatheredMeter
+from trainyard.parallel.runtime.fsdp_split import gather_split, reduce_after_weight
 from trainyard.parallel.runtime.local_parts import local_part
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -180,7 +181,7 @@ class ShardedChunks:
         """Before a forward or backward of `action.chunk`: point the unit it runs last at the unit the next compute
         runs first (FSDP2 gathers the units of this action from their own hooks). Then every module is looked at
         again (a backward's last unit is freed without a hook of ours)."""
-        if action.kind is ActionKind.BACKWARD:
+        if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):  # where gradients are reduced
             self.backwards[action.chunk] += 1
         target = self.meter.target = self._runs_first(next_action)
         order, once = self.orders[action.chunk], self._once[action.chunk]
@@ -192,6 +193,23 @@ class ShardedChunks:
         elif last is not None:
             last.set_modules_to_backward_prefetch([target or last])
         self._keep((last, action.kind) if last is not None and last is target else None)
+        self.meter.look_all()
+
+    def gather_chunk(self, chunk: int) -> None:
+        """Before either half of a split backward (not at virtual stage 0, whose weight half is a whole backward):
+        the chunk's units whole, so its parameters are the ones the graph holds (`parallel.runtime.fsdp_split`)."""
+        gather_split(self.orders[chunk] + self.nested[chunk])
+        self.meter.look_all()
+
+    def before_weight(self, action: Action) -> None:
+        """Before a split backward's weight half: where the chunk's gradients are reduced."""
+        self.backwards[action.chunk] += 1
+        self._keep(None)
+        self.gather_chunk(action.chunk)
+
+    def after_weight(self, chunk: int) -> None:
+        """After it: the units' gradients reduce-scattered, the units freed as the flags say."""
+        reduce_after_weight(self.tops[chunk])
         self.meter.look_all()
 
     def _keep(self, kept: tuple[FSDPModule, ActionKind] | None) -> None:

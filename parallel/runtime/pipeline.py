@@ -141,12 +141,25 @@ class PipelineExecutor:
 
     def _run_backward_input(self, actions: list[Action], i: int, state: _StepState) -> int:
         with self.clock.span(state.timings, "backward_s"):
+            if self.sharded is not None and self._virtual(actions[i].chunk) > 0:  # (at 0 it computes nothing)
+                self.sharded.before_compute(actions[i], state.next_compute[i])
+                self.sharded.gather_chunk(actions[i].chunk)
             self._backward_input(actions[i], state)
         return i + 1
 
     def _run_backward_weight(self, actions: list[Action], i: int, state: _StepState) -> int:
+        a = actions[i]
+        # At virtual stage 0 the weight half is the whole backward, through FSDP2's hooks; elsewhere it passes none
+        # of them, and the units are gathered and their gradients reduced around it (`parallel.runtime.fsdp_split`).
+        whole = self._virtual(a.chunk) == 0
         with self.clock.span(state.timings, "backward_s"):
-            self._backward_weight(actions[i], state)
+            if self.sharded is not None and whole:
+                self.sharded.before_compute(a, state.next_compute[i])
+            elif self.sharded is not None:
+                self.sharded.before_weight(a)
+            self._backward_weight(a, state)
+            if self.sharded is not None and not whole:
+                self.sharded.after_weight(a.chunk)
         return i + 1
 
     def _run_communication(self, actions: list[Action], i: int, state: _StepState) -> int:

@@ -81,7 +81,11 @@ class RankState:
         given; the optimizer then takes the parameters it changed (offloaded: into its host copies). The bytes sent."""
         self.optimizer.settle()
         assert self.sync is not None
-        sent = self.sync.synchronise(_inner_state(view) if view is not None else [], live, self.coords.dp)
+        copies = (self.tied.embedding, self.tied.head)  # a tied embedding's moments: each averaged apart
+        apart = {id(t) for r in self.reducers.values() for t, p in r.optimizer_params() if any(p is c for c in copies)}
+        inner = _inner_state(view, lambda t: id(t) not in apart) if view is not None else []
+        tied = _inner_state(view, lambda t: id(t) in apart) if view is not None else []
+        sent = self.sync.synchronise(inner, live, self.coords.dp, state_apart=tied)
         self.optimizer.params_changed()
         return sent
 
@@ -193,7 +197,8 @@ class RankState:
         self.steps_done = step
 
 
-def _inner_state(view: StateView) -> list[torch.Tensor]:
-    """This rank's optimizer state (its moments, in the checkpoint's form: `view`), which a local_sgd or diloco
-    sync a checkpoint follows averages across the replicas."""
-    return [local_part(t) for state in view.state.values() for t in state.values()]
+def _inner_state(view: StateView, keep: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
+    """This rank's optimizer state (its moments, in the checkpoint's form: `view`) of the tensors the optimizer
+    updates that `keep` keeps, which a local_sgd or diloco sync a checkpoint follows averages across the
+    replicas."""
+    return [local_part(t) for tensor, state in view.state.items() if keep(tensor) for t in state.values()]

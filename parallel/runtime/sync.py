@@ -1,4 +1,5 @@
-"""How data-parallel replicas keep in step (`parallel.sync`), a replica being a whole pp x tp group.
+"""How data-parallel replicas keep in step (`parallel.sync`), a replica being a whole pp x tp group of one or
+(`parallel.sync.replicas`) several dp ranks, which share ZeRO's shards and MoE's experts.
 
 - `allreduce` (the default): the gradient reducer (`parallel.runtime.data_parallel`) sums every gradient across the
   replicas every step; nothing here runs.
@@ -60,11 +61,14 @@ def saved_outer_state(directory: Path) -> bool:
 
 
 def replica_group(plan: Plan) -> dist.ProcessGroup | None:
-    """This rank's data-parallel replica (its whole pp x tp group) as a process group, every rank creating every
-    replica's; None when a replica is one rank. A local_sgd or diloco replica clips its gradients' norm over it."""
+    """This rank's data-parallel replica (its whole pp x tp group, of `reduce_dp` dp ranks) as a process group,
+    every rank creating every replica's; None when a replica is one rank. A local_sgd or diloco replica clips its
+    gradients' norm over it."""
     import torch.distributed as dist
 
-    replicas = [[plan.rank_of(p, t, d) for p in range(plan.pp) for t in range(plan.tp)] for d in range(plan.dp)]
+    rd = plan.reduce_dp
+    replicas = [[plan.rank_of(p, t, b * rd + i) for p in range(plan.pp) for t in range(plan.tp) for i in range(rd)]
+                for b in range(plan.dp // rd)]
     if len(replicas[0]) == 1:
         return None
     mine, _ = dist.new_subgroups_by_enumeration(replicas)
@@ -73,14 +77,20 @@ def replica_group(plan: Plan) -> dist.ProcessGroup | None:
 
 class ReplicaSync:
     """One rank's part of the synchronisations of a local_sgd or diloco job: `params` are this rank's parameters
-    (DTensors with tp; the math runs on their local shards), `group` the data-parallel group of its (pp, tp)
-    shard."""
+    (DTensors with tp or ZeRO-2/3; the math runs on their local shards), `group` the ranks holding the same shard
+    in every replica (same pp, tp and place in the replica: each replica's shards are averaged with the same
+    shards of the others), `dp` the replicas."""
 
-    def __init__(self, cfg: SyncConfig, params: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int):
+    def __init__(self, cfg: SyncConfig, params: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int,
+                 apart: frozenset[int] = frozenset()):
+        """`apart`: indices in `params` of the copies of a tied embedding (`parallel.runtime.tied`), each averaged
+        in an all-reduce of its own, so the first stage's copy and the last stage's, equal going in, come out
+        equal: the same values at the same places of a buffer of the same size, over as many replicas (in one
+        buffer with the rest of a stage, a sum of more than two could be rounded in another order on each)."""
         from torch.distributed.tensor import DTensor
         from trainyard.parallel.optim.dynamo_free import SGD
 
-        self.cfg, self.group, self.dp, self.layouts = cfg, group, dp, params
+        self.cfg, self.group, self.dp, self.layouts, self.apart = cfg, group, dp, params, apart
         self.params = [p.to_local() if isinstance(p, DTensor) else p for p in params]
         self.anchor: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
@@ -93,30 +103,25 @@ class ReplicaSync:
         return FP32 * sum(p.numel() for p in self.params)
 
     def synchronise(self, optimizer_state: Sequence[torch.Tensor] = (), live: tuple[int, ...] | None = None,
-                    replica: int = 0) -> int:
+                    replica: int = 0, state_apart: Sequence[torch.Tensor] = ()) -> int:
         """Average the parameters over the replicas (diloco: then the outer step, and every replica takes the new
-        anchor), and the tensors of `optimizer_state` in place; the bytes this rank all-reduced. `live`: the
-        replicas in the round when some are dropped (`round_of`); this rank's replica `replica`, if not among
-        them, adds nothing (it is rejoining, and takes the result from a live replica after)."""
+        anchor), and the tensors of `optimizer_state` in place (`state_apart`, a tied embedding's moments, in an
+        all-reduce of their own); the bytes this rank all-reduced. `live`: the replicas in the round when some are
+        dropped (`round_of`); this rank's replica `replica`, if not among them, adds nothing (it is rejoining, and
+        takes the result from a live replica after)."""
         import torch
-        import torch.distributed as dist
 
         count = self.dp if live is None else len(live)
         adds = live is None or replica in live
         with torch.no_grad():
-            if optimizer_state and self.group is not None:
-                state = torch.cat([t.reshape(-1) for t in optimizer_state]) * float(adds)
-                dist.all_reduce(state, group=self.group)
-                state /= count
-                for t, averaged in zip(optimizer_state, torch.split(state, [t.numel() for t in optimizer_state]),
-                                       strict=True):
+            for tensors in (optimizer_state, *([t] for t in state_apart)):
+                for t, averaged in zip(tensors, self._mean(tensors, adds, count), strict=True):
                     t.copy_(averaged.view_as(t))
-            flat = torch.cat([p.reshape(-1) for p in self.params])
-            if self.group is not None:
-                flat *= float(adds)
-                dist.all_reduce(flat, group=self.group)
-                flat /= count
-            mean = torch.split(flat, [p.numel() for p in self.params])
+            together = [i for i in range(len(self.params)) if i not in self.apart]
+            averages: dict[int, torch.Tensor] = {}
+            for indices in (together, *([i] for i in sorted(self.apart))):
+                averages |= zip(indices, self._mean([self.params[i] for i in indices], adds, count), strict=True)
+            mean = [averages[i] for i in range(len(self.params))]
             if self.outer is None:
                 for p, m in zip(self.params, mean, strict=True):
                     p.copy_(m.view_as(p))
@@ -126,7 +131,21 @@ class ReplicaSync:
                 self.outer.step()
                 for p, a in zip(self.params, self.anchor, strict=True):
                     p.copy_(a)
-        return self.bytes_per_sync() + FP32 * sum(t.numel() for t in optimizer_state)
+        return self.bytes_per_sync() + FP32 * sum(t.numel() for t in [*optimizer_state, *state_apart])
+
+    def _mean(self, tensors: Sequence[torch.Tensor], adds: bool, count: int) -> list[torch.Tensor]:
+        """The replicas' mean of each tensor (flat views of one buffer), in one all-reduce."""
+        import torch
+        import torch.distributed as dist
+
+        if not tensors:
+            return []
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if self.group is not None:
+            flat *= float(adds)
+            dist.all_reduce(flat, group=self.group)
+            flat /= count
+        return list(torch.split(flat, [t.numel() for t in tensors]))
 
     def took_state(self) -> None:
         """The parameters were replaced (a checkpoint, always taken at a sync, or a replica's state): they are

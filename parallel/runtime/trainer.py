@@ -50,6 +50,7 @@ from trainyard.parallel.data.datasets import (
     load_batch,
     open_dataset,
     rank_share,
+    step_batch_ids,
     step_counted_targets,
     validation_batches,
 )
@@ -105,8 +106,10 @@ class RankTrainer:
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
         par = cfg.fixed_parallel
         # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
-        self.local_sync = is_local(par.sync) and plan.dp > 1
-        sets = {"dense": None if self.local_sync else groups.dp, "router": groups.stage, "experts": groups.experts}
+        # A replica is `plan.reduce_dp` dp ranks (`parallel.sync.replicas`), which reduce, shard and spread experts
+        # among themselves as allreduce's dp ranks do.
+        self.local_sync = is_local(par.sync) and plan.dp > plan.reduce_dp
+        sets = {"dense": groups.reduce, "router": groups.stage, "experts": groups.experts}
         family, sharding = family_of(cfg.model), sharding_for(par.zero)
         # ZeRO-2/3: FSDP2 shards each chunk per block (its embedding, each block, its head; routers and experts on
         # their own groups) over the same groups (parallel.runtime.fsdp).
@@ -146,7 +149,9 @@ class RankTrainer:
             wait_in_forward(units, self.optimizer.ready)
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
         params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
-        self.sync = ReplicaSync(par.sync, params, groups.dp, plan.dp) if self.local_sync else None
+        tied = frozenset(i for i, p in enumerate(params) if p is self.tied.embedding or p is self.tied.head)
+        self.sync = ReplicaSync(par.sync, params, groups.replicas, plan.dp // plan.reduce_dp, apart=tied) \
+            if self.local_sync else None
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
                                     self.tied)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
@@ -183,9 +188,11 @@ class RankTrainer:
         stage.set_activation_offload(cfg.activation_offload)
         if cfg.compile:
             compile_blocks(stage)
+        # The auxiliary losses are normalised like the token loss: by the sequences of the step's batch, or of the
+        # replica's share of it with local_sgd and diloco (a replica of reduce_dp of the dp ranks)
         for _, layer in moe_layers(stage):
-            layer.context = MoEContext(sequences_per_step=cfg.global_batch, tp_group=self.groups.tp,
-                                       ep_group=self.groups.ep)
+            layer.context = MoEContext(sequences_per_step=cfg.global_batch * self.plan.reduce_dp // self.plan.dp,
+                                       tp_group=self.groups.tp, ep_group=self.groups.ep)
         return stage
 
     @property
@@ -337,8 +344,8 @@ class RankTrainer:
         the replicas between syncs and a replica can fail alone."""
         if not self.is_last_stage:
             return None
-        if self.groups.dp is not None and not self.local_sync:
-            dist.all_reduce(loss_sum, group=self.groups.dp)
+        if self.groups.reduce is not None:  # over the replica (local_sgd, diloco), whose loss is its own
+            dist.all_reduce(loss_sum, group=self.groups.reduce)
         return loss_sum
 
     def _moe_stats_tensor(self) -> torch.Tensor:
@@ -363,9 +370,15 @@ class RankTrainer:
         has loss 0). local_sgd, diloco: of this replica's share, whose mean gradient it steps on alone."""
         cfg = self.plan.config
         if self.local_sync:
+            replicas = self.plan.dp // self.plan.reduce_dp
             if not has_loss_mask(self.dataset):
-                return self.plan.dp / (cfg.global_batch * cfg.model.seq_len)
-            return 1.0 / max(1, counted_targets(self.dataset, [i for ids in microbatch_ids for i in ids]))
+                return replicas / (cfg.global_batch * cfg.model.seq_len)
+            if self.plan.reduce_dp == 1:
+                return 1.0 / max(1, counted_targets(self.dataset, [i for ids in microbatch_ids for i in ids]))
+            # the replica's share: its dp ranks' contiguous slices of the global batch (`rank_share`)
+            ids, share = step_batch_ids(cfg, step, self.dataset.num_samples), cfg.global_batch // replicas
+            replica = self.coords.dp // self.plan.reduce_dp
+            return 1.0 / max(1, counted_targets(self.dataset, ids[replica * share:(replica + 1) * share]))
         if not has_loss_mask(self.dataset):
             return 1.0 / (cfg.global_batch * cfg.model.seq_len)
         return 1.0 / max(1, step_counted_targets(cfg, self.dataset, step))

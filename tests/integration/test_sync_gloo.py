@@ -4,6 +4,9 @@
   clipping) local_sgd every=1, and diloco every=1 with outer_lr 1 and no momentum, equal all-reduce data
   parallelism within 1e-5 (averaging the replicas' parameters after a step is then averaging their gradients
   before it; AdamW is not linear, so there the three differ by design);
+- the same with replicas of two dp ranks each (`parallel.sync.replicas`): at ZeRO-3 (a replica's ranks share its
+  shards) and with MoE at ep=2 (they share its experts); tied embeddings at pp=2 over three replicas, the two
+  copies bitwise equal after the syncs (in `make test-slow`);
 - diloco every=4 at (dp=2, pp=2) with AdamW matches a reference computed in one process: two replicas as two
   one-rank trainers, each stepping on its share of the global batch, and the outer Nesterov step written out
   by hand (not torch's SGD, which `parallel.sync` uses): losses and final parameters within 1e-5;
@@ -13,14 +16,17 @@
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
+from test_tied_gloo import assert_tied_equal, copies
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset, rank_share
 from trainyard.parallel.io.checkpoint import step_dir
@@ -28,6 +34,7 @@ from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
 
 STEPS, BATCH, EVERY, OUTER_LR, MOMENTUM = 8, 8, 4, 0.7, 0.9
+SLOW = os.environ.get("TRAINYARD_SLOW_TESTS") == "1"
 
 
 def last_stage_losses(per_rank: list[list[dict]]) -> list[float]:
@@ -37,15 +44,30 @@ def last_stage_losses(per_rank: list[list[dict]]) -> list[float]:
     return [sum(stats[s]["loss"] for stats in per_replica.values()) / len(per_replica)
             for s in range(len(next(iter(per_replica.values()))))]
 
-def plan_for(parallel: dict, sync: dict | None = None, global_batch: int = BATCH, **spec):
+def plan_for(parallel: dict, sync: dict | None = None, global_batch: int = BATCH, steps: int = STEPS, **spec):
     par = {**parallel, **({"sync": sync} if sync else {})}
-    return make_plan(parse_spec(tiny_spec(steps=STEPS, global_batch=global_batch, parallel=par, **spec)))
+    return make_plan(parse_spec(tiny_spec(steps=steps, global_batch=global_batch, parallel=par, **spec)))
 
 
 def final_params(driver, stats) -> dict[str, torch.Tensor]:
     """This rank's parameters, its local shards at tp > 1."""
     return {name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
             for chunk in driver.trainer.chunks for name, p in chunk.named_parameters()}
+
+
+def whole_params(driver, stats) -> dict[str, torch.Tensor]:
+    """This rank's parameters whole: ZeRO-3's dim-0 shards gathered over the replica's ranks, by hand (DTensor's
+    `full_tensor` caches its plans by mesh shape, which a later run of the shared world may meet with stale groups)."""
+    out, group = {}, driver.trainer.groups.reduce
+    for chunk in driver.trainer.chunks:
+        for name, p in chunk.named_parameters():
+            if isinstance(p, DTensor):
+                shards: list = [None] * dist.get_world_size(group)
+                dist.all_gather_object(shards, p.to_local().detach().clone(), group=group)
+                out[name] = torch.cat(shards)
+            else:
+                out[name] = p.detach().clone()
+    return out
 
 
 def _state(driver) -> dict[str, torch.Tensor]:
@@ -139,6 +161,18 @@ EXACT = {
     "diloco-tp2": plan_for({"dp": 2, "tp": 2}, {"kind": "diloco", "every": 1, "outer_lr": 1.0, "outer_momentum": 0.0},
                            **NO_CLIP),
 }
+EVERY_STEP = {"kind": "diloco", "every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "replicas": 2}
+MOE = {"n_layer": 2, "moe": {"experts": 4, "top_k": 2, "every": 2}}
+SHARDED = {  # replicas of two dp ranks each, sharing ZeRO-3's shards or MoE's experts (ep=2), against all-reduce
+    "diloco-zero3": (plan_for({"dp": 4, "zero": 3}, EVERY_STEP, **NO_CLIP), "allreduce"),
+    "allreduce-moe": (plan_for({"dp": 2, "ep": 2}, steps=3, model=MOE, **NO_CLIP), None),
+    "diloco-moe": (plan_for({"dp": 4, "ep": 2}, EVERY_STEP, steps=3, model=MOE, **NO_CLIP), "allreduce-moe"),
+}
+TIED = {"model": {"tie_embeddings": True, "n_layer": 2}, "global_batch": 6, "steps": 3, **NO_CLIP}
+TIED_RUNS = {  # three replicas (a sum of more than two could round apart by its order in a buffer)
+    "allreduce-tied": plan_for({"dp": 3, "pp": 2, "microbatches": 2}, **TIED),
+    "diloco-tied": plan_for({"dp": 3, "pp": 2, "microbatches": 2}, {**EVERY_STEP, "replicas": 3}, **TIED),
+}
 DILOCO = {"kind": "diloco", "every": EVERY, "outer_lr": OUTER_LR, "outer_momentum": MOMENTUM}
 SAVES = {"checkpoint": {"every": EVERY}}  # the syncs a checkpoint follows average the inner optimizer state too
 
@@ -147,6 +181,9 @@ SAVES = {"checkpoint": {"every": EVERY}}  # the syncs a checkpoint follows avera
 def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("checkpoints"))
     named = [(key, PlanRun(plan, probe=final_params)) for key, plan in EXACT.items()]
+    named += [(key, PlanRun(plan, probe=whole_params)) for key, (plan, _) in SHARDED.items()]
+    if SLOW:  # two 6-rank runs: `make test-slow`
+        named += [(key, PlanRun(plan, probe=copies)) for key, plan in TIED_RUNS.items()]
     named += [
         ("diloco-pp2", PlanRun(plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO, **SAVES),
                                probe=final_params, save_after=(EVERY,), root=root)),
@@ -181,6 +218,34 @@ def test_synchronising_every_step_equals_all_reduce_with_a_linear_inner_step(run
     # too (the final checkpoint takes replica 0's momentum buffers, not their average)
     sent, reduced = ([s["cross_replica_bytes"] for s in run[0].stats] for run in (local, reference))
     assert sent == reduced
+
+
+@pytest.mark.parametrize("kind", ["diloco-zero3", "diloco-moe"])
+def test_replicas_of_sharded_ranks_synchronising_every_step_equal_all_reduce(runs, kind):
+    """dp=4 as two replicas of two dp ranks (`parallel.sync.replicas: 2`): ZeRO-3 shards within a replica and the
+    sync averages each shard over the replicas holding it; with MoE at ep=2 each replica holds every expert and
+    the sync averages each expert over the replicas. Every step with a linear inner step: all-reduce's numbers."""
+    local, reference = runs[kind], runs[SHARDED[kind][1]]
+    np.testing.assert_allclose(last_stage_losses(stats_of(local)), last_stage_losses(stats_of(reference)), rtol=1e-5)
+    plan = SHARDED[kind][0]
+    for rank in range(len(local)):
+        twin = reference[plan.coords(rank).dp % 2].probe  # dp2's rank with the same experts (ep index)
+        for name, p in local[rank].probe.items():
+            torch.testing.assert_close(p, twin[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SLOW, reason="slow: run with `make test-slow`")
+def test_tied_embeddings_across_stages_stay_bitwise_equal_through_the_syncs(runs):
+    """The embedding (first stage) and its head copy (last stage) are averaged each in an all-reduce of its own
+    over the three replicas: equal going in, equal coming out; every step with a linear inner step, as all-reduce."""
+    local, reference = runs["diloco-tied"], runs["allreduce-tied"]
+    np.testing.assert_allclose(last_stage_losses(stats_of(local)), last_stage_losses(stats_of(reference)), rtol=1e-5)
+    assert_tied_equal(local)
+    for mine, twin in zip(local, reference, strict=True):
+        for key in ("embedding", "head"):
+            if key in mine.probe:
+                torch.testing.assert_close(mine.probe[key], twin.probe[key], rtol=1e-5, atol=1e-6)
 
 
 def test_diloco_at_dp2_pp2_matches_two_replicas_and_the_outer_step_by_hand(runs):

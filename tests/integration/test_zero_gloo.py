@@ -3,7 +3,8 @@ workers run.
 
 One spawned world of 8 processes runs every plan in turn: zero=2 and zero=3 at (dp2, pp2, tp2, sp, 1f1b), at
 (pp2, vpp2, dp2, interleaved-1f1b) and, for MoE, at (dp2, ep2) with full recompute, zero=3 alone at (dp2),
-(dp2, pp2, 1f1b) with full recompute and (dp2) with tied embeddings, each against the one-rank zero=0 run (which
+(dp2, pp2, 1f1b) with full recompute and (dp2) with tied embeddings, and the zero-bubble schedules (zb-h1 at
+zero=3, zbv at zero=2: `parallel.runtime.fsdp_split`), each against the one-rank zero=0 run (which
 every layout follows within 1e-4: the project's layout-equivalence rule), the interleaved ones with a
 validation pass after step 1 as well; a zero=3 checkpoint resumed at zero=0 dp=1, and a zero=0 dp=1 checkpoint
 resumed at zero=3 (pp2, vpp2, dp2), both continuing that curve. Every rank reports the most parameter bytes FSDP2
@@ -54,6 +55,9 @@ RUNS: dict[str, tuple[Plan, dict]] = {
                            parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "1f1b", "zero": 3}), {}),
     "tied-reference": (plan_for(model={"tie_embeddings": True}, parallel={"microbatches": 2}), {}),
     "zero3-tied": (plan_for(model={"tie_embeddings": True}, parallel={"dp": 2, "microbatches": 2, "zero": 3}), {}),
+    # zero-bubble: gathered for both halves of the split backward, reduce-scattered after the weight half
+    "zb-h1-zero3": (plan_for(parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "zb-h1", "zero": 3}), {}),
+    "zbv-zero2": (plan_for(parallel={**INTERLEAVED, "schedule": "zbv", "zero": 2}), {}),
     "zero3-resumed-at-zero0-dp1": (plan_for(parallel={"microbatches": 2}), {"resume": "zero3-tp"}),
     "zero0-resumed-at-zero3": (plan_for(parallel={**INTERLEAVED, "zero": 3}), {"resume": "reference"}),
 }
@@ -165,6 +169,20 @@ def test_zero3_holds_at_most_two_blocks_gathered_as_the_memory_plan_says(results
             assert result.probe == pytest.approx(expected, rel=0.01), rank
         else:  # the plan counts a block with all its experts, which FSDP2 gathers one at a time
             assert 0 < result.probe <= expected, rank
+
+
+@pytest.mark.parametrize("name", ["zb-h1-zero3", "zbv-zero2"])
+def test_zero_bubble_schedules_with_zero2_and_zero3_follow_the_zero0_losses(runs, results, name):
+    """The weight half is where a unit's gradient becomes final: reduced there, not after the input half (which
+    would reduce nothing, or an unfinished gradient). Gathered for both halves: a chunk at a time."""
+    assert_follows(runs[name], runs["reference"][0])
+    plan = RUNS[name][0]
+    for rank, result in enumerate(results[name]):
+        assert result.probe == pytest.approx(plan.memory()[rank].gathered, rel=0.01), rank
+    # each weight half (each backward at virtual stage 0) reduce-scatters the chunk's gradients, as the plan says
+    per_stage = reduction_bytes(plan)["per_stage"]
+    for rank, stats in enumerate(runs[name]):
+        assert stats[-1]["reduce_bytes"] == pytest.approx(per_stage[plan.coords(rank).pp]["sent"], rel=0.01), rank
 
 
 @pytest.mark.parametrize("layout", ["tp", "interleaved"])

@@ -142,6 +142,17 @@ def test_a_weight_gradient_cost_above_the_whole_backward_is_refused():
     assert err.value.field == "sim_costs.backward_weight"
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_bubble_schedules_plan_with_zero2_and_zero3_but_not_with_compile(zero):
+    """FSDP2 follows the split backward (`parallel.runtime.fsdp_split`); a compiled block's backward is one node
+    that each half would run whole."""
+    zb = {"pp": 2, "dp": 2, "microbatches": 2, "schedule": "zb-h1", "zero": zero}
+    assert make_plan(parse_spec(tiny_spec(parallel=zb))).config.parallel.zero == zero
+    with pytest.raises(PlanError, match="each half would run all of it, twice the backward compute") as err:
+        make_plan(parse_spec(tiny_spec(parallel=zb, compile=True)))
+    assert err.value.field == "compile"
+
+
 @pytest.mark.parametrize("parallel", [{"pp": 2}, {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "zbv"}])
 def test_tied_embeddings_plan_at_any_pp(parallel):
     plan = make_plan(parse_spec(tiny_spec(model={"n_layer": 4, "tie_embeddings": True}, parallel=parallel)))
@@ -149,11 +160,9 @@ def test_tied_embeddings_plan_at_any_pp(parallel):
     assert plan.tied_groups() == ([[0, 1]] if parallel.get("schedule") != "zbv" else [])
 
 
-def test_tied_embeddings_across_stages_with_replica_sync_are_refused():
+def test_tied_embeddings_across_stages_plan_with_replica_sync():
     spec = tiny_spec(model={"tie_embeddings": True}, parallel={"pp": 2, "dp": 2, "sync": {"kind": "local_sgd"}})
-    with pytest.raises(PlanError, match="local_sgd does not compose with model.tie_embeddings at pp > 1") as err:
-        make_plan(parse_spec(spec))
-    assert err.value.field == "parallel.sync"
+    assert make_plan(parse_spec(spec)).tied_groups() == [[0, 2], [1, 3]]
 
 
 def tp_plan(cluster: ClusterResources | None = None, model: dict | None = None, **parallel) -> Plan:

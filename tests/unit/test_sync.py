@@ -51,20 +51,43 @@ def test_the_plan_shows_the_bytes_per_step_of_each_stage():
 
 
 @pytest.mark.parametrize(("overrides", "field", "words"), [
-    ({"parallel": {"dp": 2, "zero": 1, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync", "zero"),
+    ({"parallel": {"dp": 2, "zero": 1, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync.replicas",
+     "parallel.zero=1 shards the state over the data-parallel ranks of a replica"),
     ({"model": {"n_layer": 2, "moe": {"experts": 2, "top_k": 1, "every": 2}},
-      "parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4}}}, "parallel.sync", "model.moe"),
+      "parallel": {"dp": 2, "ep": 2, "sync": {"kind": "diloco", "every": 4}}}, "parallel.sync.replicas",
+     "ep=2 does not divide the 1 data-parallel ranks of each diloco replica"),
+    ({"parallel": {"dp": 4, "sync": {"kind": "diloco", "replicas": 3}}}, "parallel.sync.replicas",
+     "replicas=3 does not divide dp=4"),
+    ({"parallel": {"dp": 4, "sync": {"replicas": 2}}}, "parallel.sync.replicas", "only local_sgd and diloco"),
     ({"parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4}}, "checkpoint": {"every": 6}, "steps": 8},
      "checkpoint.every", "multiple of parallel.sync.every=4"),
     ({"parallel": {"dp": {"min": 1, "max": 2}, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync",
      "elastic"),
     ({"parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4},
                    "grad_compression": {"kind": "powersgd", "rank": 2}}}, "parallel.grad_compression", "diloco"),
-], ids=["zero1", "moe", "checkpoint-mid-round", "elastic", "grad-compression"])
+], ids=["zero1-one-rank-replicas", "moe-ep2-one-rank-replicas", "replicas-not-dividing-dp", "allreduce-replicas",
+        "checkpoint-mid-round", "elastic", "grad-compression"])
 def test_combinations_that_do_not_compose_are_refused_naming_the_field(overrides, field, words):
     with pytest.raises(PlanError) as info:
         make_plan(parse_spec(tiny_spec(**overrides)))
     assert info.value.field == field and words in str(info.value)
+
+
+def test_replicas_of_several_dp_ranks_reduce_shard_and_spread_experts_within_the_replica():
+    """dp=4 as two diloco replicas of two dp ranks: gradients, ZeRO's shards and MoE's experts (ep=2) stay within a
+    replica; a sync averages each rank's shard with the rank at the same place in the other replica."""
+    moe = {"n_layer": 2, "moe": {"experts": 4, "top_k": 2, "every": 2}}
+    plan = make_plan(parse_spec(tiny_spec(model=moe, parallel={"dp": 4, "ep": 2, "zero": 3,
+                                                               "sync": {"kind": "diloco", "replicas": 2}})))
+    assert plan.reduce_dp == 2
+    assert plan.dp_groups() == [[0, 1], [2, 3]] and plan.cross_replica_groups() == [[0, 2], [1, 3]]
+    assert plan.expert_groups() == [[0], [1], [2], [3]] and plan.stage_groups() == [[0, 1], [2, 3]]
+    assert plan.experts_of(0) == plan.experts_of(2) != plan.experts_of(1)
+    # ZeRO-3's shards are halves (a replica's two ranks), not all-reduce's quarters
+    quarters = make_plan(parse_spec(tiny_spec(model=moe, parallel={"dp": 4, "ep": 2, "zero": 3})))
+    assert plan.memory()[0].optimizer > quarters.memory()[0].optimizer
+    # MoE at ep=1 composes with one-rank replicas (each holds every expert)
+    assert make_plan(parse_spec(tiny_spec(model=moe, parallel={"dp": 2, "sync": {"kind": "local_sgd"}}))).reduce_dp == 1
 
 
 @pytest.mark.parametrize("every", [8, 10, 10**9])
