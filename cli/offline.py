@@ -191,8 +191,9 @@ def format_plan(d: dict) -> str:
     return "\n".join(lines)
 
 
-_MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "total", "startup")
-"""total: the step's peak on the device; startup: the start-up peak (the parameter shards and one whole parameter)."""
+_MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "reduction", "total", "startup")
+"""total: the step's peak on the device; reduction (ZeRO-2/3 only): the largest unit's whole gradient before its
+reduce-scatter; startup: the start-up peak (the parameter shards and one whole parameter)."""
 _HOST_COLUMNS = ("host_optimizer", "host_activations")
 
 
@@ -200,7 +201,9 @@ def format_memory(memory: dict) -> list[str]:
     """The memory plan as a table, one row per set of ranks with the same numbers."""
     rows: dict[tuple[int, ...], list[int]] = {}
     # total: device bytes; host bytes (optimizer and activation offload) in columns of their own, when any
-    columns = _MEMORY_COLUMNS + tuple(c for c in _HOST_COLUMNS if any(r.get(c) for r in memory["per_rank"]))
+    # and ZeRO-2/3's reduction transient (part of total) before total, when any
+    shown = _MEMORY_COLUMNS + tuple(c for c in _HOST_COLUMNS if any(r.get(c) for r in memory["per_rank"]))
+    columns = tuple(c for c in shown if c != "reduction" or any(r.get(c) for r in memory["per_rank"]))
     for r in memory["per_rank"]:
         rows.setdefault(tuple(r[c] for c in columns), []).append(r["rank"])
     width = max(12, *(len(_ranks_text(ranks)) + 6 for ranks in rows.values()))

@@ -4,15 +4,14 @@
 the store has read its reports (`service.follow.Cursor`), behind one lock that the API's threads, the
 admission thread and the follower thread share. It writes a report to the store (`apply`), ends a job
 (`finish`: the store first, then what it holds in Ray is released) and polls every coordinator without waiting
-on any one of them (`follow`). One job's failure never stops a thread: `guarded` fails that job with the
-traceback instead.
+on any one of them (`follow`). One job's failure never stops a thread: `guarded` fails that job instead, with a
+sentence naming the service's error (`handling_failed`); its traceback goes to the service's log, not to the job.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,13 @@ def coordinator_lost(error: Exception) -> tuple[JobStatus, str | None]:
     if isinstance(error, ray.exceptions.RayActorError):
         return JobStatus.FAILED, f"the job's coordinator died: {error}"
     return JobStatus.FAILED, f"the service could not reach the job's coordinator: {type(error).__name__}: {first}"
+
+
+def handling_failed(error: Exception) -> str:
+    """A job's error when the service's own handling of it raised: what failed, in one line (the traceback is the
+    service's, for its log: a user reading the job's error can act on neither)."""
+    return (f"the service failed handling this job: {type(error).__name__}: {first_line(error)} (the traceback is "
+            "in the service's log)")
 
 
 class LiveJobs:
@@ -102,12 +108,13 @@ class LiveJobs:
         self.apply(job_id, report)
 
     def guarded(self, job_id: str, handle: Callable[..., Any], *args: Any) -> Any:
-        """Run one job's handling; an exception fails that job (with the traceback) instead of the thread."""
+        """Run one job's handling; an exception fails that job (a sentence; the traceback to the log) instead of the
+        thread."""
         try:
             return handle(*args)
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             log.exception("job %s: %s failed", job_id, handle.__name__)
-            self.finish(job_id, JobStatus.FAILED, f"the service failed handling this job:\n{traceback.format_exc()}")
+            self.finish(job_id, JobStatus.FAILED, handling_failed(e))
             return False
 
     def apply(self, job_id: str, report: dict) -> None:

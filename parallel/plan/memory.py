@@ -29,6 +29,13 @@ Start-up (`startup`): the rank builds its chunks on the meta device and material
 whole parameter at a time (`construction`, the largest of its chunks) before keeping its slice: its parameter
 shards plus that one parameter.
 
+ZeRO-2/3's `reduction`: the step peaks in the backward of the rank's largest unit (the head or the embedding at a
+real vocabulary), holding one whole gradient of it besides the above: the loss's returned head gradient next to
+the one kept from forward, then FSDP2's reduce-scatter input next to gloo's working copy. Measured (RSS at every
+unit's backward, `scale` bench, 199M Llama, dp=4 zero=3): the plan was 11% under the peak without it; with it
+2.6% above, and 1.5% above at 501M (BENCHMARKS.md). Not counted: the optimizer step's temporaries (AdamW's
+foreach), bounded to STEP_CHUNK elements (64 MiB, `parallel.runtime.train_optimizer`) after the backward.
+
 Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
 (`parallel.plan.reduction_bytes.compression_state_bytes`).
 
@@ -84,6 +91,9 @@ class RankMemory:
     gathered: int = 0
     """Of `params`, with ZeRO-2/3: the bytes FSDP2 holds gathered whole at the step's peak (`gathered_bytes`;
     ZeRO-3: per block), what the runtime's `peak_gathered_bytes` measures."""
+    reduction: int = 0
+    """ZeRO-2/3: one whole gradient of the rank's largest unit, the transient of its backward and reduce-scatter
+    (`largest_unit_grad_bytes`)."""
     construction: int = 0
     """Construction's transient, in host memory: one whole parameter (the largest of the rank's chunks), drawn
     from its (seed, name) generator before the rank keeps its slice (`parallel.runtime.materialize`)."""
@@ -97,7 +107,7 @@ class RankMemory:
     @property
     def total(self) -> int:
         """Device bytes."""
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute
+        return self.params + self.grads + self.optimizer + self.activations + self.recompute + self.reduction
 
     @property
     def host(self) -> int:
@@ -113,7 +123,8 @@ class RankMemory:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "recompute": self.recompute, "total": self.total,
                 "host_optimizer": self.host_optimizer, "host_activations": self.host_activations,
-                "host_total": self.host, "gathered": self.gathered, "construction": self.construction,
+                "host_total": self.host, "gathered": self.gathered, "reduction": self.reduction,
+                "construction": self.construction,
                 "startup": self.startup}
 
 
@@ -146,6 +157,7 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
         host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
         host_activations=peak_activation_bytes(plan, pp, offloaded),
         gathered=gathered_bytes(plan, pp),
+        reduction=largest_unit_grad_bytes(plan, pp),
         construction=construction_bytes(plan, pp),
     )
 
@@ -234,6 +246,15 @@ def _split(plan: Plan, pp_rank: int, a: Action) -> bool:
     if a.kind is ActionKind.BACKWARD_INPUT:
         return True  # at virtual stage 0 it computes nothing: left out of the walk either way
     return a.kind is ActionKind.BACKWARD_WEIGHT and virtual_stage(pp_rank, a.chunk, plan.pp, plan.placement) > 0
+
+
+def largest_unit_grad_bytes(plan: Plan, pp_rank: int) -> int:
+    """fp32 bytes of the largest FSDP2 unit's sharded parameters, whole: its gradient before the reduce-scatter, the
+    transient the backward of that unit adds to the step's peak (0 below ZeRO-2, which reduce from buckets the
+    gradients count already)."""
+    if not sharding_for(plan.config.fixed_parallel.zero).shards_parameters:
+        return 0
+    return FP32 * max((n for units in _shard_units(plan, pp_rank) for _, n in units), default=0)
 
 
 def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], int]]]:

@@ -13,7 +13,7 @@ parameter. The reducers read and fill the optimizer's state through `export()`, 
 Offload (`optimizer.offload: true`): each leaf has a host copy (pinned when CUDA is available) with a host
 gradient, and the torch optimizer, so all of its state, lives on the host and steps there. A step copies
 the (reduced, clipped) gradients to the host on a side stream, then steps the leaves in chunks of
-OFFLOAD_CHUNK elements: while the CPU steps chunk i+1, chunk i's updated values go back to the device on
+STEP_CHUNK elements: while the CPU steps chunk i+1, chunk i's updated values go back to the device on
 the side stream. The default stream waits for those copies before the next kernel that could read the
 parameters (the ZeRO-1 all-gather, the next step's forward), without blocking the host: the host is free
 to read the next step's batch and queue its forward while the last copies land. The update is not
@@ -21,7 +21,7 @@ delayed by a step (DeepSpeed's delayed parameter update would overlap the whole 
 forward, at the price of a stale update): losses equal the non-offloaded ones.
 
 Overlapped (`optimizer.offload_overlap`, with the model's forward `units` given): the chunks follow the forward's
-units (the embedding, each block, the head; a unit larger than OFFLOAD_CHUNK is cut further), and the chunk
+units (the embedding, each block, the head; a unit larger than STEP_CHUNK is cut further), and the chunk
 steps run on a background thread (`parallel.runtime.host_steps`) after `step` returns: the next step's forward
 waits, unit by unit, for the chunks of the unit it is about to run, so the host steps the later units while
 the device runs the first ones, as ZeRO-Offload does. Every update still lands before anything reads it (the
@@ -51,8 +51,9 @@ from trainyard.parallel.runtime.host_steps import HostSteps
 from trainyard.parallel.runtime.local_parts import like_param as _like
 from trainyard.parallel.runtime.local_parts import local_part as _local
 
-OFFLOAD_CHUNK = 2**24
-"""Elements per chunk of the offloaded step (64 MiB of fp32): the grain of the H2D copies' overlap."""
+STEP_CHUNK = 2**24
+"""Elements per torch optimizer (64 MiB of fp32): the bound on a step's temporaries, and offloaded, the grain of the
+H2D copies' overlap."""
 
 
 @dataclass
@@ -100,8 +101,11 @@ class TrainOptimizer:
             for leaf in self._all_leaves():
                 leaf.held = _host_copy(_local(leaf.tensor), pin=self.cuda)
         decays = {id(leaf.held): p.dim() >= 2 for t, p in pairs for leaf in self.leaves[t]}
-        # Groups as `parallel.optim.optimizer.make_optimizer` forms them; offloaded, one optimizer per chunk of each
-        # group, or with `units` per chunk of each unit (its groups inside).
+        # Groups as `parallel.optim.optimizer.make_optimizer` forms them, one optimizer per chunk of STEP_CHUNK
+        # elements of each, or offloaded with `units` per chunk of each unit (its groups inside): a foreach step
+        # makes temporaries as large as all the tensors it steps (AdamW: the square root of the second moments, the
+        # scaled gradients), which over a rank's whole state were one more copy of its parameters at the step's
+        # peak. Elementwise, the chunks' updates are the same bits.
         chunks: list[list[Leaf]] = []
         self._unit_chunks: list[list[int]] = []
         if offload and units is not None:
@@ -112,8 +116,7 @@ class TrainOptimizer:
             by_decay: dict[bool, list[Leaf]] = {True: [], False: []}
             for t, p in pairs:
                 by_decay[p.dim() >= 2] += self.leaves[t]
-            chunks = [c for leaves in by_decay.values() for c in (_chunks(leaves, OFFLOAD_CHUNK) if offload
-                                                                  else [leaves] if leaves else [])]
+            chunks = [c for leaves in by_decay.values() for c in _chunks(leaves, STEP_CHUNK)]
         self.optimizers: list[torch.optim.Optimizer] = []
         for chunk in chunks:
             groups = [{"params": [leaf.held for leaf in chunk if isinstance(leaf.held, DTensor) == sharded
@@ -311,7 +314,7 @@ def _by_unit(pairs: list[tuple[torch.Tensor, nn.Parameter]], leaves: dict[torch.
     by_unit: list[list[Leaf]] = [[] for _ in units]
     for t, p in pairs:
         by_unit[unit_of.get(id(p), 0)] += leaves[t]
-    return [_chunks(unit, OFFLOAD_CHUNK) for unit in by_unit]
+    return [_chunks(unit, STEP_CHUNK) for unit in by_unit]
 
 
 def _chunks(leaves: list[Leaf], size: int) -> list[list[Leaf]]:

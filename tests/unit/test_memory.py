@@ -110,6 +110,24 @@ def test_zero2_and_zero3_keep_a_quarter_at_dp4_zero2_gathers_the_chunk_and_zero3
     assert f"at most {format_bytes(2 * block)} gathered at once" in text
 
 
+def test_zero2_and_zero3_count_the_largest_unit_s_whole_gradient_in_the_step_s_peak():
+    """The backward of the largest unit holds its gradient whole until its reduce-scatter: a block here, the head at
+    a real vocabulary; zero 0 and 1 reduce from buckets the gradients count already."""
+    base = plan_for(parallel={"dp": 4}).memory()[0]
+    assert base.reduction == 0 and plan_for(parallel={"dp": 4, "zero": 1}).memory()[0].reduction == 0
+    plan3 = plan_for(parallel={"dp": 4, "zero": 3})
+    block = 4 * unit_params(plan3, layers=(0,))
+    for z in (2, 3):
+        m = plan_for(parallel={"dp": 4, "zero": z}).memory()[0]
+        assert m.reduction == block and m.total == m.params + m.grads + m.optimizer + m.activations + block
+    headers = [next(line for line in format_plan(describe(p)).splitlines() if " optimizer " in line)
+               for p in (plan3, plan_for())]
+    assert " reduction " in headers[0] and " reduction " not in headers[1]  # a column at ZeRO-2/3 only
+    wide = plan_for(model={"vocab_size": 4096}, parallel={"dp": 4, "zero": 3})  # tied: the embedding is the head
+    embedding = 4 * unit_params(wide, first=True)
+    assert wide.memory()[0].reduction == embedding > 4 * unit_params(wide, layers=(0,))
+
+
 def test_zero3_counts_the_pair_that_crosses_from_one_compute_to_the_next():
     """A large vocabulary: the embedding and the head outweigh a block. 1f1b at pp=1 runs F B F B: a forward's
     last unit (the head) is the backward's first, and a backward's last (the embedding) the forward's first, so
@@ -187,7 +205,8 @@ def test_the_plan_describes_the_memory_of_every_rank_and_the_cli_shows_it():
     memory = describe(plan)["memory"]
     assert [r["rank"] for r in memory["per_rank"]] == [0, 1, 2, 3]
     first = memory["per_rank"][0]
-    assert first["total"] == sum(first[k] for k in ("params", "grads", "optimizer", "activations", "recompute"))
+    assert first["total"] == sum(first[k] for k in ("params", "grads", "optimizer", "activations", "recompute",
+                                                    "reduction"))
     assert memory["largest"]["total"] == max(r["total"] for r in memory["per_rank"])
     text = format_plan(describe(plan))
     assert "ranks 0-1" in text and "ranks 2-3" in text and "activations" in text and "startup" in text

@@ -208,3 +208,21 @@ def test_the_memory_plan_splits_device_and_host_bytes():
     assert base.host == 0 and offload.to_dict()["host_total"] == offload.host
     assert memory(optimizer={"kind": "adamw8bit"}).optimizer < 0.27 * base.optimizer
     assert memory(optimizer={"kind": "adafactor"}).optimizer < 0.1 * base.optimizer
+
+
+def test_adamw_steps_in_chunks_of_step_chunk_elements_with_the_bits_of_one_step_over_all(monkeypatch):
+    """Each torch optimizer steps at most STEP_CHUNK elements (a foreach step's temporaries are as large as what it
+    steps): chunked, the update is elementwise the same, so the same bits as one optimizer over every tensor."""
+    from trainyard.parallel.runtime import train_optimizer
+
+    shapes = [(16, 32), (32, 16), (64,), (8, 64)]
+    whole, chunked = ([_param(s, seed=i) for i, s in enumerate(shapes)] for _ in range(2))
+    one = TrainOptimizer([(p, p) for p in whole], OptimizerConfig(kind="adamw", weight_decay=0.1))
+    monkeypatch.setattr(train_optimizer, "STEP_CHUNK", 600)
+    many = TrainOptimizer([(p, p) for p in chunked], OptimizerConfig(kind="adamw", weight_decay=0.1))
+    assert len(one.optimizers) == 2 and len(many.optimizers) == 4  # by decay; then each 512-element matrix alone
+    assert max(sum(p.numel() for g in o.param_groups for p in g["params"]) for o in many.optimizers) <= 600
+    for _ in range(2):
+        one.step()
+        many.step()
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))

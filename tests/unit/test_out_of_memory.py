@@ -5,7 +5,7 @@ from test_coordinator_states import BUDGET_2, POINT, inputs
 from trainyard.actors.calls import Failure, out_of_memory
 from trainyard.actors.policies import FailureAction
 from trainyard.actors.state import CallFailed, Failed, JobStatus, Running, step
-from trainyard.service.live_jobs import coordinator_lost
+from trainyard.service.live_jobs import coordinator_lost, handling_failed
 
 
 def test_the_signs_of_running_out_of_memory_are_read_from_the_error():
@@ -37,6 +37,17 @@ def test_a_coordinator_lost_to_memory_is_a_sentence_not_the_services_traceback()
     assert coordinator_lost(ray.exceptions.ActorUnavailableError("restarting", None)) == (JobStatus.RECOVERING, None)
     status, error = coordinator_lost(ray.exceptions.ActorDiedError())
     assert status is JobStatus.FAILED and error.startswith("the job's coordinator died: The actor died")
+
+
+def test_a_failure_of_the_service_s_own_handling_is_one_line_naming_the_error_not_its_traceback():
+    try:
+        {}["report"]
+    except KeyError as e:
+        error = handling_failed(e)
+    assert error == ("the service failed handling this job: KeyError: 'report' (the traceback is in the service's "
+                     "log)")
+    assert "Traceback" not in handling_failed(RuntimeError("")) and "RuntimeError: RuntimeError" in handling_failed(
+        RuntimeError(""))
 
 
 def test_a_rank_whose_peer_went_away_logs_a_line_not_a_traceback():
