@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_helpers import bpe_tokenizer
+from data_helpers import bpe_tokenizer, examples_loss
 from gloo_ranks import PlanRun, RankResult, run_plans
 from helpers import REPO, tiny_spec
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset
@@ -88,25 +88,6 @@ def test_a_packed_batch_s_loss_is_transformers_loss_on_each_example_alone(runs):
     expected = examples_loss(hf, ds, rows["packed_dp1"][0]["sample_ids"])
     assert rows["packed_dp1"][0]["loss"] == pytest.approx(expected, abs=1e-5)
     assert rows["packed_dp2"][0]["loss"] == pytest.approx(expected, abs=1e-5)
-
-
-def examples_loss(hf, ds, rows: list[int]) -> float:
-    """transformers' loss on each example (piece) of these packed rows run alone, its uncounted targets at -100:
-    the per-example summed losses over all the counted targets."""
-    total, counted = 0.0, 0
-    with torch.no_grad():
-        for r in rows:
-            for k in range(int(ds.rows[r]), int(ds.rows[r + 1])):
-                a, b = int(ds.starts[k]), int(ds.stops[k])
-                tokens = torch.as_tensor(ds.tokens[a:b].astype("int64"))[None]
-                labels = tokens.clone()
-                if ds.mask is not None:
-                    labels[0, 1:][~torch.as_tensor(ds.mask[a + 1:b].astype(bool))] = -100
-                n = int((labels[0, 1:] != -100).sum())
-                if n:
-                    total += hf(input_ids=tokens, labels=labels).loss.item() * n
-                    counted += n
-    return total / counted
 
 
 def spec(path: Path, **overrides) -> dict:
