@@ -90,14 +90,16 @@ def fast(tmp_path_factory):
     return _world(root, FAST, resumed + packed, RECOMPUTE), root
 
 
-PACKED = {"mistral-packed": ("mistral", {"dp": 2, "tp": 2, "sp": True}), "mistral-packed-1": ("mistral", {}),
+PACKED = {"mistral-packed": ("mistral", {"dp": 2, "tp": 2, "sp": True, "zero": 3}), "mistral-packed-1": ("mistral", {}),
           "gpt2-packed": ("gpt2", {"dp": 2, "tp": 2})}
 """Packed examples, one step each: (family, layout). The mistral's sliding window (5) cuts inside examples, its
 rotary positions restart at each; gpt2's learned positions do."""
+PACKED_SLOW = {"mistral-packed-3d": ("mistral", {**THREE_D, "sp": True}), "gpt2-packed-3d": ("gpt2", THREE_D)}
+"""The same in `make test-slow`, at dp2 x pp2 x tp2 (every stage reads its micro-batch's documents)."""
 
 
 def _packed_spec(root: Path, name: str) -> dict:
-    family, parallel = PACKED[name]
+    family, parallel = (PACKED | PACKED_SLOW)[name]
     data = root / "packed-data"
     if not data.exists():  # documents of 2 to 30 words (seq_len 16: some are cut, most share a row)
         rng = np.random.default_rng(0)
@@ -132,7 +134,7 @@ def _resumed(name: str):
 @pytest.fixture(scope="module")
 def three_d(tmp_path_factory):
     root = tmp_path_factory.mktemp("kin3d")
-    return _world(root, SLOW), root
+    return _world(root, SLOW, tuple((name, _packed(name)) for name in PACKED_SLOW)), root
 
 
 def _check(world: dict, root: Path, name: str) -> None:
@@ -172,9 +174,19 @@ def test_a_kin_checkpoint_resumes_at_one_rank_with_the_layouts_next_loss(fast, n
 
 @pytest.mark.parametrize("name", list(PACKED))
 def test_a_packed_batch_s_loss_is_transformers_loss_on_each_example_alone(fast, name):
+    _check_packed(*fast, name)
+
+
+@pytest.mark.slow
+@slow
+@pytest.mark.parametrize("name", list(PACKED_SLOW))
+def test_a_packed_batch_s_loss_at_dp2_pp2_tp2_is_transformers_loss_on_each_example_alone(three_d, name):
+    _check_packed(*three_d, name)
+
+
+def _check_packed(world: dict, root: Path, name: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    world, root = fast
     cfg = parse_submitted_spec(_packed_spec(root, name))
     ds = open_dataset(cfg)
     assert ds.num_samples < len(ds.starts) and ds.cut_examples > 0  # rows hold several examples; some are cut
