@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,9 @@ def test_a_packed_batch_s_loss_is_transformers_loss_on_each_example_alone(runs):
     expected = examples_loss(hf, ds, rows["packed_dp1"][0]["sample_ids"])
     assert rows["packed_dp1"][0]["loss"] == pytest.approx(expected, abs=1e-5)
     assert rows["packed_dp2"][0]["loss"] == pytest.approx(expected, abs=1e-5)
+    val = [(one["val_loss"], two["val_loss"]) for one, two in zip(rows["packed_dp1"], rows["packed_dp2"], strict=True)
+           if one["val_loss"] is not None]
+    assert val and all(b == pytest.approx(a, rel=1e-5) and math.isfinite(a) for a, b in val)
 
 
 def spec(path: Path, **overrides) -> dict:
@@ -114,7 +118,8 @@ def runs(tmp_path_factory):
     whole = spec(root / "chat", data={"kind": "tokens", "path": str(root / "chat"), "packing": False, "epochs": 2},
                  model={"vocab_size": 300, "seq_len": 40})
     whole["steps"] = epochs_steps(2, open_dataset(parse_spec(whole)).num_samples, whole["global_batch"])
-    packed = {**whole, "data": {**whole["data"], "packing": True}, "model": {**whole["model"], "seq_len": 128}}
+    packed = {**whole, "data": {**whole["data"], "packing": True}, "model": {**whole["model"], "seq_len": 128},
+              "eval": {"every": 2, "batches": 1}}  # validation on held-out packed rows too
     packed["steps"] = epochs_steps(2, open_dataset(parse_spec(packed)).num_samples, packed["global_batch"])
     plans = {
         "examples_dp1": make_plan(parse_spec(whole)),
