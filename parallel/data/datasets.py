@@ -20,9 +20,8 @@ stages' summed cross-entropy ignores; `counted_targets` is the number of targets
 samples, which the trainer divides the loss by (the global batch's, derived from its sample ids: the same
 number on every rank and layout, with no communication).
 
-Whole examples (`data.packing` set; `parallel.data.examples`): the documents of one prepared directory, each
-seen once per epoch (`data.epochs`), the held-out validation examples the last VAL_FRACTION of its documents;
-`packing: true` packs them into rows (`parallel.data.packing`), whose documents the trainer gives the model.
+Whole examples (`data.packing` set; `parallel.data.examples`, packed into rows: `parallel.data.packing`): the
+documents of one prepared directory, each seen once per epoch, the held-out ones the last VAL_FRACTION.
 
 Validation: `data.val_path` when given (a file or directory; a mixture then validates on it alone); else,
 with eval on, the last VAL_FRACTION of the tokens of `path`, or of each source of a mixture (the same mixture
@@ -236,10 +235,9 @@ def _open_examples(config: JobConfig, split: str, held_out: bool) -> ExampleData
     starts, stops, cut_examples = pieces(ends, config.model.seq_len, begin)
     if len(starts) == 0:
         raise DatasetError(field, f"{path} holds no example with a target (every document is one token)")
-    kind = PackedDataset if data.packing else ExampleDataset
-    return kind(tokens=tokens, starts=starts, stops=stops, seq_len=config.model.seq_len,
-                vocab_size=config.model.vocab_size, source=str(path), pad_id=manifest.eos_id, mask=mask,
-                field=field, manifest=manifest, cut_examples=cut_examples)
+    return (PackedDataset if data.packing else ExampleDataset)(
+        tokens=tokens, starts=starts, stops=stops, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size,
+        source=str(path), pad_id=manifest.eos_id, mask=mask, field=field, manifest=manifest, cut_examples=cut_examples)
 
 
 def _training_paths(config: JobConfig) -> list[tuple[str, str]]:
