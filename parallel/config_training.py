@@ -43,7 +43,9 @@ class DataConfig:
     packing: bool | None = None
     """null: a sample is a window of seq_len + 1 tokens starting anywhere in the data (pretraining). false: whole
     examples (the documents of a `trainyard prepare` directory), each padded to its own sequence (one longer
-    than seq_len is cut into consecutive pieces), every example seen once per epoch in a shuffled order."""
+    than seq_len is cut into consecutive pieces), every example seen once per epoch in a shuffled order. true:
+    the same examples packed, in order, several to a sequence while their targets fit seq_len, attention kept
+    within each and positions restarting at each (not with compile, nor gpt2 with parallel.sp)."""
     epochs: Annotated[int, Gt(0), Le(1_000_000), NOT_BOOL] | None = None
     """With whole examples (`packing` set): passes over them; the job ends after `steps` or the last epoch,
     whichever comes first (the service lowers `steps` at submit, saying so in the job's events)."""

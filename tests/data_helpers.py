@@ -47,3 +47,25 @@ def word_tokenizer(directory: Path, vocab_size: int) -> Path:
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
     return directory
+
+
+def examples_loss(hf, ds, rows: list[int]) -> float:
+    """transformers' loss (`hf`, a causal LM) on each example (piece) of these packed rows of `ds` (a
+    `PackedDataset`) run alone, its uncounted targets at -100: the per-example summed losses over all the counted
+    targets (what trainyard reports on a packed batch)."""
+    import torch
+
+    total, counted = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            for k in range(int(ds.rows[r]), int(ds.rows[r + 1])):
+                a, b = int(ds.starts[k]), int(ds.stops[k])
+                tokens = torch.as_tensor(ds.tokens[a:b].astype("int64"))[None]
+                labels = tokens.clone()
+                if ds.mask is not None:
+                    labels[0, 1:][~torch.as_tensor(ds.mask[a + 1:b].astype(bool))] = -100
+                n = int((labels[0, 1:] != -100).sum())
+                if n:
+                    total += hf(input_ids=tokens, labels=labels).loss.item() * n
+                    counted += n
+    return total / counted

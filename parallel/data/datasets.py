@@ -20,8 +20,8 @@ stages' summed cross-entropy ignores; `counted_targets` is the number of targets
 samples, which the trainer divides the loss by (the global batch's, derived from its sample ids: the same
 number on every rank and layout, with no communication).
 
-Whole examples (`data.packing` set; `parallel.data.examples`): the documents of one prepared directory, each
-seen once per epoch (`data.epochs`), the held-out validation examples the last VAL_FRACTION of its documents.
+Whole examples (`data.packing` set; `parallel.data.examples`, packed into rows: `parallel.data.packing`): the
+documents of one prepared directory, each seen once per epoch, the held-out ones the last VAL_FRACTION.
 
 Validation: `data.val_path` when given (a file or directory; a mixture then validates on it alone); else,
 with eval on, the last VAL_FRACTION of the tokens of `path`, or of each source of a mixture (the same mixture
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.data.examples import ExampleDataset, epoch_batch_ids, pieces
+from trainyard.parallel.data.packing import PackedDataset
 from trainyard.parallel.data.token_dir import (
     DTYPES,
     Manifest,
@@ -159,7 +160,7 @@ class MixtureDataset:
         return any(p.mask is not None for p in self.parts)
 
 
-Dataset = TokenDataset | SyntheticDataset | MixtureDataset | ExampleDataset
+Dataset = TokenDataset | SyntheticDataset | MixtureDataset | ExampleDataset | PackedDataset
 
 
 VAL_FRACTION = 0.05
@@ -205,16 +206,13 @@ def open_dataset(config: JobConfig, split: str = "train") -> Dataset:
     return MixtureDataset(parts, [s.weight for s in data.sources])
 
 
-def _open_examples(config: JobConfig, split: str, held_out: bool) -> ExampleDataset:
+def _open_examples(config: JobConfig, split: str, held_out: bool) -> ExampleDataset | PackedDataset:
     """The whole examples of `data.path` (or, for validation, of `data.val_path`, or the held-out last
-    VAL_FRACTION of `data.path`'s documents)."""
+    VAL_FRACTION of `data.path`'s documents), packed with `packing: true`."""
     data = config.data
     if data.kind != "tokens" or data.sources is not None:
         raise DatasetError("data.packing", "whole examples are read from one `trainyard prepare` directory: "
                                            "data.kind: tokens with data.path")
-    if data.packing:
-        raise DatasetError("data.packing", "packing: true is not available yet; packing: false trains each "
-                                           "example in its own padded sequence")
     field, path_text = ("data.val_path", data.val_path) if split == "val" and data.val_path else ("data.path",
                                                                                                  data.path)
     assert path_text is not None
@@ -237,9 +235,9 @@ def _open_examples(config: JobConfig, split: str, held_out: bool) -> ExampleData
     starts, stops, cut_examples = pieces(ends, config.model.seq_len, begin)
     if len(starts) == 0:
         raise DatasetError(field, f"{path} holds no example with a target (every document is one token)")
-    return ExampleDataset(tokens=tokens, starts=starts, stops=stops, seq_len=config.model.seq_len,
-                          vocab_size=config.model.vocab_size, source=str(path), pad_id=manifest.eos_id, mask=mask,
-                          field=field, manifest=manifest, cut_examples=cut_examples)
+    return (PackedDataset if data.packing else ExampleDataset)(
+        tokens=tokens, starts=starts, stops=stops, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size,
+        source=str(path), pad_id=manifest.eos_id, mask=mask, field=field, manifest=manifest, cut_examples=cut_examples)
 
 
 def _training_paths(config: JobConfig) -> list[tuple[str, str]]:
@@ -393,8 +391,9 @@ def load_batch(ds: Dataset, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     """(inputs, targets), each (len(ids), seq_len) int64; targets the loss does not count are IGNORE."""
     import torch
 
-    seqs = torch.stack([ds.sample(i) for i in ids])
-    inputs, targets = seqs[:, :-1], seqs[:, 1:]
+    pairs = [ds.pair(i) for i in ids] if isinstance(ds, PackedDataset) else \
+        [(s[:-1], s[1:]) for s in (ds.sample(i) for i in ids)]  # a packed row is not one shifted window
+    inputs, targets = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     if has_loss_mask(ds):
         masks = [ds.target_mask(i) for i in ids]
         counted = torch.stack([torch.ones(targets.shape[1], dtype=torch.bool) if m is None else m for m in masks])

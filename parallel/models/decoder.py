@@ -9,8 +9,9 @@ feed the residual stream (`RESIDUAL`, scaled down at init).
 
 What a stage offers the pipeline and the trainer: `forward(x)` (token ids on the first stage, hidden states
 elsewhere), `loss_sum(hidden, targets)` (summed cross-entropy, ignore_index -100, fused with the head: no
-full-size fp32 logits), `set_activation_checkpointing(mode)`, `shard_units()` (what ZeRO-3 gathers together, in
-the order the forward runs it), and `cfg`, `first`, `last`, `blocks`.
+full-size fp32 logits), `set_activation_checkpointing(mode)`, `set_documents(documents)` (packed examples),
+`shard_units()` (what ZeRO-3 gathers together, in the order the forward runs it), and `cfg`, `first`, `last`,
+`blocks`.
 
 Initialisation depends only on the job seed and each parameter's name, never on the layout: every
 parameter draws from its own generator seeded by (seed, name) (`initial_value`). A stage built under
@@ -37,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.documents import Documents, ReadsDocuments
 from trainyard.parallel.models.loss import linear_cross_entropy_sum
 from trainyard.parallel.models.moe import MoELayer
 from trainyard.parallel.seeds import derive_seed
@@ -131,6 +133,8 @@ class DecoderStage(nn.Module):
         self.offload_blocks = False
         self.compiled_blocks = False
         """Set by `parallel.runtime.compile.compile_blocks`."""
+        self.documents: Documents | None = None
+        """The packed documents of the micro-batch computed now (`set_documents`; gpt2's positions read them)."""
 
     def reset_buffers(self) -> None:
         """Recompute every buffer (rotary frequencies, MoE statistics) from the config: after `to_empty`, which
@@ -170,6 +174,13 @@ class DecoderStage(nn.Module):
         for module in self.modules():
             if isinstance(module, _Recomputes):
                 module.recompute = mode == "selective"
+
+    def set_documents(self, documents: Documents | None) -> None:
+        """The documents (positions, segments) of the packed micro-batch this stage computes next, or None: given to
+        every module that reads them (`parallel.models.documents`), before each forward and backward action."""
+        for module in self.modules():
+            if isinstance(module, ReadsDocuments):
+                module.documents = documents
 
     def set_activation_offload(self, on: bool) -> None:
         """Keep what the blocks save for backward in host memory (pinned when CUDA is available) until their

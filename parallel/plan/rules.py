@@ -40,7 +40,24 @@ def degree_violations(config: JobConfig) -> list[PlanError]:
     return [*model_violations(config), *expert_violations(config), *tensor_parallel_violations(config),
             *size_violations(config), *batch_violations(config), *schedule_violations(config),
             *sharding_violations(config), *compression_violations(config), *sync_violations(config),
-            *optimizer_violations(config)]
+            *optimizer_violations(config), *packing_violations(config)]
+
+
+def packing_violations(config: JobConfig) -> list[PlanError]:
+    """Packed examples (`data.packing: true`) give every micro-batch its own positions and attention mask, read
+    by the attention modules from an attribute the executor sets before each action."""
+    if not config.data.packing:
+        return []
+    errors = []
+    if config.compile:  # dynamo would guard on the per-micro-batch tensors it reads from a module attribute
+        errors.append(PlanError("compile", "data.packing: true gives each micro-batch its own attention mask and "
+                                           "positions, which torch.compile'd blocks do not read yet; use "
+                                           "compile: false or data.packing: false"))
+    if config.model.family == "gpt2" and config.fixed_parallel.sp:
+        errors.append(PlanError("parallel.sp", "data.packing: true restarts gpt2's learned positions at each "
+                                               "example, per row, and sequence parallelism slices gpt2's position "
+                                               "embedding as one (seq_len, d_model) table: use sp: false"))
+    return errors
 
 
 def optimizer_violations(config: JobConfig) -> list[PlanError]:

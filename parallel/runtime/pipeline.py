@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.documents import Documents
 from trainyard.parallel.plan.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.runtime.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.runtime.split_backward import ParamGroups, backward_input, backward_weight
@@ -62,6 +63,8 @@ class UnsupportedAction(ValueError):
 class _StepState:
     batch: Callable[[int], Batch]
     loss_sum: torch.Tensor
+    documents: Callable[[int], Documents] | None = None
+    """Packed data: micro-batch mb's documents, which every chunk's attention reads (`set_documents`)."""
     timings: PipelineTimings = field(default_factory=PipelineTimings)
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -100,14 +103,16 @@ class PipelineExecutor:
         self.clock = StageClock(device)
         """The actions' timings: host timers on CPU, CUDA events on a GPU (settled after the step's read)."""
 
-    def run(self, actions: list[Action], batch: Callable[[int], Batch]) -> tuple[torch.Tensor, PipelineTimings]:
-        """Run the actions; `batch(mb)` loads micro-batch mb. Returns this rank's scaled loss sum and timings.
-        Raises UnsupportedAction, before running anything, if an action's kind has no handler."""
+    def run(self, actions: list[Action], batch: Callable[[int], Batch],
+            documents: Callable[[int], Documents] | None = None) -> tuple[torch.Tensor, PipelineTimings]:
+        """Run the actions; `batch(mb)` loads micro-batch mb, `documents(mb)` its packed examples (None: not
+        packed). Returns this rank's scaled loss sum and timings. Raises UnsupportedAction, before running
+        anything, if an action's kind has no handler."""
         unknown = sorted({a.kind.name for a in actions if a.kind not in HANDLERS})
         if unknown:
             raise UnsupportedAction(f"the pipeline executor has no handler for action kind(s) {', '.join(unknown)} "
                                     f"(it runs {', '.join(k.name for k in HANDLERS)})")
-        state = _StepState(batch=batch, loss_sum=torch.zeros((), device=self.device),
+        state = _StepState(batch=batch, loss_sum=torch.zeros((), device=self.device), documents=documents,
                            next_compute=next_computes(actions, lambda a: a.kind in COMPUTE_KINDS))
         meter = _SavedTensorMeter([p for chunk in self.chunks for p in chunk.parameters()], self.sharded)
         with self.clock.span(state.timings, "schedule_s"), \
@@ -122,6 +127,7 @@ class PipelineExecutor:
     # index of the next action to run.
 
     def _run_forward(self, actions: list[Action], i: int, state: _StepState) -> int:
+        self._set_documents(actions[i], state)
         with self.clock.span(state.timings, "forward_s"):
             if self.sharded is not None:
                 self.sharded.before_compute(actions[i], state.next_compute[i])
@@ -132,6 +138,7 @@ class PipelineExecutor:
         return i + 1
 
     def _run_backward(self, actions: list[Action], i: int, state: _StepState) -> int:
+        self._set_documents(actions[i], state)
         with self.clock.span(state.timings, "backward_s"):
             if self.sharded is not None:
                 self.sharded.before_compute(actions[i], state.next_compute[i])
@@ -140,6 +147,7 @@ class PipelineExecutor:
         return i + 1
 
     def _run_backward_input(self, actions: list[Action], i: int, state: _StepState) -> int:
+        self._set_documents(actions[i], state)
         with self.clock.span(state.timings, "backward_s"):
             if self.sharded is not None and self._virtual(actions[i].chunk) > 0:  # (at 0 it computes nothing)
                 self.sharded.before_compute(actions[i], state.next_compute[i])
@@ -148,6 +156,7 @@ class PipelineExecutor:
         return i + 1
 
     def _run_backward_weight(self, actions: list[Action], i: int, state: _StepState) -> int:
+        self._set_documents(actions[i], state)
         a = actions[i]
         # At virtual stage 0 the weight half is the whole backward, through FSDP2's hooks; elsewhere it passes none
         # of them, and the units are gathered and their gradients reduced around it (`parallel.runtime.fsdp_split`).
@@ -169,6 +178,12 @@ class PipelineExecutor:
         with self.clock.span(state.timings, "comm_s"):
             self._communicate(actions[i:j], state)
         return j
+
+    def _set_documents(self, a: Action, state: _StepState) -> None:
+        """Packed data: the chunk reads micro-batch a's documents, before its forward and before each backward
+        action, whose recompute (activation checkpointing) re-runs the forward of that micro-batch."""
+        if state.documents is not None:
+            self.chunks[a.chunk].set_documents(state.documents(a.microbatch))
 
     def _virtual(self, chunk: int) -> int:
         return virtual_stage(self.pp_rank, chunk, self.pp, self.placement)

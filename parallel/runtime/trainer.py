@@ -54,9 +54,11 @@ from trainyard.parallel.data.datasets import (
     step_counted_targets,
     validation_batches,
 )
+from trainyard.parallel.data.packing import PackedDataset
 from trainyard.parallel.io import hf_checkpoint, peft_adapter
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.documents import Documents
 from trainyard.parallel.models.lora import apply_lora
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
@@ -274,7 +276,8 @@ class RankTrainer:
         self.executor.loss_scale = 1.0 / max(1, sum(counted_targets(self.val_dataset, ids) for ids in batches))
         for ids in batches:
             share = rank_share(ids, self.coords.dp, self.plan.dp, self.plan.microbatches)
-            total += self.executor.run(self.forward_actions, _lazy_batches(self.val_dataset, share))[0]
+            total += self.executor.run(self.forward_actions, _lazy_batches(self.val_dataset, share),
+                                       _lazy_documents(self.val_dataset, share, self.device))[0]
         if self.sharded is not None:  # ZeRO-2 keeps what a forward gathered: free it, the step updates shards
             self.sharded.reshard()
         if not self.is_last_stage:
@@ -384,7 +387,8 @@ class RankTrainer:
         return 1.0 / max(1, step_counted_targets(cfg, self.dataset, step))
 
     def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
-        return self.executor.run(self.actions, _lazy_batches(self.dataset, microbatch_ids))
+        return self.executor.run(self.actions, _lazy_batches(self.dataset, microbatch_ids),
+                                 _lazy_documents(self.dataset, microbatch_ids, self.device))
 
 
 def _lazy_batches(dataset: Dataset, microbatch_ids: list[list[int]]) -> Callable[[int], Batch]:
@@ -398,3 +402,19 @@ def _lazy_batches(dataset: Dataset, microbatch_ids: list[list[int]]) -> Callable
 
     return batch
 
+
+
+def _lazy_documents(dataset: Dataset, microbatch_ids: list[list[int]], device: torch.device
+                    ) -> Callable[[int], Documents] | None:
+    """`documents(mb)` for the executor with packed data (None without): every stage's attention reads them, each
+    micro-batch's made once, on the device, so its mask is built once per step."""
+    if not isinstance(dataset, PackedDataset):
+        return None
+    made: dict[int, Documents] = {}
+
+    def documents(mb: int) -> Documents:
+        if mb not in made:
+            made[mb] = dataset.documents(microbatch_ids[mb]).to(device)
+        return made[mb]
+
+    return documents

@@ -8,17 +8,22 @@
 - training on a directory prepared from Parquet makes val_loss fall;
 - whole examples (`packing: false`) over two epochs at dp=1 and dp=2: each sequence once per epoch, the same
   losses, and step 0's loss equals transformers' on each example run alone (summed, over the counted targets);
-  with LoRA the same at dp=1 and dp=2.
+  with LoRA the same at dp=1 and dp=2;
+- packed examples (`packing: true`) the same way, at dp=2 with gpipe and full recompute (every forward runs
+  before the first backward, whose recompute must read its own micro-batch's documents again): each row once
+  per epoch, and step 0's loss is transformers' on each example of its rows run alone (the kin at dp2 x tp2:
+  test_hf_families_gloo.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from data_helpers import bpe_tokenizer
+from data_helpers import bpe_tokenizer, examples_loss
 from gloo_ranks import PlanRun, RankResult, run_plans
 from helpers import REPO, tiny_spec
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset
@@ -40,18 +45,20 @@ def _rows(results: list[RankResult]) -> list[dict]:
     return [{"loss": s["loss"], "grad_norm": s["grad_norm"], "val_loss": s.get("val_loss")} for s in results[0].stats]
 
 
-def test_whole_examples_are_each_seen_once_per_epoch_at_dp1_and_dp2(runs):
+@pytest.mark.parametrize("kind", ["examples", "packed"])
+def test_whole_examples_are_each_seen_once_per_epoch_at_dp1_and_dp2(runs, kind):
     plans, rows = runs
-    sequences = open_dataset(plans["examples_dp1"].config).num_samples
-    g = plans["examples_dp1"].config.global_batch
-    for name in ("examples_dp1", "examples_dp2"):
+    one, two = f"{kind}_dp1", f"{kind}_dp2"
+    sequences = open_dataset(plans[one].config).num_samples
+    g = plans[one].config.global_batch
+    for name in (one, two):
         seen = [i for row in rows[name] for i in row["sample_ids"]]
         assert sorted(seen[:sequences]) == list(range(sequences)) == sorted(seen[sequences:2 * sequences])
         assert rows[name][-1]["epoch"] >= 2.0 > rows[name][-2]["epoch"]
-    assert [r["sample_ids"] for r in rows["examples_dp2"]] == [r["sample_ids"] for r in rows["examples_dp1"]]
-    for one, two in zip(rows["examples_dp1"], rows["examples_dp2"], strict=True):
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    assert len(rows["examples_dp1"][0]["sample_ids"]) == g
+    assert [r["sample_ids"] for r in rows[two]] == [r["sample_ids"] for r in rows[one]]
+    for a, b in zip(rows[one], rows[two], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert len(rows[one][0]["sample_ids"]) == g
 
 
 def test_whole_examples_with_lora_at_dp2_follow_dp1_each_seen_once_per_epoch(runs):
@@ -89,6 +96,20 @@ def test_a_padded_example_s_loss_is_transformers_loss_on_the_example_alone(runs)
     assert rows["examples_dp1"][0]["loss"] == pytest.approx(total / counted, abs=1e-5)
 
 
+def test_a_packed_batch_s_loss_is_transformers_loss_on_each_example_alone(runs):
+    plans, rows = runs
+    cfg = plans["packed_dp1"].config
+    ds = open_dataset(cfg)
+    assert ds.num_samples < len(ds.starts)  # rows hold several examples
+    hf = hf_gpt2(cfg.model, cfg.seed, cfg.model.seq_len + 1)
+    expected = examples_loss(hf, ds, rows["packed_dp1"][0]["sample_ids"])
+    assert rows["packed_dp1"][0]["loss"] == pytest.approx(expected, abs=1e-5)
+    assert rows["packed_dp2"][0]["loss"] == pytest.approx(expected, abs=1e-5)
+    val = [(one["val_loss"], two["val_loss"]) for one, two in zip(rows["packed_dp1"], rows["packed_dp2"], strict=True)
+           if one["val_loss"] is not None]
+    assert val and all(b == pytest.approx(a, rel=1e-5) and math.isfinite(a) for a, b in val)
+
+
 def spec(path: Path, **overrides) -> dict:
     return tiny_spec(**{"model": {"vocab_size": 300}, "data": {"kind": "tokens", "path": str(path)}, "steps": 2,
                         "optimizer": {"lr": 3e-3, "warmup_steps": 0}, **overrides})
@@ -114,11 +135,17 @@ def runs(tmp_path_factory):
                  model={"vocab_size": 300, "seq_len": 40})
     whole["steps"] = epochs_steps(2, open_dataset(parse_spec(whole)).num_samples, whole["global_batch"])
     lora = {**whole, "model": {**whole["model"], "lora": {"rank": 4, "alpha": 8, "targets": ["q", "v", "fc", "proj"]}}}
+    packed = {**whole, "data": {**whole["data"], "packing": True}, "model": {**whole["model"], "seq_len": 128},
+              "eval": {"every": 2, "batches": 1}}  # validation on held-out packed rows too
+    packed["steps"] = epochs_steps(2, open_dataset(parse_spec(packed)).num_samples, packed["global_batch"])
     plans = {
         "examples_dp1": make_plan(parse_spec(whole)),
         "examples_dp2": make_plan(parse_spec({**whole, "parallel": {"dp": 2, "microbatches": 2}})),
         "examples_lora_dp1": make_plan(parse_spec(lora)),
         "examples_lora_dp2": make_plan(parse_spec({**lora, "parallel": {"dp": 2, "microbatches": 2}})),
+        "packed_dp1": make_plan(parse_spec(packed)),
+        "packed_dp2": make_plan(parse_spec({**packed, "parallel": {"dp": 2, "microbatches": 2, "schedule": "gpipe"},
+                                            "activation_checkpointing": "full"})),
         "chat_dp2": make_plan(parse_spec({**chat, "parallel": {"dp": 2, "microbatches": 2}})),
         "chat_dp1": make_plan(parse_spec(chat)),
         "chat_tp2": make_plan(parse_spec({**chat, "parallel": {"tp": 2}})),  # vocabulary-parallel loss, -100
@@ -128,8 +155,8 @@ def runs(tmp_path_factory):
     }
     results = run_plans([_plan_run(plan) for plan in plans.values()])  # one world of two processes
     rows = {name: _rows(r) for name, r in zip(plans, results, strict=True)}
-    for name in ("examples_dp1", "examples_dp2", "examples_lora_dp1", "examples_lora_dp2"):  # each step's global
-        # batch, in dp rank order (dp rank = rank here)
+    # each step's global batch, in dp rank order (dp rank = rank here)
+    for name in ("examples_dp1", "examples_dp2", "examples_lora_dp1", "examples_lora_dp2", "packed_dp1", "packed_dp2"):
         ranks = results[list(plans).index(name)]
         for step, row in enumerate(rows[name]):
             row["sample_ids"] = [i for r in ranks for i in r.stats[step]["sample_ids"]]

@@ -7,22 +7,29 @@ and the state after the first step, exported as an HF directory, loads in transf
 unexpected keys, gives trainyard's logits and the layout's second loss.
 
 `make test` runs them at pp2 x tp2 (mistral with sp; qwen3 at dp2 x tp2 with sp, ZeRO-3 and selective recompute;
-the MoE at dp2 x pp2 x ep2), and two resumes at one rank: one spawned world of 4 gloo ranks for all ten runs.
+the MoE at dp2 x pp2 x ep2), two resumes at one rank, and packed examples (`data.packing: true`: the mistral at
+dp2 x tp2 with sp and at one rank, a GPT2LMHeadModel at dp2 x tp2), whose first loss is transformers' on each
+example run alone: one spawned world of 4 gloo ranks for all thirteen runs.
 `make test-slow` runs the issue's 3D layout, dp2 x pp2 x tp2 (and ep2 for the MoE), 8 ranks."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from data_helpers import examples_loss, word_tokenizer
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
-from hf_tiny import tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
+from hf_tiny import VOCAB, tiny_gpt2, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
+from trainyard.parallel.data.examples import epoch_batch_ids
+from trainyard.parallel.data.prepare import prepare
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 
@@ -79,7 +86,37 @@ def _world(root: Path, layouts: dict[str, dict], extra: tuple = (), recompute: d
 def fast(tmp_path_factory):
     root = tmp_path_factory.mktemp("kin")
     resumed = tuple((f"{name}-resumed", _resumed(name)) for name in RESUMED)
-    return _world(root, FAST, resumed, RECOMPUTE), root
+    packed = tuple((name, _packed(name)) for name in PACKED)
+    return _world(root, FAST, resumed + packed, RECOMPUTE), root
+
+
+PACKED = {"mistral-packed": ("mistral", {"dp": 2, "tp": 2, "sp": True, "zero": 3}), "mistral-packed-1": ("mistral", {}),
+          "gpt2-packed": ("gpt2", {"dp": 2, "tp": 2})}
+"""Packed examples, one step each: (family, layout). The mistral's sliding window (5) cuts inside examples, its
+rotary positions restart at each; gpt2's learned positions do."""
+PACKED_SLOW = {"mistral-packed-3d": ("mistral", {**THREE_D, "sp": True}), "gpt2-packed-3d": ("gpt2", THREE_D)}
+"""The same in `make test-slow`, at dp2 x pp2 x tp2 (every stage reads its micro-batch's documents)."""
+
+
+def _packed_spec(root: Path, name: str) -> dict:
+    family, parallel = (PACKED | PACKED_SLOW)[name]
+    data = root / "packed-data"
+    if not data.exists():  # documents of 2 to 30 words (seq_len 16: some are cut, most share a row)
+        rng = np.random.default_rng(0)
+        docs = [" ".join(f"w{i}" for i in rng.integers(0, VOCAB - 1, n)) for n in rng.integers(2, 31, 40)]
+        (root / "packed.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        prepare([root / "packed.jsonl"], data, word_tokenizer(root / "packed-tok", VOCAB), progress=False)
+    if family == "gpt2" and not (root / "gpt2-src").exists():
+        tiny_gpt2(root / "gpt2-src", tied=False)
+    spec = _spec(root / f"{family}-src", parallel, data={"kind": "tokens", "path": str(data), "packing": True})
+    return {**spec, "steps": 1}
+
+
+def _packed(name: str):
+    def run(root: Path) -> PlanRun:
+        return PlanRun(make_plan(parse_submitted_spec(_packed_spec(root, name))))
+
+    return run
 
 
 RESUMED = ("mistral", "qwen3_moe")
@@ -97,7 +134,7 @@ def _resumed(name: str):
 @pytest.fixture(scope="module")
 def three_d(tmp_path_factory):
     root = tmp_path_factory.mktemp("kin3d")
-    return _world(root, SLOW), root
+    return _world(root, SLOW, tuple((name, _packed(name)) for name in PACKED_SLOW)), root
 
 
 def _check(world: dict, root: Path, name: str) -> None:
@@ -133,6 +170,29 @@ def test_a_kin_checkpoint_resumes_at_one_rank_with_the_layouts_next_loss(fast, n
     world, _ = fast
     [second] = world[f"{name}-resumed"]
     assert abs(second - world[name][2][1]) < CURVE_TOL
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_a_packed_batch_s_loss_is_transformers_loss_on_each_example_alone(fast, name):
+    _check_packed(*fast, name)
+
+
+@pytest.mark.slow
+@slow
+@pytest.mark.parametrize("name", list(PACKED_SLOW))
+def test_a_packed_batch_s_loss_at_dp2_pp2_tp2_is_transformers_loss_on_each_example_alone(three_d, name):
+    _check_packed(*three_d, name)
+
+
+def _check_packed(world: dict, root: Path, name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = parse_submitted_spec(_packed_spec(root, name))
+    ds = open_dataset(cfg)
+    assert ds.num_samples < len(ds.starts) and ds.cut_examples > 0  # rows hold several examples; some are cut
+    hf = AutoModelForCausalLM.from_pretrained(root / f"{cfg.model.family}-src").eval()
+    expected = examples_loss(hf, ds, epoch_batch_ids(cfg.seed, 0, cfg.global_batch, ds.num_samples))
+    assert abs(world[name][0] - expected) < LOSS_TOL
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.models.decoder import causal_attention
+from trainyard.parallel.models.documents import Documents, attend
 from trainyard.parallel.models.grouped import grouped_linear
 
 
@@ -37,14 +37,17 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.recompute = False
+        self.documents: Documents | None = None
+        """Packed examples (`parallel.models.documents`): attention stays within each."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        mask = None if self.documents is None else self.documents.mask()
         if self.recompute:
-            y = checkpoint(causal_attention, q, k, v, use_reentrant=False)
+            y = checkpoint(attend, q, k, v, mask, use_reentrant=False)
         else:
-            y = causal_attention(q, k, v)
+            y = attend(q, k, v, mask)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -34,6 +34,9 @@ class GPTStage(DecoderStage):
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token plus learned position embeddings of (batch, seq) token ids."""
+        """Token plus learned position embeddings of (batch, seq) token ids: positions 0..seq-1, or packed
+        examples' (restarting at each; not with sp, whose `wpe` style slices a (seq, d_model) output)."""
+        if self.documents is not None:
+            return self.wte(tokens) + self.wpe(self.documents.positions)
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         return self.wte(tokens) + self.wpe(pos)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig, RopeScalingConfig
 from trainyard.parallel.models.decoder import causal_attention
+from trainyard.parallel.models.documents import Documents, attend
 from trainyard.parallel.models.grouped import grouped_linear
 
 
@@ -71,6 +72,8 @@ class LlamaAttention(nn.Module):
         self.rope = (cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", rope_frequencies(self.head_dim, *self.rope), persistent=False)
         self.recompute = False
+        self.documents: Documents | None = None
+        """Packed examples (`parallel.models.documents`): positions restart at each, attention stays within it."""
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of `x` as (batch, seq, heads, head_dim), before rotation (qwen3 normalises q and k here)."""
@@ -87,16 +90,23 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
         q, k, v = (h.transpose(1, 2) for h in self.heads(x))
-        cos, sin = (c.to(q.dtype) for c in self._rotation(t, x.device))  # bf16 under autocast, as q is
+        docs = self.documents
+        positions = None if docs is None else docs.positions
+        cos, sin = (c.to(q.dtype) for c in self._rotation(t, x.device, positions))  # bf16 under autocast, as q is
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        mask = None if docs is None else docs.mask(self.window)
         if self.recompute:
-            y = checkpoint(self._attend, q, k, v, use_reentrant=False)
+            y = checkpoint(self._attend, q, k, v, mask, use_reentrant=False)
         else:
-            y = self._attend(q, k, v)
+            y = self._attend(q, k, v, mask)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`mask`: packed examples' (`Documents.mask`, the window included), else causal and the window here."""
         t = q.shape[2]
+        if mask is not None:
+            return attend(q, k, v, mask)
         if self.window is None or self.window >= t:
             return causal_attention(q, k, v)
         # Mistral's sliding window, as transformers masks it: query i sees keys j with i - window < j <= i.
@@ -106,10 +116,15 @@ class LlamaAttention(nn.Module):
         mask = (behind >= 0) & (behind < self.window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
-    def _rotation(self, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every position's angles, (t, head_dim), fp32 also under autocast."""
+    def _rotation(self, t: int, device: torch.device, positions: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position's angles, fp32 also under autocast: (t, head_dim) for positions 0..t-1,
+        or (batch, 1, t, head_dim) for packed examples' (batch, t) `positions`."""
         with torch.autocast(device.type, enabled=False):
-            freqs = torch.outer(torch.arange(t, device=device, dtype=torch.float32), self.inv_freq.float())
+            if positions is None:
+                freqs = torch.outer(torch.arange(t, device=device, dtype=torch.float32), self.inv_freq.float())
+            else:
+                freqs = (positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.float()).unsqueeze(1)
             angles = torch.cat((freqs, freqs), dim=-1)
             return angles.cos(), angles.sin()
 
