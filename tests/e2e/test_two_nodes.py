@@ -75,6 +75,11 @@ def _events(client, job_id: str, kind: str) -> list[dict]:
     return [e for e in client.events(job_id) if e["kind"] == kind]
 
 
+def _replicas_on(client, job_id: str, node_id: str) -> list[int]:
+    """The data-parallel replicas (pp = tp = 1: the ranks) on that node (Ray packs a job's bundles on either)."""
+    return sorted(r["rank"] for r in client.job(job_id)["ranks"] if r["node_id"] == node_id)
+
+
 def _resizes(client, job_id: str) -> list[tuple[int, int, str]]:
     return [(e["from"]["dp"], e["to"]["dp"], e["reason"]) for e in client.events(job_id) if e["kind"] == "resize"]
 
@@ -100,11 +105,12 @@ def test_an_elastic_job_that_loses_a_node_shrinks_to_the_replica_left_and_trains
         wait_for(lambda: client.job(job_id)["step"] > grown["step"], 300, "a step at dp=2")
         head = cluster.head_node.node_id
         worker_node = _second_node(cluster)
-        assert worker_node.node_id in {r["node_id"] for r in client.job(job_id)["ranks"]}
+        on_it = _replicas_on(client, job_id, worker_node.node_id)
+        assert len(on_it) == 1
         cluster.remove_node(worker_node)
         wait_for(lambda: (2, 1, "node lost") in _resizes(client, job_id), 300, "the job to shrink to dp=1")
         [lost_event] = _events(client, job_id, "node_lost")
-        assert worker_node.node_id in lost_event["nodes"] and lost_event["replicas"] == [1]
+        assert worker_node.node_id in lost_event["nodes"] and lost_event["replicas"] == on_it
         lost = next(e for e in client.events(job_id) if e["kind"] == "resize" and e["reason"] == "node lost")
         assert lost["moved"] == "checkpoint" and lost["paused_s"] > 0
         failure = next(e for e in client.events(job_id) if e["kind"] == "failure")
@@ -132,7 +138,8 @@ def test_a_fixed_size_job_that_loses_a_node_waits_for_one_added_back_and_resumes
     lost_node = _second_node(cluster)
     job_id = client.submit(spec)
     wait_for(lambda: (j := client.job(job_id))["status"] == "RUNNING" and j["step"] >= 2, 300, "two steps at dp=2")
-    assert lost_node.node_id in {r["node_id"] for r in client.job(job_id)["ranks"]}
+    on_it = _replicas_on(client, job_id, lost_node.node_id)
+    assert len(on_it) == 1
     cluster.remove_node(lost_node)
     wait_for(lambda: _events(client, job_id, "node_lost"), 120, "the job to wait for the lost node")
     assert client.job(job_id)["status"] == "RECOVERING"
@@ -140,7 +147,7 @@ def test_a_fixed_size_job_that_loses_a_node_waits_for_one_added_back_and_resumes
     job = wait_terminal(client, job_id, timeout_s=300)
     assert job["status"] == "SUCCEEDED", job["error"]
     [lost] = _events(client, job_id, "node_lost")
-    assert lost_node.node_id in lost["nodes"] and lost["replicas"] == [1]
+    assert lost_node.node_id in lost["nodes"] and lost["replicas"] == on_it
     [failure] = _events(client, job_id, "failure")
     assert failure["recovered_from"] in ("replica", "checkpoint"), failure
     assert len({r["node_id"] for r in job["ranks"]} - {lost_node.node_id}) == 2  # the head and the new node
@@ -157,10 +164,11 @@ def test_a_fixed_size_job_whose_node_does_not_come_back_fails_naming_it(serve, t
     lost_node = _second_node(cluster)
     job_id = client.submit(spec)
     wait_for(lambda: (j := client.job(job_id))["status"] == "RUNNING" and j["step"] >= 1, 300, "a step at dp=2")
-    assert lost_node.node_id in {r["node_id"] for r in client.job(job_id)["ranks"]}
+    on_it = _replicas_on(client, job_id, lost_node.node_id)
+    assert len(on_it) == 1
     cluster.remove_node(lost_node)
     job = wait_terminal(client, job_id, timeout_s=120)
     assert job["status"] == "FAILED"
     assert lost_node.node_id in job["error"] and "fault.node_grace_s=0 s" in job["error"], job["error"]
     [lost] = _events(client, job_id, "node_lost")
-    assert lost_node.node_id in lost["nodes"] and lost["replicas"] == [1]
+    assert lost_node.node_id in lost["nodes"] and lost["replicas"] == on_it
