@@ -189,11 +189,18 @@ class Controller:
             failure = replace(failure, cause=f"{failure.cause}\n{self._memory_note(failure.out_of_memory)}")
         if isinstance(self.state, Starting):
             return CallFailed(failure, None)  # a job that cannot start is not recovered
-        node_lost = self.plan.dp_range is not None and not self.stop and await self._node_lost(failure)
+        elastic = self.plan.dp_range is not None
+        node_lost = elastic and not self.stop and await self._node_lost(failure)
         decision = failure_decision(CallFailed(failure, None, node_lost), self._inputs(), self.failure_policy)
         log.info("job %s: failure policy: %s (%s)", self.job_id, decision.action, decision.reason)
-        restore = None if decision.action is FailureAction.RAISE else await asyncio.to_thread(self.restore_point)
-        return CallFailed(failure, restore, node_lost)
+        if decision.action is FailureAction.RAISE:
+            return CallFailed(failure, None, node_lost)
+        # A lost node does not change a fixed-size job's decision, but its recovery must see the node gone to wait
+        # for its resources (`recovery`) rather than place a rank on it: Ray's word, got while the checkpoint is
+        # hashed.
+        news = self._node_lost(failure) if not elastic else asyncio.sleep(0, False)
+        restore, lost = await asyncio.gather(asyncio.to_thread(self.restore_point), news)
+        return CallFailed(failure, restore, node_lost or lost)
 
     def _memory_note(self, ranks: tuple[int, ...]) -> str:
         """What a user needs beside an out-of-memory failure: the plan's prediction for those ranks, the largest
@@ -264,6 +271,8 @@ class Controller:
     async def _node_lost(self, failure: Failure) -> bool:
         """Whether a rank that died was on a node Ray has lost (it may take Ray a moment to say so)."""
         nodes = {self.group.rank_info(r).get("node_id") for r in failure.dead} - {None}
+        if not nodes:  # no rank died (a hang, an error): no node to wait for news of
+            return False
         for _ in range(10):
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             if nodes - alive:

@@ -4,6 +4,8 @@ died with it), and a resize asked for (`scale` or the elastic grower).
 
   1. leave the old layout: after a failure, ranks that raised are reset and kept, the others killed; for a
      resize, the kept ranks hold their state in memory (or it goes through a checkpoint of this step)
+     after a failure, whatever its cause, bundles on no live node (a lost node) wait up to fault.node_grace_s
+     to be placed again; then an elastic job shrinks to the replicas left, a fixed-size one fails naming the node
   2. take the new layout, if any: kept ranks renumbered, removed ones killed, slots moved
   3. create the missing ranks, rendezvous, set every rank up
   4. take the state: load the restore point, or move it in memory (new ranks get it by broadcast); after a
@@ -29,6 +31,7 @@ from trainyard.actors.policies import largest_size, live_point, replicas_may_rec
 from trainyard.actors.state import Point, Ready, Recovering, Resizing
 from trainyard.actors.storage import checkpoint_info
 from trainyard.actors.telemetry import make_row
+from trainyard.actors.worker_group import dead_nodes
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, can_move_in_memory, resize_plan
 from trainyard.parallel.plan.cadence import saves_after
@@ -51,16 +54,18 @@ async def recover(ctl: Controller, state: Recovering) -> Ready:
     began = time.time()
     live = state.counted and replicas_may_recover(old)  # a node lost for good may shrink the job: checkpoint
     kept = await ctl.group.tear_down(failure, ctl.progress.upcoming, keep_state=live)
+    # Any failure may have come with a lost node (a rank's death, or the coordinator's: its restarted
+    # incarnation finds the bundles unplaced), whatever the failure policy made of it.
+    shrunk = await _ride_node_loss(ctl, failure)
     answered = _answers(old, failure, kept)
     steps = {rank: held for rank, (held, _) in kept.items()}
-    point = live_point(old, steps, failure.step, answered) if live else None
+    point = live_point(old, steps, failure.step, answered) if live and shrunk is None else None
     sources = point[0] if point else None
     if point and point[1] > failure.step:  # the failed step did finish: its row from the ranks' answers
         cfg = old.config
         ctl.rows.add(make_row(failure.step, list(answered), failure.waited_s,
                               cfg.global_batch * cfg.model.seq_len))
     _record_failure(ctl, state, point[1] if point else None)
-    shrunk = await _ride_node_loss(ctl, failure) if not state.counted else None
     if shrunk is not None:  # an elastic job lost a node for good: go on with the replicas left
         new, replicas = shrunk
         ctl.group.keep_replicas(replicas, new)
@@ -146,23 +151,40 @@ def _record_failure(ctl: Controller, state: Recovering, replica_step: int | None
 
 
 async def _ride_node_loss(ctl: Controller, failure: Failure) -> tuple[Plan, list[int]] | None:
-    """Wait up to fault.node_grace_s for Ray to place the lost node's bundles elsewhere (then nothing changes),
-    else the layout of the replicas whose bundles are all placed; riding node churn is what elastic jobs are
-    for, so this is not counted against fault.max_failures."""
+    """When bundles of the job are on no live node (a node was lost), wait up to fault.node_grace_s for Ray to
+    place them again (on a node added back, or room elsewhere): then nothing changes (None). Else an elastic job
+    goes on with the replicas whose bundles are all placed (the layout and those replicas; riding node churn is
+    what elastic jobs are for, so a failure the policy saw as a lost node is not counted against
+    fault.max_failures); a fixed-size job fails, naming the lost node."""
     old = ctl.plan
-    deadline = time.monotonic() + old.config.fault.node_grace_s
-    while time.monotonic() < deadline and ctl.group.lost_replicas():
-        await asyncio.sleep(0.5)
     lost = ctl.group.lost_replicas()
     if not lost:
         return None
+    grace = old.config.fault.node_grace_s
+    # The nodes the lost replicas ran on; a restarted coordinator never set its ranks up: the nodes Ray lists
+    # as dead.
+    nodes = ", ".join(ctl.group.nodes_of(lost) or dead_nodes()) or "unknown"
+    ctl.journal.add_event({"time": time.time(), "kind": "node_lost", "nodes": nodes, "replicas": sorted(lost),
+                           "grace_s": grace})
+    log.warning("job %s: replicas %s lost their node (%s); waiting up to fault.node_grace_s=%g s for its resources",
+                ctl.job_id, sorted(lost), nodes, grace)
+    deadline = time.monotonic() + grace
+    while lost and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        lost = ctl.group.lost_replicas()
+    if not lost:
+        log.info("job %s: the lost node's resources are back: going on at the same size", ctl.job_id)
+        return None
+    if old.dp_range is None:
+        raise Unrecoverable(f"{failure.cause}\nThe node {nodes} was lost and its resources did not come back within "
+                            f"fault.node_grace_s={grace:g} s: this job needs all of its {old.world_size} ranks "
+                            "(an elastic parallel.dp {min, max} would go on with the replicas left)")
     kept = [d for d in range(old.dp) if d not in lost]
     size = largest_size(old, len(kept))
-    assert old.dp_range is not None, "only an elastic job drops replicas"
     if size is None:
-        raise Unrecoverable(f"{failure.cause}\nA node was lost and its resources did not come back within "
-                            f"fault.node_grace_s={old.config.fault.node_grace_s:g} s; the {len(kept)} replicas "
-                            f"left are fewer than parallel.dp.min={old.dp_range[0]}")
+        raise Unrecoverable(f"{failure.cause}\nThe node {nodes} was lost and its resources did not come back within "
+                            f"fault.node_grace_s={grace:g} s; the {len(kept)} replicas left are fewer than "
+                            f"parallel.dp.min={old.dp_range[0]}")
     return resize_plan(old, size), kept[:size]
 
 

@@ -30,12 +30,23 @@ def slot_keys(plan: Plan) -> set[tuple[int, int]]:
     return {(plan.coords(r).pp, plan.coords(r).dp) for r in range(plan.world_size)}
 
 
-def placed(slot: Slot) -> bool:
-    """Whether Ray has the bundle on a live node now (not while it re-places the bundles of a lost node)."""
+def placed(slot: Slot, alive: set[str] | None = None) -> bool:
+    """Whether Ray has the bundle on a live node now (not while it re-places the bundles of a lost node).
+    `alive`: the live nodes' ids; the table may still name a node Ray has just declared dead."""
     try:
-        return bool(ray.util.placement_group_table(slot[0])["bundles_to_node_id"].get(slot[1]))
+        node = ray.util.placement_group_table(slot[0])["bundles_to_node_id"].get(slot[1])
     except Exception:  # noqa: BLE001 - a group removed meanwhile
         return False
+    return bool(node) and (alive is None or node in alive)
+
+
+def alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def dead_nodes() -> list[str]:
+    """The nodes Ray lists as dead, as "id (address)"."""
+    return [f"{n['NodeID']} ({n.get('NodeManagerAddress', '?')})" for n in ray.nodes() if not n.get("Alive")]
 
 
 class WorkerGroup:
@@ -193,8 +204,15 @@ class WorkerGroup:
         self.take(new, kept)
 
     def lost_replicas(self) -> set[int]:
-        """The data-parallel replicas with a bundle Ray has not placed (its node is gone)."""
-        return {dp for (_, dp), slot in self.slots.items() if not placed(slot)}
+        """The data-parallel replicas with a bundle Ray has not placed on a live node (its node is gone)."""
+        alive = alive_nodes()
+        return {dp for (_, dp), slot in self.slots.items() if not placed(slot, alive)}
+
+    def nodes_of(self, replicas: set[int]) -> list[str]:
+        """The nodes the ranks of these replicas ran on, as "id (address)", as last set up (none for a restarted
+        coordinator's ranks, which it never set up)."""
+        return sorted({f"{info['node_id']} ({info.get('node', '?')})" for info in self.ranks
+                       if info.get("node_id") and self.plan.coords(info["rank"]).dp in replicas})
 
     def placed_spare(self) -> int:
         return sum(1 for slot in self.spare if placed(slot))

@@ -126,7 +126,8 @@ class FaultConfig:
     hang_floor_s: Annotated[float, Gt(0), Le(7 * 24 * 3600), NOT_BOOL] = 5.0
     """...and longer than this: short steps vary too much for a ratio alone."""
     node_grace_s: Annotated[float, Ge(0), Le(7 * 24 * 3600), NOT_BOOL] = 30.0
-    """Elastic jobs: how long the resources of a lost node may take to come back before the job shrinks."""
+    """How long the resources of a lost node may take to come back (a node added back, or room elsewhere) before an
+    elastic job shrinks to the replicas left and a fixed-size one fails, naming the node."""
     grow_interval_s: Annotated[float, Gt(0), Le(7 * 24 * 3600), NOT_BOOL] = 10.0
     """Elastic jobs below their max: how often to look for free resources to grow into."""
     from_replica: bool = True

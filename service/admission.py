@@ -137,8 +137,13 @@ class Admission:
                 remove_placement_group(pg)
                 return True
             # Ray restarts a coordinator whose process dies, as often as the job may fail (see actors.coordinator).
-            # On the service's own node: the node the user keeps up (a worker node may come and go).
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            # On the service's own node, the node the user keeps up: a worker node may come and go, and a
+            # coordinator lost with its node takes every rank with it (the ranks are its actors). A hard
+            # affinity: a soft one let Ray place it on another node with room even while the service's node had
+            # room too (seen on a two-node `ray.cluster_utils.Cluster`), where the node's loss then killed
+            # the coordinator before the ranks and the shrink never came. It needs no resources (num_cpus=0),
+            # so it always fits there; should that node die, the service is gone with it.
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             coordinator = Coordinator.options(  # type: ignore[attr-defined]  # a @ray.remote class
                 name=coordinator_name(job.job_id), lifetime=lifetime, max_restarts=config.fault.max_failures,
                 scheduling_strategy=here).remote(job.job_id, plan, pg, storage)

@@ -3,8 +3,9 @@
 resources, shrinks when a node is removed (its bundles cannot be placed again within fault.node_grace_s),
 grows back when a node is added, and ends SUCCEEDED on the loss curve of a fixed-size run.
 
-About 3.5 minutes on two cores, so it is marked slow: `make test-slow` runs it (not `make test`, which
-must stay well under 15 minutes)."""
+About 3.5 minutes on two quiet cores (8 to 10 at a load average of 20 to 60, where the final waits below are
+long enough), so it is marked slow: `make test-slow` runs it (not `make test`, which must stay well under 15
+minutes)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _resizes(client, job_id: str) -> list[tuple[int, int, str]]:
 def test_an_elastic_job_follows_the_cluster_as_it_shrinks_and_grows(cluster, tmp_path):
     proc, client = start_serve(tmp_path / "state", tmp_path / "serve.log", ray_address=cluster.address)
     try:
-        reference = wait_terminal(client, client.submit(FIXED), 300)
+        reference = wait_terminal(client, client.submit(FIXED), 900)
         assert reference["status"] == "SUCCEEDED", reference["error"]
         job_id = client.submit(ELASTIC)
         wait_for(lambda: _resizes(client, job_id) == [(1, 4, "resources appeared")], 120, "the job to grow to 4")
@@ -55,7 +56,7 @@ def test_an_elastic_job_follows_the_cluster_as_it_shrinks_and_grows(cluster, tmp
         wait_for(lambda: (4, 2, "node lost") in _resizes(client, job_id), 120, "the job to shrink to 2")
         cluster.add_node(num_cpus=4, object_store_memory=100 * 2**20)
         wait_for(lambda: _resizes(client, job_id)[-1] == (2, 4, "resources appeared"), 120, "the job to grow back")
-        job = wait_terminal(client, job_id, 300)
+        job = wait_terminal(client, job_id, 900)
         assert job["status"] == "SUCCEEDED", job["error"]
         ours, theirs = client.metrics(job_id), client.metrics(reference["job_id"])
         assert [r["step"] for r in ours] == list(range(COMMON["steps"]))
