@@ -57,7 +57,6 @@ sums shards that line up, since the group's ranks hold the same tp coordinate (o
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -67,39 +66,11 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.optim.optimizer import tp_copies
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp import FsdpReducer, ShardedChunks
-from trainyard.parallel.runtime.local_parts import like_param, local_part, own_bucket
+from trainyard.parallel.runtime.grad_buckets import BUCKET_BYTES, Bucket, copy_grad, grad_of, settle, shard_of, split
+from trainyard.parallel.runtime.local_parts import like_param, local_part
 
-BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
-FIRST_BUCKET_BYTES = 1024 * 1024
-"""Each chunk's first bucket (its last layers' gradients, final first in backward) is at most this (DDP's
-`_DEFAULT_FIRST_BUCKET_BYTES`): its reduction starts early in backward, not once a whole BUCKET_BYTES is in."""
 OptimizerState = Mapping[torch.Tensor, Mapping[str, torch.Tensor]]  # `StateView.state`, the checkpoint's form
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass
-class _Bucket:
-    chunk: int
-    params: list[nn.Parameter]
-    flat: torch.Tensor
-    """Every parameter's gradient, back to back (padded to a multiple of the group size)."""
-    offsets: list[int]
-    grads: list[torch.Tensor]
-    """Each parameter's view into `flat`, shaped as its `.grad` (a DTensor with the parameter's placements for a
-    DTensor parameter): its `.grad` once its first gradient of the step has landed."""
-    shard: torch.Tensor | None = None
-    """ZeRO-1: the summed gradients of this rank's slice of `flat`."""
-    pending: int = 0
-    """Parameters whose final gradient has not arrived yet in the armed backward."""
-    landed: int = 0
-    """Parameters whose gradient is in `flat` this step (the rest have none yet)."""
-    work: dist.Work | None = None
-    wire: torch.Tensor | None = None
-    """The reduced-precision copy on the wire (reduce_dtype bf16), written back to fp32 after the wait."""
-    slices: list[tuple[nn.Parameter, int, int, int]] = field(default_factory=list)
-    """ZeRO-1: (parameter, start in the parameter, start in the shard, length) of each piece in the shard."""
-    pieces: list[torch.Tensor] = field(default_factory=list)
-    """ZeRO-1: each slice as a view of its parameter's data, the tensors the optimizer updates."""
 
 
 def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,
@@ -142,7 +113,7 @@ class GradientReducer:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.buckets = [self._make_bucket(chunk, params) for chunk, params in enumerate(chunk_params)
-                        for params in _split(list(reversed(params)), bucket_bytes)]
+                        for params in split(list(reversed(params)), bucket_bytes)]
         self.next_to_start = 0
         self.armed: set[int] = set()
         self.started_early = 0
@@ -151,7 +122,7 @@ class GradientReducer:
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(lambda p, b=b, i=i: self._accumulated(b, i))
 
-    def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> _Bucket:
+    def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> Bucket:
         sizes = [local_part(p).numel() for p in params]
         total = -(-sum(sizes) // self.size) * self.size  # padded so it splits into equal slices
         first = local_part(params[0])
@@ -162,7 +133,7 @@ class GradientReducer:
             grads.append(p.grad)
             offsets.append(offset)
             offset += n
-        return _Bucket(chunk=chunk, params=params, flat=flat, offsets=offsets, grads=grads,
+        return Bucket(chunk=chunk, params=params, flat=flat, offsets=offsets, grads=grads,
                        landed=len(params))
 
     @property
@@ -190,14 +161,14 @@ class GradientReducer:
             if b.chunk == chunk:
                 b.pending = len(b.params)
 
-    def _accumulated(self, bucket: _Bucket, i: int) -> None:
+    def _accumulated(self, bucket: Bucket, i: int) -> None:
         # Runs once per parameter and backward, inside backward (grad mode is off there): kept lean.
         view = bucket.grads[i]
         grad = bucket.params[i].grad
         assert grad is not None  # the hook runs after autograd accumulated the gradient
         if grad is not view:  # the step's first gradient of p, autograd's own tensor: into the bucket, once
             if isinstance(view, DTensor):
-                _copy_grad(view, grad)
+                copy_grad(view, grad)
             else:
                 view.copy_(grad)
             bucket.params[i].grad = view
@@ -214,19 +185,19 @@ class GradientReducer:
             if not everything and (b.chunk not in self.armed or b.pending > 0):
                 return
             if b.landed < len(b.params):
-                _settle(b)
+                settle(b)
             self._start(b)
             self.next_to_start += 1
 
     @torch.no_grad()
-    def _start(self, b: _Bucket) -> None:
+    def _start(self, b: Bucket) -> None:
         if self.group is None:
             return
         send = b.flat if self.reduce_dtype == b.flat.dtype else b.flat.to(self.reduce_dtype)
         b.wire = send
         b.work = dist.all_reduce(send, group=self.group, async_op=True)
 
-    def _reduced(self, b: _Bucket) -> torch.Tensor:
+    def _reduced(self, b: Bucket) -> torch.Tensor:
         """Where a bucket's reduced gradients end up on this rank."""
         return b.flat
 
@@ -247,7 +218,7 @@ class GradientReducer:
 
     def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """The reduced gradients this rank holds after `finish`, each with its parameter."""
-        return [(local_part(_grad(p)), p) for b in self.buckets for p in b.params]
+        return [(local_part(grad_of(p)), p) for b in self.buckets for p in b.params]
 
     @staticmethod
     def tp_copies(p: torch.Tensor, tp: int) -> int:
@@ -279,7 +250,7 @@ class ShardedGradientReducer(GradientReducer):
 
     zero = True
 
-    def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> _Bucket:
+    def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> Bucket:
         bucket = super()._make_bucket(chunk, params)
         flat, total = bucket.flat, bucket.flat.numel()
         per_rank = total // self.size
@@ -300,18 +271,18 @@ class ShardedGradientReducer(GradientReducer):
         return 1
 
     @torch.no_grad()
-    def _start(self, b: _Bucket) -> None:
+    def _start(self, b: Bucket) -> None:
         send = b.flat if self.reduce_dtype == b.flat.dtype else b.flat.to(self.reduce_dtype)
-        shard = _shard(b)
+        shard = shard_of(b)
         b.wire = shard if send is b.flat else torch.empty_like(shard, dtype=self.reduce_dtype)
         b.work = dist.reduce_scatter_tensor(b.wire, send, group=self.group, async_op=True)
 
-    def _reduced(self, b: _Bucket) -> torch.Tensor:
-        return _shard(b)
+    def _reduced(self, b: Bucket) -> torch.Tensor:
+        return shard_of(b)
 
     def held_grads(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """The pieces of the reduced gradients in this rank's slices."""
-        return [(_shard(b)[s:s + n], p) for b in self.buckets for p, _, s, n in b.slices]
+        return [(shard_of(b)[s:s + n], p) for b in self.buckets for p, _, s, n in b.slices]
 
     def optimizer_params(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """Views of the parameters' pieces in this rank's slices, whose `.grad` is the reduced slice."""
@@ -325,7 +296,7 @@ class ShardedGradientReducer(GradientReducer):
             for key in keys:
                 flat = torch.zeros_like(b.flat)
                 for piece, (_, _, s, n) in zip(b.pieces, b.slices, strict=True):
-                    flat[self.rank * _shard(b).numel() + s:][:n] = state[piece][key]
+                    flat[self.rank * shard_of(b).numel() + s:][:n] = state[piece][key]
                 dist.all_reduce(flat, group=self.group)  # each slice is non-zero on one rank only
                 for p, a in zip(b.params, b.offsets, strict=True):
                     out[p][key] = like_param(p, flat[a:a + local_part(p).numel()].view_as(local_part(p)))
@@ -354,56 +325,3 @@ class ShardedGradientReducer(GradientReducer):
 
 
 Reducer = GradientReducer | FsdpReducer  # what `make_reducer` builds, whatever the sharding strategy
-
-
-def _copy_grad(view: torch.Tensor, grad: torch.Tensor) -> None:
-    """`grad` into its bucket view. A DTensor gradient is first brought to the view's placements, as autograd's
-    `grad += new` would (a sequence-parallel norm's partial sum all-reduced over tp, a vocabulary-parallel
-    embedding's whole gradient sliced to this rank's rows)."""
-    if isinstance(view, DTensor):
-        if isinstance(grad, DTensor) and grad.placements != view.placements:
-            grad = grad.redistribute(view.device_mesh, view.placements)
-        grad = local_part(grad)
-        view = view.to_local()
-    view.copy_(grad)
-
-
-@torch.no_grad()
-def _settle(b: _Bucket) -> None:
-    """Before a bucket's reduction, each parameter whose gradient is not in the bucket yet: zeros in its view if
-    it got none this step, else (set as `.grad` by hand, not by autograd's accumulation) its gradient."""
-    for p, view in zip(b.params, b.grads, strict=True):
-        if p.grad is None:
-            local_part(view).zero_()
-        elif p.grad is not view:
-            _copy_grad(view, p.grad)
-        p.grad = view
-    b.landed = len(b.params)
-
-
-def _shard(b: _Bucket) -> torch.Tensor:
-    assert b.shard is not None  # ZeRO-1's `_make_bucket` gives every bucket its slice
-    return b.shard
-
-
-def _grad(p: torch.Tensor) -> torch.Tensor:
-    assert p.grad is not None  # after `finish`: its bucket view (`_settle` set it where no gradient came)
-    return p.grad
-
-
-def _split(params: list[nn.Parameter], bucket_bytes: int,
-           first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[list[nn.Parameter]]:
-    buckets: list[list[nn.Parameter]] = [[]]
-    size, kind = 0, None
-    for p in params:
-        shard = local_part(p)
-        nbytes = shard.numel() * shard.element_size()
-        key = (shard.dtype, shard.device, id(p) if own_bucket(p) else None)  # a tied copy alone: sliced alike
-        cap = min(bucket_bytes, first_bucket_bytes) if len(buckets) == 1 else bucket_bytes
-        if buckets[-1] and (size + nbytes > cap or key != kind):
-            buckets.append([])
-            size = 0
-        kind = key
-        buckets[-1].append(p)
-        size += nbytes
-    return [b for b in buckets if b]

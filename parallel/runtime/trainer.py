@@ -32,33 +32,22 @@ wired for a step.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from trainyard.parallel.data.datasets import (
-    Dataset,
     counted_targets,
-    has_loss_mask,
-    load_batch,
     open_dataset,
     rank_share,
-    step_batch_ids,
-    step_counted_targets,
     validation_batches,
 )
-from trainyard.parallel.data.packing import PackedDataset
 from trainyard.parallel.io import hf_checkpoint, peft_adapter
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.models.documents import Documents
 from trainyard.parallel.models.lora import apply_lora
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
@@ -73,23 +62,15 @@ from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.fsdp import shard_chunks
 from trainyard.parallel.runtime.host_steps import forward_units, wait_in_forward
 from trainyard.parallel.runtime.materialize import materialize
-from trainyard.parallel.runtime.pipeline import Batch, PipelineExecutor, PipelineTimings
+from trainyard.parallel.runtime.pipeline import PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.powersgd import PowerSGD
 from trainyard.parallel.runtime.rank_state import RankState
+from trainyard.parallel.runtime.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
 from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
 from trainyard.parallel.runtime.sync import ReplicaSync, replica_group
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 from trainyard.parallel.runtime.tied import TiedEmbeddings
 from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
-
-
-def autocast_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
-    """bf16: matmuls in bf16 under autocast (CUDA and CPU); parameters, gradients, optimizer state and the
-    loss stay fp32."""
-    if precision == "bf16":
-        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
 
 FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
 """A pipeline schedule's actions that evaluation runs: forwards and the activations between stages."""
@@ -276,8 +257,8 @@ class RankTrainer:
         self.executor.loss_scale = 1.0 / max(1, sum(counted_targets(self.val_dataset, ids) for ids in batches))
         for ids in batches:
             share = rank_share(ids, self.coords.dp, self.plan.dp, self.plan.microbatches)
-            total += self.executor.run(self.forward_actions, _lazy_batches(self.val_dataset, share),
-                                       _lazy_documents(self.val_dataset, share, self.device))[0]
+            total += self.executor.run(self.forward_actions, lazy_batches(self.val_dataset, share),
+                                       lazy_documents(self.val_dataset, share, self.device))[0]
         if self.sharded is not None:  # ZeRO-2 keeps what a forward gathered: free it, the step updates shards
             self.sharded.reshard()
         if not self.is_last_stage:
@@ -369,52 +350,8 @@ class RankTrainer:
                 for i, (block, layer) in enumerate(self.moe_layers)}
 
     def _loss_scale(self, step: int, microbatch_ids: list[list[int]]) -> float:
-        """1 / the step's global count of targets that count (at least 1: a batch of masked targets only
-        has loss 0). local_sgd, diloco: of this replica's share, whose mean gradient it steps on alone."""
-        cfg = self.plan.config
-        if self.local_sync:
-            replicas = self.plan.dp // self.plan.reduce_dp
-            if not has_loss_mask(self.dataset):
-                return replicas / (cfg.global_batch * cfg.model.seq_len)
-            if self.plan.reduce_dp == 1:
-                return 1.0 / max(1, counted_targets(self.dataset, [i for ids in microbatch_ids for i in ids]))
-            # the replica's share: its dp ranks' contiguous slices of the global batch (`rank_share`)
-            ids, share = step_batch_ids(cfg, step, self.dataset.num_samples), cfg.global_batch // replicas
-            replica = self.coords.dp // self.plan.reduce_dp
-            return 1.0 / max(1, counted_targets(self.dataset, ids[replica * share:(replica + 1) * share]))
-        if not has_loss_mask(self.dataset):
-            return 1.0 / (cfg.global_batch * cfg.model.seq_len)
-        return 1.0 / max(1, step_counted_targets(cfg, self.dataset, step))
+        return loss_scale(self.plan, self.coords.dp, self.dataset, self.local_sync, step, microbatch_ids)
 
     def _forward_backward(self, microbatch_ids: list[list[int]]) -> tuple[torch.Tensor, PipelineTimings]:
-        return self.executor.run(self.actions, _lazy_batches(self.dataset, microbatch_ids),
-                                 _lazy_documents(self.dataset, microbatch_ids, self.device))
-
-
-def _lazy_batches(dataset: Dataset, microbatch_ids: list[list[int]]) -> Callable[[int], Batch]:
-    """`batch(mb)` for the executor: micro-batches are read lazily, once, and only where a stage needs them."""
-    loaded: dict[int, Batch] = {}
-
-    def batch(mb: int) -> Batch:
-        if mb not in loaded:
-            loaded[mb] = load_batch(dataset, microbatch_ids[mb])
-        return loaded[mb]
-
-    return batch
-
-
-
-def _lazy_documents(dataset: Dataset, microbatch_ids: list[list[int]], device: torch.device
-                    ) -> Callable[[int], Documents] | None:
-    """`documents(mb)` for the executor with packed data (None without): every stage's attention reads them, each
-    micro-batch's made once, on the device, so its mask is built once per step."""
-    if not isinstance(dataset, PackedDataset):
-        return None
-    made: dict[int, Documents] = {}
-
-    def documents(mb: int) -> Documents:
-        if mb not in made:
-            made[mb] = dataset.documents(microbatch_ids[mb]).to(device)
-        return made[mb]
-
-    return documents
+        return self.executor.run(self.actions, lazy_batches(self.dataset, microbatch_ids),
+                                 lazy_documents(self.dataset, microbatch_ids, self.device))
