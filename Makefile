@@ -17,14 +17,10 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	$(BIN)/python -m trainyard.cli.demo examples/demo.yaml
 
-# The suite on two pytest-xdist workers, a test file to a worker (tests/conftest.py groups them): most of a test's
-# wall time is waiting on processes (Ray workers, spawned gloo ranks, a service starting), which two workers
-# overlap. mypy runs beside them; its verdict, like the tests', decides the target's.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(MAKE) --no-print-directory typecheck & typecheck=$$!; \
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=25; tests=$$?; \
-	wait $$typecheck && exit $$tests
+	$(MAKE) --no-print-directory typecheck
+	$(BIN)/python -m pytest --durations=25
 
 # The minutes-long tests `make test` leaves out (elasticity on a two-node cluster, README's fine-tuning walk-through).
 test-slow: $(STAMP)

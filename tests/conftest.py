@@ -21,16 +21,6 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two xdist workers (`--dist loadgroup`): each test file is one group, run whole
-    by one worker, so a module's spawned world or service is made once; the files that share the session's 3D
-    job (`three_d_job`) are one group, so it runs once. Without xdist the marks do nothing."""
-    shared = {item.module.__name__ for item in items if "three_d_job" in getattr(item, "fixturenames", ())}
-    for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("three_d" if name in shared else name))
-
-
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     import ray
