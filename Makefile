@@ -17,10 +17,13 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	$(BIN)/python -m trainyard.cli.demo examples/demo.yaml
 
+# mypy runs beside the tests (it needs one core for some 15 s; the tests wait on processes much of the time); its
+# verdict, like theirs, decides the target's.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -m pytest --durations=25
+	$(MAKE) --no-print-directory typecheck & typecheck=$$!; \
+	$(BIN)/python -m pytest --durations=25; tests=$$?; \
+	wait $$typecheck && exit $$tests
 
 # The minutes-long tests `make test` leaves out (elasticity on a two-node cluster, README's fine-tuning walk-through).
 test-slow: $(STAMP)

@@ -9,6 +9,7 @@
 - whole examples (`packing: false`) over two epochs at dp=1 and dp=2: each sequence once per epoch, the same
   losses, and step 0's loss equals transformers' on each example run alone (summed, over the counted targets);
   with LoRA the same at dp=1 and dp=2;
+- a stop mid-epoch (the dp=2 run's checkpoint) resumed at dp=1 sees the same samples and losses as the straight run;
 - packed examples (`packing: true`) the same way, at dp=2 with gpipe and full recompute (every forward runs
   before the first backward, whose recompute must read its own micro-batch's documents again): each row once
   per epoch, and step 0's loss is transformers' on each example of its rows run alone (the kin at dp2 x tp2:
@@ -17,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -29,9 +31,13 @@ from helpers import REPO, tiny_spec
 from trainyard.parallel.data.datasets import global_batch_ids, open_dataset
 from trainyard.parallel.data.examples import epochs_steps
 from trainyard.parallel.data.prepare import PrepareOptions, prepare
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.spec import parse_spec
+
+MID_EPOCH = 3
+"""examples_dp2 saves after step 3 (of the first epoch's 6 or so), and a run resumed there at dp1 goes on."""
 
 
 def _plan_run(plan: Plan) -> PlanRun:
@@ -59,6 +65,14 @@ def test_whole_examples_are_each_seen_once_per_epoch_at_dp1_and_dp2(runs, kind):
     for a, b in zip(rows[one], rows[two], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     assert len(rows[one][0]["sample_ids"]) == g
+
+
+def test_a_stop_and_resume_mid_epoch_at_another_layout_gives_the_straight_run(runs):
+    plans, rows = runs
+    assert 0 < rows["examples_dp1"][MID_EPOCH - 1]["epoch"] < 1  # the save fell inside the first epoch
+    straight, resumed = rows["examples_dp1"][MID_EPOCH:], rows["examples_resumed"]
+    assert [r["sample_ids"] for r in resumed] == [r["sample_ids"] for r in straight]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight], rel=1e-5)
 
 
 def test_whole_examples_with_lora_at_dp2_follow_dp1_each_seen_once_per_epoch(runs):
@@ -153,8 +167,16 @@ def runs(tmp_path_factory):
         "corpus": make_plan(parse_spec({**spec(root / "corpus", steps=30, eval={"every": 10, "batches": 2}),
                                         "parallel": {"dp": 2}})),
     }
-    results = run_plans([_plan_run(plan) for plan in plans.values()])  # one world of two processes
-    rows = {name: _rows(r) for name, r in zip(plans, results, strict=True)}
+    runs = [_plan_run(plan) for plan in plans.values()]
+    # examples_dp2 saves mid-epoch; the same job resumed from it at dp1 (another layout) runs the rest
+    mine = list(plans).index("examples_dp2")
+    runs[mine] = dataclasses.replace(runs[mine], save_after=(MID_EPOCH,), root=str(root / "examples_dp2"))
+    runs.append(PlanRun(plans["examples_dp1"], resume=(str(checkpoint.step_dir(root / "examples_dp2", MID_EPOCH)),
+                                                       MID_EPOCH)))
+    results = run_plans(runs)  # one world of two processes
+    rows = {name: _rows(r) for name, r in zip(plans, results[:len(plans)], strict=True)}
+    rows["examples_resumed"] = [{**row, "sample_ids": s["sample_ids"]}
+                                for row, s in zip(_rows(results[-1]), results[-1][0].stats, strict=True)]
     # each step's global batch, in dp rank order (dp rank = rank here)
     for name in ("examples_dp1", "examples_dp2", "examples_lora_dp1", "examples_lora_dp2", "packed_dp1", "packed_dp2"):
         ranks = results[list(plans).index(name)]
