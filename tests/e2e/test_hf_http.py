@@ -31,12 +31,7 @@ def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_pa
     [claimed] = [e for e in client.events(job_id) if e["kind"] == "init_from"]
     assert (claimed["family"], claimed["architectures"]) == ("gpt2", ["GPT2LMHeadModel"])
 
-    config = parse_submitted_spec(spec)
-    inputs, targets = load_batch(open_dataset(config), global_batch_ids(config.seed, 0, 4,
-                                                                        open_dataset(config).num_samples))
-    with torch.no_grad():
-        expected = float(F.cross_entropy(source(inputs).logits.flatten(0, 1), targets.flatten()))
-    assert abs(client.metrics(job_id)[0]["loss"] - expected) < 1e-5
+    inputs = _first_loss_is_transformers(client, job_id, spec, source)
 
     auth = ["--url", service.url, "--token", service.token]
     assert cli([*auth, "export", job_id, "--format", "hf", "-o", str(tmp_path / "hf")]) == 0
@@ -72,12 +67,7 @@ def _check_backend_job(client, service, tmp_path, job_id, source, spec):
     assert job["spec"]["model"]["family"] == "hf"
     [event] = [e for e in client.events(job_id) if e["kind"] == "init_from"]
     assert (event["family"], event["architectures"]) == ("hf", ["Gemma2ForCausalLM"])
-    config = parse_submitted_spec(spec)
-    inputs, targets = load_batch(open_dataset(config), global_batch_ids(config.seed, 0, 4,
-                                                                        open_dataset(config).num_samples))
-    with torch.no_grad():
-        expected = float(F.cross_entropy(source(inputs).logits.flatten(0, 1), targets.flatten()))
-    assert abs(client.metrics(job_id)[0]["loss"] - expected) < 1e-5
+    inputs = _first_loss_is_transformers(client, job_id, spec, source)
 
     auth = ["--url", service.url, "--token", service.token]
     assert cli([*auth, "export", job_id, "--format", "hf", "-o", str(tmp_path / "gemma2-hf")]) == 0
@@ -89,3 +79,15 @@ def _check_backend_job(client, service, tmp_path, job_id, source, spec):
     with torch.no_grad():
         logits = torch.tanh(ours.head(ours(inputs)) / ours.softcap) * ours.softcap  # Gemma 2's soft-capping
         torch.testing.assert_close(theirs.eval()(inputs).logits, logits, rtol=0, atol=1e-5)
+
+
+def _first_loss_is_transformers(client, job_id: str, spec: dict, source) -> torch.Tensor:
+    """Asserts the job's first loss (global batch 4) equals transformers' own forward of `source` on the same batch;
+    returns that batch's inputs."""
+    config = parse_submitted_spec(spec)
+    inputs, targets = load_batch(open_dataset(config), global_batch_ids(config.seed, 0, 4,
+                                                                        open_dataset(config).num_samples))
+    with torch.no_grad():
+        expected = float(F.cross_entropy(source(inputs).logits.flatten(0, 1), targets.flatten()))
+    assert abs(client.metrics(job_id)[0]["loss"] - expected) < 1e-5
+    return inputs
