@@ -28,14 +28,9 @@ import time
 from pathlib import Path
 
 import torch
-from trainyard.parallel.data.datasets import (
-    global_batch_ids,
-    load_batch,
-    open_dataset,
-    rank_share,
-    step_counted_targets,
-)
+from trainyard.parallel.data.datasets import load_batch, open_dataset, step_counted_targets
 from trainyard.parallel.data.prepare import PrepareOptions, default_workers, prepare
+from trainyard.parallel.data.sampler import global_batch_ids, rank_share
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.spec import parse_spec

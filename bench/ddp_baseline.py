@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from trainyard.parallel.config import JobConfig
-from trainyard.parallel.data.datasets import Dataset, global_batch_ids, load_batch, open_dataset, rank_share
+from trainyard.parallel.data.datasets import Dataset, load_batch, open_dataset
+from trainyard.parallel.data.sampler import global_batch_ids, rank_share
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, make_optimizer, set_lr

@@ -15,7 +15,8 @@ import statistics
 import time
 
 import torch
-from trainyard.parallel.data.datasets import global_batch_ids, open_dataset
+from trainyard.parallel.data.datasets import open_dataset
+from trainyard.parallel.data.sampler import global_batch_ids
 from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.driver import RankDriver

@@ -57,7 +57,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, ResourcesConfig
-from trainyard.parallel.data.datasets import Dataset, load_batch, open_dataset, step_microbatches
+from trainyard.parallel.data.datasets import Dataset, load_batch, open_dataset
+from trainyard.parallel.data.sampler import step_microbatches
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.optim.lr_schedules import lr_at

@@ -74,7 +74,7 @@ def with_one_bad_token(spec: dict, tmp_path: Path, bad_dp_rank: int, bad_microba
     reads only in micro-batch `bad_microbatch` of data-parallel rank `bad_dp_rank`. Returns (spec, offset).
     """
     import numpy as np
-    from trainyard.parallel.data.datasets import global_batch_ids, rank_share
+    from trainyard.parallel.data.sampler import global_batch_ids, rank_share
 
     seq_len, length = spec["model"]["seq_len"], 4000
     par = spec.get("parallel", {})

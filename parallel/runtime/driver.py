@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from trainyard.parallel.data.datasets import open_dataset, step_microbatches
+from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.data.examples import epoch_of
+from trainyard.parallel.data.sampler import step_microbatches
 from trainyard.parallel.io.checkpoint import CheckpointWriteError
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed

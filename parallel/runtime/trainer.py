@@ -39,12 +39,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from trainyard.parallel.data.datasets import (
-    counted_targets,
-    open_dataset,
-    rank_share,
-    validation_batches,
-)
+from trainyard.parallel.data.datasets import counted_targets, open_dataset
+from trainyard.parallel.data.sampler import rank_share, validation_batches
 from trainyard.parallel.io import hf_checkpoint, peft_adapter
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.decoder import DecoderStage

@@ -12,7 +12,8 @@ import torch
 from helpers import run_all, tiny_spec
 from safetensors import safe_open
 from safetensors.torch import load_file
-from trainyard.parallel.data.datasets import load_batch, open_dataset, validation_batches
+from trainyard.parallel.data.datasets import load_batch, open_dataset
+from trainyard.parallel.data.sampler import validation_batches
 from trainyard.parallel.io.export import MODEL_FILE
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.spec import parse_spec

@@ -13,7 +13,8 @@ from helpers import tiny_spec, wait_terminal
 from hf_tiny import tiny_backend, tiny_gpt2
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.cli.main import main as cli
-from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
+from trainyard.parallel.data.datasets import load_batch, open_dataset
+from trainyard.parallel.data.sampler import global_batch_ids
 from trainyard.parallel.io.export import load_exported
 
 

@@ -28,9 +28,10 @@ import torch
 from data_helpers import bpe_tokenizer, examples_loss
 from gloo_ranks import PlanRun, RankResult, run_plans
 from helpers import REPO, tiny_spec
-from trainyard.parallel.data.datasets import global_batch_ids, open_dataset
+from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.data.examples import epochs_steps
 from trainyard.parallel.data.prepare import PrepareOptions, prepare
+from trainyard.parallel.data.sampler import global_batch_ids
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, make_plan

@@ -27,9 +27,10 @@ from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
 from hf_tiny import VOCAB, tiny_gpt2, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from trainyard.api.spec import parse_submitted_spec
-from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
+from trainyard.parallel.data.datasets import load_batch, open_dataset
 from trainyard.parallel.data.examples import epoch_batch_ids
 from trainyard.parallel.data.prepare import prepare
+from trainyard.parallel.data.sampler import global_batch_ids
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 

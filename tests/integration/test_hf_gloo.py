@@ -26,7 +26,8 @@ from gloo_ranks import PlanRun, run_plans
 from helpers import tiny_spec
 from hf_tiny import BACKEND_ARCHITECTURES, tiny_backend, tiny_gpt2, tiny_llama
 from trainyard.api.spec import parse_submitted_spec
-from trainyard.parallel.data.datasets import global_batch_ids, load_batch, open_dataset
+from trainyard.parallel.data.datasets import load_batch, open_dataset
+from trainyard.parallel.data.sampler import global_batch_ids
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver

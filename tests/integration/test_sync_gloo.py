@@ -28,7 +28,8 @@ from gloo_ranks import PlanRun, run_plans, stats_of
 from helpers import tiny_spec
 from test_tied_gloo import assert_tied_equal, copies
 from torch.distributed.tensor import DTensor
-from trainyard.parallel.data.datasets import global_batch_ids, open_dataset, rank_share
+from trainyard.parallel.data.datasets import open_dataset
+from trainyard.parallel.data.sampler import global_batch_ids, rank_share
 from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_spec
-from trainyard.parallel.data.datasets import DatasetError, global_batch_ids, load_batch, open_dataset, rank_share
+from trainyard.parallel.data.datasets import DatasetError, load_batch, open_dataset
+from trainyard.parallel.data.sampler import global_batch_ids, rank_share
 from trainyard.parallel.spec import parse_spec
 
 

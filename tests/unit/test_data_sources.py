@@ -9,17 +9,9 @@ import pytest
 import torch
 from data_helpers import bpe_tokenizer, word_tokenizer
 from helpers import REPO, tiny_spec
-from trainyard.parallel.data.datasets import (
-    IGNORE,
-    DatasetError,
-    counted_targets,
-    global_batch_ids,
-    load_batch,
-    open_dataset,
-    rank_share,
-    validation_batches,
-)
+from trainyard.parallel.data.datasets import IGNORE, DatasetError, counted_targets, load_batch, open_dataset
 from trainyard.parallel.data.prepare import PrepareOptions, prepare
+from trainyard.parallel.data.sampler import global_batch_ids, rank_share, validation_batches
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
 
