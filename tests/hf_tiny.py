@@ -114,3 +114,18 @@ def tiny_backend(name: str, directory: Path, *, seed: int = 0):
         vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0, **extra)
     torch.manual_seed(seed)
     return _saved(transformers.AutoModelForCausalLM.from_config(config), directory)
+
+
+def hf_loss(model, config, step: int) -> float:
+    """transformers' mean loss of `model` on step `step`'s global batch of the job `config` (what trainyard's first
+    step reports when it starts from the same weights)."""
+    import torch.nn.functional as F
+    from trainyard.parallel.data.datasets import load_batch, open_dataset
+    from trainyard.parallel.data.sampler import global_batch_ids
+
+    dataset = open_dataset(config)
+    inputs, targets = load_batch(dataset, global_batch_ids(config.seed, step, config.global_batch,
+                                                           dataset.num_samples))
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))

@@ -21,16 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from data_helpers import examples_loss, word_tokenizer
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
 from helpers import tiny_spec
-from hf_tiny import VOCAB, tiny_gpt2, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
+from hf_tiny import VOCAB, hf_loss, tiny_gpt2, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from trainyard.api.spec import parse_submitted_spec
-from trainyard.parallel.data.datasets import load_batch, open_dataset
+from trainyard.parallel.data.datasets import open_dataset
 from trainyard.parallel.data.examples import epoch_batch_ids
 from trainyard.parallel.data.prepare import prepare
-from trainyard.parallel.data.sampler import global_batch_ids
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 
@@ -56,14 +54,6 @@ def _spec(directory: Path, parallel: dict, **extra) -> dict:
                      optimizer={"lr": 1e-2, "warmup_steps": 0}, **extra)
     spec["model"] = {"seq_len": 16}  # the architecture comes from config.json
     return spec
-
-
-def _hf_loss(model, config, step: int) -> float:
-    ids = global_batch_ids(config.seed, step, config.global_batch, open_dataset(config).num_samples)
-    inputs, targets = load_batch(open_dataset(config), ids)
-    with torch.no_grad():
-        logits = model(inputs).logits
-    return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
 def _world(root: Path, layouts: dict[str, dict], extra: tuple = (), recompute: dict | None = None) -> dict:
@@ -144,7 +134,7 @@ def _check(world: dict, root: Path, name: str) -> None:
 
     model, cfg, losses, one_rank = world[name]
     assert cfg.model.family == name
-    assert abs(losses[0] - _hf_loss(model, cfg, 0)) < LOSS_TOL
+    assert abs(losses[0] - hf_loss(model, cfg, 0)) < LOSS_TOL
     assert losses[1] < losses[0] and max(abs(a - b) for a, b in zip(losses, one_rank, strict=True)) < CURVE_TOL
     exported = export_model(cfg, checkpoint.step_dir(root / name, 1), 1, root / f"{name}.safetensors")
     out = export_hf(exported, root / f"{name}-hf", max_shard_bytes=50_000)
@@ -157,7 +147,7 @@ def _check(world: dict, root: Path, name: str) -> None:
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours.lm_head(ours.ln_f(ours(tokens))), rtol=0,
                                    atol=LOSS_TOL)
-    assert abs(losses[1] - _hf_loss(theirs, cfg, 1)) < LOSS_TOL  # the layout's own forward, after its step
+    assert abs(losses[1] - hf_loss(theirs, cfg, 1)) < LOSS_TOL  # the layout's own forward, after its step
 
 
 @pytest.mark.parametrize("name", list(BUILD))

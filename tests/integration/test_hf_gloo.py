@@ -21,13 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from gloo_ranks import PlanRun, run_plans
 from helpers import tiny_spec
-from hf_tiny import BACKEND_ARCHITECTURES, tiny_backend, tiny_gpt2, tiny_llama
+from hf_tiny import BACKEND_ARCHITECTURES, hf_loss, tiny_backend, tiny_gpt2, tiny_llama
 from trainyard.api.spec import parse_submitted_spec
-from trainyard.parallel.data.datasets import load_batch, open_dataset
-from trainyard.parallel.data.sampler import global_batch_ids
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
@@ -122,14 +119,6 @@ def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
             "tied": list(_TIED_AFTER_STEPS)}
 
 
-def _hf_loss(model, config, step: int) -> float:
-    ids = global_batch_ids(config.seed, step, config.global_batch, open_dataset(config).num_samples)
-    inputs, targets = load_batch(open_dataset(config), ids)
-    with torch.no_grad():
-        logits = model(inputs).logits
-    return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
-
-
 def _frozen_and_state(driver: RankDriver, stats: list[dict]) -> dict:
     """Whether every frozen parameter still equals its block of the HF checkpoint, and the optimizer's bytes."""
     from trainyard.parallel.io import hf_checkpoint
@@ -203,7 +192,7 @@ def test_init_from_gives_transformers_first_step_loss_at_3d(world, name):
     models, configs, per_rank, _, _ = world[:5]
     losses = {r[name]["losses"][0] for r in per_rank if r[name]["losses"][0] is not None}
     assert len(losses) == 1
-    assert abs(losses.pop() - _hf_loss(models[name], configs[name], 0)) < ATOL
+    assert abs(losses.pop() - hf_loss(models[name], configs[name], 0)) < ATOL
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -249,7 +238,7 @@ def test_the_state_trained_at_3d_exports_to_transformers(world, name):
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours.lm_head(ours.ln_f(ours(tokens))), rtol=0, atol=ATOL)
     second = {r[name]["losses"][1] for r in per_rank if r[name]["losses"][1] is not None}
-    assert abs(second.pop() - _hf_loss(theirs, cfg, 1)) < ATOL  # the layout's own forward, after its step
+    assert abs(second.pop() - hf_loss(theirs, cfg, 1)) < ATOL  # the layout's own forward, after its step
 
 
 def _lora_twin(name: str) -> str:
@@ -301,7 +290,7 @@ def test_the_lora_state_trained_at_3d_exports_to_peft_and_merged_to_transformers
         merged = AutoModelForCausalLM.from_pretrained(export_hf(exported, root / "lora-hf")).eval()
         torch.testing.assert_close(merged(tokens).logits, expected, rtol=0, atol=ATOL)
     second = {r.stats[1]["loss"] for r in results if r.stats[1]["loss"] is not None}
-    assert abs(second.pop() - _hf_loss(merged, plan.config, 1)) < ATOL  # the layout's own forward, after its step
+    assert abs(second.pop() - hf_loss(merged, plan.config, 1)) < ATOL  # the layout's own forward, after its step
 
 
 BACKEND_STEPS = 3
@@ -335,7 +324,7 @@ def test_backend_first_loss_is_transformers_and_dp2_zero3_follows_one_rank(world
     models, configs, curves = world[5]
     assert configs[name, "one"].model.family == "hf"  # no native family reads it
     one, z3 = curves[name, "one"][0], curves[name, "z3"]
-    assert abs(one[0] - _hf_loss(models[name], configs[name, "one"], 0)) < ATOL
+    assert abs(one[0] - hf_loss(models[name], configs[name, "one"], 0)) < ATOL
     for rank in z3:
         assert len(rank) == BACKEND_STEPS
         assert max(abs(a - b) for a, b in zip(rank, one, strict=True)) < CURVE_ATOL
@@ -368,4 +357,4 @@ def test_backend_export_loads_in_transformers_with_trainyards_logits(world, name
         if ours.softcap is not None:  # Gemma 2's final logit soft-capping
             logits = torch.tanh(logits / ours.softcap) * ours.softcap
         torch.testing.assert_close(theirs(tokens).logits, logits, rtol=0, atol=ATOL)
-    assert abs(curves[name, "z3"][0][1] - _hf_loss(theirs, cfg, 1)) < ATOL  # the trained state, exported
+    assert abs(curves[name, "z3"][0][1] - hf_loss(theirs, cfg, 1)) < ATOL  # the trained state, exported
