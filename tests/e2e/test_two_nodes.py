@@ -135,12 +135,7 @@ def test_a_fixed_size_job_that_loses_a_node_waits_for_one_added_back_and_resumes
     client, cluster = serve, two_node_cluster
     spec = tiny_spec(steps=30, global_batch=8, name="fixed-node-loss", resources={"cpus_per_worker": 4},
                      parallel={"dp": 2, "microbatches": 2}, checkpoint={"every": 2}, fault={"node_grace_s": 300})
-    lost_node = _second_node(cluster)
-    job_id = client.submit(spec)
-    wait_for(lambda: (j := client.job(job_id))["status"] == "RUNNING" and j["step"] >= 2, 300, "two steps at dp=2")
-    on_it = _replicas_on(client, job_id, lost_node.node_id)
-    assert len(on_it) == 1
-    cluster.remove_node(lost_node)
+    job_id, lost_node, on_it = _run_then_lose_the_second_node(client, cluster, spec, steps=2)
     wait_for(lambda: _events(client, job_id, "node_lost"), 120, "the job to wait for the lost node")
     assert client.job(job_id)["status"] == "RECOVERING"
     cluster.add_node(**NODE)
@@ -161,14 +156,22 @@ def test_a_fixed_size_job_whose_node_does_not_come_back_fails_naming_it(serve, t
     client, cluster = serve, two_node_cluster
     spec = tiny_spec(steps=100_000, global_batch=8, name="lost-for-good", resources={"cpus_per_worker": 4},
                      parallel={"dp": 2, "microbatches": 2}, fault={"node_grace_s": 0})
-    lost_node = _second_node(cluster)
-    job_id = client.submit(spec)
-    wait_for(lambda: (j := client.job(job_id))["status"] == "RUNNING" and j["step"] >= 1, 300, "a step at dp=2")
-    on_it = _replicas_on(client, job_id, lost_node.node_id)
-    assert len(on_it) == 1
-    cluster.remove_node(lost_node)
+    job_id, lost_node, on_it = _run_then_lose_the_second_node(client, cluster, spec, steps=1)
     job = wait_terminal(client, job_id, timeout_s=120)
     assert job["status"] == "FAILED"
     assert lost_node.node_id in job["error"] and "fault.node_grace_s=0 s" in job["error"], job["error"]
     [lost] = _events(client, job_id, "node_lost")
     assert lost_node.node_id in lost["nodes"] and lost["replicas"] == on_it
+
+
+def _run_then_lose_the_second_node(client, cluster, spec: dict, steps: int):
+    """Submit a dp=2 job, wait for `steps` steps, check one replica sits on the second node and remove that node:
+    (job id, the removed node, the replicas that were on it)."""
+    lost_node = _second_node(cluster)
+    job_id = client.submit(spec)
+    wait_for(lambda: (j := client.job(job_id))["status"] == "RUNNING" and j["step"] >= steps, 300,
+             f"{steps} step(s) at dp=2")
+    on_it = _replicas_on(client, job_id, lost_node.node_id)
+    assert len(on_it) == 1
+    cluster.remove_node(lost_node)
+    return job_id, lost_node, on_it
