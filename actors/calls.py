@@ -32,7 +32,7 @@ class StepFailed(RuntimeError):
     """A call that failed on some ranks: which ones died, raised, or never answered (hung or blocked)."""
 
     def __init__(self, message: str, *, dead: tuple[int, ...] = (), raised: tuple[int, ...] = (),
-                 pending: tuple[int, ...] = (), blamed: tuple[int, ...] = (), answered: tuple[dict, ...] = (),
+                 pending: tuple[int, ...] = (), blamed: tuple[int, ...] = (), answered: tuple[object, ...] = (),
                  out_of_memory: tuple[int, ...] = ()):
         super().__init__(message)
         self.dead, self.raised, self.pending, self.blamed = dead, raised, pending, blamed
@@ -62,8 +62,9 @@ class Failure:
     """The step the job was at."""
     coordinator: bool = False
     """The coordinator's own process died: every rank died with it."""
-    answered: tuple[dict, ...] = ()
-    """The results of the ranks that finished the failed call (a step's StepStats dicts)."""
+    answered: tuple[object, ...] = ()
+    """The results of the ranks that finished the failed call (a step's call: each rank's list of the StepStats
+    dicts of the steps whose figures it returned, `RankDriver.queue_step`)."""
     out_of_memory: tuple[int, ...] = ()
     """The blamed ranks that ran out of memory: the same layout would again, so it is not retried."""
 

@@ -107,19 +107,25 @@ def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[
     return sources
 
 
-def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: tuple[dict, ...]
+LATE_STEPS = 2
+"""How many steps past the first without a row the ranks may have finished at a failure: the step whose figures
+were on their way, and the one queued behind it."""
+
+
+def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: dict[int, tuple[dict, ...]]
                ) -> tuple[dict[int, int], int] | None:
     """Where a recovery from live replicas goes on: (`replica_sources`, the step), or None. The replicas hold
-    the failed step `step`; or, when the rank that died had finished that step but its answer was lost with it,
-    the step after, if the ranks that answered say all the step's row needs (a loss, and every stage of one
-    pipeline, any replica's: `telemetry.make_row`)."""
-    sources = replica_sources(plan, kept, step)
-    if sources is not None:
-        return sources, step
-    if complete_pipeline(answered, plan.pp) is not None and any(r["loss"] is not None for r in answered):
-        sources = replica_sources(plan, kept, step + 1)
+    the failed step `step` (the first whose row the coordinator lacks); or a later one, when the ranks finished
+    the steps between but their figures had not come back (they come one step late, or the rank that died took
+    its answer with it), if the ranks' figures of each of those steps (`answered`, by step) say all its row
+    needs (a loss, and every stage of one pipeline, any replica's: `telemetry.make_row`)."""
+    for resume in range(step, step + LATE_STEPS + 1):
+        sources = replica_sources(plan, kept, resume)
         if sources is not None:
-            return sources, step + 1
+            return sources, resume
+        rows = answered.get(resume, ())
+        if complete_pipeline(rows, plan.pp) is None or not any(r["loss"] is not None for r in rows):
+            return None
     return None
 
 

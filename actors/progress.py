@@ -29,10 +29,17 @@ class Progress:
     """When the failure a recovery is closing happened; None when no recovery is open."""
     checkpoint_failures: int = 0
     """Scheduled checkpoints in a row that could not be written."""
+    timed: dict[int, float] = field(default_factory=dict)
+    """The wall time of each step whose call came back but whose figures have not yet (they come one step late:
+    `actors.training`), for its row."""
 
     def waiting_for(self, step: int, calls: list, upcoming: list) -> None:
         """The step loop now waits for `step`'s `calls`, with the next step's `upcoming` queued behind them."""
         self.inflight, self.upcoming = (step, calls), upcoming
+
+    def step_timed(self, step: int, seconds: float) -> None:
+        """`step`'s call came back `seconds` after the previous step's: its row's time, once its figures come."""
+        self.timed[step] = seconds
 
     def step_began(self) -> None:
         self.step_started = time.time()
@@ -49,6 +56,7 @@ class Progress:
         """After a failure at `failed_at`, the ranks hold the state after `step` steps; `dropped`: the replicas
         that sit out until their rejoin step (none: every replica steps, and their step counts start anew)."""
         self.start_step, self.failed_at = step, failed_at
+        self.timed = {}  # the steps timed and never read are run again
         self.dropped = dict(dropped or {})
         if not dropped:
             self.replica_steps = []

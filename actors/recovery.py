@@ -10,8 +10,10 @@ died with it), and a resize asked for (`scale` or the elastic grower).
   3. create the missing ranks, rendezvous, set every rank up
   4. take the state: load the restore point, or move it in memory (new ranks get it by broadcast); after a
      failure, when every (pp, tp) shard still has a data-parallel replica holding the state of the failed step
-     (`policies.replica_sources`), that replica is the source: the job resumes at the failed step, no step
-     lost and no checkpoint read (torchft's idea); else it goes back to the restore point
+     (`policies.replica_sources`; the failed step is the first without a row: figures come one step late), or
+     of a later one whose figures the ranks returned or kept (`policies.live_point`), that replica is the
+     source: the job resumes there, no step lost and no checkpoint read (torchft's idea); else it goes back to
+     the restore point
   5. forget the metrics rows that will be run again, and record the resize
 local_sgd and diloco jobs may instead drop the failed replica from the round (`actors.replica_drop`).
 """
@@ -61,9 +63,11 @@ async def recover(ctl: Controller, state: Recovering) -> Ready:
     steps = {rank: held for rank, (held, _) in kept.items()}
     point = live_point(old, steps, failure.step, answered) if live and shrunk is None else None
     sources = point[0] if point else None
-    if point and point[1] > failure.step:  # the failed step did finish: its row from the ranks' answers
+    # The steps before it that did finish but whose rows the coordinator lacks (figures come a step late, or the
+    # answer was lost with the rank that died): their rows from the figures the ranks returned or kept.
+    for step in range(failure.step, point[1] if point else failure.step):
         cfg = old.config
-        ctl.rows.add(make_row(failure.step, list(answered), failure.waited_s,
+        ctl.rows.add(make_row(step, list(answered[step]), ctl.progress.timed.get(step, failure.waited_s),
                               cfg.global_batch * cfg.model.seq_len))
     _record_failure(ctl, state, point[1] if point else None)
     if shrunk is not None:  # an elastic job lost a node for good: go on with the replicas left
@@ -119,15 +123,21 @@ async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, sourc
     ctl.rows.trim(ctl.progress.start_step)
 
 
-def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, dict | None]]) -> tuple[dict, ...]:
-    """What the ranks returned for the failed step: the answers that came back, and those the failure cut short
-    (each kept rank's last finished step, `Worker.keep_state`). A failed call other than a step's answered
-    other things."""
-    def of_the_step(row: object) -> TypeGuard[dict]:
-        return isinstance(row, dict) and "pp_rank" in row and row.get("step") == failure.step
+def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, list[dict]]]
+             ) -> dict[int, tuple[dict, ...]]:
+    """The figures the ranks returned or kept for the steps from the failed one on (no row has them yet), by
+    step: those in the answers that came back (a step's call answers a list of them; a failed call other than a
+    step's answered other things), and those the failure cut short (each kept rank's last figures read,
+    `Worker.keep_state`)."""
+    def of_a_missing_step(row: object) -> TypeGuard[dict]:
+        return isinstance(row, dict) and "pp_rank" in row and row.get("step", -1) >= failure.step
 
-    rows = [r for r in failure.answered if of_the_step(r)] + [last for _, last in kept.values() if of_the_step(last)]
-    return tuple({plan.rank_of(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r for r in rows}.values())
+    figures = [r for answer in failure.answered if isinstance(answer, list) for r in answer]
+    figures += [r for _, last in kept.values() for r in last]
+    by_step: dict[int, dict[int, dict]] = {}
+    for r in filter(of_a_missing_step, figures):
+        by_step.setdefault(r["step"], {})[plan.rank_of(r["pp_rank"], r["tp_rank"], r["dp_rank"])] = r
+    return {step: tuple(rows.values()) for step, rows in by_step.items()}
 
 
 def _record_failure(ctl: Controller, state: Recovering, replica_step: int | None) -> None:

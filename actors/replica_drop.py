@@ -4,7 +4,9 @@ the round and the rejoin run on the ranks; `policies.replicas_to_drop` when a fa
 
 The coordinator's part, in `drop_replicas`:
   1. the other replicas finish the failed step and the one queued after it (between syncs they wait on no
-     other replica); their rows are recorded (`replica_steps` shows the dropped replica standing still)
+     other replica), and give the last one's figures (`Worker.flush`); the rows of the steps up to there are
+     recorded, from the figures that came back (`replica_steps` shows the dropped replica standing still from
+     the first step whose figures it took with it: they come one step late)
   2. the dropped replicas' ranks are killed, the others hold their own state and leave the process groups
   3. new ranks for the dropped replicas; every rank joins the new process groups; the others take their own
      state back (the new ranks take none yet); the job goes on at the step after those two
@@ -41,27 +43,37 @@ async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
     failure, plan, cfg = state.failure, ctl.plan, ctl.plan.config
     (step, refs), dropped = ctl.progress.inflight, ctl.progress.dropped
     broken = replicas_to_drop(plan, set(failure.dead), set(failure.raised), dropped) if state.counted else None
-    if broken is None or step != failure.step or len(refs) != plan.world_size:
+    # The failed call is step `step`'s; the first step without a row is it, or the one before (figures come a
+    # step late).
+    if broken is None or failure.step not in (step - 1, step) or len(refs) != plan.world_size:
         return False
     others = [r for r in range(plan.world_size) if plan.coords(r).dp not in broken]
     upcoming = ctl.progress.upcoming
     ahead = upcoming if len(upcoming) == plan.world_size else []
+    workers = ctl.group.workers
     try:
         current = await ctl.group.call([refs[r] for r in others], f"step {step} on the replicas left")
         later = await ctl.group.call([ahead[r] for r in others], f"step {step + 1} on the replicas left") \
             if ahead else []
+        flushed = await ctl.group.call([workers[r].flush.remote() for r in others],
+                                       "reading the last step's figures on the replicas left")
     except StepFailed:
         return False
     resumed = step + (2 if later else 1)
     if is_done(resumed, cfg.steps):
         return False
+    # The rows of the steps up to there, from the figures the failed call's answers and these calls returned; a
+    # dropped replica's figures lost with its rank, its replica_steps show it standing still from there.
     tokens = cfg.global_batch * cfg.model.seq_len
-    answers = {(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r for r in failure.answered
-               if isinstance(r, dict) and r.get("step") == step and "pp_rank" in r}
-    answers |= {(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r for r in current if "pp_rank" in r}
-    record(ctl, make_row(step, list(answers.values()), failure.waited_s, tokens), list(answers.values()))
-    if later:
-        record(ctl, make_row(step + 1, later, time.time() - failure.failed_at, tokens), later)
+    by_step: dict[int, dict[tuple[int, int, int], dict]] = {}
+    for answer in (*failure.answered, *current, *later, *flushed):
+        for r in answer if isinstance(answer, list) else ():
+            if isinstance(r, dict) and "pp_rank" in r:
+                by_step.setdefault(r["step"], {})[(r["pp_rank"], r["tp_rank"], r["dp_rank"])] = r
+    for s in range(failure.step, resumed):
+        answers = list(by_step.get(s, {}).values())
+        elapsed = ctl.progress.timed.get(s) or (failure.waited_s if s <= step else time.time() - failure.failed_at)
+        record(ctl, make_row(s, answers, elapsed, tokens), answers)
 
     for rank in range(plan.world_size):
         if rank not in others:

@@ -2,7 +2,11 @@
 stop or a resize asked for), and the final checkpoint with the exported model (FINISHING, STOPPING).
 
 One Ray call per worker per step, queued one step ahead: a worker runs its calls in order and starts the
-next step the moment it finishes this one, so the round trip to the coordinator is off the critical path.
+next step the moment it finishes this one, so the round trip to the coordinator is off the critical path. A
+step's figures come back one step late (`RankDriver.queue_step`): the call for step N returns N-1's (and N's too
+when N evaluates or saves), so a step's row is recorded as its figures arrive, timed by its own call (the wall
+time between the previous call's answers and its own, as the rows always were); when the loop stops (the last
+step, a stop, a resize) one more call (`flush`) gives the last step's, before any checkpoint of the state.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ async def run_steps(ctl: Controller) -> Outcome:
     from trainyard.parallel.plan.replica_sync import round_of
 
     plan, cfg = ctl.plan, ctl.plan.config
-    tokens = cfg.global_batch * cfg.model.seq_len
     root, info = ctl.storage.checkpoint_root, checkpoint_info(cfg)
 
     def submit(step: int) -> list[ray.ObjectRef]:
@@ -72,16 +75,34 @@ async def run_steps(ctl: Controller) -> Outcome:
         plain = not (saves_after(cfg, step) or evaluates_after(cfg, step)) and step > progress.start_step
         deadline = ctl.hang.deadline(ctl.rows.recent_step_times(HANG_WINDOW)) if plain else cfg.fault.step_timeout_s
         progress.waiting_for(step, refs, upcoming)
-        results = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
+        answers = await ctl.group.call(refs, f"step {step}", deadline, hang=plain, next_calls=upcoming)
         now = time.perf_counter()
-        record(ctl, make_row(step, results, now - start, tokens, cfg.planned.predicted_step_s if cfg.planned else None),
-               results)
+        progress.step_timed(step, now - start)
+        record_figures(ctl, answers)
         start, refs, done = now, upcoming, step + 1
         progress.step_began()
         if not refs:
             break
+    # The last step's figures, read (and checked for divergence) before the final checkpoint, a stop or a resize.
+    progress.waiting_for(done, [], [])
+    record_figures(ctl, await ctl.group.call([w.flush.remote() for w in ctl.group.workers],
+                                             f"reading step {done - 1}'s figures"))
     progress.stopped_at(done)
     return AtBoundary(done, saved=saves_after(cfg, done - 1) and progress.checkpoint_failures == 0)
+
+
+def record_figures(ctl: Controller, answers: list[list[dict]]) -> None:
+    """The rows of the steps whose figures one call to every rank returned (each rank returns the same steps,
+    `RankDriver.queue_step`), in step order, each timed by its own step's call."""
+    cfg = ctl.plan.config
+    by_step: dict[int, list[dict]] = {}
+    for finished in answers:
+        for stats in finished:
+            by_step.setdefault(stats["step"], []).append(stats)
+    for step, results in sorted(by_step.items()):
+        row = make_row(step, results, ctl.progress.timed.pop(step), cfg.global_batch * cfg.model.seq_len,
+                       cfg.planned.predicted_step_s if cfg.planned else None)
+        record(ctl, row, results)
 
 
 def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> None:

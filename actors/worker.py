@@ -2,7 +2,8 @@
 groups, the trainer, the steps and the checkpoints; the gloo tests and the benches drive the same class).
 
 The coordinator creates one per rank, pinned to the job's placement group, and calls it once to
-rendezvous (`address`, then `setup` on all ranks at once) and once per step (`run_step`). Exceptions
+rendezvous (`address`, then `setup` on all ranks at once) and once per step (`run_step`, which returns the previous
+step's figures: `RankDriver.queue_step`), then once for the last step's figures (`flush`). Exceptions
 propagate to the coordinator with their traceback; the coordinator then kills every rank, so a peer
 blocked in a collective never hangs the job. A failing `setup` or `run_step` also prints its traceback to
 the rank's stderr (Ray returns an actor method's exception to the caller and logs it nowhere), so that
@@ -42,8 +43,6 @@ class Worker:
         torch.set_num_threads(max(1, threads))
         self.driver: RankDriver | None = None
         self._kept: dict | None = None
-        self._last: dict | None = None
-        """What this rank's last finished step returned (a recovery may need it: its answer can be lost)."""
         self._step_failed = False
         """A step raised here: the steps queued after it are refused until the recovery sets this rank up again
         (one would block on the peers the failure left waiting, and hold up the recovery's call behind it)."""
@@ -78,12 +77,13 @@ class Worker:
             self.driver.load(Path(directory), step)
 
     def run_step(self, step: int, microbatch_ids: list[list[int]] | None, evaluate: bool = False,
-                 save: dict | None = None, drill: str | None = None, round_: dict | None = None) -> dict:
-        """One training step; then, if asked, the validation loss and a checkpoint of the state after it
-        (`save`: root, info, background). The row says how long the checkpoint blocked the step. `drill` is a
-        fault drill (`kill_worker`: the process exits; `hang_worker`: the step never returns). `microbatch_ids` None:
-        this rank's share of the step's global batch, drawn here from (seed, step). `round_`: who takes part while a
-        replica is dropped (`RankDriver.step`)."""
+                 save: dict | None = None, drill: str | None = None, round_: dict | None = None) -> list[dict]:
+        """One training step queued; then, if asked, the validation loss and a checkpoint of the state after it
+        (`save`: root, info, background). Returns the figures of the steps finished since the last call
+        (`RankDriver.queue_step`: the previous step's, and this one's when it evaluates or saves); the row says
+        how long the checkpoint blocked the step. `drill` is a fault drill (`kill_worker`: the process exits;
+        `hang_worker`: the step never returns). `microbatch_ids` None: this rank's share of the step's global batch,
+        drawn here from (seed, step). `round_`: who takes part while a replica is dropped."""
         assert self.driver is not None, "setup() must run before run_step()"
         if self._step_failed:
             raise RuntimeError(f"rank {self.rank} did not run step {step}: an earlier step failed here")
@@ -94,9 +94,22 @@ class Worker:
 
             with self._traceback_to_stderr(f"step {step}"):
                 request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
-                stats = self.driver.step(step, microbatch_ids, evaluate=evaluate, save=request, round_=round_)
-                self._last = {**stats, "peak_rss_bytes": peak_rss_bytes()}
-                return self._last
+                finished = self.driver.queue_step(step, microbatch_ids, evaluate=evaluate, save=request,
+                                                  round_=round_)
+                return [{**stats, "peak_rss_bytes": peak_rss_bytes()} for stats in finished]
+        except Exception:
+            self._step_failed = True
+            raise
+
+    def flush(self) -> list[dict]:
+        """The figures of the last step queued ([] when they were returned already): at the job's end, a stop or
+        a resize. A diverged step raises, naming it."""
+        assert self.driver is not None, "setup() must run before flush()"
+        if self._step_failed:
+            raise RuntimeError(f"rank {self.rank} has no step to flush: a step failed here")
+        try:
+            with self._traceback_to_stderr("reading the last step's figures"):
+                return [{**stats, "peak_rss_bytes": peak_rss_bytes()} for stats in self.driver.flush()]
         except Exception:
             self._step_failed = True
             raise
@@ -131,14 +144,18 @@ class Worker:
                 print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
 
-    def keep_state(self, after_failure: bool = False) -> tuple[int | None, dict | None]:
+    def keep_state(self, after_failure: bool = False) -> tuple[int | None, list[dict]]:
         """Before an in-memory resize, or after a failure (a live replica's state may spare the job its
         checkpoint): hold this rank's parameters and optimizer state, then leave the process groups
         (`adopt_state` takes them into the trainer of the new layout). Returns the steps that state holds (None:
-        unknown, e.g. the failure came while it was being replaced; it is then no source for anyone) and what
-        this rank's last finished step returned."""
-        steps, last = None, self._last
+        unknown, e.g. the failure came while it was being replaced, or its last step diverged; it is then no
+        source for anyone) and the figures of the last steps this rank read, the one queued last read first (the
+        failed call's answer may have been lost with them)."""
+        steps, last = None, []
         if self.driver is not None:
+            with contextlib.suppress(Exception):  # a diverged step: `steps_done` is None then
+                self.driver.flush()  # the figures of the step queued last: a local read, no peer needed
+            last = list(self.driver.recent)
             with self._traceback_to_stderr("keeping the state"):
                 self._kept = self.driver.trainer.local_state(finish_saves=not after_failure)
                 steps = self.driver.trainer.steps_done
@@ -156,7 +173,7 @@ class Worker:
         a new rendezvous (recovery reuses the ranks that are alive and answering)."""
         from trainyard.parallel.runtime.distributed import shutdown_distributed
 
-        self.driver, self._step_failed, self._last = None, False, None
+        self.driver, self._step_failed = None, False
         shutdown_distributed()  # the driver's groups, also those of a setup that failed half-way
 
     def shutdown(self) -> None:

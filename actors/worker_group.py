@@ -108,12 +108,12 @@ class WorkerGroup:
             self.workers[rank] = None
 
     async def tear_down(self, failure: Failure, upcoming: list, keep_state: bool = False
-                        ) -> dict[int, tuple[int | None, dict | None]]:
+                        ) -> dict[int, tuple[int | None, list[dict]]]:
         """After a failure: ranks that raised are reset (and kept), every other rank is killed. `keep_state`: the
         kept ranks hold their state (`Worker.keep_state`), and when a rank died, every rank alive is given the same
         chance, except those of a replica holding a dead rank, which are replaced (their exit frees the ranks
         blocked on them; one that stays blocked is killed after RESET_TIMEOUT_S). Returns the kept ranks,
-        the steps their state holds (None: unknown, or not kept) and what their last finished step returned
+        the steps their state holds (None: unknown, or not kept) and the figures of the last steps they read
         (`Worker.keep_state`)."""
         for ref in upcoming:  # the step queued ahead: not to run on the ranks kept
             try:
@@ -136,10 +136,10 @@ class WorkerGroup:
                                         else self.workers[r].reset.remote()): r
                   for r in reusable if self.workers[r] is not None}
         done, late = await asyncio.wait(resets, timeout=RESET_TIMEOUT_S) if resets else (set(), set())
-        kept: dict[int, tuple[int | None, dict | None]] = {}
+        kept: dict[int, tuple[int | None, list[dict]]] = {}
         for task in done | late:
             if task in done and task.exception() is None:
-                kept[resets[task]] = task.result() if keep_state else (None, None)
+                kept[resets[task]] = task.result() if keep_state else (None, [])
             else:  # a rank that cannot even reset is replaced
                 task.cancel()
                 self.kill(resets[task])

@@ -4,8 +4,9 @@ On a CPU the work of an action is done when its call returns, so a host timer ar
 measures it. On a GPU the call only queues kernels: a host timer measures the queueing, and the bubble fraction
 and the per-stage times computed from it (`actors.telemetry`) are wrong there. So on CUDA each span is a pair of
 CUDA events recorded on the current stream around the action, and its seconds are read from the events'
-`elapsed_time` after the step's one read from the device (`parallel.runtime.trainer`), when they are complete:
-reading them then waits for nothing. `settle` adds them into the step's timings.
+`elapsed_time` after the step's one read from the device, when they are complete: reading them then waits for
+nothing. That read comes one step late (`parallel.runtime.step_figures`), after the next step's spans are recorded:
+`detach` hands a step's spans over as it is queued, and `settle` adds them into its timings at the read.
 """
 
 from __future__ import annotations
@@ -40,9 +41,14 @@ class StageClock:
         end.record()
         self._pending.append((name, begin, end))
 
-    def settle(self, timings: object) -> None:
-        """Add the step's device-timed spans into `timings` (after the step's kernels are done; nothing on CPU)."""
-        for name, begin, end in self._pending:
+    def detach(self) -> list[tuple[str, Any, Any]]:
+        """The device-timed spans recorded since the last `detach` or `settle` (a step's), no longer held here."""
+        spans, self._pending = self._pending, []
+        return spans
+
+    def settle(self, timings: object, spans: list[tuple[str, Any, Any]] | None = None) -> None:
+        """Add device-timed spans (`spans`, else those held) into `timings`, after their kernels are done
+        (nothing on CPU)."""
+        for name, begin, end in self.detach() if spans is None else spans:
             end.synchronize()  # done already after the step's read: this waits for nothing
             setattr(timings, name, getattr(timings, name) + begin.elapsed_time(end) / 1e3)
-        self._pending.clear()

@@ -14,15 +14,15 @@ tokens; with a loss mask, the assistant/completion ones: `parallel.data.datasets
 every rank from the step's sample ids) before backward, so summed gradients equal the gradient of the
 global mean loss whatever the layout.
 
-Host reads. Nothing in a step waits for the device until every kernel of it is queued: the loss, the clipped
-gradient norm (`clip_grad_norm` scales by min(1, max / norm) on the device), the token counts (from the sample ids,
-on the host) and the MoE statistics stay device tensors, and the step ends with one read of all of them, stacked
-(`torch.cat(...).tolist()`), which the divergence check (`DivergedError`, naming the step) then acts on. The MoE
-layers' dispatch is the exception, one read per layer and micro-batch when dropless, none with a capacity
-(`parallel.models.moe`). tests/unit/test_host_reads.py counts them. The read is at the step's end, not a step
-late: the coordinator already queues each step's call one step ahead (`actors.training`), so the rank goes from
-this read straight into the next step; what a read one step late would add on a GPU is the device's idle time
-between the end of this step's kernels and the first of the next one's (reading the next batch, queueing).
+Host reads. Nothing in a step waits for the device: the loss, the clipped gradient norm (`clip_grad_norm` scales by
+min(1, max / norm) on the device), the token counts (from the sample ids, on the host) and the MoE statistics stay
+device tensors, and `queue_step` ends with all of them stacked into one tensor on its way to the host
+(`parallel.runtime.step_figures`). `read_step` reads it (`.tolist()`, the step's one read) and the divergence check
+(`DivergedError`, naming that step) acts on it. The rank reads a step's figures one step late, once the next
+step's work is queued behind them (`RankDriver.queue_step`), so on a GPU the device goes from one step's kernels
+straight into the next one's; `train_step` reads them at once, for callers that compare trainers step by step.
+The MoE layers' dispatch is the exception, one read per layer and micro-batch when dropless, none with a capacity
+(`parallel.models.moe`). tests/unit/test_host_reads.py counts them.
 
 The state that moves (the checkpoint's form of it, saves and loads, a resize's or a rejoining replica's state,
 local_sgd / diloco's averaging) is `parallel.runtime.rank_state`'s `RankState`, which the trainer holds and
@@ -62,6 +62,7 @@ from trainyard.parallel.runtime.pipeline import PipelineExecutor, PipelineTiming
 from trainyard.parallel.runtime.powersgd import PowerSGD
 from trainyard.parallel.runtime.rank_state import RankState
 from trainyard.parallel.runtime.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
+from trainyard.parallel.runtime.step_figures import Figures, stage
 from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
 from trainyard.parallel.runtime.sync import ReplicaSync, replica_group
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
@@ -181,8 +182,14 @@ class RankTrainer:
 
     def train_step(self, step: int, microbatch_ids: list[list[int]], live: tuple[int, ...] | None = None
                    ) -> StepStats:
-        """One step; `live`: the replicas in the round when some are dropped (`replica_sync.round_of`): the
-        sync averages over them."""
+        """One step, its figures read at once (`queue_step` then `read_step`): for callers that step one trainer
+        against another (benches, tests). The service's ranks read them one step late (`RankDriver.queue_step`)."""
+        return self.read_step(self.queue_step(step, microbatch_ids, live))
+
+    def queue_step(self, step: int, microbatch_ids: list[list[int]], live: tuple[int, ...] | None = None
+                   ) -> Figures:
+        """One step's work, queued, its figures left on their way to the host (`read_step` reads them); `live`: the
+        replicas in the round when some are dropped (`replica_sync.round_of`): the sync averages over them."""
         compiling = self.plan.config.compile
         start, compiled_before = time.perf_counter(), compile_seconds() if compiling else 0.0
         if self.compressor is not None:
@@ -218,28 +225,31 @@ class RankTrainer:
                 view.write_back()
         self.rank_state.steps_done = step + 1
         step_loss = self._step_loss(loss_sum)
-        moe_stats = self._moe_stats_tensor()
-        # The step's one read from the device: the loss, the norm and the MoE statistics in one tensor, once
-        # every kernel of the step is queued (module doc, "Host reads").
-        parts = [norm.reshape(1).double(), moe_stats.flatten()]
-        figures = torch.cat(parts if step_loss is None else [step_loss.reshape(1).double(), *parts]).tolist()
-        loss = None if step_loss is None else figures.pop(0)
-        grad_norm = figures.pop(0)
-        self.executor.clock.settle(timings)  # the actions' CUDA events are complete now (stage_clock)
+        # The loss, the norm and the MoE statistics in one tensor, sent on to the host without waiting (module
+        # doc, "Host reads"): `read_step` reads them.
+        parts = [norm.reshape(1).double(), self._moe_stats_tensor().flatten()]
+        values, ready = stage(torch.cat(parts if step_loss is None else [step_loss.reshape(1).double(), *parts]))
+        device_bytes, host_bytes = self.optimizer.state_bytes()
+        host = dict(compute_s=time.perf_counter() - start, pp_rank=self.coords.pp, dp_rank=self.coords.dp,
+                    tp_rank=self.coords.tp, optimizer_bytes=device_bytes, optimizer_host_bytes=host_bytes,
+                    early_reductions=sum(r.started_early for r in self.reducers.values()),
+                    buckets=sum(len(r.buckets) for r in self.reducers.values()),
+                    reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
+                    compile_s=compile_seconds() - compiled_before if compiling else 0.0, cross_replica_bytes=sent)
+        return Figures(step, values, ready, step_loss is not None, lr, timings, self.executor.clock.detach(), host)
+
+    def read_step(self, queued: Figures) -> StepStats:
+        """A queued step's figures, read to the host (the step's one read), as its `StepStats`; a loss or gradient
+        norm that is not finite raises `DivergedError`, naming that step."""
+        loss, grad_norm, moe = queued.read()
+        self.executor.clock.settle(queued.timings, queued.spans)  # the step's CUDA events are complete now
         if not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss)):
             self.rank_state.steps_done = None  # the step applied non-finite gradients: no recovery takes this state
             clip = "" if self.plan.config.optimizer.grad_clip > 0 else ", or turn optimizer.grad_clip on"
-            raise DivergedError(f"step {step}: training diverged: loss {loss}, gradient norm {grad_norm} (not "
-                                f"finite) at lr {lr:.6g}; lower optimizer.lr{clip}")
-        device_bytes, host_bytes = self.optimizer.state_bytes()
-        return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - start,
-                         pp_rank=self.coords.pp, dp_rank=self.coords.dp, tp_rank=self.coords.tp,
-                         optimizer_bytes=device_bytes, optimizer_host_bytes=host_bytes,
-                         early_reductions=sum(r.started_early for r in self.reducers.values()),
-                         buckets=sum(len(r.buckets) for r in self.reducers.values()),
-                         reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
-                         compile_s=compile_seconds() - compiled_before if compiling else 0.0,
-                         moe=self._moe_stats(figures), cross_replica_bytes=sent, **asdict(timings))
+            raise DivergedError(f"step {queued.step}: training diverged: loss {loss}, gradient norm {grad_norm} (not "
+                                f"finite) at lr {queued.lr:.6g}; lower optimizer.lr{clip}")
+        return StepStats(step=queued.step, loss=loss, grad_norm=grad_norm, lr=queued.lr, moe=self._moe_stats(moe),
+                         **queued.host, **asdict(queued.timings))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

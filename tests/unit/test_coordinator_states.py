@@ -283,14 +283,17 @@ def test_no_recovery_from_a_replica_that_does_not_hold_the_whole_state(spec):
     assert not replicas_may_recover(make_plan(parse_spec(tiny_spec(**spec))))
 
 
-def test_replicas_one_step_ahead_are_taken_when_the_answers_hold_the_lost_step_row():
-    # rank 1 died after finishing step 4, its answer lost with it: rank 0 finished step 4 too (it holds 5 steps)
+def test_replicas_steps_ahead_are_taken_when_the_figures_hold_the_rows_of_the_steps_between():
+    # No row past step 3: rank 1 died in step 4 or later, rank 0 finished steps 4 (figures one step late, or the
+    # answer lost with rank 1) and 5 (queued behind it) and returned or kept their figures
     plan = make_plan(parse_spec(tiny_spec(parallel={"dp": 2})))
-    row_of_rank_0 = {"pp_rank": 0, "dp_rank": 0, "tp_rank": 0, "loss": 2.5}
-    assert live_point(plan, {0: 4}, 4, ()) == ({0: 0, 1: 0}, 4)
-    assert live_point(plan, {0: 5}, 4, (row_of_rank_0,)) == ({0: 0, 1: 0}, 5)
-    assert live_point(plan, {0: 5}, 4, ()) is None  # no row for step 4: back to the checkpoint
-    assert live_point(plan, {0: 6}, 4, (row_of_rank_0,)) is None
+    figures = {s: ({"step": s, "pp_rank": 0, "dp_rank": 0, "tp_rank": 0, "loss": 2.5},) for s in (4, 5)}
+    assert live_point(plan, {0: 4}, 4, {}) == ({0: 0, 1: 0}, 4)
+    assert live_point(plan, {0: 5}, 4, figures) == ({0: 0, 1: 0}, 5)
+    assert live_point(plan, {0: 6}, 4, figures) == ({0: 0, 1: 0}, 6)
+    assert live_point(plan, {0: 5}, 4, {}) is None  # no figures of step 4: back to the checkpoint
+    assert live_point(plan, {0: 6}, 4, {4: figures[4]}) is None  # none of step 5
+    assert live_point(plan, {0: 7}, 4, figures) is None
 
 
 def test_the_failure_policy_comes_from_the_spec_and_the_plan():

@@ -1,5 +1,7 @@
 """The host reads a training step makes (issue 48 item 7): one per step for the step's figures (loss, gradient norm,
-MoE statistics, stacked), and in MoE blocks one per layer and micro-batch when dropless, none with a capacity.
+MoE statistics, stacked), and in MoE blocks one per layer and micro-batch when dropless, none with a capacity; and
+that the one read comes a step late (item 2): a rank's call for step N returns step N-1's figures, read once N's
+work is queued, and a divergence is reported as the step it happened in.
 
 A read is counted where, on a GPU, it would make the host wait for the device: `_local_scalar_dense` (`.item()`,
 `float(t)`, `int(t)`), `is_nonzero` (`bool(t)`, `if t:`), `equal`, a `Tensor.tolist()` (which does not dispatch:
@@ -12,6 +14,7 @@ every device) makes no read here. One rank, one process, gloo at world size 1: a
 
 from __future__ import annotations
 
+import math
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +26,7 @@ from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, MoECon
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.local_world import free_ports
+from trainyard.parallel.runtime.step_stats import DivergedError
 
 aten = torch.ops.aten
 SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}
@@ -86,34 +90,72 @@ def driver() -> Iterator[RankDriver]:
     driver.close()
 
 
-def step_reads(driver: RankDriver, cfg: JobConfig) -> list[str]:
-    """The reads of one step of a tiny one-rank job (its optimizer state created first, as its first step would)."""
+def step_reads(driver: RankDriver, cfg: JobConfig) -> tuple[list[str], list[str]]:
+    """The reads of one step of a tiny one-rank job (its optimizer state created first, as its first step would):
+    those made while its work is queued (`queue_step`), and those of reading its figures (`read_step`)."""
     trainer = driver.trainer_for(make_plan(cfg))
     ids = [driver.microbatches(step) for step in range(2)]
     trainer.optimizer.init_state()
     counters = {s["step"].untyped_storage().data_ptr() for o in trainer.optimizer.optimizers
                 for s in o.state.values() if "step" in s}
-    with counting(counters) as reads:
-        stats = trainer.train_step(1, ids[1])
+    with counting(counters) as queueing:
+        queued = trainer.queue_step(1, ids[1])
+    with counting(counters) as reading:
+        stats = trainer.read_step(queued)
     assert stats.loss is not None and stats.grad_norm > 0  # the step's figures reached the host
-    return reads.reads
+    return queueing.reads, reading.reads
+
+
+ONE_READ = "Tensor.tolist at step_figures.py"
 
 
 @pytest.mark.parametrize("kind", ["adamw", "adafactor"])
-def test_a_dense_step_reads_the_device_once(driver, kind):
-    reads = step_reads(driver, job(kind=kind))
-    assert len(reads) == 1 and reads[0].startswith("Tensor.tolist at trainer.py"), reads
+def test_a_dense_step_reads_the_device_once_when_its_figures_are_read(driver, kind):
+    queueing, reading = step_reads(driver, job(kind=kind))
+    assert queueing == [] and len(reading) == 1 and reading[0].startswith(ONE_READ), (queueing, reading)
 
 
 def test_a_dropless_moe_step_reads_once_per_layer_and_microbatch(driver):
-    reads = step_reads(driver, job(MoEConfig(experts=4, top_k=2, every=1, capacity_factor=None)))
-    dispatch = [r for r in reads if "moe.py" in r]
-    assert len(dispatch) == LAYERS * MICROBATCHES and len(reads) == len(dispatch) + 1, reads
+    queueing, reading = step_reads(driver, job(MoEConfig(experts=4, top_k=2, every=1, capacity_factor=None)))
+    assert len(queueing) == LAYERS * MICROBATCHES and all("moe.py" in r for r in queueing), queueing
+    assert len(reading) == 1 and reading[0].startswith(ONE_READ), reading
 
 
 def test_an_moe_step_with_a_capacity_reads_nothing_in_dispatch(driver):
-    reads = step_reads(driver, job(MoEConfig(experts=4, top_k=2, every=1, capacity_factor=1.0)))
-    assert len(reads) == 1 and "trainer.py" in reads[0], reads
+    queueing, reading = step_reads(driver, job(MoEConfig(experts=4, top_k=2, every=1, capacity_factor=1.0)))
+    assert queueing == [] and len(reading) == 1 and reading[0].startswith(ONE_READ), (queueing, reading)
+
+
+@pytest.fixture
+def late(driver: RankDriver) -> Iterator[RankDriver]:
+    """The module's driver with a trainer of its own plan, fresh (the others' steps leave it untouched)."""
+    own = driver.trainer
+    driver.trainer = driver.trainer_for(driver.plan)
+    yield driver
+    driver.flush()
+    driver.trainer = own
+
+
+def test_a_step_call_returns_the_previous_steps_figures_and_the_flush_the_last(late):
+    reference = late.trainer_for(late.plan)  # the same start, its figures read at once
+    expected = [reference.train_step(step, late.microbatches(step)).to_dict() for step in range(2)]
+    assert late.queue_step(0) == []  # step 0 queued; nothing finished before it
+    first = late.queue_step(1)  # step 1 queued; then step 0's figures read
+    last = late.flush()
+    assert [s["step"] for s in first] == [0] and [s["step"] for s in last] == [1] and late.flush() == []
+    for got, want in zip(first + last, expected, strict=True):  # bitwise: only the read moved
+        assert (got["loss"], got["grad_norm"], got["lr"]) == (want["loss"], want["grad_norm"], want["lr"])
+
+
+def test_a_divergence_is_reported_as_its_own_step_one_step_late(late):
+    late.queue_step(0)
+    with torch.no_grad():  # step 1 then trains on NaN: its loss and gradient norm are not finite
+        next(late.trainer.chunks[0].parameters()).fill_(float("nan"))
+    (figures,) = late.queue_step(1)
+    assert figures["step"] == 0 and math.isfinite(figures["loss"])  # step 0's, computed before the NaN
+    with pytest.raises(DivergedError, match=r"^step 1: training diverged: loss nan"):
+        late.queue_step(2)  # step 2 queued, then step 1's figures read
+    assert late.trainer.steps_done is None  # no recovery takes this state
 
 
 def test_the_counter_sees_each_kind_of_read():

@@ -37,9 +37,9 @@ def test_any_whole_pipeline_makes_the_row_of_a_step_whose_answer_died_with_a_ran
     assert complete_pipeline(answered, PLAN.pp) == 1
     assert complete_pipeline((answer(0, 1), answer(1, 0)), PLAN.pp) is None
     kept = {rank(0, 0, 1): 7, rank(1, 0, 1): 7}
-    sources, step = live_point(PLAN, kept, 6, answered)
+    sources, step = live_point(PLAN, kept, 6, {6: answered})
     assert step == 7 and sources == {r: rank(PLAN.coords(r).pp, 0, 1) for r in range(PLAN.world_size)}
-    assert live_point(PLAN, kept, 6, (answer(0, 1),)) is None  # no whole pipeline: back to the checkpoint
+    assert live_point(PLAN, kept, 6, {6: (answer(0, 1),)}) is None  # no whole pipeline: back to the checkpoint
 
     row = make_row(6, list(answered), elapsed=0.5, tokens=256)
     assert row["loss"] == 2.5 and row["stage_forward_s"] == [0.1, 0.1]
