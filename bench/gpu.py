@@ -3,10 +3,11 @@
 Runs with torch alone (no Ray, no service), in one process, on one device:
 - trainyard: `parallel`'s trainer at world size 1, exactly as a worker runs it:
   `parallel.runtime.driver.RankDriver` (NCCL on CUDA, gloo on CPU) and its `RankTrainer`'s
-  `train_step(step, micro-batch ids)`. Each step reads its samples from the job's (synthetic) dataset on the
+  `queue_step(step, micro-batch ids)`. Each step reads its samples from the job's (synthetic) dataset on the
   CPU and copies them to the device, as a worker does; the sample ids come
-  ready-made, as a worker gets them from the coordinator. The trainer reads the step's figures (loss,
-  gradient norm) to the host once, at the step's end, so it waits for the device once a step.
+  ready-made, as a worker gets them from the coordinator. The trainer reads each step's figures (loss,
+  gradient norm) to the host once, one step late as a worker does (`read_step` once the next step is queued),
+  so the device does not idle between steps while the host waits.
 - plain: the same model (`parallel.models.whole.full_model`, same init), the same samples of the same steps
   already on the device, autocast around forward and loss (when bf16), mean `F.cross_entropy`, backward,
   `clip_grad_norm_` at the spec's grad_clip, and `torch.optim.AdamW(foreach=True)` (as the trainer's) with
@@ -67,6 +68,7 @@ from trainyard.parallel.runtime.data_parallel import GradientReducer
 from trainyard.parallel.runtime.distributed import shutdown_distributed
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.local_world import free_ports
+from trainyard.parallel.runtime.step_figures import Figures
 
 GPT_MEDIUM = {"n_layer": 24, "n_head": 16, "d_model": 1024, "vocab_size": 50304, "seq_len": 1024}
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 256, "seq_len": 32}
@@ -213,12 +215,20 @@ def _trainyard_side(plan: Plan, device: torch.device, shares: Shares, driver: Ra
     else:
         trainer = driver.trainer_for(plan)
     stats: list[dict] = []
+    queued: list[Figures] = []
 
-    def step(i: int) -> None:
-        stats.append(trainer.train_step(i, shares[i]).to_dict())
+    def step(i: int) -> None:  # as a worker's step call: step i queued, then step i - 1's figures read
+        queued.append(trainer.queue_step(i, shares[i]))
+        if len(queued) > 1:
+            stats.append(trainer.read_step(queued.pop(0)).to_dict())
+
+    def losses() -> list[float]:  # the last step's figures too
+        stats.extend(trainer.read_step(q).to_dict() for q in queued)
+        queued.clear()
+        return [s["loss"] for s in stats]
 
     (model,) = trainer.chunks  # world size 1: one stage holding the whole model
-    return Side(name, model, step, lambda: [s["loss"] for s in stats]), driver, stats
+    return Side(name, model, step, losses), driver, stats
 
 
 def _plain_side(cfg: JobConfig, device: torch.device, precision: str, batches: Batches,

@@ -61,8 +61,8 @@ from trainyard.parallel.runtime.materialize import materialize
 from trainyard.parallel.runtime.pipeline import PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.powersgd import PowerSGD
 from trainyard.parallel.runtime.rank_state import RankState
-from trainyard.parallel.runtime.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
 from trainyard.parallel.runtime.step_figures import Figures, stage
+from trainyard.parallel.runtime.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
 from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
 from trainyard.parallel.runtime.sync import ReplicaSync, replica_group
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
