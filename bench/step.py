@@ -4,10 +4,10 @@ bytes of the loss computation, fused (trainyard's) against torch's cross-entropy
 Run: `python -m bench.run --only step` (about a minute on 2 cores); torch and gloo in this process, no Ray.
 
 The sides are `bench.gpu`'s, on the CPU (`python -m bench.gpu --small --device cpu` is the same comparison with
-its own report): trainyard's `RankTrainer.train_step` through a `RankDriver` at world size 1, reading each step's
-samples and copying them as a worker does, against the textbook loop (the same `full_model`, init, samples,
-AdamW foreach with the same groups, schedule and clipping, its batches already in place), steps interleaved in
-rotating rounds so both see the same machine. fp32, one torch thread.
+its own report): trainyard's `RankTrainer.queue_step` through a `RankDriver` at world size 1, each step's figures
+read one step late and its samples read and copied as a worker does, against the textbook loop (the same
+`full_model`, init, samples, AdamW foreach with the same groups, schedule and clipping, its batches already in
+place), steps interleaved in rotating rounds so both see the same machine. fp32, one torch thread.
 
 The model (`bench.gpu.SMALL`: GPT, 4 blocks, d_model 256, 4 heads, vocab 8192, 8 x 128 tokens a step) is the
 smallest whose step is matmul-bound on one CPU thread, as GPT-2 medium's is on a GPU: a few hundred ms a step,

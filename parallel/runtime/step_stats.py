@@ -1,6 +1,6 @@
 """What one training step reports: `StepStats` (the rank's numbers for the step, which reach the coordinator as a
-dict) and `DivergedError` (a step whose loss or gradient norm is not finite). Data only, no torch: the trainer
-(`parallel.runtime.trainer`) fills them.
+dict) and `DivergedError` (a step whose loss or gradient norm is not finite, raised as the step's figures are
+read: one step late, `parallel.runtime.step_figures`). Data only, no torch: the trainer fills them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ class StepStats:
     grad_norm: float
     lr: float
     compute_s: float
-    """Time this rank spent inside train_step."""
+    """Time this rank spent queueing the step (`RankTrainer.queue_step`): on CPU its whole work; on a GPU the host's
+    part, the device's coming after."""
     pp_rank: int
     dp_rank: int
     tp_rank: int

@@ -132,6 +132,7 @@ def test_a_rank_out_of_memory_fails_the_job_once_saying_so(service):
     assert "resident peak measured before it" in job["error"]  # the ranks' peak RSS reached the coordinator
     events = client.events(job_id)
     assert not [e for e in events if e["kind"] in ("recovered", "failure")], events
-    assert [r["step"] for r in client.metrics(job_id)] == [0, 1, 2, 3]
+    # Step 3's figures come with step 4's call (one step late), which failed: a job that fails has no row for them
+    assert [r["step"] for r in client.metrics(job_id)] == [0, 1, 2]
     assert all(r["peak_rss_bytes"] > 0 for r in client.metrics(job_id))
     client.close()
