@@ -94,18 +94,18 @@ def _count_reads() -> None:
     hf_checkpoint.safe_open = _CountingOpen
     _CountingOpen.read.clear()
     _TIED_AFTER_STEPS.clear()
-    if getattr(RankTrainer.train_step, "keeps_tied_copies", False):  # an earlier run in this process wrapped it
+    if getattr(RankTrainer.queue_step, "keeps_tied_copies", False):  # an earlier run in this process wrapped it
         return
-    step = RankTrainer.train_step
+    step = RankTrainer.queue_step
 
-    def train_step(self, *args, **kwargs):
-        stats = step(self, *args, **kwargs)
+    def queue_step(self, *args, **kwargs):
+        queued = step(self, *args, **kwargs)
         copies = {"embedding": self.tied.embedding, "head": self.tied.head}
         _TIED_AFTER_STEPS.append({k: local_part(p).detach().clone() for k, p in copies.items() if p is not None})
-        return stats
+        return queued
 
-    train_step.keeps_tied_copies = True  # type: ignore[attr-defined]
-    RankTrainer.train_step = train_step  # type: ignore[method-assign]
+    queue_step.keeps_tied_copies = True  # type: ignore[attr-defined]
+    RankTrainer.queue_step = queue_step  # type: ignore[method-assign]
 
 
 def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
