@@ -23,8 +23,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.driver import RankDriver, Save
 from trainyard.parallel.runtime.local_world import free_ports
 from trainyard.parallel.runtime.step_stats import DivergedError
 
@@ -170,3 +171,15 @@ def test_the_counter_sees_each_kind_of_read():
         torch.tensor([1, 2]).repeat_interleave(torch.tensor([1, 1]))
         torch.tensor([1, 2]).repeat_interleave(torch.tensor([1, 1]), output_size=2)  # sized: no read
     assert len(reads.reads) == 6, reads.reads
+
+
+def test_a_step_that_saves_reads_its_own_figures_first_and_no_checkpoint_holds_a_diverged_step(late, tmp_path):
+    save = Save(tmp_path, {})
+    (saved,) = late.queue_step(0, save=save)  # step 0's figures in its own call: read and checked, then saved
+    assert saved["step"] == 0 and "checkpoint_blocked_s" in saved and checkpoint.committed_steps(tmp_path) == [1]
+    with torch.no_grad():
+        next(late.trainer.chunks[0].parameters()).fill_(float("nan"))
+    with pytest.raises(DivergedError, match=r"^step 1: training diverged"):
+        late.queue_step(1, save=save)
+    assert checkpoint.committed_steps(tmp_path) == [1]  # the state after the diverged step 1 was not saved
+
