@@ -23,6 +23,7 @@ import ray
 from trainyard.actors import recovery, training
 from trainyard.actors.calls import Failure, StepFailed, Unrecoverable
 from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
+from trainyard.actors.oom_killer import OomCounts, oom_killed, read_on_node, unexpected_exit
 from trainyard.actors.policies import (
     FailureAction,
     HangPolicy,
@@ -58,7 +59,7 @@ from trainyard.actors.state import (
 from trainyard.actors.storage import JobStorage
 from trainyard.actors.telemetry import Rows
 from trainyard.actors.tracking import Trackers
-from trainyard.actors.worker_group import WorkerGroup, slot_keys
+from trainyard.actors.worker_group import WorkerGroup, alive_nodes, slot_keys
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, resize_plan
 
@@ -88,6 +89,9 @@ class Controller:
         self.listeners: list[Callable[[State, State], None]] = [self._close_trackers]
         self.stop = self.suspend = False
         self.model: dict | None = None
+        self.rank_peaks: dict[int, int] = {}
+        """Each rank's resident high-water mark as its last finished step reported it (an out-of-memory error names
+        the rank's)."""
         """The exported model, {path, step}, once the job's end wrote it (`Done.model`)."""
 
     @property
@@ -185,6 +189,8 @@ class Controller:
         """A failed call as an outcome: the failure, whether a node was lost, and the point to go on from (only
         looked for when the job will recover: it hashes the checkpoint, in a thread)."""
         failure = Failure.of(error, self.rows.next_step(self.progress.start_step), self.progress.step_started)
+        if failure.dead and not failure.out_of_memory:
+            failure = await self._oom_killed(failure)
         if failure.out_of_memory:
             failure = replace(failure, cause=f"{failure.cause}\n{self._memory_note(failure.out_of_memory)}")
         if isinstance(self.state, Starting):
@@ -202,6 +208,27 @@ class Controller:
         restore, lost = await asyncio.gather(asyncio.to_thread(self.restore_point), news)
         return CallFailed(failure, restore, node_lost or lost)
 
+    async def _oom_killed(self, failure: Failure) -> Failure:
+        """`failure` with the ranks the kernel's OOM killer killed among its dead (`oom_killer`: the OOM-kill counts
+        on each one's node, read at its setup and now) as out of memory, each named with its node and the count."""
+        deaths, alive, counts = dict(failure.deaths), alive_nodes(), self.group.oom_counts
+        ranks = [r for r in failure.dead if unexpected_exit(deaths.get(r, ""))
+                 and self.group.rank_info(r).get("node_id") in alive and r < len(counts) and counts[r]]
+        if not ranks:
+            return failure
+        befores = {r: OomCounts(**(counts[r] or {})) for r in ranks}
+        afters = await asyncio.gather(*(read_on_node(self.group.rank_info(r)["node_id"], befores[r].cgroup_path)
+                                        for r in ranks))
+        found = {}
+        for r, after in zip(ranks, afters, strict=True):
+            why = oom_killed(deaths[r], befores[r], after)
+            if why:
+                found[r] = f"rank {r} ({self.plan.worker_name(r)}) on node {self.group.rank_info(r).get('node')}: {why}"
+        log.info("job %s: ranks %s died; killed by the kernel's OOM killer: %s", self.job_id, ranks, list(found))
+        if not found:
+            return failure
+        return replace(failure, out_of_memory=tuple(found), cause="\n".join([failure.cause, *found.values()]))
+
     def _memory_note(self, ranks: tuple[int, ...]) -> str:
         """What a user needs beside an out-of-memory failure: the plan's prediction for those ranks, the largest
         resident peak the ranks reported, and what to change (the same layout would run out again)."""
@@ -211,7 +238,10 @@ class Controller:
         predicted = estimate(self.plan.layout, self.plan.config)
         plans = ", ".join(f"rank {r}: {format_size(predicted[r].total)}" for r in ranks)
         peaks = [row["peak_rss_bytes"] for row in self.rows.since(0) if row.get("peak_rss_bytes")]
-        measured = f"; the largest rank's resident peak measured before it: {format_size(max(peaks))}" if peaks else ""
+        own = "".join(f"; rank {r}'s last measured resident peak: {format_size(self.rank_peaks[r])}"
+                      for r in ranks if r in self.rank_peaks)
+        measured = own + (f"; the largest rank's resident peak measured before it: {format_size(max(peaks))}"
+                          if peaks else "")
         return (f"Out of memory: the plan predicted {plans} (what `trainyard plan` shows){measured}. Not retried: the "
                 "same layout would run out again. Use smaller micro-batches (more parallel.microbatches), "
                 "activation_checkpointing, a higher parallel.zero or optimizer.offload, or spread the model over "
