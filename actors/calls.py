@@ -161,6 +161,14 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def own_error(error: BaseException, doing: str) -> str:
+    """A job's error when the coordinator's own code raised (not a rank's: no user code ran there), in one sentence:
+    what it was doing and the error's type and first line. Its traceback is the coordinator's, for its log: a user
+    can act on neither."""
+    return (f"the job's coordinator failed {doing} (an error in trainyard, not in a rank): {type(error).__name__}: "
+            f"{first_line(error)} (the traceback is in the coordinator's log)")
+
+
 def _death_cause(error: BaseException, info: dict) -> str:
     where = f"pid {info['pid']} on node {info['node']}; " if info else ""
     return f"{where}Ray: {first_line(error)}"

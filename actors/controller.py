@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import ray
 from trainyard.actors import recovery, training
-from trainyard.actors.calls import Failure, StepFailed, Unrecoverable
+from trainyard.actors.calls import Failure, StepFailed, Unrecoverable, first_line, own_error
 from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
 from trainyard.actors.oom_killer import OomCounts, oom_killed, read_on_node, unexpected_exit
 from trainyard.actors.policies import (
@@ -142,17 +141,19 @@ class Controller:
                     if isinstance(outcome, Done) and outcome.model is not None:
                         self.model = outcome.model
                 except StepFailed as failure:
-                    outcome = await self._failed(failure)
+                    outcome = await self._failed_safely(failure)
                 except Unrecoverable as e:
                     outcome = Crashed(str(e))
                 except asyncio.CancelledError:
                     outcome = Cancelled()
-                except Exception:  # noqa: BLE001 - any other error ends the job with its traceback
-                    outcome = Crashed(traceback.format_exc())
+                except Exception as e:  # noqa: BLE001 - any other error ends the job, said in a sentence
+                    log.exception("job %s: the coordinator failed while %s", self.job_id, self.state.status)
+                    outcome = Crashed(own_error(e, f"while the job was {self.state.status}"))
                 try:
                     new = step(self.state, outcome, self._inputs(), self.failure_policy)
-                except Exception:  # noqa: BLE001 - a missing transition is a bug: fail the job, never hang it
-                    new = Failed(traceback.format_exc())
+                except Exception as e:  # noqa: BLE001 - a missing transition is a bug: fail the job, never hang it
+                    log.exception("job %s: no transition from %s on %s", self.job_id, self.state, type(outcome))
+                    new = Failed(own_error(e, f"deciding what follows {type(outcome).__name__} in {self.state.status}"))
                 if isinstance(new, Resizing):
                     self.desk.take()
                 if is_terminal(new):
@@ -184,6 +185,15 @@ class Controller:
             case Finishing(steps_done=done, saved=saved) | Stopping(steps_done=done, saved=saved):
                 return await training.finish(self, done, saved)
         raise AssertionError(f"no action for {state}")
+
+    async def _failed_safely(self, error: StepFailed) -> Outcome:
+        """`_failed`, whose own error (raised in an `except` clause, the loop's other clauses would not catch it,
+        and the job would hang in its state) fails the job in a sentence naming both."""
+        try:
+            return await self._failed(error)
+        except Exception as e:  # noqa: BLE001
+            log.exception("job %s: the coordinator failed handling a failure", self.job_id)
+            return Crashed(own_error(e, f"handling a failure ({first_line(error)})"))
 
     async def _failed(self, error: StepFailed) -> Outcome:
         """A failed call as an outcome: the failure, whether a node was lost, and the point to go on from (only

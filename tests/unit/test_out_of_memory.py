@@ -56,6 +56,47 @@ def test_a_failure_of_the_service_s_own_handling_is_one_line_naming_the_error_no
         RuntimeError(""))
 
 
+def test_the_coordinator_s_own_error_fails_the_job_in_a_sentence_its_traceback_to_its_log(tmp_path, caplog):
+    """An error in the coordinator's own code (here: a start point it cannot read as a path) ends the job with one
+    sentence naming what it was doing and the error; the traceback is the coordinator's log's, not the job's."""
+    import asyncio
+
+    from helpers import tiny_spec
+    from trainyard.actors.controller import Controller
+    from trainyard.actors.storage import JobStorage
+    from trainyard.parallel.plan import make_plan
+    from trainyard.parallel.spec import parse_spec
+
+    storage = JobStorage(checkpoint_root=str(tmp_path / "job"), model_path=str(tmp_path / "model"),
+                         resume=(None, 5))  # type: ignore[arg-type]  # a bug's value
+    ctl = Controller("job", make_plan(parse_spec(tiny_spec(steps=10))), None, storage, restarted=False)
+    asyncio.run(ctl.run())
+    assert ctl.state.status is JobStatus.FAILED and ctl.error is not None
+    assert ctl.error == ("the job's coordinator failed while the job was PENDING (an error in trainyard, not in a "
+                         "rank): TypeError: expected str, bytes or os.PathLike object, not NoneType (the traceback "
+                         "is in the coordinator's log)"), ctl.error
+    assert "Traceback" in caplog.text and "_start_point" in caplog.text
+
+
+def test_a_coordinator_that_died_or_raised_answering_is_a_sentence():
+    """Ray's text for a coordinator whose __init__ raised holds that traceback: the job's error keeps its first
+    line. A poll the coordinator's own code raised in names the error, not Ray's wrapping of it."""
+    died = ray.exceptions.ActorDiedError()
+    died.error_msg = ("The actor died because of an error raised in its creation task, ray::Coordinator.__init__()\n"
+                      "Traceback (most recent call last):\n  File \"coordinator.py\", line 45\nKeyError: 'x'")
+    status, error = coordinator_lost(died)
+    assert status is JobStatus.FAILED and "\n" not in error and error.startswith("the job's coordinator died: The "
+                                                                                 "actor died because of an error")
+    try:
+        {}["report"]
+    except KeyError as e:
+        raised = ray.exceptions.RayTaskError("poll", "Traceback (most recent call last): ...", e)
+    status, error = coordinator_lost(raised.as_instanceof_cause())
+    assert status is JobStatus.FAILED and error == ("the job's coordinator failed answering the service (an error "
+                                                    "in trainyard, not in a rank): KeyError: 'report' (the traceback "
+                                                    "is in the coordinator's log)")
+
+
 def test_a_rank_whose_peer_went_away_logs_a_line_not_a_traceback():
     """Its error is a consequence of the peer's (the job's error and the failing rank's log name the cause)."""
     from trainyard.actors.worker import peer_lost
