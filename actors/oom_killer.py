@@ -181,14 +181,14 @@ def _v2_dir(path: str) -> Path | None:
 def _cgroup_oom_kill(cgroup_path: str) -> int | None:
     kind, _, path = cgroup_path.partition(":")
     if kind == "v2":
-        directory = _v2_dir(path)
-        return None if directory is None else _field(directory / "memory.events", "oom_kill")
+        events = _v2_dir(path)
+        return None if events is None else _field(events / "memory.events", "oom_kill")
     top = CGROUP_ROOT / "memory" / path.lstrip("/")
     if not (top / "memory.oom_control").exists():
         return None
     total = 0  # v1 counts each cgroup's own kills only: the subtree's are summed
-    for directory, _, _ in os.walk(top):
-        total += _field(Path(directory) / "memory.oom_control", "oom_kill") or 0
+    for below, _, _ in os.walk(top):
+        total += _field(Path(below) / "memory.oom_control", "oom_kill") or 0
     return total
 
 
