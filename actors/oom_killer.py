@@ -80,10 +80,14 @@ def read_oom_counters(cgroup_path: str | None = None) -> dict:
 async def read_on_node(node_id: str, cgroup_path: str | None) -> OomCounts | None:
     """The counts on node `node_id`: read here when this process runs there, else by a task pinned there; None
     when it does not answer in time."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     if node_id == ray.get_runtime_context().get_node_id():  # no task to start (a second or more on a busy node)
         return OomCounts.of(await asyncio.to_thread(read_oom_counters, cgroup_path))
+    return await read_by_task(node_id, cgroup_path)
+
+
+async def read_by_task(node_id: str, cgroup_path: str | None) -> OomCounts | None:
+    """The counts on node `node_id`, read by a task pinned there; None when it does not answer in time."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ref = _read_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
         cgroup_path)

@@ -168,3 +168,18 @@ def test_a_rank_the_kernel_s_oom_killer_kills_fails_the_job_once_saying_so(servi
     client.close()
     for leftover in child_cgroup("probe").parent.glob("trainyard-drill-*"):  # the drill's cgroups, empty now
         leftover.rmdir()
+
+
+def test_the_oom_kill_counts_are_read_on_a_rank_s_node_by_a_pinned_task(service):
+    """What the coordinator reads after a rank on another node died: a task pinned to that node (here the one
+    node) reads the counts of the cgroup the rank named, as the rank would have."""
+    import asyncio
+
+    import ray
+    from trainyard.actors.oom_killer import OomCounts, read_by_task, read_oom_counters
+
+    here = read_oom_counters()
+    read = asyncio.run(read_by_task(ray.get_runtime_context().get_node_id(), here["cgroup_path"]))
+    assert read is not None and read.cgroup_path == here["cgroup_path"]
+    assert (read.kernel is None) == (here["kernel"] is None) and (read.cgroup is None) == (here["cgroup"] is None)
+    assert read == OomCounts(**read_oom_counters())  # (no OOM kill meanwhile: the same counts)
