@@ -88,10 +88,10 @@ class Controller:
         self.listeners: list[Callable[[State, State], None]] = [self._close_trackers]
         self.stop = self.suspend = False
         self.model: dict | None = None
+        """The exported model, {path, step}, once the job's end wrote it (`Done.model`)."""
         self.rank_peaks: dict[int, int] = {}
         """Each rank's resident high-water mark as its last finished step reported it (an out-of-memory error names
         the rank's)."""
-        """The exported model, {path, step}, once the job's end wrote it (`Done.model`)."""
 
     @property
     def plan(self) -> Plan:
