@@ -33,11 +33,13 @@ class StepFailed(RuntimeError):
 
     def __init__(self, message: str, *, dead: tuple[int, ...] = (), raised: tuple[int, ...] = (),
                  pending: tuple[int, ...] = (), blamed: tuple[int, ...] = (), answered: tuple[object, ...] = (),
-                 out_of_memory: tuple[int, ...] = ()):
+                 out_of_memory: tuple[int, ...] = (), deaths: tuple[tuple[int, str], ...] = ()):
         super().__init__(message)
         self.dead, self.raised, self.pending, self.blamed = dead, raised, pending, blamed
         self.out_of_memory = out_of_memory
         """The blamed ranks that ran out of memory (`out_of_memory`)."""
+        self.deaths = deaths
+        """Ray's word for each rank that died: (rank, its error's text)."""
         self.answered = answered
         """What the ranks that did finish the call returned."""
 
@@ -67,13 +69,15 @@ class Failure:
     dicts of the steps whose figures it returned, `RankDriver.queue_step`)."""
     out_of_memory: tuple[int, ...] = ()
     """The blamed ranks that ran out of memory: the same layout would again, so it is not retried."""
+    deaths: tuple[tuple[int, str], ...] = ()
+    """Ray's word for each rank that died (`oom_killer.oom_killed` reads it)."""
 
     @classmethod
     def of(cls, error: StepFailed, step: int, call_began: float) -> Failure:
         now = time.time()
         return cls(cause=str(error), blamed=error.blamed, dead=error.dead, raised=error.raised,
                    pending=error.pending, failed_at=now, waited_s=now - call_began, step=step,
-                   answered=error.answered, out_of_memory=error.out_of_memory)
+                   answered=error.answered, out_of_memory=error.out_of_memory, deaths=error.deaths)
 
     @property
     def reusable(self) -> set[int]:
@@ -117,7 +121,8 @@ async def call_all(refs: list, what: str, timeout: float, plan: Plan, ranks: lis
         blamed = dead or raised[:1]
         raise StepFailed(describe_failure(failures, what, plan, ranks), dead=dead, raised=raised, pending=late,
                          blamed=blamed, answered=answered,
-                         out_of_memory=tuple(r for r in blamed if out_of_memory(failures[r])))
+                         out_of_memory=tuple(r for r in blamed if out_of_memory(failures[r])),
+                         deaths=tuple((r, str(failures[r])) for r in dead))
     if pending:
         rule = ("fault.hang_factor x the median recent step, at least fault.hang_floor_s" if hang and
                 timeout < plan.config.fault.step_timeout_s else "fault.step_timeout_s")
@@ -155,6 +160,14 @@ def first_line(error: BaseException) -> str:
     """An error's first line (its type's name when it says nothing)."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def own_error(error: BaseException, doing: str) -> str:
+    """A job's error when the coordinator's own code raised (not a rank's: no user code ran there), in one sentence:
+    what it was doing and the error's type and first line. Its traceback is the coordinator's, for its log: a user
+    can act on neither."""
+    return (f"the job's coordinator failed {doing} (an error in trainyard, not in a rank): {type(error).__name__}: "
+            f"{first_line(error)} (the traceback is in the coordinator's log)")
 
 
 def _death_cause(error: BaseException, info: dict) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,8 +20,9 @@ from pathlib import Path
 
 import ray
 from trainyard.actors import recovery, training
-from trainyard.actors.calls import Failure, StepFailed, Unrecoverable
+from trainyard.actors.calls import Failure, StepFailed, Unrecoverable, first_line, own_error
 from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
+from trainyard.actors.oom_killer import OomCounts, oom_killed, read_on_node, unexpected_exit
 from trainyard.actors.policies import (
     FailureAction,
     HangPolicy,
@@ -58,7 +58,7 @@ from trainyard.actors.state import (
 from trainyard.actors.storage import JobStorage
 from trainyard.actors.telemetry import Rows
 from trainyard.actors.tracking import Trackers
-from trainyard.actors.worker_group import WorkerGroup, slot_keys
+from trainyard.actors.worker_group import WorkerGroup, alive_nodes, slot_keys
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, resize_plan
 
@@ -89,6 +89,9 @@ class Controller:
         self.stop = self.suspend = False
         self.model: dict | None = None
         """The exported model, {path, step}, once the job's end wrote it (`Done.model`)."""
+        self.rank_peaks: dict[int, int] = {}
+        """Each rank's resident high-water mark as its last finished step reported it (an out-of-memory error names
+        the rank's)."""
 
     @property
     def plan(self) -> Plan:
@@ -138,17 +141,19 @@ class Controller:
                     if isinstance(outcome, Done) and outcome.model is not None:
                         self.model = outcome.model
                 except StepFailed as failure:
-                    outcome = await self._failed(failure)
+                    outcome = await self._failed_safely(failure)
                 except Unrecoverable as e:
                     outcome = Crashed(str(e))
                 except asyncio.CancelledError:
                     outcome = Cancelled()
-                except Exception:  # noqa: BLE001 - any other error ends the job with its traceback
-                    outcome = Crashed(traceback.format_exc())
+                except Exception as e:  # noqa: BLE001 - any other error ends the job, said in a sentence
+                    log.exception("job %s: the coordinator failed while %s", self.job_id, self.state.status)
+                    outcome = Crashed(own_error(e, f"while the job was {self.state.status}"))
                 try:
                     new = step(self.state, outcome, self._inputs(), self.failure_policy)
-                except Exception:  # noqa: BLE001 - a missing transition is a bug: fail the job, never hang it
-                    new = Failed(traceback.format_exc())
+                except Exception as e:  # noqa: BLE001 - a missing transition is a bug: fail the job, never hang it
+                    log.exception("job %s: no transition from %s on %s", self.job_id, self.state, type(outcome))
+                    new = Failed(own_error(e, f"deciding what follows {type(outcome).__name__} in {self.state.status}"))
                 if isinstance(new, Resizing):
                     self.desk.take()
                 if is_terminal(new):
@@ -181,10 +186,21 @@ class Controller:
                 return await training.finish(self, done, saved)
         raise AssertionError(f"no action for {state}")
 
+    async def _failed_safely(self, error: StepFailed) -> Outcome:
+        """`_failed`, whose own error (raised in an `except` clause, the loop's other clauses would not catch it,
+        and the job would hang in its state) fails the job in a sentence naming both."""
+        try:
+            return await self._failed(error)
+        except Exception as e:  # noqa: BLE001
+            log.exception("job %s: the coordinator failed handling a failure", self.job_id)
+            return Crashed(own_error(e, f"handling a failure ({first_line(error)})"))
+
     async def _failed(self, error: StepFailed) -> Outcome:
         """A failed call as an outcome: the failure, whether a node was lost, and the point to go on from (only
         looked for when the job will recover: it hashes the checkpoint, in a thread)."""
         failure = Failure.of(error, self.rows.next_step(self.progress.start_step), self.progress.step_started)
+        if failure.dead and not failure.out_of_memory:
+            failure = await self._oom_killed(failure)
         if failure.out_of_memory:
             failure = replace(failure, cause=f"{failure.cause}\n{self._memory_note(failure.out_of_memory)}")
         if isinstance(self.state, Starting):
@@ -202,6 +218,27 @@ class Controller:
         restore, lost = await asyncio.gather(asyncio.to_thread(self.restore_point), news)
         return CallFailed(failure, restore, node_lost or lost)
 
+    async def _oom_killed(self, failure: Failure) -> Failure:
+        """`failure` with the ranks the kernel's OOM killer killed among its dead (`oom_killer`: the OOM-kill counts
+        on each one's node, read at its setup and now) as out of memory, each named with its node and the count."""
+        deaths, alive, counts = dict(failure.deaths), alive_nodes(), self.group.oom_counts
+        ranks = [r for r in failure.dead if unexpected_exit(deaths.get(r, ""))
+                 and self.group.rank_info(r).get("node_id") in alive and r < len(counts) and counts[r]]
+        if not ranks:
+            return failure
+        befores = {r: OomCounts(**(counts[r] or {})) for r in ranks}
+        afters = await asyncio.gather(*(read_on_node(self.group.rank_info(r)["node_id"], befores[r].cgroup_path)
+                                        for r in ranks))
+        found = {}
+        for r, after in zip(ranks, afters, strict=True):
+            why = oom_killed(deaths[r], befores[r], after)
+            if why:
+                found[r] = f"rank {r} ({self.plan.worker_name(r)}) on node {self.group.rank_info(r).get('node')}: {why}"
+        log.info("job %s: ranks %s died; killed by the kernel's OOM killer: %s", self.job_id, ranks, list(found))
+        if not found:
+            return failure
+        return replace(failure, out_of_memory=tuple(found), cause="\n".join([failure.cause, *found.values()]))
+
     def _memory_note(self, ranks: tuple[int, ...]) -> str:
         """What a user needs beside an out-of-memory failure: the plan's prediction for those ranks, the largest
         resident peak the ranks reported, and what to change (the same layout would run out again)."""
@@ -211,7 +248,10 @@ class Controller:
         predicted = estimate(self.plan.layout, self.plan.config)
         plans = ", ".join(f"rank {r}: {format_size(predicted[r].total)}" for r in ranks)
         peaks = [row["peak_rss_bytes"] for row in self.rows.since(0) if row.get("peak_rss_bytes")]
-        measured = f"; the largest rank's resident peak measured before it: {format_size(max(peaks))}" if peaks else ""
+        own = "".join(f"; rank {r}'s last measured resident peak: {format_size(self.rank_peaks[r])}"
+                      for r in ranks if r in self.rank_peaks)
+        measured = own + (f"; the largest rank's resident peak measured before it: {format_size(max(peaks))}"
+                          if peaks else "")
         return (f"Out of memory: the plan predicted {plans} (what `trainyard plan` shows){measured}. Not retried: the "
                 "same layout would run out again. Use smaller micro-batches (more parallel.microbatches), "
                 "activation_checkpointing, a higher parallel.zero or optimizer.offload, or spread the model over "

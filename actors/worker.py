@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import ray
 from trainyard.actors.calls import first_line
+from trainyard.actors.oom_killer import confine_memory, read_oom_counters
 from trainyard.parallel.plan import Plan
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ class Worker:
             self.driver = RankDriver(plan, self.rank, master_addr, master_port)
         context = ray.get_runtime_context()
         info = {"rank": self.rank, "device": str(self.driver.device), "node": ray.util.get_node_ip_address(),
-                "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id()}
+                "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id(),
+                "oom_counts": read_oom_counters()}  # what a later death by the kernel's OOM killer is told by
         print(f"job {self.job_id} rank {self.rank} ({plan.worker_name(self.rank)}) of {plan.world_size} ready on "
               f"{info['node']} (pid {info['pid']}, {info['device']})", file=sys.stderr, flush=True)
         return info
@@ -189,6 +191,8 @@ def _run_drill(drill: str, rank: int, step: int) -> None:
             time.sleep(3600)
     if drill == "oom_worker":
         _cap_memory_and_overflow()
+    if drill == "oom_kill_worker":
+        _overflow_a_memory_cgroup()
     raise ValueError(f"unknown drill {drill}")
 
 
@@ -202,6 +206,16 @@ def _cap_memory_and_overflow() -> None:
     size = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
     torch.empty(1 << 30, dtype=torch.float32).fill_(1.0)
+
+
+def _overflow_a_memory_cgroup() -> None:
+    """The rank moved into a memory cgroup of its own limited to 64 MiB more, then 1 GiB touched: the kernel's
+    OOM killer SIGKILLs it, as it would on a full node or in a container at its limit (no Python error)."""
+    import torch
+
+    confine_memory(64 << 20, f"trainyard-drill-{os.getpid()}")
+    torch.ones(1 << 28, dtype=torch.float32)
+    raise RuntimeError("the oom_kill_worker drill's rank was not killed: its memory cgroup did not limit it")
 
 
 PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",

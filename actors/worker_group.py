@@ -55,6 +55,8 @@ class WorkerGroup:
         self.workers: list = []
         self.ranks: list[dict] = []
         """Where each rank runs (rank, name, node, node_id, pid, device), once the workers are set up."""
+        self.oom_counts: list[dict | None] = []
+        """The OOM-kill counts on each rank's node at its setup (`oom_killer.read_oom_counters`)."""
         self.slots: dict[tuple[int, int], Slot] = {
             (plan.coords(r).pp, plan.coords(r).dp): (pg, plan.bundle_of(r)) for r in range(plan.world_size)}
         self.spare: list[Slot] = []
@@ -94,6 +96,8 @@ class WorkerGroup:
                         else await self._new_worker(r) for r in range(plan.world_size)]
         addr, port = (await self.call([self.workers[0].address.remote()], "rendezvous"))[0]
         setups = await self.call([w.setup.remote(plan, addr, port, r) for r, w in enumerate(self.workers)], "setup")
+        # The OOM-kill counts each rank's node had at its setup: the controller's, not shown in the job's `ranks`
+        self.oom_counts = [info.pop("oom_counts", None) for info in setups]
         self.ranks = [{**info, "name": plan.worker_name(info["rank"])} for info in setups]
 
     async def load(self, point: tuple[str, int] | None) -> None:

@@ -113,9 +113,12 @@ class FaultDrill(BaseModel):
     """A fault to inject into a running job (`trainyard serve --allow-fault-injection` only)."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["kill_worker", "hang_worker", "oom_worker", "kill_coordinator", "kill_worker_in_recovery"]
+    kind: Literal["kill_worker", "hang_worker", "oom_worker", "oom_kill_worker", "kill_coordinator",
+                  "kill_worker_in_recovery"]
     """kill_worker: the rank's process exits; hang_worker: the rank's step never returns; oom_worker: the rank's
     memory is capped just above what it holds (RLIMIT_AS) and its step asks for more, which the OS refuses;
+    oom_kill_worker: the rank moves into a memory cgroup of its own limited to 64 MiB more and asks for more, and
+    the kernel's OOM killer SIGKILLs it (needs a writable memory cgroup: root or a delegated subtree);
     kill_worker_in_recovery: the rank's process is killed as the ranks take the job's state in the next
     recovery (a failure during a recovery)."""
     rank: Annotated[int, Field(ge=0, le=MAX_DEGREE), NOT_BOOL]

@@ -36,8 +36,13 @@ def coordinator_lost(error: Exception) -> tuple[JobStatus, str | None]:
     if isinstance(error, ray.exceptions.OutOfMemoryError) or "running low on memory" in str(error):
         return JobStatus.FAILED, (f"the job's coordinator was killed: its node ran out of memory (Ray's memory "
                                   f"monitor): {first}")
-    if isinstance(error, ray.exceptions.RayActorError):
-        return JobStatus.FAILED, f"the job's coordinator died: {error}"
+    if isinstance(error, ray.exceptions.RayActorError):  # its text may hold the traceback of its __init__
+        return JobStatus.FAILED, f"the job's coordinator died: {first}"
+    if isinstance(error, ray.exceptions.RayTaskError):  # its own code raised answering the poll
+        cause = error.cause if isinstance(error.cause, BaseException) else error
+        return JobStatus.FAILED, (f"the job's coordinator failed answering the service (an error in trainyard, not "
+                                  f"in a rank): {type(cause).__name__}: {first_line(cause)} (the traceback is in the "
+                                  "coordinator's log)")
     return JobStatus.FAILED, f"the service could not reach the job's coordinator: {type(error).__name__}: {first}"
 
 

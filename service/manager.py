@@ -40,7 +40,7 @@ from trainyard.actors import tracking
 from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig
-from trainyard.parallel.data.datasets import open_dataset
+from trainyard.parallel.data.datasets import Dataset, open_dataset
 from trainyard.parallel.data.examples import epochs_steps
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.hf_spec import init_from_event
@@ -116,19 +116,22 @@ class JobManager:
 
     # --- validation and submission -------------------------------------------------------------
 
-    def plan(self, config: JobConfig) -> Plan:
-        """All submit-time checks; raises PlanError (or DatasetError) naming the field and the rule."""
+    def plan(self, config: JobConfig, train: Dataset | None = None) -> Plan:
+        """All submit-time checks; raises PlanError (or DatasetError) naming the field and the rule. `train`: the
+        training data, when the caller opened it already."""
         plan = make_plan(config, cluster_resources())
-        self._check_inputs(config)
+        self._check_inputs(config, train)
         return plan
 
-    def _check_inputs(self, config: JobConfig) -> None:
-        """The checks of what the job reads, whatever its layout: its datasets and the checkpoint it resumes; and
-        that the trackers it logs to are installed."""
+    def _check_inputs(self, config: JobConfig, train: Dataset | None = None) -> None:
+        """The checks of what the job reads, whatever its layout: its datasets (the training data opened here
+        unless `train` is it already) and the checkpoint it resumes; and that the trackers it logs to are
+        installed."""
         missing = tracking.missing_extra(config)
         if missing is not None:
             raise missing
-        open_dataset(config)
+        if train is None:
+            open_dataset(config)
         if config.eval.every > 0:
             open_dataset(config, "val")
         self.resume_point(config)
@@ -170,14 +173,17 @@ class JobManager:
         `parallel: auto` job submitted while the node type's costs are being measured is queued all the same,
         with an event saying it waits for them: the admission thread chooses its layout once they are known. A
         job that needs more than its owner's whole quota is refused (RuleError on `resources`)."""
-        config, events = self._bound_by_epochs(config)
+        # Opened once, here: whole examples are read (and, with data.packing, packed) in Python as it opens, on the
+        # API's thread; the epochs' steps and the input checks both take this one.
+        train = open_dataset(config) if config.data.epochs is not None else None
+        config, events = self._bound_by_epochs(config, train)
         try:
             config, _ = self.choose_layout(config)
         except Calibrating as waiting:
-            self._check_inputs(config)
+            self._check_inputs(config, train)
             event = {"time": time.time(), "kind": "waiting_for_calibration", "cause": str(waiting)}
             return self._queue(config, owner, needs={}, events=[*events, event])
-        plan = self.plan(config)
+        plan = self.plan(config, train)
         quota.check(self.quotas(owner), plan.gang.needed(), "resources")  # a job over what is left waits instead
         job_id = self._queue(config, owner, needs=asdict(plan.gang), events=events)
         log.info("job %s queued (%s, world size %d, priority %d, user %s)", job_id, config.name, plan.world_size,
@@ -185,12 +191,13 @@ class JobManager:
         return job_id
 
     @staticmethod
-    def _bound_by_epochs(config: JobConfig) -> tuple[JobConfig, builtins.list[dict]]:
-        """`data.epochs` ends the job first when its passes take fewer steps than `steps`: the job is stored with
-        those steps (so its learning-rate schedule ends with it), and an event says so."""
-        if config.data.epochs is None:
+    def _bound_by_epochs(config: JobConfig, train: Dataset | None) -> tuple[JobConfig, builtins.list[dict]]:
+        """`data.epochs` ends the job first when its passes over `train` (its training data, opened) take fewer
+        steps than `steps`: the job is stored with those steps (so its learning-rate schedule ends with it), and an
+        event says so."""
+        if config.data.epochs is None or train is None:
             return config, []
-        sequences = open_dataset(config).num_samples
+        sequences = train.num_samples
         steps = epochs_steps(config.data.epochs, sequences, config.global_batch)
         if steps >= config.steps:
             return config, []

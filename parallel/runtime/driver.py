@@ -24,8 +24,9 @@ from trainyard.parallel.data.examples import epoch_of
 from trainyard.parallel.data.sampler import step_microbatches
 from trainyard.parallel.io.checkpoint import CheckpointWriteError
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan.memory import estimate
 from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
-from trainyard.parallel.runtime.host_memory import return_freed_memory
+from trainyard.parallel.runtime.host_memory import return_freed_memory, returns_freed_memory
 from trainyard.parallel.runtime.step_figures import Figures
 from trainyard.parallel.runtime.trainer import RankTrainer
 
@@ -49,8 +50,12 @@ class RankDriver:
     def __init__(self, plan: Plan, rank: int, master_addr: str, master_port: int,
                  device: torch.device | None = None, timeout_s: float | None = None, init_method: str | None = None):
         self.plan, self.rank = plan, rank
-        return_freed_memory()  # before the trainer allocates: its large tensors then never come from glibc's heaps
         self.device = pick_device(plan.gpus_per_worker) if device is None else device
+        # Before the trainer allocates: its large tensors then never come from glibc's heaps (a large rank only).
+        predicted = estimate(plan.layout, plan.config)[rank]
+        on_gpu = self.device.type == "cuda"
+        if returns_freed_memory(max(predicted.host, predicted.startup) if on_gpu else predicted.resident(False)):
+            return_freed_memory()
         timeout = plan.config.fault.step_timeout_s if timeout_s is None else timeout_s
         self.groups: RankGroups = init_distributed(plan, rank, master_addr, master_port, self.device,
                                                    timeout_s=timeout, init_method=init_method)

@@ -52,7 +52,8 @@ class PipelineTimings:
     peak_activations: int = 0
     """Most (micro-batch, chunk) activations held at once (forward done, backward not yet)."""
     peak_activation_bytes: int = 0
-    """Most bytes autograd held saved for backward at once (parameters excluded)."""
+    """Most bytes autograd held saved for backward at once (parameters excluded), in the last step metered
+    (`PipelineExecutor.run`'s `meter`)."""
 
 
 class UnsupportedAction(ValueError):
@@ -102,25 +103,33 @@ class PipelineExecutor:
         self.sharded = sharded
         self.clock = StageClock(device)
         """The actions' timings: host timers on CPU, CUDA events on a GPU (settled after the step's read)."""
+        self.metered_peak = 0
+        """`peak_activation_bytes` of the last step run with the saved-tensor meter on."""
 
     def run(self, actions: list[Action], batch: Callable[[int], Batch],
-            documents: Callable[[int], Documents] | None = None) -> tuple[torch.Tensor, PipelineTimings]:
+            documents: Callable[[int], Documents] | None = None, meter: bool = True
+            ) -> tuple[torch.Tensor, PipelineTimings]:
         """Run the actions; `batch(mb)` loads micro-batch mb, `documents(mb)` its packed examples (None: not
         packed). Returns this rank's scaled loss sum and timings. Raises UnsupportedAction, before running
-        anything, if an action's kind has no handler."""
+        anything, if an action's kind has no handler. `meter`: count the bytes saved for backward (a Python hook
+        on every saved tensor, about 2% of a small model's forward on CPU); off, the timings carry the last
+        metered step's peak (a step's activations are the same every step of a schedule)."""
         unknown = sorted({a.kind.name for a in actions if a.kind not in HANDLERS})
         if unknown:
             raise UnsupportedAction(f"the pipeline executor has no handler for action kind(s) {', '.join(unknown)} "
                                     f"(it runs {', '.join(k.name for k in HANDLERS)})")
         state = _StepState(batch=batch, loss_sum=torch.zeros((), device=self.device), documents=documents,
                            next_compute=next_computes(actions, lambda a: a.kind in COMPUTE_KINDS))
-        meter = _SavedTensorMeter([p for chunk in self.chunks for p in chunk.parameters()], self.sharded)
-        with self.clock.span(state.timings, "schedule_s"), \
-                torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        counter = _SavedTensorMeter([p for chunk in self.chunks for p in chunk.parameters()], self.sharded) \
+            if meter else None
+        hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if counter else nullcontext()
+        with self.clock.span(state.timings, "schedule_s"), hooks:
             i = 0
             while i < len(actions):
                 i = HANDLERS[actions[i].kind](self, actions, i, state)
-        state.timings.peak_activation_bytes = meter.peak
+        if counter is not None:
+            self.metered_peak = counter.peak
+        state.timings.peak_activation_bytes = self.metered_peak
         return state.loss_sum, state.timings
 
     # Handlers: each runs the action at `i` (a communication handler the whole run from `i`) and returns the

@@ -133,7 +133,9 @@ class TrainOptimizer:
                                 for o in self.optimizers] if offload else []
         self._host = HostSteps()
         self._state_bytes: tuple[int, int] | None = None
-        """Overlapped: `state_bytes` as of the last settled state (the state's sizes do not change between steps)."""
+        """`state_bytes` as last counted (the state's sizes do not change between steps); None: count again."""
+        self._state_entries = 0
+        """Not overlapped: the state's entries when `_state_bytes` was counted."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -268,7 +270,12 @@ class TrainOptimizer:
                 self.settle()
                 self._state_bytes = self._count_state_bytes()
             return self._state_bytes
-        return self._count_state_bytes()
+        # Counted again only when tensors were added to the state (its first step): a count over every state
+        # tensor is some 200 Python calls a step for a small model.
+        entries = sum(len(o.state) for o in self.optimizers)
+        if self._state_bytes is None or entries != self._state_entries:
+            self._state_bytes, self._state_entries = self._count_state_bytes(), entries
+        return self._state_bytes
 
     def _count_state_bytes(self) -> tuple[int, int]:
         held = sum(optimizer_states.tensor_bytes(t) for o in self.optimizers for s in o.state.values()

@@ -7,6 +7,8 @@ more than the test cluster's 8 CPUs run at once, for no claim that drill does no
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import start_service
@@ -136,3 +138,49 @@ def test_a_rank_out_of_memory_fails_the_job_once_saying_so(service):
     assert [r["step"] for r in client.metrics(job_id)] == [0, 1, 2]
     assert all(r["peak_rss_bytes"] > 0 for r in client.metrics(job_id))
     client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+def test_a_rank_the_kernel_s_oom_killer_kills_fails_the_job_once_saying_so(service):
+    """A real kernel OOM kill: rank 1 moves into a memory cgroup of its own limited to 64 MiB more and asks for
+    1 GiB (the oom_kill_worker drill); the kernel SIGKILLs it, with no Python error, which Ray reports as it reports
+    any crash. The OOM-kill count of the rank's cgroup, read at its setup and after its death, tells them apart:
+    the job ends FAILED at once, naming the rank, its node, the count, its peak and the plan's prediction,
+    although fault.max_failures would allow three recoveries. Needs a writable memory cgroup (root here)."""
+    from trainyard.actors.oom_killer import child_cgroup
+
+    if child_cgroup("probe") is None or os.geteuid() != 0:
+        pytest.skip("no writable memory cgroup here")
+    client = service.client()
+    job_id = client.submit(tiny_spec(name="oom-kill", steps=8, parallel={"dp": 2}, fault={"max_failures": 3}))
+    wait_for(lambda: client.job(job_id)["status"] == "RUNNING", 300, "the job to run")
+    client._call("POST", f"/api/jobs/{job_id}/faults", json={"kind": "oom_kill_worker", "rank": 1, "at_step": 4})
+    job = wait_terminal(client, job_id, timeout_s=300)
+    assert job["status"] == "FAILED", job
+    error = job["error"]
+    assert error.startswith("rank 1 (") and " died in step 4: its process exited" in error.splitlines()[0], error
+    assert "the kernel's OOM killer killed it: the oom_kill count of its memory cgroup" in error, error
+    assert "Out of memory: the plan predicted rank 1:" in error and "rank 1's last measured resident peak" in error
+    assert "Not retried" in error and "Traceback" not in error
+    events = client.events(job_id)
+    assert not [e for e in events if e["kind"] in ("recovered", "failure")], events
+    assert [r["step"] for r in client.metrics(job_id)] == [0, 1, 2, 3]
+    client.close()
+    for leftover in child_cgroup("probe").parent.glob("trainyard-drill-*"):  # the drill's cgroups, empty now
+        leftover.rmdir()
+
+
+def test_the_oom_kill_counts_are_read_on_a_rank_s_node_by_a_pinned_task(service):
+    """What the coordinator reads after a rank on another node died: a task pinned to that node (here the one
+    node) reads the counts of the cgroup the rank named, as the rank would have."""
+    import asyncio
+
+    import ray
+    from trainyard.actors.oom_killer import OomCounts, read_by_task, read_oom_counters
+
+    here = read_oom_counters()
+    read = asyncio.run(read_by_task(ray.get_runtime_context().get_node_id(), here["cgroup_path"]))
+    assert read is not None and read.cgroup_path == here["cgroup_path"]
+    assert (read.kernel is None) == (here["kernel"] is None) and (read.cgroup is None) == (here["cgroup"] is None)
+    assert read == OomCounts(**read_oom_counters())  # (no OOM kill meanwhile: the same counts)

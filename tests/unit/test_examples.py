@@ -39,3 +39,31 @@ def test_epochs_need_whole_examples_from_a_prepared_directory():
     with pytest.raises(DatasetError, match="one `trainyard prepare` directory") as e:
         open_dataset(parse_spec(tiny_spec(data={"packing": False})))
     assert e.value.field == "data.packing"
+
+
+def test_an_epochs_job_is_bounded_and_checked_from_one_opening_of_its_data(tmp_path):
+    """At submit the training data of a `data.epochs` job is opened once (with packing, that packs it whole, on the
+    API's thread): the epochs bound its steps from it, and the input checks take it rather than open it again
+    (here they could not: the directory is gone by then)."""
+    from data_helpers import bpe_tokenizer
+    from helpers import REPO
+    from trainyard.parallel.data.prepare import PrepareOptions, prepare
+    from trainyard.service.manager import JobManager
+    from trainyard.service.store import JobStore
+
+    prepare([REPO / "examples" / "finetune.jsonl"], tmp_path / "chat", bpe_tokenizer(tmp_path / "tok"),
+            PrepareOptions(chat=True), progress=False)
+    data = {"kind": "tokens", "path": str(tmp_path / "chat"), "packing": True, "epochs": 2}
+    config = parse_spec(tiny_spec(model={"vocab_size": 300, "seq_len": 128}, steps=1000, global_batch=4, data=data))
+    train = open_dataset(config)
+    (tmp_path / "chat").rename(tmp_path / "moved")
+    bounded, events = JobManager._bound_by_epochs(config, train)
+    assert bounded.steps == epochs_steps(2, train.num_samples, 4) < 1000
+    assert events[0]["kind"] == "steps_from_epochs" and events[0]["steps"] == bounded.steps
+    manager = JobManager(JobStore(tmp_path / "jobs.db"), data_dir=tmp_path)
+    try:
+        manager._check_inputs(bounded, train)  # the data is not opened again
+        with pytest.raises(DatasetError):
+            manager._check_inputs(bounded)  # (as it would be, and fail, without it)
+    finally:
+        manager.shutdown()
