@@ -14,7 +14,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.actions import ScheduleError
 from trainyard.parallel.plan.replica_sync import is_local, replica_dp
-from trainyard.parallel.plan.schedules import SCHEDULES, check_schedule_args
+from trainyard.parallel.plan.schedules import check_schedule_args
 from trainyard.parallel.plan.sharding import sharding_for
 
 
@@ -179,15 +179,6 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
-    if SCHEDULES[par.schedule].splits_backward and config.compile:
-        # Measured (two compiled linears, aot_eager): the input half ran 4 matmuls and the weight half 4 again,
-        # against eager's 2 and 2. A compiled block is one autograd node (AOTAutograd's CompiledFunction) whose
-        # backward computes every gradient at once: the input half runs it whole and the weight half again.
-        return [PlanError("compile", f"{par.schedule} splits each backward into input and weight halves, and a "
-                                     "torch.compile'd block's backward is one compiled node that computes both at "
-                                     "once: each half would run all of it, twice the backward compute (numbers "
-                                     "unchanged, the schedule's saving lost); use compile: false, or a schedule "
-                                     "without split backward (1f1b, interleaved-1f1b) with compile")]
     if costs.backward_weight is not None and costs.backward_weight > costs.backward:
         return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
                                                        f"backward={costs.backward}: it is a part of the backward")]
