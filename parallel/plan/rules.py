@@ -14,7 +14,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.actions import ScheduleError
 from trainyard.parallel.plan.replica_sync import is_local, replica_dp
-from trainyard.parallel.plan.schedules import check_schedule_args
+from trainyard.parallel.plan.schedules import SCHEDULES, check_schedule_args
 from trainyard.parallel.plan.sharding import sharding_for
 
 
@@ -179,6 +179,16 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
+    if SCHEDULES[par.schedule].splits_backward and config.compile and config.activation_checkpointing == "full":
+        # Measured (torch 2.13, aot_eager): a block with eager linears (`parallel.runtime.compile`) checkpointed
+        # inside its compiled region compiled nothing (dynamo skips a checkpoint whose function breaks the graph),
+        # and checkpointed around it failed in backward (recomputed tensors saved in another order).
+        return [PlanError("activation_checkpointing", f"{par.schedule} with compile keeps each block's linears "
+                                                      "outside the compiled regions, and torch cannot checkpoint a "
+                                                      "whole block across them (compiled, nothing would compile; "
+                                                      "around the compiled block, backward fails); use "
+                                                      "activation_checkpointing: selective or none, or a schedule "
+                                                      "without split backward (1f1b, interleaved-1f1b)")]
     if costs.backward_weight is not None and costs.backward_weight > costs.backward:
         return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
                                                        f"backward={costs.backward}: it is a part of the backward")]

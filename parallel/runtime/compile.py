@@ -30,16 +30,27 @@ router, the experts, LoRA's adapters) runs its forward under `torch.compiler.dis
 breaks the block's graph at each of them and compiles what lies between: the norms, rotary embeddings, the
 attention core (sdpa), activations, residual adds, the routing. Each linear is then an ordinary autograd node:
 the input half computes only its input-gradient matmul and the weight half only its weight-gradient matmul, once
-each, as eager does (tests/unit/test_zero_bubble.py counts them). The parameters left inside compiled regions
-are the norms' weights (and biases: gpt2's LayerNorm, qwen3's q and k norms); their region's node is where their
-path meets the input's, so its backward runs in both halves, the input half keeping the input's gradient and
-the weight half the weights': elementwise work over (tokens x d_model), small beside a linear's matmul.
+each, as eager does (tests/unit/test_compile_split_backward.py counts them). The parameters left inside compiled
+regions are the norms' (their weights, gpt2's LayerNorm biases, qwen3's per-head q and k norms): their region's
+node is where their path meets the input's, so its backward runs in both halves, the input half keeping the
+input's gradient and the weight half accumulating the norm's (the gradient becomes final there, as eager's):
+elementwise work over (tokens x d_model) run twice, small beside a linear's matmul over (tokens x d_model x d_ff).
 The cost is fusion: the compiler no longer sees a linear together with what surrounds it (an epilogue such as
 a bias add and activation fused into the matmul, or the norm fused into the matmul's prologue), and each graph
 break is one more compiled call per block. That is the trade: the zero-bubble schedule's gain (the weight half
 filling the pipeline's bubbles) needs each half to do only its own matmuls, which are most of a block's backward,
 while what fusion saves is elementwise memory traffic. With `compile: true` and a schedule without a split
 backward (1f1b, interleaved-1f1b), blocks are compiled whole as before.
+
+Not with full recompute (`activation_checkpointing: full`, refused by `parallel.plan.rules`): the checkpoint of a
+whole block cannot sit inside the compiled region when the block breaks the graph (dynamo skips the whole frame of
+a checkpoint whose function breaks it: measured, not one graph compiled, the block eager), nor outside it (torch's
+non-reentrant checkpoint around the compiled block: recomputing it in backward saved the tensors in another order,
+a CheckpointError, measured on torch 2.13). Selective recompute works: its checkpoints are inside the attention and
+the MLP, and one whose function holds a linear runs eager, the rest of the block compiled.
+(A process compiles its blocks one way:
+dynamo's guards on a block's code do not tell the two apart, and a block compiled whole after one with eager
+linears reuses the latter's graphs, the same numbers with less fusion. A rank builds one plan's blocks.)
 
 The backend is inductor (`BACKEND`): what the option means on a GPU. It also runs on CPU where a C++
 compiler is installed (it generates C++ there). A test may set `BACKEND` to another torch backend (e.g.
@@ -66,6 +77,8 @@ def compile_blocks(stage: DecoderStage, *, separable_weights: bool = False) -> D
     set up on it); returns the stage. `separable_weights`: the schedule splits each backward in two (zb-h1, zbv),
     so every parameter-holding matmul stays eager, outside the compiled regions (`keep_matmuls_eager`)."""
     full_recompute = bool(getattr(stage, "recompute_blocks", False))
+    if separable_weights and full_recompute:
+        raise ValueError("full recompute with eager linears compiles nothing (`parallel.plan.rules` refuses it)")
     for block in stage.blocks.values():
         if separable_weights:
             keep_matmuls_eager(block)

@@ -4,13 +4,11 @@ gradients themselves, which AdamW's first steps would mostly hide), alone and co
 recomputation and `compile: true`. One spawned world of 8 ranks runs the reference and every layout in turn, with
 the rank driver the workers run (`parallel.runtime.driver`), so this is the numerics the service runs.
 
-Compiled blocks under a split backward keep their linears eager (`parallel.runtime.compile`): zb-h1 at pp=2
-compiled (the `aot_eager` backend) follows its eager twin within 1e-5, losses and every parameter after the last
-step. `make test-slow` adds zbv with ZeRO-3 and zb-h1 with ZeRO-2, each against its eager twin and its twin
-compiled under a schedule without split backward (interleaved-1f1b, 1f1b: blocks compiled whole), in a world of
-its own (four ranks compiling cost more than `make test` has to spare).
-
-(MoE with ep under zb-h1 is in test_moe_gloo.py, beside its single-rank MoE reference.)
+Compiled blocks under a split backward keep their linears eager (`parallel.runtime.compile`): zb-h1 at pp=2 with
+selective recompute, compiled (the `aot_eager` backend), follows its eager twin within 1e-5, losses and every
+parameter after the last step. `make test-slow` adds zbv with ZeRO-3 and zb-h1 with ZeRO-2, each against its eager
+twin and its twin compiled under a schedule without split backward (interleaved-1f1b, 1f1b: blocks compiled whole),
+in a world of its own (four ranks compiling cost more than `make test` has to spare).
 """
 
 from __future__ import annotations
@@ -35,9 +33,10 @@ LAYOUTS = {  # global batch 16 over 4 blocks
     "zbv pp2 tp2": ({"pp": 2, "tp": 2, "vpp": 2, "microbatches": 4, "schedule": "zbv"}, {}),
     "zbv pp2 dp2 tp2 sp recompute": ({"pp": 2, "dp": 2, "tp": 2, "sp": True, "vpp": 2, "microbatches": 4,
                                       "schedule": "zbv"}, {"activation_checkpointing": "full"}),
-    "zb-h1 pp2 m4 compiled": ({"pp": 2, "microbatches": 4, "schedule": "zb-h1"}, {"compile": True}),
+    "zb-h1 pp2 m4 selective compiled": ({"pp": 2, "microbatches": 4, "schedule": "zb-h1"},
+                                        {"compile": True, "activation_checkpointing": "selective"}),
 }
-TWINS = {"zb-h1 pp2 m4 compiled": "zb-h1 pp2 m4"}
+TWINS = {"zb-h1 pp2 m4 selective compiled": "zb-h1 pp2 m4 selective"}
 """A compiled layout and its eager twin (not a layout of its own above: the twin's numbers are the check)."""
 
 
@@ -47,33 +46,42 @@ def plan_for(top: dict | None = None, **parallel):
 
 
 PLANS = {"reference": plan_for(microbatches=4)} | {k: plan_for(top, **p) for k, (p, top) in LAYOUTS.items()} | {
-    "zb-h1 pp2 m4": plan_for(pp=2, microbatches=4, schedule="zb-h1")}
+    "zb-h1 pp2 m4 selective": plan_for({"activation_checkpointing": "selective"}, pp=2, microbatches=4,
+                                       schedule="zb-h1")}
 
 
-def final_params(driver, stats) -> dict[tuple[int, str], torch.Tensor]:
+def final_state(driver, stats) -> dict:
     """This rank's parameters after the last step (its local shards under ZeRO-2/3), by (dp rank, name): the same
-    keys whichever pipeline rank holds the chunk (the V placement's and the loop's differ)."""
+    keys whichever pipeline rank holds the chunk (the V placement's and the loop's differ); and how many of its
+    blocks' linears run eager (`torch.compiler.disable`) of how many."""
     dp = driver.plan.coords(driver.rank).dp
-    return {(dp, name): getattr(p, "_local_tensor", p).detach().clone()
-            for chunk in driver.trainer.chunks for name, p in chunk.named_parameters()}
+    params = {(dp, name): getattr(p, "_local_tensor", p).detach().clone()
+              for chunk in driver.trainer.chunks for name, p in chunk.named_parameters()}
+    linears = [m for chunk in driver.trainer.chunks for m in chunk.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    eager = sum(bool(getattr(m.forward, "_torchdynamo_disable", False)) for m in linears)
+    return {"params": params, "linears": (eager, len(linears))}
 
 
 def run_all(plans: dict) -> dict[str, list[list[dict]]]:
-    """[rank][step] stats of every plan, with each rank's final parameters as one more entry's "params" where
-    the plan is in a twin pair; compiled plans on `aot_eager`."""
+    """Every plan's [rank][step] stats, with each rank's `final_state` where the plan is in a twin pair; compiled
+    plans on `aot_eager`."""
     twinned = {*TWINS, *TWINS.values(), *SLOW_TWINS, *(t for ts in SLOW_TWINS.values() for t in ts)}
-    results = run_plans([PlanRun(plan, probe=final_params if name in twinned else None,
+    results = run_plans([PlanRun(plan, probe=final_state if name in twinned else None,
                                  setup=use_aot_eager if plan.config.compile else None)
                          for name, plan in plans.items()])
     return {name: Run(stats_of(r), [rank.probe for rank in r]) for name, r in zip(plans, results, strict=True)}
 
 
 class Run(list):
-    """One plan's [rank][step] stats, with each rank's final parameters (`params`, None where not probed)."""
+    """One plan's [rank][step] stats, with each rank's `final_state` (None where not probed)."""
 
-    def __init__(self, stats, params):
+    def __init__(self, stats, final):
         super().__init__(stats)
-        self.params = params
+        self.final = final
+
+    def eager_linears(self) -> tuple[int, int]:
+        """How many of the blocks' linears run eager, of how many, over the ranks."""
+        return tuple(sum(f["linears"][i] for f in self.final) for i in (0, 1))  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +93,7 @@ def runs() -> dict[str, list[list[dict]]]:
 def assert_twins(run: Run, twin: Run) -> None:
     """Losses and every final parameter (every rank's shard of it) within 1e-5."""
     np.testing.assert_allclose(last_stage_losses(run), last_stage_losses(twin), rtol=1e-5)
-    ours, theirs = ({k: v for rank in r.params for k, v in rank.items()} for r in (run, twin))
+    ours, theirs = ({k: v for rank in r.final for k, v in rank["params"].items()} for r in (run, twin))
     assert ours.keys() == theirs.keys() and ours
     for key, p in ours.items():
         torch.testing.assert_close(p, theirs[key], rtol=1e-5, atol=1e-6, msg=str(key))
@@ -93,6 +101,8 @@ def assert_twins(run: Run, twin: Run) -> None:
 
 @pytest.mark.parametrize("compiled", TWINS)
 def test_compiled_blocks_under_a_split_backward_follow_their_eager_twin(compiled, runs):
+    eager, linears = runs[compiled].eager_linears()
+    assert eager == linears == 4 * 6  # gpt2: q, k, v, proj, fc, proj in each of 4 blocks
     assert_twins(runs[compiled], runs[TWINS[compiled]])
 
 
@@ -150,5 +160,8 @@ def slow_runs() -> dict[str, list[list[dict]]]:
 @pytest.mark.skipif(not SLOW, reason="slow: run with `make test-slow`")
 @pytest.mark.parametrize("compiled", SLOW_TWINS)
 def test_compiled_zero_bubble_with_zero2_and_zero3_follows_its_eager_and_whole_compiled_twins(compiled, slow_runs):
-    for twin in SLOW_TWINS[compiled]:
+    eager_twin, whole = SLOW_TWINS[compiled]
+    assert slow_runs[compiled].eager_linears() == (24 * 2, 24 * 2)  # each block's on both dp ranks
+    assert slow_runs[whole].eager_linears() == (0, 24 * 2)  # compiled whole: the linears inside
+    for twin in (eager_twin, whole):
         assert_twins(slow_runs[compiled], slow_runs[twin])

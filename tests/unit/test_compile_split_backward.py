@@ -6,17 +6,20 @@ count is how the test knows)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch._dynamo
 import trainyard.parallel.runtime.compile as compile_
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainyard.parallel.config_model import MoEConfig, ModelConfig
+from trainyard.parallel.config_model import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.moe import MoELayer
 from trainyard.parallel.runtime.split_backward import backward_input, backward_weight
 
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten._grouped_mm.default}
 
 
 class CountMatmuls(TorchDispatchMode):
@@ -54,34 +57,41 @@ def split_backward(stage) -> tuple[list[int], torch.Tensor, dict[str, torch.Tens
     return counts, dx, {name: p.grad for name, p in stage.named_parameters()}
 
 
-MODELS = {  # gpt2: biases, LayerNorm; llama: no biases, RMSNorm, rotary, SwiGLU, an MoE block (router, experts)
-    "gpt2": ModelConfig(n_layer=2, n_head=2, d_model=32, vocab_size=256, seq_len=16),
-    "llama-moe": ModelConfig(family="llama", n_layer=2, n_head=2, d_model=32, vocab_size=256, seq_len=16,
-                             moe=MoEConfig(experts=2, top_k=1, every=2)),
-}
+CFG = ModelConfig(n_layer=2, n_head=2, d_model=32, vocab_size=256, seq_len=16, moe=MoEConfig(experts=2, every=2))
+"""gpt2 (LayerNorm, biases) with a dense block and an MoE block (router, experts): every kind of parameter a block
+holds. (llama's differ in no way that matters here: RMSNorm's weight, linears without biases.)"""
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_each_half_runs_eagers_matmuls_once_with_eagers_gradients(model):
-    cfg = MODELS[model]
+def stage(grouped: bool = True):
+    """Both blocks, not first or last: hidden states in and out, as a middle pipeline stage; the experts as one
+    grouped matmul per weight (torch runs them on CPU too), or one expert after another."""
+    built = family_of(CFG).build_stage(CFG, [0, 1], first=False, last=False, seed=1)
+    for layer in built.modules():
+        if isinstance(layer, MoELayer):
+            layer.grouped_mm = grouped
+    return built
 
-    def stage():  # both blocks, not first or last: hidden states in and out, as a middle pipeline stage
-        built = family_of(cfg).build_stage(cfg, [0, 1], first=False, last=False, seed=1)
-        for layer in built.modules():
-            if isinstance(layer, MoELayer):
-                layer.grouped_mm = True  # the experts' grouped matmuls (torch runs them on CPU too)
-        return built
 
+def test_each_half_runs_eagers_matmuls_once_with_eagers_gradients():
     eager_counts, eager_dx, eager_grads = split_backward(stage())
-    split_counts, dx, grads = split_backward(compile_.compile_blocks(stage(), separable_weights=True))
-    assert split_counts == eager_counts
+    # dense block: q, k, v, proj, fc, proj; MoE block: q, k, v, proj, router and the experts' two grouped matmuls
+    assert eager_counts == [13, 13]
+    counts, dx, grads = split_backward(compile_.compile_blocks(stage(), separable_weights=True))
+    assert counts == eager_counts
     torch.testing.assert_close(dx, eager_dx, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
     for name, g in eager_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
-    if model == "gpt2":  # compiled whole, the block is one node: each half runs all of its backward
-        torch._dynamo.reset()
-        whole_counts, _, _ = split_backward(compile_.compile_blocks(stage()))
-        assert whole_counts == [sum(eager_counts)] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+def test_a_block_compiled_whole_runs_every_matmul_in_both_halves():
+    """Why the linears stay eager, and how the count above knows it sees into compiled regions. (The loop over the
+    experts: dynamo does not trace the grouped matmul on CPU.)"""
+    eager_counts, _, _ = split_backward(stage(grouped=False))
+    whole_counts, _, _ = split_backward(compile_.compile_blocks(stage(grouped=False)))
+    assert whole_counts == [sum(eager_counts)] * 2
 
 
 def test_a_matrix_outside_a_linear_is_refused():
