@@ -179,15 +179,16 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
-    if SCHEDULES[par.schedule].splits_backward and config.compile:
-        # Measured (two compiled linears, aot_eager): the input half ran 4 matmuls and the weight half 4 again,
-        # against eager's 2 and 2. A compiled block is one autograd node (AOTAutograd's CompiledFunction) whose
-        # backward computes every gradient at once: the input half runs it whole and the weight half again.
-        return [PlanError("compile", f"{par.schedule} splits each backward into input and weight halves, and a "
-                                     "torch.compile'd block's backward is one compiled node that computes both at "
-                                     "once: each half would run all of it, twice the backward compute (numbers "
-                                     "unchanged, the schedule's saving lost); use compile: false, or a schedule "
-                                     "without split backward (1f1b, interleaved-1f1b) with compile")]
+    if SCHEDULES[par.schedule].splits_backward and config.compile and config.activation_checkpointing == "full":
+        # Measured (torch 2.13, aot_eager): a block with eager linears (`parallel.runtime.compile`) checkpointed
+        # inside its compiled region compiled nothing (dynamo skips a checkpoint whose function breaks the graph),
+        # and checkpointed around it failed in backward (recomputed tensors saved in another order).
+        return [PlanError("activation_checkpointing", f"{par.schedule} with compile keeps each block's linears "
+                                                      "outside the compiled regions, and torch cannot checkpoint a "
+                                                      "whole block across them (compiled, nothing would compile; "
+                                                      "around the compiled block, backward fails); use "
+                                                      "activation_checkpointing: selective or none, or a schedule "
+                                                      "without split backward (1f1b, interleaved-1f1b)")]
     if costs.backward_weight is not None and costs.backward_weight > costs.backward:
         return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
                                                        f"backward={costs.backward}: it is a part of the backward")]

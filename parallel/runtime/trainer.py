@@ -51,6 +51,7 @@ from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.actions import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after
+from trainyard.parallel.plan.schedules import SCHEDULES
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
 from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
@@ -174,7 +175,8 @@ class RankTrainer:
         stage.set_activation_checkpointing(cfg.activation_checkpointing)
         stage.set_activation_offload(cfg.activation_offload)
         if cfg.compile:
-            compile_blocks(stage)
+            # a split backward (zb-h1, zbv) needs each linear's weight gradient apart from its input's: linears eager
+            compile_blocks(stage, separable_weights=SCHEDULES[cfg.fixed_parallel.schedule].splits_backward)
         # The auxiliary losses are normalised like the token loss: by the sequences of the step's batch, or of the
         # replica's share of it with local_sgd and diloco (a replica of reduce_dp of the dp ranks)
         for _, layer in moe_layers(stage):

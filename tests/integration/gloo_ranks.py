@@ -18,7 +18,7 @@ from trainyard.parallel.runtime.materialize import local_slices
 K = TypeVar("K")
 
 __all__ = ["PlanRun", "RankResult", "check_initial", "initial_mismatches", "last_stage_losses", "layout_id", "losses",
-           "run_named", "run_plans", "run_ranks", "spawn", "stats_of"]
+           "run_named", "run_plans", "run_ranks", "spawn", "stats_of", "use_aot_eager"]
 
 
 def run_ranks(plan: Plan, out_dir: Path | None = None, **checkpoints) -> list[list[dict]]:
@@ -81,3 +81,17 @@ def check_initial(driver: RankDriver) -> tuple[int, list[str]]:
     """`at_start` for a PlanRun: (how many tensors were compared, `initial_mismatches`)."""
     compared = sum(1 for chunk in driver.trainer.chunks for _ in [*chunk.named_parameters(), *chunk.named_buffers()])
     return compared, initial_mismatches(driver)
+
+
+def use_aot_eager() -> None:
+    """`setup` for a PlanRun with `compile: true`: the `aot_eager` backend (dynamo and AOTAutograd trace the blocks;
+    no code is generated: inductor's C++ code generation costs half a minute per world on two cores)."""
+    import torch._dynamo
+    import trainyard.parallel.runtime.compile as compile_
+
+    compile_.BACKEND = "aot_eager"
+    # Each plan compiles as a fresh rank process would: else a block of other sizes than the last plan's is a
+    # recompile with dynamic shapes, whose tracing here exceeds Python's recursion limit (llama after gpt2), and a
+    # block compiled whole (1f1b) after one compiled with its linears eager (zb-h1) reuses the latter's graphs, its
+    # linears left eager (measured: dynamo's guards on the block's code do not tell the two apart)
+    torch._dynamo.reset()

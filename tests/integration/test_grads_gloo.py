@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
+from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of, use_aot_eager
 from helpers import tiny_spec
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan import make_plan
@@ -36,16 +36,6 @@ def plan_for(steps=3, model=None, **spec):
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest difference relative to the expected tensor's largest value (fp32)."""
     return float((got - expected).abs().max() / expected.abs().max())
-
-
-def use_aot_eager() -> None:
-    import torch._dynamo
-    import trainyard.parallel.runtime.compile as compile_
-
-    compile_.BACKEND = "aot_eager"
-    # Each plan compiles as a fresh rank process would: else a block of other sizes than the last plan's is a
-    # recompile with dynamic shapes, whose tracing here exceeds Python's recursion limit (llama after gpt2)
-    torch._dynamo.reset()
 
 
 def _grads(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

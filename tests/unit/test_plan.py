@@ -143,14 +143,20 @@ def test_a_weight_gradient_cost_above_the_whole_backward_is_refused():
 
 
 @pytest.mark.parametrize("zero", [2, 3])
-def test_zero_bubble_schedules_plan_with_zero2_and_zero3_but_not_with_compile(zero):
-    """FSDP2 follows the split backward (`parallel.runtime.fsdp_split`); a compiled block's backward is one node
-    that each half would run whole."""
+def test_zero_bubble_schedules_plan_with_zero2_and_zero3_and_with_compile_but_not_full_recompute(zero):
+    """FSDP2 follows the split backward (`parallel.runtime.fsdp_split`); compiled blocks keep their linears eager
+    under it, so each half runs only its own matmuls (`parallel.runtime.compile`), which full recompute's
+    whole-block checkpoint cannot span."""
     zb = {"pp": 2, "dp": 2, "microbatches": 2, "schedule": "zb-h1", "zero": zero}
     assert make_plan(parse_spec(tiny_spec(parallel=zb))).config.parallel.zero == zero
-    with pytest.raises(PlanError, match="each half would run all of it, twice the backward compute") as err:
-        make_plan(parse_spec(tiny_spec(parallel=zb, compile=True)))
-    assert err.value.field == "compile"
+    plan = make_plan(parse_spec(tiny_spec(parallel=zb, compile=True, activation_checkpointing="selective")))
+    assert plan.config.compile and plan.config.parallel.schedule == "zb-h1"
+    # a whole block's checkpoint cannot span the eager linears
+    with pytest.raises(PlanError, match="torch cannot checkpoint a whole block across them") as err:
+        make_plan(parse_spec(tiny_spec(parallel=zb, compile=True, activation_checkpointing="full")))
+    assert err.value.field == "activation_checkpointing"
+    assert make_plan(parse_spec(tiny_spec(parallel={**zb, "schedule": "1f1b"}, compile=True,
+                                          activation_checkpointing="full"))).config.compile
 
 
 @pytest.mark.parametrize("parallel", [{"pp": 2}, {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "zbv"}])
