@@ -123,9 +123,9 @@ def run_case(ctx: BenchContext, spec: dict[str, Any], state: int, bar: float) ->
     if abs(max(hwm.values()) - peak) > 0.02 * peak:
         ctx.log(f"note: the largest VmHWM read from /proc ({max(hwm.values()) / GIB:.3f} GiB) and the rows' peak "
                 f"({peak / GIB:.3f} GiB) differ by more than 2% (the last read came before the last step's peak?)")
-    note = (f"501M llama submitted to trainyard serve at dp={dp} "
-            f"zero=3, 3 steps, {wall:.0f} s; ranks are Ray actors of the embedded Ray on this machine; peak = the "
-            "metrics rows' peak_rss_bytes (each rank process's VmHWM from /proc)")
+    note = (f"501M llama submitted to trainyard serve at dp={dp} zero=3, {spec['steps']} steps, {wall:.0f} s; ranks"
+            " are Ray actors of the embedded Ray on this machine; peak = the metrics rows' peak_rss_bytes (each rank "
+            "process's VmHWM from /proc)")
     above = peak - baseline  # the largest rank's peak less the largest baseline: the ranks' baselines are alike
     rows = [
         Row(f"scale: rank peak RSS / training state, through the service, dp={dp} zero=3", peak / state, None, None,
