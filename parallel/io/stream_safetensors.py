@@ -60,5 +60,5 @@ def write_streamed(path: Path, entries: Sequence[Entry], fill: Callable[[Sequenc
                     if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                         raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {shape} "
                                          f"{dtype}")
-                    f.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+                    f.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
                 group = []
