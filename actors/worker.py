@@ -62,11 +62,13 @@ class Worker:
         self._step_failed = False
         from trainyard.parallel.runtime.driver import RankDriver
 
+        baseline = resident_bytes("VmRSS")  # the process before its trainer: Ray's worker, torch and their imports
         with self._traceback_to_stderr("setup"):
             self.driver = RankDriver(plan, self.rank, master_addr, master_port)
         context = ray.get_runtime_context()
         info = {"rank": self.rank, "device": str(self.driver.device), "node": ray.util.get_node_ip_address(),
                 "node_id": context.get_node_id(), "pid": os.getpid(), "actor_id": context.get_actor_id(),
+                "baseline_rss_bytes": baseline,
                 "oom_counts": read_oom_counters()}  # what a later death by the kernel's OOM killer is told by
         print(f"job {self.job_id} rank {self.rank} ({plan.worker_name(self.rank)}) of {plan.world_size} ready on "
               f"{info['node']} (pid {info['pid']}, {info['device']})", file=sys.stderr, flush=True)
@@ -230,7 +232,25 @@ def peer_lost(error: BaseException) -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """This process's resident high-water mark, as the OS counts it (Linux reports KiB)."""
+    """This process's resident high-water mark, as the OS counts it: VmHWM, what a node's memory monitor sees at
+    its worst. Not getrusage's ru_maxrss, which also keeps the high-water mark of the image the process replaced at
+    exec (a Ray worker's launcher); that one only where /proc is not (Linux reports KiB)."""
+    hwm = resident_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_bytes(field: str) -> int | None:
+    """A resident-memory field of /proc/self/status (VmRSS now, VmHWM the high-water mark) in bytes; None where
+    there is no /proc (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except OSError:
+        pass
+    return None

@@ -29,7 +29,8 @@ class JobInfo(BaseModel):
     actors: list[str] = []
     """Ray actor names (coordinator first), as listed in the Ray dashboard."""
     ranks: list[dict] = []
-    """Where each rank runs (rank, name, node, pid, device), once its workers are set up."""
+    """Where each rank runs (rank, name, node, pid, device), once its workers are set up, and `baseline_rss_bytes`:
+    its process's resident memory before its trainer was built (Ray's worker, torch and their imports)."""
     priority: int = 0
     queue_position: int | None = None
     """1 for the next job to be admitted; None once the job has left the queue."""

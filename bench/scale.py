@@ -12,8 +12,9 @@ process's high-water mark). The rows set each against the memory plan's predicti
 (`parallel.plan.memory`: `startup`, and `total`, the step's peak), and the peak against the training state
 (the issue's bar: under 40% of it at dp=4, under 25% at dp=8).
 
-Cases (`--case`): `dp4` (the default), and `dp8`, run only when asked: the same model at dp=8 (global batch 8, one
-sequence a rank as at dp=4), eight ranks of about 2 GiB each.
+Cases (`--case`): `dp4` (the default), and, run only when asked: `dp8`, the same model at dp=8 (global batch 8, one
+sequence a rank as at dp=4), eight ranks of about 2 GiB each; `service`, the dp=4 job submitted to a real
+`trainyard serve`, its ranks Ray actors (`bench.scale_service`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.local_world import PlanRun, run_plan
 from trainyard.parallel.spec import parse_spec
 
+from bench import scale_service
 from bench.context import BenchContext
 from bench.results import Row, at_most, ratio
 from bench.service_job import BenchError
@@ -38,15 +40,17 @@ STATE_BYTES_PER_PARAM = 16
 """fp32 parameters, gradients and AdamW's two moments."""
 PEAK_OF_STATE = {4: 0.40, 8: 0.25}
 """The issue's bars: every rank's peak below 40% of the training state at dp=4, 25% at dp=8."""
-CASES = {"dp4": 4, "dp8": 8}
+CASES = {"dp4": 4, "dp8": 8, "service": 4}
+
+
+def _spec(quick: bool, dp: int = 4) -> dict[str, Any]:
+    model = {**MODEL, "n_layer": 4} if quick else MODEL
+    return {"name": "bench-scale", "seed": 1234, "model": model, "data": {"kind": "synthetic"}, "global_batch": dp,
+            "steps": 2 if quick else 3, "parallel": {"dp": dp, "zero": 3}, "resources": {"gpus_per_worker": 0}}
 
 
 def _plan(quick: bool, dp: int = 4) -> Plan:
-    model = {**MODEL, "n_layer": 4} if quick else MODEL
-    return make_plan(parse_spec({
-        "name": "bench-scale", "seed": 1234, "model": model, "data": {"kind": "synthetic"}, "global_batch": dp,
-        "steps": 2 if quick else 3, "parallel": {"dp": dp, "zero": 3}, "resources": {"gpus_per_worker": 0},
-    }))
+    return make_plan(parse_spec(_spec(quick, dp)))
 
 
 def _status_kib(field: str) -> int:
@@ -80,14 +84,27 @@ def run_section(ctx: BenchContext) -> list[Row]:
     cases = ctx.cases or ("dp4",)
     if set(cases) - set(CASES):
         raise BenchError(f"scale: cases are {sorted(CASES)}, not {sorted(set(cases) - set(CASES))}")
-    return [row for case in cases for row in _run_case(ctx, CASES[case])]
+    return [row for case in cases for row in (_run_service(ctx) if case == "service" else _run_case(ctx, CASES[case]))]
+
+
+def _state_bytes(plan: Plan) -> int:
+    m = plan.config.model
+    counts = family_of(m).param_counts(m, range(m.n_layer), first=True, last=True, tp=1, ep=1)
+    return STATE_BYTES_PER_PARAM * counts.total
+
+
+def _run_service(ctx: BenchContext) -> list[Row]:
+    spec = {**_spec(ctx.quick, 4), "name": "bench-scale-service"}
+    state = _state_bytes(make_plan(parse_spec(spec)))
+    ctx.log(f"scale, through the service: {state / GIB:.1f} GiB of fp32 AdamW state at dp=4, zero=3, "
+            f"{spec['steps']} steps")
+    return scale_service.run_case(ctx, spec, state, PEAK_OF_STATE[4])
 
 
 def _run_case(ctx: BenchContext, dp: int) -> list[Row]:
     plan = _plan(ctx.quick, dp)
-    m = plan.config.model
-    params = family_of(m).param_counts(m, range(m.n_layer), first=True, last=True, tp=1, ep=1).total
-    state = STATE_BYTES_PER_PARAM * params
+    state = _state_bytes(plan)
+    params = state // STATE_BYTES_PER_PARAM
     ctx.log(f"scale: llama of {params / 1e6:.0f}M parameters ({state / GIB:.1f} GiB of fp32 AdamW state) at dp={dp}, "
             f"zero=3, {plan.config.steps} steps")
     start = time.perf_counter()

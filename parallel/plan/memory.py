@@ -31,9 +31,10 @@ shards plus that one parameter.
 
 ZeRO-2/3's `reduction`: the step peaks in the backward of the rank's largest unit (the head or the embedding at a
 real vocabulary), holding one whole gradient of it besides the above: the loss's returned head gradient next to
-the one kept from forward, then FSDP2's reduce-scatter input next to gloo's working copy. Measured (RSS at every
-unit's backward, `scale` bench, 199M Llama, dp=4 zero=3): the plan was 11% under the peak without it; with it
-2.6% above, and 1.5% above at 501M (BENCHMARKS.md). Not counted: the optimizer step's temporaries (AdamW's
+the one kept from forward, or the embedding's next to its gathered weight (on gloo the collectives copy nothing,
+`parallel.runtime.gloo_comms`). Measured (`scale` bench, 501M Llama, zero=3, BENCHMARKS.md): the plan 6-7% above the
+peak at dp=4, 9% at dp=8, where it also counts every gradient shard beside the head's backward, before any exists
+(each is made by its unit's reduce-scatter). Not counted: the optimizer step's temporaries (AdamW's
 foreach), bounded to STEP_CHUNK elements (64 MiB, `parallel.runtime.train_optimizer`) after the backward.
 
 Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients

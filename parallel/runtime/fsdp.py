@@ -11,8 +11,8 @@ stage's dp x tp ranks; experts: the ranks holding the same experts; see `paralle
 gradients is summed over the ranks that computed it, as the hand-written reducers do at zero 0 and 1. A set
 whose group is this rank alone is left out of FSDP (`ignored_params`) and reduced by a plain `GradientReducer`
 (which then sends nothing). FSDP2 does the sharding, the gathers, the reduce-scatters (in `reduce_dtype` on the
-wire), the sharded gradients the optimizer updates, and the DTensors DCP checkpoints under the unsharded model's
-names and shapes, so a checkpoint stays layout-independent.
+wire; on gloo `gloo_comms`' collectives, without gloo's whole copies), the sharded gradients the optimizer
+updates, and the DTensors DCP checkpoints under the unsharded model's names and shapes (layout-independent).
 
 Gathering one unit at a time: each unit's FSDP2 pre-forward (pre-backward) hook gathers it and, through FSDP2's
 explicit prefetch lists (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`), starts the gather
@@ -74,6 +74,7 @@ from trainyard.parallel.plan.actions import Action, ActionKind
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp_meter import GatheredMeter
 from trainyard.parallel.runtime.fsdp_split import gather_split, reduce_after_weight
+from trainyard.parallel.runtime.gloo_comms import BroadcastAllGather, InPlaceReduceScatter
 from trainyard.parallel.runtime.local_parts import local_part
 
 WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -271,6 +272,9 @@ def shard_chunks(chunks: Sequence[DecoderStage], dp_mesh: DeviceMesh | None, rou
         fsdp.set_gradient_divide_factor(1.0)
         fsdp.set_force_sum_reduction_for_comms(True)
         fsdp._set_unshard_async_op(True)
+        if dist.get_backend(mesh.get_group()) == "gloo":  # its collectives copy the whole buffer first
+            fsdp.set_custom_all_gather(BroadcastAllGather())
+            fsdp.set_custom_reduce_scatter(InPlaceReduceScatter())
         members[fsdp] = modules
         return fsdp
 
