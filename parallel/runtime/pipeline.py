@@ -271,7 +271,8 @@ class PipelineExecutor:
                 out, grad = work
                 out.backward(grad)
             else:
-                backward_weight(work, _trainable(self.chunks[a.chunk]))
+                chunk = self.chunks[a.chunk]
+                backward_weight(work, _trainable(chunk), one_call=chunk.recompute_blocks)
         state.live -= 1
 
     def _communicate(self, actions: list[Action], state: _StepState) -> None:

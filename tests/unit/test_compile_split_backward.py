@@ -40,7 +40,7 @@ def aot_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-def split_backward(stage) -> tuple[list[int], torch.Tensor, dict[str, torch.Tensor]]:
+def split_backward(stage, one_call: bool = False) -> tuple[list[int], torch.Tensor, dict[str, torch.Tensor]]:
     """Matmuls run by (input half, weight half) of one micro-batch's backward through `stage`, the input's gradient
     and the parameters' gradients. (The forward runs outside the counting mode: under a dispatch mode dynamo would
     not compile it, and the block would run eager.)"""
@@ -52,7 +52,7 @@ def split_backward(stage) -> tuple[list[int], torch.Tensor, dict[str, torch.Tens
         dx, groups = backward_input(out, grad, x, params)
     counts.append(input_half.count)
     with CountMatmuls() as weight_half:
-        backward_weight(groups, params)
+        backward_weight(groups, params, one_call=one_call)
     counts.append(weight_half.count)
     return counts, dx, {name: p.grad for name, p in stage.named_parameters()}
 
@@ -105,3 +105,18 @@ def test_a_matrix_outside_a_linear_is_refused():
 
     with pytest.raises(ValueError, match=r"\['mix'\] would be multiplied inside a compiled region"):
         compile_.keep_matmuls_eager(Scaled())
+
+
+def test_a_recomputed_block_is_recomputed_once_in_the_weight_half_not_once_per_parameter_group():
+    """Full activation checkpointing: each backward call recomputes the checkpointed forward, so the weight half
+    runs one backward over every group (`backward_weight(one_call=True)`, what the executor asks for a recomputing
+    chunk), with the same gradients as torch's call per group."""
+    def recomputing():
+        built = stage()
+        built.set_activation_checkpointing("full")
+        return built
+    (per_group_in, per_group_w), _, per_group = split_backward(recomputing())
+    (one_in, one_w), _, one = split_backward(recomputing(), one_call=True)
+    assert per_group_in == one_in and one_w < per_group_w / 2, (per_group_w, one_w)
+    for name, g in per_group.items():
+        torch.testing.assert_close(one[name], g, rtol=1e-6, atol=1e-6)
