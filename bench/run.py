@@ -37,6 +37,7 @@ from bench import (
     scale,
     service_ops,
     signals,
+    soak,
     step,
     sync,
     tp_memory,
@@ -91,6 +92,9 @@ SECTIONS: dict[str, Section] = {
                 planner_bench.run_section),
         Section("sync", "diloco and local SGD vs all-reduce (dp=4; dp=2 pp=2): loss at equal tokens vs bytes "
                         "across replicas", sync.run_section),
+        Section("soak", "four jobs (dp, pp x dp, tp, MoE) through a seeded fault every 20 s on a two-node cluster, "
+                        "1,000 queued submits from four users mid-way: recoveries, bit-identical losses, nothing left",
+                soak.run_section),
         Section("scale", "a 501M llama at dp=4 zero=3, built on the meta device: each rank's peak RSS vs the plan",
                 scale.run_section),
     )
