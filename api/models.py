@@ -113,11 +113,13 @@ class FaultDrill(BaseModel):
     """A fault to inject into a running job (`trainyard serve --allow-fault-injection` only)."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["kill_worker", "hang_worker", "oom_worker", "kill_coordinator", "kill_worker_in_recovery"]
+    kind: Literal["kill_worker", "hang_worker", "oom_worker", "kill_coordinator", "kill_worker_in_recovery",
+                  "kill_worker_in_export"]
     """kill_worker: the rank's process exits; hang_worker: the rank's step never returns; oom_worker: the rank's
     memory is capped just above what it holds (RLIMIT_AS) and its step asks for more, which the OS refuses;
     kill_worker_in_recovery: the rank's process is killed as the ranks take the job's state in the next
-    recovery (a failure during a recovery)."""
+    recovery (a failure during a recovery); kill_worker_in_export: the rank's process is killed as the job's model
+    is exported at its end (after its final checkpoint)."""
     rank: Annotated[int, Field(ge=0, le=MAX_DEGREE), NOT_BOOL]
     at_step: Annotated[int, Field(ge=0, le=MAX_STEPS), NOT_BOOL] = 0
     """The step at which (or the first step after which) it happens."""

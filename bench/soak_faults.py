@@ -55,9 +55,11 @@ class Fault:
 
 
 def drill(client: Client, rng: random.Random, kind: str, running: dict[str, dict]) -> Fault | None:
-    """The drill on a running soak job drawn by `rng` (None: none runs)."""
+    """The drill on a running soak job drawn by `rng`, of those not about to end (None: none runs)."""
     for job_id in rng.sample(sorted(running), len(running)):
         job = running[job_id]
+        if job["step"] + 2 >= job["steps"] - 2:  # the drill would come after its last step (or its final save)
+            continue
         rank = rng.randrange(max(1, len(job["ranks"]))) if kind != "kill_coordinator" else 0
         try:
             client._call("POST", f"/api/jobs/{job_id}/faults",
