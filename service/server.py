@@ -37,7 +37,7 @@ connection the server was closing at that moment got "Connection reset by peer",
 1,000 submits and their stops in the soak, `python -m bench.run --only soak`)."""
 
 
-def http_config(app: object, host: str, port: int) -> uvicorn.Config:
+def http_config(app: Any, host: str, port: int) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACEFUL_HTTP_S,
                           timeout_keep_alive=KEEP_ALIVE_S)
 
