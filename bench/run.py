@@ -1,7 +1,7 @@
 """`make bench` (`python -m bench.run [--only SECTION ...]`): run benchmark sections, write bench/results.json.
 
 `make bench-quick` (`python -m bench.run --quick`): a pass in under 5 minutes on a 2-core machine, to see that
-every quick section runs and roughly where its numbers lie: the sections but faults and elastic (minutes of
+every quick section runs and roughly where its numbers lie: the sections but faults, elastic and soak (minutes of
 service restarts and resizes), one round each (two where a median of one says nothing: perf, checkpoint),
 fewer pipeline steps; written to bench/results-quick.json, so the full run's results stay as they are.
 
