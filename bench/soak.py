@@ -1,6 +1,6 @@
 """Section `soak`: many jobs through many faults for a while, on a two-node cluster, through one service.
 
-`python -m bench.run --only soak` (about 12 minutes on a 2-core machine; `--quick`: about 4). A
+`python -m bench.run --only soak` (about 11 minutes on a 2-core machine; `--quick`: about 5). A
 `ray.cluster_utils.Cluster` of two nodes (6 logical CPUs each) and a `trainyard serve --ray-address ...
 --allow-fault-injection` subprocess (bench.service_job.TrainyardService) joined to it. Four soak jobs run at once,
 one per layout (dp=2; pp=2 x dp=2; tp=2; MoE at dp=2 x ep=2: tiny models, checkpoints every 10 steps), each owned
@@ -231,13 +231,14 @@ def run_section(ctx: BenchContext) -> list[Row]:
         try:
             out = soak.run()
             events = {job_id: soak.admin.events(job_id) for _, job_id in soak.done}
+            ended = {j: job["ended_at"] for _, j in soak.done if (job := soak.admin.job(j))["status"] == "SUCCEEDED"}
             results = _losses(soak, out["twins"])
             left = checks.settled(lambda: [f"actor {a}" for a in checks.trainyard_actors()]
                                   + [f"placement group {p}" for p in checks.live_placement_groups()], 60)
         finally:
             soak.svc.__exit__(None, None, None)
     left += [f"process {p}" for p in checks.settled(lambda: [str(p) for p in checks.processes_left(os.getpid())], 60)]
-    claimed = faults.evaluate(soak.faults, events)
+    claimed = faults.evaluate(soak.faults, events, ended)
     return _rows(ctx, soak, results, out["burst"], left, faults.unplanned(claimed, events))
 
 

@@ -87,10 +87,12 @@ NODE_LOSS_NOTICED_S = NODE_DOWN_S + 10.0
 """A failure this long after a node's removal at most is the removal's (Ray notices a dead node within a second)."""
 
 
-def evaluate(faults: list[Fault], events: dict[str, list[dict]]) -> set[tuple[str, int]]:
+def evaluate(faults: list[Fault], events: dict[str, list[dict]], ended: dict[str, float]) -> set[tuple[str, int]]:
     """Fill in each drill's and node loss's `recovery_s` and `unseen` (a service SIGKILL is measured as it happens)
     from the jobs' events: each fault claims, in order, the first failure after it of the jobs it hit whose cause
-    is its kind's and that no fault before claimed; the job recovered at its next `recovered` event. Time to
+    is its kind's and that no fault before claimed; the job recovered at its next `recovered` event, or, if none
+    came and it SUCCEEDED (`ended`: job -> its end), at its end (a failure in its final checkpoint or export
+    recovers with no step left to finish, so with no `recovered` event). Time to
     recover: a drill, from the failed step's start (the failure's time less its `waited_s`); a node loss, from
     the removal. Returns the failures claimed, as (job, failure number)."""
     claimed: set[tuple[str, int]] = set()
@@ -110,9 +112,10 @@ def evaluate(faults: list[Fault], events: dict[str, list[dict]]) -> set[tuple[st
             claimed.add((job_id, failure["failure"]))
             recovered = next((e for e in events[job_id] if e["kind"] == "recovered" and e["time"] >= failure["time"]),
                              None)
-            if recovered is not None:
+            at = recovered["time"] if recovered is not None else ended.get(job_id)
+            if at is not None:
                 began = fault.at if fault.kind == "node_loss" else failure["time"] - failure["waited_s"]
-                fault.recovery_s[job_id] = recovered["time"] - began
+                fault.recovery_s[job_id] = at - began
     return claimed
 
 
