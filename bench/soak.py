@@ -59,7 +59,7 @@ def spec(layout: str, steps: int) -> dict[str, Any]:
     return {"name": f"soak-{layout}", "seed": SEED, "model": model,
             "data": {"kind": "text", "path": str(REPO / "examples" / "corpus.txt")},
             "optimizer": {"lr": 3e-3, "warmup_steps": 2}, "steps": steps, "global_batch": 8,
-            "checkpoint": {"every": 10}, "parallel": LAYOUTS[layout], "priority": 1,
+            "checkpoint": {"every": faults.EVERY}, "parallel": LAYOUTS[layout], "priority": 1,
             # a slow step on two loaded cores is no hang; a node gets 120 s to come back
             "fault": {"max_failures": 50, "hang_floor_s": 20, "node_grace_s": 120}}
 

@@ -23,6 +23,8 @@ from trainyard.cli.client import ApiError, Client
 
 KINDS = ("kill_worker", "hang_worker", "kill_coordinator", "service_sigkill", "node_loss")
 DRILLS = ("kill_worker", "hang_worker", "kill_coordinator")
+EVERY = 10
+"""The soak jobs' checkpoint.every."""
 NODE_DOWN_S = 5.0
 """How long the second node stays away before a new one is added in its place."""
 
@@ -58,17 +60,19 @@ def drill(client: Client, rng: random.Random, kind: str, running: dict[str, dict
     """The drill on a running soak job drawn by `rng`, of those not about to end (None: none runs)."""
     for job_id in rng.sample(sorted(running), len(running)):
         job = running[job_id]
-        if job["step"] + 2 >= job["steps"] - 2:  # the drill would come after its last step (or its final save)
+        if job["step"] + 3 >= job["steps"] - 2:  # the drill would come after its last step (or its final save)
             continue
         rank = rng.randrange(max(1, len(job["ranks"]))) if kind != "kill_coordinator" else 0
+        # Not a step that checkpoints: such a step is held to fault.step_timeout_s (300 s), not to the hang
+        # detector's deadline, so a hang there takes minutes to notice (as bench/faults.py's AT_STEP avoids).
+        at = job["step"] + 2 + ((job["step"] + 3) % EVERY == 0)
         try:
-            client._call("POST", f"/api/jobs/{job_id}/faults",
-                         json={"kind": kind, "rank": rank, "at_step": job["step"] + 2})
+            client._call("POST", f"/api/jobs/{job_id}/faults", json={"kind": kind, "rank": rank, "at_step": at})
         except ApiError as e:
             if e.status_code == 409:  # it stopped running meanwhile
                 continue
             raise
-        return Fault(kind, time.time(), [job_id], f"{job['name']} rank {rank} at step {job['step'] + 2}")
+        return Fault(kind, time.time(), [job_id], f"{job['name']} rank {rank} at step {at}")
     return None
 
 
