@@ -203,8 +203,8 @@ class Controller:
             failure = await self._oom_killed(failure)
         if failure.out_of_memory:
             failure = replace(failure, cause=f"{failure.cause}\n{self._memory_note(failure.out_of_memory)}")
-        if isinstance(self.state, Starting):
-            return CallFailed(failure, None)  # a job that cannot start is not recovered
+        if isinstance(self.state, Starting) and not failure.dead:
+            return CallFailed(failure, None)  # a job that cannot start is not recovered (`state.step`)
         elastic = self.plan.dp_range is not None
         node_lost = elastic and not self.stop and await self._node_lost(failure)
         decision = failure_decision(CallFailed(failure, None, node_lost), self._inputs(), self.failure_policy)

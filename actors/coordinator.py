@@ -16,7 +16,8 @@ The coordinator's own death is a failure too: the service creates it with Ray `m
 fault.max_failures`, its workers die with it (Ray fate-shares actors with their owner), and Ray starts it
 again with the same arguments. The new incarnation reads what its predecessor appended beside the
 checkpoints (`actors.journal`), counts the failure, and recovers like any other. It starts on the service's
-next poll, since nobody calls `start` again.
+next poll, since nobody calls `start` again. It starts from the admitted layout, so it first removes the
+placement groups its predecessor reserved to grow (`actors.worker_group.remove_grown_placement_groups`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from trainyard.actors.controller import Controller
 from trainyard.actors.storage import JobStorage, checkpoint_info
+from trainyard.actors.worker_group import remove_grown_placement_groups
 from trainyard.parallel.plan import Plan
 
 __all__ = ["Coordinator", "JobStorage", "checkpoint_info"]
@@ -48,6 +50,12 @@ class Coordinator:
         self.restarted = _was_restarted()
         """Ray restarted this actor after its process died: the job recovers from its journal."""
         self.controller = Controller(job_id, plan, pg, storage, self.restarted)
+        if self.restarted:  # it starts from the admitted layout: what its predecessor grew into is not its own
+            removed = remove_grown_placement_groups(job_id)
+            if removed:
+                logging.getLogger("trainyard.coordinator").warning(
+                    "job %s: removed the placement groups the coordinator before this one reserved to grow: %s",
+                    job_id, ", ".join(removed))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

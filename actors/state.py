@@ -202,8 +202,10 @@ def step(state: State, outcome: Outcome, inputs: Inputs, policy: FailurePolicy) 
     if isinstance(outcome, Cancelled):
         return Stopped()
     if isinstance(outcome, CallFailed):
-        if isinstance(state, Starting):
-            return Failed(outcome.failure.cause)  # a job that cannot even start is not recovered
+        if isinstance(state, Starting) and not outcome.failure.dead:
+            # A rank that raised while the job starts (its setup, its checkpoint) would again: not recovered. A rank
+            # whose process died (its node lost, say) is the cluster's failure, recovered like any other.
+            return Failed(outcome.failure.cause)
         return _on_failure(outcome, inputs, policy)
     match state, outcome:
         case Pending(), Admitted(restore=restore):

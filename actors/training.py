@@ -58,8 +58,8 @@ async def run_steps(ctl: Controller) -> Outcome:
         # recovery from a live replica, one that dropped a replica or an in-memory resize, steps no checkpoint
         # holds. The final checkpoint (unless this job has it already) and the model keep them.
         return AtBoundary(done, saved=done in checkpoint.committed_steps(Path(root))) if done > 0 else Cancelled()
-    if is_done(done, cfg.steps):
-        return AtBoundary(done, saved=False)
+    if is_done(done, cfg.steps):  # recovered after the last step (a failure in the final checkpoint or export)
+        return AtBoundary(done, saved=done in checkpoint.committed_steps(Path(root)))
     start, refs = time.perf_counter(), submit(done)
     progress.step_began()
     for step in range(progress.start_step, cfg.steps):
@@ -162,8 +162,17 @@ async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
     if ctl.suspend:
         return Done()
     directory = checkpoint.step_dir(Path(root), steps_done)
-    # Rank 0 exports: it has torch loaded, and the coordinator need not import it as the job ends.
-    path = Path(await ctl.group.workers[0].export_model.remote(str(directory), steps_done, ctl.storage.model_path))
+    for rank in ctl.drills.in_export():  # the drill: a rank's process dies as the model is exported
+        log.warning("job %s: fault drill kill_worker_in_export on rank %d", ctl.job_id, rank)
+        ray.kill(ctl.group.workers[rank], no_restart=True)
+    # Rank 0 exports: it has torch loaded, and the coordinator need not import it as the job ends. Through the
+    # group's call, as every call to the ranks: a death there (its node lost as the job ends) is a failure that
+    # is recovered from (the final checkpoint, then the export again), not the coordinator's own error (which
+    # failed the job, with a traceback, once the soak removed a node during an export).
+    [exported] = await ctl.group.call([ctl.group.workers[0].export_model.remote(str(directory), steps_done,
+                                                                                ctl.storage.model_path)],
+                                      "the model's export")
+    path = Path(exported)
     log.info("job %s: model after step %d exported to %s", ctl.job_id, steps_done, path)
     return Done(model={"path": str(path), "step": steps_done})
 
@@ -171,9 +180,10 @@ async def finish(ctl: Controller, steps_done: int, saved: bool) -> Outcome:
 class Drills:
     """Fault drills still to run: kind, rank, at_step. Worker drills go with the rank's step call;
     `kill_coordinator` exits this process; `kill_worker_in_recovery` kills the rank while the ranks take the
-    job's state in the next recovery at or after `at_step` (a failure during a recovery)."""
+    job's state in the next recovery at or after `at_step` (a failure during a recovery); `kill_worker_in_export`
+    kills it as the model is exported at the job's end."""
 
-    COORDINATOR_SIDE = ("kill_coordinator", "kill_worker_in_recovery")
+    COORDINATOR_SIDE = ("kill_coordinator", "kill_worker_in_recovery", "kill_worker_in_export")
 
     def __init__(self) -> None:
         self.pending: list[dict] = []
@@ -194,5 +204,11 @@ class Drills:
     def in_recovery(self, step: int) -> list[int]:
         """The ranks to kill in the recovery under way (which restores `step`); each drill runs once."""
         due = [d for d in self.pending if d["kind"] == "kill_worker_in_recovery" and d["at_step"] <= step]
+        self.pending = [d for d in self.pending if d not in due]
+        return [d["rank"] for d in due]
+
+    def in_export(self) -> list[int]:
+        """The ranks to kill as the model is exported; each drill runs once."""
+        due = [d for d in self.pending if d["kind"] == "kill_worker_in_export"]
         self.pending = [d for d in self.pending if d not in due]
         return [d["rank"] for d in due]

@@ -9,6 +9,8 @@ policies say what to create, reuse, kill or move.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -19,6 +21,7 @@ from trainyard.actors.worker import Worker
 from trainyard.parallel.plan import Plan
 
 Slot = tuple[PlacementGroup, int]
+log = logging.getLogger("trainyard.coordinator")
 
 RESET_TIMEOUT_S = 10.0
 """How long a rank that raised may take to leave its process groups before it is replaced instead."""
@@ -38,6 +41,20 @@ def placed(slot: Slot, alive: set[str] | None = None) -> bool:
     except Exception:  # noqa: BLE001 - a group removed meanwhile
         return False
     return bool(node) and (alive is None or node in alive)
+
+
+def remove_grown_placement_groups(job_id: str) -> list[str]:
+    """Remove the placement groups a coordinator of the job reserved to grow (`<name>-growN`, detached) and did
+    not give back: it died (the service, once the job ended; a restarted coordinator, whose predecessor's ranks
+    died with it and whose grown bundles would otherwise stay reserved, and their names taken, until the job
+    ends). By id, not name: a removed group keeps its name in the table. Returns the names removed."""
+    prefix, removed = f"{placement_group_name(job_id)}-grow", []
+    for pg_id, entry in ray.util.placement_group_table().items():
+        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):  # removed meanwhile
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+                removed.append(entry["name"])
+    return removed
 
 
 def alive_nodes() -> set[str]:

@@ -1,7 +1,7 @@
 """`make bench` (`python -m bench.run [--only SECTION ...]`): run benchmark sections, write bench/results.json.
 
 `make bench-quick` (`python -m bench.run --quick`): a pass in under 5 minutes on a 2-core machine, to see that
-every quick section runs and roughly where its numbers lie: the sections but faults and elastic (minutes of
+every quick section runs and roughly where its numbers lie: the sections but faults, elastic and soak (minutes of
 service restarts and resizes), one round each (two where a median of one says nothing: perf, checkpoint),
 fewer pipeline steps; written to bench/results-quick.json, so the full run's results stay as they are.
 
@@ -37,6 +37,7 @@ from bench import (
     scale,
     service_ops,
     signals,
+    soak,
     step,
     sync,
     tp_memory,
@@ -91,6 +92,9 @@ SECTIONS: dict[str, Section] = {
                 planner_bench.run_section),
         Section("sync", "diloco and local SGD vs all-reduce (dp=4; dp=2 pp=2): loss at equal tokens vs bytes "
                         "across replicas", sync.run_section),
+        Section("soak", "four jobs (dp, pp x dp, tp, MoE) through a seeded fault every 20 s on a two-node cluster, "
+                        "1,000 queued submits from four users mid-way: recoveries, bit-identical losses, nothing left",
+                soak.run_section),
         Section("scale", "a 501M llama at dp=4 zero=3, built on the meta device: each rank's peak RSS vs the plan",
                 scale.run_section),
     )

@@ -18,10 +18,9 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from trainyard.actors.calls import first_line
-from trainyard.actors.naming import placement_group_name
 from trainyard.actors.state import JobStatus
+from trainyard.actors.worker_group import remove_grown_placement_groups
 from trainyard.service.follow import Cursor, apply_report
-from trainyard.service.ray_runtime import remove_grown_placement_groups
 from trainyard.service.store import JobStore
 
 log = logging.getLogger("trainyard.manager")
@@ -147,4 +146,4 @@ class LiveJobs:
             ray.kill(coordinator, no_restart=True)
         if pg is not None:
             remove_placement_group(pg)
-        remove_grown_placement_groups(placement_group_name(job_id))
+        remove_grown_placement_groups(job_id)

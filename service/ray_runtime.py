@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.placement_group import remove_placement_group
 from trainyard.actors.naming import NAMESPACE
 from trainyard.parallel.plan import ClusterResources, NodeResources
 
@@ -250,12 +249,3 @@ def descendants(pid: int) -> list[int]:
                 todo.append(child)
     return found
 
-
-def remove_grown_placement_groups(prefix: str) -> None:
-    """Remove the placement groups a job's coordinator reserved to grow (`<prefix>-growN`), should it have died
-    before giving them back."""
-    prefix += "-grow"
-    for entry in ray.util.placement_group_table().values():
-        if entry.get("name", "").startswith(prefix) and entry.get("state") != "REMOVED":
-            with contextlib.suppress(Exception):
-                remove_placement_group(ray.util.get_placement_group(entry["name"]))

@@ -49,6 +49,10 @@ def reattach(live: LiveJobs, job: JobRecord) -> bool:
                 timeout=30)
     except Exception:  # noqa: BLE001 - gone (ValueError), or dead: the job is relaunched instead
         return False
+    # The previous service may have died between creating the coordinator and starting it (`Admission._admit`):
+    # then nobody would, and the job stayed PENDING with its coordinator idle (found by the soak, `python -m
+    # bench.run --only soak`). `start` is idempotent: a running coordinator goes on as it was.
+    coordinator.start.remote()
     live.add(job.job_id, coordinator, pg, job.step)
     log.info("job %s: reattached to its running coordinator", job.job_id)
     return True

@@ -30,6 +30,16 @@ log = logging.getLogger("trainyard.server")
 
 GRACEFUL_HTTP_S = 5
 """How long in-flight requests may take to finish once a shutdown began."""
+KEEP_ALIVE_S = 75
+"""How long an idle HTTP connection stays open. Longer than a client's own idle limit (httpx, the CLI's client:
+5 s), so the client always drops an idle connection first: at uvicorn's default (5 s, the same) a request on a
+connection the server was closing at that moment got "Connection reset by peer", a submit or a stop lost (3 of
+1,000 submits and their stops in the soak, `python -m bench.run --only soak`)."""
+
+
+def http_config(app: Any, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACEFUL_HTTP_S,
+                          timeout_keep_alive=KEEP_ALIVE_S)
 
 
 class PortInUse(SystemExit):
@@ -76,8 +86,7 @@ def serve(make_app: AppFactory, host: str = "127.0.0.1", port: int = 8000, state
                          detach_jobs=not info.embedded, quotas=users.quota)
     app = make_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection,
                    users=users)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                    timeout_graceful_shutdown=GRACEFUL_HTTP_S))
+    server = _Server(http_config(app, host, port))
 
     def on_signal(signum: int, _frame: object) -> None:
         if server.should_exit:  # a second signal: stop waiting for in-flight requests

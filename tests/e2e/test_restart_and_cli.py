@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 from conftest import start_service
-from helpers import REPO, tiny_spec
+from helpers import REPO, tiny_spec, wait_for
 from trainyard.actors.state import JobStatus
 from trainyard.cli.client import ApiError
 from trainyard.cli.main import main as cli
@@ -40,6 +40,44 @@ def test_jobs_live_when_the_service_died_are_queued_again_on_start(ray_session, 
         assert client.events("ended") == [{"time": 1.0, "kind": "checkpoint", "step": 2}]
     finally:
         svc.shutdown()
+
+
+def test_a_coordinator_the_service_created_but_never_started_is_started_when_the_next_one_reattaches(ray_session,
+                                                                                                  tmp_path):
+    """The soak found it: a service SIGKILLed between creating a job's (detached) coordinator and starting it left
+    the job PENDING for good: the next service reattached to the coordinator, which nobody started. Here the
+    coordinator is created as `Admission._admit` creates it, not started, and the store shows the job admitted."""
+    import time
+
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from trainyard.actors.coordinator import Coordinator, JobStorage
+    from trainyard.actors.naming import coordinator_name, placement_group_name
+    from trainyard.parallel.plan import make_plan
+    from trainyard.parallel.spec import parse_spec
+    from trainyard.service.live_jobs import LiveJobs
+    from trainyard.service.reconcile import reconcile
+
+    spec = tiny_spec(steps=2)
+    plan = make_plan(parse_spec(spec))
+    pg = placement_group(plan.bundles(), name=placement_group_name("unstarted"), lifetime="detached")
+    ray.get(pg.ready(), timeout=60)
+    storage = JobStorage(checkpoint_root=str(tmp_path / "ckpt"), model_path=str(tmp_path / "model.safetensors"))
+    coordinator = Coordinator.options(name=coordinator_name("unstarted"), lifetime="detached").remote(  # type: ignore[attr-defined]
+        "unstarted", plan, pg, storage)
+    store = JobStore(tmp_path / "jobs.db")
+    store.insert(JobRecord(job_id="unstarted", name="x", status=JobStatus.PENDING, spec=spec, steps=2,
+                           needs={"bundle": {"CPU": 1.0}, "count": 1}, admitted_at=time.time()))
+    try:
+        assert ray.get(coordinator.poll.remote(), timeout=60)["status"] == "PENDING"  # created, never started
+        reconcile(LiveJobs(store))
+        assert [e["kind"] for e in ray.get(coordinator.poll.remote(), timeout=60)["events"]] == ["reattached"]
+        wait_for(lambda: ray.get(coordinator.poll.remote(), timeout=60)["status"] != "PENDING", 60,
+                 "the reattached coordinator to start the job")
+    finally:
+        ray.kill(coordinator, no_restart=True)
+        remove_placement_group(pg)
+        store.close()
 
 
 def test_a_job_the_restart_queued_again_and_then_stopped_keeps_its_trained_model(ray_session, tmp_path):

@@ -56,7 +56,7 @@ BUDGET_2 = FailurePolicy(max_failures=2, elastic=False)
 
 
 def failure(cause: str = "rank 1 died in step 4", **kw) -> Failure:
-    return Failure(cause=cause, blamed=(1,), dead=(1,), step=4, **kw)
+    return Failure(cause=cause, **{"blamed": (1,), "dead": (1,), "step": 4, **kw})
 
 
 def inputs(**kw) -> Inputs:
@@ -150,8 +150,16 @@ def test_a_failure_while_stopping_fails_the_job():
 
 
 def test_a_job_that_cannot_start_fails_without_recovering():
-    state = step(Starting(None), CallFailed(failure("rank 0 failed in setup"), None), inputs(), BUDGET_2)
+    raised = failure("rank 0 failed in setup", raised=(0,), dead=())
+    state = step(Starting(None), CallFailed(raised, None), inputs(), BUDGET_2)
     assert state == Failed("rank 0 failed in setup")
+
+
+def test_a_rank_that_dies_while_the_job_starts_is_recovered():
+    """The soak found it: a node removed while a job's ranks were in setup failed the job (both ranks "died in
+    setup"), as if its spec could not start; a death is the cluster's failure and is recovered like any other."""
+    died = failure("rank 0 died in setup: its process exited", dead=(0,))
+    assert step(Starting(None), CallFailed(died, None), inputs(), BUDGET_2) == Recovering(died, None)
 
 
 def test_a_restarted_coordinator_recovers_as_a_counted_failure():
