@@ -2,9 +2,8 @@
 time, a (pp=2, dp=2) ZeRO-3 job (FSDP2 shards) to dp=1 through a checkpoint. Each follows the loss curve of the same
 job on one rank (run on a gloo rank by the same driver the workers use) within 1e-4 per step, until it is stopped;
 the ranks that remain keep their actors (same actor ids); every resize is an event; a bad size is a 422 and a job
-that is not running a 409. Between the dp job's two resizes its coordinator is killed: Ray restarts it at the
-admitted dp=2, and it removes the placement group its predecessor reserved to grow to 4 (once left reserved until
-the job ended)."""
+that is not running a 409. And a coordinator Ray restarts removes the placement groups its predecessor reserved to
+grow (they stayed reserved until the job ended)."""
 
 from __future__ import annotations
 
@@ -43,21 +42,6 @@ def _resize(client, job_id: str, dp: int) -> dict:
     return _actors(client, job_id)
 
 
-def _grown(job_id: str) -> list[str]:
-    """The placement groups a coordinator of the job reserved to grow that Ray still holds."""
-    return [e["name"] for e in ray.util.placement_group_table().values()
-            if e["name"].startswith(f"trainyard/{job_id}-grow") and e["state"] != "REMOVED"]
-
-
-def _kill_coordinator(client, job_id: str) -> dict[str, str]:
-    """Kill the coordinator at the next step; once Ray restarted it and the job runs again, its actors."""
-    client._call("POST", f"/api/jobs/{job_id}/faults",
-                 json={"kind": "kill_coordinator", "rank": 0, "at_step": client.job(job_id)["step"] + 1})
-    wait_for(lambda: any(e["kind"] == "recovered" for e in client.events(job_id))
-             and client.job(job_id)["status"] == "RUNNING", 120, "the restarted coordinator to run the job")
-    return _actors(client, job_id)
-
-
 @pytest.fixture(scope="module")
 def runs(service):
     """Both jobs at once (4 + 4 ranks at most), each resized in its own thread, then both stopped; then the one-rank
@@ -66,14 +50,7 @@ def runs(service):
         client = service.client()  # one per thread
         job_id = client.submit(spec)
         wait_for(lambda: client.job(job_id)["ranks"] and client.job(job_id)["step"] >= 1, 120, "the job to run")
-        actors = [_actors(client, job_id)]
-        for dp in sizes:
-            if dp == "kill":
-                grown = _grown(job_id)
-                actors.append(_kill_coordinator(client, job_id))
-                assert grown and _grown(job_id) == [], grown  # reserved at dp=4, removed by the restarted one
-            else:
-                actors.append(_resize(client, job_id, dp))
+        actors = [_actors(client, job_id)] + [_resize(client, job_id, dp) for dp in sizes]
         past = client.job(job_id)["step"] + AFTER
         wait_for(lambda: client.job(job_id)["step"] >= past, 120, f"{AFTER} steps at the last size")
         assert client.stop(job_id)["status"] == "STOPPED", client.job(job_id)["error"]
@@ -82,7 +59,7 @@ def runs(service):
         return out
 
     with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(resize_and_stop, spec, sizes) for name, spec, sizes in (("dp", DP, (4, "kill", 1)),
+        futures = {name: pool.submit(resize_and_stop, spec, sizes) for name, spec, sizes in (("dp", DP, (4, 1)),
                                                                                             ("pp", PIPE, (1,)))}
         done = {name: f.result() for name, f in futures.items()}
     one_rank = {name: PlanRun(make_plan(parse_spec({**spec, "parallel": {}})), steps=range(len(done[name][0])))
@@ -102,15 +79,14 @@ def test_a_resized_job_follows_the_one_rank_loss_curve(runs, name):
 
 
 def test_ranks_that_remain_keep_their_actors(runs):
-    _, _, (at2, at4, restarted, at1), _, _ = runs["dp"]
+    _, _, (at2, at4, at1), _, _ = runs["dp"]
     assert set(at2) == {"pp0-tp0-dp0", "pp0-tp0-dp1"} and len(at4) == 4 and set(at1) == {"pp0-tp0-dp0"}
     assert {k: at4[k] for k in at2} == at2  # growing added two actors and kept both
-    assert set(restarted) == set(at2) and not set(restarted.values()) & set(at4.values())  # new, at the admitted dp
-    assert at1["pp0-tp0-dp0"] == restarted["pp0-tp0-dp0"]  # shrinking kept the first
+    assert at1["pp0-tp0-dp0"] == at2["pp0-tp0-dp0"]  # shrinking kept the first
     assert len(set(at4.values())) == 4
 
 
-@pytest.mark.parametrize(("name", "moves"), [("dp", [(2, 4, "memory"), (2, 1, "memory")]),
+@pytest.mark.parametrize(("name", "moves"), [("dp", [(2, 4, "memory"), (4, 1, "memory")]),
                                              ("pp", [(2, 1, "checkpoint")])])
 def test_every_resize_is_an_event(runs, name, moves):
     events = [e for e in runs[name][3] if e["kind"] == "resize"]
@@ -128,3 +104,37 @@ def test_bad_sizes_are_422_and_a_job_that_does_not_run_is_409(runs, client):
     with pytest.raises(ApiError) as info:
         client.scale(job_id, 1)
     assert info.value.status_code == 409 and "only a RUNNING job can be resized" in str(info.value)
+
+
+def test_a_restarted_coordinator_removes_the_placement_groups_its_predecessor_reserved_to_grow(ray_session, tmp_path):
+    """A job grown past its admitted size holds `<name>-growN` placement groups, reserved by its coordinator (the dp
+    job above grows into one). When that coordinator dies, Ray restarts it with its arguments: the admitted layout,
+    its ranks new, the grown groups not its own. They stayed reserved, out of every job's reach and their names
+    taken, until the job ended; the restarted coordinator removes them first. Here a coordinator is created as the
+    service creates it (never started: no ranks), with a grown group beside its admitted one, then killed."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from trainyard.actors.coordinator import Coordinator, JobStorage
+    from trainyard.actors.naming import coordinator_name, placement_group_name
+
+    job, plan = "regrown", make_plan(parse_spec(tiny_spec()))
+    admitted = placement_group(plan.bundles(), name=placement_group_name(job), lifetime="detached")
+    grown = placement_group([{"CPU": 0.01}], name=f"{placement_group_name(job)}-grow0", lifetime="detached")
+    ray.get([admitted.ready(), grown.ready()], timeout=60)
+    storage = JobStorage(checkpoint_root=str(tmp_path / "ckpt"), model_path=str(tmp_path / "model.safetensors"))
+    coordinator = Coordinator.options(name=coordinator_name(job), lifetime="detached",  # type: ignore[attr-defined]
+                                      max_restarts=1).remote(job, plan, admitted, storage)
+    try:
+        ray.get(coordinator.actor_names.remote(), timeout=60)  # up (a poll would start a restarted one's job)
+        assert _grown(job) == [f"trainyard/{job}-grow0"]
+        ray.kill(coordinator, no_restart=False)  # its process dies; Ray restarts it
+        wait_for(lambda: _grown(job) == [], 60, "the restarted coordinator to remove the grown placement group")
+        assert ray.util.placement_group_table(admitted)["state"] == "CREATED"  # the service's, kept
+    finally:
+        ray.kill(coordinator, no_restart=True)
+        remove_placement_group(admitted)
+
+
+def _grown(job_id: str) -> list[str]:
+    """The placement groups a coordinator of the job reserved to grow that Ray still holds."""
+    return [e["name"] for e in ray.util.placement_group_table().values()
+            if e["name"].startswith(f"trainyard/{job_id}-grow") and e["state"] != "REMOVED"]
