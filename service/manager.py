@@ -1,8 +1,8 @@
 """The job manager: the service's one entry point for the API (submit, queries, control) and the owner of its
 two threads. What each thread does lives beside it: admission (`service.admission`, with the policy in
 `service.queue`), following the live jobs (`service.live_jobs`, with `service.follow`), making the store true
-to Ray at start (`service.reconcile`), where a job's files go (`service.paths`), resume points
-(`service.resume`) and logs (`service.logs`).
+to Ray at start (`service.reconcile`), what a submitted job reads (`service.inputs`), where a job's files go
+(`service.paths`), resume points (`service.resume`) and logs (`service.logs`).
 
 - `submit` validates a JobConfig against the cluster (plan rules, dataset, fit, its owner's quota), stores the job
   as PENDING, owned by the submitter, and returns: a waiting job is a row in the store and holds no Ray process.
@@ -26,7 +26,6 @@ to Ray at start (`service.reconcile`), where a job's files go (`service.paths`),
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import logging
 import shutil
 import threading
@@ -41,7 +40,6 @@ from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import Dataset, open_dataset
-from trainyard.parallel.data.examples import epochs_steps
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.hf_spec import init_from_event
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
@@ -50,6 +48,7 @@ from trainyard.service import queue, quota
 from trainyard.service.admission import RESERVE_TIMEOUT_S, Admission
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
+from trainyard.service.inputs import bound_by_epochs, check_inputs
 from trainyard.service.live_jobs import LiveJobs
 from trainyard.service.logs import read_rank_log
 from trainyard.service.paths import JobPaths
@@ -120,21 +119,8 @@ class JobManager:
         """All submit-time checks; raises PlanError (or DatasetError) naming the field and the rule. `train`: the
         training data, when the caller opened it already."""
         plan = make_plan(config, cluster_resources())
-        self._check_inputs(config, train)
+        check_inputs(config, self.resume_point, train)
         return plan
-
-    def _check_inputs(self, config: JobConfig, train: Dataset | None = None) -> None:
-        """The checks of what the job reads, whatever its layout: its datasets (the training data opened here
-        unless `train` is it already) and the checkpoint it resumes; and that the trackers it logs to are
-        installed."""
-        missing = tracking.missing_extra(config)
-        if missing is not None:
-            raise missing
-        if train is None:
-            open_dataset(config)
-        if config.eval.every > 0:
-            open_dataset(config, "val")
-        self.resume_point(config)
 
     def choose_layout(self, config: JobConfig) -> tuple[JobConfig, dict | None]:
         """`parallel: auto` resolved by the planner with this cluster's calibrated costs (measured on first
@@ -173,14 +159,13 @@ class JobManager:
         `parallel: auto` job submitted while the node type's costs are being measured is queued all the same,
         with an event saying it waits for them: the admission thread chooses its layout once they are known. A
         job that needs more than its owner's whole quota is refused (RuleError on `resources`)."""
-        # Opened once, here: whole examples are read (and, with data.packing, packed) in Python as it opens, on the
-        # API's thread; the epochs' steps and the input checks both take this one.
+        # Opened once, here, where the epochs' steps and the input checks both need it (`service.inputs`).
         train = open_dataset(config) if config.data.epochs is not None else None
-        config, events = self._bound_by_epochs(config, train)
+        config, events = bound_by_epochs(config, train)
         try:
             config, _ = self.choose_layout(config)
         except Calibrating as waiting:
-            self._check_inputs(config, train)
+            check_inputs(config, self.resume_point, train)
             event = {"time": time.time(), "kind": "waiting_for_calibration", "cause": str(waiting)}
             return self._queue(config, owner, needs={}, events=[*events, event])
         plan = self.plan(config, train)
@@ -189,22 +174,6 @@ class JobManager:
         log.info("job %s queued (%s, world size %d, priority %d, user %s)", job_id, config.name, plan.world_size,
                  config.priority, owner)
         return job_id
-
-    @staticmethod
-    def _bound_by_epochs(config: JobConfig, train: Dataset | None) -> tuple[JobConfig, builtins.list[dict]]:
-        """`data.epochs` ends the job first when its passes over `train` (its training data, opened) take fewer
-        steps than `steps`: the job is stored with those steps (so its learning-rate schedule ends with it), and an
-        event says so."""
-        if config.data.epochs is None or train is None:
-            return config, []
-        sequences = train.num_samples
-        steps = epochs_steps(config.data.epochs, sequences, config.global_batch)
-        if steps >= config.steps:
-            return config, []
-        event = {"time": time.time(), "kind": "steps_from_epochs", "steps": steps, "asked": config.steps,
-                 "cause": f"data.epochs={config.data.epochs} over {sequences} sequences of whole examples at "
-                          f"global_batch={config.global_batch}: {steps} steps, fewer than steps={config.steps}"}
-        return dataclasses.replace(config, steps=steps), [event]
 
     def _queue(self, config: JobConfig, owner: str, needs: dict, events: builtins.list[dict] | None = None) -> str:
         job_id = uuid.uuid4().hex[:12]

@@ -48,6 +48,7 @@ def test_an_epochs_job_is_bounded_and_checked_from_one_opening_of_its_data(tmp_p
     from data_helpers import bpe_tokenizer
     from helpers import REPO
     from trainyard.parallel.data.prepare import PrepareOptions, prepare
+    from trainyard.service.inputs import bound_by_epochs, check_inputs
     from trainyard.service.manager import JobManager
     from trainyard.service.store import JobStore
 
@@ -57,13 +58,13 @@ def test_an_epochs_job_is_bounded_and_checked_from_one_opening_of_its_data(tmp_p
     config = parse_spec(tiny_spec(model={"vocab_size": 300, "seq_len": 128}, steps=1000, global_batch=4, data=data))
     train = open_dataset(config)
     (tmp_path / "chat").rename(tmp_path / "moved")
-    bounded, events = JobManager._bound_by_epochs(config, train)
+    bounded, events = bound_by_epochs(config, train)
     assert bounded.steps == epochs_steps(2, train.num_samples, 4) < 1000
     assert events[0]["kind"] == "steps_from_epochs" and events[0]["steps"] == bounded.steps
     manager = JobManager(JobStore(tmp_path / "jobs.db"), data_dir=tmp_path)
     try:
-        manager._check_inputs(bounded, train)  # the data is not opened again
+        check_inputs(bounded, manager.resume_point, train)  # the data is not opened again
         with pytest.raises(DatasetError):
-            manager._check_inputs(bounded)  # (as it would be, and fail, without it)
+            check_inputs(bounded, manager.resume_point)  # (as it would be, and fail, without it)
     finally:
         manager.shutdown()
