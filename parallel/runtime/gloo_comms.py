@@ -28,8 +28,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 
-def _empty(size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
+class _PlainBuffers:
+    """FSDP2 asks its collective for the buffers it hands over: plain tensors here (gloo keeps no memory to offer)."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
 class _AllDone(dist.Work):
@@ -45,12 +49,8 @@ class _AllDone(dist.Work):
         return True
 
 
-class BroadcastAllGather(AllGather):
+class BroadcastAllGather(_PlainBuffers, AllGather):
     """An all-gather as each rank's slice of the output broadcast from that rank, in place."""
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return _empty(size, dtype, device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
@@ -67,12 +67,8 @@ class BroadcastAllGather(AllGather):
         return None
 
 
-class InPlaceReduceScatter(ReduceScatter):
+class InPlaceReduceScatter(_PlainBuffers, ReduceScatter):
     """A reduce-scatter as an in-place all-reduce of FSDP2's input buffer, then this rank's slice of it."""
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return _empty(size, dtype, device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: dist.ReduceOp.RedOpType, async_op: bool = False) -> dist.Work | None:
