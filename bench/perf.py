@@ -10,7 +10,8 @@ every variant alike; a time ratio is the median of the per-round ratios. Every s
 barrier; a step's time is the slower rank's `compute_s` (the time inside `train_step`). The first
 WARMUP_STEPS steps of each variant are not measured.
 
-The variants differ in one field each from `base` (overlap_reduce true, zero 0, no checkpointing):
+The variants differ in one field each from `base` (overlap_reduce true, zero 0, no checkpointing; gloo's collectives,
+`shared_memory_reduce: false`, since overlap is what the section weighs: the dp section measures shared memory):
 - `no-overlap`: `parallel.overlap_reduce: false`, every bucket all-reduced after backward;
 - `zero1`: `parallel.zero: 1`, gradients reduce-scattered, AdamW state for this rank's half only
   (`StepStats.optimizer_bytes`), parameters all-gathered after the step;
@@ -50,7 +51,7 @@ SPEC: dict[str, Any] = {
     "model": MODEL,
     "data": {"kind": "synthetic"},
     "global_batch": 4,  # few tokens per rank, so the 42 MiB gradient all-reduce is a visible share of a step
-    "parallel": {"dp": 2, "overlap_reduce": True, "zero": 0},
+    "parallel": {"dp": 2, "overlap_reduce": True, "zero": 0, "shared_memory_reduce": False},
     "activation_checkpointing": "none",
     "resources": {"gpus_per_worker": 0},
 }

@@ -95,6 +95,9 @@ class ParallelConfig:
     too; 3: ZeRO-3, the parameters too, gathered one block at a time around its forward and backward."""
     overlap_reduce: bool = True
     """Start each gradient bucket's reduction during backward, as soon as its gradients are final."""
+    shared_memory_reduce: bool = True
+    """Sum the gradients through shared memory when the ranks of a group are CPU processes on one host (gloo's only
+    transport is TCP); nothing then overlaps backward. false: gloo's all-reduce, overlapped as overlap_reduce says."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Type of the gradients on the wire between data-parallel ranks; bf16 halves the traffic."""
     grad_compression: GradCompressionConfig | None = None

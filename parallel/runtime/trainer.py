@@ -120,7 +120,8 @@ class RankTrainer:
                          for chunk in self.chunks]
             if any(per_chunk):
                 self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
-                                                   sharded=self.sharded, compressor=self.compressor)
+                                                   sharded=self.sharded, compressor=self.compressor,
+                                                   shared_memory=par.shared_memory_reduce)
         # Offloaded: the optimizer's chunks follow the forward's units; overlapped, each unit's forward waits for its
         # own chunks' host step (`parallel.runtime.host_steps`), where nothing else reads the parameters in between.
         units = forward_units(self.chunks) if cfg.optimizer.offload else []

@@ -1,8 +1,9 @@
 """Speed and memory settings on real gloo ranks, without Ray: each follows the plain run and shows its effect in
 what the ranks measure.
 
-- ZeRO-1 and overlapped gradient reduction in an MoE pipeline (dp=2, pp=2): losses within 1e-5 (bit-identical
-  without overlap), half the optimizer state, reductions started during backward unless overlap is off.
+- ZeRO-1 and overlapped gradient reduction in an MoE pipeline (dp=2, pp=2): losses within 1e-5, half the optimizer
+  state; with gloo's collectives (shared_memory_reduce off) reductions start during backward unless overlap is off,
+  and the sums through shared memory (the default here: every rank on one host) start none; all three bit-identical.
 - Activation checkpointing (full, selective) and ZeRO-1 at a (dp=2, pp=2) and a (dp=2, tp=2) layout follow the
   plain run within 1e-5, bf16 within 2e-2 after warm-up; checkpointing lowers the measured activation peak.
 Every run is one plan of one spawned world (tests/e2e/test_performance_http.py runs one job with these
@@ -18,7 +19,9 @@ from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
 
 LAYOUT = {"dp": 2, "pp": 2, "microbatches": 2}
-MOE_VARIANTS = {"plain": LAYOUT, "zero1": {**LAYOUT, "zero": 1}, "no-overlap": {**LAYOUT, "overlap_reduce": False}}
+GLOO = {**LAYOUT, "shared_memory_reduce": False}
+MOE_VARIANTS = {"plain": LAYOUT, "zero1": {**LAYOUT, "zero": 1}, "gloo": GLOO,
+                "gloo-no-overlap": {**GLOO, "overlap_reduce": False}}
 LAYOUTS = {"dp2-pp2": {"dp": 2, "pp": 2, "microbatches": 2}, "dp2-tp2": {"dp": 2, "tp": 2}}
 SETTINGS = {
     "plain": {},
@@ -57,11 +60,12 @@ def test_zero1_holds_half_the_optimizer_state_and_keeps_the_numbers(runs):
         assert 0.45 < ratio < 0.6, (rank, ratio)  # half, plus the pieces at slice edges and padding
 
 
-def test_reductions_start_during_backward_unless_overlap_is_off(runs):
-    plain, per_rank = runs["moe", "plain"], runs["moe", "no-overlap"]
-    assert all(stats[-1]["early_reductions"] > 0 for stats in plain)
-    assert all(stats[-1]["early_reductions"] == 0 for stats in per_rank)
-    assert last_stage_losses(per_rank) == last_stage_losses(plain)  # the same sums in the same order
+def test_gloo_reductions_start_during_backward_unless_overlap_is_off_and_shared_memory_sums_alike(runs):
+    overlapped, after, shared = runs["moe", "gloo"], runs["moe", "gloo-no-overlap"], runs["moe", "plain"]
+    assert all(stats[-1]["early_reductions"] > 0 for stats in overlapped)
+    assert all(stats[-1]["early_reductions"] == 0 for stats in after + shared)
+    # two ranks: every sum is a + b, whoever adds
+    assert last_stage_losses(after) == last_stage_losses(overlapped) == last_stage_losses(shared)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
