@@ -11,10 +11,10 @@ summed once, by one rank, in row order. This is what NCCL does between the GPUs 
 memory all-reduce between CPU ranks; gloo has neither.
 
 Set up with `shared_rows`: rank 0 of the group creates the file (if /dev/shm has room for it, twice over: Ray's
-object store lives there too) and writes a token into it; every rank maps it and reads the token back (a rank on
-another host, or with a /dev/shm of its own, does not see it); the group agrees whether every rank did; then rank 0
-unlinks the file, so nothing is left behind once the mappings go, however the processes end. A group that cannot
-share gets None on every rank, and its reducer uses gloo's collective.
+object store lives there too), takes all its pages at once, and writes a token into it; every rank maps it and
+reads the token back (a rank on another host, or with a /dev/shm of its own, does not see it); the group agrees
+whether every rank did; then rank 0 unlinks the file, so nothing is left behind once the mappings go, however the
+processes end. A group that cannot share gets None on every rank, and its reducer uses gloo's collective.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _create(path: Path, nbytes: int, token: bytes) -> None:
     except OSError:  # no /dev/shm (macOS), or not writable: the others will not find the file
         return
     try:
-        os.ftruncate(fd, nbytes)
+        # Every page taken now (ENOSPC here, not a SIGBUS at a later write when others have filled /dev/shm).
+        os.posix_fallocate(fd, 0, nbytes)
         os.pwrite(fd, token, 0)
     except OSError:
         path.unlink(missing_ok=True)
