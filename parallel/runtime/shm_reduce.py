@@ -10,7 +10,7 @@ every row, and a second barrier (every slice is summed): every rank then reads t
 summed once, by one rank, in row order. This is what NCCL does between the GPUs of one node, and DeepSpeed's shared
 memory all-reduce between CPU ranks; gloo has neither.
 
-Set up with `shared_rows`: rank 0 of the group creates the file (if /dev/shm has room for it, twice over: Ray's
+Set up with `shared_rows`: rank 0 of the group creates the file (if /dev/shm has room for it four times over: Ray's
 object store lives there too), takes all its pages at once, and writes a token into it; every rank maps it and
 reads the token back (a rank on another host, or with a /dev/shm of its own, does not see it); the group agrees
 whether every rank did; then rank 0 unlinks the file, so nothing is left behind once the mappings go, however the
@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR = Path("/dev/shm")
-HEADROOM = 2
-"""/dev/shm must have this many times the rows' bytes free."""
+HEADROOM = 4
+"""/dev/shm must have this many times the rows' bytes free: Ray's object store takes its pages from there as it
+fills (lazily), so the rows take at most a quarter of what is free."""
 
 
 def shared_rows(group: dist.ProcessGroup, numel: int, dtype: torch.dtype) -> torch.Tensor | None:

@@ -3,7 +3,8 @@
 The reducer's buckets are rows of one mapped file, and `finish` leaves every rank with the same bits, equal to what
 gloo's all-reduce of the same gradients gives (to rounding: three addends summed in another order), slices across
 unequal parameters and a padded tail included, two steps in a row, with no file left in /dev/shm; a group that
-cannot map the file (here: no /dev/shm) falls back to gloo's all-reduce on every rank alike.
+cannot map the file (here: too little room in /dev/shm, or no /dev/shm) falls back to gloo's all-reduce on every
+rank alike.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         results = {"shared": _steps(rank, shared_memory=True)}
+        shm_reduce.HEADROOM = 10**15  # /dev/shm never has room enough
+        results["no-room"] = _steps(rank, shared_memory=True)
         shm_reduce.SHM_DIR = Path(out_dir) / "no-such-dir"
         results["fallback"] = _steps(rank, shared_memory=True)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -63,7 +66,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
 
 
-@pytest.mark.parametrize("case, shared", [("shared", True), ("fallback", False)])
+@pytest.mark.parametrize("case, shared", [("shared", True), ("no-room", False), ("fallback", False)])
 def test_every_rank_ends_with_what_gloos_all_reduce_gives(ranks, case, shared):
     for result in (r[case] for r in ranks):
         assert result["shared"] is shared
