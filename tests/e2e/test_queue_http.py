@@ -115,7 +115,7 @@ def test_waiting_jobs_are_still_waiting_after_a_restart_and_then_run(ray_session
     svc = start_service(tmp_path)
     try:
         done = {p: wait_terminal(svc.client(), i) for p, i in {**ids, "admitted": "admitted"}.items()}
-        assert {j["status"] for j in done.values()} == {"SUCCEEDED"}
+        assert {j["status"] for j in done.values()} == {"SUCCEEDED"}, {p: j.get("error") for p, j in done.items()}
         assert done[2]["admitted_at"] < done[1]["admitted_at"] < done[0]["admitted_at"]
         interrupted = [e for e in svc.client().events("admitted") if e["kind"] == "interrupted"]
         assert len(interrupted) == 1 and "while the job was being started" in interrupted[0]["cause"]
