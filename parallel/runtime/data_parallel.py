@@ -98,8 +98,7 @@ def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGrou
     if compressor is not None and size > 1:
         return compressor.reducer_class(cls)(chunk_params, group, compressor, reduce_dtype=reduce_dtype,
                                              bucket_bytes=bucket_bytes)
-    return cls(chunk_params, group, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
-               shared_memory=shared_memory and cls is GradientReducer)
+    return cls(chunk_params, group, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes, shared_memory=shared_memory)
 
 
 class Compressor(Protocol):
@@ -115,6 +114,9 @@ class GradientReducer:
 
     zero = False
     """Whether this rank holds only a 1/N slice of the reduced gradients and optimizer state (ZeRO-1)."""
+    sums_in_shared_memory = True
+    """Whether `shared_memory` may put the buckets in shared rows (`finish` sums them there); a reducer whose
+    buckets travel otherwise (reduce-scattered, compressed) keeps its collectives."""
 
     @torch.no_grad()
     def __init__(self, chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, *,
@@ -124,7 +126,8 @@ class GradientReducer:
         self.rank = dist.get_rank(group) if group is not None else 0
         splits = [(chunk, params) for chunk, params in enumerate(chunk_params)
                   for params in split(list(reversed(params)), bucket_bytes)]
-        self.rows = self._shared_rows([params for _, params in splits]) if shared_memory else None
+        shared = shared_memory and self.sums_in_shared_memory
+        self.rows = self._shared_rows([params for _, params in splits]) if shared else None
         """Shared memory: every rank's buckets, back to back, one row a rank (`parallel.runtime.shm_reduce`)."""
         self._rows_used = 0
         self.buckets = [self._make_bucket(chunk, params) for chunk, params in splits]
@@ -244,7 +247,7 @@ class GradientReducer:
         self._start_ready(everything=True)
         if self.rows is not None:
             assert self.group is not None  # rows are only ever shared within a group
-            sum_rows(self.rows, self.rank, self.group)
+            sum_rows(self.rows, self.group)
         for b in self.buckets:
             if b.work is not None:
                 assert b.wire is not None  # set with the work, in `_start`
@@ -288,6 +291,7 @@ class ShardedGradientReducer(GradientReducer):
     are all-gathered into whole parameters after the step."""
 
     zero = True
+    sums_in_shared_memory = False
 
     def _make_bucket(self, chunk: int, params: list[nn.Parameter]) -> Bucket:
         bucket = super()._make_bucket(chunk, params)

@@ -123,6 +123,8 @@ class _BucketState:
 class PowerSGDReducer(GradientReducer):
     """The plain reducer with each bucket's large gradient matrices sent as PowerSGD factors (module doc)."""
 
+    sums_in_shared_memory = False
+
     def __init__(self, chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None,
                  compressor: PowerSGD, **kwargs):
         self.compressor = compressor

@@ -57,11 +57,11 @@ def shared_rows(group: dist.ProcessGroup, numel: int, dtype: torch.dtype) -> tor
     return rows
 
 
-def sum_rows(rows: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
+def sum_rows(rows: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Every row becomes the sum of the rows: this rank sums its slice of the columns (a collective: every rank of
-    `group`, whose rank `rank` is this one's, calls it with the same rows)."""
+    `group` calls it with the same rows)."""
     size, numel = rows.shape
-    per_rank = numel // size
+    rank, per_rank = dist.get_rank(group), numel // size
     dist.barrier(group=group)  # every row is final
     part = rows[:, rank * per_rank:(rank + 1) * per_rank]
     part.copy_(part.sum(0).expand_as(part))
