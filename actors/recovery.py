@@ -25,14 +25,14 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING
 
 import ray
 from trainyard.actors.calls import Failure, Unrecoverable
 from trainyard.actors.policies import largest_size, live_point, replicas_may_recover
 from trainyard.actors.state import Point, Ready, Recovering, Resizing
 from trainyard.actors.storage import checkpoint_info
-from trainyard.actors.telemetry import make_row
+from trainyard.actors.telemetry import figures_by_step, make_row
 from trainyard.actors.worker_group import dead_nodes
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, can_move_in_memory, resize_plan
@@ -126,18 +126,9 @@ async def _rejoin(ctl: Controller, restore: Point | None, in_memory: bool, sourc
 def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, list[dict]]]
              ) -> dict[int, tuple[dict, ...]]:
     """The figures the ranks returned or kept for the steps from the failed one on (no row has them yet), by
-    step: those in the answers that came back (a step's call answers a list of them; a failed call other than a
-    step's answered other things), and those the failure cut short (each kept rank's last figures read,
-    `Worker.keep_state`)."""
-    def of_a_missing_step(row: object) -> TypeGuard[dict]:
-        return isinstance(row, dict) and "pp_rank" in row and row.get("step", -1) >= failure.step
-
-    figures = [r for answer in failure.answered if isinstance(answer, list) for r in answer]
-    figures += [r for _, last in kept.values() for r in last]
-    by_step: dict[int, dict[int, dict]] = {}
-    for r in filter(of_a_missing_step, figures):
-        by_step.setdefault(r["step"], {})[plan.rank_of(r["pp_rank"], r["tp_rank"], r["dp_rank"])] = r
-    return {step: tuple(rows.values()) for step, rows in by_step.items()}
+    step: those in the answers that came back, and those the failure cut short (each kept rank's last figures
+    read, `Worker.keep_state`)."""
+    return figures_by_step(plan, [*failure.answered, *(last for _, last in kept.values())], failure.step)
 
 
 def _record_failure(ctl: Controller, state: Recovering, replica_step: int | None) -> None:

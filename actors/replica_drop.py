@@ -26,7 +26,7 @@ from trainyard.actors.calls import StepFailed
 from trainyard.actors.policies import replicas_to_drop
 from trainyard.actors.recovery import _rejoin
 from trainyard.actors.state import Recovering
-from trainyard.actors.telemetry import make_row
+from trainyard.actors.telemetry import figures_by_step, make_row
 from trainyard.actors.training import record
 from trainyard.parallel.plan.cadence import is_done
 from trainyard.parallel.plan.replica_sync import rejoin_step
@@ -65,13 +65,9 @@ async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
     # The rows of the steps up to there, from the figures the failed call's answers and these calls returned; a
     # dropped replica's figures lost with its rank, its replica_steps show it standing still from there.
     tokens = cfg.global_batch * cfg.model.seq_len
-    by_step: dict[int, dict[tuple[int, int, int], dict]] = {}
-    for answer in (*failure.answered, *current, *later, *flushed):
-        for r in answer if isinstance(answer, list) else ():
-            if isinstance(r, dict) and "pp_rank" in r:
-                by_step.setdefault(r["step"], {})[(r["pp_rank"], r["tp_rank"], r["dp_rank"])] = r
+    by_step = figures_by_step(plan, (*failure.answered, *current, *later, *flushed), failure.step)
     for s in range(failure.step, resumed):
-        answers = list(by_step.get(s, {}).values())
+        answers = list(by_step.get(s, ()))
         elapsed = ctl.progress.timed.get(s) or (failure.waited_s if s <= step else time.time() - failure.failed_at)
         record(ctl, make_row(s, answers, elapsed, tokens), answers)
 

@@ -10,11 +10,16 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ray.util.metrics import Gauge
 from trainyard.actors.journal import METRICS_LOG, AppendOnly
 from trainyard.actors.tracking import Trackers
+
+if TYPE_CHECKING:
+    from trainyard.parallel.plan import Plan
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -70,6 +75,19 @@ class Rows:
         self.log.append(row)
         if self.trackers is not None:  # after the log: a row a tracker has is one the job has
             self.trackers.add(row)
+
+
+def figures_by_step(plan: Plan, answers: Iterable[object], first: int) -> dict[int, tuple[dict, ...]]:
+    """The ranks' figures of steps `first` on, in the answers of calls to them (a step's call answers each rank's list
+    of the StepStats dicts it read, `RankDriver.queue_step`; any other answer is skipped), by step, one per rank in
+    rank order (a rank's latest where several answers hold its figures). Sat-out answers (no coordinates) are left
+    out."""
+    by_step: dict[int, dict[int, dict]] = {}
+    for answer in answers:
+        for r in answer if isinstance(answer, list) else ():
+            if isinstance(r, dict) and "pp_rank" in r and r.get("step", -1) >= first:
+                by_step.setdefault(r["step"], {})[plan.rank_of(r["pp_rank"], r["tp_rank"], r["dp_rank"])] = r
+    return {step: tuple(rows[rank] for rank in sorted(rows)) for step, rows in by_step.items()}
 
 
 def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
