@@ -75,8 +75,11 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None, cpus: in
         raise AssertionError(f"{e}:\n{log.read_text()[-3000:]}") from None
 
 
-SURVIVOR = tiny_spec(model={"n_layer": 4}, steps=120, checkpoint={"every": 10}, name="survivor",
+SURVIVOR = tiny_spec(model={"n_layer": 4}, steps=480, checkpoint={"every": 20}, name="survivor",
                      parallel={"pp": 2, "microbatches": 2})
+"""At about 15 ms a step it ran 120 steps in 2 s, and the service's restart then found it finished by the time the
+test sent SIGKILL (the service's half-second poll, the test's own and the shutdown let it run some 60 steps
+past each mark): 480 leave it seconds more than the restarts need."""
 
 
 def _losses(client: Client, job_id: str) -> list[float]:
@@ -127,6 +130,11 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(service, tmp_pat
     proc, client = start_serve(state, log)
 
     def after_sigterm(sig: int, code: int, ours: list[int], seen: int) -> None:
+        store = JobStore(state / "jobs.db")
+        try:  # the signal came while the job ran, or the test's story is not the one it tells
+            assert not store.get(job_id).status.is_terminal, f"the job ended before the {sig!r}"
+        finally:
+            store.close()
         if sig != signal.SIGTERM:
             return
         assert code == 0, log.read_text()[-3000:]
@@ -162,8 +170,9 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(service, tmp_pat
         assert _losses(client, job_id) == _losses(uninterrupted, reference)
         ours, theirs = _weights(client, job_id, tmp_path), _weights(uninterrupted, reference, tmp_path)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-        kinds = [e["kind"] for e in client._call("GET", f"/api/jobs/{job_id}/events")]
-        assert kinds.count("interrupted") == 2, client._call("GET", f"/api/jobs/{job_id}/events")
+        events = client._call("GET", f"/api/jobs/{job_id}/events")
+        kinds = [e["kind"] for e in events]
+        assert kinds.count("interrupted") == 2, "; ".join(f"{e['kind']} {e.get('step')}" for e in events)
     finally:
         client.close()  # the service itself is stopped by `_no_service_left_behind`
         uninterrupted.close()
