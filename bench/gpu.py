@@ -32,8 +32,14 @@ the token and position embedding tables, which are lookups), L layers, d d_model
 term counts the whole T x T score matrix, as both sources do, though causal attention computes about half.
 
     python -m bench.gpu --out gpu.json                # GPU: GPT-2 medium shape (406M parameters), bf16, 16 x 1024
+    python -m bench.gpu --model llama-1b --out l.json # TinyLlama 1.1B's shape, bf16, 4 x 2048
     python -m bench.gpu --tiny --device cpu --steps 3 # seconds on a CPU: checks the code path, no numbers
     python -m bench.gpu --offload --out gpu.json      # adds trainyard+offload: optimizer and activation offload
+
+The memory plan: each trainyard side is built and warmed up alone, before any other side exists, and its
+`torch.cuda.max_memory_allocated` over that (above what was allocated before it) is set beside the memory plan's
+device bytes for the job's one rank (`parallel.plan.memory.rank_memory(plan, 0).total`); the target is the plan
+within 5% of it. (On a CPU there is no such count: `measured_bytes` is null.)
 
 With `--offload`, a side `trainyard+offload` runs the same job with `optimizer.offload` and `activation_offload`
 on (a second trainer on the same process group): its tokens/s against trainyard's is the offload's step-time
@@ -51,7 +57,7 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +70,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.plan import Plan, PlanError, make_plan
+from trainyard.parallel.plan.memory import rank_memory
 from trainyard.parallel.runtime.data_parallel import GradientReducer
 from trainyard.parallel.runtime.distributed import shutdown_distributed
 from trainyard.parallel.runtime.driver import RankDriver
@@ -71,9 +78,20 @@ from trainyard.parallel.runtime.local_world import free_ports
 from trainyard.parallel.runtime.step_figures import Figures
 
 GPT_MEDIUM = {"n_layer": 24, "n_head": 16, "d_model": 1024, "vocab_size": 50304, "seq_len": 1024}
+LLAMA_1B = {"family": "llama", "n_layer": 22, "n_head": 32, "n_kv_head": 4, "d_model": 2048, "ffn_hidden": 5632,
+            "vocab_size": 32000, "seq_len": 2048}
+"""TinyLlama 1.1B's shape (grouped-query attention, 4 key/value heads) at its 2048-token context."""
 TINY = {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 256, "seq_len": 32}
+TINY_LLAMA = {"family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 64, "vocab_size": 256,
+              "seq_len": 32}
 SMALL = {"n_layer": 4, "n_head": 4, "d_model": 256, "vocab_size": 8192, "seq_len": 128}
 """`--small`: the `make bench` step section's CPU model (bench/step.py says why this one)."""
+MODELS = {"gpt2-medium": (GPT_MEDIUM, 16), "llama-1b": (LLAMA_1B, 4), "tiny": (TINY, 4),
+          "tiny-llama": (TINY_LLAMA, 4), "small": (SMALL, 8)}
+"""`--model`: each shape and its default sequences per step (llama-1b: 4 x 2048 tokens, so that both sides'
+weights, gradients and AdamW state (2 x 17.6 GB) and one side's activations fit an 80 GB device)."""
+TARGET_MEMORY = 0.05
+"""The memory plan's device bytes within 5% of `torch.cuda.max_memory_allocated` (the trainyard side alone)."""
 TARGET_RATIO = 0.97
 TARGET_MFU = 0.45
 # Dense bf16 tensor-core peaks (datasheets, without sparsity), matched in order against the device's name.
@@ -147,13 +165,20 @@ def main(argv: list[str] | None = None) -> dict:
     setup = setup_from_args(argv)
     args, device, precision, plan, shares = setup.args, setup.device, setup.precision, setup.plan, setup.shares
     cfg = plan.config
+    memory: dict[str, dict] = {}
     try:
-        first, driver, first_stats = _trainyard_side(plan, device, shares)
+        with _device_peak(device) as measured:
+            first, driver, first_stats = _trainyard_side(plan, device, shares)
+            _warm_up(first, args, device)
+        memory[first.name] = _memory_check(plan, measured)
         sides, offload_stats = [first], None
         if args.offload:
             offloaded = make_plan(dataclasses.replace(
                 cfg, optimizer=dataclasses.replace(cfg.optimizer, offload=True), activation_offload=True))
-            side, _, offload_stats = _trainyard_side(offloaded, device, shares, driver, "trainyard+offload")
+            with _device_peak(device) as measured:
+                side, _, offload_stats = _trainyard_side(offloaded, device, shares, driver, "trainyard+offload")
+                _warm_up(side, args, device)
+            memory[side.name] = _memory_check(offloaded, measured)
             sides.append(side)
         counts = _param_counts(sides[0].model)
         flops_per_token = family_of(cfg.model).flops_per_token(cfg.model)  # 6 N + 12 L d T
@@ -162,16 +187,17 @@ def main(argv: list[str] | None = None) -> dict:
         dataset = open_dataset(cfg)
         batches = device_batches(dataset, device, shares)
         variants = (PLAIN, *DIAGNOSTICS) if args.diagnose else (PLAIN,)
-        sides += [_plain_side(cfg, device, precision, batches, v) for v in variants]
-        if args.compile:
-            for side in sides:
-                _compile_blocks(side.model)
+        plain = [_plain_side(cfg, device, precision, batches, v) for v in variants]
+        for side in plain:
+            _warm_up(side, args, device)
+        sides += plain
         times = _measure(sides, args, device, cfg.global_batch * cfg.model.seq_len)
         losses = {s.name: s.losses() for s in sides}
         load_ms = _batch_load_ms(dataset, device, shares[:5])
     finally:
         shutdown_distributed()
     result = _result(cfg, plan, device, precision, args, counts, flops_per_token, peak, times, losses, load_ms)
+    result["memory"] = memory
     if offload_stats is not None:
         keys = ("optimizer_bytes", "optimizer_host_bytes", "peak_activation_bytes")
         result["offload"] = {"off": {k: first_stats[-1][k] for k in keys},
@@ -184,8 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _plan(args: argparse.Namespace, device: torch.device, precision: str) -> Plan:
-    shape = TINY if args.tiny else SMALL if args.small else GPT_MEDIUM
-    batch = args.batch if args.batch is not None else (4 if args.tiny else 8 if args.small else 16)
+    shape, default_batch = MODELS["tiny" if args.tiny else "small" if args.small else args.model]
+    shape = {**shape, "seq_len": args.seq_len or shape["seq_len"]}
+    batch = args.batch if args.batch is not None else default_batch
     cfg = JobConfig(
         name="bench-gpu", model=ModelConfig(**shape), steps=args.warmup + args.rounds * args.steps,
         data=DataConfig(kind="synthetic"), global_batch=batch, precision=precision,
@@ -282,13 +309,44 @@ def _compile_blocks(stage: GPTStage) -> None:
         block.compile()
 
 
+def _warm_up(side: Side, args: argparse.Namespace, device: torch.device) -> None:
+    """The side's untimed first steps (the allocator's pools, kernel selection), its blocks compiled first with
+    `--compile` (the compilation then happens here)."""
+    if args.compile:
+        _compile_blocks(side.model)
+    for step in range(args.warmup):
+        side.step(step)
+    _sync(device)
+
+
+@contextlib.contextmanager
+def _device_peak(device: torch.device) -> Iterator[dict[str, int | None]]:
+    """`{"bytes": ...}` once the block ends: the most device bytes allocated at once during it above those
+    allocated before (`torch.cuda.max_memory_allocated`); None on a CPU."""
+    measured: dict[str, int | None] = {"bytes": None}
+    if device.type != "cuda":
+        yield measured
+        return
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield measured
+    torch.cuda.synchronize(device)
+    measured["bytes"] = torch.cuda.max_memory_allocated(device) - before
+
+
+def _memory_check(plan: Plan, measured: dict[str, int | None]) -> dict:
+    """The memory plan's device bytes for this one rank beside what its construction and warm-up steps took."""
+    predicted = rank_memory(plan, 0)
+    got = measured["bytes"]
+    return {"plan_bytes": predicted.total, "measured_bytes": got, "plan": predicted.to_dict(),
+            "plan_over_measured": predicted.total / got if got else None, "target_within": TARGET_MEMORY}
+
+
 def _measure(sides: list[Side], args: argparse.Namespace, device: torch.device,
              tokens_per_step: int) -> dict[str, list[float]]:
-    """Each side's block wall times, one per round; the sides' order rotates from round to round."""
-    for side in sides:  # warm-up: the allocator's pools, kernel selection, compilation
-        for step in range(args.warmup):
-            side.step(step)
-        _sync(device)
+    """Each side's block wall times, one per round (every side warmed up already: `_warm_up`); the sides' order
+    rotates from round to round."""
     times: dict[str, list[float]] = {s.name: [] for s in sides}
     for r in range(args.rounds):
         steps = range(args.warmup + r * args.steps, args.warmup + (r + 1) * args.steps)
@@ -362,9 +420,8 @@ def _header(cfg: JobConfig, plan: Plan, device: torch.device, precision: str, co
     peak_text = f"{peak:g} TFLOP/s (bf16 dense)" if peak else "unknown (MFU not computed; --peak-tflops sets it)"
     return "\n".join([
         f"device: {_device_name(device)}; torch {torch.__version__}; peak {peak_text}",
-        f"model: GPT {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, vocab {m.vocab_size}, seq_len "
-        f"{m.seq_len}: {counts['total'] / 1e6:.1f}M parameters, N = {counts['matmul'] / 1e6:.1f}M without the "
-        f"wte/wpe embedding tables",
+        f"model: {_describe(m)}: {counts['total'] / 1e6:.1f}M parameters, N = {counts['matmul'] / 1e6:.1f}M "
+        f"without the embedding tables",
         f"step: {cfg.global_batch} sequences ({cfg.global_batch * m.seq_len} tokens) in {plan.microbatches} "
         f"micro-batch(es); {amp}; AdamW foreach on every side; warm-up + cosine lr; clip {cfg.optimizer.grad_clip}"
         f"{'; blocks torch.compile-d on every side' if args.compile else ''}"
@@ -373,6 +430,11 @@ def _header(cfg: JobConfig, plan: Plan, device: torch.device, precision: str, co
         f"= {flops_per_token / 1e9:.4g} GFLOP",
         f"{args.warmup} warm-up steps per side, then {args.rounds} rounds of {args.steps} steps per side, rotating",
     ])
+
+
+def _describe(m: ModelConfig) -> str:
+    heads = f"{m.n_head} heads" + (f" ({m.n_kv_head} key/value)" if m.n_kv_head not in (None, m.n_head) else "")
+    return f"{m.family} {m.n_layer} layers, d_model {m.d_model}, {heads}, vocab {m.vocab_size}, seq_len {m.seq_len}"
 
 
 def _result(cfg: JobConfig, plan: Plan, device: torch.device, precision: str, args: argparse.Namespace,
@@ -392,7 +454,8 @@ def _result(cfg: JobConfig, plan: Plan, device: torch.device, precision: str, ar
     return {
         "device": _device_name(device), "torch": torch.__version__, "precision": precision, "compile": args.compile,
         "activation_checkpointing": cfg.activation_checkpointing,
-        "model": {"n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head, "d_model": cfg.model.d_model,
+        "model": {"family": cfg.model.family, "n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head,
+                  "n_kv_head": cfg.model.n_kv_head, "d_model": cfg.model.d_model, "ffn_hidden": cfg.model.ffn_hidden,
                   "vocab_size": cfg.model.vocab_size, "seq_len": cfg.model.seq_len},
         "params": counts, "flops_per_token": flops_per_token, "flops_formula": "6 N + 12 L d T, N = params - wte - wpe",
         "peak_tflops": peak, "global_batch": cfg.global_batch, "microbatches": plan.microbatches,
@@ -430,6 +493,13 @@ def _summary(r: dict) -> str:
                      f"{off['peak_activation_bytes'] / 2**20:.1f})")
     if r["peak_memory_gib"] is not None:
         lines.append(f"peak device memory (every side's model and optimizer live): {r['peak_memory_gib']:.1f} GiB")
+    for name, m in r.get("memory", {}).items():
+        if m["measured_bytes"]:
+            off = abs(m["plan_over_measured"] - 1)
+            verdict = "met" if off <= TARGET_MEMORY else "MISSED"
+            lines.append(f"memory plan, {name} alone: {m['plan_bytes'] / 2**30:.2f} GiB vs max_memory_allocated "
+                         f"{m['measured_bytes'] / 2**30:.2f} GiB over its construction and warm-up: plan / measured "
+                         f"{m['plan_over_measured']:.3f} (target within {TARGET_MEMORY:.0%}: {verdict})")
     return "\n".join(lines)
 
 
@@ -437,11 +507,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer d_model 64 GPT, batch 4: checks the code path")
-    p.add_argument("--small", action="store_true",
-                   help="a 4-layer d_model 256, vocab 8192, seq 128 GPT, batch 8: the CPU step section's model")
+    p.add_argument("--model", choices=list(MODELS), default="gpt2-medium",
+                   help="gpt2-medium (406M, seq 1024, batch 16; the default), llama-1b (TinyLlama 1.1B's shape, seq "
+                        "2048, batch 4), tiny and tiny-llama (2 layers, d_model 64, batch 4: check the code path), "
+                        "small (the CPU step section's GPT)")
+    p.add_argument("--tiny", action="store_true", help="= --model tiny")
+    p.add_argument("--small", action="store_true", help="= --model small")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 16; 4 with --tiny)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the model's)")
     p.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation micro-batches per step")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per side first (default 5)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per side per round (default 20)")

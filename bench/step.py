@@ -104,6 +104,8 @@ def run_section(ctx: BenchContext) -> list[Row]:
         side, _, _ = gpu._trainyard_side(plan, device, shares)
         batches = gpu.device_batches(open_dataset(cfg), device, shares)
         sides = [side, gpu._plain_side(cfg, device, setup.precision, batches, gpu.PLAIN)]
+        for s in sides:
+            gpu._warm_up(s, args, device)
         times = gpu._measure(sides, args, device, tokens)
         losses = {s.name: s.losses() for s in sides}
     finally:

@@ -13,8 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path):
     precision = "bf16"  # the GPU's setting (fp32 takes the same path without autocast)
     out = tmp_path / "gpu.json"
-    cmd = [sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu", "--precision", precision, "--warmup", "1",
-           "--steps", "2", "--rounds", "2", "--diagnose", "--offload", "--peak-tflops", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.gpu", "--model", "tiny-llama", "--device", "cpu", "--precision", precision,
+           "--warmup", "1", "--steps", "2", "--rounds", "2", "--diagnose", "--offload", "--peak-tflops", "1",
+           "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ratio trainyard / plain" in done.stdout
@@ -31,6 +32,11 @@ def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path
     # Same init, samples, optimizer, schedule and autocast: every side computes the same losses (to rounding).
     assert result["precision"] == precision
     assert result["loss_max_rel_diff"] < 1e-4
+    # each trainyard side's memory plan, beside a device count that a CPU does not have
+    for name in ("trainyard", "trainyard+offload"):
+        memory = result["memory"][name]
+        assert memory["plan_bytes"] == memory["plan"]["total"] > 0 and memory["measured_bytes"] is None
+    assert result["memory"]["trainyard+offload"]["plan"]["optimizer"] == 0
 
 
 def test_gpu_benches_import_neither_ray_nor_the_service():
