@@ -88,6 +88,9 @@ def measured_line(meta: dict[str, Any]) -> str:
     load_text = f"; load average {load[0]:.1f} before, {load[1]:.1f} after" if load else ""
     quick = ", `--quick`" if meta.get("quick") else ""
     m = meta["machine"]
+    if "device" in m:  # a GPU session's (bench.gpu_record)
+        return (f"Measured {when:%Y-%m-%d %H:%M} UTC ({meta['wall_s']:g} s of device time in its parts) on "
+                f"{m['device']}; torch {m['torch']}; commit {meta['commit'][:12]}; `{meta['command']}`.")
     return (f"Measured {when:%Y-%m-%d %H:%M} UTC ({meta['wall_s']:g} s{quick}{load_text}) on {m['nproc']} cores, "
             f"{m['cpu_model']}, {m['ram_gib']} GiB RAM; torch {m['torch']}, ray {m['ray']}.")
 

@@ -20,7 +20,9 @@ from typing import Any
 
 DIMENSIONLESS = ("", "x", "rho")
 """Units that a figure's text leaves out."""
-_OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b}
+_OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b,
+        "within": lambda a, b: abs(a - 1) <= b}
+"""`within`: a ratio within `value` of 1 either way (a prediction's bar: 0.05 is 5% over or under)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class Target:
     def text(self, unit: str) -> str:
         """`<= 10 s` (a bar on ours, in the row's unit) or `ratio <= 1.05`."""
         if self.of == "ratio":
-            return f"ratio {self.op} {self.value:g}"
+            return f"ratio within {self.value:.0%} of 1" if self.op == "within" else f"ratio {self.op} {self.value:g}"
         return f"{self.op} {self.value:g}" + (f" {unit}" if unit not in DIMENSIONLESS else "")
 
 
@@ -53,6 +55,10 @@ def at_most(value: float, of: str = "ours") -> Target:
 
 def at_least(value: float, of: str = "ours") -> Target:
     return Target(of, ">=", value)
+
+
+def ratio_within(value: float) -> Target:
+    return Target("ratio", "within", value)
 
 
 @dataclass(frozen=True)

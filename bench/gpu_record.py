@@ -1,0 +1,137 @@
+"""`python -m bench.gpu_record DIR --commit SHA`: a GPU session's files (`bench/gpu_session.sh`'s $OUT) as the rows
+of bench/results.json's section `gpu`, which replace the section's rows and keep every other section's;
+`--summary DIR` prints the rows as a table and writes nothing (the session script's last step, on the device).
+
+The rows, from whichever of the files are there (a part that failed leaves none, and its rows are missing):
+- each `step-*.json` (`bench.gpu`): tokens/s trainyard vs the plain loop (target ratio >= 0.97), the MFU gap
+  to the plain loop in points (target <= 2) and the memory plan's device bytes vs `max_memory_allocated` of the
+  trainyard side alone (target within 5%);
+- `smoke.json` (`bench.gpu_smoke`): the variants that passed on the device, of all (target: every one);
+- `big.json` (`bench.gpu_big`): the 7B step's time, and its device and host peaks vs the plan's figures.
+torch alone: it runs on the device too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.results import Row, at_least, at_most, load, markdown_table, merge, ratio, ratio_within, save
+
+SECTION = "gpu"
+GIB = 2**30
+
+
+def step_rows(r: dict[str, Any]) -> list[Row]:
+    ours, plain = r["sides"]["trainyard"], r["sides"]["plain"]
+    m = r["model"]
+    label = f"{m['family']} {_size(r['params']['total'])}{' compiled' if r['compile'] else ''}"
+    where = (f"{r['device']}, torch {r['torch']}; {m['n_layer']} layers, d_model {m['d_model']}; "
+             f"{r['precision']}, {r['global_batch']} x {m['seq_len']} tokens a step")
+    rows = [Row(f"gpu: {label}, trainyard vs a plain loop, tokens/s", ours["tokens_per_s"], plain["tokens_per_s"],
+                r["ratio"], "tokens/s",
+                f"{where}; median of {r['rounds']} rotating rounds of {r['steps_per_round']} steps; losses equal to "
+                f"{r['loss_max_rel_diff']:.0e} (relative)", target=at_least(0.97, of="ratio"))]
+    if ours["mfu"] is not None and plain["mfu"] is not None:
+        rows.append(Row(f"gpu: {label}, MFU gap to the plain loop", 100 * (plain["mfu"] - ours["mfu"]), None, None,
+                        "points", f"MFU trainyard {100 * ours['mfu']:.1f}%, plain {100 * plain['mfu']:.1f}% of "
+                                  f"{r['peak_tflops']:g} TFLOP/s", target=at_most(2.0)))
+    memory = r.get("memory", {}).get("trainyard")
+    if memory and memory["measured_bytes"]:
+        plan, got = memory["plan_bytes"], memory["measured_bytes"]
+        rows.append(Row(f"gpu: {label}, memory plan vs max_memory_allocated", plan / GIB, got / GIB,
+                        ratio(plan, got), "GiB", "the trainyard side alone, over its construction and warm-up steps",
+                        target=ratio_within(memory["target_within"])))
+    return rows
+
+
+def _size(params: int) -> str:
+    if params >= 1e9:
+        return f"{params / 1e9:.1f}B"
+    return f"{params / 1e6:.0f}M" if params >= 1e7 else f"{params / 1e6:.2g}M"
+
+
+def smoke_rows(r: dict[str, Any]) -> list[Row]:
+    variants = r["variants"]
+    failed = sorted(name for name, v in variants.items() if not v["ok"])
+    return [Row("gpu: one-rank smoke variants that pass on the device", len(variants) - len(failed), len(variants),
+                ratio(len(variants) - len(failed), len(variants)), "",
+                f"{r['device']}, torch {r['torch']}; " + (f"failed: {', '.join(failed)}" if failed else
+                                                         "each against the CPU or its fp32 twin, resumed and exported"),
+                target=at_least(1.0, of="ratio"))]
+
+
+def big_rows(r: dict[str, Any]) -> list[Row]:
+    run, plan = r["run"], r["plan"]["offload"]
+    shape = f"{r['params'] / 1e9:.2f}B parameters, {r['global_batch']} x {r['seq_len']} tokens a step"
+    refused = r["plan"]["no_offload"]
+    why = f"without offload the plan {'refuses' if refused['refused'] else 'ADMITS'} it on {r['device_gib']:g} GiB"
+    return [
+        Row("gpu: 7B llama, optimizer offload and full recompute: step time", run["step_s"], None, None, "s",
+            f"{r['device']}, torch {r['torch']}; {shape}; {why}"),
+        Row("gpu: 7B llama: device peak vs the plan", run["device_peak_bytes"] / GIB, plan["device_bytes"] / GIB,
+            ratio(run["device_peak_bytes"], plan["device_bytes"]), "GiB", "max_memory_allocated vs the plan's total",
+            target=ratio_within(0.05)),
+        Row("gpu: 7B llama: host peak vs the plan", run["host_peak_bytes"] / GIB, plan["host_bytes"] / GIB,
+            ratio(run["host_peak_bytes"], plan["host_bytes"]), "GiB",
+            "VmHWM above the process's RSS before construction vs the plan's host bytes"),
+    ]
+
+
+def rows(folder: Path) -> list[Row]:
+    found: list[Row] = []
+    for path in sorted(folder.glob("step-*.json"), key=lambda p: (p.stem.removesuffix("-compile"), p.stem)):
+        found += step_rows(json.loads(path.read_text()))
+    if (folder / "smoke.json").exists():
+        found += smoke_rows(json.loads((folder / "smoke.json").read_text()))
+    if (folder / "big.json").exists():
+        found += big_rows(json.loads((folder / "big.json").read_text()))
+    return found
+
+
+def meta(folder: Path, commit: str) -> dict[str, Any]:
+    """When, where and how long, from the session's summary.txt (its first lines: the UTC time, the commit if the
+    device had one, the device's name, memory and driver, the torch version; then a line a part)."""
+    lines = (folder / "summary.txt").read_text().splitlines() if (folder / "summary.txt").exists() else []
+    head = lines[:4] + [""] * 4
+    parts = [line for line in lines if " rc=" in line]
+    seconds = sum(int(m[1]) for line in parts if (m := re.search(r" (\d+)s$", line)))
+    measured = time.strptime(head[0], "%Y-%m-%dT%H:%M:%SZ") if head[0][:2] == "20" else time.gmtime()
+    device = next((line for line in head if "," in line and "MiB" in line), "unknown device")
+    torch_version = next((line.split(" ", 1)[1] for line in head if line.startswith("torch ")), "unknown")
+    return {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S+0000", measured), "wall_s": seconds,
+            "machine": {"device": device, "torch": torch_version}, "commit": commit, "parts": parts,
+            "command": "bash bench/gpu_session.sh (bench.gpu_smoke, bench.gpu, bench.gpu_big on one GPU)"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_record", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, help="the session's files ($OUT of bench/gpu_session.sh)")
+    p.add_argument("--summary", action="store_true", help="print the rows; write nothing")
+    p.add_argument("--commit", default=None, help="the commit the session ran (required unless --summary)")
+    p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results.json")
+    args = p.parse_args(argv)
+    found = rows(args.folder)
+    print(markdown_table(found) if found else f"no results in {args.folder}")
+    if args.summary:
+        return 0
+    if not found:
+        return 1
+    if not args.commit:
+        p.error("--commit: the commit the session ran (the device has no .git)")
+    old = load(args.results)
+    order = [*(name for name in old.get("sections", {}) if name != SECTION), SECTION]  # the GPU's section last
+    save(args.results, merge(old, {SECTION: found}, {SECTION: meta(args.folder, args.commit)},
+                             old.get("machine", {}), order=order))
+    print(f"{len(found)} rows written to {args.results}'s section {SECTION}; `python -m bench.report` shows them")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
