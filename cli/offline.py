@@ -191,8 +191,10 @@ def format_plan(d: dict) -> str:
     return "\n".join(lines)
 
 
-_MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "reduction", "total", "startup")
-"""total: the step's peak on the device; reduction (ZeRO-2/3 only): the largest unit's whole gradient before its
+_MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "loss", "reduction", "total",
+                   "startup")
+"""total: the step's peak on the device (recompute and loss are transients at different times: the larger counts);
+reduction (ZeRO-2/3 only): the largest unit's whole gradient before its
 reduce-scatter; startup: the start-up peak (the parameter shards and one whole parameter)."""
 _HOST_COLUMNS = ("host_optimizer", "host_activations")
 

@@ -83,6 +83,27 @@ def moe_routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
     return rows, router
 
 
+def chunk_tokens(tokens: int, vocab: int, d_model: int) -> int:
+    """Tokens per chunk of the fused loss (`parallel.models.loss`): d_model (a chunk's logits as big as the weight),
+    or more when that would take more than ceil(vocab / d_model) chunks (a chunk's logits as big as the hidden
+    states: Liger's rule)."""
+    return max(1, d_model, math.ceil(tokens / math.ceil(vocab / d_model)))
+
+
+def fused_loss_transient(m: ModelConfig, s: Shapes) -> int:
+    """The fused loss's bytes at its peak beside what it keeps for backward (`head_and_loss`), in forward, once per
+    micro-batch: one chunk's fp32 logits and their log-softmax, the hidden states with ignored rows zeroed (for
+    the weight's gradient), the targets' picked log-probabilities, and under autocast the bf16 copies of the head's
+    weight and of the hidden states (`parallel.models.loss`). The vocabulary-parallel loss (tp > 1): 0, not
+    counted. Measured on the CPU (tests/integration/test_memory_peak.py) as the step's peak over its kept bytes."""
+    if s.tp != 1:
+        return 0
+    d, vocab, tokens = s.d, m.vocab_size, s.tokens
+    chunk = min(chunk_tokens(tokens, vocab, d), tokens)
+    copies = BF16 * (vocab * d + tokens * d) if s.bf16 else 0
+    return 2 * FP32 * chunk * vocab + s.act * tokens * d + FP32 * tokens + copies
+
+
 def head_and_loss(m: ModelConfig, s: Shapes) -> int:
     """What the output head and the loss keep for backward per micro-batch, after the final norm; the same in
     every family (`DecoderStage.loss_sum`). Fused (tp 1, `parallel.models.loss`): the gradients it computed

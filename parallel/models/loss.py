@@ -41,18 +41,11 @@ vocabulary and `loss_parallel` computes the loss; no rank then holds more than v
 
 from __future__ import annotations
 
-import math
-
 import torch
+from trainyard.parallel.models.counting import chunk_tokens
 
 IGNORE_INDEX = -100
 """A target the loss does not count (torch's cross_entropy default)."""
-
-
-def chunk_tokens(tokens: int, vocab: int, d_model: int) -> int:
-    """Tokens per chunk: d_model (a chunk's logits as big as the weight), or more when that would take more than
-    ceil(vocab / d_model) chunks (a chunk's logits as big as the hidden states: Liger's rule)."""
-    return max(1, d_model, math.ceil(tokens / math.ceil(vocab / d_model)))
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -89,21 +82,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # and out of dh by zeroing its row at the end (two d_model-wide passes, not a vocabulary-wide one).
         h_counted = h_all * counted if grads_w else None
         minus_one = torch.full((min(chunk, hidden.shape[0]), 1), -1.0, device=hidden.device)
+        # One chunk's vocabulary-wide tensors alive at a time (`del` before the next chunk's: a name still bound
+        # to the last chunk's kept its fp32 log-probabilities and bf16 gradient through the next one's logits).
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logp = torch.log_softmax((h_all[rows] @ w_t).float(), 1)  # the chunk's logits, in fp32
             torch.gather(logp, 1, safe[rows], out=picked[rows])
             if not (grads_h or grads_w):
+                del logp
                 continue
             probs = logp.exp_()  # in place: the chunk's softmax, then its gradient (softmax - onehot)
             probs.scatter_add_(1, safe[rows], minus_one[:probs.shape[0]])
             low = probs.to(dtype)
+            del logp, probs  # the fp32 gradient, once low is its bf16 copy (in fp32 low is the same tensor)
             if grad_h is not None and dtype == hidden.dtype:
                 torch.mm(low, w, out=grad_h[rows])
             elif grad_h is not None:
                 grad_h[rows] = low @ w
             if grad_w is not None and h_counted is not None:  # both exist exactly when the weight needs a grad
                 _accumulate(grad_w, low.t(), h_counted[rows], first=start == 0)
+            del low
         if grad_h is not None:
             grad_h.mul_(counted)
         loss = -(picked * counted).sum()

@@ -93,19 +93,19 @@ def memory_violations(layout: Layout, config: JobConfig, cluster: ClusterResourc
     parts = ", ".join(f"{name} {getattr(need, name) / div:,.1f}" for name in names
                       if getattr(need, name) >= div / 20)  # the parts that show
     state = need.params + need.grads + need.optimizer
-    field = "model" if state >= need.activations + need.recompute else "global_batch"
+    field = "model" if state >= need.activations + need.transient else "global_batch"
     return [PlanError(field, f"rank {worst} ({layout.worker_name(worst)}) needs {total / div:,.1f} {unit} "
                              f"({parts}) but {where}; {_memory_advice(layout, config, need)}")]
 
 
-_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "recompute")
+_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "transient")
 
 
 def _memory_advice(layout: Layout, config: JobConfig, need: RankMemory) -> str:
     """What would shrink the largest part of the rank's memory. On GPUs each rank has its own memory, so
     spreading the model over more ranks helps; CPU ranks share their node's, so only holding less does."""
     options = []
-    if need.params + need.grads + need.optimizer >= need.activations + need.recompute:
+    if need.params + need.grads + need.optimizer >= need.activations + need.transient:
         options.append("raise pp or tp" if layout.gpus_per_worker else "use a node with more memory")
         sharding_more = [z for z in SHARDINGS if z > config.fixed_parallel.zero]
         if layout.dp > 1 and sharding_more:

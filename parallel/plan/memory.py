@@ -63,7 +63,7 @@ from typing import TypeVar
 
 from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes
+from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes, fused_loss_transient
 from trainyard.parallel.optim.kinds import optimizer_kind
 from trainyard.parallel.plan.actions import COMPUTE_KINDS, FREEING_KINDS, Action, ActionKind, virtual_stage
 from trainyard.parallel.plan.layout import Layout
@@ -84,6 +84,10 @@ class RankMemory:
     """Most bytes saved for backward at once over the step (what `peak_activation_bytes` measures)."""
     recompute: int
     """Activation checkpointing: the activations of the region recomputed in backward, held transiently."""
+    loss: int = 0
+    """The rank holding the head: the fused loss's transient at the end of a micro-batch's forward
+    (`parallel.models.counting.fused_loss_transient`). Never at once with `recompute`'s (in backward): the step's
+    peak adds the larger of the two (`transient`)."""
     host_optimizer: int = 0
     """`optimizer.offload`: the optimizer's state in host memory, with host copies of what it updates and of
     their gradients (`optimizer` is then 0)."""
@@ -106,9 +110,14 @@ class RankMemory:
         return self.params - self.gathered + self.construction
 
     @property
+    def transient(self) -> int:
+        """The larger of the recomputation's transient (backward) and the loss's (forward)."""
+        return max(self.recompute, self.loss)
+
+    @property
     def total(self) -> int:
         """Device bytes."""
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute + self.reduction
+        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.reduction
 
     @property
     def host(self) -> int:
@@ -122,7 +131,8 @@ class RankMemory:
 
     def to_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "recompute": self.recompute, "total": self.total,
+                "activations": self.activations, "recompute": self.recompute, "loss": self.loss,
+                "total": self.total,
                 "host_optimizer": self.host_optimizer, "host_activations": self.host_activations,
                 "host_total": self.host, "gathered": self.gathered, "reduction": self.reduction,
                 "construction": self.construction,
@@ -155,12 +165,18 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
         activations=peak_activation_bytes(plan, pp, [kept - host for (kept, _), host in zip(chunks, offloaded,
                                                                                               strict=True)]),
         recompute=max(transient for _, transient in chunks),
+        loss=fused_loss_transient(plan.config.model, _shapes(plan)) if _holds_head(plan, pp) else 0,
         host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
         host_activations=peak_activation_bytes(plan, pp, offloaded),
         gathered=gathered_bytes(plan, pp),
         reduction=largest_unit_grad_bytes(plan, pp),
         construction=construction_bytes(plan, pp),
     )
+
+
+def _holds_head(plan: Plan, pp_rank: int) -> bool:
+    last = plan.n_virtual_stages - 1
+    return any(virtual_stage(pp_rank, c, plan.pp, plan.placement) == last for c in range(plan.vpp))
 
 
 def construction_bytes(plan: Plan, pp_rank: int) -> int:

@@ -55,7 +55,7 @@ def describe(plan: Plan) -> dict:
 
 def describe_memory(plan: Plan) -> dict:
     """The memory plan (`parallel.plan.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
-    activations and recompute transient, their total, and the rank with the largest total; `zero` is the
+    activations, the recompute and loss transients, their total, and the rank with the largest total; `zero` is the
     sharding they were counted under (at 2 and 3, `params` is the shard plus `gathered`, what is gathered whole at
     the peak: ZeRO-2 every chunk, ZeRO-3 per block); `startup` the start-up peak, the parameter shards and
     `construction`, the one whole parameter construction draws at a time (the largest)."""

@@ -119,7 +119,7 @@ def test_zero2_and_zero3_count_the_largest_unit_s_whole_gradient_in_the_step_s_p
     block = 4 * unit_params(plan3, layers=(0,))
     for z in (2, 3):
         m = plan_for(parallel={"dp": 4, "zero": z}).memory()[0]
-        assert m.reduction == block and m.total == m.params + m.grads + m.optimizer + m.activations + block
+        assert m.reduction == block and m.total == m.params + m.grads + m.optimizer + m.activations + block + m.loss
     headers = [next(line for line in format_plan(describe(p)).splitlines() if " optimizer " in line)
                for p in (plan3, plan_for())]
     assert " reduction " in headers[0] and " reduction " not in headers[1]  # a column at ZeRO-2/3 only
@@ -205,8 +205,8 @@ def test_the_plan_describes_the_memory_of_every_rank_and_the_cli_shows_it():
     memory = describe(plan)["memory"]
     assert [r["rank"] for r in memory["per_rank"]] == [0, 1, 2, 3]
     first = memory["per_rank"][0]
-    assert first["total"] == sum(first[k] for k in ("params", "grads", "optimizer", "activations", "recompute",
-                                                    "reduction"))
+    assert first["total"] == sum(first[k] for k in ("params", "grads", "optimizer", "activations", "reduction")) + \
+        max(first["recompute"], first["loss"])
     assert memory["largest"]["total"] == max(r["total"] for r in memory["per_rank"])
     text = format_plan(describe(plan))
     assert "ranks 0-1" in text and "ranks 2-3" in text and "activations" in text and "startup" in text
