@@ -10,8 +10,9 @@ weights, gradients and AdamW state, full recompute, synthetic data, `--batch` se
    and is printed as one.
 2. The host check, before anything is built: the offload job's host bytes (the plan's, plus what torch's pinned
    allocator adds on CUDA by rounding each host copy up to a power of two: `host_estimate`) with RESERVE_GIB to
-   spare against /proc/meminfo's MemAvailable; refused with a message when they do not fit. While it runs, a
-   watchdog ends the process if MemAvailable falls below FLOOR_GIB.
+   spare against the memory available (/proc/meminfo's MemAvailable, or the memory cgroup's headroom where
+   smaller); refused with a message when they do not fit. While it runs, a watchdog ends the process if the
+   available memory falls below FLOOR_GIB.
 3. `parallel.runtime.driver.RankDriver` at world size 1 builds the job (meta construction, each parameter drawn
    whole on the host, the pinned host copies) and runs `--warmup` + `--steps` steps (each step's figures read at
    once), the timed steps cut short when the next would overrun `--time-budget-s` from the start.
@@ -20,8 +21,8 @@ Figures (measured / plan ratios beside them): step time (a step's call to its fi
 step i runs behind step i+1's forward, so a timed step includes its predecessor's host update, and `tail_s` is the
 last one's); device peak = `torch.cuda.max_memory_allocated` over construction and steps, beside the plan's device
 bytes; host peak = VmHWM minus the RSS before construction (the peak reset there), beside the plan's host bytes and
-the estimate; system peak = the largest drop of MemAvailable below its value before construction (sampled every
-0.1 s), which also counts pinned memory however the kernel accounts it. `--plan-only` stops after 2.
+the estimate; system peak = the largest drop of the available memory below its value before construction
+(sampled every 0.1 s), which also counts pinned memory however the kernel accounts it. `--plan-only` stops after 2.
 
     python -m bench.gpu_big --out big.json                     # the GPU run (~3 minutes)
     python -m bench.gpu_big --plan-only --n-layer 32           # the plan's figures only, no torch device needed
@@ -72,7 +73,8 @@ the large one."""
 RESERVE_GIB = 4.0
 """Host memory the check leaves free beyond the estimate (allocator slack, CUDA and NCCL buffers, the page cache)."""
 FLOOR_GIB = 3.0
-"""The watchdog ends the process when MemAvailable falls below this (rather than let the machine swap or OOM)."""
+"""The watchdog ends the process when the available memory falls below this (rather than let the machine swap or
+OOM)."""
 SAMPLE_S = 0.1
 ZERO3_PARAM_OFFLOAD = ("absent: parallel.runtime.fsdp (ZeRO-2/3, FSDP2) has no parameter offload (no "
                        "CPUOffloadPolicy), and at world size 1 it leaves every parameter out of FSDP (a set reduced by "
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda and torch.cuda.is_available():
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")
-        torch.zeros(1, device=device)  # the CUDA context exists before the host check reads MemAvailable
+        torch.zeros(1, device=device)  # the CUDA context exists before the host check
         result["device"] = _device_name(device)
         own_gib = torch.cuda.get_device_properties(device).total_memory / GIB
         result["plan"]["this_device"] = {"gib": own_gib, **{name: _verdict(_job(model, args, batch, offload, gpus=1),
@@ -120,8 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not check["fits"]:
         raise SystemExit(f"refused: the offload job needs about {check['estimate'] / GIB:.1f} GiB of host memory "
                          f"(the plan's {check['plan_host'] / GIB:.1f} GiB plus {check['pinned_rounding'] / GIB:.1f} "
-                         f"GiB of pinned rounding) and {RESERVE_GIB:g} GiB to spare, but MemAvailable is "
-                         f"{check['mem_available'] / GIB:.1f} GiB; --n-layer {check['layers_that_fit']} would fit"
+                         f"GiB of pinned rounding) and {RESERVE_GIB:g} GiB to spare, but only "
+                         f"{check['available'] / GIB:.1f} GiB are available (MemAvailable, or the memory cgroup's); "
+                         f"--n-layer {check['layers_that_fit']} would fit"
                          if check["layers_that_fit"] else "refused: not even one layer fits this host's memory")
     result.update(_run(plan, device, args, started))
     return _finish(result, args)
@@ -183,7 +186,8 @@ def _pow2(n: int) -> int:
 
 
 def _host_check(plan: Plan, cuda: bool) -> dict:
-    """The offload job's host bytes against MemAvailable (RESERVE_GIB to spare), and the most layers that fit."""
+    """The offload job's host bytes against the available memory (RESERVE_GIB to spare), and the most layers that
+    fit."""
     info = meminfo()
 
     def need(layers: int) -> tuple[int, int, int]:
@@ -193,26 +197,47 @@ def _host_check(plan: Plan, cuda: bool) -> dict:
         return host, rounding, max(host + rounding, rank_memory(p, 0).construction)
 
     host, rounding, estimate = need(plan.config.model.n_layer)
-    room = info["MemAvailable"] - RESERVE_GIB * GIB
+    room = info["available"] - RESERVE_GIB * GIB
     fits = estimate <= room
     layers = plan.config.model.n_layer
     while not fits and layers > 1 and need(layers)[2] > room:
         layers -= 1
     return {"plan_host": host, "pinned_rounding": rounding, "estimate": estimate, "reserve": int(RESERVE_GIB * GIB),
-            "mem_total": info["MemTotal"], "mem_available": info["MemAvailable"], "fits": fits,
+            "mem_total": info["MemTotal"], "mem_available": info["MemAvailable"],
+            "available": info["available"], "fits": fits,
             "margin_of_total": 1 - estimate / info["MemTotal"],
             "layers_that_fit": None if fits else layers if need(layers)[2] <= room else 0}
 
 
 def meminfo() -> dict[str, int]:
-    """/proc/meminfo's MemTotal and MemAvailable, in bytes."""
+    """/proc/meminfo's MemTotal and MemAvailable, in bytes, and `available`: MemAvailable, or less where this
+    process's memory cgroup (v2 or v1) leaves less (its limit minus its use, inactive file pages not counted as use):
+    a container's /proc/meminfo shows the whole machine's."""
     out = {}
     with open("/proc/meminfo") as f:
         for line in f:
             key, value = line.split(":", 1)
             if key in ("MemTotal", "MemAvailable"):
                 out[key] = int(value.split()[0]) * 1024
+    group = _cgroup_headroom()
+    out["available"] = out["MemAvailable"] if group is None else min(out["MemAvailable"], group)
     return out
+
+
+def _cgroup_headroom() -> int | None:
+    for limit, usage, stat, inactive in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                          "memory/memory.stat", "total_inactive_file")):
+        root = Path("/sys/fs/cgroup")
+        try:
+            text = (root / limit).read_text().strip()
+            if text == "max" or int(text) >= 2**60:  # no limit (v1 writes a huge number)
+                return None
+            lines = dict(line.split() for line in (root / stat).read_text().splitlines() if len(line.split()) == 2)
+            return int(text) - int((root / usage).read_text()) + int(lines.get(inactive, 0))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def proc_status() -> dict[str, int]:
@@ -237,21 +262,22 @@ def _reset_peak_rss() -> bool:
 
 
 class MemoryWatch:
-    """Samples MemAvailable every SAMPLE_S on a thread: the lowest seen, and the process ended (exit 3, with a
-    message) when it falls below FLOOR_GIB."""
+    """Samples the available memory (`meminfo`) every SAMPLE_S on a thread: the lowest seen, and the process ended
+    (exit 3, with a message) when it falls below FLOOR_GIB."""
 
     def __init__(self) -> None:
-        self.lowest = meminfo()["MemAvailable"]
+        self.lowest = meminfo()["available"]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="memory-watch", daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            available = meminfo()["MemAvailable"]
+            available = meminfo()["available"]
             self.lowest = min(self.lowest, available)
             if available < FLOOR_GIB * GIB:
-                print(f"\nABORTED by the memory watchdog: MemAvailable {available / GIB:.2f} GiB < {FLOOR_GIB:g} GiB "
+                print(f"\nABORTED by the memory watchdog: available memory {available / GIB:.2f} GiB < "
+                      f"{FLOOR_GIB:g} GiB "
                       f"(this process's RSS {proc_status()['VmRSS'] / GIB:.1f} GiB); ending it before the machine "
                       f"swaps or the OOM killer picks", flush=True)
                 os._exit(3)
@@ -302,7 +328,7 @@ def _run(plan: Plan, device: torch.device, args: argparse.Namespace, started: fl
         allocated_before = torch.cuda.memory_allocated(device)
     reset = _reset_peak_rss()
     rss_before = proc_status()["VmRSS"]
-    available_before = meminfo()["MemAvailable"]
+    available_before = meminfo()["available"]
     watch = MemoryWatch()
     timings = _Timings()
     timings.patch()
@@ -393,8 +419,9 @@ def _plan_text(r: dict, device_gib: float) -> str:
         lines.append(f"  on this device ({_gib(d['gib'] * GIB)}): without offload {d['no_offload']}, with offload "
                      f"{d['offload']}")
     lines.append(f"host check: plan {_gib(check['plan_host'])} + pinned rounding {_gib(check['pinned_rounding'])} = "
-                 f"{_gib(check['estimate'])} (+{RESERVE_GIB:g} GiB reserve) vs MemAvailable "
-                 f"{_gib(check['mem_available'])} of {_gib(check['mem_total'])}: "
+                 f"{_gib(check['estimate'])} (+{RESERVE_GIB:g} GiB reserve) vs available "
+                 f"{_gib(check['available'])} (MemAvailable "
+                 f"{_gib(check['mem_available'])}) of {_gib(check['mem_total'])}: "
                  f"{'fits' if check['fits'] else 'DOES NOT FIT'} ({check['margin_of_total']:.0%} of MemTotal spare)")
     lines.append(f"ZeRO-3 with offloaded parameters: {r['zero3_param_offload']}")
     return "\n".join(lines)
@@ -413,7 +440,8 @@ def _summary(r: dict) -> str:
              f"{ratio(h['peak_over_plan'])} |",
              f"| host peak vs plan + pinned rounding | {_gib(h['peak_above_before'])} | {_gib(h['estimate'])} | "
              f"{ratio(h['peak_over_estimate'])} |",
-             f"| system peak (MemAvailable drop) | {_gib(h['system_peak_above_before'])} | {_gib(h['estimate'])} | "
+             f"| system peak (drop of available memory) | {_gib(h['system_peak_above_before'])} | "
+             f"{_gib(h['estimate'])} | "
              f"{ratio(h['system_peak_over_estimate'])} |",
              f"| step time (median of {r['timed_steps']}) | {'-' if step is None else f'{step:.2f} s'} | - | - |",
              f"| construction (materialize, host copies) | {c['total_s']:.1f} s ({c['materialize_s']:.1f}, "
