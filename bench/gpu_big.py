@@ -17,12 +17,15 @@ weights, gradients and AdamW state, full recompute, synthetic data, `--batch` se
    whole on the host, the pinned host copies) and runs `--warmup` + `--steps` steps (each step's figures read at
    once), the timed steps cut short when the next would overrun `--time-budget-s` from the start.
 
-Figures (measured / plan ratios beside them): step time (a step's call to its figures read; the host AdamW step of
-step i runs behind step i+1's forward, so a timed step includes its predecessor's host update, and `tail_s` is the
-last one's); device peak = `torch.cuda.max_memory_allocated` over construction and steps, beside the plan's device
-bytes; host peak = VmHWM minus the RSS before construction (the peak reset there), beside the plan's host bytes and
-the estimate; system peak = the largest drop of the available memory below its value before construction
-(sampled every 0.1 s), which also counts pinned memory however the kernel accounts it. `--plan-only` stops after 2.
+Figures (measured / plan ratios beside them):
+- step time: (the timed steps' times + `tail_s`) / their count, a step's time being its call to its figures read;
+  the host AdamW update of step i runs behind step i+1's forward (the warm-up's is waited for before the timed
+  steps), so each timed step but the first holds its predecessor's update and `tail_s` waits for the last one's;
+- device peak: `torch.cuda.max_memory_allocated` over construction and steps, beside the plan's device bytes;
+- host peak: VmHWM minus the RSS before construction (the peak reset there), beside the plan's host bytes and the
+  estimate; system peak: the largest drop of the available memory below its value before construction (sampled
+  every 0.1 s), which counts pinned memory however the kernel accounts for it.
+`--plan-only` stops after 2.
 
     python -m bench.gpu_big --out big.json                     # the GPU run (~3 minutes)
     python -m bench.gpu_big --plan-only --n-layer 32           # the plan's figures only, no torch device needed
@@ -100,7 +103,6 @@ def main(argv: list[str] | None = None) -> dict:
                 for name, offload in (("no_offload", False), ("offload", True))}
     result["plan"] = {"device_gib": device_gib, **verdicts}
     if cuda and torch.cuda.is_available():
-        torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")
         torch.zeros(1, device=device)  # the CUDA context exists before the host check
         result["device"] = _device_name(device)
@@ -335,6 +337,8 @@ def _run(plan: Plan, device: torch.device, args: argparse.Namespace, started: fl
     start = time.perf_counter()
     try:
         driver = RankDriver(plan, 0, "127.0.0.1", free_ports(1)[0], device, DIST_TIMEOUT_S)
+        if cuda:
+            torch.cuda.synchronize(device)
     finally:
         timings.restore()
     construction_s = time.perf_counter() - start
@@ -354,6 +358,8 @@ def _run(plan: Plan, device: torch.device, args: argparse.Namespace, started: fl
                     cut = True
                     break
             stats = driver.step(i)
+            if i == args.warmup - 1:  # the warm-up's host update (AdamW's state made) lands before the timed steps
+                _settle(driver, device)
             now = time.perf_counter()
             steps.append({"step": i, "timed": timed, "time_s": now - last,
                           **{k: stats[k] for k in ("loss", "grad_norm", "lr", "optimizer_bytes", "optimizer_host_bytes",
@@ -361,16 +367,14 @@ def _run(plan: Plan, device: torch.device, args: argparse.Namespace, started: fl
             print(f"step {i} ({'timed' if timed else 'warm-up'}): {now - last:.2f} s, loss {stats['loss']:.4f}",
                   flush=True)
             last = now
-        driver.trainer.optimizer.settle()  # the last step's host update, overlapped behind nothing
-        if cuda:
-            torch.cuda.synchronize(device)
+        _settle(driver, device)  # the last step's host update, which no forward follows
         tail_s = time.perf_counter() - last
     finally:
         lowest = watch.stop()
         shutdown_distributed()
     status = proc_status()
     timed = [s["time_s"] for s in steps if s["timed"]]
-    step_s = statistics.median(timed) if timed else None
+    step_s = (sum(timed) + tail_s) / len(timed) if timed else None
     memory = rank_memory(plan, 0)
     host_plan, rounding = host_estimate(plan, cuda)
     host_peak = status["VmHWM"] - rss_before if reset else None
@@ -383,7 +387,8 @@ def _run(plan: Plan, device: torch.device, args: argparse.Namespace, started: fl
         "construction": {"total_s": construction_s, "materialize_s": timings.materialize_s,
                          "optimizer_s": timings.optimizer_s, **after_construction},
         "steps": steps, "timed_steps": len(timed), "cut_by_time_budget": cut, "time_budget_s": args.time_budget_s,
-        "step_time_s": step_s, "tail_s": tail_s, "tokens_per_s": tokens_per_s,
+        "step_time_s": step_s, "step_time_median_s": statistics.median(timed) if timed else None, "tail_s": tail_s,
+        "tokens_per_s": tokens_per_s,
         "mfu": flops_per_token * tokens_per_s / (peak * 1e12) if peak and tokens_per_s else None,
         "losses_finite": all(math.isfinite(s["loss"]) for s in steps),
         "device_memory": {"peak_allocated": device_peak, "plan_total": memory.total,
@@ -397,6 +402,13 @@ def _run(plan: Plan, device: torch.device, args: argparse.Namespace, started: fl
                         "system_peak_over_estimate": system_peak / (host_plan + rounding) if host_plan else None},
         "wall_s": time.perf_counter() - started,
     }
+
+
+def _settle(driver: RankDriver, device: torch.device) -> None:
+    """Every host update queued so far landed, on the host and on the device."""
+    driver.trainer.optimizer.settle()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _plan_text(r: dict, device_gib: float) -> str:
@@ -443,12 +455,13 @@ def _summary(r: dict) -> str:
              f"| system peak (drop of available memory) | {_gib(h['system_peak_above_before'])} | "
              f"{_gib(h['estimate'])} | "
              f"{ratio(h['system_peak_over_estimate'])} |",
-             f"| step time (median of {r['timed_steps']}) | {'-' if step is None else f'{step:.2f} s'} | - | - |",
+             f"| step time ({r['timed_steps']} steps and the last update) | "
+             f"{'-' if step is None else f'{step:.2f} s'} | - | - |",
              f"| construction (materialize, host copies) | {c['total_s']:.1f} s ({c['materialize_s']:.1f}, "
              f"{c['optimizer_s']:.1f}) | - | - |"]
     if r["tokens_per_s"]:
         mfu = f", MFU {r['mfu']:.1%}" if r["mfu"] else ""
-        lines.append(f"{r['tokens_per_s']:,.0f} tokens/s{mfu}; last host update after the last step {r['tail_s']:.2f} "
+        lines.append(f"{r['tokens_per_s']:,.0f} tokens/s{mfu}; the last host update waited for {r['tail_s']:.2f} "
                      f"s; wall {r['wall_s']:.1f} s" + ("; steps CUT by --time-budget-s" if r["cut_by_time_budget"]
                                                        else ""))
     losses = [round(s["loss"], 4) for s in r["steps"]]
