@@ -39,11 +39,53 @@ def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path
     assert result["memory"]["trainyard+offload"]["plan"]["optimizer"] == 0
 
 
+def test_gpu_big_tiny_cpu_mode_is_refused_without_offload_and_trains_with_it(tmp_path):
+    out = tmp_path / "big.json"
+    cmd = [sys.executable, "-m", "bench.gpu_big", "--tiny", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| device peak (max_memory_allocated) |" in done.stdout and "PLAN DEFECT" not in done.stdout
+    r = json.loads(out.read_text())
+    plan = r["plan"]  # against the tiny device: refused without offload, fits with it
+    assert plan["no_offload"]["verdict"] == "refused" and "needs" in plan["no_offload"]["message"]
+    assert plan["offload"]["verdict"] == "fits" and plan["offload"]["message"] is None
+    assert plan["offload"]["device_bytes"] < plan["device_gib"] * 2**30 < plan["no_offload"]["device_bytes"]
+    assert plan["offload"]["host_bytes"] > 0 == plan["no_offload"]["host_bytes"]
+    assert r["host_check"]["fits"] and r["host_check"]["pinned_rounding"] == 0  # nothing pinned without CUDA
+    assert [s["timed"] for s in r["steps"]] == [False, True, True, True] and r["timed_steps"] == 3
+    assert r["losses_finite"] and all(s["time_s"] > 0 for s in r["steps"]) and r["step_time_s"] > 0
+    assert all(s["optimizer_bytes"] == 0 < s["optimizer_host_bytes"] for s in r["steps"])  # offloaded
+    assert r["construction"]["total_s"] > r["construction"]["materialize_s"] > 0
+    assert r["construction"]["optimizer_s"] > 0
+    host = r["host_memory"]
+    assert host["peak_above_before"] > 0 and host["plan_host"] == plan["offload"]["host_bytes"]
+    assert host["peak_over_plan"] > 0
+    assert r["device_memory"]["peak_allocated"] is None and r["device_memory"]["plan_total"] > 0  # a CPU
+    assert r["zero3_param_offload"].startswith("absent")
+
+
+def test_gpu_big_plan_refuses_the_large_llama_on_80_gib_and_counts_pinned_rounding(tmp_path):
+    # the GPU run's plan, asked here (no device needed): refused without offload, fits with it; the host copies'
+    # power-of-two rounding: 3 MLP matrices of 4096 x 11008 fp32 (172 MiB -> 256 MiB) a block, copy and gradient,
+    # and the embedding and the head (500 MiB -> 512 MiB)
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "bench.gpu_big", "--plan-only", "--device", "cuda", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    r = json.loads(out.read_text())
+    assert r["model"]["n_layer"] == 28 and round(r["params"] / 1e9, 2) == 5.93
+    assert r["plan"]["device_gib"] == 80 and r["plan"]["no_offload"]["verdict"] == "refused"
+    assert r["plan"]["offload"]["verdict"] == "fits"
+    mlp = 4096 * 11008 * 4
+    assert r["host_check"]["pinned_rounding"] == 2 * (28 * 3 * (2**28 - mlp) + 2 * (2**29 - 32000 * 4096 * 4))
+    assert "steps" not in r
+
+
 def test_gpu_benches_import_neither_ray_nor_the_service():
     # It runs on GPU machines that hold torch and little else (numpy, and annotated_types for parallel.config).
     # top-level modules, and trainyard's subpackages by name (trainyard.parallel)
     # bench.gpu_smoke imports the export, which once imported pydantic at the top and failed on the device
-    code = ("import sys, bench.gpu, bench.gpu_smoke, bench.gpu_profile, bench.gpu_offload_split; "
+    code = ("import sys, bench.gpu, bench.gpu_smoke, bench.gpu_profile, bench.gpu_offload_split, bench.gpu_big; "
             "print(' '.join(sorted({'.'.join(m.split('.')[:2 if m.startswith('trainyard.') "
             "else 1]) for m in sys.modules})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
