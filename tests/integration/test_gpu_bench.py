@@ -7,7 +7,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from bench import gpu_record
+from bench.report import render
+from bench.results import Row
+
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _recorded(tmp_path: Path, files: dict[str, dict]) -> list[Row]:
+    """`files` written as a GPU session's $OUT, then recorded into a results file whose section `gpu` BENCHMARKS.md's
+    marker shows: the rows, after checking that the report renders them with no problem."""
+    folder = tmp_path / "session"
+    folder.mkdir()
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content))
+    (folder / "summary.txt").write_text("2026-11-28T09:00:00Z\nNVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04\n"
+                                        "torch 2.11.0+cu130\nsmoke rc=0 42s\n")
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"machine": {}, "sections": {}, "rows": []}))
+    assert gpu_record.main([str(folder), "--commit", "0123456789abcdef", "--results", str(results)]) == 0
+    doc, problems = render("<!-- table: gpu -->\n<!-- /table -->\n", json.loads(results.read_text()))
+    assert not problems and "NVIDIA H100 80GB HBM3" in doc and "commit 0123456789ab" in doc
+    return gpu_record.rows(folder)
 
 
 def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path):
@@ -37,6 +60,12 @@ def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path
         memory = result["memory"][name]
         assert memory["plan_bytes"] == memory["plan"]["total"] > 0 and memory["measured_bytes"] is None
     assert result["memory"]["trainyard+offload"]["plan"]["optimizer"] == 0
+    # as a GPU session records it (bench.gpu_record), with a device's count of the memory set in
+    result["memory"]["trainyard"]["measured_bytes"] = int(result["memory"]["trainyard"]["plan_bytes"] / 1.04)
+    rows = _recorded(tmp_path, {"step-llama.json": result})
+    assert [r.name.split(", ", 1)[1] for r in rows] == [
+        "trainyard vs a plain loop, tokens/s", "MFU gap to the plain loop", "memory plan vs max_memory_allocated"]
+    assert rows[2].ratio == pytest.approx(1.04, abs=1e-3) and rows[2].met()  # within 5%
 
 
 def test_gpu_big_tiny_cpu_mode_is_refused_without_offload_and_trains_with_it(tmp_path):
@@ -62,6 +91,10 @@ def test_gpu_big_tiny_cpu_mode_is_refused_without_offload_and_trains_with_it(tmp
     assert host["peak_over_plan"] > 0
     assert r["device_memory"]["peak_allocated"] is None and r["device_memory"]["plan_total"] > 0  # a CPU
     assert r["zero3_param_offload"].startswith("absent")
+    rows = _recorded(tmp_path, {"big.json": r})
+    assert [row.name for row in rows] == ["gpu: large llama, optimizer offload: step time",
+                                          "gpu: large llama: host peak vs the plan"]  # no device count on a CPU
+    assert "the plan refuses it" in rows[0].note and rows[0].ours == r["step_time_s"]
 
 
 def test_gpu_big_plan_refuses_the_large_llama_on_80_gib_and_counts_pinned_rounding(tmp_path):
