@@ -8,10 +8,10 @@ weights, gradients and AdamW state, full recompute, synthetic data, `--batch` se
    parameters, gradients and AdamW state alone exceed it) and with `optimizer.offload` (fits), each with the plan's
    device bytes (`RankMemory.total`) and host bytes (`RankMemory.host`). A no-offload job that fits is a plan defect
    and is printed as one.
-2. The host check, before anything is built: the offload job's host bytes (the plan's, plus what torch's pinned
-   allocator adds on CUDA by rounding each host copy up to a power of two: `host_estimate`) with RESERVE_GIB to
-   spare against the memory available (/proc/meminfo's MemAvailable, or the memory cgroup's headroom where
-   smaller); refused with a message when they do not fit. While it runs, a watchdog ends the process if the
+2. The host check, before anything is built: the offload job's host bytes (the plan's, which on a GPU rank count
+   what torch's pinned allocator adds by rounding each host copy up to a power of two: `host_estimate`) with
+   RESERVE_GIB to spare against the memory available (/proc/meminfo's MemAvailable, or the memory cgroup's headroom
+   where smaller); refused with a message when they do not fit. While it runs, a watchdog ends the process if the
    available memory falls below FLOOR_GIB.
 3. `parallel.runtime.driver.RankDriver` at world size 1 builds the job (meta construction, each parameter drawn
    whole on the host, the pinned host copies) and runs `--warmup` + `--steps` steps (each step's figures read at
@@ -47,10 +47,11 @@ from pathlib import Path
 import torch
 from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig, ResourcesConfig
 from trainyard.parallel.models import family_of
+from trainyard.parallel.models.counting import FP32
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, PlanError, make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
-from trainyard.parallel.plan.memory import rank_memory
+from trainyard.parallel.plan.memory import host_copy_bytes, optimizer_elements, rank_memory, trainable_counts
 from trainyard.parallel.runtime import trainer as trainer_module
 from trainyard.parallel.runtime.distributed import shutdown_distributed
 from trainyard.parallel.runtime.driver import RankDriver
@@ -65,9 +66,9 @@ LLAMA2_7B = {"family": "llama", "n_layer": 32, "n_head": 32, "n_kv_head": 32, "d
 DEFAULT_LAYERS = 28
 """28 of Llama-2-7B's 32 blocks (5.93B parameters): offloaded, each parameter has a pinned host copy and a pinned
 host gradient, which torch's pinned allocator rounds up to a power of two (a 4096 x 11008 fp32 matrix, 172 MiB,
-takes 256 MiB), so the host holds 116 GiB at 32 blocks (the plan says 100.4) and 102 GiB at 28 (the plan: 88.4),
-plus the process's own: 28 leaves the 15% of a 128 GiB machine that 32 does not. Without offload the plan still
-refuses it on 80 GiB (92.0 GiB at 2 x 2048 tokens)."""
+takes 256 MiB), so the host holds 116 GiB at 32 blocks (100.4 without the rounding, which the plan counts) and
+102 GiB at 28, plus the process's own: 28 leaves the 15% of a 128 GiB machine that 32 does not. Without offload
+the plan still refuses it on 80 GiB (92.0 GiB at 2 x 2048 tokens)."""
 TINY = {"family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 4, "d_model": 128, "ffn_hidden": 352,
         "vocab_size": 1024, "seq_len": 64}
 TINY_DEVICE_GIB = 10 / 1024
@@ -169,22 +170,16 @@ def _param_count(model: ModelConfig) -> int:
 
 
 def host_estimate(plan: Plan, cuda: bool) -> tuple[int, int]:
-    """(the plan's host bytes, what torch's pinned allocator adds to them): offloaded, every parameter has a host
-    copy and a host gradient (fp32), pinned on CUDA, where `CachingHostAllocator` rounds each allocation up to a
-    power of two; the optimizer's state (`zeros_like`, not pinned) is exact."""
+    """(the plan's host bytes but the pinned allocator's rounding, that rounding): offloaded, every parameter has a
+    host copy and a host gradient (fp32), pinned on CUDA, where `CachingHostAllocator` rounds each allocation up to
+    a power of two, which the plan counts on a GPU rank (`parallel.plan.memory.host_copy_bytes`); the optimizer's
+    state (`zeros_like`, not pinned) is exact. Their sum is the plan's host bytes."""
     memory = rank_memory(plan, 0)
     if not cuda or not plan.config.optimizer.offload:
         return memory.host, 0
-    block, rest = _shapes(plan.config.model)
-
-    def extra(shapes: list[tuple[int, ...]]) -> int:
-        return sum(2 * (_pow2(4 * math.prod(s)) - 4 * math.prod(s)) for s in shapes)
-
-    return memory.host, plan.config.model.n_layer * extra(block) + extra(rest)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    counts = trainable_counts(plan, 0)
+    rounding = host_copy_bytes(plan, 0, counts) - 2 * FP32 * optimizer_elements(plan, counts)
+    return memory.host - rounding, rounding
 
 
 def _host_check(plan: Plan, cuda: bool) -> dict:

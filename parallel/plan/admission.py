@@ -69,25 +69,27 @@ def memory_violations(layout: Layout, config: JobConfig, cluster: ClusterResourc
     no node's GPU memory is known). A CPU rank shares its node's memory (Ray's `memory` resource) with the job's
     other ranks there, and Ray packs a job's bundles onto as few nodes as it can: a node holding k of the job's
     tp groups (as many as its CPUs and GPUs allow) gives each of its k x tp ranks 1/(k x tp) of its memory. The
-    largest rank must fit the best such share any node offers.
+    largest rank must fit the best such share any node offers. So must a GPU rank's host bytes (`optimizer.offload`
+    and `activation_offload` keep their state there; construction draws each parameter whole there).
     """
     ranks = estimate(layout, config)
     on_gpu = bool(layout.gpus_per_worker)
     worst = max(range(layout.world_size), key=lambda r: ranks[r].resident(on_gpu))
     need = ranks[worst]
-    if layout.gpus_per_worker:
+    gang = layout.gang
+    shares = [(n.memory / (layout.tp * held), n.memory, layout.tp * held) for n in cluster.nodes
+              if n.memory > 0 and (held := min(gang.count, gang.placeable([{"CPU": n.cpus, "GPU": n.gpus}])))]
+    share, node_memory, sharing = max(shares, default=(0.0, 0.0, 0))
+    host_where = (f"a rank gets at most {format_size(share)} of a node's memory (Ray's `memory` resource: "
+                  f"{format_size(node_memory)} on a node that would hold {sharing} of the job's ranks)")
+    if on_gpu:
         have = max((n.gpu_memory for n in cluster.nodes if n.gpus > 0), default=0.0)
         where = f"a GPU has {format_size(have)}"
     else:
-        gang = layout.gang
-        shares = [(n.memory / (layout.tp * held), n.memory, layout.tp * held) for n in cluster.nodes
-                  if n.memory > 0 and (held := min(gang.count, gang.placeable([{"CPU": n.cpus, "GPU": n.gpus}])))]
-        have, node_memory, sharing = max(shares, default=(0.0, 0.0, 0))
-        where = (f"a rank gets at most {format_size(have)} of a node's memory (Ray's `memory` resource: "
-                 f"{format_size(node_memory)} on a node that would hold {sharing} of the job's ranks)")
+        have, where = share, host_where
     total = need.resident(on_gpu)
     if have <= 0 or total <= have:
-        return []
+        return _host_violations(layout, ranks, share, host_where) if on_gpu else []
     div, unit = byte_unit(total)
     names = _MEMORY_PARTS if on_gpu else (*_MEMORY_PARTS, "host_optimizer", "host_activations")
     parts = ", ".join(f"{name} {getattr(need, name) / div:,.1f}" for name in names
@@ -99,6 +101,23 @@ def memory_violations(layout: Layout, config: JobConfig, cluster: ClusterResourc
 
 
 _MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "transient")
+
+
+def _host_violations(layout: Layout, ranks: list[RankMemory], share: float, where: str) -> list[PlanError]:
+    """A GPU rank whose host bytes (offload's state, construction's whole parameter) exceed its share of a node's
+    memory (none when the share is unknown)."""
+    worst = max(range(layout.world_size), key=lambda r: ranks[r].host_resident)
+    need = ranks[worst]
+    if share <= 0 or need.host_resident <= share:
+        return []
+    div, unit = byte_unit(need.host_resident)
+    parts = ", ".join(f"{name} {getattr(need, name) / div:,.1f}" for name in ("host_optimizer", "host_activations",
+                                                                             "construction")
+                      if getattr(need, name) >= div / 20)
+    field = "optimizer.offload" if need.host_optimizer >= need.host_activations else "activation_offload"
+    return [PlanError(field, f"rank {worst} ({layout.worker_name(worst)}) needs {need.host_resident / div:,.1f} "
+                             f"{unit} of host memory ({parts}) but {where}; raise pp or tp (each rank then holds "
+                             "less), or use nodes with more memory")]
 
 
 def _memory_advice(layout: Layout, config: JobConfig, need: RankMemory) -> str:

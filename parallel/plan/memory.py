@@ -90,7 +90,7 @@ class RankMemory:
     peak adds the larger of the two (`transient`)."""
     host_optimizer: int = 0
     """`optimizer.offload`: the optimizer's state in host memory, with host copies of what it updates and of
-    their gradients (`optimizer` is then 0)."""
+    their gradients (`optimizer` is then 0; `host_copy_bytes`: pinned on a GPU rank)."""
     host_activations: int = 0
     """`activation_offload`: most bytes of the blocks' saved activations in host memory at once."""
     gathered: int = 0
@@ -122,6 +122,11 @@ class RankMemory:
     @property
     def host(self) -> int:
         return self.host_optimizer + self.host_activations
+
+    @property
+    def host_resident(self) -> int:
+        """A GPU rank's peak in host memory: offload's host bytes, or construction's one whole parameter (first)."""
+        return max(self.host, self.construction)
 
     def resident(self, on_gpu: bool) -> int:
         """Bytes in the memory a rank is sized against: a GPU rank's device bytes; a CPU rank's device is the
@@ -166,12 +171,39 @@ def rank_memory(plan: Plan, rank: int) -> RankMemory:
                                                                                               strict=True)]),
         recompute=max(transient for _, transient in chunks),
         loss=fused_loss_transient(plan.config.model, _shapes(plan)) if _holds_head(plan, pp) else 0,
-        host_optimizer=state + 2 * FP32 * optimizer_elements(plan, counts) if offload else 0,
+        host_optimizer=state + host_copy_bytes(plan, pp, counts) if offload else 0,
         host_activations=peak_activation_bytes(plan, pp, offloaded),
         gathered=gathered_bytes(plan, pp),
         reduction=largest_unit_grad_bytes(plan, pp),
         construction=construction_bytes(plan, pp),
     )
+
+
+def pinned_bytes(n: int) -> int:
+    """What torch's pinned-memory allocator takes for a block of n bytes: the next power of two (its
+    CachingHostAllocator rounds every block up, to reuse them)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def host_copy_bytes(plan: Plan, pp_rank: int, counts: ParamCounts) -> int:
+    """`optimizer.offload`: the host copy and host gradient of every tensor the optimizer updates
+    (`parallel.runtime.train_optimizer`), fp32. On a GPU rank they are pinned, each rounded up to a power of two
+    (`pinned_bytes`: a 4096 x 11008 matrix's 172 MiB take 256), counted per matrix of the rank's chunks at its
+    local shape, times the share of its elements this rank updates (ZeRO: about 1/N); the 1-D parameters and the
+    LoRA adapters unrounded (small)."""
+    elements = optimizer_elements(plan, counts)
+    if not plan.gpus_per_worker or plan.config.model.lora is not None:
+        return 2 * FP32 * elements
+    m, family = plan.config.model, family_of(plan.config.model)
+    share = elements / max(1, counts.total)
+    leaves = []
+    for c, layers in enumerate(plan.chunk_layers(pp_rank)):
+        v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
+        matrices = family.matrices(m, layers, first=v == 0, last=v == plan.n_virtual_stages - 1, tp=plan.tp,
+                                   ep=plan.ep)
+        leaves += [round(rows * cols * share) for rows, cols, _ in matrices]
+    rest = max(0, elements - sum(leaves))
+    return 2 * (sum(pinned_bytes(FP32 * n) for n in leaves) + FP32 * rest)
 
 
 def _holds_head(plan: Plan, pp_rank: int) -> bool:

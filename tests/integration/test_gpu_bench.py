@@ -87,8 +87,8 @@ def test_gpu_big_tiny_cpu_mode_is_refused_without_offload_and_trains_with_it(tmp
     assert r["construction"]["total_s"] > r["construction"]["materialize_s"] > 0
     assert r["construction"]["optimizer_s"] > 0
     host = r["host_memory"]
-    assert host["peak_above_before"] > 0 and host["plan_host"] == plan["offload"]["host_bytes"]
-    assert host["peak_over_plan"] > 0
+    assert host["peak_above_before"] > 0 and host["plan_host"] == host["estimate"] < plan["offload"]["host_bytes"]
+    assert host["peak_over_plan"] > 0  # (the verdicts plan a GPU rank, whose pinned host copies are rounded up)
     assert r["device_memory"]["peak_allocated"] is None and r["device_memory"]["plan_total"] > 0  # a CPU
     assert r["zero3_param_offload"].startswith("absent")
     rows = _recorded(tmp_path, {"big.json": r})

@@ -247,6 +247,23 @@ def test_a_job_too_big_for_its_gpus_is_refused_naming_the_rank_and_the_numbers()
     assert make_plan(huge_model(parallel={"pp": 2, "tp": 4}), gpus).world_size == 8
 
 
+def test_a_gpu_job_whose_offloaded_state_exceeds_the_node_s_memory_is_refused_naming_the_host_bytes():
+    offloaded = huge_model(optimizer={"offload": True})
+
+    def node(memory: float) -> ClusterResources:
+        return ClusterResources(nodes=(NodeResources(cpus=64, gpus=8, memory=memory, gpu_memory=80 * GIB),))
+
+    need = make_plan(offloaded, node(1000 * GIB)).memory()[0]
+    assert need.optimizer == 0 and need.host_resident == need.host > 4 * GIB  # pinned host copies and AdamW state
+    assert make_plan(offloaded, node(need.host + GIB)).config.optimizer.offload  # the device fits: so does the host
+    with pytest.raises(PlanError) as info:
+        make_plan(offloaded, node(need.host - GIB))
+    assert info.value.field == "optimizer.offload"
+    assert info.value.message.startswith(f"rank 0 (pp0-tp0-dp0) needs {need.host / GIB:,.1f} GiB of host memory "
+                                         f"(host_optimizer {need.host_optimizer / GIB:,.1f}")
+    assert "of a node's memory" in info.value.message and "raise pp or tp" in info.value.message
+
+
 def test_gpu_memory_unknown_skips_the_gpu_check():
     unknown = ClusterResources(nodes=(NodeResources(cpus=64, gpus=8, memory=1 * GIB),))
     assert make_plan(huge_model(), unknown).gpus_per_worker == 1
@@ -294,3 +311,16 @@ def test_the_estimate_is_computed_once_per_stage_and_answers_a_large_layout_at_o
     # 65,536 ranks, 16 stages: one computation per stage, shared by the stage's ranks (not one per rank)
     assert len({id(r) for r in large.memory()}) == 16
     assert len(describe(large)["memory"]["per_rank"]) == 4096 * 16
+
+
+def test_offloaded_host_copies_are_pinned_on_a_gpu_rank_each_rounded_up_to_a_power_of_two():
+    """torch's pinned allocator rounds every block up to a power of two: a host copy and a host gradient of each
+    matrix take that, the 1-D parameters their own size; a CPU rank's copies are not pinned."""
+    model = {"family": "llama", "n_layer": 2, "d_model": 96, "n_head": 4, "ffn_hidden": 200, "vocab_size": 300}
+    offload = {"model": model, "optimizer": {"offload": True}}
+    plan = plan_for(**offload)
+    cpu, gpu = plan.memory()[0], plan_for(**offload, resources={"gpus_per_worker": 1}).memory()[0]
+    m = plan.config.model
+    shapes = family_of(m).matrices(m, range(2), first=True, last=True, tp=1, ep=1)
+    rounding = sum(2 * ((1 << (4 * r * c - 1).bit_length()) - 4 * r * c) for r, c, _ in shapes)
+    assert rounding > 0 and gpu.host_optimizer - cpu.host_optimizer == rounding
