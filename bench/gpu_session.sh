@@ -14,10 +14,11 @@
 #   Each part has a time limit of its own (below); the limits of a call's parts add up to more than a call's 600 s,
 #   so that one slow part does not take the others' time: a part cut off leaves its rc and the others' files.
 #
-# Before the first call, once, here (annotated_types, which parallel.config imports, is not on the device):
+# Before the first call, once, here (the device lacks annotated_types, which parallel.config imports, and torchao,
+# which adamw8bit needs):
 #   echo /.whl/ >> .git/info/exclude
-#   .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
-#       annotated-types==0.8.0
+#   .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform any -d .whl annotated-types==0.8.0 torchao==0.18.0
 # and each call names `.whl` in `carry`, with timeout_s 590. What comes back from $OUT (at most 8 files): one JSON
 # a part (smoke.json, step-gpt2.json, step-gpt2-compile.json, step-llama.json, step-llama-compile.json, big.json),
 # session.log (every part's output) and summary.txt (the device, each part's exit code and time, the table).
@@ -32,10 +33,14 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 
-if ! "$PY" -c "import annotated_types" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+# each carried wheel whose package the device's python lacks
+for wheel in .whl/*.whl; do
+    [ -e "$wheel" ] || continue
+    package=$(basename "$wheel" | cut -d- -f1)
+    "$PY" -c "import $package" 2>/dev/null && continue
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel" || exit 1
+done
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 {
     date -u +"%Y-%m-%dT%H:%M:%SZ"
     git rev-parse HEAD 2>/dev/null || echo "commit unknown (no .git)"

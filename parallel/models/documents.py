@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from trainyard.parallel.models.transfers import to_device
 
 
 @dataclass(eq=False)
@@ -31,7 +32,7 @@ class Documents:
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> Documents:
-        return Documents(self.positions.to(device), self.segments.to(device))
+        return Documents(to_device(self.positions, device), to_device(self.segments, device))
 
     def mask(self, window: int | None = None) -> torch.Tensor:
         """(batch, 1, seq, seq) bool, True where query i may attend to key j; computed once per micro-batch

@@ -42,7 +42,8 @@ together): the experts' row splits and the exchange's need them. With a capacity
 gets a buffer of min(capacity, slice length) rows per sequence of the micro-batch, a kept choice goes to the row
 of its place in the expert's queue, and the experts compute on the whole buffers (the empty rows are zeros nobody
 reads); with ep the buffers travel in equal splits (micro-batches are equal over dp). The experts run as grouped
-matmuls where the device has a kernel for it (`parallel.models.grouped`), one after another elsewhere.
+matmuls where the device has a kernel for it (`parallel.models.grouped`; the counts' offsets go back to the device
+without waiting for it, `parallel.models.transfers`), one after another elsewhere.
 
 Written by hand because torch has no MoE layer. The token exchange is `dist.all_to_all_single` in a
 five-line autograd Function (`_Exchange`), as `torch.distributed.nn.functional.all_to_all_single` does:
@@ -62,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 from trainyard.parallel.config import ModelConfig
 from trainyard.parallel.models.grouped import use_grouped_mm
+from trainyard.parallel.models.transfers import to_device
 
 N_STAT_SLOTS = 4
 """Per-layer statistics before the per-expert loads: aux sum, z sum, dropped and all assignments."""
@@ -234,7 +236,7 @@ class MoELayer(nn.Module):
         if grouped is not None and not any(getattr(e, "recompute", False) for e in experts) and (
                 self.grouped_mm if self.grouped_mm is not None
                 else use_grouped_mm(rows, next(experts[0].parameters()).shape[0])):  # (hidden, d_model) in each family
-            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
+            offs = to_device(torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32), rows.device)
             return grouped(experts, rows, offs)
         outs = [expert(part) for expert, part in zip(experts, rows.split(list(counts)), strict=True)]
         return torch.cat(outs) if outs else rows

@@ -32,6 +32,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.documents import Documents
+from trainyard.parallel.models.transfers import to_device
 from trainyard.parallel.plan.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.runtime.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.runtime.split_backward import ParamGroups, backward_input, backward_weight
@@ -206,7 +207,7 @@ class PipelineExecutor:
     def _forward(self, a: Action, state: _StepState, batch: Callable[[int], Batch]) -> torch.Tensor | None:
         key, v = (a.microbatch, a.chunk), self._virtual(a.chunk)
         if v == 0:
-            x = batch(a.microbatch)[0].to(self.device)
+            x = to_device(batch(a.microbatch)[0], self.device)
         elif (previous := self._local_neighbour(v - 1)) is not None:  # on this rank: pass it locally
             x = state.outputs[(a.microbatch, previous)].detach().requires_grad_()
         else:
@@ -216,7 +217,7 @@ class PipelineExecutor:
             out = self.chunks[a.chunk](x)
         state.live += 1
         if v == self.n_virtual - 1:
-            targets = batch(a.microbatch)[1].to(self.device)
+            targets = to_device(batch(a.microbatch)[1], self.device)
             with self.loss_context(), self.autocast():
                 out = self.chunks[a.chunk].loss_sum(out, targets) * self.loss_scale
             state.outputs[key] = out

@@ -1,19 +1,31 @@
-"""bench/gpu.py's tiny CPU mode: the GPU benchmark's code path runs and reports its numbers (no timing claims)."""
+"""bench/gpu.py's tiny CPU mode: the GPU benchmark's code path runs and reports its numbers (no timing claims);
+the GPU harnesses import neither Ray nor the service; and (slow) bench/gpu_smoke.py's variants added for LoRA,
+whole and packed examples, grouped experts, adamw8bit and the construction check run on the CPU with their JSON
+summary, and its host-read check (CUDA's sync debug mode) counts each driver call against its budget and names an
+extra synchronization, with CUDA's synchronizing operations stood in for on the CPU."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import gpu_record
 from bench.report import render
 from bench.results import Row
 
 REPO = Path(__file__).resolve().parents[2]
+SLOW = pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+NEW_VARIANTS = ["llama moe grouped bf16", "llama tied, moe with capacity", "llama lora fp32", "llama lora bf16",
+                "llama packed fp32", "llama packed bf16", "gpt2 packed, full recompute", "llama examples unpacked",
+                "gpt2 adamw8bit", "gpt2 adamw8bit offload"]
 
 
 def _recorded(tmp_path: Path, files: dict[str, dict]) -> list[Row]:
@@ -127,3 +139,120 @@ def test_gpu_benches_import_neither_ray_nor_the_service():
     assert "trainyard.parallel" in loaded
     assert not loaded & {"ray", "pydantic", "fastapi", "uvicorn", "yaml", "httpx", "trainyard.api", "trainyard.service",
                          "trainyard.actors"}
+
+
+@pytest.mark.slow
+@SLOW
+def test_gpu_smoke_new_variants_pass_on_the_cpu_and_write_their_summary(tmp_path):
+    out = tmp_path / "smoke.json"
+    reads = "host reads: llama moe (ep 1) fp32"  # CUDA only: skipped here, not failed
+    cmd = [sys.executable, "-m", "bench.gpu_smoke", "--device", "cpu", "--only", *NEW_VARIANTS, reads,
+           "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("ok ", "FAIL", "skip"))]
+    expected = [f"ok    {name}: " for name in NEW_VARIANTS] + [f"skip  {reads}: "]
+    assert len(lines) == len(expected) and all(map(str.startswith, lines, expected)), done.stdout
+    n = len(NEW_VARIANTS)
+    assert done.stdout.splitlines()[-1] == f"{n} of {n} variants passed on cpu; 1 skipped"
+    said = {name: line for name, line in zip([*NEW_VARIANTS, reads], lines, strict=True)}
+    assert all("resume equal; exported; construction equal" in said[name] for name in NEW_VARIANTS)
+    lora = "base frozen, adapters trained; checkpoint holds 28 adapters alone; merged and PEFT exports"
+    assert lora in said["llama lora fp32"] and lora in said["llama lora bf16"]
+    assert "states 8-bit" in said["gpt2 adamw8bit"] and "state round trip" in said["gpt2 adamw8bit"]
+    summary = json.loads(out.read_text())
+    assert summary["device"] == "cpu" and summary["torch"] == torch.__version__
+    for name in NEW_VARIANTS:
+        entry = summary[name]
+        assert entry["ok"] is True and entry["error"] is None and entry["vs"] is None, entry
+        assert len(entry["losses"]) == 4 and all(math.isfinite(x) for x in entry["losses"])
+    assert summary[reads]["ok"] is None and "CUDA only" in summary[reads]["skipped"]
+    # bf16 follows its fp32 twin here too (on CUDA the smoke holds them within 5e-2)
+    for bf16, fp32 in (("llama lora bf16", "llama lora fp32"), ("llama packed bf16", "llama packed fp32")):
+        assert max(abs(a - b) / b for a, b in zip(summary[bf16]["losses"], summary[fp32]["losses"], strict=True)) \
+            < 5e-3
+
+
+@pytest.fixture
+def cuda_syncs_on_the_cpu(monkeypatch):
+    """CUDA's sync debug mode stood in for on the CPU: while it is set to "warn", the warning it gives at each
+    operation that would synchronize on a GPU: the `tolist()` of a device tensor (one the models and the runtime
+    read, but the step's figures, which `Figures.read` reads from pinned host memory after an event; the data's
+    tensors are the host's) and the project's copies of host data to the device that do not pass `non_blocking`
+    (a copy from pageable memory)."""
+    import trainyard.parallel.runtime.step_figures as step_figures
+
+    mode = {"warn": False}
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.update(warn=m == "warn"))
+    tolist, to = torch.Tensor.tolist, torch.Tensor.to
+    parallel = Path(step_figures.__file__).parents[1]
+    device_code = (str(parallel / "models"), str(parallel / "runtime"))
+
+    def synchronizing() -> None:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=3)
+
+    def flagged_tolist(self):
+        caller = sys._getframe(1).f_code.co_filename
+        if mode["warn"] and caller.startswith(device_code) and caller != step_figures.__file__:
+            synchronizing()
+        return tolist(self)
+
+    def flagged_to(self, *args, **kwargs):
+        device = kwargs.get("device", next((a for a in args if isinstance(a, torch.device | str)), None))
+        blocking = not kwargs.get("non_blocking", any(a is True for a in args))
+        if mode["warn"] and device is not None and blocking and \
+                sys._getframe(1).f_code.co_filename.startswith(str(parallel)):
+            synchronizing()
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", flagged_tolist)
+    monkeypatch.setattr(torch.Tensor, "to", flagged_to)
+
+
+@pytest.mark.slow
+@SLOW
+def test_gpu_smoke_host_read_check_counts_each_call_against_its_budget(cuda_syncs_on_the_cpu, monkeypatch, tmp_path):
+    import trainyard.parallel.models.moe as moe
+    import trainyard.parallel.runtime.pipeline as pipeline
+
+    import bench.gpu_smoke as smoke
+
+    documents = smoke.write_documents(tmp_path / "documents", smoke.LLAMA.vocab_size)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(moe, "use_grouped_mm", lambda rows, hidden: True)  # CUDA's path on Hopper in bf16
+    expected = {"host reads: llama gqa fp32": 1, "host reads: llama moe (ep 1) fp32": 1 + 2 * 2,
+                "host reads: llama moe grouped bf16": 1 + 2 * 2, "host reads: llama tied, moe with capacity": 1,
+                "host reads: llama packed fp32": 1}
+    assert set(expected) == set(smoke.HOST_READS)
+    for name, budget in expected.items():
+        reads, notes = smoke.host_reads(name, cpu, documents)
+        # each call: the previous step's figures and, dropless, each MoE layer's counts for each micro-batch
+        assert reads["budget"] == budget and reads["per_call"] == [budget] * smoke.READ_CALLS, (name, reads)
+        assert reads["flush"] == 1 and all("moe.py" in site for site in reads["sites"]), (name, reads)
+    # A blocking copy of the micro-batches (as before `parallel.models.transfers`) is two syncs more per micro-batch
+    # (the stand-in is compiled as pipeline.py's code: the stand-in of the sync debug mode flags the project's copies)
+    blocking = eval(compile("lambda t, device: t.to(device)", pipeline.__file__, "eval"))
+    monkeypatch.setattr(pipeline, "to_device", blocking)
+    with pytest.raises(AssertionError, match=r"(?s)over the host-read budget.*call 1: 4 syncs \+ 1 figure reads > 1"
+                                             r".*pipeline.py:\d+ _forward"):
+        smoke.host_reads("host reads: llama gqa fp32", cpu, documents)
+
+
+@pytest.mark.slow
+@SLOW
+def test_the_gpu_session_script_runs_every_part_on_a_cpu_and_leaves_what_the_device_tool_brings_back(tmp_path):
+    """bench/gpu_session.sh as a GPU session runs it (its two calls' parts at once), on tiny shapes on the CPU: every
+    part exits 0, $OUT holds no more than the 8 files the device tool brings back, and they record."""
+    out = tmp_path / "out"
+    env = {**os.environ, "DEVICE": "cpu", "OUT": str(out), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "bench/gpu_session.sh", "smoke", "step", "compile", "profile", "big"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    parts = [line for line in (out / "summary.txt").read_text().splitlines() if " rc=" in line]
+    assert [p.split(" ")[0] for p in parts] == ["smoke", "step-gpt2", "step-llama", "step-gpt2-compile",
+                                                "step-llama-compile", "profile", "big"]
+    assert all(" rc=0 " in p for p in parts), parts
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and "session.log" in files, files
+    assert len(gpu_record.rows(out)) == 11  # 4 step runs x 2 and the big run 2 (no device count on a CPU), the smoke

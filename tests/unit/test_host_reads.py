@@ -1,7 +1,9 @@
 """The host reads a training step makes (issue 48 item 7): one per step for the step's figures (loss, gradient norm,
 MoE statistics, stacked), and in MoE blocks one per layer and micro-batch when dropless, none with a capacity; and
 that the one read comes a step late (item 2): a rank's call for step N returns step N-1's figures, read once N's
-work is queued, and a divergence is reported as the step it happened in.
+work is queued, and a divergence is reported as the step it happened in. Also the other way: a step's copies of
+host data to the device (its micro-batches, packed data's documents, a grouped MoE layer's offsets) never make the
+host wait (`parallel.models.transfers`), which on a GPU a copy from pageable memory does.
 
 A read is counted where, on a GPU, it would make the host wait for the device: `_local_scalar_dense` (`.item()`,
 `float(t)`, `int(t)`), `is_nonzero` (`bool(t)`, `if t:`), `equal`, a `Tensor.tolist()` (which does not dispatch:
@@ -14,15 +16,22 @@ every device) makes no read here. One rank, one process, gloo at world size 1: a
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+from data_helpers import word_tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+from trainyard.parallel.data.prepare import prepare
+from trainyard.parallel.data.sampler import step_microbatches
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver, Save
@@ -183,3 +192,68 @@ def test_a_step_that_saves_reads_its_own_figures_first_and_no_checkpoint_holds_a
         late.queue_step(1, save=save)
     assert checkpoint.committed_steps(tmp_path) == [1]  # the state after the diverged step 1 was not saved
 
+
+@contextmanager
+def copies_to_the_device() -> Iterator[tuple[list[str], list[str]]]:
+    """The copies of host data to a device that the project's code (not torch's) makes while it is entered: those
+    that would make the host wait on a GPU, `Tensor.to(device)` without `non_blocking=True` and `torch.tensor(data,
+    device=...)` (on CUDA a copy from pageable memory, then a synchronization of the stream), and the others. On the
+    CPU each is a no-op, so the call is what is counted, with where it was made."""
+    found: list[str] = []
+    fine: list[str] = []
+    to, tensor = torch.Tensor.to, torch.tensor
+    parallel = str(Path(checkpoint.__file__).parents[1])  # the product's parallel/ folder, as its code names it
+
+    def ours() -> bool:
+        return sys._getframe(2).f_code.co_filename.startswith(parallel)
+
+    def where() -> str:
+        frames = traceback.extract_stack()[:-2]
+        return " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(frames[-3:]))
+
+    def checked_to(self: torch.Tensor, *args, **kwargs):
+        device = kwargs.get("device", next((a for a in args if isinstance(a, torch.device | str | torch.Tensor)), None))
+        non_blocking = kwargs.get("non_blocking", any(a is True for a in args))
+        if device is not None and ours():
+            (fine if non_blocking else found).append(f"Tensor.to({device}) at {where()}")
+        return to(self, *args, **kwargs)
+
+    def checked_tensor(*args, **kwargs):
+        if kwargs.get("device") is not None and ours():
+            found.append(f"torch.tensor(device={kwargs['device']}) at {where()}")
+        return tensor(*args, **kwargs)
+
+    torch.Tensor.to, torch.tensor = checked_to, checked_tensor  # type: ignore[method-assign,assignment]
+    try:
+        yield found, fine
+    finally:
+        torch.Tensor.to, torch.tensor = to, tensor  # type: ignore[method-assign,assignment]
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory) -> Path:
+    """A prepared directory of whole examples (word tokens, `w0 ... w126`, EOS 127)."""
+    root = tmp_path_factory.mktemp("examples")
+    lines = [" ".join(f"w{(7 * i + j) % 127}" for j in range(3 + 5 * i % 23)) for i in range(40)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    prepare([root / "docs.jsonl"], root / "prepared", word_tokenizer(root / "tok", 128), progress=False)
+    return root / "prepared"
+
+
+@pytest.mark.parametrize("variant", ["dense", "dropless moe, grouped", "packed"])
+def test_a_step_copies_its_host_data_to_the_device_without_waiting(driver, examples, variant):
+    # A step's inputs and targets, packed data's documents and a grouped MoE layer's offsets each went over with a
+    # blocking copy: on CUDA a synchronization of the stream, the host waiting for the previous step's work
+    cfg = {"dense": job(), "dropless moe, grouped": job(MoEConfig(experts=4, top_k=2, every=1)),
+           "packed": dataclasses.replace(job(), data=DataConfig(kind="tokens", path=str(examples), packing=True))
+           }[variant]
+    plan = make_plan(cfg)
+    trainer = driver.trainer_for(plan)
+    for _, layer in trainer.moe_layers:
+        layer.grouped_mm = True  # the experts as one grouped matmul (CUDA's path on Hopper; torch runs it here too)
+    ids = [step_microbatches(plan, 0, step, trainer.dataset.num_samples) for step in range(2)]
+    trainer.read_step(trainer.queue_step(0, ids[0]))
+    with copies_to_the_device() as (blocking, non_blocking):
+        stats = trainer.read_step(trainer.queue_step(1, ids[1]))
+    assert math.isfinite(stats.loss)
+    assert blocking == [] and non_blocking, (blocking, non_blocking)  # (the counter sees the step's copies)
