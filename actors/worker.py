@@ -26,6 +26,7 @@ import ray
 from trainyard.actors.calls import first_line
 from trainyard.actors.oom_killer import confine_memory, read_oom_counters
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.host_memory import resident_bytes
 
 if TYPE_CHECKING:
     from trainyard.parallel.runtime.driver import RankDriver
@@ -241,16 +242,3 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def resident_bytes(field: str) -> int | None:
-    """A resident-memory field of /proc/self/status (VmRSS now, VmHWM the high-water mark) in bytes; None where
-    there is no /proc (not Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB
-    except OSError:
-        pass
-    return None

@@ -55,6 +55,7 @@ from trainyard.parallel.plan.memory import host_copy_bytes, optimizer_elements, 
 from trainyard.parallel.runtime import trainer as trainer_module
 from trainyard.parallel.runtime.distributed import shutdown_distributed
 from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.host_memory import resident_bytes
 from trainyard.parallel.runtime.local_world import free_ports
 
 from bench.gpu import DIST_TIMEOUT_S, _device_name, _peak_tflops
@@ -239,13 +240,7 @@ def _cgroup_headroom() -> int | None:
 
 def proc_status() -> dict[str, int]:
     """This process's VmRSS and VmHWM, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
+    return {field: resident_bytes(field) or 0 for field in ("VmRSS", "VmHWM")}
 
 
 def _reset_peak_rss() -> bool:

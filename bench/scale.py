@@ -25,6 +25,7 @@ from typing import Any
 from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.host_memory import resident_bytes
 from trainyard.parallel.runtime.local_world import PlanRun, run_plan
 from trainyard.parallel.spec import parse_spec
 
@@ -53,13 +54,12 @@ def _plan(quick: bool, dp: int = 4) -> Plan:
     return make_plan(parse_spec(_spec(quick, dp)))
 
 
-def _status_kib(field: str) -> int:
-    """A field of /proc/self/status in KiB (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+def _resident(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    value = resident_bytes(field)
+    if value is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return value
 
 
 _BASELINE: list[int] = []
@@ -67,16 +67,16 @@ _BASELINE: list[int] = []
 
 def _before_trainer() -> None:
     """`PlanRun.setup`: the process's resident bytes before its driver and trainer exist."""
-    _BASELINE.append(_status_kib("VmRSS") * 1024)
+    _BASELINE.append(_resident("VmRSS"))
 
 
 def _after_construction(driver: RankDriver) -> dict[str, int]:
-    return {"baseline": _BASELINE[-1], "startup_hwm": _status_kib("VmHWM") * 1024}
+    return {"baseline": _BASELINE[-1], "startup_hwm": _resident("VmHWM")}
 
 
 def _after_steps(driver: RankDriver, stats: list[dict]) -> dict[str, int]:
     sharded = driver.trainer.sharded
-    return {"hwm": _status_kib("VmHWM") * 1024,
+    return {"hwm": _resident("VmHWM"),
             "gathered_peak": sharded.peak_gathered_bytes if sharded is not None else 0}
 
 

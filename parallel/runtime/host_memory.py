@@ -16,7 +16,8 @@ step against glibc's own 1,300-1,500, 1-4% of the step's CPU. So only a rank the
 RETURN_FROM_BYTES of host memory or more fixes the threshold (`returns_freed_memory`): there the heaps' slack is what
 a memory monitor kills on; on a smaller rank it is tens of MB, and the page faults are a cost for nothing.
 
-glibc only (Linux); elsewhere (musl, macOS) nothing is done.
+glibc only (Linux); elsewhere (musl, macOS) nothing is done. `resident_bytes` reads what the OS counts of this
+process (VmRSS, VmHWM): the worker's figures and the benches' read it.
 """
 
 from __future__ import annotations
@@ -44,3 +45,16 @@ def return_freed_memory() -> bool:
     if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):  # the latter: glibc only
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+def resident_bytes(field: str) -> int | None:
+    """A resident-memory field of /proc/self/status (VmRSS now, VmHWM the high-water mark) in bytes; None where
+    there is no /proc (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except OSError:
+        pass
+    return None

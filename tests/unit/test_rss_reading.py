@@ -4,7 +4,8 @@ OS keeps it (VmHWM), which outlives what the process freed; `resident_bytes` rea
 from pathlib import Path
 
 import pytest
-from trainyard.actors.worker import peak_rss_bytes, resident_bytes
+from trainyard.actors.worker import peak_rss_bytes
+from trainyard.parallel.runtime.host_memory import resident_bytes
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc only")
