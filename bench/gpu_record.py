@@ -1,6 +1,7 @@
-"""`python -m bench.gpu_record DIR --commit SHA`: a GPU session's files (`bench/gpu_session.sh`'s $OUT) as the rows
-of bench/results.json's section `gpu`, which replace the section's rows and keep every other section's;
-`--summary DIR` prints the rows as a table and writes nothing (the session script's last step, on the device).
+"""`python -m bench.gpu_record DIR... --commit SHA`: a GPU session's files (`bench/gpu_session.sh`'s $OUT, a folder a
+device call) as the rows of bench/results.json's section `gpu`, which replace the section's rows and keep every other
+section's; `--summary DIR` prints the rows as a table and writes nothing (the session script's last step, on the
+device).
 
 The rows, from whichever of the files are there (a part that failed leaves none, and its rows are missing):
 - each `step-*.json` (`bench.gpu`): tokens/s trainyard vs the plain loop (target ratio >= 0.97), the MFU gap
@@ -103,10 +104,12 @@ def rows(folder: Path) -> list[Row]:
     return found
 
 
-def meta(folder: Path, commit: str) -> dict[str, Any]:
-    """When, where and how long, from the session's summary.txt (its first lines: the UTC time, the commit if the
-    device had one, the device's name, memory and driver, the torch version; then a line a part)."""
-    lines = (folder / "summary.txt").read_text().splitlines() if (folder / "summary.txt").exists() else []
+def meta(folders: list[Path], commit: str) -> dict[str, Any]:
+    """When, where and how long, from each call's summary.txt (its first lines: the UTC time, the commit if the
+    device had one, the device's name, memory and driver, the torch version; then a line a part): the first call's
+    time and device, every call's parts."""
+    summaries = [folder / "summary.txt" for folder in folders if (folder / "summary.txt").exists()]
+    lines = [line for path in summaries for line in path.read_text().splitlines()]
     head = lines[:4] + [""] * 4
     parts = [line for line in lines if " rc=" in line]
     seconds = sum(int(m[1]) for line in parts if (m := re.search(r" (\d+)s$", line)))
@@ -121,13 +124,14 @@ def meta(folder: Path, commit: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_record", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", type=Path, help="the session's files ($OUT of bench/gpu_session.sh)")
+    p.add_argument("folders", type=Path, nargs="+", help="the session's files ($OUT of bench/gpu_session.sh), a "
+                   "folder a device call")
     p.add_argument("--summary", action="store_true", help="print the rows; write nothing")
     p.add_argument("--commit", default=None, help="the commit the session ran (required unless --summary)")
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results.json")
     args = p.parse_args(argv)
-    found = rows(args.folder)
-    print(markdown_table(found) if found else f"no results in {args.folder}")
+    found = [row for folder in args.folders for row in rows(folder)]
+    print(markdown_table(found) if found else f"no results in {', '.join(map(str, args.folders))}")
     if args.summary:
         return 0
     if not found:
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--commit: the commit the session ran (the device has no .git)")
     old = load(args.results)
     order = [*(name for name in old.get("sections", {}) if name != SECTION), SECTION]  # the GPU's section last
-    save(args.results, merge(old, {SECTION: found}, {SECTION: meta(args.folder, args.commit)},
+    save(args.results, merge(old, {SECTION: found}, {SECTION: meta(args.folders, args.commit)},
                              old.get("machine", {}), order=order))
     print(f"{len(found)} rows written to {args.results}'s section {SECTION}; `python -m bench.report` shows them")
     return 0

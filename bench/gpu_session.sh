@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A GPU session's measurements (issue 52), in two calls of the device tool; torch alone there (no Ray, no
+# A GPU session's measurements (issue 52), in three calls of the device tool; torch alone there (no Ray, no
 # pydantic), so each part is a `python3 -m bench.<module>` of its own, under a time limit of its own.
 #
 #   parts   smoke: `bench.gpu_smoke`, every one-rank variant on CUDA against the CPU or its fp32 twin
@@ -8,8 +8,9 @@
 #           compile: the same two with every block compiled
 #           profile: `bench.gpu_profile` of GPT-2 medium (op tables in the log: what a missed ratio is made of)
 #           big:   `bench.gpu_big`, a 7B Llama past the device's memory with optimizer offload and full recompute
-#   usage   bash bench/gpu_session.sh smoke step profile   (the first call)
-#           bash bench/gpu_session.sh compile big          (the second, on the machine still warm)
+#   usage   bash bench/gpu_session.sh smoke step profile   (the first call: about 4 minutes expected)
+#           bash bench/gpu_session.sh big                  (the second, on the machine still warm: about 4)
+#           bash bench/gpu_session.sh compile              (the third: about 3; the machine stays warm 30 s)
 #           DEVICE=cpu bash bench/gpu_session.sh smoke step compile big   (tiny shapes on a CPU: the path, no figures)
 #   Each part has a time limit of its own (below); the limits of a call's parts add up to more than a call's 600 s,
 #   so that one slow part does not take the others' time: a part cut off leaves its rc and the others' files.
@@ -19,12 +20,13 @@
 #   echo /.whl/ >> .git/info/exclude
 #   .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform any -d .whl annotated-types==0.8.0 torchao==0.18.0
-# and each call names `.whl` in `carry`, with timeout_s 590. What comes back from $OUT (at most 8 files): one JSON
-# a part (smoke.json, step-gpt2.json, step-gpt2-compile.json, step-llama.json, step-llama-compile.json, big.json),
-# session.log (every part's output) and summary.txt (the device, each part's exit code and time, the table).
-# Then, here: `.venv/bin/python -m bench.gpu_record <files_at>` writes them into bench/results.json's section gpu
-# (`--commit` the commit that ran), and `python -m bench.report` the table (BENCHMARKS.md needs its
-# `<!-- table: gpu -->` marker the first time).
+# and each call names `.whl` in `carry`, with timeout_s 590. The session's 15 minutes of device time hold the
+# start (1-2 minutes) and the three calls with a little to spare: no part can run twice. What comes back from $OUT
+# (at most 8 files a call): one JSON a part (smoke.json, step-gpt2.json, step-llama.json, big.json,
+# step-gpt2-compile.json, step-llama-compile.json), session.log (every part's output) and summary.txt (the device,
+# each part's exit code and time, the table). Then, here: `.venv/bin/python -m bench.gpu_record FILES_AT...
+# --commit SHA` (each call's files_at, the commit that ran) writes them into bench/results.json's section gpu, and
+# `python -m bench.report` the table (BENCHMARKS.md needs its `<!-- table: gpu -->` marker the first time).
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 DEVICE=${DEVICE:-cuda}
