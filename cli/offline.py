@@ -194,8 +194,8 @@ def format_plan(d: dict) -> str:
 _MEMORY_COLUMNS = ("params", "grads", "optimizer", "activations", "recompute", "loss", "reduction", "total",
                    "startup")
 """total: the step's peak on the device (recompute and loss are transients at different times: the larger counts);
-reduction (ZeRO-2/3 only): the largest unit's whole gradient before its
-reduce-scatter; startup: the start-up peak (the parameter shards and one whole parameter)."""
+reduction (ZeRO-2/3 only): the largest unit's whole gradient before its reduce-scatter; startup: the start-up peak
+(the parameter shards and one whole parameter)."""
 _HOST_COLUMNS = ("host_optimizer", "host_activations")
 
 

@@ -47,7 +47,11 @@ family (`parallel.models.<family>.counts`: embedding, each block, the head); the
 rank's peak walks its action list (`plan.schedule`) adding a chunk's bytes at its forward and removing them
 at its backward, which with unit weights is the simulator's `peak_activations`. Activation checkpointing
 keeps less but recomputes one region at a time in backward: that transient (`recompute`, which the meter
-does not see, checkpoint's recomputation saves its tensors through its own hooks) is added to the total.
+does not see, checkpoint's recomputation saves its tensors through its own hooks) is added to the total. So is,
+on the rank holding the head, the fused loss's transient (`loss`: one chunk's fp32 logits and log-softmax, and
+the copies it works on, at the end of a micro-batch's forward), the larger of the two, as they never coincide:
+with it the total is a rank's whole peak on the CPU to 1% (tests/integration/test_memory_peak.py counts every
+storage from construction through three steps).
 
 Not counted: the process's own memory (CUDA context, allocator caches and fragmentation, the data batches,
 the one bucket ZeRO-1 gathers at a time after the step), transients of the forward and backward kernels,
