@@ -7,7 +7,9 @@ Shared by `parallel.plan.memory` (which walks a rank's chunks and schedule) and 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from trainyard.parallel.config import ModelConfig
 
@@ -115,3 +117,21 @@ def head_and_loss(m: ModelConfig, s: Shapes) -> int:
         return s.tokens * FP32 * d + FP32 * vocab * d
     weight = BF16 * vocab * d // s.tp if s.bf16 else 0
     return s.tokens * s.act * d + weight + s.tokens * (FP32 * vocab // s.tp + INDEX) + FP32
+
+
+T = TypeVar("T")
+
+
+def by_block_kind(m: ModelConfig, count: Callable[[int], T]) -> Callable[[int], T]:
+    """`count(block)` computed once per kind of block (dense, or mixture-of-experts): a family's blocks of one
+    kind have the same parameters and activations, and a model of thousands of blocks is counted in the time of
+    two (the planner counts many layouts of it)."""
+    known: dict[bool, T] = {}
+
+    def of(block: int) -> T:
+        kind = m.is_moe_block(block)
+        if kind not in known:
+            known[kind] = count(block)
+        return known[kind]
+
+    return of

@@ -14,8 +14,8 @@ registry's (`parallel.optim.kinds`).
 Model state (exact, counted by the model's family, `ModelFamily.param_counts`, from the shapes its stages
 have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever the precision (with
 `parallel.zero: 2 | 3` a 1/N shard plus what FSDP2 holds gathered at the peak: at ZeRO-2 every chunk, at ZeRO-3
-two units (blocks, or a block and the embedding or the head): `param_bytes`, `gathered_bytes`); gradients live
-in fp32 flat buckets that hold every local parameter (4 B each, also under ZeRO-1, which keeps whole
+two units (blocks, or a block and the embedding or the head): `param_bytes`, `parallel.plan.fsdp_memory`);
+gradients live in fp32 flat buckets that hold every local parameter (4 B each, also under ZeRO-1, which keeps whole
 gradients and adds the reduced 1/N slice; see `parallel.runtime.data_parallel`); AdamW keeps two fp32 states per
 parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size
 of the group that reduces them: dense parameters over dp, the MoE router over the stage's dp x tp ranks,
@@ -61,18 +61,16 @@ and the attention matrix of scaled_dot_product_attention's math path, taken wher
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
-from trainyard.parallel.config import JobConfig, ModelConfig
+from trainyard.parallel.config import JobConfig
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes, fused_loss_transient
+from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes, by_block_kind, fused_loss_transient
 from trainyard.parallel.optim.kinds import optimizer_kind
-from trainyard.parallel.plan.actions import COMPUTE_KINDS, FREEING_KINDS, Action, ActionKind, virtual_stage
+from trainyard.parallel.plan.actions import FREEING_KINDS, ActionKind, virtual_stage
+from trainyard.parallel.plan.fsdp_memory import gathered_bytes, largest_unit_grad_bytes
 from trainyard.parallel.plan.layout import Layout
-from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
-from trainyard.parallel.plan.replica_sync import replica_dp
+from trainyard.parallel.plan.reduction_bytes import compression_state_bytes, reduced_sets
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
 
@@ -264,102 +262,8 @@ def param_bytes(plan: Plan, pp_rank: int) -> int:
     plus what is gathered whole at the step's peak (`gathered_bytes`)."""
     sharding = sharding_for(plan.config.fixed_parallel.zero)
     total = sum(_chunk_counts(plan, pp_rank), ParamCounts(dense=0, router=0, experts=0))
-    kept = sum(sharding.param_elements(n, size) for n, size in _reduced_sets(plan, total))
+    kept = sum(sharding.param_elements(n, size) for n, size in reduced_sets(plan, total))
     return FP32 * kept + gathered_bytes(plan, pp_rank)
-
-
-def gathered_bytes(plan: Plan, pp_rank: int) -> int:
-    """fp32 bytes of parameters FSDP2 holds gathered whole at the step's peak, besides the shards (0 below
-    ZeRO-2): ZeRO-2 every unit of every chunk; ZeRO-3 per block (a chunk in a zb schedule's split backward): the
-    unit computing and the next one's gather in flight, walked over the rank's computes in the schedule's order
-    (the pair that crosses from one compute to the next included), and a unit that runs twice in one forward (tied
-    embeddings) held in between. A block is counted with its MoE router and experts, which FSDP2 gathers one
-    module at a time inside it: for an MoE block this is a bound."""
-    sharding = sharding_for(plan.config.fixed_parallel.zero)
-    if not sharding.shards_parameters:
-        return 0
-    units = _shard_units(plan, pp_rank)
-    backward = [units[::-1] for units in units]
-    passes = [units[a.chunk] if a.kind is ActionKind.FORWARD else backward[a.chunk]
-              for a in plan.schedule[pp_rank] if a.kind in COMPUTE_KINDS and not _split(plan, pp_rank, a)]
-    split = {a.chunk for a in plan.schedule[pp_rank]
-             if a.kind is ActionKind.BACKWARD_WEIGHT and _split(plan, pp_rank, a)}
-    if not sharding.reshard_after_forward or not split:
-        return FP32 * sharding.gathered_elements(passes)  # ZeRO-2 holds every unit all step anyway
-    # ZeRO-3 under a zb schedule: either half of a split backward gathers its chunk's units all at once
-    # (`parallel.runtime.fsdp_split`) and FSDP2 frees them before the next compute gathers anything but the
-    # unit the input half ran last with the next one's first: the peak is a whole chunk, or the per-block walk of
-    # the other computes (the halves left out of it), whichever is larger.
-    return FP32 * max(sharding.gathered_elements(passes), *(sum(dict(units[c]).values()) for c in split))
-
-
-def _split(plan: Plan, pp_rank: int, a: Action) -> bool:
-    """A half of a split backward that is not a whole backward: not at virtual stage 0 (whose input half computes
-    nothing and whose weight half is the whole backward, through FSDP2's hooks as any backward)."""
-    if a.kind is ActionKind.BACKWARD_INPUT:
-        return True  # at virtual stage 0 it computes nothing: left out of the walk either way
-    return a.kind is ActionKind.BACKWARD_WEIGHT and virtual_stage(pp_rank, a.chunk, plan.pp, plan.placement) > 0
-
-
-def largest_unit_grad_bytes(plan: Plan, pp_rank: int) -> int:
-    """fp32 bytes of the largest FSDP2 unit's sharded parameters, whole: its gradient before the reduce-scatter, the
-    transient the backward of that unit adds to the step's peak (0 below ZeRO-2, which reduce from buckets the
-    gradients count already)."""
-    if not sharding_for(plan.config.fixed_parallel.zero).shards_parameters:
-        return 0
-    return FP32 * max((n for units in _shard_units(plan, pp_rank) for _, n in units), default=0)
-
-
-def _shard_units(plan: Plan, pp_rank: int) -> list[list[tuple[tuple[int, str], int]]]:
-    """Each chunk's FSDP2 units in the order its forward runs them, as `DecoderStage.shard_units` makes them
-    (the embedding, each block, the head; tied embeddings one unit, first and last), each as ((chunk, name),
-    its local parameter elements that are sharded: the sets reduced over more than this rank)."""
-    m, family = plan.config.model, family_of(plan.config.model)
-
-    def sharded(layers: tuple[int, ...], first: bool, last: bool) -> int:
-        counts = family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep)
-        counts += ParamCounts(dense=family.adapter_elements(m, layers, tp=plan.tp), router=0, experts=0)
-        return sum(n for n, size in _reduced_sets(plan, counts) if size > 1)
-
-    per_kind = by_block_kind(m, lambda i: sharded((i,), False, False))
-    out = []
-    for c, layers in enumerate(plan.chunk_layers(pp_rank)):
-        v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
-        first, last = v == 0, v == plan.n_virtual_stages - 1
-        blocks = [((c, f"block {i}"), per_kind(i)) for i in layers]
-        if first and last and m.tie_embeddings:
-            tied = ((c, "embedding and head"), sharded((), True, True))
-            out.append([tied, *blocks, tied])
-            continue
-        out.append(([((c, "embedding"), sharded((), True, False))] if first else []) + blocks
-                   + ([((c, "head"), sharded((), False, True))] if last else []))
-    return out
-
-
-T = TypeVar("T")
-
-
-def by_block_kind(m: ModelConfig, count: Callable[[int], T]) -> Callable[[int], T]:
-    """`count(block)` computed once per kind of block (dense, or mixture-of-experts): a family's blocks of one
-    kind have the same parameters and activations, and a model of thousands of blocks is counted in the time of
-    two (the planner counts many layouts of it)."""
-    known: dict[bool, T] = {}
-
-    def of(block: int) -> T:
-        kind = m.is_moe_block(block)
-        if kind not in known:
-            known[kind] = count(block)
-        return known[kind]
-
-    return of
-
-
-def _reduced_sets(plan: Plan, counts: ParamCounts) -> list[tuple[int, int]]:
-    """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
-    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts; dp being one
-    replica's with local_sgd and diloco (`replica_sync.replica_dp`)."""
-    dp = replica_dp(plan.config.fixed_parallel.sync, plan.dp)
-    return [(counts.dense, dp), (counts.router, dp * plan.tp), (counts.experts, dp // plan.ep * plan.tp)]
 
 
 def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
@@ -370,7 +274,7 @@ def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     other rank (N = 1) is neither sharded nor sent."""
     par, bytes_ = plan.config.fixed_parallel, 0
     sharding = sharding_for(par.zero)
-    for n, size in _reduced_sets(plan, counts):
+    for n, size in reduced_sets(plan, counts):
         held = sharding.gradient_elements(n, size)
         wire = par.reduce_dtype == "bf16" and size > 1 and not sharding.shards_parameters  # FSDP2's is transient
         bytes_ += FP32 * held + (BF16 * held if wire else 0)
@@ -381,7 +285,7 @@ def optimizer_elements(plan: Plan, counts: ParamCounts) -> int:
     """The parameter elements whose optimizer state the sharding strategy keeps on this rank (ZeRO-1: 1/N of
     each set, N its reducing group)."""
     sharding = sharding_for(plan.config.fixed_parallel.zero)
-    return sum(sharding.optimizer_elements(n, size) for n, size in _reduced_sets(plan, counts))
+    return sum(sharding.optimizer_elements(n, size) for n, size in reduced_sets(plan, counts))
 
 
 def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
