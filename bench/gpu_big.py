@@ -48,7 +48,6 @@ import torch
 from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig, ResourcesConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import FP32
-from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, PlanError, make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
 from trainyard.parallel.plan.memory import host_copy_bytes, optimizer_elements, rank_memory, trainable_counts
@@ -154,20 +153,9 @@ def _verdict(cfg: JobConfig, device_gib: float) -> dict:
             "memory": memory.to_dict()}
 
 
-def _shapes(model: ModelConfig) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """(one block's parameter shapes, those of the rest: embedding, final norm, head), from a one-block model built
-    on the meta device (no storage, no values); every block of a dense model has the same."""
-    with torch.device("meta"):
-        stage = full_model(dataclasses.replace(model, n_layer=1), 0)
-    block, rest = [], []
-    for name, p in stage.named_parameters():
-        (block if name.startswith("blocks.") else rest).append(tuple(p.shape))
-    return block, rest
-
-
 def _param_count(model: ModelConfig) -> int:
-    block, rest = _shapes(model)
-    return model.n_layer * sum(map(math.prod, block)) + sum(map(math.prod, rest))
+    """The model's parameters, as its family counts them (the memory plan's count)."""
+    return family_of(model).param_counts(model, range(model.n_layer), first=True, last=True, tp=1, ep=1).total
 
 
 def host_estimate(plan: Plan, cuda: bool) -> tuple[int, int]:
