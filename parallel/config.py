@@ -31,6 +31,7 @@ from trainyard.parallel.config_fields import (
     NOT_BOOL,
     STRICT,
     Degree,
+    NotNative,
     RuleError,
     Steps,
 )
@@ -60,8 +61,9 @@ from trainyard.parallel.config_training import (
 
 __all__ = ["CheckpointConfig", "DataConfig", "DataSource", "Degree", "DpRange", "EvalConfig", "FaultConfig",
            "GradCompressionConfig", "InitFromConfig", "JobConfig", "LoraConfig", "MAX_DEGREE", "MAX_GLOBAL_BATCH",
-           "MAX_PRIORITY", "MAX_SEQ_LEN", "MAX_STEPS", "MoEConfig", "ModelConfig", "NOT_BOOL", "OptimizerConfig",
-           "ParallelConfig", "PlannerNote", "ResourcesConfig", "ResumeConfig", "RopeScalingConfig", "RuleError",
+           "MAX_PRIORITY", "MAX_SEQ_LEN", "MAX_STEPS", "MoEConfig", "ModelConfig", "NOT_BOOL", "NotNative",
+           "OptimizerConfig", "ParallelConfig", "PlannerNote", "ResourcesConfig", "ResumeConfig", "RopeScalingConfig",
+           "RuleError",
            "ScheduleKind", "SimCostsConfig", "Steps", "SyncConfig", "MlflowConfig", "TrackingConfig", "WandbConfig"]
 
 

@@ -36,6 +36,34 @@ class _NotBool:
 
 NOT_BOOL = _NotBool()
 
+
+class _ConfigJson:
+    """The last item of a string field that holds a config.json (`model.hf_config`): the string must be a JSON object
+    with a string `model_type` (transformers' name of the architecture), checked as the spec is read, so a broken
+    one is a 422 naming the field rather than an error wherever it is first parsed. The string itself is kept."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], Any]) -> Any:
+        import json
+
+        from pydantic_core import PydanticCustomError, core_schema
+
+        def parsed(value: str) -> str:
+            try:
+                fields = json.loads(value)
+            except ValueError as e:
+                raise PydanticCustomError("value_error", "is not JSON: {error}", {"error": str(e)}) from None
+            if not isinstance(fields, dict):
+                raise PydanticCustomError("value_error", "is JSON but not an object (a config.json's fields)")
+            if not isinstance(fields.get("model_type"), str):
+                raise PydanticCustomError("value_error", "has no model_type (the string naming the architecture "
+                                                         "transformers builds)")
+            return value
+
+        return core_schema.no_info_after_validator_function(parsed, handler(source))
+
+
+CONFIG_JSON = _ConfigJson()
+
 # Every number a spec carries is bounded: integers so that sums and products of them stay far inside int64
 # (the store's INTEGER and torch's index type) and every loop a plan runs stays small, floats finite (JSON
 # has no Infinity or NaN). A bound here is generous; the plan's rules (cluster fit, memory) are the real limits.
@@ -66,3 +94,10 @@ class RuleError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}"
+
+
+class NotNative(RuleError):
+    """A config.json field that changes what the model computes and that the family does not implement: a reason
+    not to claim the directory, never to train it otherwise. The transformers backend (`model.family: hf`) takes
+    it where it trains the architecture exactly (`parallel.io.hf_spec.model_fields`); without transformers it is the
+    submit's 422. A garbled field (a string for a number) stays a plain RuleError: no family reads it."""

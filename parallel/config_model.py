@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
-from trainyard.parallel.config_fields import MAX_SEQ_LEN, NOT_BOOL, STRICT
+from trainyard.parallel.config_fields import CONFIG_JSON, MAX_SEQ_LEN, NOT_BOOL, STRICT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,9 +121,9 @@ class ModelConfig:
     whole causal context."""
     lora: LoraConfig | None = None
     """Train low-rank adapters on a frozen model instead of every weight; null: full training."""
-    hf_config: Annotated[str, MaxLen(1_000_000)] | None = None
-    """family hf: the checkpoint's config.json as JSON text, which `init_from.hf` fills in (the other fields above
-    are read from it too); null for a native family."""
+    hf_config: Annotated[str, MaxLen(1_000_000), CONFIG_JSON] | None = None
+    """family hf: the checkpoint's config.json as JSON text (an object with a model_type), which `init_from.hf`
+    fills in (the other fields above are read from it too); null for a native family."""
 
     @property
     def context(self) -> int:

@@ -72,7 +72,8 @@ class ParallelConfig:
     __pydantic_config__ = STRICT
     dp: Degree | DpRange = 1
     """Data-parallel replicas, or a range {min, max} to scale within (`microbatches` is then per rank at
-    `min`; the global batch stays the same at every size)."""
+    `min`, raised at submit where `max` needs a smaller micro-batch to split the global batch; the global batch
+    and the micro-batch stay the same at every size)."""
     pp: Degree = 1
     """Pipeline stages (pipeline ranks)."""
     tp: Degree = 1

@@ -42,7 +42,8 @@ from trainyard.parallel.config import JobConfig
 from trainyard.parallel.data.datasets import Dataset, open_dataset
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.hf_spec import init_from_event
-from trainyard.parallel.plan import ClusterResources, Plan, make_plan, resize_plan
+from trainyard.parallel.plan import ClusterResources, Plan, make_plan, reaching_max, resize_plan
+from trainyard.parallel.plan.job_plan import dp_range
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue, quota
 from trainyard.service.admission import RESERVE_TIMEOUT_S, Admission
@@ -76,6 +77,19 @@ def _export_latest(config: JobConfig, root: str, out: str) -> int | None:
         return None
     export_model(config, found.directory, found.step, Path(out))
     return found.step
+
+
+def _reaching_max(config: JobConfig, events: builtins.list[dict]) -> tuple[JobConfig, builtins.list[dict]]:
+    """An elastic job stored with the micro-batches that reach its max (`parallel.plan.reaching_max`), with an
+    event when they are not the ones asked for; PlanError naming the sizes it can reach when none do."""
+    chosen = reaching_max(config)
+    limits = dp_range(config)
+    if chosen is config or limits is None:
+        return config, events
+    asked, microbatches = config.fixed_parallel.microbatches, chosen.fixed_parallel.microbatches
+    cause = (f"parallel.microbatches {asked} -> {microbatches}: micro-batches of "
+             f"{config.global_batch // (limits[0] * microbatches)} sequences, which dp={limits[1]} (max) keeps too")
+    return chosen, [*events, {"time": time.time(), "kind": "micro_batches", "cause": cause}]
 
 
 class JobManager:
@@ -125,10 +139,16 @@ class JobManager:
     def choose_layout(self, config: JobConfig) -> tuple[JobConfig, dict | None]:
         """`parallel: auto` resolved by the planner with this cluster's calibrated costs (measured on first
         use, in the background: `service.calibration`): the config to run and the ranking (None for a layout
-        written by hand). Raises Calibrating while the costs are being measured."""
+        written by hand). Raises the first rule no layout changes (PlanError) before anything else, so an auto
+        spec is told what a fixed one is whatever the costs' state; then Calibrating while they are measured."""
         if config.parallel != "auto":
             return config, None
         from trainyard.parallel.plan.planner import choose
+        from trainyard.parallel.plan.rules import layout_free_violations
+
+        errors = layout_free_violations(config)
+        if errors:
+            raise errors[0]
 
         cluster = cluster_resources()
         chosen, result = choose(config, cluster, self.calibrations.costs(cluster))
@@ -162,6 +182,7 @@ class JobManager:
         # Opened once, here, where the epochs' steps and the input checks both need it (`service.inputs`).
         train = open_dataset(config) if config.data.epochs is not None else None
         config, events = bound_by_epochs(config, train)
+        config, events = _reaching_max(config, events)
         try:
             config, _ = self.choose_layout(config)
         except Calibrating as waiting:

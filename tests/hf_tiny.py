@@ -113,7 +113,10 @@ def tiny_backend(name: str, directory: Path, *, seed: int = 0):
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0, **extra)
     torch.manual_seed(seed)
-    return _saved(transformers.AutoModelForCausalLM.from_config(config), directory)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers' own forward runs at these sizes (some need sizes of their own)
+        model(torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    return _saved(model, directory)
 
 
 def hf_loss(model, config, step: int) -> float:
@@ -129,3 +132,39 @@ def hf_loss(model, config, step: int) -> float:
     with torch.no_grad():
         logits = model(inputs).logits
     return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+TINY_SIZES = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 64, "head_dim": 8,
+              "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+"""Sizes any transformers config takes (its attribute_map spells them its own way), for the architecture sweep."""
+NOT_DEFAULT = {
+    "granite": {"logits_scaling": 8.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0156},
+    "granitemoe": {"logits_scaling": 8.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22},
+    "cohere": {"logit_scale": 0.25},
+    "gemma2": {"final_logit_softcapping": 3.0, "sliding_window": 8},
+}
+"""Fields that change the numbers, away from their defaults (which are often 1 or off), so a skipped one shows."""
+
+
+MAX_TINY_ELEMENTS = 3_000_000
+"""An architecture whose config ignores `TINY_SIZES` (its own fixed widths) is no tiny model."""
+
+
+def tiny_architecture(model_type: str, directory: Path, *, seed: int = 0):
+    """A tiny model of any `AutoModelForCausalLM` architecture, built from transformers' own config class at
+    `TINY_SIZES` (and `NOT_DEFAULT`'s fields) and saved; raises what transformers raises when it cannot build or
+    run it, and ValueError when the model is not tiny (counted on the meta device first)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **TINY_SIZES, **NOT_DEFAULT.get(model_type, {}))
+    with torch.device("meta"):
+        elements = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    if elements > MAX_TINY_ELEMENTS:
+        raise ValueError(f"{elements} parameters at TINY_SIZES: its config keeps widths of its own")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers' own forward runs at these sizes (some need sizes of their own)
+        model(torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    return _saved(model, directory)

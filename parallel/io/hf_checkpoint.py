@@ -115,11 +115,12 @@ def load_into(modules: Iterable[nn.Module], cfg: ModelConfig, directory: Path) -
 
 def _check_names(adapter, cfg: ModelConfig, sources: Mapping, files: HFFiles, directory: Path) -> None:
     """Every tensor the model needs is there, and every tensor there is used (or a known non-parameter, or the
-    stored head of a tied model, which transformers drops for the embedding as trainyard does)."""
+    stored head of a tied model, which transformers drops for the embedding as trainyard does: a family's
+    `tied_keys(cfg)` where it has one, else `lm_head.weight`)."""
     wanted = {s.key for s in sources.values()}
     missing = sorted(wanted - files.file_of.keys())
-    unused = sorted(k for k in files.file_of.keys() - wanted
-                    if not adapter.ignored(k) and not (cfg.tie_embeddings and k == TIED_HEAD))
+    tied = adapter.tied_keys(cfg) if hasattr(adapter, "tied_keys") else {TIED_HEAD} if cfg.tie_embeddings else set()
+    unused = sorted(k for k in files.file_of.keys() - wanted if not adapter.ignored(k) and k not in tied)
     if missing or unused:
         raise RuleError("init_from.hf", f"{directory} does not match its config.json: missing tensors "
                                         f"{missing[:5]}, unexpected tensors {unused[:5]}")
@@ -152,7 +153,9 @@ def write_hf_dir(out: Path, cfg: ModelConfig, state: Mapping[str, torch.Tensor],
     """Write the whole model `state` (trainyard names, e.g. an export's safetensors file) as an HF directory
     `out`: written under a temporary name and renamed, so `out` appears complete or not at all."""
     adapter = adapter_for_family(cfg.family)
-    hf_config = adapter.config_to_hf(cfg) | {"bos_token_id": None, "eos_token_id": None}  # unless a tokenizer says
+    hf_config = adapter.config_to_hf(cfg)
+    if cfg.hf_config is None:  # a native family's: no token ids unless a tokenizer says (the backend keeps its own)
+        hf_config |= {"bos_token_id": None, "eos_token_id": None}
     tensors = to_hf(state, adapter.sources(cfg))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
-from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.config import JobConfig, NotNative, RuleError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -91,29 +91,74 @@ def _check_index(index: Path) -> None:
 
 
 def model_fields(directory: str | Path) -> dict:
-    """The ModelConfig fields DIR/config.json fixes (the architecture, with `family`)."""
+    """The ModelConfig fields DIR/config.json fixes (the architecture, with `family`): the native family that lists
+    its architecture and model_type and implements every field of it; else the transformers backend, when it trains
+    the architecture; else a RuleError naming why neither does."""
     config = read_hf_config(directory)
-    architectures = config.get("architectures") or []
-    adapter = adapter_for_architecture(architectures[0]) if len(architectures) == 1 else None
-    if adapter is None:  # no native family reads it: the transformers backend, if it is a causal LM
-        backend = adapter_for_family(BACKEND)
+    _refuse_quantized(config)
+    native = native_adapter(config)
+    not_native: RuleError | None = None
+    if native is not None:
         try:
-            claimed = backend.claims(config)
-        except RuleError as e:
-            raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
-        adapter = backend if claimed else None
-    if adapter is None:
-        supported = sorted(a for f in families() for a in adapter_for_family(f).ARCHITECTURES)
-        raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported: no native "
-                               f"family reads it (they read {', '.join(supported)}) and it is no "
-                               "AutoModelForCausalLM architecture of transformers (model.family hf)")
+            return _fields(native, config)
+        except NotNative as e:  # a field the family does not implement: the backend's to take, if it can
+            not_native = e
+    backend = adapter_for_family(BACKEND)
+    try:
+        claimed = backend.claims(config)
+    except RuleError as e:
+        raise (not_native or RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}")) from None
+    if claimed:
+        return _fields(backend, config)
+    if not_native is not None:
+        raise not_native
+    architectures = config.get("architectures") or []
+    supported = sorted(a for f in families() for a in adapter_for_family(f).ARCHITECTURES)
+    raise RuleError(FIELD, f"{CONFIG_FILE} field architectures: {architectures} is not supported: no native "
+                           f"family reads it (they read {', '.join(supported)}) and it is no "
+                           "AutoModelForCausalLM architecture of transformers (model.family hf)")
+
+
+def native_adapter(config: Mapping) -> ModuleType | None:
+    """The native family whose ARCHITECTURES list config.json's one architecture."""
+    architectures = config.get("architectures") or []
+    return adapter_for_architecture(architectures[0]) if len(architectures) == 1 else None
+
+
+def native_refusal(config: Mapping) -> str | None:
+    """Why the native family that lists config.json's architecture does not claim it (a field it does not
+    implement, another model_type); None when it does, or none lists it."""
+    native = native_adapter(config)
+    if native is None:
+        return None
+    try:
+        _fields(native, config)
+    except NotNative as e:
+        return e.message
+    except RuleError:
+        return None
+    return None
+
+
+def _refuse_quantized(config: Mapping) -> None:
     quantized = config.get("quantization_config")
     if quantized:  # its weights are not fp tensors under the usual names
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
         raise RuleError(FIELD, f"{CONFIG_FILE} field quantization_config: a quantized checkpoint ({method}) cannot be "
                                "trained; give its unquantized weights")
+
+
+def _fields(adapter: ModuleType, config: Mapping) -> dict:
+    """The adapter's ModelConfig fields of config.json; its errors named as config.json's (NotNative stays one)."""
+    model_types = dict(zip(adapter.ARCHITECTURES, adapter.MODEL_TYPES, strict=True))
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture in model_types and config.get("model_type") != model_types[architecture]:
+        raise NotNative(FIELD, f"{CONFIG_FILE} field model_type: {config.get('model_type')!r}; family "
+                               f"{adapter.FAMILY} reads {architecture} of model_type {model_types[architecture]!r}")
     try:
         return adapter.config_from_hf(config)
+    except NotNative as e:
+        raise NotNative(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
     except RuleError as e:
         raise RuleError(FIELD, f"{CONFIG_FILE} field {e.field}: {e.message}") from None
     except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError) as e:  # e.g. num_attention_heads: 0
@@ -122,16 +167,19 @@ def model_fields(directory: str | Path) -> dict:
 
 def init_from_event(config: JobConfig, now: float) -> dict | None:
     """The job's `init_from` event: which family claimed `init_from.hf` (a native one, or the transformers backend
-    `hf`) for its config.json's architectures; None without init_from. The directory was read at submit; a
-    config.json gone since names no architecture."""
+    `hf`) for its config.json's architectures, and `not_native`: why the native family that lists the architecture
+    left it to the backend; None without init_from. The directory was read at submit; a config.json gone since
+    names no architecture."""
     if config.init_from is None:
         return None
     try:
-        architectures = read_hf_config(config.init_from.hf).get("architectures")
+        hf = read_hf_config(config.init_from.hf)
     except RuleError:
-        architectures = None
-    return {"time": now, "kind": "init_from", "hf": config.init_from.hf, "architectures": architectures,
-            "family": config.model.family, "backend": config.model.family == BACKEND}
+        hf = {}
+    event = {"time": now, "kind": "init_from", "hf": config.init_from.hf, "architectures": hf.get("architectures"),
+             "family": config.model.family, "backend": config.model.family == BACKEND}
+    why = native_refusal(hf) if config.model.family == BACKEND else None
+    return event | ({"not_native": why} if why else {})
 
 
 def resolve_init_from(spec: Mapping) -> Mapping:

@@ -8,7 +8,8 @@ serves both directions (torchtitan's `to_hf` / `from_hf`), and, because a source
 of a trainyard tensor onto a block of the HF tensor (`hf_block`), it also serves the sliced reading where a
 rank fetches only its tensor-parallel shard of each tensor (`parallel.io.hf_checkpoint`).
 
-Pure: names, index arithmetic and tensor reshuffling; no file is opened here.
+Pure: names, index arithmetic and tensor reshuffling; no file is opened here. A family's `config_from_hf` raises
+`NotNative` (`parallel.config`) for a field it does not implement.
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ class HFAdapter(Protocol):
     FAMILY: str
     ARCHITECTURES: tuple[str, ...]
     """The `architectures` of config.json this family reads; the first is what it writes."""
+    MODEL_TYPES: tuple[str, ...]
+    """config.json's `model_type` of each of `ARCHITECTURES` (another model_type is another model)."""
 
     def config_from_hf(self, hf: Mapping) -> dict:
-        """config.json -> the ModelConfig fields it fixes (the architecture). Raises RuleError naming the
-        config.json field trainyard cannot honour."""
+        """config.json -> the ModelConfig fields it fixes (the architecture). Raises NotNative naming a config.json
+        field the family does not implement, RuleError naming one it cannot read."""
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         """ModelConfig -> config.json. Raises RuleError naming the model field HF cannot express."""

@@ -12,9 +12,17 @@ calibration measured: `machine_costs`), calibration's fits and cache (`calibrati
 """
 
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
-from trainyard.parallel.plan.job_plan import Plan, can_move_in_memory, make_plan, resize_plan, resized, split_layers
+from trainyard.parallel.plan.job_plan import (
+    Plan,
+    can_move_in_memory,
+    make_plan,
+    reaching_max,
+    resize_plan,
+    resized,
+    split_layers,
+)
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords
 from trainyard.parallel.plan.rules import PlanError
 
 __all__ = ["ClusterResources", "Gang", "Layout", "NodeResources", "Plan", "PlanError", "RankCoords",
-           "can_move_in_memory", "make_plan", "resize_plan", "resized", "split_layers"]
+           "can_move_in_memory", "make_plan", "reaching_max", "resize_plan", "resized", "split_layers"]

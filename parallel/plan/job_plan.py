@@ -13,6 +13,7 @@ memory -> rules -> admission (and units) -> plan -> present (tests/unit/test_imp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from trainyard.parallel.config import DpRange, JobConfig
@@ -30,8 +31,8 @@ from trainyard.parallel.plan.rules import (
 from trainyard.parallel.plan.sharding import sharding_for
 
 __all__ = ["MAX_SCHEDULE_CHUNKS", "MAX_WORKERS", "ClusterResources", "Gang", "Layout", "NodeResources", "Plan",
-           "PlanError", "RankCoords", "can_move_in_memory", "dp_range", "layout_of", "make_plan", "resized",
-           "split_layers"]
+           "PlanError", "RankCoords", "can_move_in_memory", "dp_range", "layout_of", "make_plan", "reaching_max",
+           "resized", "split_layers"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,36 @@ def resized(config: JobConfig, dp: int) -> JobConfig:
     return replace(config, parallel=replace(par, dp=dp, microbatches=microbatches))
 
 
+def reaching_max(config: JobConfig) -> JobConfig:
+    """An elastic job with micro-batches that reach its `max`: a size dp keeps the micro-batch size (`resized`)
+    only when dp x micro-batch size divides global_batch, so the micro-batch becomes the largest one, no larger
+    than the one asked for (global_batch / (min x microbatches)), that both min and max keep (more micro-batches per
+    rank at min; the same sequences per step). PlanError naming the sizes the job can reach when no micro-batch
+    does (max does not divide global_batch). A fixed-size job, or one whose `max` is reached already, is returned
+    as it is; a micro-batch that does not split at min is `resized`'s to name."""
+    limits = None if config.parallel == "auto" else dp_range(config)
+    if limits is None:
+        return config
+    (low, high), par, batch = limits, config.fixed_parallel, config.global_batch
+    asked, rem = divmod(batch, low * par.microbatches)
+    if rem or asked < 1 or low > high or batch % (high * asked) == 0:
+        return config
+    if batch % high:
+        reachable = [dp for dp in range(low, high + 1) if batch % dp == 0]
+        raise PlanError("parallel.dp", f"max={high} can never be reached: global_batch={batch} does not split into "
+                                       f"{high} equal shares; of min={low} to max={high} the job can reach "
+                                       f"{', '.join(map(str, reachable))} (global_batch a multiple of each): set max "
+                                       f"to one of them, or global_batch to a multiple of {high}")
+    both = batch // math.lcm(low, high)  # sequences per rank at the least common size: any divisor of it keeps both
+    size = max(d for d in _divisors(both) if d <= asked)
+    return replace(config, parallel=replace(par, microbatches=batch // (low * size)))
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in small]
+
+
 def resize_plan(plan: Plan, dp: int, cluster: ClusterResources | None = None) -> Plan:
     """`plan`'s job at `dp` replicas, keeping an elastic job's range: the one place a resize is planned (the
     service checks a request with it, the coordinator acts on it). PlanError naming the rule when the job cannot
@@ -188,7 +219,7 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
             raise PlanError("parallel.sync", f"{sync.kind} cannot run with an elastic parallel.dp: "
                                              "a resize copies one replica's state to the others, and these "
                                              "replicas differ between synchronisations")
-        return replace(make_plan(resized(config, limits[0]), cluster), dp_range=limits)
+        return replace(make_plan(resized(reaching_max(config), limits[0]), cluster), dp_range=limits)
     _raise_first(degree_violations(config))
     par = config.fixed_parallel
     if cluster is not None:  # before the blocks are split: a job too large for the cluster is told that first

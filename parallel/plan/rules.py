@@ -9,7 +9,9 @@ told about them. Pure: no I/O, no torch.
 
 from __future__ import annotations
 
-from trainyard.parallel.config import JobConfig, RuleError
+from dataclasses import replace
+
+from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
 from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.actions import ScheduleError
@@ -32,6 +34,14 @@ def violations(config: JobConfig) -> list[PlanError]:
     """Every cross-field rule a fixed-size config breaks, in the order they are reported. Empty: the
     config can be laid out (whether a cluster can hold it is `parallel.plan.admission`'s question)."""
     return degree_violations(config) + stage_layer_violations(config)
+
+
+def layout_free_violations(config: JobConfig) -> list[PlanError]:
+    """The rules no layout can keep or break: every rule a one-rank layout breaks outside `parallel` (the model's,
+    the data's, the optimizer's). What a `parallel: auto` job is told at submit before any layout is chosen, and
+    before the node type's costs are known (a fixed layout is told the same by `violations`)."""
+    one_rank = replace(config, parallel=ParallelConfig())
+    return [e for e in degree_violations(one_rank) if e.field != "parallel" and not e.field.startswith("parallel.")]
 
 
 def degree_violations(config: JobConfig) -> list[PlanError]:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.config import ModelConfig, NotNative, RuleError
 from trainyard.parallel.models.hf_mapping import Source, hf_bool
 
 FAMILY = "gpt2"
 ARCHITECTURES = ("GPT2LMHeadModel",)
+MODEL_TYPES = ("gpt2",)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 """HF activation_function -> trainyard's `activation`."""
 MUST_BE = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False}
@@ -29,10 +30,10 @@ MUST_BE = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
 def config_from_hf(hf: Mapping) -> dict:
     for field, value in MUST_BE.items():
         if field in hf and bool(hf[field]) != value:
-            raise RuleError(field, f"is {hf[field]!r}; trainyard's gpt2 supports only {value!r}")
+            raise NotNative(field, f"is {hf[field]!r}; trainyard's gpt2 supports only {value!r}")
     act = hf.get("activation_function", "gelu_new")
     if act not in ACTIVATIONS:
-        raise RuleError("activation_function", f"{act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+        raise NotNative("activation_function", f"{act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
     d = hf["n_embd"]
     if d % hf["n_head"]:
         raise RuleError("n_head", f"n_embd={d} is not divisible by n_head={hf['n_head']}")

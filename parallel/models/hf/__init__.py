@@ -1,7 +1,14 @@
 """The transformers backend (`model.family: hf`): any `AutoModelForCausalLM` checkpoint no native family reads,
-trained with transformers' own module classes (`model.py`), at data parallelism only.
+trained with transformers' own module classes (`model.py`), at data parallelism only. The modules: `build` (the
+model from config.json, dropout off), `structure` (what the model is, read on meta), `names` (checkpoint names),
+`head` (the model's own logits, and whether the fused loss may compute them), `model` (the stage), `hf` (the
+Hugging Face mapping).
 
-What it takes: dp with ZeRO 0-3 (FSDP2 per decoder layer, the classes the model's `_no_split_modules` names), full
+Exact or refused: the stage computes what transformers' own forward computes (its body, then its own head, or the
+fused loss where the head is proved plain); a model it cannot (tensors converted on load, a head that cannot run
+apart from its body, a router loss transformers would add) is a 422 at submit naming why (`structure.refusals`).
+
+What it takes: dp with ZeRO 0-3 (FSDP2 per decoder layer, transformers' `GradientCheckpointingLayer`s), full
 activation checkpointing (per decoder layer), bf16, compile, checkpoints and resume at another dp, recovery,
 resize, export (`hf.py`: its own names and config.json). What needs a native family, a 422 naming the field: pp, tp
 (and so sp), ep (and MoE fields of trainyard's), LoRA, selective recompute. It trains a checkpoint: `init_from.hf`
@@ -120,16 +127,22 @@ class HFBackend(ModelFamily):
 
 
 def _build_errors(cfg: ModelConfig) -> list[RuleError]:
-    """The model cannot be built from its config.json, or its decoder layers (the classes `_no_split_modules` names,
-    ZeRO's units) are not config.json's num_hidden_layers."""
-    from trainyard.parallel.models.hf.model import element_counts
+    """The model cannot be built from its config.json, the backend cannot train it exactly (`structure.refusals`:
+    why), or its decoder layers (`structure.decoder_layers`: ZeRO's units) are not config.json's
+    num_hidden_layers."""
+    from trainyard.parallel.models.hf.structure import structure
 
+    assert cfg.hf_config is not None
     try:
-        layers = len(element_counts(cfg)[2])
+        s = structure(cfg.hf_config)
     except Exception as e:  # noqa: BLE001 - transformers' own error, whatever its type, named for the user
         return [RuleError("init_from.hf", f"transformers cannot build the model from config.json: {e!r}")]
-    if layers != cfg.n_layer:
-        return [RuleError("init_from.hf", f"found {layers} decoder layers (the classes _no_split_modules names), "
-                                          f"config.json says num_hidden_layers={cfg.n_layer}: the backend shards and "
-                                          "recomputes per decoder layer")]
+    if s.refusals:
+        return [RuleError("init_from.hf", f"the transformers backend cannot train {s.architecture} exactly: "
+                                          + "; ".join(s.refusals))]
+    if len(s.layers) != cfg.n_layer:
+        return [RuleError("init_from.hf", f"found {len(s.layers)} decoder layers (transformers' "
+                                          f"GradientCheckpointingLayer modules of its body), config.json says "
+                                          f"num_hidden_layers={cfg.n_layer}: the backend shards and recomputes per "
+                                          "decoder layer")]
     return []

@@ -4,7 +4,9 @@ It claims a config.json no native family reads (`parallel.io.hf_spec.model_field
 whose architecture transformers builds with `AutoModelForCausalLM` (`claims`); `ARCHITECTURES` is empty so no
 native lookup matches it. `config_from_hf` keeps the whole config.json (`model.hf_config`, canonical JSON) beside
 the sizes trainyard's plan reads from it; `config_to_hf` gives it back, so an export is what `save_pretrained`
-writes: the same config.json and the state dict under its own names.
+writes: the same config.json and the state dict under the names transformers gives its tensors in a checkpoint
+(`names.checkpoint_names`: GPT-NeoX's `lm_head` is `embed_out` there). A directory holding the in-memory names
+instead is read too. The other names of a tied parameter (`tied_keys`) may be in a checkpoint and are not read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from trainyard.parallel.models.hf_mapping import Source
 
 FAMILY = "hf"
 ARCHITECTURES: tuple[str, ...] = ()
+MODEL_TYPES: tuple[str, ...] = ()
 EXTRA = "pip install 'trainyard[hf]'"
 
 
@@ -44,11 +47,9 @@ def claims(hf: Mapping) -> bool:
 
 
 def config_from_hf(hf: Mapping) -> dict:
-    from transformers import AutoConfig
+    from trainyard.parallel.models.hf.build import config_object
 
-    fields = dict(hf)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    text = config.get_text_config()
+    text = config_object(dict(hf)).get_text_config()
     n_head = text.num_attention_heads
     return {"family": FAMILY, "n_layer": text.num_hidden_layers, "n_head": n_head, "d_model": text.hidden_size,
             "vocab_size": text.vocab_size, "tie_embeddings": bool(getattr(text, "tie_word_embeddings", False)),
@@ -64,9 +65,23 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def sources(cfg: ModelConfig, hf_keys: Collection[str] | None = None) -> dict[str, Source]:
-    from trainyard.parallel.models.hf.model import parameter_shapes
+    """Each parameter's checkpoint tensor: its checkpoint name, or its own name where `hf_keys` hold that instead."""
+    from trainyard.parallel.models.hf.structure import structure
 
-    return {name: Source(name) for name in parameter_shapes(cfg)}
+    assert cfg.hf_config is not None
+    s = structure(cfg.hf_config)
+    keys = set(hf_keys) if hf_keys is not None else set()
+    return {name: Source(name if disk not in keys and name in keys else disk)
+            for name, disk in s.checkpoint.items() if name in s.shapes}
+
+
+def tied_keys(cfg: ModelConfig) -> set[str]:
+    """Names a checkpoint may give a tied parameter besides the one read (both spellings of each)."""
+    from trainyard.parallel.models.hf.structure import structure
+
+    assert cfg.hf_config is not None
+    s = structure(cfg.hf_config)
+    return set(s.aliases) | {s.checkpoint[other] for other in s.aliases}
 
 
 def ignored(key: str) -> bool:

@@ -26,11 +26,12 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.config import ModelConfig, NotNative, RuleError
 from trainyard.parallel.models.hf_mapping import Source, hf_bool
 
 FAMILY = "llama"
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
+MODEL_TYPES = ("llama", "mixtral")
 ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 DEFAULTS = {"LlamaForCausalLM": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
             "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
@@ -44,12 +45,12 @@ def config_from_hf(hf: Mapping) -> dict:
     hf = DEFAULTS[architecture] | dict(hf)
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field):
-            raise RuleError(field, "is true; trainyard's llama has no biases")
+            raise NotNative(field, "is true; trainyard's llama has no biases")
     if hf.get("sliding_window") is not None or hf.get("use_sliding_window"):
-        raise RuleError("sliding_window", f"is {hf.get('sliding_window')!r}; trainyard's llama attends over the whole "
+        raise NotNative("sliding_window", f"is {hf.get('sliding_window')!r}; trainyard's llama attends over the whole "
                                           "causal context (a sliding window is MistralForCausalLM's)")
     if hf.get("router_jitter_noise"):
-        raise RuleError("router_jitter_noise", "trainyard's router adds no jitter noise")
+        raise NotNative("router_jitter_noise", "trainyard's router adds no jitter noise")
     fields = dense_fields(hf, FAMILY)
     if "num_local_experts" in hf:
         fields["moe"] = {"experts": hf["num_local_experts"], "top_k": hf.get("num_experts_per_tok", 2), "every": 1}
@@ -61,7 +62,7 @@ def dense_fields(hf: Mapping, family: str) -> dict:
     sizes, heads (`head_dim` where it is not hidden_size / num_attention_heads), norms, rope, tied embeddings.
     The family's own refusals (biases, windows) are its caller's."""
     if hf.get("hidden_act", "silu") != "silu":
-        raise RuleError("hidden_act", f"{hf['hidden_act']!r} is not supported (trainyard's {family}: silu)")
+        raise NotNative("hidden_act", f"{hf['hidden_act']!r} is not supported (trainyard's {family}: silu)")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0):
@@ -90,7 +91,7 @@ def _rope(hf: Mapping) -> tuple[float, dict | None]:
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise RuleError(f"{field}.rope_type", f"{kind!r} is not supported (supported: default, llama3)")
+        raise NotNative(f"{field}.rope_type", f"{kind!r} is not supported (supported: default, llama3)")
     missing = [f for f in ROPE_SCALING_FIELDS if f not in params]
     if missing:
         raise RuleError(field, f"llama3 rope scaling without {', '.join(missing)}")

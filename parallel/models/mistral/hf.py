@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.config import ModelConfig, NotNative, RuleError
 from trainyard.parallel.models.hf_mapping import Source
 from trainyard.parallel.models.llama import hf as llama
 
 FAMILY = "mistral"
 ARCHITECTURES = ("MistralForCausalLM",)
+MODEL_TYPES = ("mistral",)
 DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 8, "sliding_window": 4096}
 """transformers' MistralConfig defaults of the fields trainyard reads that config.json may leave out."""
 
@@ -22,9 +23,9 @@ def config_from_hf(hf: Mapping) -> dict:
     hf = DEFAULTS | dict(hf)
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field):
-            raise RuleError(field, "is true; trainyard's mistral has no biases")
+            raise NotNative(field, "is true; trainyard's mistral has no biases")
     if "layer_types" in hf:
-        raise RuleError("layer_types", "per-layer attention types are Ministral's; trainyard's mistral gives every "
+        raise NotNative("layer_types", "per-layer attention types are Ministral's; trainyard's mistral gives every "
                                        "layer the one sliding_window")
     window = hf["sliding_window"]
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):

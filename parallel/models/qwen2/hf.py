@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.config import ModelConfig, NotNative, RuleError
 from trainyard.parallel.models.hf_mapping import Source
 from trainyard.parallel.models.llama import hf as llama
 
 FAMILY = "qwen2"
 ARCHITECTURES = ("Qwen2ForCausalLM",)
+MODEL_TYPES = ("qwen2",)
 DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 32}
 """transformers' Qwen2Config defaults of the fields trainyard reads that config.json may leave out."""
 
@@ -24,7 +25,7 @@ DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 
 def refuse_window(hf: Mapping) -> None:
     """Qwen's sliding window is on only with use_sliding_window (transformers drops sliding_window otherwise)."""
     if hf.get("use_sliding_window"):
-        raise RuleError("use_sliding_window", "is true; trainyard's Qwen models attend over the whole causal "
+        raise NotNative("use_sliding_window", "is true; trainyard's Qwen models attend over the whole causal "
                                               "context (a sliding window is MistralForCausalLM's)")
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.config import ModelConfig, NotNative, RuleError
 from trainyard.parallel.models.hf_mapping import Source
 from trainyard.parallel.models.llama import hf as llama
 from trainyard.parallel.models.qwen2.hf import refuse_window
 
 FAMILY = "qwen3"
 ARCHITECTURES = ("Qwen3ForCausalLM",)
+MODEL_TYPES = ("qwen3",)
 DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 32, "head_dim": 128}
 """transformers' Qwen3Config defaults of the fields trainyard reads that config.json may leave out."""
 
@@ -23,7 +24,7 @@ DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 
 def attention_fields(hf: Mapping, family: str) -> dict:
     """What Qwen3 and Qwen3-MoE read alike (after their defaults)."""
     if hf.get("attention_bias"):
-        raise RuleError("attention_bias", f"is true; trainyard's {family} has no attention biases")
+        raise NotNative("attention_bias", f"is true; trainyard's {family} has no attention biases")
     refuse_window(hf)
     return llama.dense_fields(hf, family)
 

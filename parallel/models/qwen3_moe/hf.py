@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from trainyard.parallel.config import ModelConfig, RuleError
+from trainyard.parallel.config import ModelConfig, NotNative, RuleError
 from trainyard.parallel.models.hf_mapping import Source, hf_bool
 from trainyard.parallel.models.llama import hf as llama
 from trainyard.parallel.models.qwen3 import hf as qwen3
 
 FAMILY = "qwen3_moe"
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+MODEL_TYPES = ("qwen3_moe",)
 DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 4, "decoder_sparse_step": 1,
             "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False}
 """transformers' Qwen3MoeConfig defaults of the fields trainyard reads that config.json may leave out."""
@@ -36,11 +37,11 @@ DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 
 def config_from_hf(hf: Mapping) -> dict:
     hf = DEFAULTS | dict(hf)
     if hf.get("mlp_only_layers"):
-        raise RuleError("mlp_only_layers", f"is {hf['mlp_only_layers']!r}; trainyard places MoE blocks every "
+        raise NotNative("mlp_only_layers", f"is {hf['mlp_only_layers']!r}; trainyard places MoE blocks every "
                                            "decoder_sparse_step blocks only (leave mlp_only_layers empty)")
     step, width = hf["decoder_sparse_step"], hf["moe_intermediate_size"]
     if step != 1 and hf.get("intermediate_size", width) != width:
-        raise RuleError("intermediate_size", f"is {hf['intermediate_size']} and moe_intermediate_size {width}: with "
+        raise NotNative("intermediate_size", f"is {hf['intermediate_size']} and moe_intermediate_size {width}: with "
                                              f"decoder_sparse_step={step} trainyard's dense blocks and experts share "
                                              "one width")
     fields = qwen3.attention_fields(hf | {"intermediate_size": width}, FAMILY)
