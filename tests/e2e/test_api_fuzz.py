@@ -77,6 +77,7 @@ def test_no_request_gets_a_server_error(fuzzed_service, mode):
 
 
 SPEC = {"model": {"n_layer": 2, "n_head": 2, "d_model": 32}, "steps": 3}
+HF = {"n_layer": 2, "n_head": 2, "d_model": 32, "family": "hf"}
 
 
 @pytest.mark.parametrize("path,body,field,text", [
@@ -90,6 +91,17 @@ SPEC = {"model": {"n_layer": 2, "n_head": 2, "d_model": 32}, "steps": 3}
                   'Infinity}}', "fault.step_timeout_s", "finite number"),
     ("/api/plans", '{"model": {"n_layer": 2, "n_head": 2, "d_model": 32}, "steps": 3, "sim_costs": {"comm": '
                    'Infinity}}', "sim_costs.comm", "finite number"),
+    # family hf with an hf_config that is no config.json reached the planner's counting (a JSONDecodeError: 500)
+    ("/api/plans", {**SPEC, "model": {**HF, "hf_config": "not json"}}, "model.hf_config", "is not JSON"),
+    ("/api/jobs", {**SPEC, "parallel": "auto", "model": {**HF, "hf_config": "[]"}}, "model.hf_config", "not an object"),
+    ("/api/jobs", {**SPEC, "parallel": "auto", "model": {**HF, "hf_config": '{"model_type": "nonexistent"}'}},
+     "init_from.hf", "give init_from.hf"),
+    # parallel: auto is told the rules no layout changes, as a fixed layout is, before the planner runs
+    ("/api/jobs", {**SPEC, "parallel": "auto", "model": {**SPEC["model"], "seq_len": 64, "context_len": 1}},
+     "model.seq_len", "exceeds the model context"),
+    # an elastic range whose max no micro-batch reaches was accepted and stayed at dp=1
+    ("/api/jobs", {**SPEC, "parallel": {"dp": {"min": 1, "max": 3}}, "global_batch": 8}, "parallel.dp",
+     "can reach 1, 2"),
 ])
 def test_the_requests_that_once_got_500_are_422_naming_the_field(fuzzed_service, path, body, field, text):
     http = fuzzed_service.client()._http

@@ -69,3 +69,22 @@ def test_the_api_answers_503_with_retry_after_while_calibrating(tmp_path):
     response = client.post("/api/plans", json=spec, headers={"Authorization": "Bearer t"})
     assert response.status_code == 503 and response.headers["Retry-After"] == "30"
     assert "being measured now" in response.json()["detail"]
+
+
+def test_a_parallel_auto_spec_is_told_the_rules_no_layout_changes_while_the_costs_are_measured(tmp_path):
+    """Seen: `parallel: auto` with seq_len above the model's context was queued (201) while the costs were measured
+    and FAILED once planned; a fixed layout got the 422 at once. Now both do, before any layout or cost."""
+    from trainyard.parallel.plan import PlanError
+    from trainyard.service.manager import JobManager
+
+    class Measuring:
+        def costs(self, cluster):
+            raise Calibrating("being measured now", 30)
+
+    manager = JobManager.__new__(JobManager)  # choose_layout reads the calibrations only
+    manager.calibrations = Measuring()
+    bad = parse_spec({**tiny_spec(), "parallel": "auto", "model": {**tiny_spec()["model"], "seq_len": 64,
+                                                                   "context_len": 1}})
+    with pytest.raises(PlanError) as info:
+        manager.choose_layout(bad)
+    assert info.value.field == "model.seq_len" and "context_len=1" in info.value.message

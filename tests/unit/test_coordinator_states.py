@@ -225,6 +225,21 @@ def test_scaling_policies():
     assert isinstance(ElasticScaling().decide(elastic_plan(4), 8), NoopDecision)
 
 
+def test_an_elastic_range_gets_micro_batches_that_reach_its_max_or_is_refused_naming_what_it_reaches():
+    """dp: {min: 1, max: 8} with global_batch 8 in one micro-batch kept 8 sequences a micro-batch, which no size
+    above 1 splits: the job stayed at dp=1 with room for 8. The plan now splits it into 8 micro-batches of 1."""
+    from trainyard.parallel.plan import PlanError
+
+    plan = make_plan(parse_spec(tiny_spec(parallel={"dp": {"min": 1, "max": 8}}, global_batch=8)))
+    assert (plan.dp, plan.microbatches, plan.micro_batch_size) == (1, 8, 1)
+    assert ElasticScaling().decide(plan, 7) == ResizeDecision(8, "resources appeared")
+    kept = make_plan(parse_spec(tiny_spec(parallel={"dp": {"min": 2, "max": 4}, "microbatches": 2}, global_batch=16)))
+    assert (kept.microbatches, kept.micro_batch_size) == (2, 4)  # max reached already: as asked
+    with pytest.raises(PlanError) as info:
+        make_plan(parse_spec(tiny_spec(parallel={"dp": {"min": 1, "max": 3}}, global_batch=8)))
+    assert info.value.field == "parallel.dp" and "can reach 1, 2" in info.value.message
+
+
 def test_the_resize_desk_refuses_a_second_request_while_the_first_waits_for_resources():
     """The defect: `scale` checked, awaited the reservation, then set the resize without checking again, so
     the elastic grower and a manual scale could overwrite each other."""

@@ -182,11 +182,21 @@ def test_export_refuses_a_model_hugging_face_has_no_form_for(tmp_path):
     (lambda d: tiny_gpt2(d, scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     (lambda d: tiny_gpt2(d, activation_function="relu"), "activation_function"),
 ])
-def test_config_fields_trainyard_cannot_honour_are_refused_by_name(build, field, tmp_path):
+def test_config_fields_a_native_family_does_not_implement_leave_it_to_the_backend(build, field, tmp_path):
+    """No native family claims a directory it would train otherwise: the backend takes it (Mixtral's experts, one
+    tensor each in its checkpoints, it then refuses at plan time naming why); without transformers, a 422."""
     build(tmp_path)
+    assert model_fields(tmp_path)["family"] == "hf"
+    hf = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(RuleError) as info:
-        model_fields(tmp_path)
-    assert info.value.field == "init_from.hf" and f"field {field}:" in info.value.message
+        adapter_for_family(model_fields_family(hf)).config_from_hf(hf)
+    assert info.value.field.startswith(field)
+
+
+def model_fields_family(hf: dict) -> str:
+    from trainyard.parallel.io.hf_spec import native_adapter
+
+    return native_adapter(hf).FAMILY
 
 
 def test_legacy_rope_scaling_spelling_reads_like_rope_parameters(tmp_path):

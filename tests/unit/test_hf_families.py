@@ -1,11 +1,13 @@
 """Llama's kin and Hugging Face, without a process group: each family's config.json and tensor names both
 ways against transformers' own classes (what `save_pretrained` writes is exactly what the family maps), each
 tiny checkpoint's logits through `init_from`'s loader, the config.json fields each family refuses by name, the
-sliding window's effect, and the job event that names the family claiming a directory."""
+sliding window's effect, the job event that names the family claiming a directory, and every field of transformers'
+configs away from its default: a family claims a directory only where it computes transformers' logits."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -130,3 +132,84 @@ def test_lora_adapts_the_kin_and_the_memory_plan_counts_their_adapters(checkpoin
     ours = apply_lora(full_model(cfg, seed=0), seed=0)
     adapters = sum(p.numel() for n, p in ours.named_parameters() if is_adapter(n))
     assert adapters > 0 and FAMILIES[name].adapter_elements(cfg, range(cfg.n_layer), tp=1) == adapters
+
+
+NATIVE_CONFIGS = {
+    "LlamaConfig": {}, "MixtralConfig": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "MistralConfig": {"sliding_window": 5}, "Qwen2Config": {}, "Qwen3Config": {"head_dim": 16},
+    "Qwen3MoeConfig": {"head_dim": 16, "moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2},
+}
+TINY = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
+INERT = {"architectures", "dtype", "transformers_version", "use_cache", "output_attentions", "output_hidden_states",
+         "return_dict", "id2label", "label2id", "initializer_range", "problem_type", "chunk_size_feed_forward",
+         "is_encoder_decoder", "_name_or_path", "pad_token_id", "bos_token_id", "eos_token_id", "model_type"}
+"""config.json fields that name things or steer initialisation and generation, never a trained model's numbers."""
+
+
+def _other_value(key: str, value):
+    """A value of a config.json field other than its default, that transformers may build (None: none to try)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 1.5 + 0.1
+    if isinstance(value, dict):  # rope_parameters
+        return value | {"partial_rotary_factor": 0.5}
+    if isinstance(value, list) and value and value[0] == "full_attention":  # layer_types
+        return ["sliding_attention", *value[1:]]
+    return {"hidden_act": "gelu", "sliding_window": 4, "head_dim": 16}.get(key)
+
+
+def _perturbed(config_class: str) -> list[tuple[str, str, object]]:
+    import transformers
+
+    defaults = getattr(transformers, config_class)(**TINY, **NATIVE_CONFIGS[config_class]).to_dict()
+    cases = [(config_class, key, _other_value(key, value)) for key, value in defaults.items() if key not in INERT]
+    return [case for case in cases if case[2] is not None]
+
+
+def _claimed_natively_computes_transformers_logits(config_class: str, key: str, value, tmp_path) -> None:
+    import transformers
+    from hf_tiny import _saved
+
+    fields = getattr(transformers, config_class)(**TINY, **NATIVE_CONFIGS[config_class]).to_dict() | {key: value}
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        torch.manual_seed(0)
+        theirs = _saved(transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, config_class).from_dict(fields)), tmp_path)
+        with torch.no_grad():
+            logits = theirs(ids, use_cache=False).logits
+    except Exception as e:  # noqa: BLE001 - a value transformers refuses is no model to compare
+        pytest.skip(f"transformers runs no {config_class} with {key}={value!r}: {e!r}"[:200])
+    try:
+        model = model_cfg(model_fields(tmp_path))
+    except RuleError:
+        return  # refused at submit, naming the field: no silent difference
+    if model.family == "hf":
+        return  # left to the transformers backend: no silent difference
+    ours = full_model(model, seed=0)
+    load_into([ours], model, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.lm_head(ours.ln_f(ours(ids))), logits, rtol=0, atol=TOL,
+                                   msg=f"{model.family} claims {config_class} with {key}={value!r}")
+
+
+@pytest.mark.parametrize("config_class,key,value", _perturbed("LlamaConfig"))
+def test_a_native_family_claims_a_field_away_from_its_default_only_where_it_computes_it(config_class, key, value,
+                                                                                         tmp_path):
+    """Every field of transformers' LlamaConfig but names, each away from its default: llama claims the directory
+    only where its logits are transformers' (a field it does not implement goes to the backend). A new
+    transformers field that changes the numbers fails here until the family implements it or leaves it."""
+    _claimed_natively_computes_transformers_logits(config_class, key, value, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@pytest.mark.parametrize("config_class,key,value", [c for name in NATIVE_CONFIGS if name != "LlamaConfig"
+                                                    for c in _perturbed(name)])
+def test_every_native_family_claims_a_field_away_from_its_default_only_where_it_computes_it(config_class, key,
+                                                                                            value, tmp_path):
+    _claimed_natively_computes_transformers_logits(config_class, key, value, tmp_path)

@@ -1,5 +1,6 @@
 """`init_from: {hf: DIR}` at submit, without a server: the architecture comes from config.json, a `model` that
-says otherwise is refused listing each differing field, and what trainyard cannot honour is a 422 naming it."""
+says otherwise is refused listing each differing field, what trainyard cannot read is a 422 naming it, and a field
+a native family does not implement leaves the directory to the transformers backend, the event naming it."""
 
 from __future__ import annotations
 
@@ -68,9 +69,6 @@ def test_a_model_field_spelled_otherwise_with_the_same_meaning_is_no_difference(
 
 @pytest.mark.parametrize("change,named", [
     (lambda c: c | {"architectures": ["BertModel"]}, "architectures"),  # no causal LM: neither a native family nor hf
-    (lambda c: c | {"attention_bias": True}, "attention_bias"),
-    (lambda c: c | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type"),
-    (lambda c: c | {"sliding_window": 4096}, "sliding_window"),
     (lambda c: c | {"num_attention_heads": 0}, "integer modulo by zero"),  # a garbled config.json: a 422, not a 500
     (lambda c: c | {"rope_parameters": [10000.0]}, "'list' object has no attribute"),
     (lambda c: c | {"rms_norm_eps": "tiny"}, "could not convert string to float"),
@@ -83,6 +81,25 @@ def test_what_trainyard_cannot_honour_is_refused_by_name(change, named, llama_di
     (tmp_path / "config.json").write_text(json.dumps(change(json.loads((llama_dir / "config.json").read_text()))))
     [(field, message)] = errors(submitted(tmp_path, seq_len=16))
     assert field == "init_from.hf" and f"field {named}" in message
+
+
+@pytest.mark.parametrize("change,named", [
+    (lambda c: c | {"attention_bias": True}, "attention_bias"),
+    (lambda c: c | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type"),
+    (lambda c: c | {"sliding_window": 4}, "sliding_window"),
+    (lambda c: c | {"model_type": "exaone"}, "model_type"),  # transformers maps EXAONE to LlamaForCausalLM
+])
+def test_what_a_native_family_does_not_implement_goes_to_the_backend_naming_the_field(change, named, llama_dir,
+                                                                                       tmp_path):
+    from trainyard.parallel.io.hf_spec import init_from_event
+
+    for f in llama_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(change(json.loads((llama_dir / "config.json").read_text()))))
+    config = parse_submitted_spec(submitted(tmp_path, seq_len=16))
+    assert config.model.family == "hf"  # LlamaForCausalLM, trained as transformers defines it: never silently
+    event = init_from_event(config, now=1.0)
+    assert event["backend"] and f"field {named}" in event["not_native"], event
 
 
 def test_a_missing_directory_or_file_is_refused(tmp_path):

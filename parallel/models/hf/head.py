@@ -39,11 +39,19 @@ class _BodyOutput:
 
 
 class _Given(nn.Module):
-    """The body's stand-in: it returns the hidden states it was given, whatever it is called with."""
+    """The body's stand-in: it returns the hidden states it was given, whatever it is called with; any other
+    attribute a head reads of its body (Falcon-H1's `lm_head_multiplier`) is the body's own."""
 
-    def __init__(self) -> None:
+    def __init__(self, body: nn.Module) -> None:
         super().__init__()
         self.hidden: torch.Tensor | None = None
+        self.__dict__["body"] = body  # not a child: the head's copy of the model holds no second body
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["body"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> _BodyOutput:
         assert self.hidden is not None
@@ -79,7 +87,7 @@ class HeadForward:
         path = body_path(hf)
         if path is None:
             raise ValueError(f"{type(hf).__name__}: its body is not inside the causal LM")
-        self.given = _Given()
+        self.given = _Given(body_of(hf))
         self.view = copy.copy(hf)
         parent = self.view
         for name in path[:-1]:

@@ -1,12 +1,13 @@
-"""The transformers backend's Hugging Face mapping: the identity, since its parameters carry the checkpoint's names.
+"""The transformers backend's Hugging Face mapping: each parameter under the name transformers gives it in a
+checkpoint (`names.checkpoint_names`).
 
 It claims a config.json no native family reads (`parallel.io.hf_spec.model_fields` asks the native families first)
 whose architecture transformers builds with `AutoModelForCausalLM` (`claims`); `ARCHITECTURES` is empty so no
 native lookup matches it. `config_from_hf` keeps the whole config.json (`model.hf_config`, canonical JSON) beside
 the sizes trainyard's plan reads from it; `config_to_hf` gives it back, so an export is what `save_pretrained`
-writes: the same config.json and the state dict under the names transformers gives its tensors in a checkpoint
-(`names.checkpoint_names`: GPT-NeoX's `lm_head` is `embed_out` there). A directory holding the in-memory names
-instead is read too. The other names of a tied parameter (`tied_keys`) may be in a checkpoint and are not read.
+writes: the same config.json and the state dict under the names `save_pretrained` writes (GPT-NeoX's `lm_head` is
+`embed_out` there; a tied parameter once, under the name `from_pretrained` ties the others to). A checkpoint that
+spells a parameter otherwise (a tied copy's name, the name in memory) is read too (`sources`, `tied_keys`).
 """
 
 from __future__ import annotations
@@ -65,23 +66,24 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def sources(cfg: ModelConfig, hf_keys: Collection[str] | None = None) -> dict[str, Source]:
-    """Each parameter's checkpoint tensor: its checkpoint name, or its own name where `hf_keys` hold that instead."""
+    """Each parameter's checkpoint tensor: the name save_pretrained writes, or another spelling `hf_keys` hold
+    (another name of a tied parameter, the name in memory)."""
     from trainyard.parallel.models.hf.structure import structure
 
     assert cfg.hf_config is not None
-    s = structure(cfg.hf_config)
+    names = structure(cfg.hf_config).names
     keys = set(hf_keys) if hf_keys is not None else set()
-    return {name: Source(name if disk not in keys and name in keys else disk)
-            for name, disk in s.checkpoint.items() if name in s.shapes}
+    return {name: Source(next((k for k in spellings if k in keys), spellings[0]))
+            for name, spellings in names.spellings.items()}
 
 
 def tied_keys(cfg: ModelConfig) -> set[str]:
-    """Names a checkpoint may give a tied parameter besides the one read (both spellings of each)."""
+    """The other spellings of the parameters (`sources`): a checkpoint may hold them beside the one read (the
+    tied copies save_pretrained drops, which older checkpoints hold), and they are not read."""
     from trainyard.parallel.models.hf.structure import structure
 
     assert cfg.hf_config is not None
-    s = structure(cfg.hf_config)
-    return set(s.aliases) | {s.checkpoint[other] for other in s.aliases}
+    return {key for spellings in structure(cfg.hf_config).names.spellings.values() for key in spellings[1:]}
 
 
 def ignored(key: str) -> bool:

@@ -2,9 +2,9 @@
 own model built on the meta device (no storage: cheap at any size), once per config.json.
 
 `structure(hf_config)` gives every parameter's name and shape, the input embedding's elements, each decoder layer's
-elements (`decoder_layers`: ZeRO's units and recompute's), the checkpoint name of each
-parameter (`names.checkpoint_names`), the other names of tied parameters, the head's form (`head.head_form`), and
-`refusals`: why the backend cannot train this model exactly, each a sentence for a 422 at submit.
+elements (`decoder_layers`: ZeRO's units and recompute's), each parameter's names in a checkpoint
+(`names.checkpoint_names`), the head's form (`head.head_form`), and `refusals`: why the backend cannot train this
+model exactly, each a sentence for a 422 at submit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from trainyard.parallel.models.hf.build import build
 from trainyard.parallel.models.hf.head import HeadForm, body_of, body_path, head_form
-from trainyard.parallel.models.hf.names import checkpoint_names, tied_names
+from trainyard.parallel.models.hf.names import Names, checkpoint_names
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,8 @@ class Structure:
     """Elements of each decoder layer."""
     tied: bool
     """The output embedding is the input embedding's Parameter (the model's own tying)."""
-    checkpoint: dict[str, str] = field(default_factory=dict)
-    """Each parameter -> its name in a checkpoint (transformers' conversion mapping reverted)."""
-    aliases: dict[str, str] = field(default_factory=dict)
-    """Each other name of a tied parameter -> the name it is listed under."""
+    names: Names = field(default_factory=Names)
+    """Each parameter's names in a checkpoint (`names.checkpoint_names`)."""
     head: HeadForm = HeadForm(False)
     refusals: tuple[str, ...] = ()
 
@@ -89,4 +87,4 @@ def structure(hf_config: str) -> Structure:
         refusals.append("output_router_logits is true: transformers adds the router's auxiliary loss, which the "
                         "backend does not")
     return Structure(architecture, shapes, embedding.weight.numel(), layers, head.weight is embedding.weight,
-                     names, tied_names(hf), form, tuple(refusals))
+                     names, form, tuple(refusals))
