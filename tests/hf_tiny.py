@@ -98,25 +98,32 @@ def _saved(model, directory: Path):
     return model
 
 
-BACKEND_ARCHITECTURES = ("phi3", "gemma2", "olmo2")
+BACKEND_ARCHITECTURES = ("gpt_neox", "gemma2", "olmo2")
 """Architectures no native family reads: the transformers backend (`model.family: hf`) trains them."""
 
 
 def tiny_backend(name: str, directory: Path, *, seed: int = 0):
-    """A tiny Phi3ForCausalLM (fused qkv and gate_up), Gemma2ForCausalLM (tied, soft-capped logits, sliding window
-    on alternate layers, its own embedding scale) or Olmo2ForCausalLM (q and k norms, post-norms)."""
-    import transformers
+    """A tiny GPTNeoXForCausalLM (its head `embed_out` in checkpoints, `lm_head` in memory), Gemma2ForCausalLM
+    (tied, soft-capped logits, sliding window on alternate layers, its own embedding scale), Olmo2ForCausalLM (q and
+    k norms, post-norms) or GraniteForCausalLM (multipliers, logits / logits_scaling): `tiny_architecture`."""
+    return tiny_architecture(name, directory, seed=seed)
 
-    config_class = {"phi3": "Phi3Config", "gemma2": "Gemma2Config", "olmo2": "Olmo2Config"}[name]
-    extra = {"head_dim": 8, "sliding_window": 8} if name == "gemma2" else {}
-    config = getattr(transformers, config_class)(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0, **extra)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # transformers' own forward runs at these sizes (some need sizes of their own)
-        model(torch.zeros(1, 4, dtype=torch.long), use_cache=False)
-    return _saved(model, directory)
+
+def hf_val_loss(model, config) -> float:
+    """transformers' mean loss of `model` over the validation batches of the job `config` (the job's `val_loss`)."""
+    import torch.nn.functional as F
+    from trainyard.parallel.data.datasets import load_batch, open_dataset
+    from trainyard.parallel.data.sampler import validation_batches
+
+    dataset = open_dataset(config, "val")
+    losses, count = 0.0, 0
+    with torch.no_grad():
+        for ids in validation_batches(config, dataset.num_samples):
+            inputs, targets = load_batch(dataset, ids)
+            logits = model(inputs).logits
+            losses += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
+            count += targets.numel()
+    return losses / count
 
 
 def hf_loss(model, config, step: int) -> float:

@@ -2,15 +2,16 @@
 a GPT2LMHeadModel directory with `init_from`, trained a few steps, exported with `trainyard export --format hf`
 (the REST path), loads in transformers with no missing or unexpected keys and gives the logits of trainyard's
 own export; its first loss is transformers' loss on the same batch. Beside it (submitted at once, so the two
-run together), the transformers backend's flagship: a Gemma2ForCausalLM, which no native family reads, trained at
-dp2 with ZeRO-3 and per-layer recompute, with the same checks and its `init_from` event naming the backend."""
+run together), the transformers backend's flagship: a GraniteForCausalLM with its multipliers and logits scaling,
+which no native family reads, trained at dp2 with ZeRO-3 and per-layer recompute, with the same checks, its
+`val_loss` that of its export in transformers, and its `init_from` event naming the backend."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from helpers import tiny_spec, wait_terminal
-from hf_tiny import tiny_backend, tiny_gpt2
+from hf_tiny import hf_val_loss, tiny_backend, tiny_gpt2
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.cli.main import main as cli
 from trainyard.parallel.data.datasets import load_batch, open_dataset
@@ -53,9 +54,9 @@ def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_pa
 
 
 def _submit_backend_job(client, tmp_path):
-    source = tiny_backend("gemma2", tmp_path / "gemma2-src")  # tied, soft-capped logits, sliding window
-    spec = tiny_spec(init_from={"hf": str(tmp_path / "gemma2-src")}, steps=3, global_batch=4,
-                     parallel={"dp": 2, "zero": 3}, activation_checkpointing="full")
+    source = tiny_backend("granite", tmp_path / "granite-src")  # multipliers; its head divides by logits_scaling
+    spec = tiny_spec(init_from={"hf": str(tmp_path / "granite-src")}, steps=3, global_batch=4,
+                     parallel={"dp": 2, "zero": 3}, activation_checkpointing="full", eval={"every": 3, "batches": 1})
     spec["model"] = {"seq_len": 16}
     return client.submit(spec), source, spec
 
@@ -67,19 +68,23 @@ def _check_backend_job(client, service, tmp_path, job_id, source, spec):
     assert job["status"] == "SUCCEEDED", job["error"]
     assert job["spec"]["model"]["family"] == "hf"
     [event] = [e for e in client.events(job_id) if e["kind"] == "init_from"]
-    assert (event["family"], event["architectures"]) == ("hf", ["Gemma2ForCausalLM"])
+    assert (event["family"], event["architectures"]) == ("hf", ["GraniteForCausalLM"])
     inputs = _first_loss_is_transformers(client, job_id, spec, source)
 
     auth = ["--url", service.url, "--token", service.token]
-    assert cli([*auth, "export", job_id, "--format", "hf", "-o", str(tmp_path / "gemma2-hf")]) == 0
-    assert cli([*auth, "export", job_id, "-o", str(tmp_path / "gemma2-ty")]) == 0
-    theirs, info = AutoModelForCausalLM.from_pretrained(tmp_path / "gemma2-hf", output_loading_info=True)
+    assert cli([*auth, "export", job_id, "--format", "hf", "-o", str(tmp_path / "granite-hf")]) == 0
+    assert cli([*auth, "export", job_id, "-o", str(tmp_path / "granite-ty")]) == 0
+    theirs, info = AutoModelForCausalLM.from_pretrained(tmp_path / "granite-hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    ours = load_exported(tmp_path / "gemma2-ty" / "model.safetensors").eval()
+    theirs.eval()
+    ours = load_exported(tmp_path / "granite-ty" / "model.safetensors").eval()
     assert not torch.equal(ours.state_dict()["model.embed_tokens.weight"], source.model.embed_tokens.weight)
     with torch.no_grad():
-        logits = ours.logits(ours(inputs))  # the model's own head: Gemma 2's soft-capping
-        torch.testing.assert_close(theirs.eval()(inputs).logits, logits, rtol=0, atol=1e-5)
+        logits = ours.logits(ours(inputs))  # the model's own head: Granite's logits / logits_scaling
+        torch.testing.assert_close(theirs(inputs).logits, logits, rtol=0, atol=1e-5)
+    # the job trained and evaluated the model transformers defines (seen: val_loss 3.917, the export's 5.338)
+    val_loss = client.metrics(job_id)[-1]["val_loss"]
+    assert abs(val_loss - hf_val_loss(theirs, parse_submitted_spec(spec))) < 1e-5
 
 
 def _first_loss_is_transformers(client, job_id: str, spec: dict, source) -> torch.Tensor:

@@ -11,7 +11,8 @@ run's export loads in peft onto the base with trainyard's logits, its merged exp
 a 4-block Llama at pp=2 under every other schedule (gpipe and interleaved-1f1b at vpp=2; zb-h1 and zbv, whose split
 backward's weight half skips the frozen base, with full recompute), in bf16 at (dp2, pp2) against a bf16 twin, and
 the 3D run's checkpoint resumed at (dp2, zero 1) for its second step. And the
-transformers backend (`model.family: hf`) on three architectures no native family reads (Phi-3, Gemma 2, OLMo 2):
+transformers backend (`model.family: hf`) on three architectures no native family reads (GPT-NeoX, whose head is
+`embed_out` in its checkpoints; Gemma 2; OLMo 2):
 transformers' first loss, dp2 with ZeRO-3 and per-layer recompute following one rank, a resume at dp1 from the dp2
 checkpoint continuing the curve (Gemma 2), and an export transformers loads with trainyard's logits."""
 
