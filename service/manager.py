@@ -83,9 +83,10 @@ def _reaching_max(config: JobConfig, events: builtins.list[dict]) -> tuple[JobCo
     """An elastic job stored with the micro-batches that reach its max (`parallel.plan.reaching_max`), with an
     event when they are not the ones asked for; PlanError naming the sizes it can reach when none do."""
     chosen = reaching_max(config)
-    limits = dp_range(config)
-    if chosen is config or limits is None:
+    if chosen is config:  # a fixed size, `auto`, or micro-batches that reach max already
         return config, events
+    limits = dp_range(config)
+    assert limits is not None
     asked, microbatches = config.fixed_parallel.microbatches, chosen.fixed_parallel.microbatches
     cause = (f"parallel.microbatches {asked} -> {microbatches}: micro-batches of "
              f"{config.global_batch // (limits[0] * microbatches)} sequences, which dp={limits[1]} (max) keeps too")

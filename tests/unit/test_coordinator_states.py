@@ -240,6 +240,17 @@ def test_an_elastic_range_gets_micro_batches_that_reach_its_max_or_is_refused_na
     assert info.value.field == "parallel.dp" and "can reach 1, 2" in info.value.message
 
 
+def test_the_submit_stores_the_micro_batches_that_reach_max_with_an_event():
+    from trainyard.service.manager import _reaching_max
+
+    elastic = parse_spec(tiny_spec(parallel={"dp": {"min": 1, "max": 8}}, global_batch=8))
+    stored, events = _reaching_max(elastic, [])
+    assert stored.fixed_parallel.microbatches == 8 and [e["kind"] for e in events] == ["micro_batches"]
+    assert "parallel.microbatches 1 -> 8" in events[0]["cause"]
+    for same in (parse_spec({**tiny_spec(), "parallel": "auto"}), parse_spec(tiny_spec(parallel={"dp": 2}))):
+        assert _reaching_max(same, []) == (same, [])
+
+
 def test_the_resize_desk_refuses_a_second_request_while_the_first_waits_for_resources():
     """The defect: `scale` checked, awaited the reservation, then set the resize without checking again, so
     the elastic grower and a manual scale could overwrite each other."""
