@@ -60,6 +60,8 @@ class HFStage(nn.Module):
     """The output embedding (`get_output_embeddings`)."""
     embedding: Any
     """The input embedding (`get_input_embeddings`)."""
+    logits: HeadForward
+    """The model's own logits from the body's last hidden states (its head, as its forward runs it)."""
 
     def __init__(self, cfg: ModelConfig, *, seed: int):
         super().__init__()
