@@ -17,6 +17,7 @@ from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.actions import ScheduleError
 from trainyard.parallel.plan.replica_sync import is_local, replica_dp
 from trainyard.parallel.plan.schedules import SCHEDULES, check_schedule_args
+from trainyard.parallel.plan.search_options import searched_values, with_option
 from trainyard.parallel.plan.sharding import sharding_for
 
 
@@ -37,11 +38,16 @@ def violations(config: JobConfig) -> list[PlanError]:
 
 
 def layout_free_violations(config: JobConfig) -> list[PlanError]:
-    """The rules no layout can keep or break: every rule a one-rank layout breaks outside `parallel` (the model's,
-    the data's, the optimizer's). What a `parallel: auto` job is told at submit before any layout is chosen, and
-    before the node type's costs are known (a fixed layout is told the same by `violations`)."""
+    """The rules no layout can keep or break: every rule a one-rank layout breaks outside `parallel` and the options
+    the planner searches (`search_options.SEARCHED`, each at its first value): the model's, the data's, the
+    optimizer's. What a `parallel: auto` job is told at submit before any layout is chosen, and before the node
+    type's costs are known (a fixed layout is told the same by `violations`)."""
     one_rank = replace(config, parallel=ParallelConfig())
-    return [e for e in degree_violations(one_rank) if e.field != "parallel" and not e.field.startswith("parallel.")]
+    searched = searched_values(one_rank)
+    for path, values in searched.items():
+        one_rank = with_option(one_rank, path, values[0])
+    return [e for e in degree_violations(one_rank)
+            if e.field.split(".")[0] != "parallel" and e.field not in searched]
 
 
 def degree_violations(config: JobConfig) -> list[PlanError]:

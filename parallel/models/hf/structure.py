@@ -28,8 +28,6 @@ class Structure:
     """Elements of the input embedding (`get_input_embeddings()`)."""
     layers: tuple[int, ...]
     """Elements of each decoder layer."""
-    tied: bool
-    """The output embedding is the input embedding's Parameter (the model's own tying)."""
     names: Names = field(default_factory=Names)
     """Each parameter's names in a checkpoint (`names.checkpoint_names`)."""
     head: HeadForm = HeadForm(False)
@@ -57,34 +55,46 @@ def structure(hf_config: str) -> Structure:
         hf = build(hf_config, meta=True)
     architecture = type(hf).__name__
     shapes = {name: tuple(p.shape) for name, p in hf.named_parameters()}
-    refusals: list[str] = []
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     if embedding is None or head is None or getattr(head, "weight", None) is None:
-        return Structure(architecture, shapes, 0, (), False,
+        return Structure(architecture, shapes, 0, (),
                          refusals=("transformers names no input and output embeddings of it "
                                    "(get_input_embeddings, get_output_embeddings)",))
     layers = tuple(sum(p.numel() for p in m.parameters()) for m in decoder_layers(hf))
-    if hf._parameters or hf._buffers:  # the stage holds the causal LM's children, not the causal LM itself
-        refusals.append(f"the causal LM holds tensors of its own ({', '.join([*hf._parameters, *hf._buffers])}), "
-                        "outside its body and head")
-    saved_buffers = sorted(set(hf.state_dict()) - set(dict(hf.named_parameters(remove_duplicate=False))))
-    if saved_buffers:  # from_pretrained reads them from the checkpoint; the backend computes its buffers
-        refusals.append(f"its checkpoints hold buffers transformers loads with the weights ({saved_buffers[0]}, one "
-                        f"of {len(saved_buffers)}), which the backend computes as it builds the model instead")
-    names, why = checkpoint_names(hf)
-    if why is not None:
-        refusals.append(why)
+    names, names_why = checkpoint_names(hf)
+    form, head_why = _head_form(hf)
+    refusals = (_own_tensors(hf), _saved_buffers(hf), names_why, head_why, _router_loss(hf))
+    return Structure(architecture, shapes, embedding.weight.numel(), layers, names, form,
+                     tuple(why for why in refusals if why is not None))
+
+
+def _head_form(hf: Any) -> tuple[HeadForm, str | None]:
     if body_path(hf) is None:
-        refusals.append("its body is not inside the causal LM, so its head cannot run apart from it")
-        form = HeadForm(False)
-    else:
-        try:
-            form = head_form(hf)
-        except Exception as e:  # noqa: BLE001 - the head's own error, named for the user
-            refusals.append(f"its head cannot run apart from its body: {e!r}")
-            form = HeadForm(False)
-    if getattr(hf.config, "output_router_logits", False):
-        refusals.append("output_router_logits is true: transformers adds the router's auxiliary loss, which the "
-                        "backend does not")
-    return Structure(architecture, shapes, embedding.weight.numel(), layers, head.weight is embedding.weight,
-                     names, form, tuple(refusals))
+        return HeadForm(False), "its body is not inside the causal LM, so its head cannot run apart from it"
+    try:
+        return head_form(hf), None
+    except Exception as e:  # noqa: BLE001 - the head's own error, named for the user
+        return HeadForm(False), f"its head cannot run apart from its body: {e!r}"
+
+
+def _own_tensors(hf: Any) -> str | None:
+    """The stage holds the causal LM's children, not the causal LM itself."""
+    if not (hf._parameters or hf._buffers):
+        return None
+    own = ", ".join([*hf._parameters, *hf._buffers])
+    return f"the causal LM holds tensors of its own ({own}), outside its body and head"
+
+
+def _saved_buffers(hf: Any) -> str | None:
+    """from_pretrained reads a persistent buffer from the checkpoint; the backend computes its buffers."""
+    saved = sorted(set(hf.state_dict()) - set(dict(hf.named_parameters(remove_duplicate=False))))
+    if not saved:
+        return None
+    return (f"its checkpoints hold buffers transformers loads with the weights ({saved[0]}, one of {len(saved)}), "
+            "which the backend computes as it builds the model instead")
+
+
+def _router_loss(hf: Any) -> str | None:
+    if not getattr(hf.config, "output_router_logits", False):
+        return None
+    return "output_router_logits is true: transformers adds the router's auxiliary loss, which the backend does not"
