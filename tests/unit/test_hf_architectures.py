@@ -57,8 +57,11 @@ sizes, that the backend cannot train exactly (measured by `make test-slow`)."""
 
 
 def _registry() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
+    """transformers' AutoModelForCausalLM architectures (their model_type), read as the tests are collected."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # the tests that need it fail on their own
+        return []
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 

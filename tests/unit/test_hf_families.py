@@ -163,8 +163,11 @@ def _other_value(key: str, value):
 
 
 def _perturbed(config_class: str) -> list[tuple[str, str, object]]:
-    import transformers
-
+    """(config class, field, a value away from its default) for each field of the class but `INERT`'s."""
+    try:
+        import transformers
+    except ImportError:  # the tests that need it fail on their own
+        return []
     defaults = getattr(transformers, config_class)(**TINY, **NATIVE_CONFIGS[config_class]).to_dict()
     cases = [(config_class, key, _other_value(key, value)) for key, value in defaults.items() if key not in INERT]
     return [case for case in cases if case[2] is not None]
