@@ -1,9 +1,11 @@
 """The REST API: FastAPI routes over a JobManager, bearer-token auth, users, and error mapping.
 
-Each request carries a user's bearer token: the state directory's `token` is the admin's, the others are made
-by `trainyard token create` (`service.users`). A job belongs to its submitter: a user lists only their own jobs,
-and another user's job is a 403 on every route that names it (an unknown one a 404); an admin sees and controls
-every job.
+Each request carries a user's bearer token, checked before anything of the request is read (`api.guard`): the
+state directory's `token` is the admin's, the others are made by `trainyard token create` (`service.users`). A
+job belongs to its submitter: a user lists only their own jobs, and another user's job answers as one that does
+not exist (a 404) on every route that names it; an admin sees and controls every job. Every path a spec names is
+resolved against the caller before the spec is read (`JobManager.confine`, `service.access`). Uploads are
+`api.files`'s.
 
 Every error a user can fix is a 422 in FastAPI's own shape (`detail: [{loc, msg, type}]`), whether
 pydantic found it (types, ranges, unknown fields) or the plan did (cross-field rules, dataset, cluster
@@ -16,13 +18,15 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
+from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from trainyard.api.files import files_router
+from trainyard.api.guard import MAX_JSON_BODY, UNAUTHORIZED, Authenticate
 from trainyard.api.models import (
     ClusterInfo,
     FaultDrill,
@@ -33,11 +37,12 @@ from trainyard.api.models import (
     ScaleRequest,
     job_info,
 )
-from trainyard.api.spec import SubmittedSpec
-from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, RuleError
+from trainyard.api.spec import RawSpec, validate_submitted
+from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, JobConfig, RuleError
 from trainyard.parallel.plan.present import describe
 from trainyard.parallel.spec import describe_error, relevant_errors
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
+from trainyard.service.uploads import DEFAULT_MAX_UPLOAD_BYTES
 from trainyard.service.users import ADMIN_USER, Registry, User
 
 if TYPE_CHECKING:
@@ -87,29 +92,34 @@ class _JsonBodyRoute(APIRoute):
 
 
 def create_app(manager: JobManager, token: str, ray_address: str | None = None,
-               allow_fault_injection: bool = False, users: Registry | None = None) -> FastAPI:
-    """`token`: the admin's; `users`: the other users' tokens (none without)."""
-    app = FastAPI(title="trainyard", version="0.1.0",
+               allow_fault_injection: bool = False, users: Registry | None = None,
+               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
+    """`token`: the admin's; `users`: the other users' tokens (none without); `max_upload_bytes`: one upload's."""
+    app = FastAPI(title="trainyard", version="0.1.0", max_body_size=MAX_JSON_BODY,
                   description="Submit GPT training jobs and follow them as they train on Ray.")
     app.router.route_class = _JsonBodyRoute  # before any route is added: every body is read by _JsonBody
     registry = users or Registry(None)
 
-    def caller(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> User:
+    def authenticate(presented: str) -> User | None:
         # As bytes: compare_digest raises TypeError on a str with non-ASCII characters (a 500, not a 401).
-        if creds is not None:
-            if secrets.compare_digest(creds.credentials.encode(), token.encode()):
-                return ADMIN_USER
-            if (user := registry.authenticate(creds.credentials)) is not None:
-                return user
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token (the admin's is in the "
-                            "state directory's `token` file; `trainyard token create NAME` makes a user's)",
-                            headers={"WWW-Authenticate": "Bearer"})
+        if secrets.compare_digest(presented.encode(), token.encode()):
+            return ADMIN_USER
+        return registry.authenticate(presented)
+
+    app.add_middleware(Authenticate, authenticate=authenticate)  # before any body is read (`api.guard`)
+
+    def caller(request: Request, _: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> User:
+        """The request's user, authenticated by `api.guard` before the route ran (`_bearer`: the docs' scheme)."""
+        user = getattr(request.state, "user", None)
+        if user is None:  # a route the guard leaves open never asks
+            raise HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+        return user
 
     def owner_or_admin(job_id: str, user: User = Depends(caller)) -> None:
-        """The rule of every route that names a job: only its owner or an admin (JobNotFound: a 404)."""
+        """The rule of every route that names a job: only its owner or an admin. Another user's job answers as
+        one that does not exist (a 404, the same text)."""
         if not user.admin and manager.get(job_id).owner != user.name:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, f"job {job_id} is another user's; only its owner and "
-                                                           "admins see and control it")
+            raise JobNotFound(job_id)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_spec(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -152,7 +162,11 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
     guarded = [Depends(caller)]
     owned = [Depends(owner_or_admin)]
     others: dict[int | str, dict[str, Any]] = {
-        403: {"description": "the job is another user's (only its owner and admins see and control it)"}}
+        404: {"description": "no such job (another user's job answers the same)"}}
+
+    def read_spec(spec: Any, user: User) -> JobConfig:
+        """A body's spec, its paths and jobs resolved against the caller first (`JobManager.confine`)."""
+        return validate_submitted(manager.confine(spec, user))
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -164,10 +178,11 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
 
     @app.post("/api/jobs", status_code=201, dependencies=guarded,
               responses={429: {"description": "the queue is full (`trainyard serve --max-queued`)"}, **calibrating})
-    def submit(spec: SubmittedSpec, user: User = Depends(caller)) -> JobCreated:
+    def submit(spec: Annotated[RawSpec, Body()], user: User = Depends(caller)) -> JobCreated:
         """Validate the spec and queue the job (PENDING), owned by the caller; it starts when the whole job's
-        resources are free and within the caller's quota (a job beyond the whole quota is a 422 on `resources`)."""
-        return JobCreated(job_id=manager.submit(spec, owner=user.name))
+        resources are free and within the caller's quota (a job beyond the whole quota is a 422 on `resources`).
+        Every path it names must be the caller's to read (their data roots, uploads and jobs' outputs)."""
+        return JobCreated(job_id=manager.submit(read_spec(spec, user), user))
 
     @app.get("/api/jobs")
     def list_jobs(user: User = Depends(caller)) -> list[JobInfo]:
@@ -247,8 +262,7 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         return manager.scale(job_id, request.dp)
 
     @app.post("/api/jobs/{job_id}/faults", dependencies=owned, status_code=202,
-              responses={403: {"description": "fault drills are off (`trainyard serve --allow-fault-injection`), "
-                                              "or the job is another user's"},
+              responses={403: {"description": "fault drills are off (`trainyard serve --allow-fault-injection`)"},
                          409: {"description": "the job is not RUNNING"}})
     def fault(job_id: str, drill: FaultDrill) -> dict:
         """Schedule a fault drill in a running job."""
@@ -266,9 +280,9 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         manager.delete(job_id)
 
     @app.post("/api/plans", dependencies=guarded, responses=calibrating)
-    def plan(spec: SubmittedSpec) -> dict:
+    def plan(spec: Annotated[RawSpec, Body()], user: User = Depends(caller)) -> dict:
         """Validate a spec and return its plan with the resources it needs vs the cluster's; creates nothing."""
-        spec, ranking = manager.choose_layout(spec)
+        spec, ranking = manager.choose_layout(manager.for_user(read_spec(spec, user), user))
         described = describe(manager.plan(spec))
         if ranking is not None:
             described["planner"] = ranking
@@ -283,4 +297,5 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
         return ClusterInfo(nodes=len(c.nodes), cpus=c.cpus, gpus=c.gpus, ray_address=ray_address,
                            dashboard_url=manager.dashboard_url)
 
+    app.include_router(files_router(manager, caller, max_upload_bytes))
     return app
