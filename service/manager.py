@@ -412,7 +412,7 @@ class JobManager:
         the job cannot take that size on this cluster; JobConflict (409) when it is not RUNNING or the added
         ranks' resources are not free."""
         job = self.get(job_id)
-        needed = resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources()).gang.needed()
+        needed = quota.charge(resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources()))
         held = quota.usage(self.store.live_needs(), leave_out=job_id).get(job.owner, {})
         quota.check(self.quotas(job.owner), needed, "dp", held)
         coordinator = self.live.coordinator(job_id)
