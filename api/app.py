@@ -26,7 +26,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from trainyard.api.files import files_router
-from trainyard.api.guard import MAX_JSON_BODY, UNAUTHORIZED, Authenticate
+from trainyard.api.guard import UNAUTHORIZED, Authenticate
 from trainyard.api.models import (
     ClusterInfo,
     FaultDrill,
@@ -95,7 +95,7 @@ def create_app(manager: JobManager, token: str, ray_address: str | None = None,
                allow_fault_injection: bool = False, users: Registry | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
     """`token`: the admin's; `users`: the other users' tokens (none without); `max_upload_bytes`: one upload's."""
-    app = FastAPI(title="trainyard", version="0.1.0", max_body_size=MAX_JSON_BODY,
+    app = FastAPI(title="trainyard", version="0.1.0",
                   description="Submit GPT training jobs and follow them as they train on Ray.")
     app.router.route_class = _JsonBodyRoute  # before any route is added: every body is read by _JsonBody
     registry = users or Registry(None)

@@ -2,8 +2,9 @@
 `Authorization` header before any route (and so before any body) runs, and answers 401 without reading the body.
 
 The user it finds is the request's `state.user`, which the routes' `caller` dependency returns. The paths that need
-no token are the health check and the API's own documentation. A body's size is capped before it is read by
-FastAPI's own limit (`max_body_size`: `MAX_JSON_BODY` for every route, the upload route its own, streamed).
+no token are the health check and the API's own documentation. Then, and only for a known user, a body's size is
+capped (Starlette's body limit: a declared length over it is a 413 unread, a streamed body is cut off once past
+it): `MAX_JSON_BODY` for every route, the upload route its own (`max_body_size`), streamed to disk.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from typing import Any
+
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 MAX_JSON_BODY = 1 << 20
@@ -25,6 +28,7 @@ class Authenticate:
     def __init__(self, app: Any, authenticate: Callable[[str], Any]):
         self.app = app
         self.authenticate = authenticate
+        self.limited = RequestBodyLimitMiddleware(app, MAX_JSON_BODY)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -39,7 +43,7 @@ class Authenticate:
             await send({"type": "http.response.body", "body": body})
             return
         scope.setdefault("state", {})["user"] = user
-        await self.app(scope, receive, send)
+        await self.limited(scope, receive, send)
 
     def _user(self, scope: dict) -> Any:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)

@@ -29,7 +29,7 @@ NOT_WRITABLE = "not under this user's data roots (a checkpoint directory must be
 MAX_DIRECTORY_ENTRIES = 200_000
 """Most files and folders a directory a spec names may hold (each is checked for a link out of the areas)."""
 
-READ_FIELDS = (("data", "path"), ("data", "val_path"), ("init_from", "hf"), ("init_from", "adapter"))
+READ_FIELDS = (("data", "path"), ("data", "val_path"), ("init_from", "adapter"), ("init_from", "hf"))
 """The (section, field) pairs of a spec that name a path a job reads; `data.sources[].path` too."""
 
 
