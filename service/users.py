@@ -164,8 +164,9 @@ def create(state_dir: Path, name: str, admin: bool = False, max_cpus: float | No
            max_gpus: float | None = None, limits: Limits | None = None) -> str:
     """Add a user; their token (shown once: only its hash is kept)."""
     check_name(name)
-    given = {k: v for k, v in (("max_cpus", max_cpus), ("max_gpus", max_gpus)) if v is not None}
-    limits = check_limits(dataclasses.replace(limits or Limits(), **given))
+    limits = limits or Limits()
+    limits = check_limits(dataclasses.replace(limits, max_cpus=limits.max_cpus if max_cpus is None else max_cpus,
+                                              max_gpus=limits.max_gpus if max_gpus is None else max_gpus))
     _refuse_state_dir(state_dir, limits.data_roots or ())
     token = new_token()
     with _locked(state_dir) as users:

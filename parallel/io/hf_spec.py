@@ -128,7 +128,7 @@ def init_from_event(config: JobConfig, now: float) -> dict | None:
     """The job's `init_from` event: which family claimed `init_from.hf` (a native one, or the transformers backend
     `hf`) for its config.json's architectures; None without init_from. The directory was read at submit; a
     config.json gone since names no architecture."""
-    if config.init_from is None:
+    if config.init_from is None or config.init_from.hf is None:
         return None
     try:
         architectures = read_hf_config(config.init_from.hf).get("architectures")
