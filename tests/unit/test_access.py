@@ -146,3 +146,25 @@ def test_an_upload_past_its_limit_keeps_nothing(tmp_path):
         asyncio.run(uploads.receive("ann", "f.bin", _chunks(b"x" * 100), 99))
     done = asyncio.run(uploads.receive("ann", "f.bin", _chunks(b"x" * 100), 100))
     assert [u.upload_id for u in uploads.list("ann")] == [done.upload_id] and Path(done.path).stat().st_size == 100
+
+
+def test_an_upload_larger_than_a_json_body_streams_in_and_past_its_limit_keeps_nothing(tmp_path):
+    """The upload route's own limit, not the 1 MiB of a JSON body (a TestClient over a manager without Ray)."""
+    from fastapi.testclient import TestClient
+    from trainyard.api.app import create_app
+    from trainyard.service.manager import JobManager
+    from trainyard.service.store import JobStore
+
+    manager = JobManager(JobStore(tmp_path / "jobs.db"), admit=False)
+    client = TestClient(create_app(manager, "t", max_upload_bytes=5 << 20))
+    auth = {"Authorization": "Bearer t"}
+    try:
+        kept = client.post("/api/files", params={"name": "big.bin"}, content=b"x" * (3 << 20), headers=auth)
+        assert kept.status_code == 201 and kept.json()["bytes"] == 3 << 20
+        too_big = client.post("/api/files", params={"name": "bigger.bin"}, content=b"x" * (6 << 20), headers=auth)
+        assert too_big.status_code == 413
+        assert [u["name"] for u in client.get("/api/files", headers=auth).json()] == ["big.bin"]
+        spec = client.post("/api/plans", content=b" " * (2 << 20), headers={**auth, "content-type": "application/json"})
+        assert spec.status_code == 413
+    finally:
+        manager.shutdown()

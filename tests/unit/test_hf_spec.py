@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from helpers import tiny_spec
 from hf_tiny import tiny_gpt2, tiny_llama
 from trainyard.api.app import create_app
-from trainyard.service.manager import JobManager
-from trainyard.service.store import JobStore
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.spec import SpecError
+from trainyard.service.manager import JobManager
+from trainyard.service.store import JobStore
 
 
 @pytest.fixture(scope="module")
