@@ -4,7 +4,7 @@
 The user it finds is the request's `state.user`, which the routes' `caller` dependency returns. The paths that need
 no token are the health check and the API's own documentation. Then, and only for a known user, a body's size is
 capped (Starlette's body limit: a declared length over it is a 413 unread, a streamed body is cut off once past
-it): `MAX_JSON_BODY` for every route, the upload route its own (`max_body_size`), streamed to disk.
+it): `MAX_JSON_BODY` for every route, the upload route its own (`streamed`), streamed to disk.
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ UNAUTHORIZED = ("missing or wrong bearer token (the admin's is in the state dire
 class Authenticate:
     """ASGI middleware: `authenticate(token)` gives the user of a bearer token, or None (a 401)."""
 
-    def __init__(self, app: Any, authenticate: Callable[[str], Any]):
+    def __init__(self, app: Any, authenticate: Callable[[str], Any], streamed: dict[str, int] | None = None):
+        """`streamed`: the body limit of each path whose route streams its body (an upload), instead of
+        `MAX_JSON_BODY`."""
         self.app = app
         self.authenticate = authenticate
-        self.limited = RequestBodyLimitMiddleware(app, MAX_JSON_BODY)
+        self.limited = {path: RequestBodyLimitMiddleware(app, limit) for path, limit in (streamed or {}).items()}
+        self.json_limited = RequestBodyLimitMiddleware(app, MAX_JSON_BODY)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -43,7 +46,7 @@ class Authenticate:
             await send({"type": "http.response.body", "body": body})
             return
         scope.setdefault("state", {})["user"] = user
-        await self.limited(scope, receive, send)
+        await self.limited.get(scope["path"], self.json_limited)(scope, receive, send)
 
     def _user(self, scope: dict) -> Any:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
