@@ -8,12 +8,14 @@ from __future__ import annotations
 import unicodedata
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator
+from fastapi.exceptions import RequestValidationError
+from pydantic import BeforeValidator, PlainValidator, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.spec import SPEC_ADAPTER, SpecError, parse_spec
 
-__all__ = ["SPEC_ADAPTER", "SpecError", "SubmittedSpec", "parse_submitted_spec", "resolve_submitted"]
+__all__ = ["SPEC_ADAPTER", "RawSpec", "SpecError", "SubmittedSpec", "parse_submitted_spec", "resolve_submitted",
+           "validate_submitted"]
 
 
 def parse_submitted_spec(obj: Any) -> JobConfig:
@@ -51,4 +53,18 @@ def _resolve_or_rule_error(obj: Any) -> Any:
 
 
 SubmittedSpec = Annotated[JobConfig, BeforeValidator(_resolve_or_rule_error)]
-"""The REST body of a submit or a plan: a JobConfig, read as `parse_submitted_spec` reads it."""
+"""A submit's or a plan's body as a JobConfig, read as `parse_submitted_spec` reads it."""
+
+RawSpec = Annotated[Any, PlainValidator(lambda obj: obj, json_schema_input_type=JobConfig)]
+"""The REST body of a submit or a plan as sent (its schema: a JobConfig's): its paths are resolved against the
+caller (`JobManager.confine`) before it is read (`validate_submitted`), since reading it reads `init_from.hf`."""
+
+_SUBMITTED: TypeAdapter[JobConfig] = TypeAdapter(SubmittedSpec)
+
+
+def validate_submitted(obj: Any) -> JobConfig:
+    """A body (its paths confined) as a JobConfig; RequestValidationError, as FastAPI raises for a body, if not."""
+    try:
+        return _SUBMITTED.validate_python(obj)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None

@@ -101,8 +101,9 @@ class Soak:
         layout's job holds."""
         for layout in LAYOUTS:
             bundles = self.admin.plan(spec(layout, self.size["steps"]))["resources"]["bundles"]
+            limits = users.Limits(data_roots=(str(REPO / "examples"),), max_priority=1)  # what `spec` reads and asks
             self.tokens[layout] = users.create(self.state, f"soak-{layout}",
-                                               max_cpus=sum(b.get("CPU", 0.0) for b in bundles))
+                                               max_cpus=sum(b.get("CPU", 0.0) for b in bundles), limits=limits)
         ids = {layout: self.admin.submit(spec(layout, self.size["steps"])) for layout in LAYOUTS}
         out = {}
         for layout, job_id in ids.items():

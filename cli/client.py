@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import tarfile
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import quote
 
 import httpx
@@ -30,6 +33,11 @@ def _job(job_id: str) -> str:
     if not job_id:
         raise ApiError(0, "a job id cannot be empty")
     return "/api/jobs/" + quote(job_id, safe="").replace(".", "%2E")  # '.' too: '..' is a segment's parent
+
+
+def _chunks(f: IO[bytes], size: int = 1 << 20) -> Iterator[bytes]:
+    while chunk := f.read(size):
+        yield chunk
 
 
 class Client:
@@ -64,6 +72,30 @@ class Client:
 
     def plan(self, spec: dict) -> dict:
         return self._call("POST", "/api/plans", **_spec_body(spec))
+
+    def upload(self, path: Path, name: str | None = None) -> dict:
+        """Upload a file, or a directory (sent as a tar, made in a temporary file), streamed from disk; the answer
+        holds the `path` a spec names."""
+        name = name or path.resolve().name
+        if not path.is_dir():
+            with open(path, "rb") as f:
+                return self._call("POST", "/api/files", params={"name": name}, content=_chunks(f),
+                                  headers={"content-type": "application/octet-stream"})
+        with tempfile.TemporaryFile() as tmp:
+            with tarfile.open(fileobj=tmp, mode="w") as tar:
+                for item in sorted(path.rglob("*")):
+                    if item.is_symlink():
+                        raise ApiError(0, f"{item} is a link; an uploaded directory holds plain files and folders")
+                    tar.add(item, arcname=str(item.relative_to(path)), recursive=False)
+            tmp.seek(0)
+            return self._call("POST", "/api/files", params={"name": name, "archive": "tar"}, content=_chunks(tmp),
+                              headers={"content-type": "application/octet-stream"})
+
+    def uploads(self) -> list[dict]:
+        return self._call("GET", "/api/files")
+
+    def delete_upload(self, upload_id: str) -> None:
+        self._call("DELETE", "/api/files/" + quote(upload_id, safe="").replace(".", "%2E"))
 
     def jobs(self) -> list[dict]:
         return self._call("GET", "/api/jobs")

@@ -95,6 +95,33 @@ def stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def upload(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if not path.exists():
+        print(f"error: {path}: no such file or directory", file=sys.stderr)
+        return 2
+    answer = client_of(args).upload(path, args.name)
+    print(f"uploaded {answer['kind']} {answer['name']} ({answer['bytes']} bytes) as {answer['upload_id']}; a spec "
+          "names it as:", file=sys.stderr)
+    print(answer["path"])
+    return 0
+
+
+def files(args: argparse.Namespace) -> int:
+    client = client_of(args)
+    if args.files_command == "rm":
+        client.delete_upload(args.upload_id)
+        print(f"deleted upload {args.upload_id}", file=sys.stderr)
+        return 0
+    rows = client.uploads()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        print(f"{row['upload_id']}  {row['kind']:<9}  {row['bytes']:>12}  {row['path']}")
+    return 0
+
+
 def delete(args: argparse.Namespace) -> int:
     client_of(args).delete(args.job_id)
     print(f"deleted {args.job_id}")

@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="accept fault drills (POST /api/jobs/{id}/faults: kill or hang a rank); off by default")
     s.add_argument("--max-queued", type=int, default=1000,
                    help="most jobs waiting in the queue; a submit beyond it is refused (429)")
+    s.add_argument("--max-upload-bytes", type=tokens.parse_size, default=None, metavar="SIZE",
+                   help="largest one upload may be, e.g. 16G (default 16G; a user's --max-storage may leave less)")
+    s.add_argument("--mlflow-uri", default=None, metavar="URI",
+                   help="the MLflow tracking server jobs log to (default: a file store in each job's directory); "
+                        "users cannot name another")
+    s.add_argument("--wandb-project", default=None, metavar="P", help="the W&B project jobs log to (default trainyard)")
+    s.add_argument("--wandb-entity", default=None, metavar="E", help="the W&B entity (default: the key's own)")
     s.set_defaults(func=offline.serve)
 
     s = sub.add_parser("submit", help="submit a JobSpec file (YAML or JSON)")
@@ -81,6 +88,17 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text)
         s.add_argument("job_id")
         s.set_defaults(func=func)
+    s = sub.add_parser("upload", help="upload a file or a prepared dataset directory; prints the path a spec names")
+    s.add_argument("path")
+    s.add_argument("--name", default=None, help="its name in the upload (default: the file's or directory's)")
+    s.set_defaults(func=jobs.upload)
+    s = sub.add_parser("files", help="your uploads: list them, or `files rm ID`")
+    files = s.add_subparsers(dest="files_command")
+    files.add_parser("ls", help="list your uploads (the default)")
+    rm = files.add_parser("rm", help="delete one of your uploads")
+    rm.add_argument("upload_id")
+    s.add_argument("--json", action="store_true", help="the list as JSON")
+    s.set_defaults(func=jobs.files)
     s = sub.add_parser("metrics", help="print a job's per-step metrics")
     s.add_argument("job_id")
     s.add_argument("--since", type=int, default=0)
@@ -159,3 +177,4 @@ def _attach_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
 
 if __name__ == "__main__":
     sys.exit(main())
+

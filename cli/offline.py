@@ -48,10 +48,14 @@ def read_spec_file(path: str) -> dict:
 def serve(args: argparse.Namespace) -> int:
     from trainyard.api.app import create_app
     from trainyard.service.server import serve
+    from trainyard.service.trackers import TrackerPolicy
+    from trainyard.service.uploads import DEFAULT_MAX_UPLOAD_BYTES
 
     return serve(create_app, host=args.host, port=args.port, state_dir=args.state_dir, ray_address=args.ray_address,
                  num_cpus=args.num_cpus, max_queued=args.max_queued,
-                 allow_fault_injection=args.allow_fault_injection)
+                 allow_fault_injection=args.allow_fault_injection,
+                 max_upload_bytes=args.max_upload_bytes or DEFAULT_MAX_UPLOAD_BYTES,
+                 trackers=TrackerPolicy(args.mlflow_uri, args.wandb_project, args.wandb_entity))
 
 
 def plan(args: argparse.Namespace) -> int:

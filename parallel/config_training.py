@@ -118,10 +118,13 @@ class ResumeConfig:
 @dataclass(frozen=True, kw_only=True)
 class InitFromConfig:
     __pydantic_config__ = STRICT
-    hf: Annotated[str, MinLen(1), MaxLen(4096)]
+    hf: Annotated[str, MinLen(1), MaxLen(4096)] | None = None
     """A local Hugging Face checkpoint directory (config.json and model.safetensors, or shards with
     model.safetensors.index.json) of GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM. The model's
     architecture comes from its config.json (`model` may leave it out); training starts from its weights."""
+    job_id: Annotated[str, MinLen(1), MaxLen(64)] | None = None
+    """Instead of `hf`: one of your own ended jobs, whose trained model (as a Hugging Face directory, made once
+    beside it) this job starts from. The service resolves it at submit (`hf` is then that directory)."""
     adapter: Annotated[str, MinLen(1), MaxLen(4096)] | None = None
     """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) made for `hf`'s model: its
     adapters start `model.lora`'s (same rank and targets)."""

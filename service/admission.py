@@ -13,7 +13,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -97,11 +96,11 @@ class Admission:
         except RuleError as e:
             self.live.finish(job.job_id, JobStatus.FAILED, f"no layout of this job runs on this cluster: {e}")
             return True
-        beyond = self.quotas(job.owner).never_fits(plan.gang.needed())
+        beyond = self.quotas(job.owner).never_fits(quota.charge(plan))
         if beyond is not None:  # what a submit refuses with a 422 when the layout is known then
             self.live.finish(job.job_id, JobStatus.FAILED, f"resources: {beyond}")
             return True
-        if self.store.set_plan(job.job_id, spec_to_dict(chosen), asdict(plan.gang)):
+        if self.store.set_plan(job.job_id, spec_to_dict(chosen), quota.needs(plan)):
             layout = {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "ep": plan.ep, "world_size": plan.world_size}
             self.store.add_events(job.job_id, [{"time": time.time(), "kind": "planned", "layout": layout,
                                                 "cause": "the node type's costs are measured: the planner chose "

@@ -29,18 +29,28 @@ def hf_archive(model_file: Path, spec: dict, format: str = "hf") -> Path:  # noq
     with _lock:  # two requests at once convert once
         if archive.is_file() and archive.stat().st_mtime >= model_file.stat().st_mtime:
             return archive
-        if format == "peft":
-            directory = export_peft(model_file, model_file.parent / "peft")
-        else:
-            data_path = _prepared_data(spec.get("data") or {})
-            directory = export_hf(model_file, model_file.parent / "hf",
-                                  tokenizer_from=resolve_path(data_path) if data_path else None)
+        directory = (export_peft(model_file, model_file.parent / "peft") if format == "peft"
+                     else _hf_directory(model_file, spec))
         tmp = archive.with_name(archive.name + ".tmp")
         with tarfile.open(tmp, "w") as tar:
             for path in sorted(directory.iterdir()):
                 tar.add(path, arcname=path.name)
         os.replace(tmp, archive)
         return archive
+
+
+def hf_directory(model_file: Path, spec: dict) -> Path:
+    """The HF directory of `model_file` (made on first use, beside it); RuleError when HF has no such model."""
+    with _lock:
+        return _hf_directory(model_file, spec)
+
+
+def _hf_directory(model_file: Path, spec: dict) -> Path:
+    directory = model_file.parent / "hf"
+    if (directory / "config.json").is_file() and directory.stat().st_mtime >= model_file.stat().st_mtime:
+        return directory
+    data_path = _prepared_data(spec.get("data") or {})
+    return export_hf(model_file, directory, tokenizer_from=resolve_path(data_path) if data_path else None)
 
 
 def _prepared_data(data: dict) -> str | None:

@@ -26,26 +26,29 @@ to Ray at start (`service.reconcile`), what a submitted job reads (`service.inpu
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import shutil
 import threading
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import ray
 from trainyard.actors import tracking
 from trainyard.actors.journal import read_metrics_log, steps_logged
+from trainyard.actors.policies import largest_size
 from trainyard.actors.state import JobStatus
-from trainyard.parallel.config import JobConfig
+from trainyard.parallel.config import DpRange, JobConfig, RuleError
 from trainyard.parallel.data.datasets import Dataset, open_dataset
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.hf_spec import init_from_event
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, reaching_max, resize_plan
 from trainyard.parallel.plan.job_plan import dp_range
 from trainyard.parallel.spec import parse_spec, spec_to_dict
-from trainyard.service import queue, quota
+from trainyard.service import queue, quota, uploads
+from trainyard.service.access import Access
 from trainyard.service.admission import RESERVE_TIMEOUT_S, Admission
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
@@ -56,7 +59,10 @@ from trainyard.service.paths import JobPaths
 from trainyard.service.ray_runtime import cluster_resources
 from trainyard.service.reconcile import reconcile
 from trainyard.service.resume import resume_point
-from trainyard.service.store import ADMIN, JobRecord, JobStore
+from trainyard.service.store import JobRecord, JobStore
+from trainyard.service.trackers import TrackerPolicy
+from trainyard.service.uploads import Uploads
+from trainyard.service.users import ADMIN_USER, User
 
 log = logging.getLogger("trainyard.manager")
 
@@ -96,14 +102,19 @@ def _reaching_max(config: JobConfig, events: builtins.list[dict]) -> tuple[JobCo
 class JobManager:
     def __init__(self, store: JobStore, dashboard_url: str | None = None, poll_interval_s: float = 0.5,
                  max_queued: int = 1000, admit: bool = True, data_dir: Path | None = None,
-                 detach_jobs: bool = False, quotas: queue.Quotas = lambda _: quota.NO_QUOTA):
+                 detach_jobs: bool = False, quotas: queue.Quotas = lambda _: quota.NO_QUOTA,
+                 trackers: TrackerPolicy = TrackerPolicy()):
         """`admit=False` keeps every job waiting (maintenance, and the API fuzz test). `data_dir` holds the
-        jobs' checkpoints and trained models (default: beside the store). `detach_jobs`: the cluster outlives
-        the service, and so do its jobs (see the module docstring). `quotas`: each user's, by name."""
+        jobs' checkpoints and trained models and the users' uploads (default: beside the store). `detach_jobs`: the
+        cluster outlives the service, and so do its jobs (see the module docstring). `quotas`: each user's, by
+        name. `trackers`: where jobs' trackers may log (`service.trackers`)."""
         self.store = store
         self.detach_jobs = detach_jobs
         self.data_dir = data_dir or store.path.parent
         self.paths = JobPaths(self.data_dir)
+        self.access = Access(store.path.parent, self.data_dir, owns=self._owns)
+        self.uploads = Uploads(self.access.uploads_root)
+        self.trackers = trackers
         self.dashboard_url = dashboard_url
         self.poll_interval_s = poll_interval_s
         self.max_queued = max_queued
@@ -175,11 +186,88 @@ class JobManager:
     def cluster(self) -> ClusterResources:
         return cluster_resources()
 
-    def submit(self, config: JobConfig, owner: str = ADMIN) -> str:
-        """Validate and queue `owner`'s job; returns at once (the admission thread starts it when it fits). A
+    # --- what a request names, resolved against its owner (`service.access`) ---------------------------------
+
+    def confine(self, spec: Any, user: User = ADMIN_USER) -> Any:
+        """A submitted spec (parsed JSON, before validation) with every path and job it names resolved against
+        `user`: paths under their areas (`service.access`), `resume_from.job_id` and `init_from.job_id` jobs of
+        theirs (another user's answers as a missing one), `init_from.job_id` resolved to that job's model as a
+        Hugging Face directory (`init_from.hf`). RuleError naming the field otherwise."""
+        spec = self.access.confine(user.owner, spec)
+        if not isinstance(spec, dict):
+            return spec
+        resume, init = spec.get("resume_from"), spec.get("init_from")
+        if isinstance(resume, dict) and isinstance(resume.get("job_id"), str):
+            self._job_of(user, resume["job_id"], "resume_from.job_id")
+        if isinstance(init, dict) and isinstance(init.get("job_id"), str):
+            job = self._job_of(user, init["job_id"], "init_from.job_id")
+            init["hf"] = str(self._model_directory(job))
+        return spec
+
+    def _owns(self, job_id: str, owner: str) -> bool:
+        job = self.store.get(job_id)
+        return job is not None and job.owner == owner
+
+    def _job_of(self, user: User, job_id: str, field: str) -> JobRecord:
+        """Job `job_id` if `user` may name it (theirs; any, for an admin); else RuleError, as for no such job."""
+        job = self.store.get(job_id)
+        if job is None or not (user.admin or job.owner == user.name):
+            raise RuleError(field, f"no job {job_id}")
+        return job
+
+    def _model_directory(self, job: JobRecord) -> Path:
+        """An ended job's trained model as a Hugging Face directory (made once, beside its model file)."""
+        path = self.model_path(job.job_id)
+        if job.status not in (JobStatus.SUCCEEDED, JobStatus.STOPPED) or not path.is_file():
+            raise RuleError("init_from.job_id", f"job {job.job_id} is {job.status} without a model; a job starts "
+                                                "from one that ended SUCCEEDED or STOPPED")
+        from trainyard.service.hf_export import hf_directory  # torch: only when asked for
+
+        return hf_directory(path, job.spec)
+
+    def storage_used(self, user: str) -> int:
+        """The bytes of `user`'s uploads and of their jobs' checkpoints and models."""
+        folders = [self.uploads.folder(user)]
+        for job in self.store.list(user):
+            folders += [self.model_path(job.job_id).parent, self.checkpoint_root(job.job_id, parse_spec(job.spec))]
+        return uploads.storage_used(folders)
+
+    def upload_limit(self, user: User, limit: int) -> int:
+        """The most bytes `user`'s next upload may take: `limit` (one upload's), or what their storage quota
+        leaves (JobConflict: nothing is left)."""
+        if user.max_storage_bytes is not None:
+            left = user.max_storage_bytes - self.storage_used(user.name)
+            if left <= 0:
+                raise JobConflict(self._storage_full(user))
+            limit = min(limit, left)
+        return limit
+
+    @staticmethod
+    def _storage_full(user: User) -> str:
+        return (f"user {user.name}'s storage quota ({user.max_storage_bytes} bytes of uploads, checkpoints and "
+                "models) is used up; delete uploads (`trainyard files rm`) or jobs (`trainyard delete`)")
+
+    # --- submission ------------------------------------------------------------------------------------------
+
+    def for_user(self, config: JobConfig, user: User) -> JobConfig:
+        """What a user's spec may not ask for: a priority above their `max_priority` (RuleError on `priority`),
+        trackers other than the operator's (`service.trackers`); the config with the operator's trackers."""
+        if user.max_priority is not None and config.priority > user.max_priority:
+            raise RuleError("priority", f"at most {user.max_priority} for user {user.name} (an admin sets it: "
+                                        "`trainyard token update NAME --max-priority N`)")
+        return self.trackers.apply(config, user.admin)
+
+    def submit(self, config: JobConfig, user: User = ADMIN_USER) -> str:
+        """Validate and queue `user`'s job; returns at once (the admission thread starts it when it fits). A
         `parallel: auto` job submitted while the node type's costs are being measured is queued all the same,
         with an event saying it waits for them: the admission thread chooses its layout once they are known. A
-        job that needs more than its owner's whole quota is refused (RuleError on `resources`)."""
+        job that needs more than its owner's whole quota is refused (RuleError on `resources`), as a priority
+        above the user's `max_priority` (on `priority`) and trackers not the operator's (`service.trackers`); an
+        elastic job's `dp.max` is lowered to what the quota holds. `config`'s paths were resolved by `confine`."""
+        owner = user.name
+        config = self.for_user(config, user)
+        if user.max_storage_bytes is not None and self.storage_used(owner) >= user.max_storage_bytes:
+            raise JobConflict(self._storage_full(user))
         # Opened once, here, where the epochs' steps and the input checks both need it (`service.inputs`).
         train = open_dataset(config) if config.data.epochs is not None else None
         config, events = bound_by_epochs(config, train)
@@ -189,21 +277,48 @@ class JobManager:
         except Calibrating as waiting:
             check_inputs(config, self.resume_point, train)
             event = {"time": time.time(), "kind": "waiting_for_calibration", "cause": str(waiting)}
-            return self._queue(config, owner, needs={}, events=[*events, event])
+            return self._queue(config, user, needs={}, events=[*events, event])
         plan = self.plan(config, train)
-        quota.check(self.quotas(owner), plan.gang.needed(), "resources")  # a job over what is left waits instead
-        job_id = self._queue(config, owner, needs=asdict(plan.gang), events=events)
+        config, plan, capped = self._elastic_within_quota(config, plan, user)
+        charge = quota.charge(plan, at_dp=plan.dp_range[1] if plan.dp_range else None)
+        quota.check(self.quotas(owner), charge, "resources")  # a job over what is left waits instead
+        job_id = self._queue(config, user, needs=quota.needs(plan, plan.dp_range[1] if plan.dp_range else None),
+                             events=events + capped)
         log.info("job %s queued (%s, world size %d, priority %d, user %s)", job_id, config.name, plan.world_size,
                  config.priority, owner)
         return job_id
 
-    def _queue(self, config: JobConfig, owner: str, needs: dict, events: builtins.list[dict] | None = None) -> str:
+    def _elastic_within_quota(self, config: JobConfig, plan: Plan, user: User
+                              ) -> tuple[JobConfig, Plan, builtins.list[dict]]:
+        """An elastic job whose `dp.max` is more than its owner's whole quota holds, with `dp.max` lowered to the
+        largest size the quota holds and the plan's rules allow (and an event saying so); else as it is."""
+        if plan.dp_range is None:
+            return config, plan, []
+        low, high = plan.dp_range
+        fits = quota.replicas_within(self.quotas(user.name), quota.charge(plan, at_dp=1))
+        if fits is None or fits >= high or fits < low:  # below the minimum: the quota check refuses it
+            return config, plan, []
+        size = largest_size(plan, fits)
+        if size is None or size <= low:
+            return config, plan, []
+        par = config.fixed_parallel  # a plan's layout is fixed
+        capped = dataclasses.replace(config, parallel=dataclasses.replace(par, dp=DpRange(min=low, max=size)))
+        event = {"time": time.time(), "kind": "elastic_within_quota", "dp_max": size, "asked": high,
+                 "cause": f"parallel.dp.max={high} is more than user {user.name}'s quota holds: the job grows to "
+                          f"dp={size} at most"}
+        return capped, self.plan(capped), [event]
+
+    def _queue(self, config: JobConfig, user: User, needs: dict, events: builtins.list[dict] | None = None) -> str:
+        owner = user.name
         job_id = uuid.uuid4().hex[:12]
         claimed = init_from_event(config, time.time())  # which family reads init_from.hf
         events = ([claimed] if claimed else []) + (events or [])
         with self.live.lock:  # the count and the insert together, so concurrent submits cannot overshoot
             if self.store.queued_count() >= self.max_queued:
                 raise QueueFull(f"the queue already holds {self.max_queued} waiting jobs (--max-queued); "
+                                "submit again when some have started, or stop some")
+            if user.max_queued is not None and self.store.queued_count(owner) >= user.max_queued:
+                raise QueueFull(f"user {owner} already has {user.max_queued} jobs waiting (their --max-queued); "
                                 "submit again when some have started, or stop some")
             self.store.insert(JobRecord(job_id=job_id, name=config.name, status=JobStatus.PENDING,
                                         spec=spec_to_dict(config), steps=config.steps, priority=config.priority,
@@ -319,7 +434,7 @@ class JobManager:
         the job cannot take that size on this cluster; JobConflict (409) when it is not RUNNING or the added
         ranks' resources are not free."""
         job = self.get(job_id)
-        needed = resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources()).gang.needed()
+        needed = quota.charge(resize_plan(make_plan(parse_spec(job.spec)), dp, cluster_resources()))
         held = quota.usage(self.store.live_needs(), leave_out=job_id).get(job.owner, {})
         quota.check(self.quotas(job.owner), needed, "dp", held)
         coordinator = self.live.coordinator(job_id)
@@ -336,11 +451,9 @@ class JobManager:
             raise JobConflict(f"job {job_id} is {job.status}; stop it before deleting it")
         if not self.store.delete(job_id):  # deleted by a concurrent request in between
             raise JobNotFound(job_id)
-        # Its files in the state directory go with it; checkpoints under a `checkpoint.path` of the user's stay.
+        # Its files go with it: its model and its checkpoints (also those under a `checkpoint.path`).
         shutil.rmtree(self.model_path(job_id).parent, ignore_errors=True)
-        config = parse_spec(job.spec)
-        if not config.checkpoint.path:
-            shutil.rmtree(self.checkpoint_root(job_id, config), ignore_errors=True)
+        shutil.rmtree(self.checkpoint_root(job_id, parse_spec(job.spec)), ignore_errors=True)
 
     def shutdown(self) -> None:
         """Stop admitting and following. Live jobs go on (detached), or checkpoint and are queued again within

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from trainyard.parallel.plan import Gang
-from trainyard.service.quota import NO_QUOTA, Quota
+from trainyard.service.quota import NO_QUOTA, Quota, charge_of
 from trainyard.service.store import JobRecord
 
 Quotas = Callable[[str], Quota]
@@ -53,7 +53,7 @@ def held_by_quota(job: JobRecord, held: Mapping[str, dict[str, float]], quotas: 
     """Why the job's owner's quota holds it back while their live jobs hold `held[owner]`, or None."""
     if not planned(job):
         return None
-    reason = quotas(job.owner).over(held.get(job.owner, {}), gang_of(job).needed())
+    reason = quotas(job.owner).over(held.get(job.owner, {}), charge_of(job.needs))
     return None if reason is None else f"{reason}; it starts when some of their jobs end"
 
 

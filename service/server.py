@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable, Iterator
@@ -24,6 +25,8 @@ from trainyard.service import state_dir as sd
 from trainyard.service.manager import JobManager
 from trainyard.service.ray_runtime import connect, record_embedded_processes, remove_orphans
 from trainyard.service.store import JobStore
+from trainyard.service.trackers import TrackerPolicy
+from trainyard.service.uploads import DEFAULT_MAX_UPLOAD_BYTES
 from trainyard.service.users import Registry
 
 log = logging.getLogger("trainyard.server")
@@ -64,16 +67,22 @@ class _Server(uvicorn.Server):
 
 
 AppFactory = Callable[..., Any]
-"""`api.app.create_app`'s shape: (manager, token, *, ray_address, allow_fault_injection, users) -> an ASGI app.
+"""`api.app.create_app`'s shape: (manager, token, *, ray_address, allow_fault_injection, users, max_upload_bytes)
+-> an ASGI app.
 Passed in by the CLI, so the service runs the web layer without importing it."""
 
 
 def serve(make_app: AppFactory, host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | None = None,
           ray_address: str | None = None, num_cpus: int | None = None, max_queued: int = 1000,
-          allow_fault_injection: bool = False) -> int:
+          allow_fault_injection: bool = False, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+          trackers: TrackerPolicy = TrackerPolicy()) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _check_port_free(host, port)  # before Ray starts: a taken port is an error in milliseconds, not seconds
+    # Every file the service and its embedded Ray's processes make (the store, checkpoints, uploads, models, logs)
+    # is readable by the service's account only; the processes Ray starts inherit the mask.
+    os.umask(0o077)
     directory = sd.resolve(state_dir)
+    sd.make_private(directory)
     token = sd.load_or_create_token(directory)
     processes = directory / "ray-processes.json"
     if not ray_address:
@@ -83,9 +92,9 @@ def serve(make_app: AppFactory, host: str = "127.0.0.1", port: int = 8000, state
         record_embedded_processes(processes)
     users = Registry(directory)  # `trainyard token create` writes it; read again whenever it changes
     manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url, max_queued=max_queued,
-                         detach_jobs=not info.embedded, quotas=users.quota)
+                         detach_jobs=not info.embedded, quotas=users.quota, trackers=trackers)
     app = make_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection,
-                   users=users)
+                   users=users, max_upload_bytes=max_upload_bytes)
     server = _Server(http_config(app, host, port))
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -16,6 +16,16 @@ def resolve(state_dir: str | Path | None) -> Path:
     return path
 
 
+def make_private(state_dir: Path) -> None:
+    """The state directory and the files of it a user could read otherwise (the store, its journal) readable by
+    the service's account only (files made from now on are, by the service's umask)."""
+    state_dir.chmod(0o700)
+    for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm", "token", "users.json"):
+        path = state_dir / name
+        if path.exists():
+            path.chmod(0o600)
+
+
 def load_or_create_token(state_dir: Path) -> str:
     """The API's bearer token, generated on first start and readable by its owner only (mode 0600)."""
     path = state_dir / "token"

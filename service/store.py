@@ -251,9 +251,11 @@ class JobStore:
             rows = self._db.execute(f"SELECT job_id, owner, needs FROM jobs WHERE {_LIVE}").fetchall()
         return [(job_id, owner, json.loads(needs)) for job_id, owner, needs in rows]
 
-    def queued_count(self) -> int:
+    def queued_count(self, owner: str | None = None) -> int:
+        """Jobs waiting in the queue: every user's, or `owner`'s."""
+        mine, args = (" AND owner = ?", (owner,)) if owner is not None else ("", ())
         with self._lock:
-            return self._db.execute(f"SELECT COUNT(*) FROM jobs WHERE {_QUEUED}").fetchone()[0]
+            return self._db.execute(f"SELECT COUNT(*) FROM jobs WHERE ({_QUEUED}){mine}", args).fetchone()[0]
 
     def delete(self, job_id: str) -> bool:
         """Delete an ended job and its metrics; False if there is no such job or it has not ended."""

@@ -1,7 +1,8 @@
 """The service's users: one bearer token each, kept hashed in the state directory's `users.json` (mode 0600).
 
-`trainyard token create NAME [--admin] [--max-cpus N] [--max-gpus M]` adds a user and prints their token once;
-only its SHA-256 is stored. The tokens are 32 random bytes, so an unsalted hash is as strong as a slow one
+`trainyard token create NAME [--admin] [--max-cpus N] [--max-gpus M] [--data-root DIR ...] [--max-queued N]
+[--max-priority N] [--max-storage SIZE]` adds a user and prints their token once (`token update` changes the limits
+later); only its SHA-256 is stored. The tokens are 32 random bytes, so an unsalted hash is as strong as a slow one
 (nothing to guess); a stolen `users.json` gives no token. The state directory's `token` (the one `trainyard
 serve` makes on first start) stays the admin's, user `admin`. An admin sees and controls every job; any other
 user their own. The running service reads the file at each request, so a new or revoked token counts from the
@@ -11,6 +12,7 @@ next one, without a restart.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import hmac
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainyard.service.access import Owner, resolve
 from trainyard.service.quota import NO_QUOTA, Quota
 from trainyard.service.state_dir import new_token
 from trainyard.service.store import ADMIN
@@ -43,13 +46,35 @@ class User:
     max_gpus: float | None = None
     token_sha256: str = ""
     created_at: float = 0.0
+    data_roots: tuple[str, ...] = ()
+    """Directories (resolved when set) under which the user's jobs read data (`service.access`)."""
+    max_queued: int | None = None
+    """Most of the user's jobs waiting in the queue at once (None: only the service's `--max-queued`)."""
+    max_priority: int | None = 0
+    """Highest `priority` the user's jobs may ask for (None: any; an admin's default)."""
+    max_storage_bytes: int | None = None
+    """Most bytes of uploads, checkpoints and models the user's files hold (None: no limit)."""
 
     @property
     def quota(self) -> Quota:
         return Quota(cpus=self.max_cpus, gpus=self.max_gpus)
 
+    @property
+    def owner(self) -> Owner:
+        return Owner(self.name, self.admin, self.data_roots)
 
-ADMIN_USER = User(ADMIN, admin=True)
+    @staticmethod
+    def from_dict(raw: dict) -> User:
+        """A user as `users.json` keeps them (a file written before a field existed has its default)."""
+        fields = {k: v for k, v in raw.items() if k in User.__dataclass_fields__}
+        if "data_roots" in fields:
+            fields["data_roots"] = tuple(fields["data_roots"])
+        if raw.get("admin") and "max_priority" not in raw:
+            fields["max_priority"] = None
+        return User(**fields)
+
+
+ADMIN_USER = User(ADMIN, admin=True, max_priority=None)
 
 
 def hash_token(token: str) -> str:
@@ -85,7 +110,7 @@ def read(state_dir: Path) -> list[User]:
     path = state_dir / USERS_FILE
     if not path.exists():
         return []
-    return [User(**u) for u in json.loads(path.read_text())["users"]]
+    return [User.from_dict(u) for u in json.loads(path.read_text())["users"]]
 
 
 @contextlib.contextmanager
@@ -103,18 +128,84 @@ def _locked(state_dir: Path) -> Iterator[list[User]]:
         tmp.replace(state_dir / USERS_FILE)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What `token create` and `token update` set of a user beside their name and role; a None field of an
+    update keeps the user's value (`unset` names the limits an update removes)."""
+
+    max_cpus: float | None = None
+    max_gpus: float | None = None
+    data_roots: tuple[str, ...] | None = None
+    max_queued: int | None = None
+    max_priority: int | None = None
+    max_storage_bytes: int | None = None
+    unset: tuple[str, ...] = ()
+
+
+def check_limits(limits: Limits) -> Limits:
+    """The limits checked, data roots resolved (each an existing directory, never the state directory's)."""
+    check_limit("--max-cpus", limits.max_cpus)
+    check_limit("--max-gpus", limits.max_gpus)
+    check_limit("--max-storage", limits.max_storage_bytes)
+    if limits.max_queued is not None and not 0 < limits.max_queued <= 1_000_000:
+        raise UserError(f"--max-queued must be 1 to 1000000, got {limits.max_queued}")
+    if limits.max_priority is not None and not 0 <= limits.max_priority <= 1_000_000:
+        raise UserError(f"--max-priority must be 0 to 1000000, got {limits.max_priority}")
+    roots = None
+    if limits.data_roots is not None:
+        roots = tuple(dict.fromkeys(str(resolve(r)) for r in limits.data_roots))
+        for root in roots:
+            if not Path(root).is_dir():
+                raise UserError(f"--data-root {root}: not a directory")
+    return dataclasses.replace(limits, data_roots=roots)
+
+
 def create(state_dir: Path, name: str, admin: bool = False, max_cpus: float | None = None,
-           max_gpus: float | None = None) -> str:
+           max_gpus: float | None = None, limits: Limits | None = None) -> str:
     """Add a user; their token (shown once: only its hash is kept)."""
     check_name(name)
-    check_limit("--max-cpus", max_cpus)
-    check_limit("--max-gpus", max_gpus)
+    limits = limits or Limits()
+    limits = check_limits(dataclasses.replace(limits, max_cpus=limits.max_cpus if max_cpus is None else max_cpus,
+                                              max_gpus=limits.max_gpus if max_gpus is None else max_gpus))
+    _refuse_state_dir(state_dir, limits.data_roots or ())
     token = new_token()
     with _locked(state_dir) as users:
         if any(u.name == name for u in users):
             raise UserError(f"user {name!r} exists; `trainyard token revoke {name}` first for a new token")
-        users.append(User(name, admin, max_cpus, max_gpus, hash_token(token), time.time()))
+        priority = limits.max_priority if limits.max_priority is not None else (None if admin else 0)
+        users.append(User(name, admin, limits.max_cpus, limits.max_gpus, hash_token(token), time.time(),
+                          data_roots=limits.data_roots or (), max_queued=limits.max_queued, max_priority=priority,
+                          max_storage_bytes=limits.max_storage_bytes))
     return token
+
+
+def update(state_dir: Path, name: str, limits: Limits) -> User:
+    """Change a user's limits and data roots (their token stays); the running service applies them from its next
+    request (to jobs submitted from then on, and to admission)."""
+    limits = check_limits(limits)
+    _refuse_state_dir(state_dir, limits.data_roots or ())
+    unknown = set(limits.unset) - _UNSETTABLE
+    if unknown:
+        raise UserError(f"cannot unset {sorted(unknown)}; one of {sorted(_UNSETTABLE)}")
+    with _locked(state_dir) as users:
+        index = next((i for i, u in enumerate(users) if u.name == name), None)
+        if index is None:
+            raise UserError(f"no user {name!r} (`trainyard token list` shows them)")
+        changes = {k: v for k, v in dataclasses.asdict(limits).items() if k != "unset" and v is not None}
+        changes |= {k: () if k == "data_roots" else None for k in limits.unset}
+        users[index] = dataclasses.replace(users[index], **changes)
+        return users[index]
+
+
+_UNSETTABLE = frozenset({"max_cpus", "max_gpus", "data_roots", "max_queued", "max_priority", "max_storage_bytes"})
+
+
+def _refuse_state_dir(state_dir: Path, roots: tuple[str, ...]) -> None:
+    home = resolve(str(state_dir))
+    for root in roots:
+        path = Path(root)
+        if path == home or path.is_relative_to(home) or home.is_relative_to(path):
+            raise UserError(f"--data-root {root}: holds or is inside the state directory {home}, which is never data")
 
 
 def revoke(state_dir: Path, name: str) -> None:
@@ -143,7 +234,7 @@ class Registry:
             text = b""
         with self._lock:
             if text != self._seen:
-                self._users = [User(**u) for u in json.loads(text)["users"]] if text else []
+                self._users = [User.from_dict(u) for u in json.loads(text)["users"]] if text else []
                 self._seen = text
             return self._users
 

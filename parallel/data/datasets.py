@@ -92,8 +92,9 @@ class TokenDataset:
         window = torch.from_numpy(np.asarray(self.tokens[i : i + self.seq_len + 1], dtype=np.int64))
         bad = window >= self.vocab_size
         if bad.any():
-            raise DatasetError(self.field, f"{self.source} holds token id {int(window[bad][0])} at offset "
-                                           f"{i + int(bad.nonzero()[0, 0])}, outside vocab_size={self.vocab_size}")
+            # Neither the id nor where it is: an error never quotes the data (`service.access`).
+            raise DatasetError(self.field, f"{self.source} holds token ids outside model.vocab_size="
+                                           f"{self.vocab_size} (ids are 0 to vocab_size - 1)")
         return window
 
     def target_mask(self, i: int) -> torch.Tensor | None:
@@ -266,8 +267,7 @@ def _open_one(config: JobConfig, field: str, path_text: str, split: str | None) 
                       mask=mask, field=field, manifest=manifest)
     if ds.num_samples < 1:
         what = f"its {split} split holds" if split is not None else "holds"
-        raise DatasetError(field, f"{path} {what} {len(tokens)} tokens; seq_len={seq_len} needs at least "
-                                  f"{seq_len + 1}")
+        raise DatasetError(field, f"{path} {what} too few tokens: seq_len={seq_len} needs at least {seq_len + 1}")
     return ds
 
 
@@ -289,8 +289,7 @@ def _read_tokens(config: JobConfig, field: str, path: Path
         return (np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)), None, None
     itemsize = np.dtype(DTYPES[data.dtype]).itemsize
     if path.stat().st_size % itemsize:
-        raise DatasetError("data.dtype", f"{path} is {path.stat().st_size} bytes, not a whole number of "
-                                         f"{data.dtype} token ids")
+        raise DatasetError("data.dtype", f"{path} is not a whole number of {data.dtype} token ids")
     if not path.stat().st_size:  # numpy cannot map an empty file; _open_one says it holds too few tokens
         return np.zeros(0, DTYPES[data.dtype]), None, None
     return np.memmap(path, dtype=DTYPES[data.dtype], mode="r"), None, None

@@ -130,7 +130,18 @@ class Manifest:
             if not (isinstance(shard, dict) and count(shard.get("tokens"))
                     and all(isinstance(shard.get(k), str) for k in keys)):
                 return f"shards[{i}] is not {{{', '.join(keys)}, tokens, ...}}"
+            if not all(in_directory(shard[k]) for k in keys):
+                return f"shards[{i}] names a file outside the directory (every file is one of its own)"
+        ends = self.document_ends
+        if ends is not None and not (isinstance(ends, dict) and in_directory(str(ends.get("file", "")))):
+            return "document_ends names a file outside the directory (every file is one of its own)"
         return None
+
+
+def in_directory(name: str) -> bool:
+    """Whether a file name a manifest or index gives stays in its directory: relative, no `..` (a link inside
+    the directory is the reader's access check's, `service.access`)."""
+    return bool(name) and not Path(name).is_absolute() and ".." not in Path(name).parts
 
 
 def check_directory(directory: Path) -> Manifest | str:

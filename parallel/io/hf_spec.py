@@ -84,8 +84,12 @@ def _check_index(index: Path) -> None:
         raise RuleError(FIELD, f"{index} is not a safetensors index (a JSON object with a weight_map): {e!r}") from None
     if not isinstance(weight_map, dict):
         raise RuleError(FIELD, f"{index}: weight_map is not a JSON object")
-    missing = sorted({str(f) for f in weight_map.values()
-                      if not isinstance(f, str) or not (index.parent / f).is_file()})
+    inside = [isinstance(f, str) and f and not Path(f).is_absolute() and ".." not in Path(f).parts
+              for f in weight_map.values()]
+    if not all(inside):
+        raise RuleError(FIELD, f"{index}: weight_map names a file outside the directory (every shard is one of its "
+                               "own)")
+    missing = sorted({str(f) for f in weight_map.values() if not (index.parent / f).is_file()})
     if missing:
         raise RuleError(FIELD, f"{index.parent} lacks shard files its {INDEX_FILE} names: {', '.join(missing[:5])}")
 
@@ -168,9 +172,9 @@ def _fields(adapter: ModuleType, config: Mapping) -> dict:
 def init_from_event(config: JobConfig, now: float) -> dict | None:
     """The job's `init_from` event: which family claimed `init_from.hf` (a native one, or the transformers backend
     `hf`) for its config.json's architectures, and `not_native`: why the native family that lists the architecture
-    left it to the backend; None without init_from. The directory was read at submit; a config.json gone since
+    left it to the backend; None without init_from.hf. The directory was read at submit; a config.json gone since
     names no architecture."""
-    if config.init_from is None:
+    if config.init_from is None or config.init_from.hf is None:
         return None
     try:
         hf = read_hf_config(config.init_from.hf)

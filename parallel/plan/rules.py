@@ -140,6 +140,9 @@ def lora_violations(config: JobConfig) -> list[PlanError]:
                                                           f"{config.model.family}; its targets are {list(known)}"))
         if len(set(lora.targets)) != len(lora.targets):
             errors.append(PlanError("model.lora.targets", f"{list(lora.targets)} names a projection twice"))
+    if config.init_from is not None and config.init_from.hf is None:
+        errors.append(PlanError("init_from", "give init_from.hf (a Hugging Face directory) or init_from.job_id (one "
+                                             "of your ended jobs; the service resolves it to its model)"))
     if config.init_from is not None and config.init_from.adapter is not None and lora is None:
         errors.append(PlanError("init_from.adapter", "an adapter to start from needs model.lora (its rank and "
                                                      "targets)"))

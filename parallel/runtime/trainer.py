@@ -104,6 +104,7 @@ class RankTrainer:
         # them.
         materialize(self.chunks, device, seed=cfg.seed, fill=cfg.init_from is None)
         if cfg.init_from is not None:
+            assert cfg.init_from.hf is not None, "a rule: init_from.hf (or a job_id the service resolved to it)"
             hf_checkpoint.load_into(self.chunks, cfg.model, Path(cfg.init_from.hf))
             if cfg.init_from.adapter is not None:  # LoRA continued from a PEFT adapter
                 peft_adapter.load_into(self.chunks, cfg.model, Path(cfg.init_from.adapter))

@@ -22,7 +22,7 @@ def corpus(tmp_path_factory):
     ({"path": "corpus"}, 256, "data.path", "vocabulary of 300 ids, more than model.vocab_size=256"),
     ({"path": "no-manifest.json"}, 300, "data.path", "without manifest.json"),
     ({"path": "no-tokenizer.json"}, 300, "data.path", "has no tokenizer.json"),
-    ({"sources": [{"path": "corpus"}, {"path": "missing"}]}, 300, "data.sources.1.path", "file not found"),
+    ({"sources": [{"path": "corpus"}, {"path": "missing"}]}, 300, "data.sources.1.path", "no such file or directory"),
 ])
 def test_unusable_prepared_data_is_a_422_naming_the_field_and_creates_no_job(client, corpus, data, vocab, field,
                                                                             text):

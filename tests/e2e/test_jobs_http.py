@@ -40,7 +40,7 @@ def test_a_job_reports_progress_and_metrics_rows(client, monkeypatch):
 @pytest.mark.parametrize("overrides,field,text", [
     ({"parallel": {"dp": 64}, "global_batch": 64}, "parallel.dp", "can ever hold only 8"),
     ({"global_batch": 6, "parallel": {"dp": 4}}, "global_batch", "not divisible by dp x microbatches"),
-    ({"data": {"kind": "text", "path": "/nonexistent/corpus.txt"}}, "data.path", "file not found"),
+    ({"data": {"kind": "text", "path": "/nonexistent/corpus.txt"}}, "data.path", "no such file or directory"),
     ({"model": {"n_head": 3}}, "model.n_head", "n_head=3 does not divide d_model=32"),
     ({"bogus": 1}, "bogus", "unknown field 'bogus'"),
     ({"steps": 0}, "steps", "greater than 0"),

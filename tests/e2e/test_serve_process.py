@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -186,6 +187,8 @@ def test_on_a_joined_cluster_the_service_reattaches_to_the_running_job(ray_sessi
     spec = {**SURVIVOR, "steps": 100_000}  # it trains on while the service restarts, until it is stopped
     try:
         job_id = client.submit(spec)
+        # The service's files are its account's alone (its umask, and the state directory made private).
+        assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in (state, state / "jobs.db", state / "token"))
         wait_for(lambda: client.job(job_id)["ranks"], 120, "the job's workers")
         workers = [r["actor_id"] for r in client.job(job_id)["ranks"]]
         proc, client = _restart_twice(state, log, job_id, proc, client, ray.get_runtime_context().gcs_address)

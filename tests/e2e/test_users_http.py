@@ -1,6 +1,7 @@
 """Two users and the admin over HTTP (a real uvicorn, manager and Ray): each user sees and controls only their own
-jobs, whatever request the fuzzer makes of the other's (403, never a 5xx); the admin sees and controls both; a
-user's quota holds their second job in the queue while another user's job is admitted, and holds a resize too."""
+jobs, whatever request the fuzzer makes of the other's (it answers as a missing job, a 404, never a 5xx), and no
+2xx of the fuzzer's reads a path outside the user's data roots; the admin sees and controls both; a user's quota
+holds their second job in the queue while another user's job is admitted, and holds a resize too."""
 
 from __future__ import annotations
 
@@ -9,14 +10,27 @@ import json
 import pytest
 import schemathesis
 from conftest import start_service
-from helpers import tiny_spec, wait_for
+from helpers import REPO, tiny_spec, wait_for
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from trainyard.cli.client import ApiError, Client
 from trainyard.service import users
+from trainyard.service.access import resolve
 
 EXAMPLES = 3
 """Per operation and user (derandomised): the request shapes the schema allows, each on the other user's job."""
+EXAMPLES_DIR = str((REPO / "examples").resolve())
+ROOTS = users.Limits(data_roots=(EXAMPLES_DIR,))
+"""Each user's data root: the examples, which `tiny_spec` trains on."""
+
+
+def paths_read(spec: dict) -> set[str]:
+    """The data roots of the paths a spec names that the service would read (each resolved)."""
+    data, init = spec.get("data") or {}, spec.get("init_from") or {}
+    named = [data.get("path"), data.get("val_path"), init.get("hf"), init.get("adapter")]
+    named += [s.get("path") for s in data.get("sources") or [] if isinstance(s, dict)]
+    return {EXAMPLES_DIR if str(resolve(p)).startswith(EXAMPLES_DIR) else str(resolve(p))
+            for p in named if isinstance(p, str)}
 
 
 def calibrated_state(tmp_path_factory):
@@ -37,7 +51,7 @@ def two_users(ray_session, tmp_path_factory):
     """A service that admits nothing, alice and bob made after it started (no restart needed), a job of each."""
     state = calibrated_state(tmp_path_factory)
     svc = start_service(state, admit=False)
-    tokens = {name: users.create(state, name) for name in ("alice", "bob")}
+    tokens = {name: users.create(state, name, limits=ROOTS) for name in ("alice", "bob")}
     clients = {name: Client(svc.url, token) for name, token in tokens.items()}
     jobs = {name: clients[name].submit(tiny_spec(name=f"{name}-job")) for name in tokens}
     yield svc, tokens, clients, jobs, schemathesis.openapi.from_url(f"{svc.url}/openapi.json")
@@ -66,11 +80,13 @@ def test_a_user_never_reaches_the_other_users_job_and_gets_no_server_error(two_u
             answers.setdefault(case.operation.label, set()).add(response.status_code)
             assert response.status_code < 500, f"{case.method} {case.formatted_path} -> {response.text}"
             if "job_id" in (case.path_parameters or {}):
-                assert response.status_code == 403, f"{case.method} {case.formatted_path} -> {response.text}"
-            assert jobs[other] not in response.text or response.status_code == 403, response.text
+                assert response.status_code == 404, f"{case.method} {case.formatted_path} -> {response.text}"
+            assert jobs[other] not in response.text or response.status_code == 404, response.text
+            if response.status_code < 300 and case.method == "POST" and isinstance(case.body, dict):
+                assert paths_read(case.body) <= {EXAMPLES_DIR}, (case.body, response.text)
 
         no_access()
-    assert all(answers[op.label] == {403} for op in on_a_job), answers
+    assert all(answers[op.label] == {404} for op in on_a_job), answers
     mine = clients[user].jobs()
     assert mine and {j["owner"] for j in mine} == {user} and jobs[user] in {j["job_id"] for j in mine}
     assert clients[user].job(jobs[user])["owner"] == user
@@ -97,7 +113,7 @@ def test_the_admin_sees_and_controls_every_users_jobs(two_users):
 def test_a_quota_holds_a_users_second_job_while_another_users_job_is_admitted(ray_session, tmp_path_factory):
     state = calibrated_state(tmp_path_factory)
     svc = start_service(state, allow_fault_injection=False)
-    alice, bob = (Client(svc.url, users.create(state, name, max_cpus=1)) for name in ("alice", "bob"))
+    alice, bob = (Client(svc.url, users.create(state, name, max_cpus=1, limits=ROOTS)) for name in ("alice", "bob"))
     try:
         with pytest.raises(ApiError) as info:  # 2 ranks of 1 CPU: more than all of alice's quota
             alice.submit(tiny_spec(parallel={"dp": 2}))

@@ -7,14 +7,19 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers import tiny_spec
 from trainyard.api.app import create_app
+from trainyard.service.manager import JobManager
+from trainyard.service.store import JobStore
 
 DEEP = 100_000
 
 
 @pytest.fixture(scope="module")
-def client() -> TestClient:
-    # Validation runs before the route: a manager that is touched would fail the test with a 500.
-    return TestClient(create_app(manager=None, token="t"), raise_server_exceptions=False)
+def client(tmp_path_factory) -> TestClient:
+    # A manager without Ray that admits nothing: a spec's paths are resolved against the caller (the manager's
+    # `confine`) before it is read, so every body here is refused before anything would be planned.
+    manager = JobManager(JobStore(tmp_path_factory.mktemp("state") / "jobs.db"), admit=False)
+    yield TestClient(create_app(manager=manager, token="t"), raise_server_exceptions=False)
+    manager.shutdown()
 
 
 def post(client: TestClient, path: str, body: bytes):

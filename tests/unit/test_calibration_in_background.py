@@ -60,6 +60,12 @@ def test_the_api_answers_503_with_retry_after_while_calibrating(tmp_path):
     from trainyard.api.app import create_app
 
     class Manager:  # only what the plan route reaches before the planner
+        def confine(self, spec, user):
+            return spec
+
+        def for_user(self, config, user):
+            return config
+
         def choose_layout(self, config):
             raise Calibrating("being measured now", 30)
 

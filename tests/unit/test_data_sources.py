@@ -132,7 +132,7 @@ def edited(root, tmp_path, change):
      "file not found"),
     (lambda r, t: {"path": str(r / "a"), "sources": [{"path": str(r / "b")}]}, "data.sources", "not both"),
     (lambda r, t: {"path": str((t / "empty.bin", (t / "empty.bin").write_bytes(b""))[0])}, "data.path",
-     "holds 0 tokens"),
+     "holds too few tokens"),
 ])
 def test_unusable_data_is_an_error_naming_its_field(prepared, tmp_path, data, field, message):
     with pytest.raises(DatasetError, match=message) as info:

@@ -13,6 +13,8 @@ from hf_tiny import tiny_gpt2, tiny_llama
 from trainyard.api.app import create_app
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.spec import SpecError
+from trainyard.service.manager import JobManager
+from trainyard.service.store import JobStore
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +113,10 @@ def test_a_missing_directory_or_file_is_refused(tmp_path):
     assert field == "init_from.hf" and "model.safetensors" in message
 
 
-def test_the_api_answers_422_naming_the_field_and_creates_nothing(llama_dir):
-    # Validation runs before the route: a manager that is touched would fail the test with a 500.
-    client = TestClient(create_app(manager=None, token="t"), raise_server_exceptions=True)
+def test_the_api_answers_422_naming_the_field_and_creates_nothing(llama_dir, tmp_path):
+    # A manager without Ray that admits nothing: the spec is refused before anything would be planned.
+    manager = JobManager(JobStore(tmp_path / "jobs.db"), admit=False)
+    client = TestClient(create_app(manager=manager, token="t"), raise_server_exceptions=True)
     auth = {"Authorization": "Bearer t"}
     bad = client.post("/api/jobs", headers=auth, json=submitted(llama_dir, n_head=8, seq_len=16))
     assert bad.status_code == 422
@@ -121,6 +124,8 @@ def test_the_api_answers_422_naming_the_field_and_creates_nothing(llama_dir):
     assert detail["field"] == "model" and detail["loc"] == ["body", "model"] and "model.n_head: 8" in detail["msg"]
     missing = client.post("/api/plans", headers=auth, json=submitted(llama_dir / "nowhere"))
     assert missing.status_code == 422 and missing.json()["detail"][0]["field"] == "init_from.hf"
+    assert manager.list() == []
+    manager.shutdown()
 
 
 @pytest.mark.parametrize("damage,named", [
