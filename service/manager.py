@@ -114,6 +114,7 @@ class JobManager:
         self.paths = JobPaths(self.data_dir)
         self.access = Access(store.path.parent, self.data_dir, owns=self._owns)
         self.uploads = Uploads(self.access.uploads_root)
+        self.uploads.sweep_partial()
         self.trackers = trackers
         self.dashboard_url = dashboard_url
         self.poll_interval_s = poll_interval_s

@@ -66,6 +66,12 @@ class Uploads:
     def folder(self, user: str) -> Path:
         return self.root / user
 
+    def sweep_partial(self) -> None:
+        """Remove what uploads cut off by a killed service left (their dot-named folders); only at start, when no
+        upload is in progress."""
+        for partial in self.root.glob("*/.*.tmp"):
+            shutil.rmtree(partial, ignore_errors=True)
+
     async def receive(self, user: str, name: str, chunks: AsyncIterator[bytes], limit: int,
                       archive: bool = False) -> Upload:
         """Stream `chunks` to a new upload of `user`'s named `name` (a tar of a directory if `archive`);

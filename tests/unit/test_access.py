@@ -146,6 +146,9 @@ def test_an_upload_past_its_limit_keeps_nothing(tmp_path):
         asyncio.run(uploads.receive("ann", "f.bin", _chunks(b"x" * 100), 99))
     done = asyncio.run(uploads.receive("ann", "f.bin", _chunks(b"x" * 100), 100))
     assert [u.upload_id for u in uploads.list("ann")] == [done.upload_id] and Path(done.path).stat().st_size == 100
+    (tmp_path / "uploads" / "ann" / ".0123456789ab.tmp").mkdir()  # what a killed service's upload left
+    uploads.sweep_partial()
+    assert [p.name for p in (tmp_path / "uploads" / "ann").iterdir()] == [done.upload_id]
 
 
 def test_an_upload_larger_than_a_json_body_streams_in_and_past_its_limit_keeps_nothing(tmp_path):
