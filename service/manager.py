@@ -281,10 +281,9 @@ class JobManager:
             return self._queue(config, user, needs={}, events=[*events, event])
         plan = self.plan(config, train)
         config, plan, capped = self._elastic_within_quota(config, plan, user)
-        charge = quota.charge(plan, at_dp=plan.dp_range[1] if plan.dp_range else None)
-        quota.check(self.quotas(owner), charge, "resources")  # a job over what is left waits instead
-        job_id = self._queue(config, user, needs=quota.needs(plan, plan.dp_range[1] if plan.dp_range else None),
-                             events=events + capped)
+        largest = plan.dp_range[1] if plan.dp_range else None  # an elastic job is charged at its max
+        quota.check(self.quotas(owner), quota.charge(plan, largest), "resources")  # over what is left: it waits
+        job_id = self._queue(config, user, needs=quota.needs(plan, largest), events=events + capped)
         log.info("job %s queued (%s, world size %d, priority %d, user %s)", job_id, config.name, plan.world_size,
                  config.priority, owner)
         return job_id
@@ -300,7 +299,7 @@ class JobManager:
         if fits is None or fits >= high or fits < low:  # below the minimum: the quota check refuses it
             return config, plan, []
         size = largest_size(plan, fits)
-        if size is None or size <= low:
+        if size is None:
             return config, plan, []
         par = config.fixed_parallel  # a plan's layout is fixed
         capped = dataclasses.replace(config, parallel=dataclasses.replace(par, dp=DpRange(min=low, max=size)))

@@ -41,7 +41,7 @@ def yard(ray_session, tmp_path_factory):
         root.mkdir()
         shutil.copy(CORPUS, root / "corpus.txt")
     svc = start_service(state, admit=False)
-    limits = {"carol": {"max_cpus": 2, "max_queued": 1}}
+    limits = {"carol": {"max_cpus": 2, "max_queued": 2}}
     tokens = {name: users.create(state, name, limits=users.Limits(data_roots=(str(roots[name]),),
                                                                    **limits.get(name, {}))) for name in roots}
     (roots["alice"] / "to-token").symlink_to(state / "token")
@@ -173,11 +173,15 @@ def test_priority_queue_elastic_growth_and_cpu_requests_hold_to_the_users_limits
     assert carol.get(f"/api/jobs/{elastic_id}").json()["spec"]["parallel"]["dp"] == {"min": 1, "max": 2}
     events = carol.get(f"/api/jobs/{elastic_id}/events").json()
     assert [e["dp_max"] for e in events if e["kind"] == "elastic_within_quota"] == [2]
-    # Her own queue holds one job: the next is a 429 while alice still submits.
+    # A quota that holds exactly the minimum: the job stays at that size, not refused.
+    at_min = carol.post("/api/jobs", json=spec_of(mine, parallel={"dp": {"min": 2, "max": 8}, "microbatches": 4}))
+    assert at_min.status_code == 201, at_min.text
+    assert carol.get(f"/api/jobs/{at_min.json()['job_id']}").json()["spec"]["parallel"]["dp"] == {"min": 2, "max": 2}
+    # Her own queue holds two jobs: the next is a 429 while alice still submits.
     over = carol.post("/api/jobs", json=spec)
     assert over.status_code == 429 and "carol" in over.text
     assert http["alice"].post("/api/jobs", json=spec_of(roots["alice"])).status_code == 201
-    assert svc.manager.store.queued_count("carol") == 1
+    assert svc.manager.store.queued_count("carol") == 2
 
 
 def test_trackers_are_the_operators(yard):
