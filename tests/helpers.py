@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+SLOW_TESTS = os.environ.get("TRAINYARD_SLOW_TESTS") == "1"
+"""`make test-slow` sets it: the minutes-long stories run then, not in `make test` (whose budget is 8 minutes)."""
+SLOW = [pytest.mark.slow, pytest.mark.skipif(not SLOW_TESTS, reason="slow: run with `make test-slow`")]
+"""The marks of a slow test: `pytestmark = SLOW`, `pytest.param(..., marks=SLOW)`, or `@slow` on one test."""
+
+
+def slow(test: Callable) -> Callable:
+    """Mark `test` slow: `make test-slow` (`-m slow`, TRAINYARD_SLOW_TESTS=1) runs it, `make test` skips it."""
+    for mark in reversed(SLOW):
+        test = mark(test)
+    return test
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float = 120.0, what: str = "condition") -> object:
@@ -107,8 +121,6 @@ def live_actor(name: str) -> bool:
 def small_file_system(where: Path, size: str) -> Iterator[Path]:
     """A tmpfs of `size` (e.g. "2m") mounted at `where`: a disk a test can fill and free. Skips the test where
     mounting is refused (not root, or no mount permission)."""
-    import pytest
-
     where.mkdir(parents=True, exist_ok=True)
     mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]
     if subprocess.run(mount, capture_output=True).returncode:

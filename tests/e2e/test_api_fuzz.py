@@ -14,14 +14,15 @@ import json
 import pytest
 import schemathesis
 from conftest import start_service
-from helpers import tiny_spec
+from helpers import SLOW_TESTS, tiny_spec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-EXAMPLES = 30
-"""Per operation and generation mode (it was 100, then 50: the suite's budget; derandomised: the same each run)."""
+EXAMPLES = 60 if SLOW_TESTS else 15
+"""Per operation and generation mode (it was 100, then 50, then 30: the suite's budget; `make test-slow` runs four
+times as many; derandomised: the same each run)."""
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """What a job leaves behind, through the real service (uvicorn, Ray, gloo): sharded checkpoints written in the
 background, resuming at the same layout bit-identically, the trained model as one safetensors file that loads
-into `full_model` and reproduces the job's final validation loss, and the rules a resume must follow. (Resuming
-at another layout, dense and MoE, on the same loss curve: tests/integration/test_checkpoint_gloo.py.)"""
+into `full_model` and reproduces the job's final validation loss, and the rules a resume must follow; `make
+test-slow` adds a full disk that fails checkpoints, not the job (a save to a full file system:
+tests/unit/test_checkpoint.py). (Resuming at another layout, dense and MoE, on the same loss curve:
+tests/integration/test_checkpoint_gloo.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import run_all, tiny_spec
+from helpers import run_all, slow, tiny_spec
 from safetensors import safe_open
 from safetensors.torch import load_file
 from trainyard.parallel.data.datasets import load_batch, open_dataset
@@ -109,6 +111,7 @@ def test_deleting_a_job_removes_its_model_and_checkpoints(service, originals, re
     assert not root.exists() and not model.exists()
 
 
+@slow
 def test_a_full_disk_fails_checkpoints_not_the_job_which_succeeds_once_space_returns(service, tmp_path):
     """The checkpoints go to a small file system that is full: each failed write is an event, the job trains on
     (the checkpoints before stay), and once space returns the next one is written and the job SUCCEEDS."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import tiny_spec, wait_for, wait_terminal
+from helpers import slow, tiny_spec, wait_for, wait_terminal
 from test_serve_process import start_serve
 
 COMMON = {"steps": 300, "global_batch": 8, "resources": {"cpus_per_worker": 2}}
@@ -39,8 +39,7 @@ def _resizes(client, job_id: str) -> list[tuple[int, int, str]]:
     return [(e["from"]["dp"], e["to"]["dp"], e["reason"]) for e in client.events(job_id) if e["kind"] == "resize"]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@slow
 def test_an_elastic_job_follows_the_cluster_as_it_shrinks_and_grows(cluster, tmp_path):
     proc, client = start_serve(tmp_path / "state", tmp_path / "serve.log", ray_address=cluster.address)
     try:

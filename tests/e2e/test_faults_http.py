@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from conftest import start_service
-from helpers import tiny_spec, wait_for, wait_terminal
+from helpers import slow, tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
 from trainyard.cli.client import ApiError
 from trainyard.parallel.io.export import MODEL_FILE
@@ -88,8 +88,7 @@ def test_events_list_the_failure_and_the_recovery_time(runs, drill, client):
     _check_first_failure(events, failure, "hung" if drill == "hang" else "died")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@slow
 def test_a_rank_killed_as_the_model_is_exported_is_recovered_from(runs, client, tmp_path):
     """Rank 0 dies as it exports the model at the job's end, after the final checkpoint. The soak found it (a node
     removed during an export): the death escaped the coordinator as its own error and failed the job with a
@@ -169,8 +168,7 @@ def test_a_rank_out_of_memory_fails_the_job_once_saying_so(service):
     client.close()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@slow
 def test_a_rank_the_kernel_s_oom_killer_kills_fails_the_job_once_saying_so(service):
     """A real kernel OOM kill: rank 1 moves into a memory cgroup of its own limited to 64 MiB more and asks for
     1 GiB (the oom_kill_worker drill); the kernel SIGKILLs it, with no Python error, which Ray reports as it reports

@@ -9,14 +9,14 @@
   step 10. Replica 2 is dropped from the round and the three others go on stepping (the rows' `replica_steps`
   show their counters moving while replica 2's stands still); it is rebuilt and rejoins in the next outer sync
   (step 15's) from their state, and the job SUCCEEDS with every step's row once.
-- A stop during a recovery from a live replica keeps the steps no checkpoint holds: the job ends STOPPED with a
-  final checkpoint of the step it recovered to and its model."""
+- (`make test-slow`) A stop during a recovery from a live replica keeps the steps no checkpoint holds: the job ends
+  STOPPED with a final checkpoint of the step it recovered to and its model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_spec, wait_for, wait_terminal
+from helpers import slow, tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
 from trainyard.parallel.io.export import MODEL_FILE
 
@@ -93,6 +93,7 @@ def test_a_killed_rank_drops_its_replica_the_others_step_on_and_it_rejoins_at_th
     assert all(r["loss"] > 0 for r in rows)
 
 
+@slow
 def test_a_stop_during_a_recovery_from_a_live_replica_keeps_the_steps_no_checkpoint_holds(service, client, tmp_path):
     job_id = client.submit(tiny_spec(steps=100_000, parallel={"dp": 2}, name="stop-in-recovery"))
     wait_for(lambda: client.job(job_id)["status"] == "RUNNING", 120, "the job to run")

@@ -1,5 +1,7 @@
-"""The service's queue and its robustness, over HTTP against real Ray: bursts, priorities, restarts,
-concurrent stop/delete, a killed worker, and a follower that survives a failing job."""
+"""The service's queue and its robustness, over HTTP against real Ray: bursts, priorities, concurrent stop/delete,
+a stop racing admission, a killed worker; `make test-slow` adds waiting jobs across a restart, a follower that
+survives a failing job, and `parallel: auto` submitted while the costs are measured (the admission thread's
+logic for it: tests/unit/test_calibration_in_background.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 from conftest import start_service
-from helpers import tiny_spec, wait_for, wait_terminal
+from helpers import SLOW_TESTS, slow, tiny_spec, wait_for, wait_terminal
 from ray.util.placement_group import placement_group, remove_placement_group
 from trainyard.actors.naming import NAMESPACE
 from trainyard.actors.state import JobStatus
@@ -91,6 +93,7 @@ def test_two_jobs_that_cannot_run_together_run_one_after_the_other_in_priority_o
     assert first["admitted_at"] < first["ended_at"] <= second["admitted_at"]
 
 
+@slow
 def test_waiting_jobs_are_still_waiting_after_a_restart_and_then_run(ray_session, tmp_path):
     """... and a job admitted but never started (the service died between reserving its resources and starting
     it) is queued again and runs too."""
@@ -184,6 +187,7 @@ class StoreThatFailsOneJob(JobStore):
         super().add_metrics(job_id, rows)
 
 
+@slow
 def test_the_follower_survives_an_error_in_one_job_and_fails_only_that_job(ray_session, tmp_path):
     store = StoreThatFailsOneJob(tmp_path / "jobs.db")
     manager = JobManager(store, poll_interval_s=0.1)
@@ -199,9 +203,14 @@ def test_the_follower_survives_an_error_in_one_job_and_fails_only_that_job(ray_s
         store.close()
 
 
+RACES = 20 if SLOW_TESTS else 5
+"""Submit-then-stop rounds: each stop lands while its job is queued, being admitted or just started (which phase
+is luck, so `make test-slow` runs four times as many)."""
+
+
 def test_a_stop_racing_admission_never_leaks_a_coordinator_or_a_placement_group(client):
     ids = []
-    for i in range(20):
+    for i in range(RACES):
         job_id = client.submit(tiny_spec(steps=100_000, name=f"race-{i}"))
         ids.append(job_id)
         assert client.stop(job_id)["status"] == "STOPPED"  # while queued, being admitted, or just started
@@ -212,6 +221,7 @@ def test_a_stop_racing_admission_never_leaks_a_coordinator_or_a_placement_group(
                          for pg in groups), 60, "placement groups to be removed")
 
 
+@slow
 def test_parallel_auto_submitted_while_calibrating_is_queued_then_planned_and_run(ray_session, tmp_path):
     """A submit is never refused for what the service can wait out: `parallel: auto` while the node type's
     costs are being measured is a 201 and a PENDING job whose event says why it waits (a plan request is still

@@ -1,5 +1,6 @@
-"""Jobs that were live when the service died are queued again on start, and the CLI against a real server. (Jobs
-and metrics across restarts of a real `trainyard serve`: test_serve_process.py.)"""
+"""Jobs that were live when the service died are queued again on start, and the CLI against a real server (`make
+test-slow` adds a job queued again by the restart and then stopped, which keeps its trained model). (Jobs and
+metrics across restarts of a real `trainyard serve`: test_serve_process.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import shutil
 
 import pytest
 from conftest import start_service
-from helpers import REPO, tiny_spec, wait_for
+from helpers import REPO, slow, tiny_spec, wait_for
 from trainyard.actors.state import JobStatus
 from trainyard.cli.client import ApiError
 from trainyard.cli.main import main as cli
@@ -80,6 +81,7 @@ def test_a_coordinator_the_service_created_but_never_started_is_started_when_the
         store.close()
 
 
+@slow
 def test_a_job_the_restart_queued_again_and_then_stopped_keeps_its_trained_model(ray_session, tmp_path):
     """A job that ran 5 of 6 steps (checkpoints at 2 and 4) when the service was killed is queued again; stopped
     before it runs again, it ends as a stop of a running job does: with the model of its latest checkpoint, and

@@ -4,8 +4,9 @@ and queued again (with its waiting jobs), and none of its processes (the embedde
 Jobs outlive their service: after SIGTERM or SIGKILL and a new start, a job goes on from its latest
 checkpoint (embedded Ray) or is reattached to (a joined cluster), and ends with the losses and weights of a
 run that was never interrupted. (That ended jobs and their rows are kept as they were through a restart is
-checked in test_restart_and_cli.py, without a job of its own to run.) The SIGTERM and SIGKILL story (34 s) runs in
-`make test-slow`; `make test` keeps the joined cluster's reattach and test_restart_and_cli.py's requeue."""
+checked in test_restart_and_cli.py, without a job of its own to run.) The SIGTERM and SIGKILL story (34 s)
+and the joined cluster's reattach (24 s) run in `make test-slow`; `make test` keeps test_restart_and_cli.py's
+requeue and its in-process reattach (a coordinator the service created is started by the next service)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from helpers import REPO, tiny_spec, wait_for, wait_terminal
+from helpers import REPO, slow, tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
 from trainyard.cli.client import ApiError, Client
 from trainyard.cli.demo import stop, wait_ready
@@ -118,8 +119,7 @@ def _restart_twice(state: Path, log: Path, job_id: str, proc: subprocess.Popen, 
     return proc, client
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@slow
 def test_a_job_outlives_its_service_through_sigterm_and_sigkill(service, tmp_path):
     """Also: SIGTERM stops the service in seconds with exit code 0, its live job checkpointed and queued again
     with its waiting one, and none of its processes (the embedded Ray included) left behind. The run that is
@@ -179,6 +179,7 @@ def test_a_job_outlives_its_service_through_sigterm_and_sigkill(service, tmp_pat
         uninterrupted.close()
 
 
+@slow
 def test_on_a_joined_cluster_the_service_reattaches_to_the_running_job(ray_session, tmp_path):
     """The cluster outlives the service: through SIGTERM and SIGKILL the same workers train on, and the
     service that comes back follows them again (every step's row kept, the one run's losses)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import tiny_spec, wait_for, wait_terminal
+from helpers import slow, tiny_spec, wait_for, wait_terminal
 from test_serve_process import start_serve
 
 
@@ -84,8 +84,7 @@ def _resizes(client, job_id: str) -> list[tuple[int, int, str]]:
     return [(e["from"]["dp"], e["to"]["dp"], e["reason"]) for e in client.events(job_id) if e["kind"] == "resize"]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@slow
 def test_an_elastic_job_that_loses_a_node_shrinks_to_the_replica_left_and_trains_on(serve, two_node_cluster):
     """It removes the second node. Slow (about 90 s on two busy cores), so `make test-slow` runs it, not `make
     test`. The shrink once never came: the coordinator, placed by a soft affinity to the service's node, had
@@ -126,8 +125,7 @@ def test_an_elastic_job_that_loses_a_node_shrinks_to_the_replica_left_and_trains
         client.stop(job_id)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@slow
 def test_a_fixed_size_job_that_loses_a_node_waits_for_one_added_back_and_resumes(serve, two_node_cluster):
     """A fixed-size dp=2 job, one rank on each node: the worker node is removed, the job waits (RECOVERING, a
     `node_lost` event) within fault.node_grace_s, a new node is added, Ray places the lost bundle on it and the

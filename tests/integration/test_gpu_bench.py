@@ -1,5 +1,6 @@
 """bench/gpu.py's tiny CPU mode: the GPU benchmark's code path runs and reports its numbers (no timing claims);
-the GPU harnesses import neither Ray nor the service; and (slow) bench/gpu_smoke.py's variants added for LoRA,
+the GPU harnesses import neither Ray nor the service; and (slow) bench/gpu_big.py's tiny run and
+bench/gpu_smoke.py's variants added for LoRA,
 whole and packed examples, grouped experts, adamw8bit and the construction check run on the CPU with their JSON
 summary, and its host-read check (CUDA's sync debug mode) counts each driver call against its budget and names an
 extra synchronization, with CUDA's synchronizing operations stood in for on the CPU."""
@@ -80,6 +81,8 @@ def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path
     assert rows[2].ratio == pytest.approx(1.04, abs=1e-3) and rows[2].met()  # within 5%
 
 
+@pytest.mark.slow
+@SLOW
 def test_gpu_big_tiny_cpu_mode_is_refused_without_offload_and_trains_with_it(tmp_path):
     out = tmp_path / "big.json"
     cmd = [sys.executable, "-m", "bench.gpu_big", "--tiny", "--device", "cpu", "--out", str(out)]

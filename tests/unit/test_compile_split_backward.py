@@ -6,12 +6,11 @@ count is how the test knows)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch._dynamo
 import trainyard.parallel.runtime.compile as compile_
+from helpers import slow
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainyard.parallel.config_model import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
@@ -84,8 +83,7 @@ def test_each_half_runs_eagers_matmuls_once_with_eagers_gradients():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@slow
 def test_a_block_compiled_whole_runs_every_matmul_in_both_halves():
     """Why the linears stay eager, and how the count above knows it sees into compiled regions. (The loop over the
     experts: dynamo does not trace the grouped matmul on CPU.)"""

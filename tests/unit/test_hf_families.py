@@ -7,10 +7,10 @@ configs away from its default: a family claims a directory only where it compute
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
+from helpers import slow
 from hf_tiny import tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from pydantic import TypeAdapter
 from safetensors import safe_open
@@ -209,8 +209,7 @@ def test_a_native_family_claims_a_field_away_from_its_default_only_where_it_comp
     _claimed_natively_computes_transformers_logits(config_class, key, value, tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
+@slow
 @pytest.mark.parametrize("config_class,key,value", [c for name in NATIVE_CONFIGS if name != "LlamaConfig"
                                                     for c in _perturbed(name)])
 def test_every_native_family_claims_a_field_away_from_its_default_only_where_it_computes_it(config_class, key,
