@@ -15,7 +15,7 @@ from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
 from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.actions import ScheduleError
-from trainyard.parallel.plan.replica_sync import is_local, replica_dp
+from trainyard.parallel.plan.replica_sync import LOCAL_KINDS, is_local, replica_dp
 from trainyard.parallel.plan.schedules import SCHEDULES, check_schedule_args
 from trainyard.parallel.plan.search_options import searched_values, with_option
 from trainyard.parallel.plan.sharding import sharding_for
@@ -221,7 +221,7 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
     if not is_local(sync):
         if sync.replicas is not None:
             return [PlanError("parallel.sync.replicas", f"replicas={sync.replicas} with kind {sync.kind}: only "
-                                                        "local_sgd and diloco replicas step apart (allreduce's "
+                                                        f"{_and(LOCAL_KINDS)} replicas step apart ({sync.kind}'s "
                                                         "ranks are one replica)")]
         return []
     dp = par.fixed_dp
@@ -252,6 +252,11 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
                                                     f"parallel.sync.every={sync.every}: a checkpoint holds one model, "
                                                     "which the replicas share only right after a synchronisation"))
     return errors
+
+
+def _and(names: tuple[str, ...]) -> str:
+    """("a", "b", "c") -> "a, b and c"."""
+    return " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def stage_layer_violations(config: JobConfig) -> list[PlanError]:
