@@ -65,7 +65,7 @@ from trainyard.parallel.runtime.rank_state import RankState
 from trainyard.parallel.runtime.step_figures import Figures, stage
 from trainyard.parallel.runtime.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
 from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
-from trainyard.parallel.runtime.sync import ReplicaSync, replica_group
+from trainyard.parallel.runtime.sync import make_replica_sync, replica_group
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 from trainyard.parallel.runtime.tied import TiedEmbeddings
 from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
@@ -140,7 +140,7 @@ class RankTrainer:
         """Steps this trainer ran; the saved-tensor meter runs on every METER_EVERY-th, the first included."""
         params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         tied = frozenset(i for i, p in enumerate(params) if p is self.tied.embedding or p is self.tied.head)
-        self.sync = ReplicaSync(par.sync, params, groups.replicas, plan.dp // plan.reduce_dp, apart=tied) \
+        self.sync = make_replica_sync(par.sync, params, groups.replicas, plan.dp // plan.reduce_dp, apart=tied) \
             if self.local_sync else None
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
                                     self.tied)
