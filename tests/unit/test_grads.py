@@ -8,8 +8,8 @@ import pytest
 from helpers import tiny_spec
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan import PlanError, make_plan
+from trainyard.parallel.plan.grad_compression import approximation_rank
 from trainyard.parallel.plan.present import describe
-from trainyard.parallel.plan.reduction_bytes import approximation_rank
 from trainyard.parallel.spec import SpecError, parse_spec
 
 
