@@ -68,7 +68,7 @@ def _all_reduced(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 def patch(iterations: int) -> None:
     """Run in each rank before its trainer is built: the reducer does `iterations` power iterations a step."""
-    from trainyard.parallel.runtime.powersgd import PowerSGDReducer
+    from trainyard.parallel.runtime.compression.powersgd import PowerSGDReducer
 
     PowerSGDReducer.finish = functools.partialmethod(_iterated_finish, iterations=iterations)
 

@@ -31,7 +31,7 @@ class DpRange:
 @dataclass(frozen=True, kw_only=True)
 class GradCompressionConfig:
     """PowerSGD (Vogels et al. 2019) on the data-parallel reduction: each large enough gradient matrix is sent
-    as two rank-`rank` factors, with error feedback (`parallel.runtime.powersgd`)."""
+    as two rank-`rank` factors, with error feedback (`parallel.runtime.compression.powersgd`)."""
 
     __pydantic_config__ = STRICT
     kind: Literal["powersgd"] = "powersgd"

@@ -1,7 +1,8 @@
 """The plan room: everything decided before a rank starts, in pure Python (no torch).
 
 Owns the layout (`layout`), the rules between fields (`rules`), admission (`admission`), the memory plan (`memory`),
-the ZeRO strategies (`sharding`), pipeline schedules in their action vocabulary (`schedules`, `actions`) and their
+the ZeRO strategies (`sharding`), the replica sync modes' and the gradient compressors' pure facts
+(`replica_sync`, `grad_compression`), pipeline schedules in their action vocabulary (`schedules`, `actions`) and their
 simulator (`schedule_sim`: the checks, `schedule_timing`: the run), the cost model (`cost_model`, over what a
 calibration measured: `machine_costs`), calibration's fits and cache (`calibration`; the measuring run is
 `parallel.runtime.calibrate`), the automatic planner (`planner`, with `search_options`, `planner_search`,

@@ -37,7 +37,7 @@ peak at dp=4, 9% at dp=8, where it also counts every gradient shard beside the h
 (each is made by its unit's reduce-scatter). Not counted: the optimizer step's temporaries (AdamW's
 foreach), bounded to STEP_CHUNK elements (64 MiB, `parallel.runtime.train_optimizer`) after the backward.
 
-Gradient compression (PowerSGD) adds its error-feedback and factor buffers to the gradients
+Gradient compression adds what the compressor keeps (PowerSGD: its error-feedback and factor buffers) to the gradients
 (`parallel.plan.reduction_bytes.compression_state_bytes`).
 
 Activations are what autograd keeps for backward (the pipeline's `_SavedTensorMeter` measures the same

@@ -13,7 +13,7 @@ from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.actions import ActionKind, format_actions
 from trainyard.parallel.plan.memory import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
-from trainyard.parallel.plan.replica_sync import cross_replica_bytes, is_local
+from trainyard.parallel.plan.replica_sync import SYNC_KINDS, cross_replica_bytes
 from trainyard.parallel.plan.schedule_sim import render_gantt, simulate
 from trainyard.parallel.plan.schedule_timing import Costs
 from trainyard.parallel.plan.schedules import placement_of
@@ -83,8 +83,7 @@ def describe_sync(plan: Plan) -> dict:
     wire = 2 if par.reduce_dtype == "bf16" else 4
     sizing = Sizing(plan.layout, plan.config)
     per_stage = [cross_replica_bytes(sync, param_counts(sizing, s).total, plan.dp, wire) for s in range(plan.pp)]
-    return {"kind": sync.kind, **({"every": sync.every} if is_local(sync) else {}),
-            **({"outer_lr": sync.outer_lr, "outer_momentum": sync.outer_momentum} if sync.kind == "diloco" else {}),
+    return {"kind": sync.kind, **{option: getattr(sync, option) for option in SYNC_KINDS[sync.kind].options},
             "cross_replica_bytes_per_step": per_stage}
 
 

@@ -4,32 +4,24 @@
 measures (`reduce_bytes`, the payload a rank hands to its reduction collectives: a ring all-reduce moves
 about twice that over the wire, a reduce-scatter about once). Each reduction set (dense parameters over
 dp, routers over the stage, experts over the ranks holding the same ones: `reduced_sets`, which the memory plan
-shares) sends its
-local gradients in `reduce_dtype`, or nothing when no other rank shares it. With PowerSGD
-(`parallel.grad_compression`), each matrix it compresses (`approximation_rank`, torch's rule) sends its two
-fp32 factors P (rows x r) and Q (cols x r) instead, and every other tensor goes whole. Shapes come from the
-model's family (`ModelFamily.matrices`); with `model.lora` only the adapters have gradients, so only they are
-reduced. Pure arithmetic: no torch.
+shares) sends its local gradients in `reduce_dtype`, or nothing when no other rank shares it. With gradient
+compression (`parallel.grad_compression`), each matrix the compressor compresses sends what its entry in
+`parallel.plan.grad_compression.COMPRESSIONS` says (PowerSGD: its two fp32 factors P, rows x r, and Q, cols x r)
+instead, and every other tensor goes whole. Shapes come from the model's family (`ModelFamily.matrices`); with
+`model.lora` only the adapters have gradients, so only they are reduced. Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
 
-from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.base import Matrix
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts
 from trainyard.parallel.plan.actions import virtual_stage
+from trainyard.parallel.plan.grad_compression import COMPRESSIONS
 from trainyard.parallel.plan.replica_sync import replica_dp
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
-
-
-def approximation_rank(rows: int, cols: int, cfg: GradCompressionConfig) -> int | None:
-    """The rank a rows x cols gradient is compressed at, None when it is sent whole (torch's rule: compress
-    when rows x cols exceeds min_compression_rate x (rows + cols) x r)."""
-    r = min(cfg.rank, rows, cols)
-    return r if rows * cols > cfg.min_compression_rate * (rows + cols) * r else None
 
 
 def _stage_matrices(plan: Sizing, pp: int):
@@ -74,18 +66,18 @@ def _adapter_matrices(plan: Sizing, layers: list[int]) -> list[Matrix]:
 
 
 def compression_state_bytes(plan: Sizing, pp: int) -> int:
-    """What PowerSGD keeps on a rank of pipeline stage `pp` beside the gradient buckets: each compressed
-    matrix's error (rows x cols) and factors P and Q (with their packed copies on the wire), fp32, and the
-    packed copy of the tensors sent whole."""
+    """What the gradient compressor keeps on a rank of pipeline stage `pp` beside the gradient buckets: what it
+    keeps for each matrix it compresses (`Compressed.kept`; PowerSGD: the error, rows x cols, and the factors P and
+    Q with their packed copies on the wire, fp32), and the packed copy of the tensors sent whole."""
     compression = plan.config.fixed_parallel.grad_compression
     if compression is None:
         return 0
     elements, matrices = _stage_matrices(plan, pp)
     kept = whole = 0
     for rows, cols, _ in matrices:
-        r = approximation_rank(rows, cols, compression)
-        if r is not None:
-            kept += FP32 * (rows * cols + 2 * (rows + cols) * r)
+        c = COMPRESSIONS[compression.kind].matrix(rows, cols, compression)
+        if c is not None:
+            kept += c.kept
             whole += rows * cols
     wire = BF16 if plan.config.fixed_parallel.reduce_dtype == "bf16" else FP32
     return kept + wire * (elements - whole) if kept else 0
@@ -106,9 +98,9 @@ def reduction_bytes(plan: Sizing) -> dict:
         plain = sent = wire * elements * per_step
         if compression is not None:
             for rows, cols, _ in matrices:
-                r = approximation_rank(rows, cols, compression)
-                if r is not None:
-                    sent += FP32 * (rows + cols) * r - wire * rows * cols
+                c = COMPRESSIONS[compression.kind].matrix(rows, cols, compression)
+                if c is not None:
+                    sent += c.sent - wire * rows * cols
         stages.append({"uncompressed": plain, "sent": sent})
     return {"compression": None if compression is None else compression.kind, "per_stage": stages}
 

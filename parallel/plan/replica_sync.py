@@ -3,19 +3,44 @@ pure rules the coordinator, the plan and the ranks all ask (`parallel.runtime.sy
 
 - `allreduce`: every gradient is summed across the replicas every step (the reducers); no sync step.
 - `local_sgd` / `diloco`: each replica steps alone; every `every` steps (and after the last) they synchronise.
+
+`SYNC_KINDS` is the sync modes' pure side, by name: what the rules below read of a mode. How a mode runs on a rank
+is `parallel.runtime.sync.SYNCS`, under the same names (tests/unit/test_sync.py holds the two equal).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from trainyard.parallel.config import SyncConfig
 
 FP32 = 4
-LOCAL_KINDS = ("local_sgd", "diloco")
+
+
+@dataclass(frozen=True)
+class SyncKind:
+    """What the plan knows of one sync mode (`parallel.sync.kind`)."""
+
+    steps_apart: bool
+    """The replicas step alone between synchronisations (every `every` steps, and after the last), where they
+    all-reduce their parameters (fp32); False: the reducers sum the gradients every step and nothing syncs."""
+    options: tuple[str, ...] = ()
+    """The `SyncConfig` fields the mode reads besides `kind` and `replicas` (`trainyard plan` shows them)."""
+
+
+SYNC_KINDS: dict[str, SyncKind] = {
+    "allreduce": SyncKind(steps_apart=False),
+    "local_sgd": SyncKind(steps_apart=True, options=("every",)),
+    "diloco": SyncKind(steps_apart=True, options=("every", "outer_lr", "outer_momentum")),
+}
+"""The sync modes by name (the spec's `parallel.sync.kind`); `allreduce` is the default."""
+NAMES = tuple(SYNC_KINDS)
+LOCAL_KINDS = tuple(name for name, kind in SYNC_KINDS.items() if kind.steps_apart)
 """The kinds whose replicas step apart between synchronisations."""
 
 
 def is_local(cfg: SyncConfig) -> bool:
-    return cfg.kind in LOCAL_KINDS
+    return SYNC_KINDS[cfg.kind].steps_apart
 
 
 def replica_dp(cfg: SyncConfig, dp: int) -> int:

@@ -15,7 +15,8 @@ from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
 from trainyard.parallel.models import family_of
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.actions import ScheduleError
-from trainyard.parallel.plan.replica_sync import is_local, replica_dp
+from trainyard.parallel.plan.grad_compression import COMPRESSIONS
+from trainyard.parallel.plan.replica_sync import LOCAL_KINDS, is_local, replica_dp
 from trainyard.parallel.plan.schedules import SCHEDULES, check_schedule_args
 from trainyard.parallel.plan.search_options import searched_values, with_option
 from trainyard.parallel.plan.sharding import sharding_for
@@ -221,7 +222,7 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
     if not is_local(sync):
         if sync.replicas is not None:
             return [PlanError("parallel.sync.replicas", f"replicas={sync.replicas} with kind {sync.kind}: only "
-                                                        "local_sgd and diloco replicas step apart (allreduce's "
+                                                        f"{_and(LOCAL_KINDS)} replicas step apart ({sync.kind}'s "
                                                         "ranks are one replica)")]
         return []
     dp = par.fixed_dp
@@ -254,6 +255,11 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
     return errors
 
 
+def _and(names: tuple[str, ...]) -> str:
+    """("a", "b", "c") -> "a, b and c"."""
+    return " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+
+
 def stage_layer_violations(config: JobConfig) -> list[PlanError]:
     """The blocks must split into pp x vpp stages of at least one block (or as the explicit list says)."""
     n_layer, n_stages = config.model.n_layer, config.fixed_parallel.pp * config.fixed_parallel.vpp
@@ -280,13 +286,14 @@ def sharding_violations(config: JobConfig) -> list[PlanError]:
 
 
 def compression_violations(config: JobConfig) -> list[PlanError]:
-    """PowerSGD approximates whole gradient matrices and keeps a whole-size error per rank: it composes with
-    ZeRO-1 (whole gradients, sharded optimizer state), not with ZeRO-2/3, which keep only a shard of each
-    gradient (`parallel.runtime.powersgd`)."""
-    par = config.fixed_parallel
-    if par.grad_compression is not None and sharding_for(par.zero).shards_parameters:
+    """A compressor that needs whole gradients (`CompressionKind.whole_gradients`; PowerSGD approximates whole
+    gradient matrices and keeps a whole-size error per rank) composes with ZeRO-1 (whole gradients, sharded
+    optimizer state), not with ZeRO-2/3, which keep only a shard of each gradient."""
+    par, compression = config.fixed_parallel, config.fixed_parallel.grad_compression
+    if compression is None or not sharding_for(par.zero).shards_parameters:
+        return []
+    if (why := COMPRESSIONS[compression.kind].whole_gradients) is not None:
         return [PlanError("parallel.grad_compression",
-                          f"powersgd needs every rank's whole gradients (it projects each gradient matrix and keeps "
-                          f"its error feedback whole); parallel.zero={par.zero} keeps only a shard of them: use "
-                          f"zero 0 or 1, or no grad_compression")]
+                          f"{compression.kind} needs every rank's whole gradients ({why}); parallel.zero={par.zero} "
+                          f"keeps only a shard of them: use zero 0 or 1, or no grad_compression")]
     return []

@@ -43,8 +43,8 @@ reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (
 `ShardedGradientReducer` is ZeRO-1, and ZeRO-2/3 are torch's FSDP2 (`parallel.runtime.fsdp.FsdpReducer`: the
 pipeline executor tells FSDP2 which chunk to gather and when a chunk's last backward comes, which is what
 DDP and plain FSDP usage lack here). Gradient compression (`parallel.grad_compression`) is a compressor
-object handed to `make_reducer`, which picks the compressing variant of the strategy's reducer
-(`parallel.runtime.powersgd`).
+object (`Compressor`, built from the registry `parallel.runtime.compression.COMPRESSORS`) handed to `make_reducer`,
+which picks the compressing variant of the strategy's reducer (`parallel.runtime.compression.powersgd`).
 
 ZeRO-1 (`ShardedGradientReducer`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
 the summed gradients of its 1/N slice of the bucket; the optimizer holds the parameters' pieces in that
@@ -88,7 +88,7 @@ def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGrou
     """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
     nothing: every strategy keeps everything there. ZeRO-2/3: the parameters FSDP2 sharded (`sharded`, see
     `parallel.runtime.fsdp`) are reduced by FSDP2. `compressor` (`parallel.grad_compression`): the same reducer with
-    its buckets sent compressed (`parallel.runtime.powersgd`); a group of one rank sends nothing. `shared_memory`: a
+    its buckets sent compressed (`parallel.runtime.compression`); a group of one rank sends nothing. `shared_memory`: a
     plain reducer whose group's ranks share a host sums through shared memory (module doc)."""
     size = dist.get_world_size(group) if group is not None else 1
     if sharding.shards_parameters and size > 1:
@@ -102,10 +102,17 @@ def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGrou
 
 
 class Compressor(Protocol):
-    """A gradient compressor (`parallel.runtime.powersgd.PowerSGD`): the reducer class that sends a strategy's
-    buckets compressed, built as `cls(chunk_params, group, compressor, reduce_dtype=, bucket_bytes=)`."""
+    """A gradient compressor, one of `parallel.runtime.compression.COMPRESSORS` (defined here, by the reducer that
+    calls it: the compressors' reducers subclass this module's)."""
 
-    def reducer_class(self, base: type[GradientReducer]) -> Callable[..., GradientReducer]: ...
+    step: int
+    """The step running now, set by the trainer before each (a warm-up counts the job's steps across resumes)."""
+
+    def reducer_class(self, base: type[GradientReducer]) -> Callable[..., GradientReducer]:
+        """The reducer class that sends the buckets of the sharding strategy's reducer `base` compressed, built as
+        `cls(chunk_params, group, compressor, reduce_dtype=, bucket_bytes=)` (a `base` it cannot compress: a
+        ValueError; the plan refuses such a pair first)."""
+        ...
 
 
 class GradientReducer:

@@ -54,18 +54,18 @@ from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_lo
 from trainyard.parallel.plan.schedules import SCHEDULES
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
+from trainyard.parallel.runtime.compression import make_compressor
 from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.fsdp import shard_chunks
 from trainyard.parallel.runtime.host_steps import forward_units, wait_in_forward
 from trainyard.parallel.runtime.materialize import materialize
 from trainyard.parallel.runtime.pipeline import PipelineExecutor, PipelineTimings
-from trainyard.parallel.runtime.powersgd import PowerSGD
 from trainyard.parallel.runtime.rank_state import RankState
 from trainyard.parallel.runtime.step_figures import Figures, stage
 from trainyard.parallel.runtime.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
 from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
-from trainyard.parallel.runtime.sync import ReplicaSync, replica_group
+from trainyard.parallel.runtime.sync import make_replica_sync, replica_group
 from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
 from trainyard.parallel.runtime.tied import TiedEmbeddings
 from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
@@ -114,7 +114,7 @@ class RankTrainer:
         self.tied = TiedEmbeddings(self.chunks, groups.tied)
         self.tied.mark()
         self.reducers: dict[str, Reducer] = {}
-        self.compressor = PowerSGD(par.grad_compression, cfg.seed) if par.grad_compression is not None else None
+        self.compressor = make_compressor(par.grad_compression, cfg.seed)
         for kind, group in sets.items():
             # a frozen parameter (LoRA's base) has no gradient to reduce and no optimizer state
             per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind and p.requires_grad]
@@ -140,7 +140,7 @@ class RankTrainer:
         """Steps this trainer ran; the saved-tensor meter runs on every METER_EVERY-th, the first included."""
         params: list[torch.Tensor] = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         tied = frozenset(i for i, p in enumerate(params) if p is self.tied.embedding or p is self.tied.head)
-        self.sync = ReplicaSync(par.sync, params, groups.replicas, plan.dp // plan.reduce_dp, apart=tied) \
+        self.sync = make_replica_sync(par.sync, params, groups.replicas, plan.dp // plan.reduce_dp, apart=tied) \
             if self.local_sync else None
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
                                     self.tied)

@@ -8,8 +8,8 @@ import pytest
 from helpers import tiny_spec
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan import PlanError, make_plan
+from trainyard.parallel.plan.grad_compression import approximation_rank
 from trainyard.parallel.plan.present import describe
-from trainyard.parallel.plan.reduction_bytes import approximation_rank
 from trainyard.parallel.spec import SpecError, parse_spec
 
 
@@ -61,3 +61,20 @@ def test_a_step_that_compiled_is_a_compile_event_of_the_job():
     event = compile_event({"step": 0, "compile_s": 12.5})
     assert event is not None and (event["kind"], event["step"], event["compile_s"]) == ("compile", 0, 12.5)
     assert compile_event({"step": 1}) is None
+
+
+def test_the_runtime_registry_and_the_plans_table_name_the_same_compressors():
+    """A compressor is a `parallel.runtime.compression.COMPRESSORS` entry (how it runs) and a
+    `parallel.plan.grad_compression.COMPRESSIONS` entry (what it sends and keeps): the two, and the spec's kinds,
+    agree; PowerSGD's plan bytes are its two fp32 factors and what it keeps for them."""
+    from typing import get_args, get_type_hints
+
+    from trainyard.parallel.plan.grad_compression import COMPRESSIONS, Compressed
+    from trainyard.parallel.plan.grad_compression import NAMES as PLAN_NAMES
+    from trainyard.parallel.runtime.compression import NAMES
+
+    assert NAMES == PLAN_NAMES and set(get_args(get_type_hints(GradCompressionConfig)["kind"])) == set(NAMES)
+    psgd = COMPRESSIONS["powersgd"]
+    assert psgd.matrix(128, 512, GradCompressionConfig(rank=4)) == Compressed(sent=4 * 640 * 4,
+                                                                               kept=4 * (128 * 512 + 2 * 640 * 4))
+    assert psgd.matrix(8, 8, GradCompressionConfig(rank=4)) is None and psgd.whole_gradients

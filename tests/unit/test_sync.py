@@ -110,3 +110,25 @@ def test_a_checkpoint_says_whether_it_holds_the_outer_momentum(tmp_path):
     dcp.save({"model": weights}, checkpoint_id=tmp_path / "allreduce", no_dist=True)
     dcp.save({"model": weights, "sync": {"h.0.w": torch.zeros(2)}}, checkpoint_id=tmp_path / "diloco", no_dist=True)
     assert not saved_outer_state(tmp_path / "allreduce") and saved_outer_state(tmp_path / "diloco")
+
+
+def test_the_runtime_registry_and_the_plans_table_name_the_same_modes():
+    """A mode is a `parallel.runtime.sync.SYNCS` entry (how it runs; None: the reducers' all-reduce) and a
+    `parallel.plan.replica_sync.SYNC_KINDS` entry (its pure facts): the two, and the spec's kinds, agree; the
+    registry's names are read without torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from typing import get_args, get_type_hints
+
+    from trainyard.parallel.plan.replica_sync import NAMES as PLAN_NAMES
+    from trainyard.parallel.plan.replica_sync import SYNC_KINDS
+    from trainyard.parallel.runtime.sync import NAMES, SYNCS
+
+    assert NAMES == PLAN_NAMES and set(get_args(get_type_hints(SyncConfig)["kind"])) == set(NAMES)
+    assert {name for name, factory in SYNCS.items() if factory is not None} == {
+        name for name, kind in SYNC_KINDS.items() if kind.steps_apart}
+    code = "import sys, trainyard.parallel.runtime.sync; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout == "False\n"

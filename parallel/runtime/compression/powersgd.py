@@ -1,11 +1,12 @@
 """PowerSGD gradient compression (Vogels et al. 2019) on the data-parallel reduction, with error feedback.
 
-`parallel.grad_compression: {kind: powersgd, rank: R, warmup_steps: N}` makes `make_reducer` build a
-`PowerSGDReducer` (or, with ZeRO-1, `ShardedPowerSGDReducer`) instead of the plain one. Per bucket, once its
+`parallel.grad_compression: {kind: powersgd, rank: R, warmup_steps: N}` picks `PowerSGD` from the registry
+(`parallel.runtime.compression.COMPRESSORS`), whose `reducer_class` makes `make_reducer` build a `PowerSGDReducer`
+(or, with ZeRO-1, `ShardedPowerSGDReducer`) instead of the plain one. Per bucket, once its
 gradients are final (during backward, as the plain reduction starts), every gradient matrix M (a parameter's
 local 2-D gradient, this rank's shard of a DTensor's: the group's ranks hold the same tp coordinate, so the
-shards line up) large enough to gain (rows x cols > min_compression_rate x (rows + cols) x r, torch's rule)
-is sent as two thin factors:
+shards line up) large enough to gain (rows x cols > min_compression_rate x (rows + cols) x r, torch's rule:
+`parallel.plan.grad_compression.approximation_rank`) is sent as two thin factors:
 
     M <- M + e (the error this rank kept last step);  P = M Q;  all-reduce P;  P^ = orthonormalise(P)
     Q_i = M^T P^ (this rank's);  e <- M - P^ Q_i^T;  all-reduce Q = sum_i Q_i;  M' = P^ Q^T
@@ -57,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from trainyard.parallel.config import GradCompressionConfig
-from trainyard.parallel.plan.reduction_bytes import approximation_rank
+from trainyard.parallel.plan.grad_compression import approximation_rank
 from trainyard.parallel.runtime.data_parallel import GradientReducer, ShardedGradientReducer
 from trainyard.parallel.runtime.grad_buckets import Bucket as _Bucket
 from trainyard.parallel.runtime.local_parts import local_part
@@ -74,8 +75,8 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
 
 @dataclass
 class PowerSGD:
-    """The compressor the trainer's reducers share: its options, the job seed, and the step running now
-    (set by the trainer before each step, so warm-up follows the job's step count across resumes)."""
+    """The compressor the trainer's reducers share (a `Compressor`): its options, the job seed, and the step
+    running now (set by the trainer before each step, so warm-up follows the job's step count across resumes)."""
 
     config: GradCompressionConfig
     seed: int

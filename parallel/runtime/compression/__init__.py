@@ -1,0 +1,31 @@
+"""The gradient compression room: compressors of the data-parallel reduction (`parallel.grad_compression`).
+
+Owns the registry of compressors (`COMPRESSORS`, by the spec's `parallel.grad_compression.kind`) and one module per
+compressor (`powersgd`). A compressor is a `Compressor` (`parallel.runtime.data_parallel`, where `make_reducer`
+calls it, and re-exported here: its reducers subclass that module's, so the protocol lives beside them): the step
+running now, which the trainer sets before each step, and `reducer_class(base)`, the compressing variant of a
+sharding strategy's reducer class. The trainer builds the job's (`make_compressor`) and hands it to `make_reducer`
+for every reduction set. What a compressor sends and keeps, and whether it needs whole gradients, are its pure
+facts in `parallel.plan.grad_compression.COMPRESSIONS`, under the same names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from trainyard.parallel.config import GradCompressionConfig
+from trainyard.parallel.runtime.compression.powersgd import PowerSGD
+from trainyard.parallel.runtime.data_parallel import Compressor
+
+__all__ = ["COMPRESSORS", "NAMES", "Compressor", "make_compressor"]
+
+COMPRESSORS: dict[str, Callable[[GradCompressionConfig, int], Compressor]] = {
+    "powersgd": PowerSGD,
+}
+"""The compressors by name, each built from (its config, the job's seed)."""
+NAMES = tuple(COMPRESSORS)
+
+
+def make_compressor(cfg: GradCompressionConfig | None, seed: int) -> Compressor | None:
+    """The job's compressor (None: the gradients go uncompressed)."""
+    return None if cfg is None else COMPRESSORS[cfg.kind](cfg, seed)
