@@ -27,8 +27,9 @@ Chunk steps, for each chunk in turn:
 4. recompute: `activation_checkpointing` (flags on the family's modules, or the stage's `recompute_blocks` for
    full) and `activation_offload`. Before compile: `compile_blocks` reads `recompute_blocks` and, for full
    recompute, moves the checkpoint inside each compiled block and turns the stage's own off; set after it, the
-   stage would checkpoint around compiled blocks, which torch refuses at backward (`parallel.runtime.compile`).
-   Neither tp nor LoRA replaces the modules it flags: after them is torchtitan's order (tp, then AC), not a need.
+   flag would be on again and the stage would checkpoint around the compiled blocks, not the composition
+   `parallel.runtime.compile` chose (torchtitan's: the compiler sees what backward recomputes). Neither tp nor
+   LoRA replaces the modules it flags: after them is torchtitan's order (tp, then AC), not a need.
 5. compile_blocks (`compile: true`): each block compiled in place (`parallel.runtime.compile`), after tp, LoRA and
    recompute as that module says; under a split-backward schedule (zb-h1, zbv) its linears stay eager. FSDP2
    wraps the compiled blocks afterwards, torchtitan's order (compile, then fully_shard).
