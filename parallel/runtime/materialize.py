@@ -1,12 +1,13 @@
 """Construction on the meta device: a rank's chunks get storage for their own shards only, and their values.
 
-The trainer builds every chunk under `torch.device("meta")` (shapes, no storage), applies tensor parallelism,
-expert parallelism (a rank builds only the experts it hosts) and FSDP2 there, and only then calls `materialize`:
-`to_empty` gives each parameter storage for this rank's part on the rank's device (FSDP2's own `_apply` pads its
-uneven shards and re-points them), every parameter is filled with exactly the values the whole tensor would hold
-(`fill_local`), and the buffers are recomputed from the config (`DecoderStage.reset_buffers`; `to_empty` leaves
-them uninitialised). So no rank ever holds more than its own shards plus one whole parameter at a time, the
-transient the memory plan counts (`parallel.plan.memory`: `construction`).
+A rank's build (`parallel.runtime.build`, which gives the order of its steps) makes every chunk under
+`torch.device("meta")` (shapes, no storage), applies tensor parallelism, expert parallelism (a rank builds only the
+experts it hosts) and FSDP2 there, and only then calls `materialize`: `to_empty` gives each parameter storage for
+this rank's part on the rank's device (FSDP2's own `_apply` pads its uneven shards and re-points them), every
+parameter is filled with exactly the values the whole tensor would hold (`fill_local`), and the buffers are
+recomputed from the config (`DecoderStage.reset_buffers`; `to_empty` leaves them uninitialised). So no rank ever
+holds more than its own shards plus one whole parameter at a time, the transient the memory plan counts
+(`parallel.plan.memory`: `construction`).
 
 Why one whole parameter at a time and keep the slice, rather than a generator that draws only this rank's
 elements (torch's DTensor random ops, offset-based Philox): the values are then bitwise those of the whole

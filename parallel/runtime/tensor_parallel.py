@@ -29,9 +29,9 @@ sequence slice (a local slice, no communication); the slice's backward is an all
 gets the whole gradient of `wpe` and its weight needs no reduction of ours. (Looking up only this rank's
 positions would save a tiny lookup but leave each rank a partial `wpe` gradient to all-reduce by hand.)
 
-The trainer shards a stage built on the meta device (`src_data_rank=None`: nothing is sent) and only then gives
-each rank's shards their values (`parallel.runtime.materialize`: each parameter drawn whole from (seed, name),
-one at a time, and sliced), so a job at tp=2 starts from exactly the weights of tp=1.
+A rank's build (`parallel.runtime.build`) shards a stage built on the meta device (`src_data_rank=None`: nothing
+is sent) and only then gives each rank's shards their values (`parallel.runtime.materialize`: each parameter drawn
+whole from (seed, name), one at a time, and sliced), so a job at tp=2 starts from exactly the weights of tp=1.
 
 Nothing here is written by hand beyond the choice of styles: DTensor does the collectives in forward and
 backward. What it lacks is handled elsewhere, each with its reason:

@@ -24,10 +24,12 @@ straight into the next one's; `train_step` reads them at once, for callers that 
 The MoE layers' dispatch is the exception, one read per layer and micro-batch when dropless, none with a capacity
 (`parallel.models.moe`). tests/unit/test_host_reads.py counts them.
 
-The state that moves (the checkpoint's form of it, saves and loads, a resize's or a rejoining replica's state,
-local_sgd / diloco's averaging) is `parallel.runtime.rank_state`'s `RankState`, which the trainer holds and
-delegates to; what is left here is how the strategies (sharding, compression, sync, split backward, offload) are
-wired for a step.
+How a rank is built (its chunks on the meta device, tensor parallelism, LoRA, recompute, compile, FSDP2, their
+values, the tied embeddings, the gradient reducers and the optimizer) is `parallel.runtime.build`'s `build_rank`, in
+one fixed order written and explained there. The state that moves (the checkpoint's form of it, saves and loads, a
+resize's or a rejoining replica's state, local_sgd / diloco's averaging) is `parallel.runtime.rank_state`'s
+`RankState`, which the trainer holds and delegates to; what is left here is how the strategies (sharding,
+compression, sync, split backward, offload) are wired for a step, and the step.
 """
 
 from __future__ import annotations
@@ -41,34 +43,22 @@ import torch
 import torch.distributed as dist
 from trainyard.parallel.data.datasets import counted_targets, open_dataset
 from trainyard.parallel.data.sampler import rank_share, validation_batches
-from trainyard.parallel.io import hf_checkpoint, peft_adapter
-from trainyard.parallel.models import family_of
-from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.models.lora import apply_lora
-from trainyard.parallel.models.moe import MoEContext, moe_layers
+from trainyard.parallel.models.moe import moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.actions import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
+from trainyard.parallel.plan.actions import FREEING_KINDS, Action, ActionKind, stage_location
 from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after
-from trainyard.parallel.plan.schedules import SCHEDULES
-from trainyard.parallel.plan.sharding import sharding_for
-from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
-from trainyard.parallel.runtime.compression import make_compressor
-from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
+from trainyard.parallel.runtime.build import build_rank
+from trainyard.parallel.runtime.compile import compile_seconds
 from trainyard.parallel.runtime.distributed import RankGroups
-from trainyard.parallel.runtime.fsdp import shard_chunks
-from trainyard.parallel.runtime.host_steps import forward_units, wait_in_forward
-from trainyard.parallel.runtime.materialize import materialize
 from trainyard.parallel.runtime.pipeline import PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.rank_state import RankState
 from trainyard.parallel.runtime.step_figures import Figures, stage
 from trainyard.parallel.runtime.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
 from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
 from trainyard.parallel.runtime.sync import make_replica_sync, replica_group
-from trainyard.parallel.runtime.tensor_parallel import activation_shape, apply_tensor_parallel, loss_context
-from trainyard.parallel.runtime.tied import TiedEmbeddings
-from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
+from trainyard.parallel.runtime.tensor_parallel import activation_shape, loss_context
 
 FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
 """A pipeline schedule's actions that evaluation runs: forwards and the activations between stages."""
@@ -82,57 +72,17 @@ class RankTrainer:
         cfg = plan.config
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         self.coords = plan.coords(rank)
-        # Built on the meta device and sharded there (tp, ep, then ZeRO-2/3 below): each rank materializes only its
-        # own shards (parallel.runtime.materialize), never a whole chunk.
-        self.chunks = [self._build_chunk(c, layers) for c, layers in enumerate(plan.chunk_layers(self.coords.pp))]
+        # The chunks, their sharding and values, the reducers and the optimizer, in `parallel.runtime.build`'s
+        # order: on the meta device, sharded there (tp, ep, ZeRO-2/3), then only this rank's shards materialized.
+        built = build_rank(plan, rank, groups, device)
+        self.chunks, self.sharded, self.tied = built.chunks, built.sharded, built.tied
+        self.reducers, self.compressor, self.optimizer = built.reducers, built.compressor, built.optimizer
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
-        # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.moe): dense
-        # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
         par = cfg.fixed_parallel
         # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
         # A replica is `plan.reduce_dp` dp ranks (`parallel.sync.replicas`), which reduce, shard and spread experts
         # among themselves as allreduce's dp ranks do.
         self.local_sync = is_local(par.sync) and plan.dp > plan.reduce_dp
-        sets = {"dense": groups.reduce, "router": groups.stage, "experts": groups.experts}
-        family, sharding = family_of(cfg.model), sharding_for(par.zero)
-        # ZeRO-2/3: FSDP2 shards each chunk per block (its embedding, each block, its head; routers and experts on
-        # their own groups) over the same groups (parallel.runtime.fsdp).
-        self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
-                                    par.reduce_dtype, device.type) if sharding.shards_parameters else None
-        # Every parameter's values: from (seed, name), or the start's weights read slice by slice into the shards
-        # (`load_into` checks first that the checkpoint names every parameter); a checkpoint loaded later replaces
-        # them.
-        materialize(self.chunks, device, seed=cfg.seed, fill=cfg.init_from is None)
-        if cfg.init_from is not None:
-            assert cfg.init_from.hf is not None, "a rule: init_from.hf (or a job_id the service resolved to it)"
-            hf_checkpoint.load_into(self.chunks, cfg.model, Path(cfg.init_from.hf))
-            if cfg.init_from.adapter is not None:  # LoRA continued from a PEFT adapter
-                peft_adapter.load_into(self.chunks, cfg.model, Path(cfg.init_from.adapter))
-        if self.sharded is not None:
-            self.sharded.ready()
-        # Tied embeddings in two chunks: the two copies' gradients in buckets of their own, summed every step.
-        self.tied = TiedEmbeddings(self.chunks, groups.tied)
-        self.tied.mark()
-        self.reducers: dict[str, Reducer] = {}
-        self.compressor = make_compressor(par.grad_compression, cfg.seed)
-        for kind, group in sets.items():
-            # a frozen parameter (LoRA's base) has no gradient to reduce and no optimizer state
-            per_chunk = [[p for n, p in chunk.named_parameters() if family.reduction_set(n) == kind and p.requires_grad]
-                         for chunk in self.chunks]
-            if any(per_chunk):
-                self.reducers[kind] = make_reducer(per_chunk, group, sharding, reduce_dtype=par.reduce_dtype,
-                                                   sharded=self.sharded, compressor=self.compressor,
-                                                   shared_memory=par.shared_memory_reduce)
-        # Offloaded: the optimizer's chunks follow the forward's units; overlapped, each unit's forward waits for its
-        # own chunks' host step (`parallel.runtime.host_steps`), where nothing else reads the parameters in between.
-        units = forward_units(self.chunks) if cfg.optimizer.offload else []
-        overlap = (cfg.optimizer.offload_overlap and not cfg.compile
-                   and not any(r.zero for r in self.reducers.values()))
-        self.optimizer = TrainOptimizer([pair for r in self.reducers.values() for pair in r.optimizer_params()],
-                                        cfg.optimizer, offload=cfg.optimizer.offload, overlap=overlap,
-                                        units=[[p for m in unit for p in m.parameters()] for unit in units] or None)
-        if self.optimizer.overlap:
-            wait_in_forward(units, self.optimizer.ready)
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
         self._norm_is_local: bool | None = None
         """Whether the gradient norm needs no collective (`_norm_inputs`); decided at the first step."""
@@ -159,32 +109,6 @@ class RankTrainer:
             before_backward=self._arm_reduction if par.overlap_reduce or self.sharded else None,
             sharded=self.sharded, placement=plan.placement,
         )
-
-    def _build_chunk(self, chunk: int, layers: tuple[int, ...]) -> DecoderStage:
-        """One model chunk on the meta device (shapes, no storage), sharded over tp there; ZeRO-2/3 then shard it
-        over dp, and `materialize` gives this rank's shards their values. Gradient buckets and the optimizer come
-        after, as they need the final parameters."""
-        v = virtual_stage(self.coords.pp, chunk, self.plan.pp, self.plan.placement)
-        cfg = self.plan.config
-        with torch.device("meta"):
-            stage = family_of(cfg.model).build_stage(
-                cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
-                experts=self.plan.experts_of(self.rank))
-        if self.groups.tp_mesh is not None:
-            apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
-        if cfg.model.lora is not None:  # after tp: the adapters are split to match their (sharded) base
-            apply_lora(stage, seed=cfg.seed, tp_mesh=self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
-        stage.set_activation_checkpointing(cfg.activation_checkpointing)
-        stage.set_activation_offload(cfg.activation_offload)
-        if cfg.compile:
-            # a split backward (zb-h1, zbv) needs each linear's weight gradient apart from its input's: linears eager
-            compile_blocks(stage, separable_weights=SCHEDULES[cfg.fixed_parallel.schedule].splits_backward)
-        # The auxiliary losses are normalised like the token loss: by the sequences of the step's batch, or of the
-        # replica's share of it with local_sgd and diloco (a replica of reduce_dp of the dp ranks)
-        for _, layer in moe_layers(stage):
-            layer.context = MoEContext(sequences_per_step=cfg.global_batch * self.plan.reduce_dp // self.plan.dp,
-                                       tp_group=self.groups.tp, ep_group=self.groups.ep)
-        return stage
 
     @property
     def is_last_stage(self) -> bool:
