@@ -21,17 +21,14 @@ from pathlib import Path
 import ray
 from trainyard.actors import recovery, training
 from trainyard.actors.calls import Failure, StepFailed, Unrecoverable, first_line, own_error
+from trainyard.actors.failure_handling.hang import HangPolicy
+from trainyard.actors.failure_handling.policy import FailureAction
+from trainyard.actors.failure_handling.registry import failure_policy
 from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
 from trainyard.actors.oom_killer import OomCounts, oom_killed, read_on_node, unexpected_exit
-from trainyard.actors.policies import (
-    FailureAction,
-    HangPolicy,
-    ResizeDecision,
-    ResizeDesk,
-    failure_policy,
-    scaling_policy,
-)
 from trainyard.actors.progress import Progress
+from trainyard.actors.scaling_policy.resize_desk import ResizeDesk
+from trainyard.actors.scaling_policy.scaling import ResizeDecision, scaling_policy
 from trainyard.actors.state import (
     Admitted,
     CallFailed,

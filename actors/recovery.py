@@ -10,9 +10,9 @@ died with it), and a resize asked for (`scale` or the elastic grower).
   3. create the missing ranks, rendezvous, set every rank up
   4. take the state: load the restore point, or move it in memory (new ranks get it by broadcast); after a
      failure, when every (pp, tp) shard still has a data-parallel replica holding the state of the failed step
-     (`policies.replica_sources`; the failed step is the first without a row: figures come one step late), or
-     of a later one whose figures the ranks returned or kept (`policies.live_point`), that replica is the
-     source: the job resumes there, no step lost and no checkpoint read (torchft's idea); else it goes back to
+     (`failure_handling.replicas.replica_sources`; the failed step is the first without a row: figures come one
+     step late), or of a later one whose figures the ranks returned or kept (`replicas.live_point`), that replica
+     is the source: the job resumes there, no step lost and no checkpoint read (torchft's idea); else it goes back to
      the restore point
   5. forget the metrics rows that will be run again, and record the resize
 local_sgd and diloco jobs may instead drop the failed replica from the round (`actors.replica_drop`).
@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 
 import ray
 from trainyard.actors.calls import Failure, Unrecoverable
-from trainyard.actors.policies import largest_size, live_point, replicas_may_recover
+from trainyard.actors.failure_handling.replicas import live_point, replicas_may_recover
+from trainyard.actors.scaling_policy.scaling import largest_size
 from trainyard.actors.state import Point, Ready, Recovering, Resizing
 from trainyard.actors.storage import checkpoint_info
 from trainyard.actors.telemetry import figures_by_step, make_row

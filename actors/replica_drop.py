@@ -1,6 +1,6 @@
 """Replicas that fail alone (local_sgd, diloco; issue 32): after a rank died, its replica is dropped from the
 round and the others go on stepping; it rejoins at the next sync from their state (`parallel.sync` says how
-the round and the rejoin run on the ranks; `policies.replicas_to_drop` when a failure allows it).
+the round and the rejoin run on the ranks; `failure_handling.replicas.replicas_to_drop` when a failure allows it).
 
 The coordinator's part, in `drop_replicas`:
   1. the other replicas finish the failed step and the one queued after it (between syncs they wait on no
@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from trainyard.actors.calls import StepFailed
-from trainyard.actors.policies import replicas_to_drop
+from trainyard.actors.failure_handling.replicas import replicas_to_drop
 from trainyard.actors.recovery import _rejoin
 from trainyard.actors.state import Recovering
 from trainyard.actors.telemetry import figures_by_step, make_row

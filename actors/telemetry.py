@@ -195,7 +195,7 @@ def pipeline_metrics(results: list[dict]) -> dict:
 
 def _first_pipeline(results: list[dict]) -> list[dict]:
     """The tensor-parallel rank 0 of every stage of the lowest data-parallel replica whose stages all answered."""
-    from trainyard.actors.policies import complete_pipeline
+    from trainyard.actors.failure_handling.replicas import complete_pipeline
 
     pp = 1 + max(r["pp_rank"] for r in results)
     d = complete_pipeline(results, pp)

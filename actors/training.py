@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import ray
 from trainyard.actors.calls import Unrecoverable
-from trainyard.actors.policies import HANG_WINDOW
+from trainyard.actors.failure_handling.hang import HANG_WINDOW
 from trainyard.actors.state import AtBoundary, Cancelled, Done, Outcome
 from trainyard.actors.storage import checkpoint_info
 from trainyard.actors.telemetry import checkpoint_event, compile_event, make_row, set_gauges

@@ -3,7 +3,7 @@ per tensor-parallel group (pp, dp)), and the spare and grown slots an elastic jo
 
 The admitted placement group is the service's (it reserved it and removes it). Groups reserved here to grow
 (`<name>-growN`) are this group's to give back. Nothing here decides anything: the controller and its
-policies say what to create, reuse, kill or move.
+policies (`actors.failure_handling`, `actors.scaling_policy`) say what to create, reuse, kill or move.
 """
 
 from __future__ import annotations
@@ -141,13 +141,13 @@ class WorkerGroup:
                 ray.cancel(ref)
             except Exception:  # noqa: BLE001 - already run or gone
                 pass
-        from trainyard.actors.policies import replicas_to_replace
+        from trainyard.actors.failure_handling.replicas import replicas_to_replace
 
         reusable = failure.reusable
         if keep_state and failure.dead:
             # Every rank alive may hold the state, those that answered the failed step too (they are in the next
             # one). The replicas of the dead ranks are replaced whole: their ranks may be blocked on the dead
-            # ones, and the other replicas' on them, which only their exit frees (`policies.replicas_to_replace`).
+            # ones, and the other replicas' on them, which only their exit frees (`replicas.replicas_to_replace`).
             reusable = set(range(len(self.workers))) - set(failure.dead)
             reusable -= replicas_to_replace(self.plan, set(failure.dead))
         for rank in range(len(self.workers)):  # first, so that no kept rank waits on them

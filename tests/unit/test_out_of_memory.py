@@ -9,7 +9,7 @@ import pytest
 import ray
 from test_coordinator_states import BUDGET_2, POINT, inputs
 from trainyard.actors.calls import Failure, out_of_memory
-from trainyard.actors.policies import FailureAction
+from trainyard.actors.failure_handling.policy import FailureAction
 from trainyard.actors.state import CallFailed, Failed, JobStatus, Running, step
 from trainyard.service.live_jobs import coordinator_lost, handling_failed
 

@@ -1,13 +1,13 @@
-"""The pure parts of recovering from live replicas at (dp, pp) > 1 (`actors.policies`, `actors.telemetry`): which
-ranks are replaced so that none stays blocked on a dead peer, and which answers make the failed step's row (any
-whole pipeline, not only replica 0's); and of replicas that fail alone (local_sgd, diloco: `parallel.sync`,
-`policies.replicas_to_drop`): which replicas take part in a round, when a dropped one rejoins, and which
-failures drop a replica rather than go back to the checkpoint."""
+"""The pure parts of recovering from live replicas at (dp, pp) > 1 (`actors.failure_handling.replicas`,
+`actors.telemetry`): which ranks are replaced so that none stays blocked on a dead peer, and which answers make the
+failed step's row (any whole pipeline, not only replica 0's); and of replicas that fail alone (local_sgd, diloco:
+`parallel.sync`, `replicas.replicas_to_drop`): which replicas take part in a round, when a dropped one rejoins, and
+which failures drop a replica rather than go back to the checkpoint."""
 
 from __future__ import annotations
 
 from helpers import tiny_spec
-from trainyard.actors.policies import complete_pipeline, live_point, replicas_to_replace
+from trainyard.actors.failure_handling.replicas import complete_pipeline, live_point, replicas_to_replace
 from trainyard.actors.telemetry import make_row
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
@@ -61,7 +61,7 @@ def test_a_dropped_replica_sits_out_until_the_next_sync_and_rejoins_in_it():
 
 
 def test_only_a_local_sync_replica_whose_rank_died_alone_is_dropped():
-    from trainyard.actors.policies import replicas_to_drop
+    from trainyard.actors.failure_handling.replicas import replicas_to_drop
 
     def plan_of(sync, **parallel):
         return make_plan(parse_spec(tiny_spec(model={"n_layer": 4}, global_batch=16,
