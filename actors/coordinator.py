@@ -10,7 +10,7 @@ placement group, all or nothing, and hands it over ready; the service removes it
 
 It is an async actor so that `poll`, `stop` and `scale` are answered while a step runs. A step fails when a
 worker raises, dies, or hangs (`actors.failure_handling.hang`); up to `fault.max_failures` failures, wherever
-they happen, are recovered from (`actors.recovery`), the next one fails the job with every cause.
+they happen, are recovered from (`actors.actions.recovery`), the next one fails the job with every cause.
 
 The coordinator's own death is a failure too: the service creates it with Ray `max_restarts =
 fault.max_failures`, its workers die with it (Ray fate-shares actors with their owner), and Ray starts it

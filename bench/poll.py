@@ -4,9 +4,9 @@
 A poll is the coordinator's report (`Controller.report`: the metrics rows since the service's cursor and the
 events after its event cursor), its trip through pickle (as Ray carries it), and the manager writing it to a
 real SQLite store (`service.manager.apply_report`). The job is the real controller fed 20,000 steps' rows
-through `actors.training.record` (metrics log, journal, a checkpoint event every 50 steps), without Ray
-workers: what is measured is the service's side, the part that grew with the job's length. The baseline
-row is the poll as it was before (every row scanned for `since`, every event sent and rewritten), emulated
+through its `StepRecorder.record` (`actors.actions.recording`: metrics log, journal, a checkpoint event every 50
+steps), without Ray workers: what is measured is the service's side, the part that grew with the job's length.
+The baseline row is the poll as it was before (every row scanned for `since`, every event sent and rewritten), emulated
 with the same pieces. The resume check is `JobManager.resume_point` (what `POST /api/jobs` runs) on a
 checkpoint holding a sparse 2 GiB file, against hashing it as that path did before (`checkpoint.verify`).
 """
@@ -18,7 +18,6 @@ import pickle
 import time
 from pathlib import Path
 
-from trainyard.actors import training
 from trainyard.actors.controller import Controller
 from trainyard.actors.state import JobStatus
 from trainyard.actors.storage import JobStorage
@@ -56,7 +55,7 @@ class _Job:
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            training.record(self.ctl, _row(self.step))
+            self.ctl.recorder.record(_row(self.step))
             self.step += 1
 
     def poll(self, old_way: bool) -> float:

@@ -62,7 +62,7 @@ def elastic_plan(dp: int = 2):
 
 class Driver:
     """What the controller does around `step`, minus the actions: it counts a failure when it enters a
-    counted RECOVERING (as `actors.recovery` records it) and takes an accepted resize."""
+    counted RECOVERING (as `actors.actions.recovery` records it) and takes an accepted resize."""
 
     def __init__(self, policy: FailurePolicy):
         self.policy, self.state, self.causes, self.seen = policy, Pending(), [], [JobStatus.PENDING]

@@ -6,7 +6,6 @@ BENCHMARKS.md, `python -m bench.run --only poll`)."""
 from __future__ import annotations
 
 from helpers import tiny_spec
-from trainyard.actors import training
 from trainyard.actors.controller import Controller
 from trainyard.actors.state import JobStatus
 from trainyard.actors.storage import JobStorage
@@ -41,7 +40,7 @@ class Follow:
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            training.record(self.ctl, fake_row(self.step))
+            self.ctl.recorder.record(fake_row(self.step))
             self.step += 1
 
     def poll(self) -> dict:
