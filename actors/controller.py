@@ -259,12 +259,12 @@ class Controller:
 
         predicted = estimate(self.plan.layout, self.plan.config)
         plans = ", ".join(f"rank {r}: {format_size(predicted[r].total)}" for r in ranks)
-        peaks = [row["peak_rss_bytes"] for row in self.rows.since(0) if row.get("peak_rss_bytes")]
+        largest = self.rows.largest_peak_rss()
         peaks_by_rank = self.recorder.rank_peaks
         own = "".join(f"; rank {r}'s last measured resident peak: {format_size(peaks_by_rank[r])}"
                       for r in ranks if r in peaks_by_rank)
-        measured = own + (f"; the largest rank's resident peak measured before it: {format_size(max(peaks))}"
-                          if peaks else "")
+        measured = own + (f"; the largest rank's resident peak measured before it: {format_size(largest)}"
+                          if largest else "")
         return (f"Out of memory: the plan predicted {plans} (what `trainyard plan` shows){measured}. Not retried: the "
                 "same layout would run out again. Use smaller micro-batches (more parallel.microbatches), "
                 "activation_checkpointing, a higher parallel.zero or optimizer.offload, or spread the model over "

@@ -19,6 +19,7 @@ from trainyard.actors.calls import Failure, call_all
 from trainyard.actors.naming import coordinator_name, placement_group_name, worker_name
 from trainyard.actors.worker import Worker
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.step_stats import StepReport
 
 Slot = tuple[PlacementGroup, int]
 log = logging.getLogger("trainyard.coordinator")
@@ -129,7 +130,7 @@ class WorkerGroup:
             self.workers[rank] = None
 
     async def tear_down(self, failure: Failure, upcoming: list, keep_state: bool = False
-                        ) -> dict[int, tuple[int | None, list[dict]]]:
+                        ) -> dict[int, tuple[int | None, list[StepReport]]]:
         """After a failure: ranks that raised are reset (and kept), every other rank is killed. `keep_state`: the
         kept ranks hold their state (`Worker.keep_state`), and when a rank died, every rank alive is given the same
         chance, except those of a replica holding a dead rank, which are replaced (their exit frees the ranks
@@ -157,7 +158,7 @@ class WorkerGroup:
                                         else self.workers[r].reset.remote()): r
                   for r in reusable if self.workers[r] is not None}
         done, late = await asyncio.wait(resets, timeout=RESET_TIMEOUT_S) if resets else (set(), set())
-        kept: dict[int, tuple[int | None, list[dict]]] = {}
+        kept: dict[int, tuple[int | None, list[StepReport]]] = {}
         for task in done | late:
             if task in done and task.exception() is None:
                 kept[resets[task]] = task.result() if keep_state else (None, [])

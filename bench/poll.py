@@ -21,6 +21,7 @@ from pathlib import Path
 from trainyard.actors.controller import Controller
 from trainyard.actors.state import JobStatus
 from trainyard.actors.storage import JobStorage
+from trainyard.actors.telemetry import StepRow
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
@@ -34,13 +35,12 @@ from bench.results import Row, median, ratio
 STEPS, PER_POLL, POLLS = 20_000, 10, 30
 
 
-def _row(step: int) -> dict:
-    row = {"step": step, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e4, "step_time_s": 0.01,
-           "coordinator_overhead_s": 0.001, "bubble_fraction": 0.0, "stage_forward_s": [0.003],
-           "stage_backward_s": [0.006], "stage_peak_activations": [1], "stage_peak_activation_mb": [0.1]}
-    if (step + 1) % 50 == 0:
-        row["checkpoint_blocked_s"] = 0.01
-    return row
+def _row(step: int) -> StepRow:
+    return StepRow(step=step, loss=5.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1e4, step_time_s=0.01,
+                   coordinator_overhead_s=0.001, bubble_fraction=0.0, stage_forward_s=[0.003],
+                   stage_backward_s=[0.006], stage_peak_activations=[1], stage_peak_activation_mb=[0.1],
+                   reduce_bytes=0, cross_replica_bytes=0,
+                   checkpoint_blocked_s=0.01 if (step + 1) % 50 == 0 else None)
 
 
 class _Job:

@@ -41,6 +41,7 @@ from trainyard.actors.worker_group import WorkerGroup, dead_nodes
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, can_move_in_memory, resize_plan
 from trainyard.parallel.plan.cadence import saves_after
+from trainyard.parallel.runtime.step_stats import StepReport
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -179,8 +180,8 @@ class Recovery:
                  new.dp, step, reason, moved)
 
 
-def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, list[dict]]]
-             ) -> dict[int, tuple[dict, ...]]:
+def _answers(plan: Plan, failure: Failure, kept: dict[int, tuple[int | None, list[StepReport]]]
+             ) -> dict[int, tuple[StepReport, ...]]:
     """The figures the ranks returned or kept for the steps from the failed one on (no row has them yet), by
     step: those in the answers that came back, and those the failure cut short (each kept rank's last figures
     read, `Worker.keep_state`)."""

@@ -29,6 +29,7 @@ from trainyard.actors.worker_group import WorkerGroup
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan.cadence import evaluates_after, is_done, saves_after
 from trainyard.parallel.plan.replica_sync import round_of
+from trainyard.parallel.runtime.step_stats import Save
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -48,8 +49,7 @@ class StepLoop:
         root, info = self.storage.checkpoint_root, checkpoint_info(cfg)
 
         def submit(step: int) -> list[ray.ObjectRef]:
-            save = {"root": root, "info": info, "background": cfg.checkpoint.async_} if saves_after(cfg, step) \
-                else None
+            save = Save(Path(root), info, cfg.checkpoint.async_) if saves_after(cfg, step) else None
             drills = self.drills.due_on_ranks(step)
             dropped = progress.dropped
             taking_part = round_of(step, plan.dp, dropped)  # None: every replica steps

@@ -5,8 +5,11 @@ and (local_sgd, diloco) which replicas are dropped from the round, the others st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from trainyard.parallel.plan import Plan, can_move_in_memory
 from trainyard.parallel.plan.replica_sync import is_local
+from trainyard.parallel.runtime.step_stats import StepReport, StepStats
 
 
 def replicas_may_recover(plan: Plan) -> bool:
@@ -37,7 +40,7 @@ LATE_STEPS = 2
 were on their way, and the one queued behind it."""
 
 
-def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: dict[int, tuple[dict, ...]]
+def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: dict[int, tuple[StepReport, ...]]
                ) -> tuple[dict[int, int], int] | None:
     """Where a recovery from live replicas goes on: (`replica_sources`, the step), or None. The replicas hold
     the failed step `step` (the first whose row the coordinator lacks); or a later one, when the ranks finished
@@ -48,8 +51,8 @@ def live_point(plan: Plan, kept: dict[int, int | None], step: int, answered: dic
         sources = replica_sources(plan, kept, resume)
         if sources is not None:
             return sources, resume
-        rows = answered.get(resume, ())
-        if complete_pipeline(rows, plan.pp) is None or not any(r["loss"] is not None for r in rows):
+        stats = [r.stats for r in answered.get(resume, ()) if r.stats is not None]
+        if complete_pipeline(stats, plan.pp) is None or not any(s.loss is not None for s in stats):
             return None
     return None
 
@@ -70,13 +73,13 @@ def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict
     return broken
 
 
-def complete_pipeline(results: tuple[dict, ...] | list[dict], pp: int) -> int | None:
-    """The lowest data-parallel replica whose every stage (tensor-parallel rank 0) is among `results` (a step's
-    answers), or None."""
+def complete_pipeline(results: Sequence[StepStats], pp: int) -> int | None:
+    """The lowest data-parallel replica whose every stage (tensor-parallel rank 0) is among `results` (the ranks'
+    figures of a step), or None."""
     stages: dict[int, set[int]] = {}
     for r in results:
-        if r["tp_rank"] == 0:
-            stages.setdefault(r["dp_rank"], set()).add(r["pp_rank"])
+        if r.tp_rank == 0:
+            stages.setdefault(r.dp_rank, set()).add(r.pp_rank)
     return min((d for d, got in stages.items() if len(got) == pp), default=None)
 
 

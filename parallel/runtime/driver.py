@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +27,11 @@ from trainyard.parallel.plan.memory import estimate
 from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
 from trainyard.parallel.runtime.host_memory import return_freed_memory, returns_freed_memory
 from trainyard.parallel.runtime.step_figures import Figures
+from trainyard.parallel.runtime.step_stats import Save
 from trainyard.parallel.runtime.trainer import RankTrainer
 
 RECENT = 4
 """How many steps' figures a rank keeps after reading them (a recovery needs the last two at most)."""
-
-
-@dataclass(frozen=True)
-class Save:
-    """A checkpoint to write after a step: under `root`, with `info` in its manifest; `background` stages the
-    state and lets a thread write it (finished by the next save or `finish`)."""
-
-    root: Path
-    info: dict
-    background: bool = False
 
 
 class RankDriver:

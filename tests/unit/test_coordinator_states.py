@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 from helpers import tiny_spec
+from step_helpers import step_report
 from trainyard.actors.calls import Failure
 from trainyard.actors.failure_handling.default import DefaultFailurePolicy
 from trainyard.actors.failure_handling.hang import HangPolicy
@@ -313,7 +314,7 @@ def test_replicas_steps_ahead_are_taken_when_the_figures_hold_the_rows_of_the_st
     # No row past step 3: rank 1 died in step 4 or later, rank 0 finished steps 4 (figures one step late, or the
     # answer lost with rank 1) and 5 (queued behind it) and returned or kept their figures
     plan = make_plan(parse_spec(tiny_spec(parallel={"dp": 2})))
-    figures = {s: ({"step": s, "pp_rank": 0, "dp_rank": 0, "tp_rank": 0, "loss": 2.5},) for s in (4, 5)}
+    figures = {s: (step_report(step=s, loss=2.5),) for s in (4, 5)}
     assert live_point(plan, {0: 4}, 4, {}) == ({0: 0, 1: 0}, 4)
     assert live_point(plan, {0: 5}, 4, figures) == ({0: 0, 1: 0}, 5)
     assert live_point(plan, {0: 6}, 4, figures) == ({0: 0, 1: 0}, 6)
