@@ -33,7 +33,6 @@ from trainyard.actors.failure_handling.policy import FailureAction
 from trainyard.actors.failure_handling.registry import DEFAULT as DEFAULT_POLICY
 from trainyard.actors.failure_handling.registry import failure_policy
 from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
-from trainyard.actors.oom_killer import OomCounts, oom_killed, read_on_node, unexpected_exit
 from trainyard.actors.progress import Progress
 from trainyard.actors.scaling_policy.resize_desk import ResizeDesk
 from trainyard.actors.scaling_policy.scaling import ResizeDecision, scaling_policy
@@ -64,7 +63,8 @@ from trainyard.actors.state import (
 from trainyard.actors.storage import JobStorage
 from trainyard.actors.telemetry import Rows
 from trainyard.actors.tracking import Trackers
-from trainyard.actors.worker_group import WorkerGroup, alive_nodes, slot_keys
+from trainyard.actors.worker_group.oom_killer import OomCounts, oom_killed, read_on_node, unexpected_exit
+from trainyard.actors.worker_group.worker_group import WorkerGroup, alive_nodes, slot_keys
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, resize_plan
 

@@ -37,7 +37,7 @@ from trainyard.actors.scaling_policy.scaling import largest_size
 from trainyard.actors.state import Ready, Recovering, Resizing
 from trainyard.actors.storage import JobStorage, checkpoint_info
 from trainyard.actors.telemetry import Rows, figures_by_step, make_row
-from trainyard.actors.worker_group import WorkerGroup, dead_nodes
+from trainyard.actors.worker_group.worker_group import WorkerGroup, dead_nodes
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, can_move_in_memory, resize_plan
 from trainyard.parallel.plan.cadence import saves_after

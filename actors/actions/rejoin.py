@@ -11,7 +11,7 @@ import ray
 from trainyard.actors.progress import Progress
 from trainyard.actors.state import Point
 from trainyard.actors.telemetry import Rows
-from trainyard.actors.worker_group import WorkerGroup
+from trainyard.actors.worker_group.worker_group import WorkerGroup
 
 log = logging.getLogger("trainyard.coordinator")
 

@@ -31,7 +31,7 @@ from trainyard.actors.journal import Journal
 from trainyard.actors.progress import Progress
 from trainyard.actors.state import Recovering
 from trainyard.actors.telemetry import figures_by_step, make_row
-from trainyard.actors.worker_group import WorkerGroup
+from trainyard.actors.worker_group.worker_group import WorkerGroup
 from trainyard.parallel.plan.cadence import is_done
 from trainyard.parallel.plan.replica_sync import rejoin_step
 

@@ -25,7 +25,7 @@ from trainyard.actors.scaling_policy.resize_desk import ResizeDesk
 from trainyard.actors.state import AtBoundary, Cancelled, Done, Outcome
 from trainyard.actors.storage import JobStorage, checkpoint_info
 from trainyard.actors.telemetry import Rows
-from trainyard.actors.worker_group import WorkerGroup
+from trainyard.actors.worker_group.worker_group import WorkerGroup
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan.cadence import evaluates_after, is_done, saves_after
 from trainyard.parallel.plan.replica_sync import round_of

@@ -5,8 +5,8 @@ A step's figures reach the caller one step late (`queue_step`): the call for ste
 N-1's, read once N's work is queued behind them, so the device never waits for the host between steps; `flush`
 gives the last step's. A step that evaluates or saves is read (and checked for divergence) in its own call.
 
-The one place this sequence is written: the service's Worker actor (actors/worker.py) is a Ray shell around a
-`RankDriver`, and the gloo tests and the benches run the same driver in spawned processes
+The one place this sequence is written: the service's Worker actor (actors/worker_group/worker.py) is a Ray shell
+around a `RankDriver`, and the gloo tests and the benches run the same driver in spawned processes
 (`parallel.runtime.local_world`). No Ray here.
 """
 

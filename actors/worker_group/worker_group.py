@@ -17,7 +17,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from trainyard.actors.calls import Failure, call_all
 from trainyard.actors.naming import coordinator_name, placement_group_name, worker_name
-from trainyard.actors.worker import Worker
+from trainyard.actors.worker_group.worker import Worker
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.step_stats import StepReport
 

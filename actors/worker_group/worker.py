@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import ray
 from trainyard.actors.calls import first_line
-from trainyard.actors.oom_killer import confine_memory, read_oom_counters
+from trainyard.actors.worker_group.oom_killer import confine_memory, read_oom_counters
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.host_memory import resident_bytes
 from trainyard.parallel.runtime.step_stats import Save, StepReport
