@@ -65,8 +65,8 @@ class Failure:
     coordinator: bool = False
     """The coordinator's own process died: every rank died with it."""
     answered: tuple[object, ...] = ()
-    """The results of the ranks that finished the failed call (a step's call: each rank's list of the StepStats
-    dicts of the steps whose figures it returned, `RankDriver.queue_step`)."""
+    """The results of the ranks that finished the failed call (a step's call: each rank's list of the `StepReport`s
+    of the steps whose figures it returned, `Worker.run_step`)."""
     out_of_memory: tuple[int, ...] = ()
     """The blamed ranks that ran out of memory: the same layout would again, so it is not retried."""
     deaths: tuple[tuple[int, str], ...] = ()

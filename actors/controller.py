@@ -4,8 +4,11 @@ state. `_set_state` is the only place the state changes; it logs the change and 
 
 The actions: PENDING verifies the point to start from (in a thread: hashing a checkpoint of many GB never
 blocks the actor's event loop, so polls and stops are answered meanwhile); STARTING creates the ranks and
-loads it; RUNNING runs steps (`actors.training`); RECOVERING and RESIZING run the one recovery-and-resize
-sequence (`actors.recovery`); FINISHING and STOPPING write the final checkpoint (and the model).
+loads it; RUNNING runs steps (`actions.training`); RECOVERING and RESIZING run the one recovery-and-resize
+sequence (`actions.recovery`); FINISHING and STOPPING write the final checkpoint (and the model). Each action is a
+part of its own (`actors.actions`), built here with the few pieces of the job it works on; none sees the
+controller. What is left here: the loop, a failed call turned into an outcome, the point to start or go on from,
+and the requests from outside (stop, scale).
 """
 
 from __future__ import annotations
@@ -19,19 +22,20 @@ from dataclasses import replace
 from pathlib import Path
 
 import ray
-from trainyard.actors import recovery, training
+from trainyard.actors.actions.recording import StepRecorder
+from trainyard.actors.actions.recovery import Recovery
+from trainyard.actors.actions.rejoin import Rejoin
+from trainyard.actors.actions.replica_drop import ReplicaDrop
+from trainyard.actors.actions.requests import Drills, Requests
+from trainyard.actors.actions.training import StepLoop
 from trainyard.actors.calls import Failure, StepFailed, Unrecoverable, first_line, own_error
+from trainyard.actors.failure_handling.policy import FailureAction
+from trainyard.actors.failure_handling.registry import DEFAULT as DEFAULT_POLICY
+from trainyard.actors.failure_handling.registry import failure_policy
 from trainyard.actors.journal import METRICS_LOG, Journal, mtime, read_metrics_log, steps_logged
-from trainyard.actors.oom_killer import OomCounts, oom_killed, read_on_node, unexpected_exit
-from trainyard.actors.policies import (
-    FailureAction,
-    HangPolicy,
-    ResizeDecision,
-    ResizeDesk,
-    failure_policy,
-    scaling_policy,
-)
 from trainyard.actors.progress import Progress
+from trainyard.actors.scaling_policy.resize_desk import ResizeDesk
+from trainyard.actors.scaling_policy.scaling import ResizeDecision, scaling_policy
 from trainyard.actors.state import (
     Admitted,
     CallFailed,
@@ -45,6 +49,7 @@ from trainyard.actors.state import (
     Outcome,
     Pending,
     Point,
+    Ready,
     Recovering,
     Resizing,
     Running,
@@ -58,7 +63,8 @@ from trainyard.actors.state import (
 from trainyard.actors.storage import JobStorage
 from trainyard.actors.telemetry import Rows
 from trainyard.actors.tracking import Trackers
-from trainyard.actors.worker_group import WorkerGroup, alive_nodes, slot_keys
+from trainyard.actors.worker_group.oom_killer import OomCounts, oom_killed, read_on_node, unexpected_exit
+from trainyard.actors.worker_group.worker_group import WorkerGroup, alive_nodes, slot_keys
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, resize_plan
 
@@ -66,7 +72,9 @@ log = logging.getLogger("trainyard.coordinator")
 
 
 class Controller:
-    def __init__(self, job_id: str, plan: Plan, pg, storage: JobStorage, restarted: bool):
+    def __init__(self, job_id: str, plan: Plan, pg, storage: JobStorage, restarted: bool,
+                 failure_policy_name: str = DEFAULT_POLICY):
+        """`failure_policy_name`: the failure policy's name in `failure_handling.registry`."""
         self.job_id, self.storage, self.restarted = job_id, storage, restarted
         self.root = Path(storage.checkpoint_root)
         self.incarnation = uuid.uuid4().hex[:8]
@@ -79,19 +87,23 @@ class Controller:
         self.trackers = Trackers(job_id, plan.config, self.root, last_logged=max((r["step"] for r in rows), default=-1))
         kept = rows if restarted else [r for r in rows if r["step"] < self.progress.start_step]
         self.rows = Rows(self.root, kept, self.trackers)
-        self.failure_policy = failure_policy(plan)
-        self.hang = HangPolicy(plan.config.fault)
+        self.failure_policy = failure_policy(plan, failure_policy_name)
         self.scaling = scaling_policy(plan)
         self.desk = ResizeDesk()
-        self.drills = training.Drills()
+        self.drills = Drills()
+        self.requests = Requests()
         self.state: State = Pending()
         self.listeners: list[Callable[[State, State], None]] = [self._close_trackers]
-        self.stop = self.suspend = False
         self.model: dict | None = None
         """The exported model, {path, step}, once the job's end wrote it (`Done.model`)."""
-        self.rank_peaks: dict[int, int] = {}
-        """Each rank's resident high-water mark as its last finished step reported it (an out-of-memory error names
-        the rank's)."""
+        # The states' actions, each handed the pieces of the job it works on.
+        group, progress, journal = self.group, self.progress, self.journal
+        self.recorder = StepRecorder(job_id, lambda: group.plan, progress, journal, self.rows)
+        self.loop = StepLoop(job_id, storage, group, progress, self.rows, self.recorder, self.drills, self.requests,
+                             self.desk)
+        rejoin = Rejoin(job_id, group, progress, self.rows)
+        self.recovery = Recovery(job_id, storage, group, progress, self.rows, journal, self.drills, rejoin,
+                                 ReplicaDrop(job_id, group, progress, journal, self.drills, self.recorder, rejoin))
 
     @property
     def plan(self) -> Plan:
@@ -127,8 +139,8 @@ class Controller:
         restarted = None
         if self.restarted and isinstance(self.state, Pending):
             restarted = self._own_death()
-        return Inputs(steps=self.plan.config.steps, causes=tuple(self.journal.causes), stop=self.stop,
-                      suspend=self.suspend, resize=self.desk.ready, restarted=restarted)
+        return Inputs(steps=self.plan.config.steps, causes=tuple(self.journal.causes), stop=self.requests.stop,
+                      suspend=self.requests.suspend, resize=self.desk.ready, restarted=restarted)
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -175,15 +187,15 @@ class Controller:
                 self.rows.trim(self.progress.start_step)  # a damaged resume point may have moved it back
                 await self.group.start()
                 await self.group.load(restore)
-                return recovery.READY
+                return Ready()
             case Running():
-                return await training.run_steps(self)
+                return await self.loop.run()
             case Recovering():
-                return await recovery.recover(self, state)
+                return await self.recovery.recover(state)
             case Resizing():
-                return await recovery.resize(self, state)
+                return await self.recovery.resize(state)
             case Finishing(steps_done=done, saved=saved) | Stopping(steps_done=done, saved=saved):
-                return await training.finish(self, done, saved)
+                return await self.loop.finish(done, saved)
         raise AssertionError(f"no action for {state}")
 
     async def _failed_safely(self, error: StepFailed) -> Outcome:
@@ -206,13 +218,13 @@ class Controller:
         if isinstance(self.state, Starting) and not failure.dead:
             return CallFailed(failure, None)  # a job that cannot start is not recovered (`state.step`)
         elastic = self.plan.dp_range is not None
-        node_lost = elastic and not self.stop and await self._node_lost(failure)
+        node_lost = elastic and not self.requests.stop and await self._node_lost(failure)
         decision = failure_decision(CallFailed(failure, None, node_lost), self._inputs(), self.failure_policy)
         log.info("job %s: failure policy: %s (%s)", self.job_id, decision.action, decision.reason)
         if decision.action is FailureAction.RAISE:
             return CallFailed(failure, None, node_lost)
         # A lost node does not change a fixed-size job's decision, but its recovery must see the node gone to wait
-        # for its resources (`recovery`) rather than place a rank on it: Ray's word, got while the checkpoint is
+        # for its resources (`actions.recovery`) rather than place a rank on it: Ray's word, got while the checkpoint is
         # hashed.
         news = self._node_lost(failure) if not elastic else asyncio.sleep(0, False)
         restore, lost = await asyncio.gather(asyncio.to_thread(self.restore_point), news)
@@ -247,11 +259,12 @@ class Controller:
 
         predicted = estimate(self.plan.layout, self.plan.config)
         plans = ", ".join(f"rank {r}: {format_size(predicted[r].total)}" for r in ranks)
-        peaks = [row["peak_rss_bytes"] for row in self.rows.since(0) if row.get("peak_rss_bytes")]
-        own = "".join(f"; rank {r}'s last measured resident peak: {format_size(self.rank_peaks[r])}"
-                      for r in ranks if r in self.rank_peaks)
-        measured = own + (f"; the largest rank's resident peak measured before it: {format_size(max(peaks))}"
-                          if peaks else "")
+        largest = self.rows.largest_peak_rss()
+        peaks_by_rank = self.recorder.rank_peaks
+        own = "".join(f"; rank {r}'s last measured resident peak: {format_size(peaks_by_rank[r])}"
+                      for r in ranks if r in peaks_by_rank)
+        measured = own + (f"; the largest rank's resident peak measured before it: {format_size(largest)}"
+                          if largest else "")
         return (f"Out of memory: the plan predicted {plans} (what `trainyard plan` shows){measured}. Not retried: the "
                 "same layout would run out again. Use smaller micro-batches (more parallel.microbatches), "
                 "activation_checkpointing, a higher parallel.zero or optimizer.offload, or spread the model over "
@@ -323,7 +336,7 @@ class Controller:
     # --- requests from outside ------------------------------------------------------------------------
 
     def request_stop(self, suspend: bool) -> None:
-        self.stop, self.suspend = True, suspend
+        self.requests.stop, self.requests.suspend = True, suspend
 
     async def request_resize(self, dp: int, reason: str) -> dict:
         """Resize to `dp` replicas at the next step boundary, the added ranks' resources reserved first; the
@@ -337,7 +350,7 @@ class Controller:
             return layout
         added = sum(1 for key in slot_keys(new) if key not in self.group.slots)
         problem = await self.desk.request(
-            new, reason, time.time(), running=lambda: self.state.status is JobStatus.RUNNING and not self.stop,
+            new, reason, time.time(), running=lambda: self.state.status is JobStatus.RUNNING and not self.requests.stop,
             current=lambda: self.plan, reserve=lambda: self.group.reserve(added))
         return {"refused": problem} if problem else layout
 

@@ -9,15 +9,15 @@ placement group, all or nothing, and hands it over ready; the service removes it
   SUCCEEDED / STOPPED / FAILED   once the workers and the grown placement groups are released
 
 It is an async actor so that `poll`, `stop` and `scale` are answered while a step runs. A step fails when a
-worker raises, dies, or hangs (`actors.policies.HangPolicy`); up to `fault.max_failures` failures, wherever
-they happen, are recovered from (`actors.recovery`), the next one fails the job with every cause.
+worker raises, dies, or hangs (`actors.failure_handling.hang`); up to `fault.max_failures` failures, wherever
+they happen, are recovered from (`actors.actions.recovery`), the next one fails the job with every cause.
 
 The coordinator's own death is a failure too: the service creates it with Ray `max_restarts =
 fault.max_failures`, its workers die with it (Ray fate-shares actors with their owner), and Ray starts it
 again with the same arguments. The new incarnation reads what its predecessor appended beside the
 checkpoints (`actors.journal`), counts the failure, and recovers like any other. It starts on the service's
 next poll, since nobody calls `start` again. It starts from the admitted layout, so it first removes the
-placement groups its predecessor reserved to grow (`actors.worker_group.remove_grown_placement_groups`).
+placement groups its predecessor reserved to grow (`worker_group.remove_grown_placement_groups`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from trainyard.actors.controller import Controller
 from trainyard.actors.storage import JobStorage, checkpoint_info
-from trainyard.actors.worker_group import remove_grown_placement_groups
+from trainyard.actors.worker_group.worker_group import remove_grown_placement_groups
 from trainyard.parallel.plan import Plan
 
 __all__ = ["Coordinator", "JobStorage", "checkpoint_info"]

@@ -1,7 +1,7 @@
 """Where a job's steps stand, between the coordinator's states: the step the ranks start from, the step being
 waited for and the one queued behind it, the replicas sitting out (local_sgd, diloco) and the failure a
-recovery has yet to close. The step loop (`actors.training`) and the recovery (`actors.recovery`,
-`actors.replica_drop`) move it through the named transitions below, so the controller's own fields change only
+recovery has yet to close. The step loop (`actions.training`) and the recovery (`actions.recovery`,
+`actions.replica_drop`) move it through the named transitions below, so the controller's own fields change only
 in `actors.controller`, and every change to these is one of a few verbs.
 """
 
@@ -31,7 +31,7 @@ class Progress:
     """Scheduled checkpoints in a row that could not be written."""
     timed: dict[int, float] = field(default_factory=dict)
     """The wall time of each step whose call came back but whose figures have not yet (they come one step late:
-    `actors.training`), for its row."""
+    `actions.training`), for its row."""
 
     def waiting_for(self, step: int, calls: list, upcoming: list) -> None:
         """The step loop now waits for `step`'s `calls`, with the next step's `upcoming` queued behind them."""

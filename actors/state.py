@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from trainyard.actors.calls import Failure
+from trainyard.actors.failure_handling.policy import FailureAction, FailureDecision, FailurePolicy
 from trainyard.actors.journal import all_causes
-from trainyard.actors.policies import FailureAction, FailureDecision, FailurePolicy, Resize
+from trainyard.actors.scaling_policy.resize_desk import Resize
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.cadence import is_done
 

@@ -1,6 +1,10 @@
 """A job's metrics: one row per finished step (kept in memory, appended to the metrics log, served to the
 service's polls) and the Ray gauges the dashboard shows.
 
+A row is made from the ranks' `StepReport`s (`make_row`) as a `StepRow`, read by attribute in the coordinator; what
+leaves it (the metrics log, the trackers, the service's polls) is `StepRow.to_row()`, the dict the rows always were,
+key for key and in the same order (`Rows.add` is that boundary; the rows read back from the log stay dicts).
+
 A poll asks for the rows of steps >= `since`; the rows are in step order, so that is a binary search and a
 slice: the work of a poll does not grow with the job's length.
 """
@@ -10,16 +14,17 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ray.util.metrics import Gauge
+from trainyard.actors.failure_handling.replicas import complete_pipeline
 from trainyard.actors.journal import METRICS_LOG, AppendOnly
 from trainyard.actors.tracking import Trackers
-
-if TYPE_CHECKING:
-    from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.step_stats import StepReport, StepStats
 
 log = logging.getLogger("trainyard.coordinator")
 
@@ -50,6 +55,56 @@ _EXPERT_LOAD = Gauge("trainyard_moe_expert_load", "Tokens routed to an expert of
                      tag_keys=("job_id", "layer", "expert"))
 
 
+@dataclass(frozen=True)
+class StepRow:
+    """One step's metrics row (`make_row`). The fields without a default are in every row; the others only when
+    the step has them (`to_row` leaves the unset ones out)."""
+
+    step: int
+    loss: float
+    """The mean over the replicas' when they differ (local_sgd, diloco with a replica dropped: each has its own)."""
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time_s: float
+    coordinator_overhead_s: float
+    """Wall time between two steps' results that no rank spent computing."""
+    bubble_fraction: float
+    stage_forward_s: list[float]
+    stage_backward_s: list[float]
+    stage_peak_activations: list[int]
+    stage_peak_activation_mb: list[float]
+    reduce_bytes: int
+    """Gradient bytes the busiest rank handed to the step's data-parallel reductions (PowerSGD's, compressed)."""
+    cross_replica_bytes: int
+    """The most any rank all-reduced across the data-parallel replicas (parallel.sync)."""
+    peak_rss_bytes: int | None = None
+    """The largest rank process's resident high-water mark so far (the OS's)."""
+    compile_s: float | None = None
+    """The slowest rank's torch.compile time in this step (`compile: true`), when it compiled."""
+    predicted_step_s: float | None = None
+    """The planner's prediction of the step time (`parallel: auto`)."""
+    moe: dict[str, dict] | None = None
+    sample_ids: list[int] | None = None
+    """Whole examples (`data.packing`): the global batch's sample ids."""
+    epoch: int | None = None
+    val_loss: float | None = None
+    checkpoint_blocked_s: float | None = None
+    """The step waited this long for its slowest rank's save."""
+    checkpoint_error: str | None = None
+    replica_steps: list[int] | None = None
+    """local_sgd, diloco: the steps each replica's state holds."""
+
+    def to_row(self) -> dict[str, Any]:
+        """The row as the metrics log, the trackers and the service's polls have it."""
+        return {name: value for name in _ROW_FIELDS
+                if (value := getattr(self, name)) is not None or name in _ALWAYS}
+
+
+_ROW_FIELDS = tuple(f.name for f in fields(StepRow))
+_ALWAYS = frozenset(f.name for f in fields(StepRow) if f.default is MISSING)
+
+
 class Rows:
     """The metrics rows of the job, one per step, in step order, and where they are logged."""
 
@@ -70,141 +125,125 @@ class Rows:
     def recent_step_times(self, window: int) -> list[float]:
         return [row["step_time_s"] for row in self.rows[-window:]]
 
-    def add(self, row: dict) -> None:
+    def largest_peak_rss(self) -> int | None:
+        """The largest resident peak a row holds (None: no row measured one)."""
+        return max((row["peak_rss_bytes"] for row in self.rows if row.get("peak_rss_bytes")), default=None)
+
+    def add(self, step_row: StepRow) -> None:
+        row = step_row.to_row()
         self.rows.append(row)
         self.log.append(row)
         if self.trackers is not None:  # after the log: a row a tracker has is one the job has
             self.trackers.add(row)
 
 
-def figures_by_step(plan: Plan, answers: Iterable[object], first: int) -> dict[int, tuple[dict, ...]]:
-    """The ranks' figures of steps `first` on, in the answers of calls to them (a step's call answers each rank's list
-    of the StepStats dicts it read, `RankDriver.queue_step`; any other answer is skipped), by step, one per rank in
-    rank order (a rank's latest where several answers hold its figures). Sat-out answers (no coordinates) are left
-    out."""
-    by_step: dict[int, dict[int, dict]] = {}
+def figures_by_step(plan: Plan, answers: Iterable[object], first: int) -> dict[int, tuple[StepReport, ...]]:
+    """The ranks' reports of steps `first` on, in the answers of calls to them (a step's call answers each rank's
+    list of the `StepReport`s it read, `Worker.run_step`; any other answer is skipped), by step, one per rank in rank
+    order (a rank's latest where several answers hold its figures). Sat-out and rejoined answers (no figures) are
+    left out."""
+    by_step: dict[int, dict[int, StepReport]] = {}
     for answer in answers:
         for r in answer if isinstance(answer, list) else ():
-            if isinstance(r, dict) and "pp_rank" in r and r.get("step", -1) >= first:
-                by_step.setdefault(r["step"], {})[plan.rank_of(r["pp_rank"], r["tp_rank"], r["dp_rank"])] = r
+            if isinstance(r, StepReport) and r.stats is not None and r.step >= first:
+                by_step.setdefault(r.step, {})[plan.rank_of(r.stats.pp_rank, r.stats.tp_rank, r.dp_rank)] = r
     return {step: tuple(rows[rank] for rank in sorted(rows)) for step, rows in by_step.items()}
 
 
-def make_row(step: int, results: list[dict], elapsed: float, tokens: int,
-             predicted_step_s: float | None = None) -> dict:
+def make_row(step: int, results: Sequence[StepReport], elapsed: float, tokens: int,
+             predicted_step_s: float | None = None) -> StepRow:
     """One step's row from every rank's results; `predicted_step_s`: the planner's prediction of the step time
     (`parallel: auto`), carried beside the measured `step_time_s` so a wrong cost model shows. The answers of
-    a replica that sat the step out or only rejoined at its sync (`RankDriver.step`) are left out; the loss is
-    the mean over the replicas' when they differ (local_sgd, diloco with a replica dropped: each has its own)."""
-    sent = max(r.get("cross_replica_bytes", 0) for r in results)
-    results = [r for r in results if not (r.get("sat_out") or r.get("rejoined"))]
-    last = next(r for r in results if r["loss"] is not None)
-    losses = list({r["dp_rank"]: r["loss"] for r in results if r["loss"] is not None}.values())
-    row = {
-        "step": step,
-        "loss": last["loss"] if len(set(losses)) == 1 else sum(losses) / len(losses),
-        "lr": last["lr"],
-        "grad_norm": last["grad_norm"],
-        "tokens_per_s": tokens / elapsed,
-        "step_time_s": elapsed,
-        # Wall time between two steps' results that no rank spent computing.
-        "coordinator_overhead_s": max(0.0, elapsed - max(r["compute_s"] for r in results)),
-        **pipeline_metrics(results),
-        # Gradient bytes the busiest rank handed to the step's data-parallel reductions (PowerSGD's, compressed).
-        "reduce_bytes": max(r["reduce_bytes"] for r in results),
-        # The most any rank all-reduced across the data-parallel replicas (parallel.sync).
-        "cross_replica_bytes": sent,
-    }
-    rss = [r["peak_rss_bytes"] for r in results if "peak_rss_bytes" in r]
-    if rss:
-        row["peak_rss_bytes"] = max(rss)  # the largest rank process's resident high-water mark so far (the OS's)
-    compiled = max(r["compile_s"] for r in results)
-    if compiled > 0:
-        row["compile_s"] = compiled  # the slowest rank's torch.compile time in this step (`compile: true`)
-    if predicted_step_s is not None:
-        row["predicted_step_s"] = predicted_step_s
-    moe = moe_metrics(results)
-    if moe:
-        row["moe"] = moe
-    examples = sorted((r for r in results if "sample_ids" in r and r["pp_rank"] == 0 and r["tp_rank"] == 0),
-                      key=lambda r: r["dp_rank"])
-    if examples:  # whole examples (`data.packing`): the global batch's sample ids, and the epochs done
-        row["sample_ids"] = [i for r in examples for i in r["sample_ids"]]
-        row["epoch"] = examples[0]["epoch"]
-    val = [r["val_loss"] for r in results if r.get("val_loss") is not None]
-    if val:
-        row["val_loss"] = val[0]
-    blocked = [r["checkpoint_blocked_s"] for r in results if "checkpoint_blocked_s" in r]
-    if blocked:
-        row["checkpoint_blocked_s"] = max(blocked)  # the step waited for its slowest rank's save
-    failed = [r["checkpoint_error"] for r in results if "checkpoint_error" in r]
-    if failed:
-        row["checkpoint_error"] = failed[0]  # every rank of a save says so alike
-    return row
+    a replica that sat the step out or only rejoined at its sync (`RankDriver.step`: no figures) are left out; the
+    loss is the mean over the replicas' when they differ (local_sgd, diloco with a replica dropped: each has its
+    own)."""
+    sent = max(r.cross_replica_bytes for r in results)
+    ran = [r for r in results if r.stats is not None]
+    stats = [r.stats for r in results if r.stats is not None]
+    last, last_loss = next((s, s.loss) for s in stats if s.loss is not None)
+    losses = list({s.dp_rank: s.loss for s in stats if s.loss is not None}.values())
+    rss = [r.peak_rss_bytes for r in ran if r.peak_rss_bytes is not None]
+    compiled = max(s.compile_s for s in stats)
+    moe = moe_metrics(stats)
+    examples = sorted((r for r in ran if r.sample_ids is not None and r.stats is not None and r.stats.pp_rank == 0
+                       and r.stats.tp_rank == 0), key=lambda r: r.dp_rank)
+    val = [r.val_loss for r in ran if r.val_loss is not None]
+    blocked = [r.checkpoint_blocked_s for r in ran if r.checkpoint_blocked_s is not None]
+    failed = [r.checkpoint_error for r in ran if r.checkpoint_error is not None]
+    stages = sorted(_first_pipeline(stats), key=lambda s: s.pp_rank)
+    busy = sum(s.forward_s + s.backward_s for s in stages)
+    span = max(s.schedule_s for s in stages)
+    return StepRow(
+        step=step,
+        loss=last_loss if len(set(losses)) == 1 else sum(losses) / len(losses),
+        lr=last.lr,
+        grad_norm=last.grad_norm,
+        tokens_per_s=tokens / elapsed,
+        step_time_s=elapsed,
+        coordinator_overhead_s=max(0.0, elapsed - max(s.compute_s for s in stats)),
+        # The first pipeline's stages (any whole one after a failure) and its measured bubble fraction:
+        # 1 - (time the stages spent computing) / (pp x the longest stage's schedule wall time).
+        bubble_fraction=max(0.0, 1.0 - busy / (len(stages) * span)) if span > 0 else 0.0,
+        stage_forward_s=[s.forward_s for s in stages],
+        stage_backward_s=[s.backward_s for s in stages],
+        stage_peak_activations=[s.peak_activations for s in stages],
+        stage_peak_activation_mb=[s.peak_activation_bytes / 2**20 for s in stages],
+        reduce_bytes=max(s.reduce_bytes for s in stats),
+        cross_replica_bytes=sent,
+        peak_rss_bytes=max(rss) if rss else None,
+        compile_s=compiled if compiled > 0 else None,
+        predicted_step_s=predicted_step_s,
+        moe=moe or None,
+        # Whole examples (`data.packing`): the global batch's sample ids, and the epochs done.
+        sample_ids=[i for r in examples for i in r.sample_ids or ()] if examples else None,
+        epoch=examples[0].epoch if examples else None,
+        val_loss=val[0] if val else None,
+        checkpoint_blocked_s=max(blocked) if blocked else None,
+        checkpoint_error=failed[0] if failed else None,  # every rank of a save says so alike
+    )
 
 
-def checkpoint_event(row: dict) -> dict | None:
+def checkpoint_event(row: StepRow) -> dict | None:
     """The event of the checkpoint the step wrote after it, if it wrote one."""
-    if "checkpoint_blocked_s" not in row:
+    if row.checkpoint_blocked_s is None:
         return None
-    return {"time": time.time(), "kind": "checkpoint", "step": row["step"] + 1,
-            "blocked_s": row["checkpoint_blocked_s"]}
+    return {"time": time.time(), "kind": "checkpoint", "step": row.step + 1, "blocked_s": row.checkpoint_blocked_s}
 
 
-def compile_event(row: dict) -> dict | None:
+def compile_event(row: StepRow) -> dict | None:
     """The event of the blocks compiled during the step (`compile: true`: the first step, and any recompile)."""
-    if "compile_s" not in row:
+    if row.compile_s is None:
         return None
-    return {"time": time.time(), "kind": "compile", "step": row["step"], "compile_s": row["compile_s"]}
+    return {"time": time.time(), "kind": "compile", "step": row.step, "compile_s": row.compile_s}
 
 
-def set_gauges(job_id: str, row: dict, steps: int) -> None:
-    step = row["step"]
+def set_gauges(job_id: str, row: StepRow, steps: int) -> None:
+    step = row.step
     for key, gauge in _GAUGES.items():
-        gauge.set(row[key] if key != "step" else step + 1, tags={"job_id": job_id})
+        gauge.set(getattr(row, key) if key != "step" else step + 1, tags={"job_id": job_id})
     for key, gauge in _STAGE_GAUGES.items():
-        for stage, value in enumerate(row[key]):
+        for stage, value in enumerate(getattr(row, key)):
             gauge.set(value, tags={"job_id": job_id, "stage": str(stage)})
-    for layer, values in row.get("moe", {}).items():
+    for layer, values in (row.moe or {}).items():
         tags = {"job_id": job_id, "layer": layer}
         for key, gauge in _MOE_GAUGES.items():
             gauge.set(values[key], tags=tags)
         for expert, load in enumerate(values["load"]):
             _EXPERT_LOAD.set(load, tags={**tags, "expert": str(expert)})
     if step == 0 or (step + 1) % 10 == 0:
-        log.info("job %s step %d/%d loss %.4f", job_id, step + 1, steps, row["loss"])
+        log.info("job %s step %d/%d loss %.4f", job_id, step + 1, steps, row.loss)
 
 
-def pipeline_metrics(results: list[dict]) -> dict:
-    """Per-stage timings of the first pipeline (tensor-parallel rank 0 of the lowest data-parallel replica with
-    every stage among the results: after a failure, any whole one), and its measured bubble fraction.
-
-    bubble = 1 - (time the stages spent computing) / (pp x the longest stage's schedule wall time).
-    """
-    stages = sorted(_first_pipeline(results), key=lambda r: r["pp_rank"])
-    busy = sum(r["forward_s"] + r["backward_s"] for r in stages)
-    span = max(r["schedule_s"] for r in stages)
-    return {
-        "bubble_fraction": max(0.0, 1.0 - busy / (len(stages) * span)) if span > 0 else 0.0,
-        "stage_forward_s": [r["forward_s"] for r in stages],
-        "stage_backward_s": [r["backward_s"] for r in stages],
-        "stage_peak_activations": [r["peak_activations"] for r in stages],
-        "stage_peak_activation_mb": [r["peak_activation_bytes"] / 2**20 for r in stages],
-    }
-
-
-def _first_pipeline(results: list[dict]) -> list[dict]:
+def _first_pipeline(stats: Sequence[StepStats]) -> list[StepStats]:
     """The tensor-parallel rank 0 of every stage of the lowest data-parallel replica whose stages all answered."""
-    from trainyard.actors.policies import complete_pipeline
-
-    pp = 1 + max(r["pp_rank"] for r in results)
-    d = complete_pipeline(results, pp)
-    return [r for r in results if r["dp_rank"] == d and r["tp_rank"] == 0]
+    pp = 1 + max(s.pp_rank for s in stats)
+    d = complete_pipeline(stats, pp)
+    return [s for s in stats if s.dp_rank == d and s.tp_rank == 0]
 
 
-def moe_metrics(results: list[dict]) -> dict[str, dict]:
+def moe_metrics(stats: Sequence[StepStats]) -> dict[str, dict]:
     """Each MoE layer's statistics, keyed by its block index; every rank of a stage holds the stage's sums, so
     one pipeline's ranks have them all."""
-    stages = _first_pipeline(results)
-    layers = {layer: values for r in stages for layer, values in r["moe"].items()}
+    stages = _first_pipeline(stats)
+    layers = {layer: values for s in stages for layer, values in s.moe.items()}
     return dict(sorted(layers.items(), key=lambda item: int(item[0])))

@@ -4,9 +4,9 @@
 A poll is the coordinator's report (`Controller.report`: the metrics rows since the service's cursor and the
 events after its event cursor), its trip through pickle (as Ray carries it), and the manager writing it to a
 real SQLite store (`service.manager.apply_report`). The job is the real controller fed 20,000 steps' rows
-through `actors.training.record` (metrics log, journal, a checkpoint event every 50 steps), without Ray
-workers: what is measured is the service's side, the part that grew with the job's length. The baseline
-row is the poll as it was before (every row scanned for `since`, every event sent and rewritten), emulated
+through its `StepRecorder.record` (`actors.actions.recording`: metrics log, journal, a checkpoint event every 50
+steps), without Ray workers: what is measured is the service's side, the part that grew with the job's length.
+The baseline row is the poll as it was before (every row scanned for `since`, every event sent and rewritten), emulated
 with the same pieces. The resume check is `JobManager.resume_point` (what `POST /api/jobs` runs) on a
 checkpoint holding a sparse 2 GiB file, against hashing it as that path did before (`checkpoint.verify`).
 """
@@ -18,10 +18,10 @@ import pickle
 import time
 from pathlib import Path
 
-from trainyard.actors import training
 from trainyard.actors.controller import Controller
 from trainyard.actors.state import JobStatus
 from trainyard.actors.storage import JobStorage
+from trainyard.actors.telemetry import StepRow
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
@@ -35,13 +35,12 @@ from bench.results import Row, median, ratio
 STEPS, PER_POLL, POLLS = 20_000, 10, 30
 
 
-def _row(step: int) -> dict:
-    row = {"step": step, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e4, "step_time_s": 0.01,
-           "coordinator_overhead_s": 0.001, "bubble_fraction": 0.0, "stage_forward_s": [0.003],
-           "stage_backward_s": [0.006], "stage_peak_activations": [1], "stage_peak_activation_mb": [0.1]}
-    if (step + 1) % 50 == 0:
-        row["checkpoint_blocked_s"] = 0.01
-    return row
+def _row(step: int) -> StepRow:
+    return StepRow(step=step, loss=5.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1e4, step_time_s=0.01,
+                   coordinator_overhead_s=0.001, bubble_fraction=0.0, stage_forward_s=[0.003],
+                   stage_backward_s=[0.006], stage_peak_activations=[1], stage_peak_activation_mb=[0.1],
+                   reduce_bytes=0, cross_replica_bytes=0,
+                   checkpoint_blocked_s=0.01 if (step + 1) % 50 == 0 else None)
 
 
 class _Job:
@@ -56,7 +55,7 @@ class _Job:
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            training.record(self.ctl, _row(self.step))
+            self.ctl.recorder.record(_row(self.step))
             self.step += 1
 
     def poll(self, old_way: bool) -> float:

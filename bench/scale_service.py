@@ -2,7 +2,7 @@
 
 What the issue's Done-when asks: the job submitted as a user would (REST, `cli.client.Client`), its ranks Ray
 actors of the service's embedded Ray, trained to SUCCEEDED on this one node. The section measures, per rank, the
-Ray worker process itself (the pid the job's `ranks` name, `actors.worker.Worker`):
+Ray worker process itself (the pid the job's `ranks` name, `actors.worker_group.worker.Worker`):
 
 - its baseline, `baseline_rss_bytes` in the job's `ranks` (VmRSS just before its trainer is built: Ray's worker,
   torch and their imports, larger than a spawned rank's);

@@ -19,7 +19,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from trainyard.actors.calls import first_line
 from trainyard.actors.state import JobStatus
-from trainyard.actors.worker_group import remove_grown_placement_groups
+from trainyard.actors.worker_group.worker_group import remove_grown_placement_groups
 from trainyard.service.follow import Cursor, apply_report
 from trainyard.service.store import JobStore
 

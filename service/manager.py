@@ -38,7 +38,7 @@ from typing import Any
 import ray
 from trainyard.actors import tracking
 from trainyard.actors.journal import read_metrics_log, steps_logged
-from trainyard.actors.policies import largest_size
+from trainyard.actors.scaling_policy.scaling import largest_size
 from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import DpRange, JobConfig, RuleError
 from trainyard.parallel.data.datasets import Dataset, open_dataset

@@ -5,8 +5,8 @@ A step's figures reach the caller one step late (`queue_step`): the call for ste
 N-1's, read once N's work is queued behind them, so the device never waits for the host between steps; `flush`
 gives the last step's. A step that evaluates or saves is read (and checked for divergence) in its own call.
 
-The one place this sequence is written: the service's Worker actor (actors/worker.py) is a Ray shell around a
-`RankDriver`, and the gloo tests and the benches run the same driver in spawned processes
+The one place this sequence is written: the service's Worker actor (actors/worker_group/worker.py) is a Ray shell
+around a `RankDriver`, and the gloo tests and the benches run the same driver in spawned processes
 (`parallel.runtime.local_world`). No Ray here.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +27,11 @@ from trainyard.parallel.plan.memory import estimate
 from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
 from trainyard.parallel.runtime.host_memory import return_freed_memory, returns_freed_memory
 from trainyard.parallel.runtime.step_figures import Figures
+from trainyard.parallel.runtime.step_stats import Save
 from trainyard.parallel.runtime.trainer import RankTrainer
 
 RECENT = 4
 """How many steps' figures a rank keeps after reading them (a recovery needs the last two at most)."""
-
-
-@dataclass(frozen=True)
-class Save:
-    """A checkpoint to write after a step: under `root`, with `info` in its manifest; `background` stages the
-    state and lets a thread write it (finished by the next save or `finish`)."""
-
-    root: Path
-    info: dict
-    background: bool = False
 
 
 class RankDriver:

@@ -1,11 +1,15 @@
-"""What one training step reports: `StepStats` (the rank's numbers for the step, which reach the coordinator as a
-dict) and `DivergedError` (a step whose loss or gradient norm is not finite, raised as the step's figures are
-read: one step late, `parallel.runtime.step_figures`). Data only, no torch: the trainer fills them.
+"""What one training step reports: `StepStats` (the rank's numbers for the step, which `RankDriver` returns as a
+dict), `StepReport` (what a rank's answer for a step holds, typed: those numbers and what the step added, as the
+coordinator reads it), `Save` (a checkpoint asked for after a step) and `DivergedError` (a step whose loss or
+gradient norm is not finite, raised as the step's figures are read: one step late, `parallel.runtime.step_figures`).
+Data only, no torch: the trainer fills them, and the coordinator, which never imports torch, reads them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,66 @@ class StepStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+STATS_FIELDS = frozenset(f.name for f in fields(StepStats))
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """A rank's answer for one step, typed: `RankDriver.queue_step`'s dict (and `flush`'s) as `of` reads it. The
+    rank's `StepStats`, or None when its replica sat the step out or only rejoined at the step's sync (local_sgd,
+    diloco while a replica is dropped), and what the step added: the samples (whole examples), the validation
+    loss, the checkpoint written after it, and the rank's resident peak (the Worker actor's)."""
+
+    step: int
+    dp_rank: int
+    stats: StepStats | None = None
+    sat_out: bool = False
+    """The rank's replica sat the step out (no figures)."""
+    rejoined: bool = False
+    """The rank's replica only took part in the step's sync, rejoining the round (no figures but its sync's)."""
+    rejoin_bytes: int = 0
+    """A rank that rejoined: the bytes it all-reduced in the sync (one that stepped: `stats.cross_replica_bytes`)."""
+    sample_ids: list[int] | None = None
+    """`data.packing`: the step's sample ids of this rank."""
+    epoch: int | None = None
+    """`data.packing`: the epochs done."""
+    val_loss: float | None = None
+    checkpoint_blocked_s: float | None = None
+    """How long the checkpoint after the step blocked it (a checkpoint was written)."""
+    checkpoint_error: str | None = None
+    """Why the checkpoint after the step could not be written."""
+    peak_rss_bytes: int | None = None
+    """The rank process's resident high-water mark so far (None: not measured, e.g. figures kept for a recovery)."""
+
+    @property
+    def cross_replica_bytes(self) -> int:
+        """The bytes the rank all-reduced across the data-parallel replicas in the step (`parallel.sync`)."""
+        return self.stats.cross_replica_bytes if self.stats is not None else self.rejoin_bytes
+
+    @classmethod
+    def of(cls, figures: dict[str, Any], peak_rss_bytes: int | None = None) -> StepReport:
+        """The report of a step's dict as `RankDriver.queue_step` returns it (the StepStats' fields and what the step
+        added; a rank that sat out or rejoined has no StepStats but `step`, `dp_rank` and its flag). A key it does
+        not know raises (TypeError): the dict and the report keep the same fields."""
+        extra = {k: v for k, v in figures.items() if k not in STATS_FIELDS}
+        if "pp_rank" in figures:
+            stats = StepStats(**{k: v for k, v in figures.items() if k in STATS_FIELDS})
+            return cls(step=stats.step, dp_rank=stats.dp_rank, stats=stats, peak_rss_bytes=peak_rss_bytes, **extra)
+        rejoin_bytes = figures.get("cross_replica_bytes", 0)
+        return cls(step=figures["step"], dp_rank=figures["dp_rank"], rejoin_bytes=rejoin_bytes,
+                   peak_rss_bytes=peak_rss_bytes, **extra)
+
+
+@dataclass(frozen=True)
+class Save:
+    """A checkpoint to write after a step: under `root`, with `info` in its manifest; `background` stages the
+    state and lets a thread write it (finished by the next save or `finish`)."""
+
+    root: Path
+    info: dict
+    background: bool = False
 
 
 class DivergedError(RuntimeError):

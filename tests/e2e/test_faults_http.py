@@ -175,7 +175,7 @@ def test_a_rank_the_kernel_s_oom_killer_kills_fails_the_job_once_saying_so(servi
     any crash. The OOM-kill count of the rank's cgroup, read at its setup and after its death, tells them apart:
     the job ends FAILED at once, naming the rank, its node, the count, its peak and the plan's prediction,
     although fault.max_failures would allow three recoveries. Needs a writable memory cgroup (root here)."""
-    from trainyard.actors.oom_killer import child_cgroup
+    from trainyard.actors.worker_group.oom_killer import child_cgroup
 
     if child_cgroup("probe") is None or os.geteuid() != 0:
         pytest.skip("no writable memory cgroup here")
@@ -201,7 +201,7 @@ def test_the_oom_kill_counts_are_read_on_a_rank_s_node_by_a_pinned_task(service)
     import asyncio
 
     import ray
-    from trainyard.actors.oom_killer import OomCounts, read_by_task, read_oom_counters
+    from trainyard.actors.worker_group.oom_killer import OomCounts, read_by_task, read_oom_counters
 
     here = read_oom_counters()
     read = asyncio.run(read_by_task(ray.get_runtime_context().get_node_id(), here["cgroup_path"]))

@@ -9,21 +9,14 @@ from dataclasses import replace
 
 import pytest
 from helpers import tiny_spec
+from step_helpers import step_report
 from trainyard.actors.calls import Failure
-from trainyard.actors.policies import (
-    ElasticScaling,
-    FailureAction,
-    FailurePolicy,
-    FixedScaling,
-    HangPolicy,
-    NoopDecision,
-    Resize,
-    ResizeDecision,
-    ResizeDesk,
-    live_point,
-    replica_sources,
-    replicas_may_recover,
-)
+from trainyard.actors.failure_handling.default import DefaultFailurePolicy
+from trainyard.actors.failure_handling.hang import HangPolicy
+from trainyard.actors.failure_handling.policy import FailureAction, FailurePolicy
+from trainyard.actors.failure_handling.replicas import live_point, replica_sources, replicas_may_recover
+from trainyard.actors.scaling_policy.resize_desk import Resize, ResizeDesk
+from trainyard.actors.scaling_policy.scaling import ElasticScaling, FixedScaling, NoopDecision, ResizeDecision
 from trainyard.actors.state import (
     Admitted,
     AtBoundary,
@@ -52,7 +45,7 @@ from trainyard.parallel.spec import parse_spec
 
 STEPS = 8
 POINT = ("/ckpt/step_000000003", 3)
-BUDGET_2 = FailurePolicy(max_failures=2, elastic=False)
+BUDGET_2 = DefaultFailurePolicy(max_failures=2, elastic=False)
 
 
 def failure(cause: str = "rank 1 died in step 4", **kw) -> Failure:
@@ -70,7 +63,7 @@ def elastic_plan(dp: int = 2):
 
 class Driver:
     """What the controller does around `step`, minus the actions: it counts a failure when it enters a
-    counted RECOVERING (as `actors.recovery` records it) and takes an accepted resize."""
+    counted RECOVERING (as `actors.actions.recovery` records it) and takes an accepted resize."""
 
     def __init__(self, policy: FailurePolicy):
         self.policy, self.state, self.causes, self.seen = policy, Pending(), [], [JobStatus.PENDING]
@@ -184,10 +177,10 @@ def test_a_stop_asked_of_a_restarted_coordinator_recovers_then_stops():
 
 
 def test_an_elastic_job_rides_a_lost_node_without_counting_it():
-    elastic = FailurePolicy(max_failures=0, elastic=True)
+    elastic = DefaultFailurePolicy(max_failures=0, elastic=True)
     state = step(Running(), CallFailed(failure(), POINT, node_lost=True), inputs(), elastic)
     assert state == Recovering(failure(), POINT, counted=False)
-    fixed = FailurePolicy(max_failures=0, elastic=False)
+    fixed = DefaultFailurePolicy(max_failures=0, elastic=False)
     assert isinstance(step(Running(), CallFailed(failure(), POINT, node_lost=True), inputs(), fixed), Failed)
 
 
@@ -321,7 +314,7 @@ def test_replicas_steps_ahead_are_taken_when_the_figures_hold_the_rows_of_the_st
     # No row past step 3: rank 1 died in step 4 or later, rank 0 finished steps 4 (figures one step late, or the
     # answer lost with rank 1) and 5 (queued behind it) and returned or kept their figures
     plan = make_plan(parse_spec(tiny_spec(parallel={"dp": 2})))
-    figures = {s: ({"step": s, "pp_rank": 0, "dp_rank": 0, "tp_rank": 0, "loss": 2.5},) for s in (4, 5)}
+    figures = {s: (step_report(step=s, loss=2.5),) for s in (4, 5)}
     assert live_point(plan, {0: 4}, 4, {}) == ({0: 0, 1: 0}, 4)
     assert live_point(plan, {0: 5}, 4, figures) == ({0: 0, 1: 0}, 5)
     assert live_point(plan, {0: 6}, 4, figures) == ({0: 0, 1: 0}, 6)
@@ -331,8 +324,28 @@ def test_replicas_steps_ahead_are_taken_when_the_figures_hold_the_rows_of_the_st
 
 
 def test_the_failure_policy_comes_from_the_spec_and_the_plan():
-    from trainyard.actors.policies import failure_policy
+    from trainyard.actors.failure_handling.registry import failure_policy
 
-    assert failure_policy(elastic_plan()) == FailurePolicy(max_failures=FaultConfig().max_failures, elastic=True)
+    assert failure_policy(elastic_plan()) == DefaultFailurePolicy(max_failures=FaultConfig().max_failures, elastic=True)
     fixed = make_plan(parse_spec(tiny_spec(fault={"max_failures": 5})))
-    assert failure_policy(fixed) == FailurePolicy(max_failures=5, elastic=False)
+    assert failure_policy(fixed) == DefaultFailurePolicy(max_failures=5, elastic=False)
+
+
+def test_a_failure_policy_is_found_by_its_name_in_the_registry(monkeypatch):
+    """A new policy is a module with a `make(plan)` and one line in `registry.POLICIES`; the state machine takes
+    any object with `decide` (the `FailurePolicy` protocol)."""
+    from trainyard.actors.failure_handling import registry
+    from trainyard.actors.failure_handling.policy import FailureDecision
+
+    class NeverRecover:
+        def decide(self, counted_before: int, *, node_lost: bool, stopping: bool,
+                   out_of_memory: bool = False) -> FailureDecision:
+            return FailureDecision(FailureAction.RAISE, "this policy never recovers")
+
+    assert registry.DEFAULT == "default" and set(registry.POLICIES) == {"default"}
+    monkeypatch.setitem(registry.POLICIES, "never", lambda plan: NeverRecover())
+    policy = registry.failure_policy(make_plan(parse_spec(tiny_spec())), "never")
+    after = step(Running(), CallFailed(failure(), POINT), inputs(), policy)
+    assert isinstance(after, Failed) and "rank 1 died in step 4" in after.error
+    with pytest.raises(ValueError, match="no failure policy 'nope'; known: default, never"):
+        registry.failure_policy(make_plan(parse_spec(tiny_spec())), "nope")

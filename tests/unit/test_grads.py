@@ -56,11 +56,12 @@ def test_plan_shows_the_bytes_a_rank_sends_per_step():
 
 
 def test_a_step_that_compiled_is_a_compile_event_of_the_job():
+    from step_helpers import step_row
     from trainyard.actors.telemetry import compile_event
 
-    event = compile_event({"step": 0, "compile_s": 12.5})
+    event = compile_event(step_row(0, compile_s=12.5))
     assert event is not None and (event["kind"], event["step"], event["compile_s"]) == ("compile", 0, 12.5)
-    assert compile_event({"step": 1}) is None
+    assert compile_event(step_row(1)) is None
 
 
 def test_the_runtime_registry_and_the_plans_table_name_the_same_compressors():

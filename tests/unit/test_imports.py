@@ -5,6 +5,9 @@
   FastAPI, service, actors, api or cli; `api/` touches neither Ray nor torch.
 - `parallel/`'s rooms: `config`, `seeds`, `spec` at its top import no room; then each room imports only the
   rooms below it (`ROOMS`), and nothing in `parallel/` imports a circle.
+- `actors/`: nothing imports a circle (the controller's parts in `actions/`, the policies, the worker group: none
+  imports the controller back), only the coordinator imports the controller, and no folder holds over 15 modules
+  nor any module over 400 lines.
 - `plan/` loads without torch, and so do the coordinator and the service.
 """
 
@@ -136,6 +139,32 @@ def test_every_room_of_parallel_imports_only_the_rooms_below_it():
     graph = import_graph()
     assert set(ROOMS) == {p.name for p in (ROOT / "parallel").iterdir() if (p / "__init__.py").is_file()}
     assert room_violations(graph) == []
+
+
+def test_actors_modules_import_each_other_without_a_circle():
+    graph = import_graph("actors")
+    assert "actors.actions.recovery" in graph["actors.controller"]  # the walk sees the sub-rooms' modules
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_only_the_coordinator_imports_the_controller():
+    """The controller's parts talk to it through what it hands them, not by importing it (TYPE_CHECKING too)."""
+    graph = import_graph("actors")
+    assert sorted(module for module, deps in graph.items() if "actors.controller" in deps) == ["actors.coordinator"]
+
+
+ACTORS_MODULES_PER_FOLDER, ACTORS_LINES_PER_MODULE = 15, 400
+
+
+def test_no_folder_of_actors_is_crowded_and_no_module_is_long():
+    folders: dict[Path, int] = {}
+    long = []
+    for path in (ROOT / "actors").rglob("*.py"):
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+        if len(path.read_text().splitlines()) > ACTORS_LINES_PER_MODULE:
+            long.append(str(path.relative_to(ROOT)))
+    assert {str(f.relative_to(ROOT)): n for f, n in folders.items() if n > ACTORS_MODULES_PER_FOLDER} == {}
+    assert long == []
 
 
 def test_the_room_rule_finds_an_upward_import():

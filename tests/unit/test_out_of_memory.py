@@ -9,7 +9,7 @@ import pytest
 import ray
 from test_coordinator_states import BUDGET_2, POINT, inputs
 from trainyard.actors.calls import Failure, out_of_memory
-from trainyard.actors.policies import FailureAction
+from trainyard.actors.failure_handling.policy import FailureAction
 from trainyard.actors.state import CallFailed, Failed, JobStatus, Running, step
 from trainyard.service.live_jobs import coordinator_lost, handling_failed
 
@@ -99,7 +99,7 @@ def test_a_coordinator_that_died_or_raised_answering_is_a_sentence():
 
 def test_a_rank_whose_peer_went_away_logs_a_line_not_a_traceback():
     """Its error is a consequence of the peer's (the job's error and the failing rank's log name the cause)."""
-    from trainyard.actors.worker import peer_lost
+    from trainyard.actors.worker_group.worker import peer_lost
 
     assert peer_lost(RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:37091: Connection "
                                   "reset by peer. This is typically caused by a remote worker hanging"))
@@ -121,7 +121,7 @@ KILLED_BY_RAY = "The actor died because of ray.kill. Worker exit type: INTENDED_
 
 
 def test_a_sigkilled_rank_is_out_of_memory_when_its_oom_kill_count_rose():
-    from trainyard.actors.oom_killer import OomCounts, oom_killed
+    from trainyard.actors.worker_group.oom_killer import OomCounts, oom_killed
 
     before = OomCounts(kernel=3, cgroup=0, cgroup_path="v1:/job")
     assert "oom_kill count of its memory cgroup (v1:/job) rose from 0 to 1" in oom_killed(
@@ -141,7 +141,13 @@ def test_a_sigkilled_rank_is_out_of_memory_when_its_oom_kill_count_rose():
 def test_a_kernel_oom_kill_of_a_confined_process_raises_its_cgroup_s_count():
     """A real OOM kill: a child process confined to 32 MiB of new memory asks for 256 MiB and the kernel SIGKILLs
     it (nothing else on the machine is short of memory). Needs a writable memory cgroup (root here)."""
-    from trainyard.actors.oom_killer import OomCounts, child_cgroup, memory_cgroup, oom_killed, read_oom_counters
+    from trainyard.actors.worker_group.oom_killer import (
+        OomCounts,
+        child_cgroup,
+        memory_cgroup,
+        oom_killed,
+        read_oom_counters,
+    )
 
     name = f"trainyard-test-{os.getpid()}"
     if child_cgroup(name) is None or os.geteuid() != 0:

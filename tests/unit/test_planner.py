@@ -157,14 +157,13 @@ def test_fit_recovers_latency_and_throughput_and_the_cache_is_keyed_by_node_type
 
 
 def test_a_metrics_row_carries_the_prediction_beside_the_measured_step_time():
+    from step_helpers import step_report
     from trainyard.actors.telemetry import make_row
 
-    rank = {"loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "compute_s": 0.2, "pp_rank": 0, "dp_rank": 0, "tp_rank": 0,
-            "forward_s": 0.05, "backward_s": 0.1, "schedule_s": 0.15, "peak_activations": 1,
-            "peak_activation_bytes": 2**20, "moe": {}, "reduce_bytes": 0, "compile_s": 0.0}
-    row = make_row(3, [rank], elapsed=0.25, tokens=512, predicted_step_s=0.2)
+    rank = step_report(step=3, loss=5.0, forward_s=0.05, backward_s=0.1, schedule_s=0.15, peak_activations=1)
+    row = make_row(3, [rank], elapsed=0.25, tokens=512, predicted_step_s=0.2).to_row()
     assert row["predicted_step_s"] == 0.2 and row["step_time_s"] == 0.25
-    assert "predicted_step_s" not in make_row(3, [rank], elapsed=0.25, tokens=512)
+    assert "predicted_step_s" not in make_row(3, [rank], elapsed=0.25, tokens=512).to_row()
 
 
 def test_compute_is_slowed_by_the_measured_contention_of_ranks_sharing_a_node():

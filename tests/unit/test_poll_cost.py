@@ -6,24 +6,20 @@ BENCHMARKS.md, `python -m bench.run --only poll`)."""
 from __future__ import annotations
 
 from helpers import tiny_spec
-from trainyard.actors import training
+from step_helpers import step_row
 from trainyard.actors.controller import Controller
 from trainyard.actors.state import JobStatus
 from trainyard.actors.storage import JobStorage
+from trainyard.actors.telemetry import StepRow
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
 from trainyard.service.follow import Cursor, apply_report
 from trainyard.service.store import JobRecord, JobStore
 
 
-def fake_row(step: int) -> dict:
+def fake_row(step: int) -> StepRow:
     """A step's metrics row as `actors.telemetry.make_row` builds it (every 50th step wrote a checkpoint)."""
-    row = {"step": step, "loss": 5.0 - step * 1e-4, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e4,
-           "step_time_s": 0.01, "coordinator_overhead_s": 0.001, "bubble_fraction": 0.0, "stage_forward_s": [0.003],
-           "stage_backward_s": [0.006], "stage_peak_activations": [1], "stage_peak_activation_mb": [0.1]}
-    if (step + 1) % 50 == 0:
-        row["checkpoint_blocked_s"] = 0.01
-    return row
+    return step_row(step, checkpoint_blocked_s=0.01 if (step + 1) % 50 == 0 else None)
 
 
 class Follow:
@@ -41,7 +37,7 @@ class Follow:
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            training.record(self.ctl, fake_row(self.step))
+            self.ctl.recorder.record(fake_row(self.step))
             self.step += 1
 
     def poll(self) -> dict:

@@ -34,18 +34,17 @@ def test_checkpoints_failing_in_a_row_fail_the_job_at_the_limit_and_a_written_on
     from trainyard.actors.calls import Unrecoverable
     from trainyard.actors.controller import Controller
     from trainyard.actors.storage import JobStorage
-    from trainyard.actors.training import _checkpoint_written
     from trainyard.parallel.plan import make_plan
     from trainyard.parallel.spec import parse_spec
 
     plan = make_plan(parse_spec(tiny_spec(steps=20, checkpoint={"every": 2, "max_write_failures": 2})))
     ctl = Controller("job", plan, None, JobStorage(str(tmp_path / "ckpt"), str(tmp_path / "model")), False)
-    full = {"step": 1, "checkpoint_error": "the checkpoint of step 2 was not written: OSError: No space left"}
-    _checkpoint_written(ctl, full)
-    _checkpoint_written(ctl, {"step": 3, "checkpoint_blocked_s": 0.1})  # space came back: the count starts over
-    _checkpoint_written(ctl, {**full, "step": 5})
+    full = "the checkpoint of step 2 was not written: OSError: No space left"
+    ctl.recorder.checkpoint_written(1, full)
+    ctl.recorder.checkpoint_written(3, None)  # space came back: the count starts over
+    ctl.recorder.checkpoint_written(5, full)
     with pytest.raises(Unrecoverable, match="2 checkpoints in a row could not be written"):
-        _checkpoint_written(ctl, {**full, "step": 7})
+        ctl.recorder.checkpoint_written(7, full)
     assert [e["in_a_row"] for e in ctl.journal.events if e["kind"] == "checkpoint_failed"] == [1, 1, 2]
 
 

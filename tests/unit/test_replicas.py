@@ -1,25 +1,28 @@
-"""The pure parts of recovering from live replicas at (dp, pp) > 1 (`actors.policies`, `actors.telemetry`): which
-ranks are replaced so that none stays blocked on a dead peer, and which answers make the failed step's row (any
-whole pipeline, not only replica 0's); and of replicas that fail alone (local_sgd, diloco: `parallel.sync`,
-`policies.replicas_to_drop`): which replicas take part in a round, when a dropped one rejoins, and which
-failures drop a replica rather than go back to the checkpoint."""
+"""The pure parts of recovering from live replicas at (dp, pp) > 1 (`actors.failure_handling.replicas`,
+`actors.telemetry`): which ranks are replaced so that none stays blocked on a dead peer, and which answers make the
+failed step's row (any whole pipeline, not only replica 0's); and of replicas that fail alone (local_sgd, diloco:
+`parallel.sync`, `replicas.replicas_to_drop`): which replicas take part in a round, when a dropped one rejoins, and
+which failures drop a replica rather than go back to the checkpoint."""
 
 from __future__ import annotations
 
 from helpers import tiny_spec
-from trainyard.actors.policies import complete_pipeline, live_point, replicas_to_replace
+from step_helpers import step_report
+from trainyard.actors.failure_handling.replicas import complete_pipeline, live_point, replicas_to_replace
 from trainyard.actors.telemetry import make_row
 from trainyard.parallel.plan import make_plan
+from trainyard.parallel.runtime.step_stats import StepReport, StepStats
 from trainyard.parallel.spec import parse_spec
 
 PLAN = make_plan(parse_spec(tiny_spec(model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "microbatches": 2})))
 
 
-def answer(pp: int, dp: int, step: int = 6, forward_s: float = 0.1) -> dict:
-    return {"step": step, "loss": 2.5 if pp == 1 else None, "lr": 1e-3, "grad_norm": 1.0, "compute_s": 0.2,
-            "pp_rank": pp, "dp_rank": dp, "tp_rank": 0, "forward_s": forward_s, "backward_s": 0.2,
-            "schedule_s": 0.4, "peak_activations": 2, "peak_activation_bytes": 2**20, "moe": {}, "reduce_bytes": 0,
-            "compile_s": 0.0}
+def answer(pp: int, dp: int, step: int = 6, forward_s: float = 0.1) -> StepReport:
+    return step_report(step=step, loss=2.5 if pp == 1 else None, pp_rank=pp, dp_rank=dp, forward_s=forward_s)
+
+
+def stats(*answers: StepReport) -> list[StepStats]:
+    return [a.stats for a in answers if a.stats is not None]
 
 
 def test_the_replica_of_a_dead_rank_is_replaced_whole_so_no_rank_stays_blocked_on_it():
@@ -34,17 +37,17 @@ def test_any_whole_pipeline_makes_the_row_of_a_step_whose_answer_died_with_a_ran
     # Replica 0's stage-0 rank died after finishing step 6; only replica 1's pipeline answered that step, and
     # the ranks kept (replica 1's) hold 7 steps.
     answered = (answer(0, 1), answer(1, 1))
-    assert complete_pipeline(answered, PLAN.pp) == 1
-    assert complete_pipeline((answer(0, 1), answer(1, 0)), PLAN.pp) is None
+    assert complete_pipeline(stats(*answered), PLAN.pp) == 1
+    assert complete_pipeline(stats(answer(0, 1), answer(1, 0)), PLAN.pp) is None
     kept = {rank(0, 0, 1): 7, rank(1, 0, 1): 7}
     sources, step = live_point(PLAN, kept, 6, {6: answered})
     assert step == 7 and sources == {r: rank(PLAN.coords(r).pp, 0, 1) for r in range(PLAN.world_size)}
     assert live_point(PLAN, kept, 6, {6: (answer(0, 1),)}) is None  # no whole pipeline: back to the checkpoint
 
     row = make_row(6, list(answered), elapsed=0.5, tokens=256)
-    assert row["loss"] == 2.5 and row["stage_forward_s"] == [0.1, 0.1]
+    assert row.loss == 2.5 and row.stage_forward_s == [0.1, 0.1]
     both = [answer(0, 0, forward_s=0.3), answer(1, 0, forward_s=0.3), *answered]
-    assert make_row(6, both, elapsed=0.5, tokens=256)["stage_forward_s"] == [0.3, 0.3]  # replica 0's when whole
+    assert make_row(6, both, elapsed=0.5, tokens=256).stage_forward_s == [0.3, 0.3]  # replica 0's when whole
 
 
 def test_a_dropped_replica_sits_out_until_the_next_sync_and_rejoins_in_it():
@@ -61,7 +64,7 @@ def test_a_dropped_replica_sits_out_until_the_next_sync_and_rejoins_in_it():
 
 
 def test_only_a_local_sync_replica_whose_rank_died_alone_is_dropped():
-    from trainyard.actors.policies import replicas_to_drop
+    from trainyard.actors.failure_handling.replicas import replicas_to_drop
 
     def plan_of(sync, **parallel):
         return make_plan(parse_spec(tiny_spec(model={"n_layer": 4}, global_batch=16,

@@ -1,10 +1,10 @@
-"""What a rank reports of its memory (`actors.worker`): `peak_rss_bytes` is the process's high-water mark as the
-OS keeps it (VmHWM), which outlives what the process freed; `resident_bytes` reads /proc/self/status."""
+"""What a rank reports of its memory (`actors.worker_group.worker`): `peak_rss_bytes` is the process's high-water mark
+as the OS keeps it (VmHWM), which outlives what the process freed; `resident_bytes` reads /proc/self/status."""
 
 from pathlib import Path
 
 import pytest
-from trainyard.actors.worker import peak_rss_bytes
+from trainyard.actors.worker_group.worker import peak_rss_bytes
 from trainyard.parallel.runtime.host_memory import resident_bytes
 
 

@@ -3,7 +3,7 @@ per tensor-parallel group (pp, dp)), and the spare and grown slots an elastic jo
 
 The admitted placement group is the service's (it reserved it and removes it). Groups reserved here to grow
 (`<name>-growN`) are this group's to give back. Nothing here decides anything: the controller and its
-policies say what to create, reuse, kill or move.
+policies (`actors.failure_handling`, `actors.scaling_policy`) say what to create, reuse, kill or move.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from trainyard.actors.calls import Failure, call_all
 from trainyard.actors.naming import coordinator_name, placement_group_name, worker_name
-from trainyard.actors.worker import Worker
+from trainyard.actors.worker_group.worker import Worker
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.step_stats import StepReport
 
 Slot = tuple[PlacementGroup, int]
 log = logging.getLogger("trainyard.coordinator")
@@ -129,7 +130,7 @@ class WorkerGroup:
             self.workers[rank] = None
 
     async def tear_down(self, failure: Failure, upcoming: list, keep_state: bool = False
-                        ) -> dict[int, tuple[int | None, list[dict]]]:
+                        ) -> dict[int, tuple[int | None, list[StepReport]]]:
         """After a failure: ranks that raised are reset (and kept), every other rank is killed. `keep_state`: the
         kept ranks hold their state (`Worker.keep_state`), and when a rank died, every rank alive is given the same
         chance, except those of a replica holding a dead rank, which are replaced (their exit frees the ranks
@@ -141,13 +142,13 @@ class WorkerGroup:
                 ray.cancel(ref)
             except Exception:  # noqa: BLE001 - already run or gone
                 pass
-        from trainyard.actors.policies import replicas_to_replace
+        from trainyard.actors.failure_handling.replicas import replicas_to_replace
 
         reusable = failure.reusable
         if keep_state and failure.dead:
             # Every rank alive may hold the state, those that answered the failed step too (they are in the next
             # one). The replicas of the dead ranks are replaced whole: their ranks may be blocked on the dead
-            # ones, and the other replicas' on them, which only their exit frees (`policies.replicas_to_replace`).
+            # ones, and the other replicas' on them, which only their exit frees (`replicas.replicas_to_replace`).
             reusable = set(range(len(self.workers))) - set(failure.dead)
             reusable -= replicas_to_replace(self.plan, set(failure.dead))
         for rank in range(len(self.workers)):  # first, so that no kept rank waits on them
@@ -157,7 +158,7 @@ class WorkerGroup:
                                         else self.workers[r].reset.remote()): r
                   for r in reusable if self.workers[r] is not None}
         done, late = await asyncio.wait(resets, timeout=RESET_TIMEOUT_S) if resets else (set(), set())
-        kept: dict[int, tuple[int | None, list[dict]]] = {}
+        kept: dict[int, tuple[int | None, list[StepReport]]] = {}
         for task in done | late:
             if task in done and task.exception() is None:
                 kept[resets[task]] = task.result() if keep_state else (None, [])

@@ -3,7 +3,7 @@ groups, the trainer, the steps and the checkpoints; the gloo tests and the bench
 
 The coordinator creates one per rank, pinned to the job's placement group, and calls it once to
 rendezvous (`address`, then `setup` on all ranks at once) and once per step (`run_step`, which returns the previous
-step's figures: `RankDriver.queue_step`), then once for the last step's figures (`flush`). Exceptions
+step's figures: `RankDriver.queue_step`, as `StepReport`s), then once for the last step's figures (`flush`). Exceptions
 propagate to the coordinator with their traceback; the coordinator then kills every rank, so a peer
 blocked in a collective never hangs the job. A failing `setup` or `run_step` also prints its traceback to
 the rank's stderr (Ray returns an actor method's exception to the caller and logs it nowhere), so that
@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 import ray
 from trainyard.actors.calls import first_line
-from trainyard.actors.oom_killer import confine_memory, read_oom_counters
+from trainyard.actors.worker_group.oom_killer import confine_memory, read_oom_counters
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.host_memory import resident_bytes
+from trainyard.parallel.runtime.step_stats import Save, StepReport
 
 if TYPE_CHECKING:
     from trainyard.parallel.runtime.driver import RankDriver
@@ -82,11 +83,11 @@ class Worker:
             self.driver.load(Path(directory), step)
 
     def run_step(self, step: int, microbatch_ids: list[list[int]] | None, evaluate: bool = False,
-                 save: dict | None = None, drill: str | None = None, round_: dict | None = None) -> list[dict]:
+                 save: Save | None = None, drill: str | None = None, round_: dict | None = None) -> list[StepReport]:
         """One training step queued; then, if asked, the validation loss and a checkpoint of the state after it
-        (`save`: root, info, background). Returns the figures of the steps finished since the last call
-        (`RankDriver.queue_step`: the previous step's, and this one's when it evaluates or saves); the row says
-        how long the checkpoint blocked the step. `drill` is a fault drill (`kill_worker`: the process exits;
+        (`save`). Returns the reports of the steps finished since the last call (`RankDriver.queue_step`: the
+        previous step's, and this one's when it evaluates or saves); the report says how long the checkpoint
+        blocked the step. `drill` is a fault drill (`kill_worker`: the process exits;
         `hang_worker`: the step never returns). `microbatch_ids` None: this rank's share of the step's global batch,
         drawn here from (seed, step). `round_`: who takes part while a replica is dropped."""
         assert self.driver is not None, "setup() must run before run_step()"
@@ -95,18 +96,14 @@ class Worker:
         if drill is not None:
             _run_drill(drill, self.rank, step)
         try:
-            from trainyard.parallel.runtime.driver import Save
-
             with self._traceback_to_stderr(f"step {step}"):
-                request = None if save is None else Save(Path(save["root"]), save["info"], save["background"])
-                finished = self.driver.queue_step(step, microbatch_ids, evaluate=evaluate, save=request,
-                                                  round_=round_)
-                return [{**stats, "peak_rss_bytes": peak_rss_bytes()} for stats in finished]
+                finished = self.driver.queue_step(step, microbatch_ids, evaluate=evaluate, save=save, round_=round_)
+                return [StepReport.of(stats, peak_rss_bytes()) for stats in finished]
         except Exception:
             self._step_failed = True
             raise
 
-    def flush(self) -> list[dict]:
+    def flush(self) -> list[StepReport]:
         """The figures of the last step queued ([] when they were returned already): at the job's end, a stop or
         a resize. A diverged step raises, naming it."""
         assert self.driver is not None, "setup() must run before flush()"
@@ -114,7 +111,7 @@ class Worker:
             raise RuntimeError(f"rank {self.rank} has no step to flush: a step failed here")
         try:
             with self._traceback_to_stderr("reading the last step's figures"):
-                return [{**stats, "peak_rss_bytes": peak_rss_bytes()} for stats in self.driver.flush()]
+                return [StepReport.of(stats, peak_rss_bytes()) for stats in self.driver.flush()]
         except Exception:
             self._step_failed = True
             raise
@@ -149,18 +146,19 @@ class Worker:
                 print(f"rank {self.rank} failed in {what}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
 
-    def keep_state(self, after_failure: bool = False) -> tuple[int | None, list[dict]]:
+    def keep_state(self, after_failure: bool = False) -> tuple[int | None, list[StepReport]]:
         """Before an in-memory resize, or after a failure (a live replica's state may spare the job its
         checkpoint): hold this rank's parameters and optimizer state, then leave the process groups
         (`adopt_state` takes them into the trainer of the new layout). Returns the steps that state holds (None:
         unknown, e.g. the failure came while it was being replaced, or its last step diverged; it is then no
         source for anyone) and the figures of the last steps this rank read, the one queued last read first (the
         failed call's answer may have been lost with them)."""
-        steps, last = None, []
+        steps: int | None = None
+        last: list[StepReport] = []
         if self.driver is not None:
             with contextlib.suppress(Exception):  # a diverged step: `steps_done` is None then
                 self.driver.flush()  # the figures of the step queued last: a local read, no peer needed
-            last = list(self.driver.recent)
+            last = [StepReport.of(stats) for stats in self.driver.recent]
             with self._traceback_to_stderr("keeping the state"):
                 self._kept = self.driver.trainer.local_state(finish_saves=not after_failure)
                 steps = self.driver.trainer.steps_done
