@@ -2,11 +2,11 @@
 before anything of a request is read (`api.guard`), and error mapping (`api.errors`).
 
 Each request carries a user's bearer token: the state directory's `token` is the admin's, the others are made by
-`trainyard token create` (`service.users`). A job belongs to its submitter: a user lists only their own jobs, and
-another user's job answers as one that does not exist (a 404) on every route that names it (`api.deps`); an admin
+`trainyard token create` (`service.tenancy.users`). A job belongs to its submitter: a user lists only their own jobs,
+and another user's job answers as one that does not exist (a 404) on every route that names it (`api.deps`); an admin
 sees and controls every job. Every path a spec names is resolved against the caller before the spec is read
-(`JobManager.confine`, `service.access`). Nothing is created for an invalid spec. The API never touches Ray or
-torch itself: it calls the manager it is given (`app.state.manager`).
+(`service.tenancy.requests`, `service.tenancy.access`). Nothing is created for an invalid spec. The API never touches
+Ray or torch itself: it calls the manager it is given (`app.state.manager`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from trainyard.api import errors
 from trainyard.api.guard import Authenticate
 from trainyard.api.routes import ROUTERS
 from trainyard.api.routes.files import UPLOAD_PATH
-from trainyard.service.uploads import DEFAULT_MAX_UPLOAD_BYTES
-from trainyard.service.users import ADMIN_USER, Registry, User
+from trainyard.service.tenancy.uploads import DEFAULT_MAX_UPLOAD_BYTES
+from trainyard.service.tenancy.users import ADMIN_USER, Registry, User
 
 if TYPE_CHECKING:
     from trainyard.service.manager import JobManager

@@ -12,7 +12,7 @@ from trainyard.api.guard import UNAUTHORIZED
 from trainyard.api.spec import validate_submitted
 from trainyard.parallel.config import JobConfig
 from trainyard.service.errors import JobNotFound
-from trainyard.service.users import User
+from trainyard.service.tenancy.users import User
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -52,5 +52,5 @@ CALIBRATING: dict[int | str, dict[str, Any]] = {503: {
 
 
 def read_spec(manager: Any, spec: Any, user: User) -> JobConfig:
-    """A body's spec, its paths and jobs resolved against the caller first (`JobManager.confine`), then read."""
-    return validate_submitted(manager.confine(spec, user))
+    """A body's spec, its paths and jobs resolved against the caller first (`Tenancy.confine`), then read."""
+    return validate_submitted(manager.tenancy.confine(spec, user))

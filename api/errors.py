@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.spec import describe_error, relevant_errors
 from trainyard.service.errors import Calibrating, JobConflict, JobNotFound, QueueFull, RankNotFound
-from trainyard.service.uploads import UploadTooLarge
+from trainyard.service.tenancy.uploads import UploadTooLarge
 
 
 async def _invalid_spec(_: Request, exc: Exception) -> JSONResponse:

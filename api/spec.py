@@ -57,7 +57,7 @@ SubmittedSpec = Annotated[JobConfig, BeforeValidator(_resolve_or_rule_error)]
 
 RawSpec = Annotated[Any, PlainValidator(lambda obj: obj, json_schema_input_type=JobConfig)]
 """The REST body of a submit or a plan as sent (its schema: a JobConfig's): its paths are resolved against the
-caller (`JobManager.confine`) before it is read (`validate_submitted`), since reading it reads `init_from.hf`."""
+caller (`Tenancy.confine`) before it is read (`validate_submitted`), since reading it reads `init_from.hf`."""
 
 _SUBMITTED: TypeAdapter[JobConfig] = TypeAdapter(SubmittedSpec)
 

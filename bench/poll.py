@@ -25,7 +25,7 @@ from trainyard.actors.telemetry import StepRow
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
-from trainyard.service.follow import Cursor, apply_report
+from trainyard.service.following.follow import Cursor, apply_report
 from trainyard.service.manager import JobManager
 from trainyard.service.store import JobRecord, JobStore
 

@@ -4,7 +4,7 @@
 `ray.cluster_utils.Cluster` of two nodes (6 logical CPUs each) and a `trainyard serve --ray-address ...
 --allow-fault-injection` subprocess (bench.service_job.TrainyardService) joined to it. Four soak jobs run at once,
 one per layout (dp=2; pp=2 x dp=2; tp=2; MoE at dp=2 x ep=2: tiny models, checkpoints every 10 steps), each owned
-by a user of its own (`service.users`) whose quota is what that job holds; when one ends, the next job of its
+by a user of its own (`service.tenancy.users`) whose quota is what that job holds; when one ends, the next job of its
 layout is submitted, until the fault phase is over. Every `interval` seconds a fault from a seeded schedule
 (bench.soak_faults: kill a worker, hang a rank, kill a coordinator, SIGKILL and restart the service, remove the
 second node and add a new one) hits them; halfway, the users submit a burst of queued tiny jobs (bench.soak_checks,
@@ -28,7 +28,7 @@ from typing import Any
 
 import ray
 from trainyard.cli.client import Client
-from trainyard.service import users
+from trainyard.service.tenancy import users
 
 from bench import soak_checks as checks
 from bench import soak_faults as faults

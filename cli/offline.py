@@ -48,8 +48,8 @@ def read_spec_file(path: str) -> dict:
 def serve(args: argparse.Namespace) -> int:
     from trainyard.api.app import create_app
     from trainyard.service.server import serve
-    from trainyard.service.trackers import TrackerPolicy
-    from trainyard.service.uploads import DEFAULT_MAX_UPLOAD_BYTES
+    from trainyard.service.tenancy.trackers import TrackerPolicy
+    from trainyard.service.tenancy.uploads import DEFAULT_MAX_UPLOAD_BYTES
 
     return serve(create_app, host=args.host, port=args.port, state_dir=args.state_dir, ray_address=args.ray_address,
                  num_cpus=args.num_cpus, max_queued=args.max_queued,

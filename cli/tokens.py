@@ -1,5 +1,5 @@
 """`trainyard token create|update|list|revoke`: the service's users, their data roots and limits, made on the state
-directory (no server needed; a running service sees the change from its next request). See `service.users`."""
+directory (no server needed; a running service sees the change from its next request). See `service.tenancy.users`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import argparse
 import sys
 import time
 
-from trainyard.service import state_dir, users
+from trainyard.service import state_dir
+from trainyard.service.tenancy import users
 
 
 def create(args: argparse.Namespace) -> int:

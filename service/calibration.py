@@ -2,7 +2,7 @@
 directory (`parallel.plan.calibration`), and measured (`parallel.runtime.calibrate`) in the background on first use,
 one measurement at a time. A request never waits for a measurement (a minute of tiny training runs on 2 cores):
 until the costs are there, a plan of `parallel: auto` is answered 503 with a Retry-After
-(`service.errors.Calibrating`), and a submitted job waits in the queue for them (`service.admission` plans it once
+(`service.errors.Calibrating`), and a submitted job waits in the queue for them (`service.admission.admit` plans it once
 they are known)."""
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ import re
 
 import ray
 from ray.util.state import get_log
+from trainyard.service.errors import JobConflict, RankNotFound
+from trainyard.service.store import JobRecord
 
 STREAMS = {"stderr": "err", "stdout": "out"}
 """Stream name in the API -> the suffix of Ray's log file."""
@@ -55,3 +57,16 @@ def _read(rank: dict, suffix: str) -> list[str]:
     # Only whole lines: a line still being written would be counted now and again once it is complete.
     text = text[:text.rfind("\n") + 1]
     return [line for line in text.splitlines() if not _RAY_MARKER.match(line)]
+
+
+def job_logs(job: JobRecord, rank: int | None, stream: str, tail: int, since: int | None) -> dict:
+    """The log of one rank of `job`, or of every rank (`read_rank_log`); JobConflict when the job has no ranks
+    yet, RankNotFound for a rank it does not have."""
+    if not job.ranks:
+        state = "has not started its workers yet" if not job.status.is_terminal else "never started its workers"
+        raise JobConflict(f"job {job.job_id} is {job.status} and {state}, so it has no rank logs")
+    chosen = [r for r in job.ranks if rank is None or r["rank"] == rank]
+    if not chosen:
+        raise RankNotFound(f"job {job.job_id} has no rank {rank}; its ranks are 0 to {len(job.ranks) - 1}")
+    return {"job_id": job.job_id, "status": job.status.value, "stream": stream,
+            "ranks": [read_rank_log(r, stream, tail, since) for r in chosen]}

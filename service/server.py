@@ -25,9 +25,9 @@ from trainyard.service import state_dir as sd
 from trainyard.service.manager import JobManager
 from trainyard.service.ray_runtime import connect, record_embedded_processes, remove_orphans
 from trainyard.service.store import JobStore
-from trainyard.service.trackers import TrackerPolicy
-from trainyard.service.uploads import DEFAULT_MAX_UPLOAD_BYTES
-from trainyard.service.users import Registry
+from trainyard.service.tenancy.trackers import TrackerPolicy
+from trainyard.service.tenancy.uploads import DEFAULT_MAX_UPLOAD_BYTES
+from trainyard.service.tenancy.users import Registry
 
 log = logging.getLogger("trainyard.server")
 

@@ -93,7 +93,7 @@ class JobRecord:
     events: list[dict] = field(default_factory=list)
     """What happened to the job as it ran: failures, recoveries, checkpoints (see actors.coordinator)."""
     owner: str = ADMIN
-    """The user who submitted it (`service.users`)."""
+    """The user who submitted it (`service.tenancy.users`)."""
 
     @property
     def queued(self) -> bool:

@@ -73,7 +73,7 @@ def start_service(state_dir: Path, allow_fault_injection: bool = True, **manager
     from trainyard.service import state_dir as sd
     from trainyard.service.manager import JobManager
     from trainyard.service.store import JobStore
-    from trainyard.service.users import Registry
+    from trainyard.service.tenancy.users import Registry
 
     token = sd.load_or_create_token(sd.resolve(state_dir))
     users = Registry(state_dir)  # `trainyard token create --state-dir` adds users to it, as to `trainyard serve`'s

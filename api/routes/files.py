@@ -1,7 +1,7 @@
-"""`/api/files`: a user's uploads (`service.uploads`), the files and prepared dataset directories their specs may
-name. The body of an upload is streamed to disk (never held in memory), up to the per-upload limit (the app's
-`state.max_upload_bytes`, which `api.guard` applies to this route's body) or what the user's storage quota leaves
-(a 413 past it, nothing kept); a directory is sent as a tar (`archive=tar`)."""
+"""`/api/files`: a user's uploads (`service.tenancy.uploads`), the files and prepared dataset directories their specs
+may name. The body of an upload is streamed to disk (never held in memory), up to the per-upload limit (the app's
+`state.max_upload_bytes`, which `api.guard` applies to this route's body) or what the user's storage quota leaves (a 413
+past it, nothing kept); a directory is sent as a tar (`archive=tar`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from trainyard.api.body import JsonBodyRoute
 from trainyard.api.deps import Manager, caller
-from trainyard.service.uploads import UploadNotFound, UploadTooLarge
-from trainyard.service.users import User
+from trainyard.service.tenancy.uploads import UploadNotFound, UploadTooLarge
+from trainyard.service.tenancy.users import User
 
 
 class UploadInfo(BaseModel):
@@ -43,9 +43,9 @@ async def upload(request: Request, manager: Manager, user: User = Depends(caller
                                                                             "directory, extracted")) -> UploadInfo:
     """Upload a file (the body's bytes) or a directory (a tar of it, `archive=tar`); the answer's `path` is
     what a spec names."""
-    limit = await run_in_threadpool(manager.upload_limit, user, request.app.state.max_upload_bytes)
+    limit = await run_in_threadpool(manager.tenancy.upload_limit, user, request.app.state.max_upload_bytes)
     try:
-        upload = await manager.uploads.receive(user.name, name, request.stream(), limit, archive == "tar")
+        upload = await manager.tenancy.uploads.receive(user.name, name, request.stream(), limit, archive == "tar")
     except UploadTooLarge as e:
         raise HTTPException(413, str(e)) from None
     return UploadInfo(**asdict(upload))
@@ -54,13 +54,13 @@ async def upload(request: Request, manager: Manager, user: User = Depends(caller
 @router.get("")
 def list_uploads(manager: Manager, user: User = Depends(caller)) -> list[UploadInfo]:
     """The caller's uploads, oldest first."""
-    return [UploadInfo(**asdict(u)) for u in manager.uploads.list(user.name)]
+    return [UploadInfo(**asdict(u)) for u in manager.tenancy.uploads.list(user.name)]
 
 
 @router.delete("/{upload_id}", status_code=204, responses={404: {"description": "no such upload of yours"}})
 def delete_upload(upload_id: str, manager: Manager, user: User = Depends(caller)) -> None:
     """Delete one of the caller's uploads (a job still queued that names it then fails to read it)."""
     try:
-        manager.uploads.delete(user.name, upload_id)
+        manager.tenancy.uploads.delete(user.name, upload_id)
     except UploadNotFound:
         raise HTTPException(404, f"no upload {upload_id}") from None

@@ -14,7 +14,7 @@ from trainyard.api.deps import CALIBRATING, GUARDED, NOT_FOUND, OWNED, Manager, 
 from trainyard.api.models import FaultDrill, JobCreated, JobInfo, JobLogs, MetricsRow, ScaleRequest, job_info
 from trainyard.api.spec import RawSpec
 from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS
-from trainyard.service.users import User
+from trainyard.service.tenancy.users import User
 
 MAX_LOG_TAIL = 100_000
 """Most lines per rank one logs request returns."""

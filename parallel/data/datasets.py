@@ -92,7 +92,7 @@ class TokenDataset:
         window = torch.from_numpy(np.asarray(self.tokens[i : i + self.seq_len + 1], dtype=np.int64))
         bad = window >= self.vocab_size
         if bad.any():
-            # Neither the id nor where it is: an error never quotes the data (`service.access`).
+            # Neither the id nor where it is: an error never quotes the data (`service.tenancy.access`).
             raise DatasetError(self.field, f"{self.source} holds token ids outside model.vocab_size="
                                            f"{self.vocab_size} (ids are 0 to vocab_size - 1)")
         return window

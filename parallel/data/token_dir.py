@@ -140,7 +140,7 @@ class Manifest:
 
 def in_directory(name: str) -> bool:
     """Whether a file name a manifest or index gives stays in its directory: relative, no `..` (a link inside
-    the directory is the reader's access check's, `service.access`)."""
+    the directory is the reader's access check's, `service.tenancy.access`)."""
     return bool(name) and not Path(name).is_absolute() and ".." not in Path(name).parts
 
 

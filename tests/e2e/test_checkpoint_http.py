@@ -51,7 +51,7 @@ def losses(rows: list[dict]) -> list[float]:
 
 def test_checkpoints_are_written_every_n_steps_and_at_the_end(originals, service):
     job, rows = originals["dense"]
-    root = service.manager.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
+    root = service.manager.paths.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_000000003", "step_000000006"]
     assert [r["step"] for r in rows if r["checkpoint_blocked_s"] is not None] == [2]  # the final save is no step's
     assert all(r.get("val_loss") is not None for r in rows if r["step"] in (2, 5))
@@ -104,8 +104,8 @@ def test_a_different_model_cannot_resume(originals, client):
 
 def test_deleting_a_job_removes_its_model_and_checkpoints(service, originals, resumed, client):
     job = originals["dense"][0]
-    root = service.manager.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
-    model = service.manager.model_path(job["job_id"])
+    root = service.manager.paths.checkpoint_root(job["job_id"], parse_spec(job["spec"]))
+    model = service.manager.paths.model_path(job["job_id"])
     assert root.is_dir() and model.is_file()
     client.delete(job["job_id"])
     assert not root.exists() and not model.exists()

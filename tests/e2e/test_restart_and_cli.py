@@ -56,8 +56,8 @@ def test_a_coordinator_the_service_created_but_never_started_is_started_when_the
     from trainyard.actors.naming import coordinator_name, placement_group_name
     from trainyard.parallel.plan import make_plan
     from trainyard.parallel.spec import parse_spec
-    from trainyard.service.live_jobs import LiveJobs
-    from trainyard.service.reconcile import reconcile
+    from trainyard.service.following.live_jobs import LiveJobs
+    from trainyard.service.following.reconcile import reconcile
 
     spec = tiny_spec(steps=2)
     plan = make_plan(parse_spec(spec))

@@ -24,7 +24,7 @@ import pytest
 from conftest import start_service
 from helpers import REPO, tiny_spec, wait_terminal
 from trainyard.cli.client import ApiError, Client
-from trainyard.service import users
+from trainyard.service.tenancy import users
 
 CORPUS = REPO / "examples" / "corpus.txt"
 MISSING_JOB = "0123456789ab"
@@ -287,7 +287,7 @@ def test_ordinary_use_works_within_the_roots_and_uploads(ray_session, tmp_path):
             Client(svc.url, other).plan(tiny_spec(init_from={"job_id": jobs[0]}, data={"kind": "synthetic",
                                                                                        "path": None}))
         assert info.value.status_code == 422 and f"no job {jobs[0]}" in str(info.value)
-        files = [svc.manager.model_path(jobs[1]).parent, svc.state_dir / "checkpoints" / jobs[1]]
+        files = [svc.manager.paths.model_path(jobs[1]).parent, svc.state_dir / "checkpoints" / jobs[1]]
         assert all(f.exists() for f in files)
         dana.delete(jobs[1])
         assert not any(f.exists() for f in files)

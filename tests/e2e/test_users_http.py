@@ -14,8 +14,8 @@ from helpers import REPO, tiny_spec, wait_for
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from trainyard.cli.client import ApiError, Client
-from trainyard.service import users
-from trainyard.service.access import resolve
+from trainyard.service.tenancy import users
+from trainyard.service.tenancy.access import resolve
 
 EXAMPLES = 3
 """Per operation and user (derandomised): the request shapes the schema allows, each on the other user's job."""

@@ -1,6 +1,7 @@
 """The tenancy rules, pure or on files alone (no Ray, no HTTP): which paths a user's job may read and write
-(`service.access`), the names a manifest or an index may give (`token_dir`, `hf_spec`), a quota's charge and the
-elastic cap (`service.quota`), the operator's trackers (`service.trackers`) and an upload's tar (`service.uploads`)."""
+(`service.tenancy.access`), the names a manifest or an index may give (`token_dir`, `hf_spec`), a quota's charge and the
+elastic cap (`service.tenancy.quota`), the operator's trackers (`service.tenancy.trackers`) and an upload's tar
+(`service.tenancy.uploads`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from helpers import tiny_spec
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.data.token_dir import Manifest
 from trainyard.parallel.spec import parse_spec
-from trainyard.service.access import NOT_READABLE, Access, Owner
-from trainyard.service.quota import Quota, replicas_within
-from trainyard.service.trackers import TrackerPolicy
-from trainyard.service.uploads import Uploads, UploadTooLarge
+from trainyard.service.tenancy.access import NOT_READABLE, Access, Owner
+from trainyard.service.tenancy.quota import Quota, replicas_within
+from trainyard.service.tenancy.trackers import TrackerPolicy
+from trainyard.service.tenancy.uploads import Uploads, UploadTooLarge
 
 
 @pytest.fixture()
@@ -94,7 +95,7 @@ def test_a_manifest_or_index_naming_a_file_outside_its_directory_is_refused(tmp_
 
 def test_a_rank_counts_at_least_one_cpu_and_an_elastic_job_at_most_what_the_quota_holds():
     from trainyard.parallel.plan import make_plan
-    from trainyard.service.quota import charge
+    from trainyard.service.tenancy.quota import charge
 
     plan = make_plan(parse_spec(tiny_spec(global_batch=16, parallel={"dp": 16},
                                           resources={"cpus_per_worker": 0.0001, "gpus_per_worker": 0})))

@@ -59,12 +59,15 @@ def test_the_api_answers_503_with_retry_after_while_calibrating(tmp_path):
     from fastapi.testclient import TestClient
     from trainyard.api.app import create_app
 
-    class Manager:  # only what the plan route reaches before the planner
+    class Tenancy:
         def confine(self, spec, user):
             return spec
 
         def for_user(self, config, user):
             return config
+
+    class Manager:  # only what the plan route reaches before the planner
+        tenancy = Tenancy()
 
         def choose_layout(self, config):
             raise Calibrating("being measured now", 30)

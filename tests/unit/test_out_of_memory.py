@@ -11,7 +11,7 @@ from test_coordinator_states import BUDGET_2, POINT, inputs
 from trainyard.actors.calls import Failure, out_of_memory
 from trainyard.actors.failure_handling.policy import FailureAction
 from trainyard.actors.state import CallFailed, Failed, JobStatus, Running, step
-from trainyard.service.live_jobs import coordinator_lost, handling_failed
+from trainyard.service.following.live_jobs import coordinator_lost, handling_failed
 
 
 def test_the_signs_of_running_out_of_memory_are_read_from_the_error():

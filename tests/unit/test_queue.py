@@ -9,11 +9,11 @@ from trainyard.actors.state import JobStatus
 from trainyard.cli.main import _attach_values
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.plan import Gang
-from trainyard.service import queue
+from trainyard.service.admission import queue
 from trainyard.service.errors import JobConflict
-from trainyard.service.quota import NO_QUOTA, Quota, check, usage
 from trainyard.service.state_dir import new_token
 from trainyard.service.store import JobRecord, JobStore
+from trainyard.service.tenancy.quota import NO_QUOTA, Quota, check, usage
 
 
 def add(store: JobStore, job_id: str, priority: int = 0, cpus: float = 1.0, count: int = 1,
@@ -130,7 +130,7 @@ def test_the_progress_bar_shows_the_queue_position_and_the_reason():
 
 
 def test_a_job_waiting_for_its_layout_does_not_hold_the_queue():
-    from trainyard.service.queue import next_to_admit, waiting_for
+    from trainyard.service.admission.queue import next_to_admit, waiting_for
 
     unplanned = JobRecord(job_id="auto", name="a", status=JobStatus.PENDING, spec={}, steps=1, needs={})
     planned = JobRecord(job_id="fixed", name="f", status=JobStatus.PENDING, spec={}, steps=1,

@@ -2,7 +2,7 @@
 
 
 from trainyard.actors.state import JobStatus
-from trainyard.service.follow import Cursor, apply_report
+from trainyard.service.following.follow import Cursor, apply_report
 from trainyard.service.store import JobRecord, JobStore
 
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from trainyard.api.app import create_app
 from trainyard.cli.main import main
-from trainyard.service import users
+from trainyard.service.tenancy import users
 
 
 def test_a_token_is_kept_only_as_its_sha256_and_found_by_it(tmp_path):

@@ -29,7 +29,7 @@ torchft replica that heals takes a live peer's. A mode's own state (diloco's out
 Replicas that fail alone: between syncs no replica waits on another, so when a rank dies its replica (its whole
 pp x tp group) is dropped from the round and the others go on stepping. The design, smaller than torchft's (whose
 Manager reconfigures its process groups for every quorum and heals a peer from another's state over HTTP): the
-coordinator (`actors.recovery`) lets the survivors finish the failed step and the one queued after it, replaces
+coordinator (`actors.actions.recovery`) lets the survivors finish the failed step and the one queued after it, replaces
 the dropped replica's ranks and sets the world up again (every rank; the survivors keep their own state, and are
 paused only for that rendezvous), then drives the survivors' steps while the rebuilt replica sits out
 (`round_of`: its ranks answer at once, running nothing). At the next sync (`rejoin_step`) the rebuilt ranks take

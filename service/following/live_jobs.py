@@ -1,7 +1,7 @@
 """The jobs this service follows in Ray, and the follower that polls them.
 
 `LiveJobs` holds, for every admitted job, its coordinator, its placement group, the poll in flight and how far
-the store has read its reports (`service.follow.Cursor`), behind one lock that the API's threads, the
+the store has read its reports (`service.following.follow.Cursor`), behind one lock that the API's threads, the
 admission thread and the follower thread share. It writes a report to the store (`apply`), ends a job
 (`finish`: the store first, then what it holds in Ray is released) and polls every coordinator without waiting
 on any one of them (`follow`). One job's failure never stops a thread: `guarded` fails that job instead, with a
@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from trainyard.actors.calls import first_line
 from trainyard.actors.state import JobStatus
 from trainyard.actors.worker_group.worker_group import remove_grown_placement_groups
-from trainyard.service.follow import Cursor, apply_report
+from trainyard.service.following.follow import Cursor, apply_report
 from trainyard.service.store import JobStore
 
 log = logging.getLogger("trainyard.manager")

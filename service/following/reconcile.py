@@ -13,7 +13,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from trainyard.actors.naming import coordinator_name, placement_group_name
 from trainyard.actors.state import JobStatus
-from trainyard.service.live_jobs import LiveJobs
+from trainyard.service.following.live_jobs import LiveJobs
 from trainyard.service.store import JobRecord
 
 log = logging.getLogger("trainyard.manager")

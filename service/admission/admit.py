@@ -1,4 +1,5 @@
-"""Admission: the head of the queue starts when its whole gang fits the free resources (`service.queue` decides).
+"""Admission: the head of the queue starts when its whole gang fits the free resources (`service.admission.queue`
+decides).
 
 The admission thread's body (`Admission.admit_queued`) reserves the head's placement group (ready at once, or given
 back and tried again later: another job may have taken the resources in between), and only then starts the
@@ -25,12 +26,13 @@ from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
-from trainyard.service import queue, quota
+from trainyard.service.admission import queue
 from trainyard.service.errors import Calibrating
-from trainyard.service.live_jobs import LiveJobs
+from trainyard.service.following.live_jobs import LiveJobs
 from trainyard.service.paths import JobPaths
 from trainyard.service.ray_runtime import cluster_resources, free_resources
 from trainyard.service.store import JobRecord
+from trainyard.service.tenancy import quota
 
 log = logging.getLogger("trainyard.manager")
 
@@ -44,7 +46,7 @@ class Admission:
                  detach_jobs: bool, choose_layout: Callable[[JobConfig], JobConfig] = lambda config: config,
                  quotas: queue.Quotas = lambda _: quota.NO_QUOTA):
         """`choose_layout`: `parallel: auto` resolved (raises Calibrating while the costs are being measured);
-        `quotas`: each user's (`service.users`)."""
+        `quotas`: each user's (`service.tenancy.users`)."""
         self.live, self.store, self.paths = live, live.store, paths
         self.quotas = quotas
         self.resume_point = resume_point

@@ -4,7 +4,7 @@ Waiting jobs are rows in the store (`JobStore.queue()`, priority then submission
 only decides. The order (`fair_order`): higher priority first; at equal priority the users take turns (fair
 share): a user's n-th waiting job comes after every other user's (n-1)-th, counting the jobs each user already
 runs, so one user's burst of submits does not hold the cluster; then submission order. A job its owner's quota
-(`service.quota`) holds back waits without holding the queue. Then the order is strict: the head of the queue
+(`service.tenancy.quota`) holds back waits without holding the queue. Then the order is strict: the head of the queue
 is admitted when its whole gang (every bundle of its placement group) fits the free resources, and nothing behind
 it starts while it does not fit. Without
 backfill a large job at the head is never starved by a stream of small ones; backfill needs run-time
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from trainyard.parallel.plan import Gang
-from trainyard.service.quota import NO_QUOTA, Quota, charge_of
 from trainyard.service.store import JobRecord
+from trainyard.service.tenancy.quota import NO_QUOTA, Quota, charge_of
 
 Quotas = Callable[[str], Quota]
 """A user's quota by name."""

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainyard.service.access import Owner, resolve
-from trainyard.service.quota import NO_QUOTA, Quota
 from trainyard.service.state_dir import new_token
 from trainyard.service.store import ADMIN
+from trainyard.service.tenancy.access import Owner, resolve
+from trainyard.service.tenancy.quota import NO_QUOTA, Quota
 
 USERS_FILE = "users.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
@@ -47,7 +47,7 @@ class User:
     token_sha256: str = ""
     created_at: float = 0.0
     data_roots: tuple[str, ...] = ()
-    """Directories (resolved when set) under which the user's jobs read data (`service.access`)."""
+    """Directories (resolved when set) under which the user's jobs read data (`service.tenancy.access`)."""
     max_queued: int | None = None
     """Most of the user's jobs waiting in the queue at once (None: only the service's `--max-queued`)."""
     max_priority: int | None = 0
