@@ -11,8 +11,9 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
-from trainyard.parallel.config import JobConfig, ScheduleKind
+from trainyard.parallel.config import JobConfig
 from trainyard.parallel.models import family_of
+from trainyard.parallel.names import SCHEDULE_KINDS, ScheduleKind
 from trainyard.parallel.plan.admission import ClusterResources
 from trainyard.parallel.plan.cost_model import (
     StepCosts,
@@ -28,7 +29,7 @@ from trainyard.parallel.plan.memory import rank_memory
 from trainyard.parallel.plan.prediction import Candidate, cached_schedule, placement_of, predict
 from trainyard.parallel.plan.rules import violations
 from trainyard.parallel.plan.schedules import SCHEDULES
-from trainyard.parallel.plan.search_options import SCHEDULE_KINDS, searched_paths, searched_values, with_option
+from trainyard.parallel.plan.search_options import searched_paths, searched_values, with_option
 from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.plan.sizing import Sizing
 
