@@ -26,9 +26,9 @@ from trainyard.parallel.plan.cost_model import (
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
 from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.memory import rank_memory
-from trainyard.parallel.plan.prediction import Candidate, cached_schedule, placement_of, predict
+from trainyard.parallel.plan.prediction import Candidate, cached_schedule, predict
 from trainyard.parallel.plan.rules import violations
-from trainyard.parallel.plan.schedules import SCHEDULES
+from trainyard.parallel.plan.schedules import SCHEDULES, placement_of
 from trainyard.parallel.plan.search_options import searched_paths, searched_values, with_option
 from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.plan.sizing import Sizing
@@ -184,7 +184,7 @@ class Search:
                       schedule=(cached_schedule(par.schedule, par.pp, par.microbatches, par.vpp)
                                 if with_schedule else ()),
                       experts=moe.experts if moe else 0, gpus_per_worker=self.gpus, cpus_per_worker=self.cpus,
-                      **placement_of(par.schedule))
+                      placement=placement_of(par.schedule))
 
     def rank_capacity(self, layout: Layout) -> float:
         """Bytes a rank may hold (admission's rule: one GPU's memory, or a CPU rank's share of its node's); 0:

@@ -17,7 +17,7 @@ from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.schedule_sim import check
 from trainyard.parallel.plan.schedule_timing import CheckedSchedule, Costs
-from trainyard.parallel.plan.schedules import SCHEDULES, build_schedule
+from trainyard.parallel.plan.schedules import build_schedule, placement_of
 from trainyard.parallel.plan.search_options import searched_paths
 
 
@@ -73,16 +73,9 @@ def cached_schedule(kind: str, pp: int, m: int, vpp: int) -> tuple[tuple, ...]:
     return tuple(map(tuple, build_schedule(kind, pp, m, vpp)))
 
 
-def placement_of(kind: str) -> dict:
-    """How a schedule kind seats its virtual stages, as the keyword the layout and the simulator take (none
-    while every kind is interleaved; a kind with its own `placement`, a V, passes it on)."""
-    placement = getattr(SCHEDULES[kind], "placement", "interleaved")
-    return {"placement": placement} if placement != "interleaved" else {}
-
-
 @functools.lru_cache(maxsize=1024)
 def _checked(kind: str, pp: int, vpp: int, m: int) -> CheckedSchedule:
-    return check([list(a) for a in cached_schedule(kind, pp, m, vpp)], m, vpp, **placement_of(kind), verify=False)
+    return check([list(a) for a in cached_schedule(kind, pp, m, vpp)], m, vpp, placement_of(kind), verify=False)
 
 
 @functools.lru_cache(maxsize=65536)
