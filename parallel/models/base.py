@@ -46,6 +46,10 @@ class ModelFamily(ABC):
     """The value of `model.family` that selects this family (also its folder under `parallel/models/`)."""
     lora_targets: dict[str, str] = {}
     """`model.lora.targets`' names -> the projection's module path inside a block (`parallel.models.lora`)."""
+    learned_positions: bool = False
+    """Its positions are a learned embedding table (gpt2's), which sequence parallelism slices as one (seq_len,
+    d_model) table: packed examples, whose positions restart at each, cannot run with `parallel.sp`
+    (`parallel.plan.rules.packing_violations`)."""
 
     def summary(self, cfg: ModelConfig) -> str:
         """What `trainyard plan` says of the model: the family, and what it cannot do (a native family: nothing)."""

@@ -69,10 +69,12 @@ def packing_violations(config: JobConfig) -> list[PlanError]:
         errors.append(PlanError("compile", "data.packing: true gives each micro-batch its own attention mask and "
                                            "positions, which torch.compile'd blocks do not read yet; use "
                                            "compile: false or data.packing: false"))
-    if config.model.family == "gpt2" and config.fixed_parallel.sp:
-        errors.append(PlanError("parallel.sp", "data.packing: true restarts gpt2's learned positions at each "
-                                               "example, per row, and sequence parallelism slices gpt2's position "
-                                               "embedding as one (seq_len, d_model) table: use sp: false"))
+    family = family_of(config.model)
+    if family.learned_positions and config.fixed_parallel.sp:
+        errors.append(PlanError("parallel.sp", f"data.packing: true restarts {family.name}'s learned positions at "
+                                               f"each example, per row, and sequence parallelism slices "
+                                               f"{family.name}'s position embedding as one (seq_len, d_model) table: "
+                                               "use sp: false"))
     return errors
 
 

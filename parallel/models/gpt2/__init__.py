@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 class GPT2(ModelFamily):
     name = "gpt2"
     lora_targets = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "fc": "mlp.fc", "proj": "mlp.proj"}
+    learned_positions = True
 
     def check(self, config: JobConfig) -> list[RuleError]:
         m, errors = config.model, []
