@@ -20,9 +20,10 @@ from trainyard.parallel.plan.job_plan import (
     resize_plan,
     resized,
     split_layers,
+    with_dp_max,
 )
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords
 from trainyard.parallel.plan.rules import PlanError
 
 __all__ = ["ClusterResources", "Gang", "Layout", "NodeResources", "Plan", "PlanError", "RankCoords",
-           "can_move_in_memory", "make_plan", "reaching_max", "resize_plan", "resized", "split_layers"]
+           "can_move_in_memory", "make_plan", "reaching_max", "resize_plan", "resized", "split_layers", "with_dp_max"]

@@ -19,6 +19,7 @@ from trainyard.parallel.plan.schedule_sim import check
 from trainyard.parallel.plan.schedule_timing import CheckedSchedule, Costs
 from trainyard.parallel.plan.schedules import build_schedule, placement_of
 from trainyard.parallel.plan.search_options import searched_paths
+from trainyard.parallel.plan.sizing import fixed_parallel
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Candidate:
     """Why it lost to the winner (empty for the winner)."""
 
     def layout_summary(self) -> dict:
-        par = self.config.fixed_parallel
+        par = fixed_parallel(self.config)
         out: dict[str, object] = {"dp": par.dp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "vpp": par.vpp,
                                   "sp": par.sp, "microbatches": par.microbatches, "schedule": par.schedule}
         out.update({path: option_value(self.config, path) for path in searched_paths(self.config)})
@@ -99,7 +100,7 @@ def predict(layout: Layout, config: JobConfig, costs: StepCosts, memory: int = 0
     m, vpp = layout.microbatches, layout.vpp
     f = max(costs.forward, 1e-12)
     if layout.pp > 1:
-        span, bubble = _simulated(config.fixed_parallel.schedule, layout.pp, vpp, m, ratio_key(costs.backward / f),
+        span, bubble = _simulated(fixed_parallel(config).schedule, layout.pp, vpp, m, ratio_key(costs.backward / f),
                                   ratio_key(costs.comm / f), tuple(map(ratio_key, costs.shared)))
         makespan = span * f
     else:

@@ -15,12 +15,10 @@ reduced. Pure arithmetic: no torch.
 from __future__ import annotations
 
 from trainyard.parallel.config import GradCompressionConfig
-from trainyard.parallel.models import family_of
 from trainyard.parallel.models.base import Matrix
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts
 from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.replica_sync import replica_dp
-from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
 
@@ -35,7 +33,7 @@ def approximation_rank(rows: int, cols: int, cfg: GradCompressionConfig) -> int 
 def _stage_matrices(plan: Sizing, pp: int):
     """(matrix elements of shared sets, [(rows, cols, set)] of those matrices, elements per shared set) of
     a pipeline rank's chunks."""
-    cfg, family = plan.config, family_of(plan.config.model)
+    cfg, family = plan.config, plan.family
     group = {"dense": plan.dp, "router": plan.dp * plan.tp, "experts": plan.dp // plan.ep * plan.tp}
     shared = {s for s, n in group.items() if n > 1}
     elements, matrices = 0, []
@@ -59,7 +57,7 @@ def _stage_matrices(plan: Sizing, pp: int):
 def _adapter_matrices(plan: Sizing, layers: list[int]) -> list[Matrix]:
     """The local shapes of blocks `layers`' LoRA adapters, A (rank x in) and B (out x rank), the one tp splits as
     its base projection is split (`ModelFamily.adapter_elements` counts the same)."""
-    m, family = plan.config.model, family_of(plan.config.model)
+    m, family = plan.config.model, plan.family
     assert m.lora is not None
     shapes, r = family.lora_shapes(m), m.lora.rank
     out: list[Matrix] = []
@@ -77,7 +75,7 @@ def compression_state_bytes(plan: Sizing, pp: int) -> int:
     """What PowerSGD keeps on a rank of pipeline stage `pp` beside the gradient buckets: each compressed
     matrix's error (rows x cols) and factors P and Q (with their packed copies on the wire), fp32, and the
     packed copy of the tensors sent whole."""
-    compression = plan.config.fixed_parallel.grad_compression
+    compression = plan.parallel.grad_compression
     if compression is None:
         return 0
     elements, matrices = _stage_matrices(plan, pp)
@@ -87,22 +85,20 @@ def compression_state_bytes(plan: Sizing, pp: int) -> int:
         if r is not None:
             kept += FP32 * (rows * cols + 2 * (rows + cols) * r)
             whole += rows * cols
-    wire = BF16 if plan.config.fixed_parallel.reduce_dtype == "bf16" else FP32
+    wire = BF16 if plan.parallel.reduce_dtype == "bf16" else FP32
     return kept + wire * (elements - whole) if kept else 0
 
 
 def reduction_bytes(plan: Sizing) -> dict:
     """Per pipeline stage, the bytes one of its ranks sends per step: `uncompressed` (plain, in
     reduce_dtype) and `sent` (with the job's compression after its warm-up; equal without one)."""
-    cfg = plan.config
-    compression = cfg.fixed_parallel.grad_compression
-    wire = BF16 if cfg.fixed_parallel.reduce_dtype == "bf16" else FP32
+    par = plan.parallel
+    compression, wire = par.grad_compression, BF16 if par.reduce_dtype == "bf16" else FP32
+    # ZeRO-2/3 (FSDP2) reduce-scatter a chunk's gradients at each of its backwards: once per micro-batch.
+    per_step = par.microbatches if plan.sharding.reduces_every_microbatch else 1
     stages = []
     for pp in range(plan.pp):
         elements, matrices = _stage_matrices(plan, pp)
-        # ZeRO-2/3 (FSDP2) reduce-scatter a chunk's gradients at each of its backwards: once per micro-batch.
-        par = cfg.fixed_parallel
-        per_step = par.microbatches if sharding_for(par.zero).reduces_every_microbatch else 1
         plain = sent = wire * elements * per_step
         if compression is not None:
             for rows, cols, _ in matrices:
@@ -130,5 +126,5 @@ def reduced_sets(plan: Sizing, counts: ParamCounts) -> list[tuple[int, int]]:
     """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
     over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts; dp being one
     replica's with local_sgd and diloco (`replica_sync.replica_dp`)."""
-    dp = replica_dp(plan.config.fixed_parallel.sync, plan.dp)
+    dp = replica_dp(plan.parallel.sync, plan.dp)
     return [(counts.dense, dp), (counts.router, dp * plan.tp), (counts.experts, dp // plan.ep * plan.tp)]

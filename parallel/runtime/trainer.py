@@ -51,8 +51,6 @@ from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.actions import FREEING_KINDS, Action, ActionKind, stage_location, virtual_stage
 from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after
-from trainyard.parallel.plan.schedules import SCHEDULES
-from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.runtime.compile import compile_blocks, compile_seconds
 from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
 from trainyard.parallel.runtime.distributed import RankGroups
@@ -88,13 +86,13 @@ class RankTrainer:
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
         # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.moe): dense
         # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
-        par = cfg.fixed_parallel
+        par = plan.parallel
         # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
         # A replica is `plan.reduce_dp` dp ranks (`parallel.sync.replicas`), which reduce, shard and spread experts
         # among themselves as allreduce's dp ranks do.
         self.local_sync = is_local(par.sync) and plan.dp > plan.reduce_dp
         sets = {"dense": groups.reduce, "router": groups.stage, "experts": groups.experts}
-        family, sharding = family_of(cfg.model), sharding_for(par.zero)
+        family, sharding = plan.family, plan.sharding
         # ZeRO-2/3: FSDP2 shards each chunk per block (its embedding, each block, its head; routers and experts on
         # their own groups) over the same groups (parallel.runtime.fsdp).
         self.sharded = shard_chunks(self.chunks, groups.dp_mesh, groups.stage, groups.experts, sharding,
@@ -145,13 +143,13 @@ class RankTrainer:
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
                                     self.tied)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
-        self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
+        self.last_backward = {a.chunk: a.microbatch for a in plan.actions[self.coords.pp]
                               if a.kind in FREEING_KINDS}
         self.dataset = open_dataset(cfg)
         self.val_dataset = open_dataset(cfg, "val") if cfg.eval.every > 0 else None
-        self.forward_actions = [a for a in plan.schedule[self.coords.pp] if a.kind in FORWARD_KINDS]
+        self.forward_actions = [a for a in plan.actions[self.coords.pp] if a.kind in FORWARD_KINDS]
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
-        self.actions = list(plan.schedule[self.coords.pp])
+        self.actions = list(plan.actions[self.coords.pp])
         self.executor = PipelineExecutor(
             self.chunks, self.coords.pp, plan.pp, groups.pp_ranks, activation_shape=activation_shape(plan),
             device=device, loss_scale=1.0 / tokens_per_step, loss_context=loss_context(plan),
@@ -171,14 +169,14 @@ class RankTrainer:
                 cfg.model, layers, first=v == 0, last=v == self.plan.n_virtual_stages - 1, seed=cfg.seed,
                 experts=self.plan.experts_of(self.rank))
         if self.groups.tp_mesh is not None:
-            apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
+            apply_tensor_parallel(stage, self.groups.tp_mesh, sequence_parallel=self.plan.parallel.sp)
         if cfg.model.lora is not None:  # after tp: the adapters are split to match their (sharded) base
-            apply_lora(stage, seed=cfg.seed, tp_mesh=self.groups.tp_mesh, sequence_parallel=cfg.fixed_parallel.sp)
+            apply_lora(stage, seed=cfg.seed, tp_mesh=self.groups.tp_mesh, sequence_parallel=self.plan.parallel.sp)
         stage.set_activation_checkpointing(cfg.activation_checkpointing)
         stage.set_activation_offload(cfg.activation_offload)
         if cfg.compile:
             # a split backward (zb-h1, zbv) needs each linear's weight gradient apart from its input's: linears eager
-            compile_blocks(stage, separable_weights=SCHEDULES[cfg.fixed_parallel.schedule].splits_backward)
+            compile_blocks(stage, separable_weights=self.plan.schedule.splits_backward)
         # The auxiliary losses are normalised like the token loss: by the sequences of the step's batch, or of the
         # replica's share of it with local_sgd and diloco (a replica of reduce_dp of the dp ranks)
         for _, layer in moe_layers(stage):
@@ -229,9 +227,9 @@ class RankTrainer:
         # local_sgd / diloco's syncs.
         sent = 0 if self.local_sync or "dense" not in self.reducers else self.reducers["dense"].wire_bytes
         cfg = self.plan.config
-        if self.sync is not None and syncs_after(step, cfg.fixed_parallel.sync, cfg.steps):
+        if self.sync is not None and syncs_after(step, self.plan.parallel.sync, cfg.steps):
             self.optimizer.settle()  # the sync reads the parameters
-            checkpointed = averages_optimizer_state(step, cfg.fixed_parallel.sync, cfg.checkpoint.every, cfg.steps)
+            checkpointed = averages_optimizer_state(step, self.plan.parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
             sent = self.rank_state.sync_replicas(view, live)
             if view is not None:
