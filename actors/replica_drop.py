@@ -81,7 +81,7 @@ async def drop_replicas(ctl: Controller, state: Recovering) -> bool:
                          dead=failure.dead)
 
     ctl.journal.add_cause(failure.cause)
-    rejoins = rejoin_step(resumed, cfg.fixed_parallel.sync, cfg.steps)
+    rejoins = rejoin_step(resumed, plan.parallel.sync, cfg.steps)
     ctl.progress.resumed_at(resumed, failure.failed_at, dropped={d: rejoins for d in sorted(broken)})
     dead = list(failure.blamed)
     ctl.journal.add_event({

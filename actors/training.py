@@ -115,7 +115,7 @@ def record(ctl: Controller, row: dict, results: list[dict] | None = None) -> Non
     if results is not None:  # by the rank each answer names: after a replica drop, not every rank answers
         ctl.rank_peaks.update({plan.rank_of(r["pp_rank"], r["tp_rank"], r["dp_rank"]): r["peak_rss_bytes"]
                                for r in results if "peak_rss_bytes" in r and "pp_rank" in r})
-    if results is not None and is_local(plan.config.fixed_parallel.sync) and plan.dp > 1:
+    if results is not None and is_local(plan.parallel.sync) and plan.dp > 1:
         stepped = {r["dp_rank"] for r in results if not r.get("sat_out")}
         back = progress.replicas_stepped(row["step"], plan.dp, stepped)
         if back:

@@ -26,7 +26,6 @@ to Ray at start (`service.reconcile`), what a submitted job reads (`service.inpu
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import logging
 import shutil
 import threading
@@ -40,11 +39,11 @@ from trainyard.actors import tracking
 from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.policies import largest_size
 from trainyard.actors.state import JobStatus
-from trainyard.parallel.config import DpRange, JobConfig, RuleError
+from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
 from trainyard.parallel.data.datasets import Dataset, open_dataset
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.hf_spec import init_from_event
-from trainyard.parallel.plan import ClusterResources, Plan, make_plan, reaching_max, resize_plan
+from trainyard.parallel.plan import ClusterResources, Plan, make_plan, reaching_max, resize_plan, with_dp_max
 from trainyard.parallel.plan.job_plan import dp_range
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service import queue, quota, uploads
@@ -91,9 +90,9 @@ def _reaching_max(config: JobConfig, events: builtins.list[dict]) -> tuple[JobCo
     chosen = reaching_max(config)
     if chosen is config:  # a fixed size, `auto`, or micro-batches that reach max already
         return config, events
-    limits = dp_range(config)
-    assert limits is not None
-    asked, microbatches = config.fixed_parallel.microbatches, chosen.fixed_parallel.microbatches
+    limits, before, after = dp_range(config), config.parallel, chosen.parallel
+    assert limits is not None and isinstance(before, ParallelConfig) and isinstance(after, ParallelConfig)  # elastic
+    asked, microbatches = before.microbatches, after.microbatches
     cause = (f"parallel.microbatches {asked} -> {microbatches}: micro-batches of "
              f"{config.global_batch // (limits[0] * microbatches)} sequences, which dp={limits[1]} (max) keeps too")
     return chosen, [*events, {"time": time.time(), "kind": "micro_batches", "cause": cause}]
@@ -301,8 +300,7 @@ class JobManager:
         size = largest_size(plan, fits)
         if size is None:
             return config, plan, []
-        par = config.fixed_parallel  # a plan's layout is fixed
-        capped = dataclasses.replace(config, parallel=dataclasses.replace(par, dp=DpRange(min=low, max=size)))
+        capped = with_dp_max(config, size)
         event = {"time": time.time(), "kind": "elastic_within_quota", "dp_max": size, "asked": high,
                  "cause": f"parallel.dp.max={high} is more than user {user.name}'s quota holds: the job grows to "
                           f"dp={size} at most"}

@@ -2,8 +2,10 @@
 the sharding, the pipeline schedule (and its action lists apart), the optimizer, the model family, and the layout
 written out. Made again from its inputs wherever it goes (replace, pickle), so they never disagree with the config."""
 
+import ast
 import pickle
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from helpers import tiny_spec
@@ -16,6 +18,7 @@ from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.plan.sizing import Resolved, Sizing
 from trainyard.parallel.spec import parse_spec
 
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = tiny_spec(model={"family": "llama", "n_layer": 4}, optimizer={"kind": "sgd"},
                  parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "zb-h1", "zero": 1})
 
@@ -65,3 +68,19 @@ def test_a_name_no_registry_holds_or_an_auto_layout_is_a_rule_error_naming_the_f
     with pytest.raises(RuleError) as err:
         Resolved(replace(config, parallel="auto"))
     assert err.value.field == "parallel" and "resolved by the planner" in err.value.message
+
+
+def test_nothing_outside_the_plan_room_reads_the_layout_back_out_of_a_config():
+    """A job carries its layout written out from the plan on (`plan.parallel`): only `parallel/plan`, which makes
+    plans from configs, reads it out of a config (`parallel.plan.sizing.fixed_parallel`)."""
+    readers = []
+    for top in ("api", "service", "actors", "parallel", "cli", "bench", "tests"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path.is_relative_to(ROOT / "parallel" / "plan"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                named = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) \
+                    else node.name if isinstance(node, ast.alias) else None
+                if named == "fixed_parallel":
+                    readers.append(f"{path.relative_to(ROOT)}:{node.lineno if hasattr(node, 'lineno') else '?'}")
+    assert readers == []
