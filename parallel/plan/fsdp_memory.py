@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from trainyard.parallel.models.counting import FP32, ParamCounts, by_block_kind
 from trainyard.parallel.plan.actions import COMPUTE_KINDS, Action, ActionKind, virtual_stage
-from trainyard.parallel.plan.reduction_bytes import reduced_sets
+from trainyard.parallel.plan.reduction_sets import reduced_sets
 from trainyard.parallel.plan.sizing import Sizing
 
 
@@ -65,7 +65,7 @@ def _shard_units(plan: Sizing, pp_rank: int) -> list[list[tuple[tuple[int, str],
     def sharded(layers: tuple[int, ...], first: bool, last: bool) -> int:
         counts = family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep)
         counts += ParamCounts(dense=family.adapter_elements(m, layers, tp=plan.tp), router=0, experts=0)
-        return sum(n for n, size in reduced_sets(plan, counts) if size > 1)
+        return sum(n for n, size in reduced_sets(plan.layout, counts) if size > 1)
 
     per_kind = by_block_kind(m, lambda i: sharded((i,), False, False))
     out = []

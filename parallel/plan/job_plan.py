@@ -23,7 +23,7 @@ from trainyard.parallel.config import DpRange, JobConfig
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources, fit_violations, memory_violations
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
 from trainyard.parallel.plan.memory import RankMemory, estimate
-from trainyard.parallel.plan.replica_sync import is_local, replica_dp
+from trainyard.parallel.plan.replica_sync import is_local, layout_replica_dp
 from trainyard.parallel.plan.rules import (
     MAX_SCHEDULE_CHUNKS,
     MAX_WORKERS,
@@ -257,7 +257,7 @@ def layout_of(config: JobConfig, cluster: ClusterResources | None = None) -> Lay
         micro_batch_size=config.global_batch // (par.fixed_dp * par.microbatches), layer_counts=layer_counts(config),
         schedule=par.schedule, experts=moe.experts if moe is not None else 0,
         gpus_per_worker=_gpus_per_worker(config, cluster), cpus_per_worker=config.resources.cpus_per_worker,
-        replica_dp=in_replica if (in_replica := replica_dp(par.sync, par.fixed_dp)) < par.fixed_dp else 0,
+        replica_dp=layout_replica_dp(par.sync, par.fixed_dp),
     )
 
 

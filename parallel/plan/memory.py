@@ -68,7 +68,8 @@ from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes, 
 from trainyard.parallel.plan.actions import FREEING_KINDS, ActionKind, virtual_stage
 from trainyard.parallel.plan.fsdp_memory import gathered_bytes, largest_unit_grad_bytes
 from trainyard.parallel.plan.layout import Layout
-from trainyard.parallel.plan.reduction_bytes import compression_state_bytes, reduced_sets
+from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
+from trainyard.parallel.plan.reduction_sets import reduced_sets
 from trainyard.parallel.plan.sizing import Sizing
 
 
@@ -259,7 +260,7 @@ def param_bytes(plan: Plan, pp_rank: int) -> int:
     plus what is gathered whole at the step's peak (`gathered_bytes`)."""
     sharding = plan.sharding
     total = sum(_chunk_counts(plan, pp_rank), ParamCounts(dense=0, router=0, experts=0))
-    kept = sum(sharding.param_elements(n, size) for n, size in reduced_sets(plan, total))
+    kept = sum(sharding.param_elements(n, size) for n, size in reduced_sets(plan.layout, total))
     return FP32 * kept + gathered_bytes(plan, pp_rank)
 
 
@@ -270,7 +271,7 @@ def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     backward is running lives until its reduce-scatter: a transient, not counted). A set reduced by no
     other rank (N = 1) is neither sharded nor sent."""
     par, sharding, bytes_ = plan.parallel, plan.sharding, 0
-    for n, size in reduced_sets(plan, counts):
+    for n, size in reduced_sets(plan.layout, counts):
         held = sharding.gradient_elements(n, size)
         wire = par.reduce_dtype == "bf16" and size > 1 and not sharding.shards_parameters  # FSDP2's is transient
         bytes_ += FP32 * held + (BF16 * held if wire else 0)
@@ -281,7 +282,7 @@ def optimizer_elements(plan: Plan, counts: ParamCounts) -> int:
     """The parameter elements whose optimizer state the sharding strategy keeps on this rank (ZeRO-1: 1/N of
     each set, N its reducing group)."""
     sharding = plan.sharding
-    return sum(sharding.optimizer_elements(n, size) for n, size in reduced_sets(plan, counts))
+    return sum(sharding.optimizer_elements(n, size) for n, size in reduced_sets(plan.layout, counts))
 
 
 def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:

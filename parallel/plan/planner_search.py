@@ -27,6 +27,7 @@ from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_
 from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.memory import rank_memory
 from trainyard.parallel.plan.prediction import Candidate, cached_schedule, predict
+from trainyard.parallel.plan.replica_sync import layout_replica_dp
 from trainyard.parallel.plan.rules import violations
 from trainyard.parallel.plan.schedules import SCHEDULES, placement_of
 from trainyard.parallel.plan.search_options import searched_paths, searched_values, with_option
@@ -184,6 +185,7 @@ class Search:
                       actions=(cached_schedule(par.schedule, par.pp, par.microbatches, par.vpp)
                                if with_schedule else ()),
                       experts=moe.experts if moe else 0, gpus_per_worker=self.gpus, cpus_per_worker=self.cpus,
+                      replica_dp=layout_replica_dp(par.sync, par.fixed_dp),
                       placement=placement_of(par.schedule))
 
     def rank_capacity(self, layout: Layout) -> float:

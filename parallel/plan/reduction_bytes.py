@@ -2,10 +2,10 @@
 
 `reduction_bytes(plan)` is what `trainyard plan` shows (`parallel.plan.present`) and what a step's metrics row
 measures (`reduce_bytes`, the payload a rank hands to its reduction collectives: a ring all-reduce moves
-about twice that over the wire, a reduce-scatter about once). Each reduction set (dense parameters over
-dp, routers over the stage, experts over the ranks holding the same ones: `reduced_sets`, which the memory plan
-shares) sends its
-local gradients in `reduce_dtype`, or nothing when no other rank shares it. With PowerSGD
+about twice that over the wire, a reduce-scatter about once). Each reduction set (dense parameters over one
+replica's dp ranks, routers over the stage, experts over the ranks holding the same ones:
+`parallel.plan.reduction_sets`, which the runtime and the memory plan read too) sends its local gradients in
+`reduce_dtype`, or nothing when no other rank shares it. With PowerSGD
 (`parallel.grad_compression`), each matrix it compresses (`approximation_rank`, torch's rule) sends its two
 fp32 factors P (rows x r) and Q (cols x r) instead, and every other tensor goes whole. Shapes come from the
 model's family (`ModelFamily.matrices`); with `model.lora` only the adapters have gradients, so only they are
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.models.base import Matrix
-from trainyard.parallel.models.counting import BF16, FP32, ParamCounts
+from trainyard.parallel.models.counting import BF16, FP32
 from trainyard.parallel.plan.actions import virtual_stage
-from trainyard.parallel.plan.replica_sync import replica_dp
+from trainyard.parallel.plan.reduction_sets import shared_sets
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
 
@@ -33,9 +33,7 @@ def approximation_rank(rows: int, cols: int, cfg: GradCompressionConfig) -> int 
 def _stage_matrices(plan: Sizing, pp: int):
     """(matrix elements of shared sets, [(rows, cols, set)] of those matrices, elements per shared set) of
     a pipeline rank's chunks."""
-    cfg, family = plan.config, plan.family
-    group = {"dense": plan.dp, "router": plan.dp * plan.tp, "experts": plan.dp // plan.ep * plan.tp}
-    shared = {s for s, n in group.items() if n > 1}
+    cfg, family, shared = plan.config, plan.family, shared_sets(plan.layout)
     elements, matrices = 0, []
     if cfg.model.lora is not None:  # the frozen base has no gradient: only the adapters (dense) are reduced
         if "dense" not in shared:
@@ -121,10 +119,3 @@ def format_reduction(reduction: dict) -> list[str]:
         for i, s in enumerate(stages))
     return [f"gradient reduction per step and rank{f' ({kind}, after its warm-up)' if kind else ''}: {per_stage}"]
 
-
-def reduced_sets(plan: Sizing, counts: ParamCounts) -> list[tuple[int, int]]:
-    """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
-    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts; dp being one
-    replica's with local_sgd and diloco (`replica_sync.replica_dp`)."""
-    dp = replica_dp(plan.parallel.sync, plan.dp)
-    return [(counts.dense, dp), (counts.router, dp * plan.tp), (counts.experts, dp // plan.ep * plan.tp)]

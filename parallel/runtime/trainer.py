@@ -91,7 +91,7 @@ class RankTrainer:
         # A replica is `plan.reduce_dp` dp ranks (`parallel.sync.replicas`), which reduce, shard and spread experts
         # among themselves as allreduce's dp ranks do.
         self.local_sync = is_local(par.sync) and plan.dp > plan.reduce_dp
-        sets = {"dense": groups.reduce, "router": groups.stage, "experts": groups.experts}
+        sets = groups.reducing  # parallel.plan.reduction_sets
         family, sharding = plan.family, plan.sharding
         # ZeRO-2/3: FSDP2 shards each chunk per block (its embedding, each block, its head; routers and experts on
         # their own groups) over the same groups (parallel.runtime.fsdp).
