@@ -10,8 +10,9 @@ made), `plan.sharding`, `plan.schedule` (the kind; `plan.actions` its action lis
 `plan.family`. Everything after it receives the Plan and never re-derives layout nor looks a name up again.
 Presentation (`describe`) is `parallel.plan.present`'s. Pure: no I/O, no torch.
 
-Modules, each importing only those before it: schedules -> layout -> sizing, sharding, optimizers ->
-memory -> rules -> admission (and units) -> plan -> present (tests/unit/test_imports.py keeps it acyclic).
+Modules, each importing only those before it: schedules, sharding -> layout -> sizing (the strategies resolved) ->
+reduction sets -> memory -> rules -> admission (and units) -> plan -> present (tests/unit/test_imports.py keeps it
+acyclic).
 """
 
 from __future__ import annotations
