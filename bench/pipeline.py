@@ -41,7 +41,7 @@ ACTIVATION_SHAPE = (2, 64, 64)  # a micro-batch's activation between stages: 32 
 STEPS, WARMUP_STEPS = 12, 2
 QUICK_STEPS = 6  # `--quick`
 TARGET_RATIO = 1.15
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
+RUNS = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
 
 MEMORY_SPEC: dict[str, Any] = {
     "name": "bench-pipeline-memory",
@@ -57,7 +57,7 @@ MEMORY_SPEC: dict[str, Any] = {
 
 def run_section(ctx: BenchContext) -> list[Row]:
     rows = []
-    for kind, vpp in SCHEDULES:
+    for kind, vpp in RUNS:
         rows.append(_schedule_row(ctx, kind, vpp))
     rows += _memory_rows(ctx)
     return rows

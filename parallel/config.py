@@ -133,12 +133,3 @@ class JobConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Experiment trackers the job's coordinator logs each step's metrics (and the spec) to: TensorBoard, W&B,
     MLflow. No rank talks to a tracker."""
-
-    @property
-    def fixed_parallel(self) -> ParallelConfig:
-        """`parallel` once the layout is written out: a plan's config, or a candidate the planner made (`auto`
-        is resolved on submit, before a plan is made)."""
-        if isinstance(self.parallel, str):  # "auto"
-            raise RuleError("parallel", "parallel: auto is resolved by the planner (the service's submit, "
-                                        "`trainyard plan --auto`) before a plan is made")
-        return self.parallel

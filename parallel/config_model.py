@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 from trainyard.parallel.config_fields import CONFIG_JSON, MAX_SEQ_LEN, NOT_BOOL, STRICT
+from trainyard.parallel.names import FamilyName
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +93,7 @@ class ModelConfig:
     equal to it."""
     moe: MoEConfig | None = None
     """Mixture-of-experts blocks; null for a dense model."""
-    family: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "hf"] = "gpt2"
+    family: FamilyName = "gpt2"
     """The model family (`parallel.models`): gpt2 (LayerNorm, GELU, learned positions, biases) or llama
     (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases), and llama's kin: mistral (an
     optional sliding window), qwen2 (biases on q, k and v), qwen3 (an RMSNorm per head on q and k) and qwen3_moe

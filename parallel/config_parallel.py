@@ -12,8 +12,7 @@ from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from trainyard.parallel.config_fields import MAX_GLOBAL_BATCH, MAX_STEPS, NOT_BOOL, STRICT, Degree, RuleError, Steps
-
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
+from trainyard.parallel.names import ScheduleKind, ZeroLevel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +89,7 @@ class ParallelConfig:
     """Pipeline schedule."""
     stage_layers: Annotated[list[Annotated[int, Gt(0), Le(4096), NOT_BOOL]], MinLen(1), MaxLen(4096)] | None = None
     """Blocks per virtual stage, in order (pp * vpp entries summing to n_layer); null splits evenly."""
-    zero: Annotated[Literal[0, 1, 2, 3], NOT_BOOL] = 0
+    zero: Annotated[ZeroLevel, NOT_BOOL] = 0
     """1: ZeRO-1, each data-parallel rank keeps the optimizer state of its shard of the parameters only
     (gradients reduce-scattered, parameters all-gathered after the step); 2: ZeRO-2, the reduced gradients
     too; 3: ZeRO-3, the parameters too, gathered one block at a time around its forward and backward."""

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 from trainyard.parallel.config_fields import NOT_BOOL, STRICT, Steps
+from trainyard.parallel.names import LrScheduleName, OptimizerName
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,17 +65,17 @@ class OptimizerConfig:
     """AdamW's second-moment decay (below 1 with adamw, adamw8bit)."""
     warmup_steps: Steps = 10
     """Linear warm-up from 0 to `lr`; afterwards the `schedule`."""
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    schedule: LrScheduleName = "cosine"
     """After warm-up: cosine or linear decay to `min_lr_ratio * lr` at the last step; constant `lr`; or wsd
     (warm-up, stable, decay): `lr` until the last `decay_steps` steps, then linear decay to `min_lr_ratio * lr`
-    (`parallel.optim.lr_schedules`)."""
+    (`parallel.optim.lr_schedules.LR_SCHEDULES`)."""
     decay_steps: Steps | None = None
     """wsd: the steps of the final decay; null: the last tenth of the job."""
     min_lr_ratio: Annotated[float, Ge(0), Le(1), NOT_BOOL] = 0.1
     """The learning rate at the last step, as a fraction of `lr` (the end of the decay)."""
     grad_clip: Annotated[float, Ge(0), Le(1e9), NOT_BOOL] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
-    kind: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
+    kind: OptimizerName = "adamw"
     """Which optimizer (`parallel.optim.kinds.OPTIMIZERS`): its update and the state it keeps per parameter.
     adamw8bit: AdamW with block-wise 8-bit moments (torchao); adafactor: factored second moments, no first
     moment, update clipping, `lr` a step relative to each tensor's RMS (`parallel.optim.adafactor`); sgd: SGD with

@@ -37,7 +37,7 @@ import ray
 from trainyard.actors import tracking
 from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.state import JobStatus
-from trainyard.parallel.config import JobConfig
+from trainyard.parallel.config import JobConfig, ParallelConfig
 from trainyard.parallel.data.datasets import Dataset, open_dataset
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.hf_spec import init_from_event
@@ -88,9 +88,9 @@ def _reaching_max(config: JobConfig, events: builtins.list[dict]) -> tuple[JobCo
     chosen = reaching_max(config)
     if chosen is config:  # a fixed size, `auto`, or micro-batches that reach max already
         return config, events
-    limits = dp_range(config)
-    assert limits is not None
-    asked, microbatches = config.fixed_parallel.microbatches, chosen.fixed_parallel.microbatches
+    limits, before, after = dp_range(config), config.parallel, chosen.parallel
+    assert limits is not None and isinstance(before, ParallelConfig) and isinstance(after, ParallelConfig)  # elastic
+    asked, microbatches = before.microbatches, after.microbatches
     cause = (f"parallel.microbatches {asked} -> {microbatches}: micro-batches of "
              f"{config.global_batch // (limits[0] * microbatches)} sequences, which dp={limits[1]} (max) keeps too")
     return chosen, [*events, {"time": time.time(), "kind": "micro_batches", "cause": cause}]

@@ -50,7 +50,7 @@ class StepRecorder:
         if results is not None:  # by the rank each answer names: after a replica drop, not every rank answers
             self.rank_peaks.update({plan.rank_of(r.stats.pp_rank, r.stats.tp_rank, r.dp_rank): r.peak_rss_bytes
                                     for r in results if r.peak_rss_bytes is not None and r.stats is not None})
-        if results is not None and is_local(plan.config.fixed_parallel.sync) and plan.dp > 1:
+        if results is not None and is_local(plan.parallel.sync) and plan.dp > 1:
             stepped = {r.dp_rank for r in results if not r.sat_out}
             back = progress.replicas_stepped(row.step, plan.dp, stepped)
             if back:

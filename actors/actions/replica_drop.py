@@ -89,7 +89,7 @@ class ReplicaDrop:
                              dead=failure.dead)
 
         journal.add_cause(failure.cause)
-        rejoins = rejoin_step(resumed, cfg.fixed_parallel.sync, cfg.steps)
+        rejoins = rejoin_step(resumed, plan.parallel.sync, cfg.steps)
         progress.resumed_at(resumed, failure.failed_at, dropped={d: rejoins for d in sorted(broken)})
         dead = list(failure.blamed)
         journal.add_event({

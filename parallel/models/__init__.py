@@ -2,7 +2,7 @@
 a model (see `parallel.models.base` for the interface, docs/design.md, "A model family is one unit").
 
 A family is a folder `parallel/models/<name>/` whose `__init__.py` defines its `ModelFamily`; adding one is
-that folder, a line below and its name in `ModelConfig.family`.
+that folder, a line below and its name in `parallel.names.FamilyName` (what `model.family` may say).
 """
 
 from __future__ import annotations
@@ -16,16 +16,12 @@ from trainyard.parallel.models.mistral import Mistral
 from trainyard.parallel.models.qwen2 import Qwen2
 from trainyard.parallel.models.qwen3 import Qwen3
 from trainyard.parallel.models.qwen3_moe import Qwen3Moe
+from trainyard.parallel.names import FAMILY_NAMES, registry
 
-FAMILIES: dict[str, ModelFamily] = {
-    "gpt2": GPT2(),
-    "llama": Llama(),
-    "mistral": Mistral(),
-    "qwen2": Qwen2(),
-    "qwen3": Qwen3(),
-    "qwen3_moe": Qwen3Moe(),
-    "hf": HFBackend(),  # last: the transformers backend claims only what no native family reads
-}
+FAMILIES: dict[str, ModelFamily] = registry(FAMILY_NAMES, {family.name: family for family in (
+    GPT2(), Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(),
+    HFBackend(),  # last: the transformers backend claims only what no native family reads
+)}, "parallel.models.FAMILIES")
 
 
 def family_of(cfg: ModelConfig) -> ModelFamily:

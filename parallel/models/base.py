@@ -3,7 +3,7 @@
 A family (torchtitan's TrainSpec / ModelSpec) is one object registered in `parallel.models.FAMILIES`. The
 trainer, the plan, the memory plan and tensor parallelism ask it; they never name a module of one:
 
-- rules: `check(config)` returns the family's own RuleErrors (the plan raises the first; the API: 422);
+- rules: `check(config, parallel)` returns the family's own RuleErrors (the plan raises the first; the API: 422);
 - modules: `build_stage(cfg, layers, first=, last=, seed=, experts=)` builds one pipeline stage (see
   `parallel.models.decoder.DecoderStage` for what a stage offers), `feed_forward(cfg)` its dense feed-forward
   module (one MoE expert is the stage class's `expert(cfg)`, by default the same module; `parallel.models.moe` is
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal
 
-from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
+from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig, RuleError
 from trainyard.parallel.models.counting import ParamCounts, Shapes
 
 if TYPE_CHECKING:
@@ -46,6 +46,10 @@ class ModelFamily(ABC):
     """The value of `model.family` that selects this family (also its folder under `parallel/models/`)."""
     lora_targets: dict[str, str] = {}
     """`model.lora.targets`' names -> the projection's module path inside a block (`parallel.models.lora`)."""
+    learned_positions: bool = False
+    """Its positions are a learned embedding table (gpt2's), which sequence parallelism slices as one (seq_len,
+    d_model) table: packed examples, whose positions restart at each, cannot run with `parallel.sp`
+    (`parallel.plan.rules.packing_violations`)."""
 
     def summary(self, cfg: ModelConfig) -> str:
         """What `trainyard plan` says of the model: the family, and what it cannot do (a native family: nothing)."""
@@ -57,8 +61,9 @@ class ModelFamily(ABC):
         return importlib.import_module(f"trainyard.parallel.models.{self.name}.hf")
 
     @abstractmethod
-    def check(self, config: JobConfig) -> list[RuleError]:
-        """The family's own rules on a job (fields it cannot honour, divisibility its layers need)."""
+    def check(self, config: JobConfig, parallel: ParallelConfig) -> list[RuleError]:
+        """The family's own rules on a job (fields it cannot honour, divisibility its layers need); `parallel` is the
+        job's layout, written out (`config.parallel` once the planner resolved an `auto`)."""
 
     @abstractmethod
     def ffn_hidden(self, cfg: ModelConfig) -> int:

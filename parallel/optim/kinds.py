@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainyard.parallel.config import OptimizerConfig
+from trainyard.parallel.names import OPTIMIZER_NAMES, registry
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +120,9 @@ ADAFACTOR = OptimizerKind(name="adafactor", state=("exp_avg_sq",), build=_build_
 SGD = OptimizerKind(name="sgd", state=("momentum_buffer",), build=_build_sgd, plan_bytes=lambda n, d: FP32 * n,
                     identity_state=True)
 
-OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAMW8BIT, ADAFACTOR, SGD)}
+OPTIMIZERS: dict[str, OptimizerKind] = registry(
+    OPTIMIZER_NAMES, {k.name: k for k in (ADAMW, ADAMW8BIT, ADAFACTOR, SGD)}, "parallel.optim.kinds.OPTIMIZERS")
+"""`optimizer.kind` -> its optimizer (the names: `parallel.names.OptimizerName`)."""
 
 
 def optimizer_kind(cfg: OptimizerConfig) -> OptimizerKind:

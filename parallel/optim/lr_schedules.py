@@ -7,7 +7,8 @@ rate is the same at every layout and after a resume: warm-up from 0 to `lr` over
 - `wsd` (warm-up, stable, decay: MiniCPM's schedule): `lr` until the last `decay_steps` steps, then straight down
   to `min_lr_ratio * lr` at the last step (`decay_steps` null: the last tenth of the job).
 
-A new schedule is one function and a line in `SCHEDULES`.
+A new schedule is one function, a line in `LR_SCHEDULES` and its name in `parallel.names.LrScheduleName`. (Named
+apart from `parallel.plan.schedules.SCHEDULES`, the pipeline schedules.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 from collections.abc import Callable
 
 from trainyard.parallel.config import OptimizerConfig
+from trainyard.parallel.names import LR_SCHEDULE_NAMES, registry
 
 DEFAULT_DECAY_FRACTION = 0.1
 """wsd without `decay_steps`: the share of the job's steps spent decaying."""
@@ -45,9 +47,9 @@ def _wsd(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     return 1 - (1 - cfg.min_lr_ratio) * _progress(step, start, total_steps)
 
 
-SCHEDULES: dict[str, Callable[[int, OptimizerConfig, int], float]] = {
+LR_SCHEDULES: dict[str, Callable[[int, OptimizerConfig, int], float]] = registry(LR_SCHEDULE_NAMES, {
     "cosine": _cosine, "linear": _linear, "constant": _constant, "wsd": _wsd,
-}
+}, "parallel.optim.lr_schedules.LR_SCHEDULES")
 """`optimizer.schedule` -> the rate after warm-up, as a fraction of `lr`."""
 
 
@@ -55,4 +57,4 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     """The learning rate of step `step` (0-based) of a job of `total_steps` steps."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr * SCHEDULES[cfg.schedule](step, cfg, total_steps)
+    return cfg.lr * LR_SCHEDULES[cfg.schedule](step, cfg, total_steps)

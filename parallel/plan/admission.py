@@ -16,6 +16,7 @@ from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.memory import RankMemory, estimate
 from trainyard.parallel.plan.rules import PlanError
 from trainyard.parallel.plan.sharding import SHARDINGS
+from trainyard.parallel.plan.sizing import fixed_parallel
 from trainyard.parallel.plan.units import byte_unit, format_size
 
 
@@ -126,7 +127,7 @@ def _memory_advice(layout: Layout, config: JobConfig, need: RankMemory) -> str:
     options = []
     if need.params + need.grads + need.optimizer >= need.activations + need.transient:
         options.append("raise pp or tp" if layout.gpus_per_worker else "use a node with more memory")
-        sharding_more = [z for z in SHARDINGS if z > config.fixed_parallel.zero]
+        sharding_more = [z for z in SHARDINGS if z > fixed_parallel(config).zero]
         if layout.dp > 1 and sharding_more:
             options.append(f"set parallel.zero: {' or '.join(map(str, sharding_more))}")
         if layout.dp > 1 and not layout.gpus_per_worker:

@@ -136,13 +136,12 @@ def flops_from_steps(costs: MachineCosts, step: dict[str, float]) -> MachineCost
     from trainyard.parallel.models import family_of
     from trainyard.parallel.plan import make_plan
     from trainyard.parallel.plan.memory import param_counts
-    from trainyard.parallel.plan.sizing import Sizing
 
     def rate(config: JobConfig, name: str) -> float:
         m = config.model
         flops = family_of(m).flops_per_token(m) * config.global_batch * m.seq_len
         fixed = costs.step_s + costs.microbatch_s + m.n_layer * costs.block_s
-        params = param_counts(Sizing(make_plan(config).layout, config), 0).total
+        params = param_counts(make_plan(config), 0).total
         return flops / max(step[name] - fixed - costs.optimizer.time(params), 1e-9)
 
     widths = tuple((float(d), rate(wide_config(d), f"width {d}")) for d in WIDTHS)

@@ -40,8 +40,8 @@ from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.memory import ParamCounts, param_counts
-from trainyard.parallel.plan.sharding import Sharding, sharding_for
-from trainyard.parallel.plan.sizing import Sizing
+from trainyard.parallel.plan.sharding import Sharding
+from trainyard.parallel.plan.sizing import Resolved, Sizing
 
 RECOMPUTE_EXTRA = {"none": 0.0, "selective": 0.15, "full": 1.0}
 """Forwards re-run in backward per `activation_checkpointing` mode, as a fraction of the forward (an unknown
@@ -113,7 +113,8 @@ def option_value(config: JobConfig, path: str) -> object:
 def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node_gpus: int = 0) -> StepCosts:
     """The layout's per-chunk and per-step costs on this machine (`node_gpus`: devices per node, for whether
     a group spans nodes; 0: one node)."""
-    m, par = config.model, config.fixed_parallel
+    resolved = Resolved(config)
+    m, par, sharding = config.model, resolved.parallel, resolved.sharding
     tokens = layout.micro_batch_size * m.seq_len
     act_bytes = 2 if config.precision == "bf16" else 4
     fpt_fwd = _flops_per_token(m) / 3
@@ -149,7 +150,6 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     counts = _largest_stage_counts(m, layout.stage_layers, layout.pp, layout.vpp, layout.tp, layout.ep,
                                    layout.placement, layout.dp)
     grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
-    sharding = sharding_for(par.zero)
     spans = layout.dp * layout.tp > within
     reductions = layout.microbatches if sharding.reduces_every_microbatch else 1
     reduce = reductions * share * machine.collective(sharding.gradient_collective, grad_bytes, layout.dp, spans)
@@ -235,7 +235,7 @@ def _largest_stage_counts(model: ModelConfig, stage_layers: tuple, pp: int, vpp:
     """The local parameter counts of the largest of the embedding's, a middle and the head's pipeline stage (cached:
     the planner asks for every variant of the same degrees)."""
     layout = Layout(dp=dp, pp=pp, tp=tp, ep=ep, vpp=vpp, stage_layers=stage_layers, placement=placement)
-    sizing = Sizing(layout, JobConfig(model=model, steps=1, global_batch=dp))
+    sizing = Sizing(JobConfig(model=model, steps=1, global_batch=dp), layout=layout)
     stages = dict.fromkeys((0, pp // 2, pp - 1))
     return max((param_counts(sizing, p) for p in stages), key=lambda c: c.total)
 

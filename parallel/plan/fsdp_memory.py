@@ -8,11 +8,9 @@ ahead; `peak_gathered_bytes` measures the pair). Pure arithmetic: no torch.
 
 from __future__ import annotations
 
-from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import FP32, ParamCounts, by_block_kind
 from trainyard.parallel.plan.actions import COMPUTE_KINDS, Action, ActionKind, virtual_stage
-from trainyard.parallel.plan.reduction_bytes import reduced_sets
-from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.plan.reduction_sets import reduced_sets
 from trainyard.parallel.plan.sizing import Sizing
 
 
@@ -23,14 +21,14 @@ def gathered_bytes(plan: Sizing, pp_rank: int) -> int:
     (the pair that crosses from one compute to the next included), and a unit that runs twice in one forward (tied
     embeddings) held in between. A block is counted with its MoE router and experts, which FSDP2 gathers one
     module at a time inside it: for an MoE block this is a bound."""
-    sharding = sharding_for(plan.config.fixed_parallel.zero)
+    sharding = plan.sharding
     if not sharding.shards_parameters:
         return 0
     units = _shard_units(plan, pp_rank)
     backward = [units[::-1] for units in units]
     passes = [units[a.chunk] if a.kind is ActionKind.FORWARD else backward[a.chunk]
-              for a in plan.schedule[pp_rank] if a.kind in COMPUTE_KINDS and not _split(plan, pp_rank, a)]
-    split = {a.chunk for a in plan.schedule[pp_rank]
+              for a in plan.actions[pp_rank] if a.kind in COMPUTE_KINDS and not _split(plan, pp_rank, a)]
+    split = {a.chunk for a in plan.actions[pp_rank]
              if a.kind is ActionKind.BACKWARD_WEIGHT and _split(plan, pp_rank, a)}
     if not sharding.reshard_after_forward or not split:
         return FP32 * sharding.gathered_elements(passes)  # ZeRO-2 holds every unit all step anyway
@@ -53,7 +51,7 @@ def largest_unit_grad_bytes(plan: Sizing, pp_rank: int) -> int:
     """fp32 bytes of the largest FSDP2 unit's sharded parameters, whole: its gradient before the reduce-scatter, the
     transient the backward of that unit adds to the step's peak (0 below ZeRO-2, which reduce from buckets the
     gradients count already)."""
-    if not sharding_for(plan.config.fixed_parallel.zero).shards_parameters:
+    if not plan.sharding.shards_parameters:
         return 0
     return FP32 * max((n for units in _shard_units(plan, pp_rank) for _, n in units), default=0)
 
@@ -62,12 +60,12 @@ def _shard_units(plan: Sizing, pp_rank: int) -> list[list[tuple[tuple[int, str],
     """Each chunk's FSDP2 units in the order its forward runs them, as `DecoderStage.shard_units` makes them
     (the embedding, each block, the head; tied embeddings one unit, first and last), each as ((chunk, name),
     its local parameter elements that are sharded: the sets reduced over more than this rank)."""
-    m, family = plan.config.model, family_of(plan.config.model)
+    m, family = plan.config.model, plan.family
 
     def sharded(layers: tuple[int, ...], first: bool, last: bool) -> int:
         counts = family.param_counts(m, layers, first=first, last=last, tp=plan.tp, ep=plan.ep)
         counts += ParamCounts(dense=family.adapter_elements(m, layers, tp=plan.tp), router=0, experts=0)
-        return sum(n for n, size in reduced_sets(plan, counts) if size > 1)
+        return sum(n for n, size in reduced_sets(plan.layout, counts) if size > 1)
 
     per_kind = by_block_kind(m, lambda i: sharded((i,), False, False))
     out = []

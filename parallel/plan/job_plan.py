@@ -4,23 +4,27 @@
 field and the rule, and the API returns it as a 422), lays the job out (`parallel.plan.layout`: degrees, rank
 grid, process groups, the layers of each pipeline stage, the schedule, the resources each worker needs)
 and, given a cluster, refuses a job it could never hold (`parallel.plan.admission`: resources and memory).
-A `Plan` is that layout with its config; everything after it receives the Plan and never re-derives
-layout. Presentation (`describe`) is `parallel.plan.present`'s. Pure: no I/O, no torch.
+A `Plan` is that layout with its config, and each strategy the config names resolved once
+(`parallel.plan.sizing.Resolved`): `plan.parallel` (the layout written out: `auto` is resolved before a plan is
+made), `plan.sharding`, `plan.schedule` (the kind; `plan.actions` its action lists), `plan.optimizer`,
+`plan.family`. Everything after it receives the Plan and never re-derives layout nor looks a name up again.
+Presentation (`describe`) is `parallel.plan.present`'s. Pure: no I/O, no torch.
 
-Modules, each importing only those before it: schedules -> layout -> sizing, sharding, optimizers ->
-memory -> rules -> admission (and units) -> plan -> present (tests/unit/test_imports.py keeps it acyclic).
+Modules, each importing only those before it: schedules, sharding -> layout -> sizing (the strategies resolved) ->
+reduction sets -> memory -> rules -> admission (and units) -> plan -> present (tests/unit/test_imports.py keeps it
+acyclic).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from trainyard.parallel.config import DpRange, JobConfig
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources, fit_violations, memory_violations
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
 from trainyard.parallel.plan.memory import RankMemory, estimate
-from trainyard.parallel.plan.replica_sync import is_local, replica_dp
+from trainyard.parallel.plan.replica_sync import is_local, layout_replica_dp
 from trainyard.parallel.plan.rules import (
     MAX_SCHEDULE_CHUNKS,
     MAX_WORKERS,
@@ -28,7 +32,7 @@ from trainyard.parallel.plan.rules import (
     degree_violations,
     stage_layer_violations,
 )
-from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.plan.sizing import Sizing, fixed_parallel
 
 __all__ = ["MAX_SCHEDULE_CHUNKS", "MAX_WORKERS", "ClusterResources", "Gang", "Layout", "NodeResources", "Plan",
            "PlanError", "RankCoords", "can_move_in_memory", "dp_range", "layout_of", "make_plan", "reaching_max",
@@ -36,10 +40,10 @@ __all__ = ["MAX_SCHEDULE_CHUNKS", "MAX_WORKERS", "ClusterResources", "Gang", "La
 
 
 @dataclass(frozen=True)
-class Plan:
-    config: JobConfig
-    layout: Layout
-    dp_range: tuple[int, int] | None = None
+class Plan(Sizing):
+    """A job laid out: `config`, its `layout`, and the strategies resolved from the config (`Resolved`)."""
+
+    dp_range: tuple[int, int] | None = field(default=None, kw_only=True)
     """An elastic job's (min, max) data-parallel size; `config` and `dp` are its current size."""
 
     # The layout's answers, asked of the plan (the layout is the plan without its config).
@@ -54,7 +58,8 @@ class Plan:
     ranks = property(lambda self: self.layout.ranks)
     stage_layers = property(lambda self: self.layout.stage_layers, doc="Global block indices of each virtual stage.")
     placement = property(lambda self: self.layout.placement, doc="How virtual stages sit on the ranks.")
-    schedule = property(lambda self: self.layout.schedule, doc="Each pipeline rank's action list (plan.schedules).")
+    actions = property(lambda self: self.layout.actions, doc="Each pipeline rank's action list, index = pp rank (the "
+                                                               "kind that built them: `schedule`).")
     gpus_per_worker = property(lambda self: self.layout.gpus_per_worker)
     cpus_per_worker = property(lambda self: self.layout.cpus_per_worker)
     world_size = property(lambda self: self.layout.world_size)
@@ -123,7 +128,7 @@ class Plan:
 
 def dp_range(config: JobConfig) -> tuple[int, int] | None:
     """(min, max) of an elastic job, None for a fixed size."""
-    dp = config.fixed_parallel.dp
+    dp = fixed_parallel(config).dp
     return (dp.min, dp.max) if isinstance(dp, DpRange) else None
 
 
@@ -132,7 +137,7 @@ def resized(config: JobConfig, dp: int) -> JobConfig:
     only the micro-batches per rank change (and the loss curve does not). Raises PlanError naming the rule
     when the global batch cannot be split that way, or `dp` is outside an elastic job's range; `make_plan`
     checks the rest. The result has a fixed dp (an elastic plan keeps its range in `Plan.dp_range`)."""
-    par, limits = config.fixed_parallel, dp_range(config)
+    par, limits = fixed_parallel(config), dp_range(config)
     if limits is not None and not limits[0] <= dp <= limits[1]:
         raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
                               f"max: {limits[1]}}}")
@@ -146,6 +151,14 @@ def resized(config: JobConfig, dp: int) -> JobConfig:
     return replace(config, parallel=replace(par, dp=dp, microbatches=microbatches))
 
 
+def with_dp_max(config: JobConfig, high: int) -> JobConfig:
+    """An elastic job with its range's max lowered to `high` (what its owner's quota holds), the rest as it is."""
+    limits = dp_range(config)
+    if limits is None:
+        raise PlanError("parallel.dp", "a fixed dp has no range to lower the max of")
+    return replace(config, parallel=replace(fixed_parallel(config), dp=DpRange(min=limits[0], max=high)))
+
+
 def reaching_max(config: JobConfig) -> JobConfig:
     """An elastic job with micro-batches that reach its `max`: a size dp keeps the micro-batch size (`resized`)
     only when dp x micro-batch size divides global_batch, so the micro-batch becomes the largest one, no larger
@@ -156,7 +169,7 @@ def reaching_max(config: JobConfig) -> JobConfig:
     limits = None if config.parallel == "auto" else dp_range(config)
     if limits is None:
         return config
-    (low, high), par, batch = limits, config.fixed_parallel, config.global_batch
+    (low, high), par, batch = limits, fixed_parallel(config), config.global_batch
     asked, rem = divmod(batch, low * par.microbatches)
     if rem or asked < 1 or low > high or batch % (high * asked) == 0:
         return config
@@ -182,7 +195,7 @@ def resize_plan(plan: Plan, dp: int, cluster: ClusterResources | None = None) ->
     take that size: outside its range, a global batch that does not split, replicas that differ (local_sgd,
     diloco), or a layout the cluster cannot hold."""
     limits = plan.dp_range
-    if is_local(sync := plan.config.fixed_parallel.sync) and dp != plan.dp:
+    if is_local(sync := plan.parallel.sync) and dp != plan.dp:
         raise PlanError("parallel.sync", f"a {sync.kind} job is not resized: its replicas differ between "
                                          "synchronisations, and a resize copies one replica's state")
     if limits is not None and not limits[0] <= dp <= limits[1]:
@@ -195,9 +208,9 @@ def can_move_in_memory(old: Plan, new: Plan) -> bool:
     """Whether a resize can keep the state in the surviving ranks' memory: every rank of one (pp, tp) shard
     holds the same parameters and optimizer state (no ZeRO slices, no expert parallelism), and only dp
     changes. Otherwise the state moves through a checkpoint."""
-    same = (old.pp, old.tp, old.vpp, old.placement, old.config.fixed_parallel.stage_layers) == (
-        new.pp, new.tp, new.vpp, new.placement, new.config.fixed_parallel.stage_layers)
-    return same and sharding_for(old.config.fixed_parallel.zero).replicas_identical and old.ep == 1 and new.ep == 1
+    same = (old.pp, old.tp, old.vpp, old.placement, old.parallel.stage_layers) == (
+        new.pp, new.tp, new.vpp, new.placement, new.parallel.stage_layers)
+    return same and old.sharding.replicas_identical and old.ep == 1 and new.ep == 1
 
 
 def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Plan:
@@ -215,13 +228,13 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     if limits is not None:  # laid out at its smallest size, which is what must fit to start
         if limits[0] > limits[1]:
             raise PlanError("parallel.dp", f"min={limits[0]} is more than max={limits[1]}")
-        if is_local(sync := config.fixed_parallel.sync):
+        if is_local(sync := fixed_parallel(config).sync):
             raise PlanError("parallel.sync", f"{sync.kind} cannot run with an elastic parallel.dp: "
                                              "a resize copies one replica's state to the others, and these "
                                              "replicas differ between synchronisations")
         return replace(make_plan(resized(reaching_max(config), limits[0]), cluster), dp_range=limits)
     _raise_first(degree_violations(config))
-    par = config.fixed_parallel
+    par = fixed_parallel(config)
     if cluster is not None:  # before the blocks are split: a job too large for the cluster is told that first
         degrees = Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, gpus_per_worker=_gpus_per_worker(config, cluster),
                          cpus_per_worker=config.resources.cpus_per_worker)
@@ -239,21 +252,21 @@ def _raise_first(errors: list[PlanError]) -> None:
 
 def layout_of(config: JobConfig, cluster: ClusterResources | None = None) -> Layout:
     """The layout of a fixed-size config that keeps every rule (`parallel.plan.rules.violations` is empty)."""
-    par, moe = config.fixed_parallel, config.model.moe
+    par, moe = fixed_parallel(config), config.model.moe
     return Layout.build(
         dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
         micro_batch_size=config.global_batch // (par.fixed_dp * par.microbatches), layer_counts=layer_counts(config),
         schedule=par.schedule, experts=moe.experts if moe is not None else 0,
         gpus_per_worker=_gpus_per_worker(config, cluster), cpus_per_worker=config.resources.cpus_per_worker,
-        replica_dp=in_replica if (in_replica := replica_dp(par.sync, par.fixed_dp)) < par.fixed_dp else 0,
+        replica_dp=layout_replica_dp(par.sync, par.fixed_dp),
     )
 
 
 def layer_counts(config: JobConfig) -> list[int]:
     """Blocks per virtual stage: the explicit `stage_layers` list, or as even as possible."""
     _raise_first(stage_layer_violations(config))
-    counts = config.fixed_parallel.stage_layers
-    n_stages = config.fixed_parallel.pp * config.fixed_parallel.vpp
+    par = fixed_parallel(config)
+    counts, n_stages = par.stage_layers, par.pp * par.vpp
     return list(counts) if counts is not None else even_layer_counts(config.model.n_layer, n_stages)
 
 

@@ -1,7 +1,7 @@
 """The layout: where every rank sits and what it holds, built from degrees alone (torchtitan's ParallelDims).
 
 A `Layout` knows the degrees (dp, pp, tp, ep, vpp), the micro-batching, the rank grid and its coordinates,
-the process groups along each axis, the blocks of each virtual stage, the schedule's action lists, and the
+the process groups along each axis, the blocks of each virtual stage, the schedule's action lists (`actions`), and the
 placement-group gang the ranks need. It knows no JobConfig: `parallel.plan.make_plan` builds one from a
 checked config, and a planner can build one from any degrees it wants to try, then ask the memory plan
 (`parallel.plan.memory.estimate(layout, config)`) what it costs. Pure: no I/O, no torch.
@@ -70,8 +70,9 @@ class Layout:
     """Global block indices of each virtual stage v (`placement` says which rank and chunk hold it)."""
     placement: str = "interleaved"
     """How virtual stages sit on the ranks (`parallel.plan.actions.virtual_stage`): the schedule kind's."""
-    schedule: tuple[tuple[Action, ...], ...] = ()
-    """The action list each pipeline rank runs every step (index = pp rank); see parallel.plan.schedules."""
+    actions: tuple[tuple[Action, ...], ...] = ()
+    """The action list each pipeline rank runs every step (index = pp rank), built by the schedule kind's compute order
+    (`parallel.plan.schedules`; the kind itself is the plan's `schedule`)."""
     experts: int = 0
     """Experts of each mixture-of-experts block (0: a dense model); ep ranks host experts / ep each."""
     gpus_per_worker: int = 0
@@ -98,7 +99,7 @@ class Layout:
         pp, microbatches and vpp: `parallel.plan.schedules.check_schedule_args`)."""
         return Layout(dp=dp, pp=pp, tp=tp, ep=ep, vpp=vpp, microbatches=microbatches,
                       micro_batch_size=micro_batch_size, stage_layers=stage_layers_of(layer_counts),
-                      schedule=tuple(map(tuple, build_schedule(schedule, pp, microbatches, vpp))),
+                      actions=tuple(map(tuple, build_schedule(schedule, pp, microbatches, vpp))),
                       placement=placement_of(schedule),
                       experts=experts, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker,
                       replica_dp=replica_dp)

@@ -44,7 +44,7 @@ Activations are what autograd keeps for backward (the pipeline's `_SavedTensorMe
 thing, each storage once, parameters excluded). Per micro-batch and chunk the bytes follow from the
 tensors each op saves, read off the meter on CPU (torch 2.13) and written out term by term by the model's
 family (`parallel.models.<family>.counts`: embedding, each block, the head); the
-rank's peak walks its action list (`plan.schedule`) adding a chunk's bytes at its forward and removing them
+rank's peak walks its action list (`plan.actions`) adding a chunk's bytes at its forward and removing them
 at its backward, which with unit weights is the simulator's `peak_activations`. Activation checkpointing
 keeps less but recomputes one region at a time in backward: that transient (`recompute`, which the meter
 does not see, checkpoint's recomputation saves its tensors through its own hooks) is added to the total. So is,
@@ -64,14 +64,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainyard.parallel.config import JobConfig
-from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes, by_block_kind, fused_loss_transient
-from trainyard.parallel.optim.kinds import optimizer_kind
 from trainyard.parallel.plan.actions import FREEING_KINDS, ActionKind, virtual_stage
 from trainyard.parallel.plan.fsdp_memory import gathered_bytes, largest_unit_grad_bytes
 from trainyard.parallel.plan.layout import Layout
-from trainyard.parallel.plan.reduction_bytes import compression_state_bytes, reduced_sets
-from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
+from trainyard.parallel.plan.reduction_sets import reduced_sets
 from trainyard.parallel.plan.sizing import Sizing
 
 
@@ -153,7 +151,7 @@ Plan = Sizing
 def estimate(layout: Layout, config: JobConfig) -> list[RankMemory]:
     """Every rank's memory, index = rank. The ranks of one pipeline stage are alike (tp shards are equal and
     every ep rank hosts experts / ep experts), so each stage is computed once: any spec is answered at once."""
-    plan = Sizing(layout, config)
+    plan = Sizing(config, layout=layout)
     stages = [rank_memory(plan, plan.rank_of(pp, 0, 0)) for pp in range(plan.pp)]
     return [stages[c.pp] for c in plan.ranks]
 
@@ -196,7 +194,7 @@ def host_copy_bytes(plan: Plan, pp_rank: int, counts: ParamCounts) -> int:
     elements = optimizer_elements(plan, counts)
     if not plan.gpus_per_worker or plan.config.model.lora is not None:
         return 2 * FP32 * elements
-    m, family = plan.config.model, family_of(plan.config.model)
+    m, family = plan.config.model, plan.family
     share = elements / max(1, counts.total)
     leaves = []
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
@@ -217,7 +215,7 @@ def construction_bytes(plan: Plan, pp_rank: int) -> int:
     """fp32 bytes of the largest whole parameter of the rank's chunks: what construction holds besides the shards
     while it draws one parameter whole and keeps this rank's slice (with `init_from`, the block it reads: a
     bound). The matrices at tp = 1 are the whole ones; 1-D parameters (norms, biases) are smaller than any."""
-    m, family = plan.config.model, family_of(plan.config.model)
+    m, family = plan.config.model, plan.family
     largest = 0
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
         v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
@@ -241,13 +239,13 @@ def trainable_counts(plan: Plan, pp_rank: int) -> ParamCounts:
     m = plan.config.model
     if m.lora is None:
         return param_counts(plan, pp_rank)
-    adapters = sum(family_of(m).adapter_elements(m, layers, tp=plan.tp) for layers in plan.chunk_layers(pp_rank))
+    adapters = sum(plan.family.adapter_elements(m, layers, tp=plan.tp) for layers in plan.chunk_layers(pp_rank))
     return ParamCounts(dense=adapters, router=0, experts=0)
 
 
 def _chunk_counts(plan: Plan, pp_rank: int) -> list[ParamCounts]:
     """Each chunk's local parameters, LoRA's adapters (dense) included."""
-    m, family = plan.config.model, family_of(plan.config.model)
+    m, family = plan.config.model, plan.family
     out = []
     for c, layers in enumerate(plan.chunk_layers(pp_rank)):
         v = virtual_stage(pp_rank, c, plan.pp, plan.placement)
@@ -260,9 +258,9 @@ def _chunk_counts(plan: Plan, pp_rank: int) -> list[ParamCounts]:
 def param_bytes(plan: Plan, pp_rank: int) -> int:
     """fp32 parameters: every local one, or with ZeRO-2/3 the 1/N shard of each set reduced over N > 1 ranks
     plus what is gathered whole at the step's peak (`gathered_bytes`)."""
-    sharding = sharding_for(plan.config.fixed_parallel.zero)
+    sharding = plan.sharding
     total = sum(_chunk_counts(plan, pp_rank), ParamCounts(dense=0, router=0, experts=0))
-    kept = sum(sharding.param_elements(n, size) for n, size in reduced_sets(plan, total))
+    kept = sum(sharding.param_elements(n, size) for n, size in reduced_sets(plan.layout, total))
     return FP32 * kept + gathered_bytes(plan, pp_rank)
 
 
@@ -272,9 +270,8 @@ def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
     overlaps backward). ZeRO-2/3 keep the reduced 1/N shard only (the whole gradient of the block whose
     backward is running lives until its reduce-scatter: a transient, not counted). A set reduced by no
     other rank (N = 1) is neither sharded nor sent."""
-    par, bytes_ = plan.config.fixed_parallel, 0
-    sharding = sharding_for(par.zero)
-    for n, size in reduced_sets(plan, counts):
+    par, sharding, bytes_ = plan.parallel, plan.sharding, 0
+    for n, size in reduced_sets(plan.layout, counts):
         held = sharding.gradient_elements(n, size)
         wire = par.reduce_dtype == "bf16" and size > 1 and not sharding.shards_parameters  # FSDP2's is transient
         bytes_ += FP32 * held + (BF16 * held if wire else 0)
@@ -284,16 +281,15 @@ def gradient_bytes(plan: Plan, counts: ParamCounts) -> int:
 def optimizer_elements(plan: Plan, counts: ParamCounts) -> int:
     """The parameter elements whose optimizer state the sharding strategy keeps on this rank (ZeRO-1: 1/N of
     each set, N its reducing group)."""
-    sharding = sharding_for(plan.config.fixed_parallel.zero)
-    return sum(sharding.optimizer_elements(n, size) for n, size in reduced_sets(plan, counts))
+    sharding = plan.sharding
+    return sum(sharding.optimizer_elements(n, size) for n, size in reduced_sets(plan.layout, counts))
 
 
 def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
     """The optimizer's state for this rank's elements, by the registry (`parallel.optim.kinds`: AdamW 8 B per
     element, adamw8bit about 2, adafactor about 8 / d_model, sgd 4): on the device, or with `optimizer.offload`
     on the host."""
-    return optimizer_kind(plan.config.optimizer).state_bytes(optimizer_elements(plan, counts),
-                                                             plan.config.model.d_model)
+    return plan.optimizer.state_bytes(optimizer_elements(plan, counts), plan.config.model.d_model)
 
 
 def _offloaded_activations(plan: Plan, pp_rank: int, chunk: int) -> int:
@@ -302,7 +298,7 @@ def _offloaded_activations(plan: Plan, pp_rank: int, chunk: int) -> int:
     if not plan.config.activation_offload:
         return 0
     kept, _ = _chunk_activations(plan, pp_rank, chunk)
-    m, family, s = plan.config.model, family_of(plan.config.model), _shapes(plan)
+    m, family, s = plan.config.model, plan.family, _shapes(plan)
     v = virtual_stage(pp_rank, chunk, plan.pp)
     stays = (family.embed_activations(m, s) if v == 0 else 0) + \
         (family.head_activations(m, s) if v == plan.n_virtual_stages - 1 else 0)
@@ -312,7 +308,7 @@ def _offloaded_activations(plan: Plan, pp_rank: int, chunk: int) -> int:
 def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> int:
     """Walk the rank's actions: a forward adds its chunk's bytes, the backward (or its weight half) frees them."""
     live = peak = 0
-    for action in plan.schedule[pp_rank]:
+    for action in plan.actions[pp_rank]:
         if action.kind is ActionKind.FORWARD:
             live += chunk_bytes[action.chunk]
             peak = max(peak, live)
@@ -322,7 +318,7 @@ def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> i
 
 
 def _shapes(plan: Plan) -> Shapes:
-    m, par = plan.config.model, plan.config.fixed_parallel
+    m, par = plan.config.model, plan.parallel
     tokens = plan.micro_batch_size * m.seq_len
     return Shapes(d=m.d_model, heads=m.n_head // plan.tp, tokens=tokens,
                   stream=tokens // plan.tp if par.sp else tokens, tp=plan.tp,
@@ -332,7 +328,7 @@ def _shapes(plan: Plan) -> Shapes:
 def _chunk_activations(plan: Plan, pp_rank: int, chunk: int) -> tuple[int, int]:
     """(bytes kept for backward by one micro-batch through this chunk, transient bytes of recomputation)."""
     m, mode = plan.config.model, plan.config.activation_checkpointing
-    family, s = family_of(m), _shapes(plan)
+    family, s = plan.family, _shapes(plan)
     v = virtual_stage(pp_rank, chunk, plan.pp, plan.placement)
     kept = transient = 0
     if v == 0:

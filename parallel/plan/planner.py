@@ -46,6 +46,7 @@ from trainyard.parallel.plan.planner_explain import distinct, no_fit_error, why_
 from trainyard.parallel.plan.planner_search import BaseLayout, Search
 from trainyard.parallel.plan.prediction import Candidate, PlannerResult, lower_bound
 from trainyard.parallel.plan.rules import PlanError
+from trainyard.parallel.plan.sizing import fixed_parallel
 
 DEFAULT_MARGIN = 0.1
 """Memory kept free on each rank beyond the memory plan's estimate (what it does not count: allocator
@@ -81,11 +82,11 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
             floor: dict[int, float] = {}
             for config_ in sorted(waiting, key=lambda c: not search.saver_free(c)):
                 if variant is None and not search.saver_free(config_):
-                    bound, costs = floor.get(config_.fixed_parallel.zero, key), None
+                    bound, costs = floor.get(fixed_parallel(config_).zero, key), None
                 elif (costs := search.costs(config_)) is None:
                     continue
                 else:
-                    bound = floor[config_.fixed_parallel.zero] = lower_bound(config_.fixed_parallel, costs)
+                    bound = floor[fixed_parallel(config_).zero] = lower_bound(fixed_parallel(config_), costs)
                 if bound < cutoff:
                     heapq.heappush(queue, (bound, pushed, base, (config_, costs)))
                     pushed += 1

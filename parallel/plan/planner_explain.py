@@ -14,6 +14,7 @@ from trainyard.parallel.plan.planner_search import Search
 from trainyard.parallel.plan.prediction import Candidate
 from trainyard.parallel.plan.rules import PlanError, violations
 from trainyard.parallel.plan.search_options import searched_values
+from trainyard.parallel.plan.sizing import fixed_parallel
 from trainyard.parallel.plan.units import format_size
 
 
@@ -22,7 +23,7 @@ def distinct(found: list[Candidate]) -> list[Candidate]:
     seen, out = set(), []
     for c in found:
         summary = c.layout_summary()
-        if c.config.fixed_parallel.pp == 1:
+        if fixed_parallel(c.config).pp == 1:
             summary["schedule"] = ""
         key = tuple(summary.items())
         if key not in seen:
@@ -49,7 +50,7 @@ def _ms(seconds: float) -> str:
 
 def no_fit_error(config: JobConfig, cluster: ClusterResources, search: Search) -> PlanError:
     if search.smallest is None:
-        one_rank = replace(config.fixed_parallel, dp=1, pp=1, tp=1, ep=1, vpp=1, sp=False, microbatches=1,
+        one_rank = replace(fixed_parallel(config), dp=1, pp=1, tp=1, ep=1, vpp=1, sp=False, microbatches=1,
                            schedule="1f1b", stage_layers=None)
         broken = violations(replace(config, parallel=one_rank))
         if broken:  # a rule no layout can keep (the model's, the data's, the options'): named as a layout names it
@@ -60,7 +61,7 @@ def no_fit_error(config: JobConfig, cluster: ClusterResources, search: Search) -
     memory, smallest = search.smallest
     layout = search.layout(smallest)
     have = search.rank_capacity(layout) * (1 - search.margin)
-    par = smallest.fixed_parallel
+    par = fixed_parallel(smallest)
     nodes = math.ceil(len(cluster.nodes) * memory / max(have, 1.0))
     fixes = [f"more nodes (about {nodes} of this kind, if the model splits that far)"]
     kind = optimizer_kind(config.optimizer)

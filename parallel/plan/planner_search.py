@@ -11,8 +11,9 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
-from trainyard.parallel.config import JobConfig, ScheduleKind
+from trainyard.parallel.config import JobConfig
 from trainyard.parallel.models import family_of
+from trainyard.parallel.names import SCHEDULE_KINDS, ScheduleKind
 from trainyard.parallel.plan.admission import ClusterResources
 from trainyard.parallel.plan.cost_model import (
     StepCosts,
@@ -25,12 +26,13 @@ from trainyard.parallel.plan.cost_model import (
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
 from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.memory import rank_memory
-from trainyard.parallel.plan.prediction import Candidate, cached_schedule, placement_of, predict
+from trainyard.parallel.plan.prediction import Candidate, cached_schedule, predict
+from trainyard.parallel.plan.replica_sync import layout_replica_dp
 from trainyard.parallel.plan.rules import violations
-from trainyard.parallel.plan.schedules import SCHEDULES
-from trainyard.parallel.plan.search_options import SCHEDULE_KINDS, searched_paths, searched_values, with_option
+from trainyard.parallel.plan.schedules import SCHEDULES, placement_of
+from trainyard.parallel.plan.search_options import searched_paths, searched_values, with_option
 from trainyard.parallel.plan.sharding import SHARDINGS
-from trainyard.parallel.plan.sizing import Sizing
+from trainyard.parallel.plan.sizing import Sizing, fixed_parallel
 
 MAX_VPP = 4
 """Virtual chunks per pipeline rank tried (more rarely pays: each adds a point-to-point run per micro-batch)."""
@@ -117,7 +119,7 @@ class Search:
         kinds = [(kind, vpp) for kind in SCHEDULE_KINDS for vpp in vpps if n_layer % (pp * vpp) == 0
                  and pp * vpp * m <= MAX_SEARCH_CHUNKS and SCHEDULES[kind].refuse(pp, m, vpp) is None]
         if pp == 1:  # one pipeline rank runs every kind alike: the spec's own, else the first that takes it
-            kinds = [k for k in kinds if k[0] == self.config.fixed_parallel.schedule] or kinds[:1]
+            kinds = [k for k in kinds if k[0] == fixed_parallel(self.config).schedule] or kinds[:1]
         return kinds
 
     def _bound(self, fpt: float, tokens: int, dp: int, pp: int, tp: int, m: int, vpp: int) -> float:
@@ -131,13 +133,13 @@ class Search:
         flops = fpt * tokens / world
         fixed = sum(fixed_costs(self.machine, max(n_layer // pp, 1), tp, False, pp))
         compute = slow * (flops / self.machine.flops_per_s(self.config.model.d_model) + m * fixed)
-        grads = 4 * self.params / (pp * tp) * (0.5 if self.config.fixed_parallel.reduce_dtype == "bf16" else 1)
+        grads = 4 * self.params / (pp * tp) * (0.5 if fixed_parallel(self.config).reduce_dtype == "bf16" else 1)
         reduce = self.machine.collective("allreduce", grads, dp, spans_nodes=dp * tp > self.node_ranks)
         mb_tokens = tokens // (dp * m)
         act = mb_tokens * self.config.model.d_model * (2 if self.config.precision == "bf16" else 4)
         tp_comm = 4 * n_layer * m * self.machine.collective("allreduce", act, tp) / pp
         local = int(self.params / (pp * tp))
-        levels = self.values.get("parallel.zero", (self.config.fixed_parallel.zero,))
+        levels = self.values.get("parallel.zero", (fixed_parallel(self.config).zero,))
 
         def step_end(zero: int) -> float:  # the optimizer's step on a level's shard, and its parameter gathers
             sharding = SHARDINGS[zero]
@@ -159,7 +161,7 @@ class Search:
         return all(option_value(config, path) == self.values[path][0] for path in self.paths if path != "parallel.zero")
 
     def variants(self, base: BaseLayout) -> list[JobConfig]:
-        par = replace(self.config.fixed_parallel, dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,
+        par = replace(fixed_parallel(self.config), dp=base.dp, pp=base.pp, tp=base.tp, ep=base.ep, sp=base.sp,
                       vpp=base.vpp, microbatches=base.m, schedule=base.kind, stage_layers=None)
         config = replace(self.config, parallel=par)
         paths = self.paths
@@ -175,15 +177,16 @@ class Search:
         return out
 
     def layout(self, config: JobConfig, with_schedule: bool = True) -> Layout:
-        par, moe = config.fixed_parallel, config.model.moe
+        par, moe = fixed_parallel(config), config.model.moe
         counts = even_layer_counts(config.model.n_layer, par.pp * par.vpp)
         return Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
                       micro_batch_size=config.global_batch // (par.fixed_dp * par.microbatches),
                       stage_layers=stage_layers_of(counts),
-                      schedule=(cached_schedule(par.schedule, par.pp, par.microbatches, par.vpp)
-                                if with_schedule else ()),
+                      actions=(cached_schedule(par.schedule, par.pp, par.microbatches, par.vpp)
+                               if with_schedule else ()),
                       experts=moe.experts if moe else 0, gpus_per_worker=self.gpus, cpus_per_worker=self.cpus,
-                      **placement_of(par.schedule))
+                      replica_dp=layout_replica_dp(par.sync, par.fixed_dp),
+                      placement=placement_of(par.schedule))
 
     def rank_capacity(self, layout: Layout) -> float:
         """Bytes a rank may hold (admission's rule: one GPU's memory, or a CPU rank's share of its node's); 0:
@@ -209,7 +212,7 @@ class Search:
             return None
         layout = self.layout(config)
         have = self.rank_capacity(layout) * (1 - self.margin)
-        sizing = _Sizing(layout, config)
+        sizing = _Sizing(config, layout=layout)
         memory = 0
         for stage in dict.fromkeys((0, layout.pp - 1, layout.pp // 2)):  # the first holds most activations,
             memory = max(memory, rank_memory(sizing, layout.rank_of(stage, 0, 0))  # the last the head

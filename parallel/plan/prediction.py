@@ -17,8 +17,9 @@ from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.machine_costs import MachineCosts
 from trainyard.parallel.plan.schedule_sim import check
 from trainyard.parallel.plan.schedule_timing import CheckedSchedule, Costs
-from trainyard.parallel.plan.schedules import SCHEDULES, build_schedule
+from trainyard.parallel.plan.schedules import build_schedule, placement_of
 from trainyard.parallel.plan.search_options import searched_paths
+from trainyard.parallel.plan.sizing import fixed_parallel
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Candidate:
     """Why it lost to the winner (empty for the winner)."""
 
     def layout_summary(self) -> dict:
-        par = self.config.fixed_parallel
+        par = fixed_parallel(self.config)
         out: dict[str, object] = {"dp": par.dp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "vpp": par.vpp,
                                   "sp": par.sp, "microbatches": par.microbatches, "schedule": par.schedule}
         out.update({path: option_value(self.config, path) for path in searched_paths(self.config)})
@@ -73,16 +74,9 @@ def cached_schedule(kind: str, pp: int, m: int, vpp: int) -> tuple[tuple, ...]:
     return tuple(map(tuple, build_schedule(kind, pp, m, vpp)))
 
 
-def placement_of(kind: str) -> dict:
-    """How a schedule kind seats its virtual stages, as the keyword the layout and the simulator take (none
-    while every kind is interleaved; a kind with its own `placement`, a V, passes it on)."""
-    placement = getattr(SCHEDULES[kind], "placement", "interleaved")
-    return {"placement": placement} if placement != "interleaved" else {}
-
-
 @functools.lru_cache(maxsize=1024)
 def _checked(kind: str, pp: int, vpp: int, m: int) -> CheckedSchedule:
-    return check([list(a) for a in cached_schedule(kind, pp, m, vpp)], m, vpp, **placement_of(kind), verify=False)
+    return check([list(a) for a in cached_schedule(kind, pp, m, vpp)], m, vpp, placement_of(kind), verify=False)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -106,7 +100,7 @@ def predict(layout: Layout, config: JobConfig, costs: StepCosts, memory: int = 0
     m, vpp = layout.microbatches, layout.vpp
     f = max(costs.forward, 1e-12)
     if layout.pp > 1:
-        span, bubble = _simulated(config.fixed_parallel.schedule, layout.pp, vpp, m, ratio_key(costs.backward / f),
+        span, bubble = _simulated(fixed_parallel(config).schedule, layout.pp, vpp, m, ratio_key(costs.backward / f),
                                   ratio_key(costs.comm / f), tuple(map(ratio_key, costs.shared)))
         makespan = span * f
     else:

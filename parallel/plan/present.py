@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.actions import ActionKind, format_actions
 from trainyard.parallel.plan.memory import estimate, param_counts
@@ -16,9 +15,6 @@ from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.replica_sync import SYNC_KINDS, cross_replica_bytes
 from trainyard.parallel.plan.schedule_sim import render_gantt, simulate
 from trainyard.parallel.plan.schedule_timing import Costs
-from trainyard.parallel.plan.schedules import placement_of
-from trainyard.parallel.plan.sharding import sharding_for
-from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
 
 
@@ -36,12 +32,12 @@ def describe(plan: Plan) -> dict:
                    "experts": list(layout.experts_of(c.rank))} for c in layout.ranks],
         "groups": {"dp": layout.dp_groups(), "pp": layout.pp_groups(), "tp": layout.tp_groups(),
                    "ep": layout.ep_groups(), "experts": layout.expert_groups() if plan.config.model.moe else []},
-        "model": {"family": model.family, "summary": family_of(model).summary(model)},
+        "model": {"family": model.family, "summary": plan.family.summary(model)},
         "moe_blocks": plan.config.model.moe_blocks,
         "stage_layers": [list(layers) for layers in plan.stage_layers],
         "schedule": describe_schedule(plan),
         "memory": describe_memory(plan),
-        "reduction": reduction_bytes(Sizing(plan.layout, plan.config)),
+        "reduction": reduction_bytes(plan),
         "chosen": ({"automatically": True, "predicted_step_s": plan.config.planned.predicted_step_s,
                     "node_type": plan.config.planned.node_type} if plan.config.planned else {"automatically": False}),
         "sync": describe_sync(plan),
@@ -62,8 +58,7 @@ def describe_memory(plan: Plan) -> dict:
     ranks = estimate(plan.layout, plan.config)
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
-    zero = plan.config.fixed_parallel.zero
-    sharding = sharding_for(zero)
+    zero, sharding = plan.parallel.zero, plan.sharding
     out: dict[str, Any] = {"zero": zero, "per_rank": per_rank, "largest": max(per_rank, key=lambda m: m["total"])}
     if sharding.shards_parameters:
         gathered = ("per block: the block computing and the next one being gathered (the embedding and the head are "
@@ -79,10 +74,9 @@ def describe_memory(plan: Plan) -> dict:
 def describe_sync(plan: Plan) -> dict:
     """How the replicas keep in step (`parallel.sync`) and the bytes each rank all-reduces across them per step,
     on average (the payload: gradients every step, or parameters once per `every` steps), per pipeline stage."""
-    sync, par = plan.config.fixed_parallel.sync, plan.config.fixed_parallel
+    sync, par = plan.parallel.sync, plan.parallel
     wire = 2 if par.reduce_dtype == "bf16" else 4
-    sizing = Sizing(plan.layout, plan.config)
-    per_stage = [cross_replica_bytes(sync, param_counts(sizing, s).total, plan.dp, wire) for s in range(plan.pp)]
+    per_stage = [cross_replica_bytes(sync, param_counts(plan, s).total, plan.dp, wire) for s in range(plan.pp)]
     return {"kind": sync.kind, **{option: getattr(sync, option) for option in SYNC_KINDS[sync.kind].options},
             "cross_replica_bytes_per_step": per_stage}
 
@@ -94,20 +88,20 @@ def describe_schedule(plan: Plan) -> dict:
     `parallel.plan.actions.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
     """
     c = plan.config.sim_costs
-    splits = any(a.kind is ActionKind.BACKWARD_WEIGHT for actions in plan.schedule for a in actions)
+    splits = any(a.kind is ActionKind.BACKWARD_WEIGHT for actions in plan.actions for a in actions)
     # W's share of the backward, shown where the schedule splits backwards (zb-h1, zbv)
     split = {"backward_weight": c.backward / 2 if c.backward_weight is None else c.backward_weight} if splits else {}
-    result = simulate([list(actions) for actions in plan.schedule], plan.microbatches, plan.vpp,
+    result = simulate([list(actions) for actions in plan.actions], plan.microbatches, plan.vpp,
                       Costs(forward=c.forward, backward=c.backward, comm=c.comm, backward_weight=c.backward_weight),
-                      placement_of(plan.config.fixed_parallel.schedule))
+                      plan.schedule.placement)
     return {
-        "kind": plan.config.fixed_parallel.schedule,
+        "kind": plan.schedule.name,
         "pp": plan.pp,
         "vpp": plan.vpp,
         "placement": plan.placement,  # which rank holds which virtual stage (parallel.plan.actions.virtual_stage)
         "microbatches": plan.microbatches,
         "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm, **split},
-        "stages": [format_actions(list(actions)) for actions in plan.schedule],
+        "stages": [format_actions(list(actions)) for actions in plan.actions],
         "makespan": result.makespan,
         "bubble_fraction": result.bubble_fraction,
         "peak_activations": result.peak_activations,

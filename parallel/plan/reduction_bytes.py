@@ -2,24 +2,23 @@
 
 `reduction_bytes(plan)` is what `trainyard plan` shows (`parallel.plan.present`) and what a step's metrics row
 measures (`reduce_bytes`, the payload a rank hands to its reduction collectives: a ring all-reduce moves
-about twice that over the wire, a reduce-scatter about once). Each reduction set (dense parameters over
-dp, routers over the stage, experts over the ranks holding the same ones: `reduced_sets`, which the memory plan
-shares) sends its local gradients in `reduce_dtype`, or nothing when no other rank shares it. With gradient
-compression (`parallel.grad_compression`), each matrix the compressor compresses sends what its entry in
-`parallel.plan.grad_compression.COMPRESSIONS` says (PowerSGD: its two fp32 factors P, rows x r, and Q, cols x r)
-instead, and every other tensor goes whole. Shapes come from the model's family (`ModelFamily.matrices`); with
-`model.lora` only the adapters have gradients, so only they are reduced. Pure arithmetic: no torch.
+about twice that over the wire, a reduce-scatter about once). Each reduction set (dense parameters over one
+replica's dp ranks, routers over the stage, experts over the ranks holding the same ones:
+`parallel.plan.reduction_sets`, which the runtime and the memory plan read too) sends its local gradients in
+`reduce_dtype`, or nothing when no other rank shares it. With gradient compression (`parallel.grad_compression`),
+each matrix the compressor compresses sends what its entry in `parallel.plan.grad_compression.COMPRESSIONS` says
+(PowerSGD: its two fp32 factors P, rows x r, and Q, cols x r) instead, and every other tensor goes whole. Shapes
+come from the model's family (`ModelFamily.matrices`); with `model.lora` only the adapters have gradients, so
+only they are reduced. Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
 
-from trainyard.parallel.models import family_of
 from trainyard.parallel.models.base import Matrix
-from trainyard.parallel.models.counting import BF16, FP32, ParamCounts
+from trainyard.parallel.models.counting import BF16, FP32
 from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.grad_compression import COMPRESSIONS
-from trainyard.parallel.plan.replica_sync import replica_dp
-from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.plan.reduction_sets import shared_sets
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
 
@@ -27,9 +26,7 @@ from trainyard.parallel.plan.units import format_bytes
 def _stage_matrices(plan: Sizing, pp: int):
     """(matrix elements of shared sets, [(rows, cols, set)] of those matrices, elements per shared set) of
     a pipeline rank's chunks."""
-    cfg, family = plan.config, family_of(plan.config.model)
-    group = {"dense": plan.dp, "router": plan.dp * plan.tp, "experts": plan.dp // plan.ep * plan.tp}
-    shared = {s for s, n in group.items() if n > 1}
+    cfg, family, shared = plan.config, plan.family, shared_sets(plan.layout)
     elements, matrices = 0, []
     if cfg.model.lora is not None:  # the frozen base has no gradient: only the adapters (dense) are reduced
         if "dense" not in shared:
@@ -51,7 +48,7 @@ def _stage_matrices(plan: Sizing, pp: int):
 def _adapter_matrices(plan: Sizing, layers: list[int]) -> list[Matrix]:
     """The local shapes of blocks `layers`' LoRA adapters, A (rank x in) and B (out x rank), the one tp splits as
     its base projection is split (`ModelFamily.adapter_elements` counts the same)."""
-    m, family = plan.config.model, family_of(plan.config.model)
+    m, family = plan.config.model, plan.family
     assert m.lora is not None
     shapes, r = family.lora_shapes(m), m.lora.rank
     out: list[Matrix] = []
@@ -69,7 +66,7 @@ def compression_state_bytes(plan: Sizing, pp: int) -> int:
     """What the gradient compressor keeps on a rank of pipeline stage `pp` beside the gradient buckets: what it
     keeps for each matrix it compresses (`Compressed.kept`; PowerSGD: the error, rows x cols, and the factors P and
     Q with their packed copies on the wire, fp32), and the packed copy of the tensors sent whole."""
-    compression = plan.config.fixed_parallel.grad_compression
+    compression = plan.parallel.grad_compression
     if compression is None:
         return 0
     elements, matrices = _stage_matrices(plan, pp)
@@ -79,22 +76,20 @@ def compression_state_bytes(plan: Sizing, pp: int) -> int:
         if c is not None:
             kept += c.kept
             whole += rows * cols
-    wire = BF16 if plan.config.fixed_parallel.reduce_dtype == "bf16" else FP32
+    wire = BF16 if plan.parallel.reduce_dtype == "bf16" else FP32
     return kept + wire * (elements - whole) if kept else 0
 
 
 def reduction_bytes(plan: Sizing) -> dict:
     """Per pipeline stage, the bytes one of its ranks sends per step: `uncompressed` (plain, in
     reduce_dtype) and `sent` (with the job's compression after its warm-up; equal without one)."""
-    cfg = plan.config
-    compression = cfg.fixed_parallel.grad_compression
-    wire = BF16 if cfg.fixed_parallel.reduce_dtype == "bf16" else FP32
+    par = plan.parallel
+    compression, wire = par.grad_compression, BF16 if par.reduce_dtype == "bf16" else FP32
+    # ZeRO-2/3 (FSDP2) reduce-scatter a chunk's gradients at each of its backwards: once per micro-batch.
+    per_step = par.microbatches if plan.sharding.reduces_every_microbatch else 1
     stages = []
     for pp in range(plan.pp):
         elements, matrices = _stage_matrices(plan, pp)
-        # ZeRO-2/3 (FSDP2) reduce-scatter a chunk's gradients at each of its backwards: once per micro-batch.
-        par = cfg.fixed_parallel
-        per_step = par.microbatches if sharding_for(par.zero).reduces_every_microbatch else 1
         plain = sent = wire * elements * per_step
         if compression is not None:
             for rows, cols, _ in matrices:
@@ -117,10 +112,3 @@ def format_reduction(reduction: dict) -> list[str]:
         for i, s in enumerate(stages))
     return [f"gradient reduction per step and rank{f' ({kind}, after its warm-up)' if kind else ''}: {per_stage}"]
 
-
-def reduced_sets(plan: Sizing, counts: ParamCounts) -> list[tuple[int, int]]:
-    """(local parameters, ranks that reduce their gradients) of each set: dense parameters over dp, the router
-    over the stage's dp x tp ranks, experts over the dp / ep x tp ranks holding the same experts; dp being one
-    replica's with local_sgd and diloco (`replica_sync.replica_dp`)."""
-    dp = replica_dp(plan.config.fixed_parallel.sync, plan.dp)
-    return [(counts.dense, dp), (counts.router, dp * plan.tp), (counts.experts, dp // plan.ep * plan.tp)]

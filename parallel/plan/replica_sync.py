@@ -49,6 +49,13 @@ def replica_dp(cfg: SyncConfig, dp: int) -> int:
     return dp // (cfg.replicas or dp) if is_local(cfg) else dp
 
 
+def layout_replica_dp(cfg: SyncConfig, dp: int) -> int:
+    """`Layout.replica_dp`: the data-parallel ranks of one replica where they are fewer than dp (local_sgd, diloco
+    replicas of dp / `replicas` ranks), else 0 (every dp rank)."""
+    in_replica = replica_dp(cfg, dp)
+    return in_replica if in_replica < dp else 0
+
+
 def syncs_after(step: int, cfg: SyncConfig, steps: int) -> bool:
     """Whether the replicas synchronise their parameters after step `step` (0-based): every `every` steps, and
     after the job's last step (so the final state, and every checkpoint, is one model)."""

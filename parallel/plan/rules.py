@@ -2,9 +2,10 @@
 
 Every function here returns a list of `PlanError`s (a `RuleError`: the field to change and the rule it
 breaks), empty when the config keeps the rule; nothing raises, so a planner can ask which candidate configs
-are valid without try/except. `parallel.plan.make_plan` raises the first violation (what the API answers
-with a 422). The order of the list is the order the rules are checked in, which is the order the user is
-told about them. Pure: no I/O, no torch.
+are valid without try/except. Each reads the config with its strategies resolved once
+(`parallel.plan.sizing.Resolved`: `r.parallel`, `r.sharding`, `r.schedule`, `r.optimizer`, `r.family`).
+`parallel.plan.make_plan` raises the first violation (what the API answers with a 422). The order of the list
+is the order the rules are checked in, which is the order the user is told about them. Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
-from trainyard.parallel.models import family_of
-from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan.actions import ScheduleError
 from trainyard.parallel.plan.grad_compression import COMPRESSIONS
 from trainyard.parallel.plan.replica_sync import LOCAL_KINDS, is_local, replica_dp
-from trainyard.parallel.plan.schedules import SCHEDULES, check_schedule_args
+from trainyard.parallel.plan.schedules import check_schedule_args
 from trainyard.parallel.plan.search_options import searched_values, with_option
-from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.plan.sizing import Resolved, fixed_parallel
 
 
 class PlanError(RuleError):
@@ -54,15 +53,16 @@ def layout_free_violations(config: JobConfig) -> list[PlanError]:
 def degree_violations(config: JobConfig) -> list[PlanError]:
     """Every rule but the split of the blocks into stages: what must hold before the degrees mean anything
     (`make_plan` asks whether the cluster can hold that many workers before it splits the blocks)."""
-    return [*model_violations(config), *expert_violations(config), *tensor_parallel_violations(config),
-            *size_violations(config), *batch_violations(config), *schedule_violations(config),
-            *sharding_violations(config), *compression_violations(config), *sync_violations(config),
-            *optimizer_violations(config), *packing_violations(config)]
+    r = Resolved(config)
+    return [*model_violations(r), *expert_violations(r), *tensor_parallel_violations(r), *size_violations(r),
+            *batch_violations(r), *schedule_violations(r), *sharding_violations(r), *compression_violations(r),
+            *sync_violations(r), *optimizer_violations(r), *packing_violations(r)]
 
 
-def packing_violations(config: JobConfig) -> list[PlanError]:
+def packing_violations(r: Resolved) -> list[PlanError]:
     """Packed examples (`data.packing: true`) give every micro-batch its own positions and attention mask, read
     by the attention modules from an attribute the executor sets before each action."""
+    config = r.config
     if not config.data.packing:
         return []
     errors = []
@@ -70,28 +70,30 @@ def packing_violations(config: JobConfig) -> list[PlanError]:
         errors.append(PlanError("compile", "data.packing: true gives each micro-batch its own attention mask and "
                                            "positions, which torch.compile'd blocks do not read yet; use "
                                            "compile: false or data.packing: false"))
-    if config.model.family == "gpt2" and config.fixed_parallel.sp:
-        errors.append(PlanError("parallel.sp", "data.packing: true restarts gpt2's learned positions at each "
-                                               "example, per row, and sequence parallelism slices gpt2's position "
-                                               "embedding as one (seq_len, d_model) table: use sp: false"))
+    family = r.family
+    if family.learned_positions and r.parallel.sp:
+        errors.append(PlanError("parallel.sp", f"data.packing: true restarts {family.name}'s learned positions at "
+                                               f"each example, per row, and sequence parallelism slices "
+                                               f"{family.name}'s position embedding as one (seq_len, d_model) table: "
+                                               "use sp: false"))
     return errors
 
 
-def optimizer_violations(config: JobConfig) -> list[PlanError]:
+def optimizer_violations(r: Resolved) -> list[PlanError]:
     """AdamW's decays must be below 1 (`OptimizerKind.adam_betas`): at 1 its bias correction divides by
     1 - beta**t = 0 (torch refuses it as the ranks build the optimizer, so the job failed after admission). sgd
     takes momentum 1; adafactor reads neither."""
-    opt = config.optimizer
-    if not OPTIMIZERS[opt.kind].adam_betas:
+    opt = r.config.optimizer
+    if not r.optimizer.adam_betas:
         return []
     return [PlanError(f"optimizer.{name}", f"{name}={value} with kind {opt.kind}: must be below 1 (AdamW divides by "
                                            f"1 - {name}**step)")
             for name, value in (("beta1", opt.beta1), ("beta2", opt.beta2)) if value >= 1]
 
 
-def size_violations(config: JobConfig) -> list[PlanError]:
+def size_violations(r: Resolved) -> list[PlanError]:
     """Bounds on what the plan would build: the rank grid and the schedule's action lists."""
-    par, errors = config.fixed_parallel, []
+    par, errors = r.parallel, []
     workers = par.fixed_dp * par.pp * par.tp
     if workers > MAX_WORKERS:
         errors.append(PlanError("parallel.dp", f"dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {workers} "
@@ -104,15 +106,16 @@ def size_violations(config: JobConfig) -> list[PlanError]:
     return errors
 
 
-def batch_violations(config: JobConfig) -> list[PlanError]:
-    par = config.fixed_parallel
+def batch_violations(r: Resolved) -> list[PlanError]:
+    par, config = r.parallel, r.config
     if config.global_batch % (par.fixed_dp * par.microbatches):
         return [PlanError("global_batch", f"global_batch={config.global_batch} is not divisible by dp x microbatches "
                                           f"= {par.dp} x {par.microbatches} = {par.fixed_dp * par.microbatches}")]
     return []
 
 
-def model_violations(config: JobConfig) -> list[PlanError]:
+def model_violations(r: Resolved) -> list[PlanError]:
+    config = r.config
     m, errors = config.model, []
     if m.head_dim is None and m.d_model % m.n_head:  # with head_dim the heads need not tile d_model (qwen3)
         errors.append(PlanError("model.n_head", f"n_head={m.n_head} does not divide d_model={m.d_model}"))
@@ -124,15 +127,16 @@ def model_violations(config: JobConfig) -> list[PlanError]:
                                                     f"(got {m.vocab_size})"))
     if config.data.kind in ("text", "tokens") and not config.data.path and not config.data.sources:
         errors.append(PlanError("data.path", f"data.kind={config.data.kind} needs a path (or, for tokens, sources)"))
-    errors += lora_violations(config)
+    errors += lora_violations(r)
     # the family's own rules (parallel.models)
-    errors += [PlanError(error.field, error.message) for error in family_of(m).check(config)]
+    errors += [PlanError(error.field, error.message) for error in r.family.check(config, r.parallel)]
     return errors
 
 
-def lora_violations(config: JobConfig) -> list[PlanError]:
+def lora_violations(r: Resolved) -> list[PlanError]:
     """`model.lora.targets` are the family's projections, each once; an adapter to start from needs `model.lora`."""
-    lora, known = config.model.lora, family_of(config.model).lora_targets
+    config = r.config
+    lora, known = config.model.lora, r.family.lora_targets
     errors = []
     if lora is not None:
         unknown = [t for t in lora.targets if t not in known]
@@ -150,8 +154,9 @@ def lora_violations(config: JobConfig) -> list[PlanError]:
     return errors
 
 
-def expert_violations(config: JobConfig) -> list[PlanError]:
-    moe, ep, dp = config.model.moe, config.fixed_parallel.ep, config.fixed_parallel.fixed_dp
+def expert_violations(r: Resolved) -> list[PlanError]:
+    config = r.config
+    moe, ep, dp = config.model.moe, r.parallel.ep, r.parallel.fixed_dp
     if moe is None:
         return [PlanError("parallel.ep", f"ep={ep} needs mixture-of-experts layers (model.moe)")] if ep > 1 else []
     errors = []
@@ -167,7 +172,7 @@ def expert_violations(config: JobConfig) -> list[PlanError]:
     if moe.experts % ep:
         errors.append(PlanError("parallel.ep", f"ep={ep} does not divide experts={moe.experts} (each "
                                                "expert-parallel rank hosts experts / ep experts)"))
-    tp = config.fixed_parallel.tp
+    tp = r.parallel.tp
     if tp > 1 and config.model.seq_len % tp:
         errors.append(PlanError("parallel.tp", f"tp={tp} does not divide seq_len={config.model.seq_len} (each "
                                                "tensor-parallel rank routes one slice of every sequence to the "
@@ -175,9 +180,9 @@ def expert_violations(config: JobConfig) -> list[PlanError]:
     return errors
 
 
-def tensor_parallel_violations(config: JobConfig) -> list[PlanError]:
+def tensor_parallel_violations(r: Resolved) -> list[PlanError]:
     """tp splits heads, the vocabulary (embedding and head) and, with sp, the sequence: each must divide evenly."""
-    m, tp, sp, errors = config.model, config.fixed_parallel.tp, config.fixed_parallel.sp, []
+    m, tp, sp, errors = r.config.model, r.parallel.tp, r.parallel.sp, []
     if m.n_head % tp:
         errors.append(PlanError("parallel.tp", f"tp={tp} does not divide n_head={m.n_head} (attention heads are "
                                                "split across tensor-parallel ranks)"))
@@ -193,13 +198,14 @@ def tensor_parallel_violations(config: JobConfig) -> list[PlanError]:
     return errors
 
 
-def schedule_violations(config: JobConfig) -> list[PlanError]:
-    par, costs = config.fixed_parallel, config.sim_costs
+def schedule_violations(r: Resolved) -> list[PlanError]:
+    config, par = r.config, r.parallel
+    costs = config.sim_costs
     try:
         check_schedule_args(par.schedule, par.pp, par.microbatches, par.vpp)
     except ScheduleError as e:
         return [PlanError("parallel.schedule", str(e))]
-    if SCHEDULES[par.schedule].splits_backward and config.compile and config.activation_checkpointing == "full":
+    if r.schedule.splits_backward and config.compile and config.activation_checkpointing == "full":
         # Measured (torch 2.13, aot_eager): a block with eager linears (`parallel.runtime.compile`) checkpointed
         # inside its compiled region compiled nothing (dynamo skips a checkpoint whose function breaks the graph),
         # and checkpointed around it failed in backward (recomputed tensors saved in another order).
@@ -215,10 +221,11 @@ def schedule_violations(config: JobConfig) -> list[PlanError]:
     return []
 
 
-def sync_violations(config: JobConfig) -> list[PlanError]:
+def sync_violations(r: Resolved) -> list[PlanError]:
     """local_sgd and diloco replicas step alone between synchronisations: each must hold its whole state, so
     what is sharded (ZeRO) or spread (MoE's experts at ep > 1) is within a replica (`parallel.sync.replicas`)."""
-    sync, par = config.fixed_parallel.sync, config.fixed_parallel
+    config, par = r.config, r.parallel
+    sync = par.sync
     if not is_local(sync):
         if sync.replicas is not None:
             return [PlanError("parallel.sync.replicas", f"replicas={sync.replicas} with kind {sync.kind}: only "
@@ -230,7 +237,7 @@ def sync_violations(config: JobConfig) -> list[PlanError]:
         return [PlanError("parallel.sync.replicas", f"replicas={sync.replicas} does not divide dp={dp} (each "
                                                     "replica is dp / replicas data-parallel ranks)")]
     errors, in_replica = [], replica_dp(sync, dp)
-    if sharding_for(par.zero).shards_optimizer_state and in_replica == 1:
+    if r.sharding.shards_optimizer_state and in_replica == 1:
         errors.append(PlanError("parallel.sync.replicas", f"parallel.zero={par.zero} shards the state over the "
                                                           f"data-parallel ranks of a replica, and {sync.kind}'s "
                                                           f"replicas are {in_replica} rank each (replicas="
@@ -262,8 +269,8 @@ def _and(names: tuple[str, ...]) -> str:
 
 def stage_layer_violations(config: JobConfig) -> list[PlanError]:
     """The blocks must split into pp x vpp stages of at least one block (or as the explicit list says)."""
-    n_layer, n_stages = config.model.n_layer, config.fixed_parallel.pp * config.fixed_parallel.vpp
-    counts = config.fixed_parallel.stage_layers
+    par = fixed_parallel(config)
+    n_layer, n_stages, counts = config.model.n_layer, par.pp * par.vpp, par.stage_layers
     if counts is None:
         if n_layer < n_stages:
             return [PlanError("parallel.pp", f"n_layer={n_layer} cannot be split into pp x vpp = {n_stages} "
@@ -275,22 +282,22 @@ def stage_layer_violations(config: JobConfig) -> list[PlanError]:
     return []
 
 
-def sharding_violations(config: JobConfig) -> list[PlanError]:
+def sharding_violations(r: Resolved) -> list[PlanError]:
     """ZeRO-2/3 are FSDP2's (`parallel.runtime.fsdp`), which reduce-scatters each chunk's gradients during its backward:
     there is no reduction left to run after backward."""
-    par = config.fixed_parallel
-    if sharding_for(par.zero).shards_parameters and not par.overlap_reduce:
+    par = r.parallel
+    if r.sharding.shards_parameters and not par.overlap_reduce:
         return [PlanError("parallel.overlap_reduce", f"overlap_reduce=false needs zero <= 1 (zero={par.zero} "
                                                      "reduce-scatters each chunk's gradients during its backward)")]
     return []
 
 
-def compression_violations(config: JobConfig) -> list[PlanError]:
+def compression_violations(r: Resolved) -> list[PlanError]:
     """A compressor that needs whole gradients (`CompressionKind.whole_gradients`; PowerSGD approximates whole
     gradient matrices and keeps a whole-size error per rank) composes with ZeRO-1 (whole gradients, sharded
     optimizer state), not with ZeRO-2/3, which keep only a shard of each gradient."""
-    par, compression = config.fixed_parallel, config.fixed_parallel.grad_compression
-    if compression is None or not sharding_for(par.zero).shards_parameters:
+    par, compression = r.parallel, r.parallel.grad_compression
+    if compression is None or not r.sharding.shards_parameters:
         return []
     if (why := COMPRESSIONS[compression.kind].whole_gradients) is not None:
         return [PlanError("parallel.grad_compression",

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainyard.parallel.names import SCHEDULE_KINDS, registry
 from trainyard.parallel.plan.actions import Action, ActionKind, ScheduleError, stage_location, virtual_stage
 
 
@@ -212,15 +213,15 @@ class Schedule:
     """Its backwards are input (I) and weight (W) halves run apart (`parallel.runtime.split_backward`)."""
 
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+SCHEDULES: dict[str, Schedule] = registry(SCHEDULE_KINDS, {s.name: s for s in (
     Schedule("gpipe", lambda pp, m, vpp, rank: _gpipe_order(m, vpp)),
     Schedule("1f1b", lambda pp, m, vpp, rank: _one_f_one_b_order(pp, m, rank), _refuse_1f1b),
     Schedule("interleaved-1f1b", _interleaved_order, _refuse_interleaved),
     Schedule("zb-h1", lambda pp, m, vpp, rank: _zb_h1_order(pp, m, rank), _refuse_zb_h1, splits_backward=True),
     Schedule("zbv", lambda pp, m, vpp, rank: _zbv_order(pp, m, rank), _refuse_zbv, placement="v", splits_backward=True),
-)}
-"""The schedule kinds `parallel.schedule` may name; a new one (zero-bubble, say) is a new entry."""
-SCHEDULE_KINDS = tuple(SCHEDULES)
+)}, "parallel.plan.schedules.SCHEDULES")
+"""The pipeline schedule kinds `parallel.schedule` may name (`parallel.names.SCHEDULE_KINDS`, in this order); a new
+one is a new entry and its name there."""
 
 
 def place_comm(orders: list[list[Compute]], pp: int, vpp: int, placement: str = "interleaved") -> list[list[Action]]:

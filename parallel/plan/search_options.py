@@ -11,7 +11,7 @@ import dataclasses
 import typing
 from dataclasses import replace
 
-from trainyard.parallel.config import JobConfig, ParallelConfig, ScheduleKind
+from trainyard.parallel.config import JobConfig, ParallelConfig
 from trainyard.parallel.plan.sharding import SHARDINGS
 
 
@@ -29,8 +29,6 @@ SEARCHED: dict[str, typing.Callable[[], tuple]] = {
 }
 """Dotted option -> the values the search tries (an option the config does not have is skipped): one line
 per option. Layout-only options: none changes the training's numbers."""
-SCHEDULE_KINDS: tuple[ScheduleKind, ...] = typing.get_args(ScheduleKind)
-"""The kinds `parallel.schedule` may name, in SCHEDULES's order (tests/unit/test_schedules.py keeps them equal)."""
 
 
 def searched_paths(config: JobConfig) -> list[str]:

@@ -18,6 +18,8 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from trainyard.parallel.names import ZERO_LEVELS, registry
+
 Pass = list[tuple[Hashable, int]]
 """One compute (a forward or a backward of a chunk): the FSDP2 units it runs, in order, each with its local
 parameter elements that are sharded; a unit that runs twice in it is listed twice. The computes of one chunk and
@@ -172,9 +174,9 @@ def _shard(n: int, group_size: int) -> int:
     return math.ceil(n / group_size) if group_size > 1 else n
 
 
-SHARDINGS: dict[int, Sharding] = {0: Sharding(), 1: OptimizerStateSharding(), 2: GradientSharding(),
-                                  3: ParameterSharding()}
-"""`parallel.zero` -> its strategy."""
+SHARDINGS: dict[int, Sharding] = registry(ZERO_LEVELS, {s.zero: s for s in (
+    Sharding(), OptimizerStateSharding(), GradientSharding(), ParameterSharding())}, "parallel.plan.sharding.SHARDINGS")
+"""`parallel.zero` -> its strategy (the levels: `parallel.names.ZeroLevel`)."""
 
 
 def sharding_for(zero: int) -> Sharding:

@@ -78,15 +78,13 @@ import trainyard.parallel.runtime.compile as regional_compile
 import trainyard.parallel.runtime.materialize as materializing
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.io import hf_checkpoint, peft_adapter
-from trainyard.parallel.models import family_of
 from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.lora import apply_lora
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.layout import RankCoords
-from trainyard.parallel.plan.schedules import SCHEDULES
-from trainyard.parallel.plan.sharding import Sharding, sharding_for
+from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.compression import Compressor, make_compressor
 from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
 from trainyard.parallel.runtime.distributed import RankGroups
@@ -126,7 +124,7 @@ class RankBuild:
     @property
     def sharding(self) -> Sharding:
         """The ZeRO strategy (`parallel.zero`): which steps shard what."""
-        return sharding_for(self.cfg.fixed_parallel.zero)
+        return self.plan.sharding
 
 
 @dataclass(frozen=True)
@@ -153,7 +151,7 @@ def meta(b: RankBuild, chunk: int) -> None:
     v = virtual_stage(b.coords.pp, chunk, b.plan.pp, b.plan.placement)
     layers = b.plan.chunk_layers(b.coords.pp)[chunk]
     with torch.device("meta"):
-        stage = family_of(b.cfg.model).build_stage(
+        stage = b.plan.family.build_stage(
             b.cfg.model, layers, first=v == 0, last=v == b.plan.n_virtual_stages - 1, seed=b.cfg.seed,
             experts=b.plan.experts_of(b.rank))
     b.chunks.append(stage)
@@ -162,14 +160,14 @@ def meta(b: RankBuild, chunk: int) -> None:
 def tensor_parallel(b: RankBuild, chunk: int) -> None:
     """2. tp > 1: the chunk sharded over the tp mesh (and sequence parallelism's layouts with `parallel.sp`)."""
     if b.groups.tp_mesh is not None:
-        apply_tensor_parallel(b.chunks[chunk], b.groups.tp_mesh, sequence_parallel=b.cfg.fixed_parallel.sp)
+        apply_tensor_parallel(b.chunks[chunk], b.groups.tp_mesh, sequence_parallel=b.plan.parallel.sp)
 
 
 def lora(b: RankBuild, chunk: int) -> None:
     """3. `model.lora`: the base frozen, the adapters added, split to match their (sharded) base."""
     if b.cfg.model.lora is not None:
         apply_lora(b.chunks[chunk], seed=b.cfg.seed, tp_mesh=b.groups.tp_mesh,
-                   sequence_parallel=b.cfg.fixed_parallel.sp)
+                   sequence_parallel=b.plan.parallel.sp)
 
 
 def recompute(b: RankBuild, chunk: int) -> None:
@@ -183,7 +181,7 @@ def compile_blocks(b: RankBuild, chunk: int) -> None:
     if b.cfg.compile:
         # a split backward (zb-h1, zbv) needs each linear's weight gradient apart from its input's: linears eager
         regional_compile.compile_blocks(b.chunks[chunk],
-                                        separable_weights=SCHEDULES[b.cfg.fixed_parallel.schedule].splits_backward)
+                                        separable_weights=b.plan.schedule.splits_backward)
 
 
 def moe_context(b: RankBuild, chunk: int) -> None:
@@ -198,7 +196,7 @@ def moe_context(b: RankBuild, chunk: int) -> None:
 def fsdp(b: RankBuild) -> None:
     """7. ZeRO-2/3: FSDP2 shards each chunk per unit (its embedding, each block, its head; routers and experts on
     their own groups) over the same groups as the reducers (`parallel.runtime.fsdp`), on the meta device."""
-    par = b.cfg.fixed_parallel
+    par = b.plan.parallel
     if b.sharding.shards_parameters:
         b.sharded = shard_chunks(b.chunks, b.groups.dp_mesh, b.groups.stage, b.groups.experts, b.sharding,
                                  par.reduce_dtype, b.device.type)
@@ -236,13 +234,13 @@ def tied(b: RankBuild) -> None:
 def reducers(b: RankBuild) -> None:
     """12. A reducer per set of parameters, and the gradient compressor they send through."""
     cfg, groups = b.cfg, b.groups
-    par = cfg.fixed_parallel
+    par = b.plan.parallel
     # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.moe): dense
     # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
     # local_sgd, diloco: a replica is `plan.reduce_dp` dp ranks (`groups.reduce`), which reduce, shard and spread
     # experts among themselves as allreduce's dp ranks do.
-    sets = {"dense": groups.reduce, "router": groups.stage, "experts": groups.experts}
-    family, sharding = family_of(cfg.model), b.sharding
+    sets = groups.reducing  # parallel.plan.reduction_sets
+    family, sharding = b.plan.family, b.sharding
     b.compressor = make_compressor(par.grad_compression, cfg.seed)
     for kind, group in sets.items():
         # a frozen parameter (LoRA's base) has no gradient to reduce and no optimizer state

@@ -73,12 +73,20 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.optim.optimizer import tp_copies
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp import FsdpReducer, ShardedChunks
-from trainyard.parallel.runtime.grad_buckets import BUCKET_BYTES, Bucket, copy_grad, grad_of, settle, shard_of, split
+from trainyard.parallel.runtime.grad_buckets import (
+    BUCKET_BYTES,
+    WIRE_DTYPES,
+    Bucket,
+    copy_grad,
+    grad_of,
+    settle,
+    shard_of,
+    split,
+)
 from trainyard.parallel.runtime.local_parts import like_param, local_part
 from trainyard.parallel.runtime.shm_reduce import shared_rows, sum_rows
 
 OptimizerState = Mapping[torch.Tensor, Mapping[str, torch.Tensor]]  # `StateView.state`, the checkpoint's form
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None, sharding: Sharding, *,

@@ -21,7 +21,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from trainyard.parallel.models.base import ReductionSet
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan.reduction_sets import reduction_groups
 
 MESH_DIMS = ("pp", "dp", "tp")
 REPLICA_MESH_DIMS = ("pp", "replica", "dp", "tp")
@@ -60,6 +62,12 @@ class RankGroups:
     """All ranks, on gloo, for checkpoints only: an async save's collectives run in a background thread and
     must not share a group with the step's."""
 
+    @property
+    def reducing(self) -> dict[ReductionSet, dist.ProcessGroup | None]:
+        """Each reduction set -> this rank's group that sums its gradients, among the plan's
+        (`parallel.plan.reduction_sets.reduction_groups`, which `init_distributed` makes them from)."""
+        return {"dense": self.reduce, "router": self.stage, "experts": self.experts}
+
 
 def pick_device(gpus_per_worker: int) -> torch.device:
     return torch.device("cuda", 0) if gpus_per_worker > 0 and torch.cuda.is_available() else torch.device("cpu")
@@ -97,12 +105,15 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
     groups = RankGroups(rank=rank, dp=_subgroup(_all_dp(plan)) if split else group("dp"), pp=group("pp"),
                         pp_ranks=mesh["pp"].mesh.tolist(), tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None,
                         dp_mesh=mesh["dp"] if rd > 1 else None, checkpoint=dist.new_group(backend="gloo"))
-    groups.reduce = group("dp") if rd > 1 else None
+    reducing = reduction_groups(plan.layout)
+    groups.reduce = group("dp") if rd > 1 else None  # the mesh's: DTensor and FSDP2 shard over its dimension
+    assert groups.reduce is None or dist.get_process_group_ranks(groups.reduce) == \
+        next(g for g in reducing["dense"] if rank in g), "the mesh's dp dimension must be the plan's dense group"
     groups.replicas = group("replica") if split else groups.dp
     if plan.config.model.moe is not None:
         groups.ep = _subgroup(plan.ep_groups())
-        groups.experts = _subgroup(plan.expert_groups())
-        groups.stage = _subgroup(plan.stage_groups())
+        groups.experts = _subgroup(reducing["experts"])
+        groups.stage = _subgroup(reducing["router"])
     if plan.config.model.tie_embeddings and plan.tied_groups():
         groups.tied = _subgroup(plan.tied_groups())
     return groups

@@ -75,9 +75,8 @@ from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp_meter import GatheredMeter
 from trainyard.parallel.runtime.fsdp_split import gather_split, reduce_after_weight
 from trainyard.parallel.runtime.gloo_comms import BroadcastAllGather, InPlaceReduceScatter
+from trainyard.parallel.runtime.grad_buckets import WIRE_DTYPES
 from trainyard.parallel.runtime.local_parts import local_part
-
-WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 # The executor never changes a chunk's output in place, which is what FSDP2's warning is about.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -255,7 +254,8 @@ def shard_chunks(chunks: Sequence[DecoderStage], dp_mesh: DeviceMesh | None, rou
     by this rank alone stays unwrapped. The chunks may be on the meta device (`device_type`: the device they will
     be materialized on, which the meshes name); `ready` then follows their materialization."""
     router_mesh, expert_mesh = _mesh(router_group, device_type), _mesh(expert_group, device_type)
-    reshard, mp_policy = sharding.reshard_after_forward, MixedPrecisionPolicy(reduce_dtype=WIRE_DTYPES[reduce_dtype])
+    reshard, wire = sharding.reshard_after_forward, WIRE_DTYPES[reduce_dtype]
+    mp_policy = MixedPrecisionPolicy(reduce_dtype=None if wire == torch.float32 else wire)  # fp32: FSDP2's default
     roots: list[FSDPModule | None] = []
     orders: list[list[FSDPModule]] = []
     nested: list[list[FSDPModule]] = []
@@ -333,7 +333,7 @@ class FsdpReducer:
     def __init__(self, chunk_params: list[list[nn.Parameter]], sharded: ShardedChunks, reduce_dtype: str):
         self.params = [p for params in chunk_params for p in params]
         self.sharded = sharded
-        itemsize = (WIRE_DTYPES[reduce_dtype] or torch.float32).itemsize
+        itemsize = WIRE_DTYPES[reduce_dtype].itemsize
         # What one backward of each chunk hands to its reduce-scatters: the gradients of the rank's (tp-local)
         # parameters, whole: the shard's elements times the group's size (dim 0 of the parameter's mesh).
         self._chunk_wire = [sum(local_part(p).numel() * _dtensor(p).device_mesh.size(0) for p in params) * itemsize

@@ -12,6 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.runtime.local_parts import local_part, own_bucket
 
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""`parallel.reduce_dtype` -> the type of the gradients on the wire between data-parallel ranks (the buckets' and
+FSDP2's reductions alike)."""
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 FIRST_BUCKET_BYTES = 1024 * 1024
 """Each chunk's first bucket (its last layers' gradients, final first in backward) is at most this (DDP's

@@ -71,7 +71,7 @@ class RankState:
         averages (`ReplicaSync.synchronise`); `take_replica_state` then gives it the result. The bytes sent."""
         assert self.sync is not None
         cfg = self.plan.config
-        view = self.optimizer.export() if averages_optimizer_state(step, cfg.fixed_parallel.sync, cfg.checkpoint.every,
+        view = self.optimizer.export() if averages_optimizer_state(step, self.plan.parallel.sync, cfg.checkpoint.every,
                                                                    cfg.steps) else None
         self.steps_done = None
         return self.sync_replicas(view, live)
@@ -113,7 +113,7 @@ class RankState:
         then take the lowest live replica's state, as at a rejoin: the checkpoint holds one model."""
         self.finish_checkpoint()
         cfg = self.plan.config
-        if self.sync is not None and syncs_before_save(step, cfg.fixed_parallel.sync, cfg.steps):
+        if self.sync is not None and syncs_before_save(step, self.plan.parallel.sync, cfg.steps):
             self.sync_replicas(None, live)
         if self.sync is not None and live is not None and len(live) < self.plan.dp:
             source = self.plan.rank_of(self.coords.pp, self.coords.tp, min(live))

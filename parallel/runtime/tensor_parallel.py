@@ -70,7 +70,7 @@ def apply_tensor_parallel(stage: DecoderStage, tp_mesh: DeviceMesh, *, sequence_
 def activation_shape(plan: Plan) -> tuple[int, int, int]:
     """What one rank sends to the next pipeline stage: its sequence slice with sp, the whole sequence without."""
     m = plan.config.model
-    seq = m.seq_len // plan.tp if plan.config.fixed_parallel.sp else m.seq_len
+    seq = m.seq_len // plan.tp if plan.parallel.sp else m.seq_len
     return (plan.micro_batch_size, seq, m.d_model)
 
 

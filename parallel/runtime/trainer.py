@@ -78,7 +78,7 @@ class RankTrainer:
         self.chunks, self.sharded, self.tied = built.chunks, built.sharded, built.tied
         self.reducers, self.compressor, self.optimizer = built.reducers, built.compressor, built.optimizer
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
-        par = cfg.fixed_parallel
+        par = plan.parallel
         # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
         # A replica is `plan.reduce_dp` dp ranks (`parallel.sync.replicas`), which reduce, shard and spread experts
         # among themselves as allreduce's dp ranks do.
@@ -95,13 +95,13 @@ class RankTrainer:
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
                                     self.tied)
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
-        self.last_backward = {a.chunk: a.microbatch for a in plan.schedule[self.coords.pp]
+        self.last_backward = {a.chunk: a.microbatch for a in plan.actions[self.coords.pp]
                               if a.kind in FREEING_KINDS}
         self.dataset = open_dataset(cfg)
         self.val_dataset = open_dataset(cfg, "val") if cfg.eval.every > 0 else None
-        self.forward_actions = [a for a in plan.schedule[self.coords.pp] if a.kind in FORWARD_KINDS]
+        self.forward_actions = [a for a in plan.actions[self.coords.pp] if a.kind in FORWARD_KINDS]
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
-        self.actions = list(plan.schedule[self.coords.pp])
+        self.actions = list(plan.actions[self.coords.pp])
         self.executor = PipelineExecutor(
             self.chunks, self.coords.pp, plan.pp, groups.pp_ranks, activation_shape=activation_shape(plan),
             device=device, loss_scale=1.0 / tokens_per_step, loss_context=loss_context(plan),
@@ -153,9 +153,9 @@ class RankTrainer:
         # local_sgd / diloco's syncs.
         sent = 0 if self.local_sync or "dense" not in self.reducers else self.reducers["dense"].wire_bytes
         cfg = self.plan.config
-        if self.sync is not None and syncs_after(step, cfg.fixed_parallel.sync, cfg.steps):
+        if self.sync is not None and syncs_after(step, self.plan.parallel.sync, cfg.steps):
             self.optimizer.settle()  # the sync reads the parameters
-            checkpointed = averages_optimizer_state(step, cfg.fixed_parallel.sync, cfg.checkpoint.every, cfg.steps)
+            checkpointed = averages_optimizer_state(step, self.plan.parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
             sent = self.rank_state.sync_replicas(view, live)
             if view is not None:

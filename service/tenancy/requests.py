@@ -6,7 +6,6 @@ data. The manager calls it on every submit; the API's upload route asks it for t
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,8 +13,8 @@ from typing import Any
 
 from trainyard.actors.scaling_policy.scaling import largest_size
 from trainyard.actors.state import JobStatus
-from trainyard.parallel.config import DpRange, JobConfig, RuleError
-from trainyard.parallel.plan import Plan
+from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.plan import Plan, with_dp_max
 from trainyard.parallel.spec import parse_spec
 from trainyard.service.errors import JobConflict
 from trainyard.service.paths import JobPaths
@@ -97,8 +96,7 @@ class Tenancy:
         size = largest_size(plan, fits)
         if size is None:
             return config, plan, []
-        par = config.fixed_parallel  # a plan's layout is fixed
-        capped = dataclasses.replace(config, parallel=dataclasses.replace(par, dp=DpRange(min=low, max=size)))
+        capped = with_dp_max(config, size)
         event = {"time": time.time(), "kind": "elastic_within_quota", "dp_max": size, "asked": high,
                  "cause": f"parallel.dp.max={high} is more than user {user.name}'s quota holds: the job grows to "
                           f"dp={size} at most"}

@@ -24,7 +24,6 @@ from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of, use_aot_
 from helpers import tiny_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.schedule_sim import simulate
-from trainyard.parallel.plan.schedules import placement_of
 from trainyard.parallel.spec import parse_spec
 
 LAYOUTS = {  # global batch 16 over 4 blocks
@@ -122,8 +121,8 @@ def test_zero_bubble_layouts_follow_the_single_rank_losses_and_gradient_norms(la
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_rank_holds_the_activations_the_simulator_counts(layout, runs):
     plan = PLANS[layout]
-    expected = simulate([list(a) for a in plan.schedule], plan.microbatches, plan.vpp,
-                        placement=placement_of(plan.config.parallel.schedule)).peak_activations
+    expected = simulate([list(a) for a in plan.actions], plan.microbatches, plan.vpp,
+                        placement=plan.schedule.placement).peak_activations
     assert [stats[0]["peak_activations"] for stats in runs[layout]] == [expected[plan.coords(r).pp]
                                                                         for r in range(plan.world_size)]
 

@@ -238,7 +238,7 @@ def test_the_submit_stores_the_micro_batches_that_reach_max_with_an_event():
 
     elastic = parse_spec(tiny_spec(parallel={"dp": {"min": 1, "max": 8}}, global_batch=8))
     stored, events = _reaching_max(elastic, [])
-    assert stored.fixed_parallel.microbatches == 8 and [e["kind"] for e in events] == ["micro_batches"]
+    assert stored.parallel.microbatches == 8 and [e["kind"] for e in events] == ["micro_batches"]
     assert "parallel.microbatches 1 -> 8" in events[0]["cause"]
     for same in (parse_spec({**tiny_spec(), "parallel": "auto"}), parse_spec(tiny_spec(parallel={"dp": 2}))):
         assert _reaching_max(same, []) == (same, [])

@@ -3,7 +3,7 @@
 
 - The product's folders: `service/` and `actors/` never import `api/` or `cli/`; `parallel/` imports no Ray,
   FastAPI, service, actors, api or cli; `api/` touches neither Ray nor torch.
-- `parallel/`'s rooms: `config`, `seeds`, `spec` at its top import no room; then each room imports only the
+- `parallel/`'s rooms: `config`, `seeds`, `spec`, `names` at its top import no room; then each room imports only the
   rooms below it (`ROOMS`), and nothing in `parallel/` imports a circle.
 - `actors/`: nothing imports a circle (the controller's parts in `actions/`, the policies, the worker group: none
   imports the controller back), only the coordinator imports the controller, and no folder holds over 15 modules

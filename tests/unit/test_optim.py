@@ -17,13 +17,13 @@ def test_warmup_then_cosine_to_min_lr():
 
 
 def test_each_schedule_after_the_same_warm_up():
-    from trainyard.parallel.optim.lr_schedules import SCHEDULES
+    from trainyard.parallel.optim.lr_schedules import LR_SCHEDULES
 
     def lrs(**kw) -> list[float]:
         cfg = OptimizerConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1, **kw)
         return [lr_at(s, cfg, total_steps=12) for s in range(12)]
 
-    assert set(SCHEDULES) == {"cosine", "linear", "constant", "wsd"}
+    assert set(LR_SCHEDULES) == {"cosine", "linear", "constant", "wsd"}
     assert lrs(schedule="constant") == [0.5] + [1.0] * 11
     linear = lrs(schedule="linear")
     assert linear[:3] == [0.5, 1.0, 1.0] and linear[-1] == pytest.approx(0.1)

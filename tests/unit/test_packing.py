@@ -11,6 +11,7 @@ from helpers import tiny_spec
 from trainyard.parallel.data.datasets import IGNORE, counted_targets, load_batch
 from trainyard.parallel.data.examples import pieces
 from trainyard.parallel.data.packing import PackedDataset, pack
+from trainyard.parallel.models import FAMILIES
 from trainyard.parallel.models.documents import document_mask
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import PlanError, make_plan
@@ -100,5 +101,6 @@ def test_packing_refuses_compile_and_gpt2_with_sequence_parallelism():
     assert e.value.field == "compile"
     with pytest.raises(PlanError, match="sp: false") as e:
         make_plan(parse_spec(tiny_spec(data=data, parallel={"tp": 2, "sp": True})))
-    assert e.value.field == "parallel.sp"
+    assert e.value.field == "parallel.sp" and "restarts gpt2's learned positions" in e.value.message
+    assert [name for name, family in FAMILIES.items() if family.learned_positions] == ["gpt2"]
     make_plan(parse_spec(tiny_spec(model={"family": "llama"}, data=data, parallel={"tp": 2, "sp": True})))

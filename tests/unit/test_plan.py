@@ -86,8 +86,8 @@ def pipeline_plan(**parallel) -> Plan:
 
 def test_each_pipeline_rank_gets_its_own_action_list():
     plan = pipeline_plan(pp=4, microbatches=8, schedule="1f1b")
-    assert len(plan.schedule) == 4
-    first, last = plan.schedule[0], plan.schedule[-1]
+    assert len(plan.actions) == 4 and plan.schedule.name == "1f1b"
+    first, last = plan.actions[0], plan.actions[-1]
     assert str(first[0]) == "F0.0" and str(first[1]) == "sA0.0>1"
     assert [str(a) for a in (last[0], last[-2], last[-1])] == ["rA0.0<2", "B7.0", "sG7.0>2"]
 

@@ -281,7 +281,7 @@ def test_each_sharding_level_is_charged_its_own_collectives_and_its_measured_fix
     from trainyard.parallel.plan.memory import param_counts
     from trainyard.parallel.plan.sizing import Sizing
 
-    params = param_counts(Sizing(grads, base), 0).total
+    params = param_counts(Sizing(base, layout=grads), 0).total
     gather = m.collective("allgather", 4 * params, 2)
     assert gather == pytest.approx(2e-3 + 4 * params / 5e7)  # measured at 2 ranks: its own fit
     assert costs[0].dp_exposed == pytest.approx(m.collective("allreduce", 4 * params, 2) + 1.5 * m.dp_step_s)
@@ -309,7 +309,6 @@ def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_be
         wide_config,
     )
     from trainyard.parallel.plan.memory import param_counts
-    from trainyard.parallel.plan.sizing import Sizing
 
     base = replace(machine(), block_s=1e-3, microbatch_s=2e-3, step_s=3e-3, optimizer=Fit(1e-4, 1e9))
     rates = {d: 10e9 * (1 + i) for i, d in enumerate(WIDTHS)}
@@ -318,7 +317,7 @@ def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_be
 
     def step(c: JobConfig, rate: float) -> float:
         flops = family_of(c.model).flops_per_token(c.model) * c.global_batch * c.model.seq_len
-        params = param_counts(Sizing(make_plan(c).layout, c), 0).total
+        params = param_counts(make_plan(c), 0).total
         return flops / rate + 3e-3 + 2e-3 + c.model.n_layer * 1e-3 + base.optimizer.time(params)
 
     for d in WIDTHS:

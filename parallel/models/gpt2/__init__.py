@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
+from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig, RuleError
 from trainyard.parallel.models.base import Matrix, ModelFamily
 from trainyard.parallel.models.counting import ParamCounts, Shapes
 from trainyard.parallel.models.gpt2 import counts
@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 class GPT2(ModelFamily):
     name = "gpt2"
     lora_targets = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "fc": "mlp.fc", "proj": "mlp.proj"}
+    learned_positions = True
 
-    def check(self, config: JobConfig) -> list[RuleError]:
+    def check(self, config: JobConfig, parallel: ParallelConfig) -> list[RuleError]:
         m, errors = config.model, []
         if m.n_kv_head is not None and m.n_kv_head != m.n_head:
             errors.append(RuleError("model.n_kv_head", f"family gpt2 has no grouped-query attention: n_kv_head "

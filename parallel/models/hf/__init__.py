@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
+from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig, RuleError
 from trainyard.parallel.models.base import Matrix, ModelFamily, ReductionSet
 from trainyard.parallel.models.counting import ParamCounts, Shapes
 from trainyard.parallel.models.llama import counts as llama_counts
@@ -45,7 +45,7 @@ LIMITS = "dp with ZeRO 0-3, full recompute, bf16, compile; no pp, tp, sp, ep, Lo
 class HFBackend(ModelFamily):
     name = "hf"
 
-    def check(self, config: JobConfig) -> list[RuleError]:
+    def check(self, config: JobConfig, parallel: ParallelConfig) -> list[RuleError]:
         m, errors = config.model, []
         if m.hf_config is None:
             errors.append(RuleError("model.hf_config", "family hf builds the model from its config.json: give "
@@ -54,13 +54,11 @@ class HFBackend(ModelFamily):
             errors.append(RuleError("init_from.hf", "family hf trains a transformers checkpoint: give init_from.hf"))
         elif not errors:  # built on meta (cached, no storage): what the ranks will build, checked at submit
             errors += _build_errors(m)
-        par = config.parallel
-        if not isinstance(par, str):
-            for field in ("pp", "tp", "ep"):
-                if getattr(par, field) > 1:
-                    errors.append(RuleError(f"parallel.{field}", f"{field}={getattr(par, field)} {NATIVE}"))
-            if par.sp:
-                errors.append(RuleError("parallel.sp", f"sp {NATIVE}"))
+        for field in ("pp", "tp", "ep"):
+            if getattr(parallel, field) > 1:
+                errors.append(RuleError(f"parallel.{field}", f"{field}={getattr(parallel, field)} {NATIVE}"))
+        if parallel.sp:
+            errors.append(RuleError("parallel.sp", f"sp {NATIVE}"))
         if m.moe is not None:
             errors.append(RuleError("model.moe", f"trainyard's MoE blocks {NATIVE}"))
         if m.lora is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from trainyard.parallel.config import JobConfig, ModelConfig, RuleError
+from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig, RuleError
 from trainyard.parallel.models.base import Matrix, ModelFamily
 from trainyard.parallel.models.counting import ParamCounts, Shapes
 from trainyard.parallel.models.llama import counts
@@ -42,8 +42,8 @@ class Llama(ModelFamily):
 
         return LlamaStage
 
-    def check(self, config: JobConfig) -> list[RuleError]:
-        m, tp, errors = config.model, config.fixed_parallel.tp, []
+    def check(self, config: JobConfig, parallel: ParallelConfig) -> list[RuleError]:
+        m, tp, errors = config.model, parallel.tp, []
         kv = m.n_kv_head or m.n_head
         if m.n_head % kv:
             errors.append(RuleError("model.n_kv_head", f"n_kv_head={kv} does not divide n_head={m.n_head} (each "

@@ -9,15 +9,15 @@ Its own rule: a qwen3_moe model has experts (`model.moe`); a dense Qwen3 is fami
 
 from __future__ import annotations
 
-from trainyard.parallel.config import JobConfig, RuleError
+from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
 from trainyard.parallel.models.qwen3 import Qwen3
 
 
 class Qwen3Moe(Qwen3):
     name = "qwen3_moe"
 
-    def check(self, config: JobConfig) -> list[RuleError]:
-        errors = super().check(config)
+    def check(self, config: JobConfig, parallel: ParallelConfig) -> list[RuleError]:
+        errors = super().check(config, parallel)
         if config.model.moe is None:
             errors.append(RuleError("model.moe", "family qwen3_moe has mixture-of-experts blocks: give model.moe "
                                                  "(a dense Qwen3 is family qwen3)"))
