@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from trainyard.parallel.config_fields import MAX_GLOBAL_BATCH, MAX_STEPS, NOT_BOOL, STRICT, Degree, RuleError, Steps
-from trainyard.parallel.names import ScheduleKind, ZeroLevel
+from trainyard.parallel.names import CompressionName, ScheduleKind, SyncName, ZeroLevel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +33,7 @@ class GradCompressionConfig:
     as two rank-`rank` factors, with error feedback (`parallel.runtime.compression.powersgd`)."""
 
     __pydantic_config__ = STRICT
-    kind: Literal["powersgd"] = "powersgd"
+    kind: CompressionName = "powersgd"
     """The compressor (the only one so far)."""
     rank: Annotated[int, Gt(0), Le(4096), NOT_BOOL] = 4
     """Rank of the approximation of each gradient matrix (a matrix of min(rows, cols) <= rank is exact)."""
@@ -50,7 +50,7 @@ class SyncConfig:
     (`parallel.sync`)."""
 
     __pydantic_config__ = STRICT
-    kind: Literal["allreduce", "local_sgd", "diloco"] = "allreduce"
+    kind: SyncName = "allreduce"
     """allreduce: gradients summed every step; local_sgd: each replica steps on its own share of the batch and
     the parameters are averaged every `every` steps; diloco: the averaged change since the last sync (the
     pseudo-gradient) goes through an outer Nesterov SGD (`parallel.runtime.sync`)."""

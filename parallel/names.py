@@ -7,7 +7,11 @@ in its order, so a registry and the spec field that picks from it cannot drift a
 - `optimizer.kind`: `OptimizerName`, the optimizers (`parallel.optim.kinds.OPTIMIZERS`);
 - `optimizer.schedule`: `LrScheduleName`, the learning-rate schedules (`parallel.optim.lr_schedules.LR_SCHEDULES`);
 - `parallel.schedule`: `ScheduleKind`, the pipeline schedules (`parallel.plan.schedules.SCHEDULES`);
-- `parallel.zero`: `ZeroLevel`, the data-parallel sharding strategies (`parallel.plan.sharding.SHARDINGS`).
+- `parallel.zero`: `ZeroLevel`, the data-parallel sharding strategies (`parallel.plan.sharding.SHARDINGS`);
+- `parallel.sync.kind`: `SyncName`, the replica sync modes (`parallel.plan.replica_sync.SYNC_KINDS`, and how each
+  runs on a rank: `parallel.runtime.sync.SYNCS`);
+- `parallel.grad_compression.kind`: `CompressionName`, the gradient compressors
+  (`parallel.plan.grad_compression.COMPRESSIONS`, and their reducers: `parallel.runtime.compression.COMPRESSORS`).
 
 The spec's fields are typed with these `Literal`s, so its JSON schema, and docs/jobspec.md written from it, list
 the values. A new entry is its registry's line and its name here, in the registry's order (the planner tries the
@@ -28,6 +32,8 @@ OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "sgd"]
 LrScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
 ZeroLevel = Literal[0, 1, 2, 3]
+SyncName = Literal["allreduce", "local_sgd", "diloco"]
+CompressionName = Literal["powersgd"]
 
 FAMILY_NAMES: tuple[FamilyName, ...] = get_args(FamilyName)
 OPTIMIZER_NAMES: tuple[OptimizerName, ...] = get_args(OptimizerName)
@@ -35,6 +41,8 @@ LR_SCHEDULE_NAMES: tuple[LrScheduleName, ...] = get_args(LrScheduleName)
 SCHEDULE_KINDS: tuple[ScheduleKind, ...] = get_args(ScheduleKind)
 """The pipeline schedule kinds, in the order the planner tries them."""
 ZERO_LEVELS: tuple[ZeroLevel, ...] = get_args(ZeroLevel)
+SYNC_NAMES: tuple[SyncName, ...] = get_args(SyncName)
+COMPRESSION_NAMES: tuple[CompressionName, ...] = get_args(CompressionName)
 
 K = TypeVar("K")
 V = TypeVar("V")

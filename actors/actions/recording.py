@@ -15,7 +15,6 @@ from trainyard.actors.journal import Journal
 from trainyard.actors.progress import Progress
 from trainyard.actors.telemetry import Rows, StepRow, checkpoint_event, compile_event, make_row, set_gauges
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.replica_sync import is_local
 from trainyard.parallel.runtime.step_stats import StepReport
 
 log = logging.getLogger("trainyard.coordinator")
@@ -50,7 +49,7 @@ class StepRecorder:
         if results is not None:  # by the rank each answer names: after a replica drop, not every rank answers
             self.rank_peaks.update({plan.rank_of(r.stats.pp_rank, r.stats.tp_rank, r.dp_rank): r.peak_rss_bytes
                                     for r in results if r.peak_rss_bytes is not None and r.stats is not None})
-        if results is not None and is_local(plan.parallel.sync) and plan.dp > 1:
+        if results is not None and plan.sync.steps_apart and plan.dp > 1:
             stepped = {r.dp_rank for r in results if not r.sat_out}
             back = progress.replicas_stepped(row.step, plan.dp, stepped)
             if back:

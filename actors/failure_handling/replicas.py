@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trainyard.parallel.plan import Plan, can_move_in_memory
-from trainyard.parallel.plan.replica_sync import is_local
 from trainyard.parallel.runtime.step_stats import StepReport, StepStats
 
 
@@ -17,7 +16,7 @@ def replicas_may_recover(plan: Plan) -> bool:
     replicas, each replica of a (pp, tp) shard holds the whole state (no ZeRO slices, no expert parallelism), and
     the replicas hold the same state (local_sgd and diloco replicas differ between synchronisations)."""
     return (plan.config.fault.from_replica and plan.dp > 1 and can_move_in_memory(plan, plan)
-            and not is_local(plan.parallel.sync))
+            and not plan.sync.steps_apart)
 
 
 def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[int, int] | None:
@@ -63,7 +62,7 @@ def replicas_to_drop(plan: Plan, dead: set[int], raised: set[int], dropped: dict
     hang), every replica holds a dead rank, a rank of another replica raised (it was in a sync with the dead
     one, so its state is half-synchronised), a replica is dropped already, or a replica is several dp ranks."""
 
-    if not is_local(plan.parallel.sync) or plan.dp == 1 or not dead or dropped:
+    if not plan.sync.steps_apart or plan.dp == 1 or not dead or dropped:
         return None
     if plan.reduce_dp > 1:  # replicas of several dp ranks (`parallel.sync.replicas`) are not dropped alone yet
         return None

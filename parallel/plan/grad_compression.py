@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.models.counting import FP32
+from trainyard.parallel.names import COMPRESSION_NAMES, CompressionName, registry
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,9 @@ def _powersgd(rows: int, cols: int, cfg: GradCompressionConfig) -> Compressed | 
     return Compressed(sent=FP32 * (rows + cols) * r, kept=FP32 * (rows * cols + 2 * (rows + cols) * r))
 
 
-COMPRESSIONS: dict[str, CompressionKind] = {
+COMPRESSIONS: dict[CompressionName, CompressionKind] = registry(COMPRESSION_NAMES, {
     "powersgd": CompressionKind(_powersgd, whole_gradients="it projects each gradient matrix and keeps its error "
                                                            "feedback whole"),
-}
+}, "the gradient compressors' facts")
 """The compressors by name (the spec's `parallel.grad_compression.kind`)."""
 NAMES = tuple(COMPRESSIONS)

@@ -12,7 +12,7 @@ from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.actions import ActionKind, format_actions
 from trainyard.parallel.plan.memory import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
-from trainyard.parallel.plan.replica_sync import SYNC_KINDS, cross_replica_bytes
+from trainyard.parallel.plan.replica_sync import cross_replica_bytes
 from trainyard.parallel.plan.schedule_sim import render_gantt, simulate
 from trainyard.parallel.plan.schedule_timing import Costs
 from trainyard.parallel.plan.units import format_bytes
@@ -77,7 +77,7 @@ def describe_sync(plan: Plan) -> dict:
     sync, par = plan.parallel.sync, plan.parallel
     wire = 2 if par.reduce_dtype == "bf16" else 4
     per_stage = [cross_replica_bytes(sync, param_counts(plan, s).total, plan.dp, wire) for s in range(plan.pp)]
-    return {"kind": sync.kind, **{option: getattr(sync, option) for option in SYNC_KINDS[sync.kind].options},
+    return {"kind": sync.kind, **{option: getattr(sync, option) for option in plan.sync.options},
             "cross_replica_bytes_per_step": per_stage}
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from trainyard.parallel.models.base import Matrix
 from trainyard.parallel.models.counting import BF16, FP32
 from trainyard.parallel.plan.actions import virtual_stage
-from trainyard.parallel.plan.grad_compression import COMPRESSIONS
 from trainyard.parallel.plan.reduction_sets import shared_sets
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
@@ -72,7 +71,7 @@ def compression_state_bytes(plan: Sizing, pp: int) -> int:
     elements, matrices = _stage_matrices(plan, pp)
     kept = whole = 0
     for rows, cols, _ in matrices:
-        c = COMPRESSIONS[compression.kind].matrix(rows, cols, compression)
+        c = plan.compression.matrix(rows, cols, compression) if plan.compression else None
         if c is not None:
             kept += c.kept
             whole += rows * cols
@@ -91,9 +90,9 @@ def reduction_bytes(plan: Sizing) -> dict:
     for pp in range(plan.pp):
         elements, matrices = _stage_matrices(plan, pp)
         plain = sent = wire * elements * per_step
-        if compression is not None:
+        if compression is not None and plan.compression is not None:
             for rows, cols, _ in matrices:
-                c = COMPRESSIONS[compression.kind].matrix(rows, cols, compression)
+                c = plan.compression.matrix(rows, cols, compression)
                 if c is not None:
                     sent += c.sent - wire * rows * cols
         stages.append({"uncompressed": plain, "sent": sent})

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainyard.parallel.config import SyncConfig
+from trainyard.parallel.names import SYNC_NAMES, SyncName, registry
 
 FP32 = 4
 
@@ -28,11 +29,11 @@ class SyncKind:
     """The `SyncConfig` fields the mode reads besides `kind` and `replicas` (`trainyard plan` shows them)."""
 
 
-SYNC_KINDS: dict[str, SyncKind] = {
+SYNC_KINDS: dict[SyncName, SyncKind] = registry(SYNC_NAMES, {
     "allreduce": SyncKind(steps_apart=False),
     "local_sgd": SyncKind(steps_apart=True, options=("every",)),
     "diloco": SyncKind(steps_apart=True, options=("every", "outer_lr", "outer_momentum")),
-}
+}, "the replica sync modes' facts")
 """The sync modes by name (the spec's `parallel.sync.kind`); `allreduce` is the default."""
 NAMES = tuple(SYNC_KINDS)
 LOCAL_KINDS = tuple(name for name, kind in SYNC_KINDS.items() if kind.steps_apart)

@@ -14,7 +14,6 @@ from dataclasses import replace
 
 from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
 from trainyard.parallel.plan.actions import ScheduleError
-from trainyard.parallel.plan.grad_compression import COMPRESSIONS
 from trainyard.parallel.plan.replica_sync import LOCAL_KINDS, is_local, replica_dp
 from trainyard.parallel.plan.schedules import check_schedule_args
 from trainyard.parallel.plan.search_options import searched_values, with_option
@@ -296,11 +295,11 @@ def compression_violations(r: Resolved) -> list[PlanError]:
     """A compressor that needs whole gradients (`CompressionKind.whole_gradients`; PowerSGD approximates whole
     gradient matrices and keeps a whole-size error per rank) composes with ZeRO-1 (whole gradients, sharded
     optimizer state), not with ZeRO-2/3, which keep only a shard of each gradient."""
-    par, compression = r.parallel, r.parallel.grad_compression
-    if compression is None or not r.sharding.shards_parameters:
+    par, cfg, compressor = r.parallel, r.parallel.grad_compression, r.compression
+    if cfg is None or compressor is None or not r.sharding.shards_parameters:
         return []
-    if (why := COMPRESSIONS[compression.kind].whole_gradients) is not None:
+    if (why := compressor.whole_gradients) is not None:
         return [PlanError("parallel.grad_compression",
-                          f"{compression.kind} needs every rank's whole gradients ({why}); parallel.zero={par.zero} "
+                          f"{cfg.kind} needs every rank's whole gradients ({why}); parallel.zero={par.zero} "
                           f"keeps only a shard of them: use zero 0 or 1, or no grad_compression")]
     return []

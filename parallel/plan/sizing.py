@@ -23,7 +23,9 @@ from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
 from trainyard.parallel.models import FAMILIES
 from trainyard.parallel.models.base import ModelFamily
 from trainyard.parallel.optim.kinds import OPTIMIZERS, OptimizerKind
+from trainyard.parallel.plan.grad_compression import COMPRESSIONS, CompressionKind
 from trainyard.parallel.plan.layout import Layout
+from trainyard.parallel.plan.replica_sync import SYNC_KINDS, SyncKind
 from trainyard.parallel.plan.schedules import SCHEDULES, Schedule
 from trainyard.parallel.plan.sharding import SHARDINGS, Sharding
 
@@ -62,6 +64,10 @@ class Resolved:
     """`optimizer.kind`'s optimizer (its state and bytes, how it is built)."""
     family: ModelFamily = _derived()
     """`model.family`'s model family."""
+    sync: SyncKind = _derived()
+    """`parallel.sync.kind`'s replica sync mode (whether its replicas step apart, what the plan shows of it)."""
+    compression: CompressionKind | None = _derived()
+    """`parallel.grad_compression.kind`'s compressor (what a matrix sends and keeps), None without compression."""
 
     def __post_init__(self) -> None:
         parallel, config = fixed_parallel(self.config), self.config
@@ -69,7 +75,10 @@ class Resolved:
                             ("sharding", _entry(SHARDINGS, parallel.zero, "parallel.zero")),
                             ("schedule", _entry(SCHEDULES, parallel.schedule, "parallel.schedule")),
                             ("optimizer", _entry(OPTIMIZERS, config.optimizer.kind, "optimizer.kind")),
-                            ("family", _entry(FAMILIES, config.model.family, "model.family"))):
+                            ("family", _entry(FAMILIES, config.model.family, "model.family")),
+                            ("sync", _entry(SYNC_KINDS, parallel.sync.kind, "parallel.sync.kind")),
+                            ("compression", None if parallel.grad_compression is None else
+                             _entry(COMPRESSIONS, parallel.grad_compression.kind, "parallel.grad_compression.kind"))):
             object.__setattr__(self, name, value)  # frozen: set once, here
 
     def __reduce__(self) -> tuple[Any, ...]:

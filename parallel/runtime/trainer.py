@@ -48,7 +48,7 @@ from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.actions import FREEING_KINDS, Action, ActionKind, stage_location
-from trainyard.parallel.plan.replica_sync import averages_optimizer_state, is_local, syncs_after
+from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_after
 from trainyard.parallel.runtime.build import build_rank
 from trainyard.parallel.runtime.compile import compile_seconds
 from trainyard.parallel.runtime.distributed import RankGroups
@@ -82,7 +82,7 @@ class RankTrainer:
         # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
         # A replica is `plan.reduce_dp` dp ranks (`parallel.sync.replicas`), which reduce, shard and spread experts
         # among themselves as allreduce's dp ranks do.
-        self.local_sync = is_local(par.sync) and plan.dp > plan.reduce_dp
+        self.local_sync = plan.sync.steps_apart and plan.dp > plan.reduce_dp
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
         self._norm_is_local: bool | None = None
         """Whether the gradient norm needs no collective (`_norm_inputs`); decided at the first step."""

@@ -4,18 +4,22 @@
 import typing
 
 import pytest
-from trainyard.parallel.config import ModelConfig, OptimizerConfig, ParallelConfig
+from trainyard.parallel.config import GradCompressionConfig, ModelConfig, OptimizerConfig, ParallelConfig, SyncConfig
 from trainyard.parallel.models import FAMILIES
 from trainyard.parallel.names import (
+    COMPRESSION_NAMES,
     FAMILY_NAMES,
     LR_SCHEDULE_NAMES,
     OPTIMIZER_NAMES,
     SCHEDULE_KINDS,
+    SYNC_NAMES,
     ZERO_LEVELS,
     registry,
 )
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.optim.lr_schedules import LR_SCHEDULES
+from trainyard.parallel.plan.grad_compression import COMPRESSIONS
+from trainyard.parallel.plan.replica_sync import SYNC_KINDS
 from trainyard.parallel.plan.schedules import SCHEDULES
 from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.spec import SPEC_ADAPTER
@@ -34,6 +38,8 @@ def _field_values(owner: type, name: str) -> tuple:
     (OptimizerConfig, "schedule", LR_SCHEDULE_NAMES, LR_SCHEDULES),
     (ParallelConfig, "schedule", SCHEDULE_KINDS, SCHEDULES),
     (ParallelConfig, "zero", ZERO_LEVELS, SHARDINGS),
+    (SyncConfig, "kind", SYNC_NAMES, SYNC_KINDS),
+    (GradCompressionConfig, "kind", COMPRESSION_NAMES, COMPRESSIONS),
 ])
 def test_each_spec_field_takes_its_registrys_names_in_its_order(owner, field, names, entries):
     assert _field_values(owner, field) == names == tuple(entries)

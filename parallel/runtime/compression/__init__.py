@@ -14,14 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from trainyard.parallel.config import GradCompressionConfig
+from trainyard.parallel.names import COMPRESSION_NAMES, CompressionName, registry
 from trainyard.parallel.runtime.compression.powersgd import PowerSGD
 from trainyard.parallel.runtime.data_parallel import Compressor
 
 __all__ = ["COMPRESSORS", "NAMES", "Compressor", "make_compressor"]
 
-COMPRESSORS: dict[str, Callable[[GradCompressionConfig, int], Compressor]] = {
+COMPRESSORS: dict[CompressionName, Callable[[GradCompressionConfig, int], Compressor]] = registry(COMPRESSION_NAMES, {
     "powersgd": PowerSGD,
-}
+}, "the gradient compressors")
 """The compressors by name, each built from (its config, the job's seed)."""
 NAMES = tuple(COMPRESSORS)
 

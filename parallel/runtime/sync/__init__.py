@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from trainyard.parallel.names import SYNC_NAMES, SyncName, registry
 from trainyard.parallel.runtime.sync.averaging import replica_group, saved_outer_state
 from trainyard.parallel.runtime.sync.diloco import DiLoCo
 from trainyard.parallel.runtime.sync.local_sgd import LocalSGD
@@ -90,11 +91,11 @@ SyncFactory = Callable[["SyncConfig", list["torch.Tensor"], "dist.ProcessGroup |
 """A mode's `ReplicaSync` from (its config, this rank's parameters, the ranks holding the same shard in every replica,
 the replicas, the indices in the parameters of a tied embedding's copies: see `averaging.ParameterAveraging`)."""
 
-SYNCS: dict[str, SyncFactory | None] = {
+SYNCS: dict[SyncName, SyncFactory | None] = registry(SYNC_NAMES, {
     "allreduce": None,
     "local_sgd": LocalSGD,
     "diloco": DiLoCo,
-}
+}, "the replica sync modes")
 """The sync modes by the spec's `parallel.sync.kind`; None: the replicas step together (the reducers sum the
 gradients), nothing to build."""
 NAMES = tuple(SYNCS)
