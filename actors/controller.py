@@ -254,7 +254,7 @@ class Controller:
     def _memory_note(self, ranks: tuple[int, ...]) -> str:
         """What a user needs beside an out-of-memory failure: the plan's prediction for those ranks, the largest
         resident peak the ranks reported, and what to change (the same layout would run out again)."""
-        from trainyard.parallel.plan.memory import estimate
+        from trainyard.parallel.plan.memory.estimate import estimate
         from trainyard.parallel.plan.units import format_size
 
         predicted = estimate(self.plan.layout, self.plan.config)

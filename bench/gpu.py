@@ -38,7 +38,7 @@ term counts the whole T x T score matrix, as both sources do, though causal atte
 
 The memory plan: each trainyard side is built and warmed up alone, before any other side exists, and its
 `torch.cuda.max_memory_allocated` over that (above what was allocated before it) is set beside the memory plan's
-device bytes for the job's one rank (`parallel.plan.memory.rank_memory(plan, 0).total`); the target is the plan
+device bytes for the job's one rank (`parallel.plan.memory.estimate.rank_memory(plan, 0).total`); the target is the plan
 within 5% of it. (On a CPU there is no such count: `measured_bytes` is null.)
 
 With `--offload`, a side `trainyard+offload` runs the same job with `optimizer.offload` and `activation_offload`
@@ -70,7 +70,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.plan import Plan, PlanError, make_plan
-from trainyard.parallel.plan.memory import rank_memory
+from trainyard.parallel.plan.memory.estimate import rank_memory
 from trainyard.parallel.runtime.data_parallel import GradientReducer
 from trainyard.parallel.runtime.distributed import shutdown_distributed
 from trainyard.parallel.runtime.driver import RankDriver

@@ -50,7 +50,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.models.counting import FP32
 from trainyard.parallel.plan import Plan, PlanError, make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
-from trainyard.parallel.plan.memory import host_copy_bytes, optimizer_elements, rank_memory, trainable_counts
+from trainyard.parallel.plan.memory.estimate import host_copy_bytes, optimizer_elements, rank_memory, trainable_counts
 from trainyard.parallel.runtime import trainer as trainer_module
 from trainyard.parallel.runtime.distributed import shutdown_distributed
 from trainyard.parallel.runtime.driver import RankDriver
@@ -159,10 +159,10 @@ def _param_count(model: ModelConfig) -> int:
 
 
 def host_estimate(plan: Plan, cuda: bool) -> tuple[int, int]:
-    """(the plan's host bytes but the pinned allocator's rounding, that rounding): offloaded, every parameter has a
-    host copy and a host gradient (fp32), pinned on CUDA, where `CachingHostAllocator` rounds each allocation up to
-    a power of two, which the plan counts on a GPU rank (`parallel.plan.memory.host_copy_bytes`); the optimizer's
-    state (`zeros_like`, not pinned) is exact. Their sum is the plan's host bytes."""
+    """(the plan's host bytes but the pinned allocator's rounding, that rounding): offloaded, every parameter has a host
+    copy and a host gradient (fp32), pinned on CUDA, where `CachingHostAllocator` rounds each allocation up to a power
+    of two, which the plan counts on a GPU rank (`parallel.plan.memory.estimate.host_copy_bytes`); the optimizer's state
+    (`zeros_like`, not pinned) is exact. Their sum is the plan's host bytes."""
     memory = rank_memory(plan, 0)
     if not cuda or not plan.config.optimizer.offload:
         return memory.host, 0

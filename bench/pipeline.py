@@ -10,7 +10,7 @@ Two parts, side by side in one run:
   computing, makes the cost exact and leaves the two cores free for communication, so the ratio measures
   what the executor adds to the schedule (point-to-point messages, bookkeeping, Python) and nothing else.
   A step's time is the slowest rank's schedule wall time after a barrier; the baseline is
-  `parallel.plan.schedule_sim.simulate` of the same lists with the same costs and free communication.
+  `parallel.plan.schedule.schedule_sim.simulate` of the same lists with the same costs and free communication.
 - **peak activation memory per stage.** A GPT pp=4 job with 8 micro-batches, run through the real
   service once with gpipe and once with 1f1b; the metrics rows report, per stage, the most bytes autograd
   held for backward at once (saved-tensor hooks, parameters excluded) and the most chunk activations.
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from trainyard.parallel.plan.schedule_sim import simulate
-from trainyard.parallel.plan.schedule_timing import Costs
-from trainyard.parallel.plan.schedules import build_schedule, placement_of
+from trainyard.parallel.plan.schedule.schedule_sim import simulate
+from trainyard.parallel.plan.schedule.schedule_timing import Costs
+from trainyard.parallel.plan.schedule.schedules import build_schedule, placement_of
 from trainyard.parallel.runtime.local_world import spawn
 from trainyard.parallel.runtime.pipeline import PipelineExecutor
 

@@ -27,10 +27,10 @@ from pathlib import Path
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
-from trainyard.parallel.plan.calibration import quartile
-from trainyard.parallel.plan.machine_costs import MachineCosts
-from trainyard.parallel.plan.planner import choose
-from trainyard.parallel.plan.prediction import predict_step
+from trainyard.parallel.plan.planner.calibration import quartile
+from trainyard.parallel.plan.planner.machine_costs import MachineCosts
+from trainyard.parallel.plan.planner.planner import choose
+from trainyard.parallel.plan.planner.prediction import predict_step
 from trainyard.parallel.runtime.calibrate import measure
 from trainyard.parallel.runtime.local_world import PlanRun, run_plans
 from trainyard.parallel.spec import parse_spec
@@ -183,8 +183,8 @@ def planning_time_1024() -> tuple[float, float]:
     """(wall, CPU) seconds the planner takes for a Llama-7B-like model on 128 nodes of 8 80-GiB GPUs (default GPU
     costs): on a loaded machine the wall time is mostly waiting for a core, the CPU time is the planner's."""
     from trainyard.parallel.config import ModelConfig
-    from trainyard.parallel.plan.machine_costs import default_gpu_costs
-    from trainyard.parallel.plan.planner import plan_layouts
+    from trainyard.parallel.plan.planner.machine_costs import default_gpu_costs
+    from trainyard.parallel.plan.planner.planner import plan_layouts
 
     llama = JobConfig(model=ModelConfig(family="llama", n_layer=32, n_head=32, d_model=4096, vocab_size=32000,
                                         seq_len=4096), steps=1, global_batch=1024, precision="bf16")

@@ -1,12 +1,12 @@
 """The planner section's last measurements replayed against the cost model as it is now, in a second.
 
 Run: `python -m bench.planner_replay` after `python -m bench.planner` (or `bench.run --only planner`), which leaves
-every step time and the calibrated machine in `bench/.runs/planner-<d_model>.json`. For each model size it
-predicts every measured layout again with `parallel.plan.prediction.predict_step` and that machine, and prints the
-Spearman correlation against the median steps, the predicted layout's measured time over the fastest, and per
-layout its measured / predicted ratio and the Spearman over the grid without it: the layouts whose leaving out
-raises it most are where the cost model is wrong. A change to the cost model can be tried here before the ten
-minutes of measuring again (which remains the test of it: the same machine may be slower or faster next time).
+every step time and the calibrated machine in `bench/.runs/planner-<d_model>.json`. For each model size it predicts
+every measured layout again with `parallel.plan.planner.prediction.predict_step` and that machine, and prints the
+Spearman correlation against the median steps, the predicted layout's measured time over the fastest, and per layout its
+measured / predicted ratio and the Spearman over the grid without it: the layouts whose leaving out raises it most are
+where the cost model is wrong. A change to the cost model can be tried here before the ten minutes of measuring again
+(which remains the test of it: the same machine may be slower or faster next time).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.plan.machine_costs import MachineCosts
-from trainyard.parallel.plan.prediction import predict_step
+from trainyard.parallel.plan.planner.machine_costs import MachineCosts
+from trainyard.parallel.plan.planner.prediction import predict_step
 
 from bench.planner import GRID, NODE_RANKS, RAW, _config, _label, spearman
 

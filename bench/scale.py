@@ -9,7 +9,7 @@ Each rank reads its resident memory from the OS (/proc/self/status): VmRSS befor
 runtime's own baseline: torch, gloo, the forkserver's imports), VmHWM once the trainer is built (the start-up
 peak: construction on the meta device, its shards and one whole parameter) and VmHWM after the last step (the
 process's high-water mark). The rows set each against the memory plan's prediction above that baseline
-(`parallel.plan.memory`: `startup`, and `total`, the step's peak), and the peak against the training state
+(`parallel.plan.memory.estimate`: `startup`, and `total`, the step's peak), and the peak against the training state
 (the issue's bar: under 40% of it at dp=4, under 25% at dp=8).
 
 Cases (`--case`): `dp4` (the default), and, run only when asked: `dp8`, the same model at dp=8 (global batch 8, one

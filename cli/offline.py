@@ -96,7 +96,7 @@ def _choose(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - JobConf
     import os
 
     from trainyard.parallel.plan.admission import ClusterResources, NodeResources
-    from trainyard.parallel.plan.planner import choose
+    from trainyard.parallel.plan.planner.planner import choose
     from trainyard.parallel.runtime.calibrate import machine_costs
     from trainyard.service.state_dir import resolve
 

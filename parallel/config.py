@@ -74,7 +74,7 @@ class PlannerNote:
 
     __pydantic_config__ = STRICT
     chosen_automatically: bool = True
-    """The layout in `parallel` was chosen by the planner (`parallel.plan.planner`), not written by hand."""
+    """The layout in `parallel` was chosen by the planner (`parallel.plan.planner.planner`), not written by hand."""
     predicted_step_s: Annotated[float, Ge(0), Le(1e9), NOT_BOOL] | None = None
     """The step time the planner's cost model predicted; the job's metrics rows carry it beside the measured."""
     node_type: Annotated[str, MaxLen(256)] | None = None
@@ -111,7 +111,8 @@ class JobConfig:
     activation_offload: bool = False
     """Keep the blocks' saved activations in (pinned) host memory until backward (torch's `save_on_cpu`)."""
     parallel: ParallelConfig | Literal["auto"] = field(default_factory=ParallelConfig)
-    """The layout, or `auto`: the service's planner (`parallel.plan.planner`) chooses one on submit and stores it."""
+    """The layout, or `auto`: the service's planner (`parallel.plan.planner.planner`) chooses one on submit and stores
+    it."""
     planned: PlannerNote | None = None
     """Set by the planner when it chose the layout (`parallel: auto`); null for a layout written by hand."""
     compile: bool = False

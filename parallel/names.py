@@ -6,7 +6,7 @@ in its order, so a registry and the spec field that picks from it cannot drift a
 - `model.family`: `FamilyName`, the model families (`parallel.models.FAMILIES`);
 - `optimizer.kind`: `OptimizerName`, the optimizers (`parallel.optim.kinds.OPTIMIZERS`);
 - `optimizer.schedule`: `LrScheduleName`, the learning-rate schedules (`parallel.optim.lr_schedules.LR_SCHEDULES`);
-- `parallel.schedule`: `ScheduleKind`, the pipeline schedules (`parallel.plan.schedules.SCHEDULES`);
+- `parallel.schedule`: `ScheduleKind`, the pipeline schedules (`parallel.plan.schedule.schedules.SCHEDULES`);
 - `parallel.zero`: `ZeroLevel`, the data-parallel sharding strategies (`parallel.plan.sharding.SHARDINGS`);
 - `parallel.sync.kind`: `SyncName`, the replica sync modes (`parallel.plan.replica_sync.SYNC_KINDS`, and how each
   runs on a rank: `parallel.runtime.sync.SYNCS`);

@@ -1,9 +1,8 @@
 """The measured costs `parallel: auto` plans with, as the service holds them: cached per node type in the state
-directory (`parallel.plan.calibration`), and measured (`parallel.runtime.calibrate`) in the background on first use,
-one measurement at a time. A request never waits for a measurement (a minute of tiny training runs on 2 cores):
-until the costs are there, a plan of `parallel: auto` is answered 503 with a Retry-After
-(`service.errors.Calibrating`), and a submitted job waits in the queue for them (`service.admission.admit` plans it once
-they are known)."""
+directory (`parallel.plan.planner.calibration`), and measured (`parallel.runtime.calibrate`) in the background on first
+use, one measurement at a time. A request never waits for a measurement (a minute of tiny training runs on 2 cores):
+until the costs are there, a plan of `parallel: auto` is answered 503 with a Retry-After (`service.errors.Calibrating`),
+and a submitted job waits in the queue for them (`service.admission.admit` plans it once they are known)."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class Calibrations:
 
     def costs(self, cluster: ClusterResources):
         """The node type's `MachineCosts`; raises Calibrating (having started the measurement if none runs)."""
-        from trainyard.parallel.plan.calibration import cached_costs, node_type
+        from trainyard.parallel.plan.planner.calibration import cached_costs, node_type
 
         known = cached_costs(self.state_dir, cluster)
         if known is not None:

@@ -151,7 +151,7 @@ class JobManager:
         spec is told what a fixed one is whatever the costs' state; then Calibrating while they are measured."""
         if config.parallel != "auto":
             return config, None
-        from trainyard.parallel.plan.planner import choose
+        from trainyard.parallel.plan.planner.planner import choose
         from trainyard.parallel.plan.rules import layout_free_violations
 
         errors = layout_free_violations(config)

@@ -10,14 +10,14 @@ trainer, the plan, the memory plan and tensor parallelism ask it; they never nam
   handed it);
 - tensor parallelism: `tensor_parallel_plan(stage, sequence_parallel=)` returns the `parallelize_module`
   plan (which projections are column- or row-parallel, which norms sequence-parallel);
-- counting (pure arithmetic, for `parallel.plan.memory` and MFU): `param_counts`, `embed_activations`,
+- counting (pure arithmetic, for `parallel.plan.memory.estimate` and MFU): `param_counts`, `embed_activations`,
   `block_activations`, `head_activations`, `flops_per_token`; `ffn_hidden(cfg)` the feed-forward width;
 - LoRA: `lora_targets` names the projections `model.lora.targets` may adapt (`parallel.models.lora`);
 - gradients: `reduction_set(name)` says which group sums a parameter's gradient (dense, router, experts);
 - Hugging Face: `hf` is the family's `parallel/models/<family>/hf.py` module, imported on first use.
 
 A family object imports torch only inside the methods that build modules, so `parallel.plan` and
-`parallel.plan.memory` stay free of torch.
+`parallel.plan.memory.estimate` stay free of torch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The vocabulary the families count their memory in: byte sizes, parameter counts, one micro-batch's shapes.
 
-Shared by `parallel.plan.memory` (which walks a rank's chunks and schedule) and each family's own counting
+Shared by `parallel.plan.memory.estimate` (which walks a rank's chunks and schedule) and each family's own counting
 (`parallel.models.<family>.counts`, which knows what its modules hold and save). Pure arithmetic: no torch.
 """
 

@@ -1,7 +1,7 @@
 """The optimizer registry: each optimizer's per-parameter state and its bytes, and how to build it.
 
 `optimizer.kind` in the spec picks an entry. The memory plan asks it how many bytes of state a rank's
-parameters cost (`parallel.plan.memory`), the checkpoint which tensors it keeps per parameter (saved under the
+parameters cost (`parallel.plan.memory.estimate`), the checkpoint which tensors it keeps per parameter (saved under the
 parameter's name in the parameter's shape, fp32, in every layout: see `parallel.optim.states`), and
 `parallel.runtime.train_optimizer` builds it.
 

@@ -8,7 +8,7 @@ rate is the same at every layout and after a resume: warm-up from 0 to `lr` over
   to `min_lr_ratio * lr` at the last step (`decay_steps` null: the last tenth of the job).
 
 A new schedule is one function, a line in `LR_SCHEDULES` and its name in `parallel.names.LrScheduleName`. (Named
-apart from `parallel.plan.schedules.SCHEDULES`, the pipeline schedules.)
+apart from `parallel.plan.schedule.schedules.SCHEDULES`, the pipeline schedules.)
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Admission: whether a cluster could ever hold a laid-out job, by its resources and by its memory.
 
-`fit_violations(layout, cluster)` refuses a gang of bundles that could never all be placed, even on an idle
-cluster; `memory_violations(layout, config, cluster)` refuses a job one of whose ranks cannot fit the memory
-it would get, by the memory plan's estimate (`parallel.plan.memory`). Both return their violations (`PlanError`s
-naming the field to change) instead of raising, and work from a `Layout`, so a planner can ask "does this
-fit" of any candidate without building a Plan. Pure: no I/O, no torch.
+`fit_violations(layout, cluster)` refuses a gang of bundles that could never all be placed, even on an idle cluster;
+`memory_violations(layout, config, cluster)` refuses a job one of whose ranks cannot fit the memory it would get, by the
+memory plan's estimate (`parallel.plan.memory.estimate`). Both return their violations (`PlanError`s naming the field to
+change) instead of raising, and work from a `Layout`, so a planner can ask "does this fit" of any candidate without
+building a Plan. Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.plan.layout import Layout
-from trainyard.parallel.plan.memory import RankMemory, estimate
+from trainyard.parallel.plan.memory.estimate import RankMemory, estimate
 from trainyard.parallel.plan.rules import PlanError
 from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.plan.sizing import fixed_parallel
@@ -64,7 +64,7 @@ def fit_violations(layout: Layout, cluster: ClusterResources) -> list[PlanError]
 
 def memory_violations(layout: Layout, config: JobConfig, cluster: ClusterResources) -> list[PlanError]:
     """A job one of whose ranks cannot fit the memory it would get, by the memory plan's estimate
-    (`parallel.plan.memory`: parameters, gradients, optimizer state and peak activations).
+    (`parallel.plan.memory.estimate`: parameters, gradients, optimizer state and peak activations).
 
     A rank with GPUs keeps all of it in its GPU: it must fit one GPU (the largest the cluster has; skipped when
     no node's GPU memory is known). A CPU rank shares its node's memory (Ray's `memory` resource) with the job's

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from trainyard.parallel.config import DpRange, JobConfig
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources, fit_violations, memory_violations
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
-from trainyard.parallel.plan.memory import RankMemory, estimate
+from trainyard.parallel.plan.memory.estimate import RankMemory, estimate
 from trainyard.parallel.plan.replica_sync import is_local, layout_replica_dp
 from trainyard.parallel.plan.rules import (
     MAX_SCHEDULE_CHUNKS,
@@ -122,7 +122,7 @@ class Plan(Sizing):
         return self.layout.resources_needed()
 
     def memory(self) -> list[RankMemory]:
-        """Every rank's estimated memory (`parallel.plan.memory.estimate`), index = rank."""
+        """Every rank's estimated memory (`parallel.plan.memory.estimate.estimate`), index = rank."""
         return estimate(self.layout, self.config)
 
 

@@ -4,7 +4,7 @@ A `Layout` knows the degrees (dp, pp, tp, ep, vpp), the micro-batching, the rank
 the process groups along each axis, the blocks of each virtual stage, the schedule's action lists (`actions`), and the
 placement-group gang the ranks need. It knows no JobConfig: `parallel.plan.make_plan` builds one from a
 checked config, and a planner can build one from any degrees it wants to try, then ask the memory plan
-(`parallel.plan.memory.estimate(layout, config)`) what it costs. Pure: no I/O, no torch.
+(`parallel.plan.memory.estimate.estimate(layout, config)`) what it costs. Pure: no I/O, no torch.
 
 Rank order is tp fastest, then dp, then pp (Megatron's order): a tensor-parallel group is a run of
 consecutive ranks, so it fits in one placement-group bundle and therefore on one node.
@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainyard.parallel.plan.actions import Action, stage_location, virtual_stage
-from trainyard.parallel.plan.schedules import build_schedule, placement_of
+from trainyard.parallel.plan.schedule.actions import Action, stage_location, virtual_stage
+from trainyard.parallel.plan.schedule.schedules import build_schedule, placement_of
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,10 @@ class Layout:
     stage_layers: tuple[tuple[int, ...], ...] = ()
     """Global block indices of each virtual stage v (`placement` says which rank and chunk hold it)."""
     placement: str = "interleaved"
-    """How virtual stages sit on the ranks (`parallel.plan.actions.virtual_stage`): the schedule kind's."""
+    """How virtual stages sit on the ranks (`parallel.plan.schedule.actions.virtual_stage`): the schedule kind's."""
     actions: tuple[tuple[Action, ...], ...] = ()
     """The action list each pipeline rank runs every step (index = pp rank), built by the schedule kind's compute order
-    (`parallel.plan.schedules`; the kind itself is the plan's `schedule`)."""
+    (`parallel.plan.schedule.schedules`; the kind itself is the plan's `schedule`)."""
     experts: int = 0
     """Experts of each mixture-of-experts block (0: a dense model); ep ranks host experts / ep each."""
     gpus_per_worker: int = 0
@@ -96,7 +96,7 @@ class Layout:
               micro_batch_size: int = 1, layer_counts: Sequence[int], schedule: str = "1f1b", experts: int = 0,
               gpus_per_worker: int = 0, cpus_per_worker: float = 1.0, replica_dp: int = 0) -> Layout:
         """A layout from degrees, the blocks of each virtual stage and a schedule kind (which must suit
-        pp, microbatches and vpp: `parallel.plan.schedules.check_schedule_args`)."""
+        pp, microbatches and vpp: `parallel.plan.schedule.schedules.check_schedule_args`)."""
         return Layout(dp=dp, pp=pp, tp=tp, ep=ep, vpp=vpp, microbatches=microbatches,
                       micro_batch_size=micro_batch_size, stage_layers=stage_layers_of(layer_counts),
                       actions=tuple(map(tuple, build_schedule(schedule, pp, microbatches, vpp))),

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.actions import ActionKind, format_actions
-from trainyard.parallel.plan.memory import estimate, param_counts
+from trainyard.parallel.plan.memory.estimate import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.replica_sync import cross_replica_bytes
-from trainyard.parallel.plan.schedule_sim import render_gantt, simulate
-from trainyard.parallel.plan.schedule_timing import Costs
+from trainyard.parallel.plan.schedule.actions import ActionKind, format_actions
+from trainyard.parallel.plan.schedule.schedule_sim import render_gantt, simulate
+from trainyard.parallel.plan.schedule.schedule_timing import Costs
 from trainyard.parallel.plan.units import format_bytes
 
 
@@ -50,11 +50,11 @@ def describe(plan: Plan) -> dict:
 
 
 def describe_memory(plan: Plan) -> dict:
-    """The memory plan (`parallel.plan.memory`), in bytes: each rank's parameters, gradients, optimizer state, peak
-    activations, the recompute and loss transients, their total, and the rank with the largest total; `zero` is the
-    sharding they were counted under (at 2 and 3, `params` is the shard plus `gathered`, what is gathered whole at
-    the peak: ZeRO-2 every chunk, ZeRO-3 per block); `startup` the start-up peak, the parameter shards and
-    `construction`, the one whole parameter construction draws at a time (the largest)."""
+    """The memory plan (`parallel.plan.memory.estimate`), in bytes: each rank's parameters, gradients, optimizer state,
+    peak activations, the recompute and loss transients, their total, and the rank with the largest total; `zero` is the
+    sharding they were counted under (at 2 and 3, `params` is the shard plus `gathered`, what is gathered whole at the
+    peak: ZeRO-2 every chunk, ZeRO-3 per block); `startup` the start-up peak, the parameter shards and `construction`,
+    the one whole parameter construction draws at a time (the largest)."""
     ranks = estimate(plan.layout, plan.config)
     stages = {id(m): m.to_dict() for m in ranks}  # one RankMemory per stage, shared by its ranks
     per_rank = [{"rank": r, **stages[id(m)]} for r, m in enumerate(ranks)]
@@ -85,7 +85,7 @@ def describe_schedule(plan: Plan) -> dict:
     """The step's schedule, simulated with the spec's `sim_costs` before anything runs.
 
     `stages` holds each pipeline rank's actions in order (communication runs bracketed, see
-    `parallel.plan.actions.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
+    `parallel.plan.schedule.actions.format_actions`); `peak_activations` counts chunk activations per pipeline rank.
     """
     c = plan.config.sim_costs
     splits = any(a.kind is ActionKind.BACKWARD_WEIGHT for actions in plan.actions for a in actions)
@@ -98,7 +98,7 @@ def describe_schedule(plan: Plan) -> dict:
         "kind": plan.schedule.name,
         "pp": plan.pp,
         "vpp": plan.vpp,
-        "placement": plan.placement,  # which rank holds which virtual stage (parallel.plan.actions.virtual_stage)
+        "placement": plan.placement,  # which rank holds which virtual stage (`schedule.actions.virtual_stage`)
         "microbatches": plan.microbatches,
         "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm, **split},
         "stages": [format_actions(list(actions)) for actions in plan.actions],

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from trainyard.parallel.models.base import Matrix
 from trainyard.parallel.models.counting import BF16, FP32
-from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.reduction_sets import shared_sets
+from trainyard.parallel.plan.schedule.actions import virtual_stage
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
 

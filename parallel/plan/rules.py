@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
-from trainyard.parallel.plan.actions import ScheduleError
+from trainyard.parallel.plan.planner.search_options import searched_values, with_option
 from trainyard.parallel.plan.replica_sync import LOCAL_KINDS, is_local, replica_dp
-from trainyard.parallel.plan.schedules import check_schedule_args
-from trainyard.parallel.plan.search_options import searched_values, with_option
+from trainyard.parallel.plan.schedule.actions import ScheduleError
+from trainyard.parallel.plan.schedule.schedules import check_schedule_args
 from trainyard.parallel.plan.sizing import Resolved, fixed_parallel
 
 

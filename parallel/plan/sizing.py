@@ -4,7 +4,7 @@ the memory and FLOP counting reads (`plan.tp`, `plan.stage_layers`, `plan.shardi
 
 Each strategy a config names is looked up in its registry here, once, when the object is made: `parallel.zero`'s
 sharding (`parallel.plan.sharding.SHARDINGS`), `parallel.schedule`'s pipeline schedule
-(`parallel.plan.schedules.SCHEDULES`), `optimizer.kind`'s optimizer (`parallel.optim.kinds.OPTIMIZERS`) and
+(`parallel.plan.schedule.schedules.SCHEDULES`), `optimizer.kind`'s optimizer (`parallel.optim.kinds.OPTIMIZERS`) and
 `model.family`'s family (`parallel.models.FAMILIES`); with them `parallel`, written out (`fixed_parallel`). Everything
 after reads the entries (`plan.sharding.shards_parameters`), never the names again. The rules, which run on a bare
 config before there is a layout, read `Resolved(config)`.
@@ -26,7 +26,7 @@ from trainyard.parallel.optim.kinds import OPTIMIZERS, OptimizerKind
 from trainyard.parallel.plan.grad_compression import COMPRESSIONS, CompressionKind
 from trainyard.parallel.plan.layout import Layout
 from trainyard.parallel.plan.replica_sync import SYNC_KINDS, SyncKind
-from trainyard.parallel.plan.schedules import SCHEDULES, Schedule
+from trainyard.parallel.plan.schedule.schedules import SCHEDULES, Schedule
 from trainyard.parallel.plan.sharding import SHARDINGS, Sharding
 
 E = TypeVar("E")

@@ -82,8 +82,8 @@ from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.lora import apply_lora
 from trainyard.parallel.models.moe import MoEContext, moe_layers
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.actions import virtual_stage
 from trainyard.parallel.plan.layout import RankCoords
+from trainyard.parallel.plan.schedule.actions import virtual_stage
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.compression import Compressor, make_compressor
 from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer

@@ -3,12 +3,12 @@
 `measure(world)` spawns a small gloo world (`parallel.runtime.local_world.spawn`, one thread per rank as a rank gets)
 and times matmuls of a few sizes, all-reduce, point-to-point, all-to-all, all-gather and reduce-scatter at a few message
 sizes and an AdamW step at a few parameter counts, and compute's slowdown with 1 to 4 ranks busy at once;
-`measure_fixed` times the real trainer on the tiny runs `parallel.plan.calibration.FIXED_RUNS` names. The fits from
-those timings, the node type and the cache are `parallel.plan.calibration`'s (pure, no torch).
-`machine_costs(state_dir, cluster)` returns the cached costs of the cluster's node type and measures them on first
-use. The service measures locally, in its own machine: right for the embedded (laptop) cluster, whose node is this
-machine; a GPU node type nobody measured yet is planned with `machine_costs.default_gpu_costs` (a worker-side
-calibration on GPU nodes is not written yet).
+`measure_fixed` times the real trainer on the tiny runs `parallel.plan.planner.calibration.FIXED_RUNS` names. The fits
+from those timings, the node type and the cache are `parallel.plan.planner.calibration`'s (pure, no torch).
+`machine_costs(state_dir, cluster)` returns the cached costs of the cluster's node type and measures them on first use.
+The service measures locally, in its own machine: right for the embedded (laptop) cluster, whose node is this machine; a
+GPU node type nobody measured yet is planned with `machine_costs.default_gpu_costs` (a worker-side calibration on GPU
+nodes is not written yet).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.parallel.plan.admission import ClusterResources
-from trainyard.parallel.plan.calibration import (
+from trainyard.parallel.plan.planner.calibration import (
     FIXED_REPEATS,
     FIXED_RUNS,
     FIXED_STEPS,
@@ -46,7 +46,7 @@ from trainyard.parallel.plan.calibration import (
     two_point_fit,
     wide_config,
 )
-from trainyard.parallel.plan.machine_costs import MachineCosts
+from trainyard.parallel.plan.planner.machine_costs import MachineCosts
 
 MATMUL_SIZES = (8, 64, 256, 512)
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20)

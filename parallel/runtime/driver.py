@@ -23,7 +23,7 @@ from trainyard.parallel.data.examples import epoch_of
 from trainyard.parallel.data.sampler import step_microbatches
 from trainyard.parallel.io.checkpoint import CheckpointWriteError
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.memory import estimate
+from trainyard.parallel.plan.memory.estimate import estimate
 from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
 from trainyard.parallel.runtime.host_memory import return_freed_memory, returns_freed_memory
 from trainyard.parallel.runtime.step_figures import Figures

@@ -19,7 +19,7 @@ explicit prefetch lists (`set_modules_to_forward_prefetch` / `set_modules_to_bac
 of the unit that runs after it, so a block's gather overlaps the compute of the one before it, in forward and in
 backward. At ZeRO-3 each unit is freed after its forward and after its backward, so a rank holds at most the unit
 computing and the next one's gather: two blocks, or a block and the embedding or the head, never a chunk
-(`parallel.plan.memory` counts that pair; `peak_gathered_bytes` measures it). The gathers are issued with
+(`parallel.plan.memory.estimate` counts that pair; `peak_gathered_bytes` measures it). The gathers are issued with
 `async_op` (`_set_unshard_async_op`): they then overlap compute on gloo too, and FSDP2 keeps no copy of a unit's
 all-gather buffer after copying it out (with `async_op=False` it keeps the last one for its stream overlap).
 
@@ -70,7 +70,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.moe import moe_layers
-from trainyard.parallel.plan.actions import Action, ActionKind
+from trainyard.parallel.plan.schedule.actions import Action, ActionKind
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.fsdp_meter import GatheredMeter
 from trainyard.parallel.runtime.fsdp_split import gather_split, reduce_after_weight

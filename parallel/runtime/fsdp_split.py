@@ -16,7 +16,7 @@ also `finalize_backward`). torch's pipelining does the same for its zero-bubble 
 weight half, so gradients stay sharded between micro-batches as under the other schedules.
 
 A chunk's units are all gathered for each half (each is one autograd call over the chunk's parameters): under a zb
-schedule a rank's peak of gathered parameters is a chunk, not two blocks (`parallel.plan.memory` counts it). At
+schedule a rank's peak of gathered parameters is a chunk, not two blocks (`parallel.plan.memory.estimate` counts it). At
 virtual stage 0 nothing here runs: its input half computes nothing and its weight half is a whole backward.
 """
 

@@ -7,7 +7,7 @@ this rank's part on the rank's device (FSDP2's own `_apply` pads its uneven shar
 parameter is filled with exactly the values the whole tensor would hold (`fill_local`), and the buffers are
 recomputed from the config (`DecoderStage.reset_buffers`; `to_empty` leaves them uninitialised). So no rank ever
 holds more than its own shards plus one whole parameter at a time, the transient the memory plan counts
-(`parallel.plan.memory`: `construction`).
+(`parallel.plan.memory.estimate`: `construction`).
 
 Why one whole parameter at a time and keep the slice, rather than a generator that draws only this rank's
 elements (torch's DTensor random ops, offset-based Philox): the values are then bitwise those of the whole

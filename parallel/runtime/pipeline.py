@@ -1,6 +1,6 @@
 """The pipeline executor: runs one pipeline rank's action list for one step.
 
-The coordinator's schedule (`parallel.plan.schedules`) gives each pipeline rank an ordered list of actions;
+The coordinator's schedule (`parallel.plan.schedule.schedules`) gives each pipeline rank an ordered list of actions;
 this module only interprets it, dispatching each action by its kind through one table (`HANDLERS`):
 FORWARD/BACKWARD run one micro-batch through one local chunk; BACKWARD_INPUT / BACKWARD_WEIGHT run the two
 halves of a split backward (`parallel.runtime.split_backward`: the input gradient, then later the weights'); a run of
@@ -33,7 +33,14 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.decoder import DecoderStage
 from trainyard.parallel.models.documents import Documents
 from trainyard.parallel.models.transfers import to_device
-from trainyard.parallel.plan.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, stage_location, virtual_stage
+from trainyard.parallel.plan.schedule.actions import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    ActionKind,
+    stage_location,
+    virtual_stage,
+)
 from trainyard.parallel.runtime.fsdp import ShardedChunks, next_computes
 from trainyard.parallel.runtime.split_backward import ParamGroups, backward_input, backward_weight
 from trainyard.parallel.runtime.stage_clock import StageClock

@@ -29,8 +29,8 @@ times as many; derandomised: the same each run)."""
 def fuzzed_service(ray_session, tmp_path_factory):
     """Its node type's costs are in the calibration cache already, so `parallel: auto` specs reach the planner
     (without, they are a 503 while the costs are measured: tests/unit/test_calibration_in_background.py)."""
-    from trainyard.parallel.plan.calibration import CACHE_FILE, node_type
-    from trainyard.parallel.plan.machine_costs import default_gpu_costs
+    from trainyard.parallel.plan.planner.calibration import CACHE_FILE, node_type
+    from trainyard.parallel.plan.planner.machine_costs import default_gpu_costs
     from trainyard.service.ray_runtime import cluster_resources
 
     state = tmp_path_factory.mktemp("fuzz")

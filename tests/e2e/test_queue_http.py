@@ -226,8 +226,8 @@ def test_parallel_auto_submitted_while_calibrating_is_queued_then_planned_and_ru
     """A submit is never refused for what the service can wait out: `parallel: auto` while the node type's
     costs are being measured is a 201 and a PENDING job whose event says why it waits (a plan request is still
     a 503 with Retry-After); once the costs are known the admission thread chooses its layout and runs it."""
-    from trainyard.parallel.plan.calibration import node_type, store_costs
-    from trainyard.parallel.plan.machine_costs import default_gpu_costs
+    from trainyard.parallel.plan.planner.calibration import node_type, store_costs
+    from trainyard.parallel.plan.planner.machine_costs import default_gpu_costs
 
     measured = threading.Event()
 

@@ -36,8 +36,8 @@ def paths_read(spec: dict) -> set[str]:
 def calibrated_state(tmp_path_factory):
     """A state directory whose node type's costs are known, so `parallel: auto` specs are planned at submit (and
     no calibration runs in the background)."""
-    from trainyard.parallel.plan.calibration import CACHE_FILE, node_type
-    from trainyard.parallel.plan.machine_costs import default_gpu_costs
+    from trainyard.parallel.plan.planner.calibration import CACHE_FILE, node_type
+    from trainyard.parallel.plan.planner.machine_costs import default_gpu_costs
     from trainyard.service.ray_runtime import cluster_resources
 
     state = tmp_path_factory.mktemp("users")

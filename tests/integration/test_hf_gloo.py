@@ -250,7 +250,7 @@ def _lora_twin(name: str) -> str:
 
 
 def test_lora_follows_its_one_rank_twin_with_the_base_frozen_and_the_adapters_state_alone(world):
-    from trainyard.parallel.plan.memory import rank_memory
+    from trainyard.parallel.plan.memory.estimate import rank_memory
     from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 
     runs = world[4]

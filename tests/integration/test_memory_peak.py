@@ -10,7 +10,7 @@ import pytest
 import torch
 from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.plan.memory import rank_memory
+from trainyard.parallel.plan.memory.estimate import rank_memory
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.local_world import free_ports
 

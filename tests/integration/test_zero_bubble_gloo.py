@@ -23,7 +23,7 @@ import torch
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of, use_aot_eager
 from helpers import tiny_spec
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.plan.schedule_sim import simulate
+from trainyard.parallel.plan.schedule.schedule_sim import simulate
 from trainyard.parallel.spec import parse_spec
 
 LAYOUTS = {  # global batch 16 over 4 blocks

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.plan.machine_costs import Fit, MachineCosts
-from trainyard.parallel.plan.prediction import predict_step
+from trainyard.parallel.plan.planner.machine_costs import Fit, MachineCosts
+from trainyard.parallel.plan.planner.prediction import predict_step
 
 from bench.planner import GRID, NODE_RANKS, SIZES, _config, _label
 from bench.planner_replay import replay

@@ -9,8 +9,8 @@ import threading
 import pytest
 from helpers import tiny_spec, wait_for
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
-from trainyard.parallel.plan.calibration import cached_costs, node_type, store_costs
-from trainyard.parallel.plan.machine_costs import default_gpu_costs
+from trainyard.parallel.plan.planner.calibration import cached_costs, node_type, store_costs
+from trainyard.parallel.plan.planner.machine_costs import default_gpu_costs
 from trainyard.parallel.spec import parse_spec
 from trainyard.service.calibration import Calibrations
 from trainyard.service.errors import Calibrating

@@ -14,7 +14,7 @@ from trainyard.api.spec import parse_submitted_spec
 from trainyard.cli.offline import format_plan
 from trainyard.parallel.io.hf_spec import init_from_event
 from trainyard.parallel.plan import PlanError, make_plan
-from trainyard.parallel.plan.memory import param_counts, rank_memory
+from trainyard.parallel.plan.memory.estimate import param_counts, rank_memory
 from trainyard.parallel.plan.present import describe
 from trainyard.parallel.spec import SpecError
 

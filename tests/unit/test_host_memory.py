@@ -37,7 +37,7 @@ def test_only_a_rank_the_plan_puts_at_a_gib_or_more_of_host_memory_fixes_the_thr
     """The page faults of fresh mappings cost a small rank 1-4% of its step for no memory that matters
     (`host_memory.RETURN_FROM_BYTES`): the dp bench's GPT does not fix it, the scale bench's 501M Llama at dp=4 does."""
     from trainyard.parallel.plan import make_plan
-    from trainyard.parallel.plan.memory import estimate
+    from trainyard.parallel.plan.memory.estimate import estimate
     from trainyard.parallel.runtime.host_memory import returns_freed_memory
     from trainyard.parallel.spec import parse_spec
 

@@ -106,7 +106,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def room_of(module: str) -> str | None:
-    """`parallel.plan.memory` -> `plan`; None for the top of `parallel/` (config, seeds, spec, the package)."""
+    """`parallel.plan.memory.estimate` -> `plan`; None for the top of `parallel/` (config, seeds, spec, the package)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOMS) else None
 
@@ -126,7 +126,7 @@ def room_violations(graph: dict[str, set[str]]) -> list[str]:
 
 def test_parallel_modules_import_each_other_without_a_circle():
     graph = import_graph()
-    assert "parallel.plan.memory" in graph["parallel.plan.admission"]  # the walk sees imports at all
+    assert "parallel.plan.memory.estimate" in graph["parallel.plan.admission"]  # the walk sees imports at all
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -168,10 +168,10 @@ def test_no_folder_of_actors_is_crowded_and_no_module_is_long():
 
 
 def test_the_room_rule_finds_an_upward_import():
-    assert room_violations({"parallel.plan.memory": {"parallel.runtime.trainer", "parallel.models.base"},
+    assert room_violations({"parallel.plan.memory.estimate": {"parallel.runtime.trainer", "parallel.models.base"},
                             "parallel.config": {"parallel.plan.layout"}}) == [
         "parallel.config -> parallel.plan.layout (the top may not import plan)",
-        "parallel.plan.memory -> parallel.runtime.trainer (plan may not import runtime)",
+        "parallel.plan.memory.estimate -> parallel.runtime.trainer (plan may not import runtime)",
     ]
 
 

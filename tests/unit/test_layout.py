@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 from helpers import tiny_spec
 from trainyard.parallel.plan import ClusterResources, Layout, NodeResources, PlanError, admission, make_plan, rules
-from trainyard.parallel.plan.memory import estimate
+from trainyard.parallel.plan.memory.estimate import estimate
 from trainyard.parallel.spec import parse_spec
 
 

@@ -17,7 +17,7 @@ from trainyard.parallel.models import family_of
 from trainyard.parallel.models.lora import adapter_names, apply_lora, init_adapter, is_adapter, merged
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import PlanError, make_plan
-from trainyard.parallel.plan.memory import rank_memory
+from trainyard.parallel.plan.memory.estimate import rank_memory
 from trainyard.parallel.seeds import derive_seed
 from trainyard.parallel.spec import SpecError, parse_spec
 

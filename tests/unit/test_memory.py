@@ -7,9 +7,9 @@ from trainyard.cli.offline import format_plan
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.whole import GPTStage
 from trainyard.parallel.plan import ClusterResources, NodeResources, PlanError, make_plan
-from trainyard.parallel.plan.actions import virtual_stage
-from trainyard.parallel.plan.memory import estimate, param_counts, peak_activation_bytes
+from trainyard.parallel.plan.memory.estimate import estimate, param_counts, peak_activation_bytes
 from trainyard.parallel.plan.present import describe
+from trainyard.parallel.plan.schedule.actions import virtual_stage
 from trainyard.parallel.plan.units import format_bytes
 from trainyard.parallel.spec import parse_spec
 from trainyard.service.ray_runtime import gpu_memory

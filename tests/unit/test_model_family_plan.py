@@ -11,7 +11,7 @@ from trainyard.cli.offline import format_plan
 from trainyard.parallel.models import FAMILIES, family_of
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import PlanError, make_plan
-from trainyard.parallel.plan.memory import param_counts
+from trainyard.parallel.plan.memory.estimate import param_counts
 from trainyard.parallel.plan.present import describe
 from trainyard.parallel.runtime.pipeline import _SavedTensorMeter
 from trainyard.parallel.runtime.step_inputs import autocast_context

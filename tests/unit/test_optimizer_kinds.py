@@ -194,7 +194,7 @@ def test_tensor_bytes_counts_what_a_tensor_subclass_holds():
 def test_the_memory_plan_splits_device_and_host_bytes():
     from helpers import tiny_spec
     from trainyard.parallel.plan import make_plan
-    from trainyard.parallel.plan.memory import estimate
+    from trainyard.parallel.plan.memory.estimate import estimate
     from trainyard.parallel.spec import parse_spec
 
     def memory(**kw):

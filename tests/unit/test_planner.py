@@ -12,9 +12,9 @@ import pytest
 from trainyard.parallel.config import JobConfig, ModelConfig, MoEConfig, ResourcesConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources
-from trainyard.parallel.plan.calibration import CACHE_FILE, contention_from, node_type
-from trainyard.parallel.plan.machine_costs import Fit, MachineCosts, default_gpu_costs
-from trainyard.parallel.plan.planner import choose, plan_layouts
+from trainyard.parallel.plan.planner.calibration import CACHE_FILE, contention_from, node_type
+from trainyard.parallel.plan.planner.machine_costs import Fit, MachineCosts, default_gpu_costs
+from trainyard.parallel.plan.planner.planner import choose, plan_layouts
 from trainyard.parallel.plan.rules import PlanError, violations
 from trainyard.parallel.runtime.calibrate import machine_costs
 from trainyard.parallel.spec import parse_spec, spec_to_dict
@@ -138,7 +138,7 @@ def test_contention_is_never_below_what_the_cores_allow():
     assert contention_from([10.0, 10.5, 14.9, 15.2], cores=2) == pytest.approx((1.0, 1.05, 1.5, 2.0))
     assert contention_from([10.0, 12.0, 30.0], cores=8) == pytest.approx((1.0, 1.2, 3.0))  # measured above it
     assert contention_from([10.0, 9.0], cores=4) == (1.0, 1.0)  # never faster than alone
-    from trainyard.parallel.plan.calibration import paired_slowdowns
+    from trainyard.parallel.plan.planner.calibration import paired_slowdowns
 
     drifting = [[t * speed for t in (10.0, 12.0, 18.0, 25.0)] for speed in (1.0, 1.3, 0.8, 1.2, 1.0)]
     drifting[2][3] = 80.0  # a burst in one round
@@ -172,7 +172,7 @@ def test_compute_is_slowed_by_the_measured_contention_of_ranks_sharing_a_node():
     assert machine().slowdown(64) == 1.0  # nothing measured: a device per rank
     cfg = replace(config(), parallel=replace(config().parallel, dp=4))
     layout = make_plan(cfg).layout
-    from trainyard.parallel.plan.cost_model import step_costs
+    from trainyard.parallel.plan.planner.cost_model import step_costs
 
     one_node, own_nodes = step_costs(layout, cfg, shared, node_gpus=4), step_costs(layout, cfg, shared, node_gpus=1)
     assert one_node.forward == pytest.approx(2 * own_nodes.forward)
@@ -183,8 +183,8 @@ def test_a_pipeline_on_shared_cores_lends_the_bubbles_idle_cores_to_the_stages_c
     """pp 4 on a 2-core node measured well under its prediction when every compute was slowed as if all 4 ranks
     were busy (an earlier planner grid): in the bubble they are not. The simulation speeds a compute up by how
     many stages compute beside it; a layout without a pipeline, or with a device per rank, is timed as before."""
-    from trainyard.parallel.plan.cost_model import pipeline_sharing, sharing_floor, step_costs
-    from trainyard.parallel.plan.prediction import lower_bound, predict
+    from trainyard.parallel.plan.planner.cost_model import pipeline_sharing, sharing_floor, step_costs
+    from trainyard.parallel.plan.planner.prediction import lower_bound, predict
 
     cores = replace(machine(), contention=(1.0, 1.2, 1.8, 2.5), block_s=1e-3)
     pp4 = replace(config(), parallel=replace(config().parallel, pp=4, microbatches=4))
@@ -222,7 +222,7 @@ def test_on_shared_cores_the_best_first_search_finds_the_top_five_of_every_layou
     """Its bounds stay below every layout's prediction where a pipeline's stages lend each other their cores: a
     bound that added the pipeline's fill on top of the node's best throughput pruned dp2 x pp2 zb-h1, the fastest
     on 8 cores, and answered dp2 at 1.02x it."""
-    import trainyard.parallel.plan.search_options as options
+    import trainyard.parallel.plan.planner.search_options as options
 
     monkeypatch.setattr(options, "SEARCHED", {"parallel.zero": lambda: (0,)})  # the layouts only: a second to time
     cfg = JobConfig(model=ModelConfig(n_layer=n_layer, n_head=8, d_model=d_model, vocab_size=512, seq_len=128),
@@ -235,7 +235,7 @@ def test_on_shared_cores_the_best_first_search_finds_the_top_five_of_every_layou
 
 
 def test_a_tensor_parallel_shard_runs_its_flops_at_the_rate_of_a_model_as_wide_as_the_shard():
-    from trainyard.parallel.plan.cost_model import step_costs
+    from trainyard.parallel.plan.planner.cost_model import step_costs
 
     rates = replace(machine(), model_flops=((32.0, 1e9), (64.0, 2e9)))
     tp2 = replace(config(), parallel=replace(config().parallel, tp=2))
@@ -246,7 +246,7 @@ def test_a_tensor_parallel_shard_runs_its_flops_at_the_rate_of_a_model_as_wide_a
 def test_collectives_on_shared_cpu_cores_are_slowed_as_compute_and_hide_behind_nothing():
     """4 ranks on a 2-core node measured well above their prediction before this term (an earlier planner grid): gloo's
     collectives are CPU work on the ranks' own busy cores. Where each rank has its own device, nothing changes."""
-    from trainyard.parallel.plan.cost_model import step_costs
+    from trainyard.parallel.plan.planner.cost_model import step_costs
 
     slow_link = dict(allreduce=Fit(1e-3, 1e8), p2p=Fit(1e-3, 1e8))
     shared = replace(machine(**slow_link), contention=(1.0, 1.25, 1.6, 2.5), world=2)  # measured at 2 ranks
@@ -268,7 +268,7 @@ def test_each_sharding_level_is_charged_its_own_collectives_and_its_measured_fix
     micro-batch's gradients and gathers each chunk once; ZeRO-3 gathers around every forward and backward; -2 and
     -3 also pay their measured fixed cost per block (a step and each micro-batch). On gloo they measured 1.5-1.8x
     plain dp, where the model had charged ZeRO-2 what it charges ZeRO-1, and the planner chose it."""
-    from trainyard.parallel.plan.cost_model import step_costs
+    from trainyard.parallel.plan.planner.cost_model import step_costs
 
     m = replace(machine(allreduce=Fit(1e-3, 1e8), allgather=Fit(2e-3, 5e7), reducescatter=Fit(3e-3, 4e7)),
                 zero_fixed={"2": (1e-3, 2e-3), "3": (3e-3, 5e-3)}, contention=(1.0, 1.5))  # shared cores: no hiding
@@ -278,7 +278,7 @@ def test_each_sharding_level_is_charged_its_own_collectives_and_its_measured_fix
         cfg = replace(base, parallel=replace(base.parallel, zero=z))
         costs[z] = step_costs(make_plan(cfg).layout, cfg, m)
         grads = grads or make_plan(cfg).layout  # the same layout at every level
-    from trainyard.parallel.plan.memory import param_counts
+    from trainyard.parallel.plan.memory.estimate import param_counts
     from trainyard.parallel.plan.sizing import Sizing
 
     params = param_counts(Sizing(base, layout=grads), 0).total
@@ -300,7 +300,8 @@ def test_each_sharding_level_is_charged_its_own_collectives_and_its_measured_fix
 
 def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_between():
     from trainyard.parallel.models import family_of
-    from trainyard.parallel.plan.calibration import (
+    from trainyard.parallel.plan.memory.estimate import param_counts
+    from trainyard.parallel.plan.planner.calibration import (
         TOKENS,
         TOKENS_WIDTH,
         WIDE_SEQ,
@@ -308,7 +309,6 @@ def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_be
         flops_from_steps,
         wide_config,
     )
-    from trainyard.parallel.plan.memory import param_counts
 
     base = replace(machine(), block_s=1e-3, microbatch_s=2e-3, step_s=3e-3, optimizer=Fit(1e-4, 1e9))
     rates = {d: 10e9 * (1 + i) for i, d in enumerate(WIDTHS)}
@@ -344,7 +344,7 @@ def test_the_flop_rate_is_the_trainers_own_measured_by_width_and_interpolated_be
 def test_collectives_past_the_measured_world_are_slowed_as_an_all_reduce_of_that_many_ranks_measured():
     """On shared cores the measured all-reduce of k ranks, over what the 2-rank fit predicts for k, is the factor on
     every collective of a layout with k ranks on the node; without it, compute's slowdown ratio stands."""
-    from trainyard.parallel.plan.calibration import comm_contention_from
+    from trainyard.parallel.plan.planner.calibration import comm_contention_from
 
     m = replace(machine(allreduce=Fit(1e-3, 1e8)), contention=(1.0, 1.25, 1.6, 2.5))
     predicted = {k: {size: m.collective("allreduce", size, k) for size in (1e5, 1e6, 4e6)} for k in (3, 4)}
@@ -360,7 +360,7 @@ def test_collectives_past_the_measured_world_are_slowed_as_an_all_reduce_of_that
 
 
 def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
-    from trainyard.parallel.plan.cost_model import fixed_costs
+    from trainyard.parallel.plan.planner.cost_model import fixed_costs
 
     m = replace(machine(), block_s=1e-3, microbatch_s=4e-3, tp_block_s=10e-3, sp_block_s=2e-3, backward_share=0.75)
     assert sum(fixed_costs(m, 3, 1, False)) == pytest.approx(4e-3 + 3e-3)
@@ -375,7 +375,7 @@ def test_fixed_costs_per_block_and_micro_batch_with_tensor_parallelism_extra():
 
 
 def test_the_calibration_reads_the_fixed_costs_off_the_tiny_runs():
-    from trainyard.parallel.plan.calibration import FIXED_RUNS, ONE_RANK, fixed_from_steps, tiny_params
+    from trainyard.parallel.plan.planner.calibration import FIXED_RUNS, ONE_RANK, fixed_from_steps, tiny_params
 
     base = replace(machine(), contention=(1.0, 2.0))
     block, micro, step, tp_block, sp_block, pp_micro = 1e-3, 3e-3, 5e-3, 8e-3, 2e-3, 4e-3

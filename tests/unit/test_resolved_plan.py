@@ -13,7 +13,7 @@ from trainyard.parallel.config import RuleError
 from trainyard.parallel.models import FAMILIES
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.plan import make_plan, resize_plan
-from trainyard.parallel.plan.schedules import SCHEDULES
+from trainyard.parallel.plan.schedule.schedules import SCHEDULES
 from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.plan.sizing import Resolved, Sizing
 from trainyard.parallel.spec import parse_spec

@@ -6,10 +6,10 @@ from typing import get_args
 
 import pytest
 from trainyard.parallel.config import ScheduleKind
-from trainyard.parallel.plan.actions import Action, ActionKind, ScheduleError, format_actions, parse_actions
-from trainyard.parallel.plan.schedule_sim import render_gantt, simulate
-from trainyard.parallel.plan.schedule_timing import Costs
-from trainyard.parallel.plan.schedules import SCHEDULE_KINDS, build_schedule, check_schedule_args, placement_of
+from trainyard.parallel.plan.schedule.actions import Action, ActionKind, ScheduleError, format_actions, parse_actions
+from trainyard.parallel.plan.schedule.schedule_sim import render_gantt, simulate
+from trainyard.parallel.plan.schedule.schedule_timing import Costs
+from trainyard.parallel.plan.schedule.schedules import SCHEDULE_KINDS, build_schedule, check_schedule_args, placement_of
 
 # (pp, microbatches): multiples of pp, non-multiples, fewer micro-batches than ranks, and a single rank.
 PP_M = [(2, 4), (4, 8), (3, 7), (4, 6), (4, 2), (3, 1), (1, 5)]

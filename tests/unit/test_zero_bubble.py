@@ -8,10 +8,10 @@ placed, and runs both through our simulator under forward 1, input-backward 1, w
 
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
-from trainyard.parallel.plan.actions import ActionKind, ScheduleError, stage_location, virtual_stage
-from trainyard.parallel.plan.schedule_sim import simulate
-from trainyard.parallel.plan.schedule_timing import Costs
-from trainyard.parallel.plan.schedules import build_schedule, place_comm, placement_of
+from trainyard.parallel.plan.schedule.actions import ActionKind, ScheduleError, stage_location, virtual_stage
+from trainyard.parallel.plan.schedule.schedule_sim import simulate
+from trainyard.parallel.plan.schedule.schedule_timing import Costs
+from trainyard.parallel.plan.schedule.schedules import build_schedule, place_comm, placement_of
 
 UNIT = Costs(forward=1.0, backward=2.0, backward_weight=1.0)  # F 1, I 1, W 1
 KINDS = {"F": ActionKind.FORWARD, "I": ActionKind.BACKWARD_INPUT, "W": ActionKind.BACKWARD_WEIGHT,

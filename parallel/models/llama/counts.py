@@ -2,7 +2,7 @@
 
 Parameters are counted from the shapes as `parallel.models.llama.model` builds them and its tensor-parallel
 plan shards them. Activations are the tensors each op saves, read off the pipeline's saved-tensor meter on
-CPU (torch 2.13) and written out term by term (see `parallel.plan.memory` for how they add up over a schedule).
+CPU (torch 2.13) and written out term by term (see `parallel.plan.memory.estimate` for how they add up over a schedule).
 Pure arithmetic: no torch.
 """
 

@@ -1,7 +1,7 @@
 """The planner's search state: the base layouts it enumerates (degrees, micro-batches, schedule, vpp) with a cheap
 lower bound on each, the variants of a base (the searched options), and a variant's costs, memory and prediction.
 
-`parallel.plan.planner.plan_layouts` drives it best first; the memory check reads the first, middle and last
+`parallel.plan.planner.planner.plan_layouts` drives it best first; the memory check reads the first, middle and last
 stage only. Pure: no torch.
 """
 
@@ -15,7 +15,9 @@ from trainyard.parallel.config import JobConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.names import SCHEDULE_KINDS, ScheduleKind
 from trainyard.parallel.plan.admission import ClusterResources
-from trainyard.parallel.plan.cost_model import (
+from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
+from trainyard.parallel.plan.memory.estimate import rank_memory
+from trainyard.parallel.plan.planner.cost_model import (
     StepCosts,
     fixed_costs,
     option_value,
@@ -23,14 +25,12 @@ from trainyard.parallel.plan.cost_model import (
     pipeline_sharing,
     step_costs,
 )
-from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
-from trainyard.parallel.plan.machine_costs import MachineCosts
-from trainyard.parallel.plan.memory import rank_memory
-from trainyard.parallel.plan.prediction import Candidate, cached_schedule, predict
+from trainyard.parallel.plan.planner.machine_costs import MachineCosts
+from trainyard.parallel.plan.planner.prediction import Candidate, cached_schedule, predict
+from trainyard.parallel.plan.planner.search_options import searched_paths, searched_values, with_option
 from trainyard.parallel.plan.replica_sync import layout_replica_dp
 from trainyard.parallel.plan.rules import violations
-from trainyard.parallel.plan.schedules import SCHEDULES, placement_of
-from trainyard.parallel.plan.search_options import searched_paths, searched_values, with_option
+from trainyard.parallel.plan.schedule.schedules import SCHEDULES, placement_of
 from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.plan.sizing import Sizing, fixed_parallel
 

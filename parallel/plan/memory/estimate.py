@@ -14,7 +14,7 @@ registry's (`parallel.optim.kinds`).
 Model state (exact, counted by the model's family, `ModelFamily.param_counts`, from the shapes its stages
 have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever the precision (with
 `parallel.zero: 2 | 3` a 1/N shard plus what FSDP2 holds gathered at the peak: at ZeRO-2 every chunk, at ZeRO-3
-two units (blocks, or a block and the embedding or the head): `param_bytes`, `parallel.plan.fsdp_memory`);
+two units (blocks, or a block and the embedding or the head): `param_bytes`, `parallel.plan.memory.fsdp`);
 gradients live in fp32 flat buckets that hold every local parameter (4 B each, also under ZeRO-1, which keeps whole
 gradients and adds the reduced 1/N slice; see `parallel.runtime.data_parallel`); AdamW keeps two fp32 states per
 parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size
@@ -65,11 +65,11 @@ from dataclasses import dataclass
 
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.models.counting import BF16, FP32, ParamCounts, Shapes, by_block_kind, fused_loss_transient
-from trainyard.parallel.plan.actions import FREEING_KINDS, ActionKind, virtual_stage
-from trainyard.parallel.plan.fsdp_memory import gathered_bytes, largest_unit_grad_bytes
 from trainyard.parallel.plan.layout import Layout
+from trainyard.parallel.plan.memory.fsdp import gathered_bytes, largest_unit_grad_bytes
 from trainyard.parallel.plan.reduction_bytes import compression_state_bytes
 from trainyard.parallel.plan.reduction_sets import reduced_sets
+from trainyard.parallel.plan.schedule.actions import FREEING_KINDS, ActionKind, virtual_stage
 from trainyard.parallel.plan.sizing import Sizing
 
 

@@ -3,9 +3,9 @@ width and by tokens, each collective's and the optimizer's `Fit` as latency + si
 fixed costs, compute's and the collectives' slowdown with ranks sharing a node), its JSON form (the calibration
 cache), and the costs a GPU node type is planned with before anyone measured it (`default_gpu_costs`).
 
-Measured by `parallel.runtime.calibrate`, fitted and cached by `parallel.plan.calibration`; turned into a layout's
-step costs by `parallel.plan.cost_model`. What is written by hand and why: `default_gpu_costs`' orders of
-magnitude (H100-like) and a block's fixed cost there, OPS_PER_BLOCK kernels' latency, until a calibration runs on
+Measured by `parallel.runtime.calibrate`, fitted and cached by `parallel.plan.planner.calibration`; turned into a
+layout's step costs by `parallel.plan.planner.cost_model`. What is written by hand and why: `default_gpu_costs`' orders
+of magnitude (H100-like) and a block's fixed cost there, OPS_PER_BLOCK kernels' latency, until a calibration runs on
 that node type. Pure arithmetic: no torch.
 """
 

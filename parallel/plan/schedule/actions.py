@@ -1,7 +1,7 @@
-"""The pipeline's action vocabulary: what one step of a rank's list is (`Action`: kind, micro-batch, local chunk,
-peer), its text form (`format_actions` / `parse_actions`, so a hand-written table is a valid input), and where a
-virtual stage lives (`virtual_stage`, `stage_location`). The schedule builders (`parallel.plan.schedules`), the
-simulator (`parallel.plan.schedule_sim`) and the executor (`parallel.runtime.pipeline`) all speak it. Pure: no torch.
+"""The pipeline's action vocabulary: what one step of a rank's list is (`Action`: kind, micro-batch, local chunk, peer),
+its text form (`format_actions` / `parse_actions`, so a hand-written table is a valid input), and where a virtual stage
+lives (`virtual_stage`, `stage_location`). The schedule builders (`parallel.plan.schedule.schedules`), the simulator
+(`parallel.plan.schedule.schedule_sim`) and the executor (`parallel.runtime.pipeline`) all speak it. Pure: no torch.
 
 Layout (`placement`, set by the schedule kind): rank r holds local chunks 0..vpp-1. Interleaved (every kind
 but zbv): they are virtual stages r, r+pp, r+2pp, ... (Megatron's interleaving), so virtual stage v lives on rank

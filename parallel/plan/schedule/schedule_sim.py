@@ -1,7 +1,7 @@
 """Schedule simulator: proves a set of per-rank action lists valid and deadlock-free, and times it.
 
 `simulate(stages, microbatches, vpp, costs, placement)` takes one action list per pipeline rank (from
-`parallel.plan.schedules.build_schedule`, or written by hand) and checks, in order:
+`parallel.plan.schedule.schedules.build_schedule`, or written by hand) and checks, in order:
 
 1. each rank on its own: every (micro-batch, chunk) is forwarded and backwarded exactly once (a whole B, or a
    split one: I then W), the backward after its forward, every input is on hand before the compute that needs
@@ -16,13 +16,13 @@
    the run is then timed as a fluid, event by event, and a rank idle in the bubble lends the others its core.
 
 This module owns the checks (steps 1 and 2: `check` returns the `CheckedSchedule` any costs time), `simulate` and
-`render_gantt` (the result as text); the run (step 3) is `parallel.plan.schedule_timing`'s. Any failure raises
+`render_gantt` (the result as text); the run (step 3) is `parallel.plan.schedule.schedule_timing`'s. Any failure raises
 ScheduleError naming the rank, the position in its list and the action. Pure: no torch.
 """
 
 from __future__ import annotations
 
-from trainyard.parallel.plan.actions import (
+from trainyard.parallel.plan.schedule.actions import (
     COMM_KINDS,
     COMPUTE_KINDS,
     FREEING_KINDS,
@@ -34,7 +34,7 @@ from trainyard.parallel.plan.actions import (
     stage_location,
     virtual_stage,
 )
-from trainyard.parallel.plan.schedule_timing import CheckedSchedule, Costs, SimResult
+from trainyard.parallel.plan.schedule.schedule_timing import CheckedSchedule, Costs, SimResult
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 BI, BW = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
@@ -45,15 +45,15 @@ _SENT_AFTER = {ActionKind.SEND_ACT: {F}, ActionKind.SEND_GRAD: INPUT_GRAD_KINDS}
 def simulate(stages: list[list[Action]], microbatches: int, vpp: int = 1,
              costs: Costs = Costs(), placement: str = "interleaved") -> SimResult:
     """Check the per-rank lists (index = pp rank) and time them; ScheduleError on the first fault. `placement`
-    is how virtual stages sit on the ranks (`parallel.plan.actions.virtual_stage`; `placement_of(kind)`)."""
+    is how virtual stages sit on the ranks (`parallel.plan.schedule.actions.virtual_stage`; `placement_of(kind)`)."""
     return check(stages, microbatches, vpp, placement).run(costs)
 
 
 def check(stages: list[list[Action]], microbatches: int, vpp: int = 1,
           placement: str = "interleaved", verify: bool = True) -> CheckedSchedule:
-    """The static checks of `simulate` (steps 1 and 2), once for a schedule timed under many costs.
-    `verify=False` pairs the messages and lays out the steps only, for a schedule `parallel.plan.schedules` built
-    (whose every kind its tests check): no peaks of live activations, and a faulty list may then time wrong."""
+    """The static checks of `simulate` (steps 1 and 2), once for a schedule timed under many costs. `verify=False` pairs
+    the messages and lays out the steps only, for a schedule `parallel.plan.schedule.schedules` built (whose every kind
+    its tests check): no peaks of live activations, and a faulty list may then time wrong."""
     if not stages:
         raise ScheduleError("a schedule needs at least one pipeline rank")
     peaks = [_check_rank(stages, rank, microbatches, vpp, placement) for rank in range(len(stages))] if verify else []

@@ -1,11 +1,10 @@
 """Pipeline schedules: the ordered actions each pipeline rank runs in one training step.
 
-`build_schedule(kind, pp, microbatches, vpp)` returns one list of `Action`s per pipeline rank, from the
-compute order of the kind's entry in `SCHEDULES`. Workers run
-their list literally (`parallel.runtime.pipeline`); `parallel.plan.schedule_sim` checks a list and times it. This module
-owns the compute order of each schedule kind and where the point-to-point messages go; the action vocabulary, its
-labels and the placement of virtual stages on the ranks (interleaved, or a V for zbv) are `parallel.plan.actions`'s.
-Pure: no torch.
+`build_schedule(kind, pp, microbatches, vpp)` returns one list of `Action`s per pipeline rank, from the compute order of
+the kind's entry in `SCHEDULES`. Workers run their list literally (`parallel.runtime.pipeline`);
+`parallel.plan.schedule.schedule_sim` checks a list and times it. This module owns the compute order of each schedule
+kind and where the point-to-point messages go; the action vocabulary, its labels and the placement of virtual stages on
+the ranks (interleaved, or a V for zbv) are `parallel.plan.schedule.actions`'s. Pure: no torch.
 
 Split backward (zero-bubble kinds): a chunk's backward may run as I (the gradient of its input, what the
 previous stage waits for) then W (its weights' gradients, which can wait); B is both at once. torch's
@@ -26,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainyard.parallel.names import SCHEDULE_KINDS, registry
-from trainyard.parallel.plan.actions import Action, ActionKind, ScheduleError, stage_location, virtual_stage
+from trainyard.parallel.plan.schedule.actions import Action, ActionKind, ScheduleError, stage_location, virtual_stage
 
 
 def check_schedule_args(kind: str, pp: int, microbatches: int, vpp: int) -> None:
@@ -219,7 +218,7 @@ SCHEDULES: dict[str, Schedule] = registry(SCHEDULE_KINDS, {s.name: s for s in (
     Schedule("interleaved-1f1b", _interleaved_order, _refuse_interleaved),
     Schedule("zb-h1", lambda pp, m, vpp, rank: _zb_h1_order(pp, m, rank), _refuse_zb_h1, splits_backward=True),
     Schedule("zbv", lambda pp, m, vpp, rank: _zbv_order(pp, m, rank), _refuse_zbv, placement="v", splits_backward=True),
-)}, "parallel.plan.schedules.SCHEDULES")
+)}, "parallel.plan.schedule.schedules.SCHEDULES")
 """The pipeline schedule kinds `parallel.schedule` may name (`parallel.names.SCHEDULE_KINDS`, in this order); a new
 one is a new entry and its name there."""
 

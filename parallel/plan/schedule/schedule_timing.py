@@ -1,5 +1,5 @@
 """The schedule simulator's timing: a checked schedule (`CheckedSchedule`, its messages paired and its steps laid out
-by `parallel.plan.schedule_sim.check`) run under `Costs` to a `SimResult` (makespan, bubble, peak activations,
+by `parallel.plan.schedule.schedule_sim.check`) run under `Costs` to a `SimResult` (makespan, bubble, peak activations,
 timeline).
 
 Computes take their cost; a maximal run of consecutive communication actions is posted at once and the rank
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainyard.parallel.plan.actions import COMPUTE_KINDS, Action, ActionKind, ScheduleError
+from trainyard.parallel.plan.schedule.actions import COMPUTE_KINDS, Action, ActionKind, ScheduleError
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 BI, BW = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT

@@ -1,5 +1,6 @@
 """The memory plan's ZeRO-2/3 terms: what FSDP2 holds gathered whole at a rank's peak, and the largest unit's whole
-gradient before its reduce-scatter (`parallel.plan.memory` adds them to a rank's parameters and its step's peak).
+gradient before its reduce-scatter (`parallel.plan.memory.estimate` adds them to a rank's parameters and its step's
+peak).
 
 A rank's FSDP2 units are its chunks' embedding, blocks and head, as `DecoderStage.shard_units` makes them; the
 gathers are walked over the rank's computes in its schedule's order (`parallel.runtime.fsdp` gathers one unit
@@ -9,8 +10,8 @@ ahead; `peak_gathered_bytes` measures the pair). Pure arithmetic: no torch.
 from __future__ import annotations
 
 from trainyard.parallel.models.counting import FP32, ParamCounts, by_block_kind
-from trainyard.parallel.plan.actions import COMPUTE_KINDS, Action, ActionKind, virtual_stage
 from trainyard.parallel.plan.reduction_sets import reduced_sets
+from trainyard.parallel.plan.schedule.actions import COMPUTE_KINDS, Action, ActionKind, virtual_stage
 from trainyard.parallel.plan.sizing import Sizing
 
 

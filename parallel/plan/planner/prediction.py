@@ -12,13 +12,13 @@ import functools
 from dataclasses import dataclass
 
 from trainyard.parallel.config import JobConfig, ParallelConfig
-from trainyard.parallel.plan.cost_model import StepCosts, option_value, pipeline_floor, ratio_key, step_costs
 from trainyard.parallel.plan.layout import Layout
-from trainyard.parallel.plan.machine_costs import MachineCosts
-from trainyard.parallel.plan.schedule_sim import check
-from trainyard.parallel.plan.schedule_timing import CheckedSchedule, Costs
-from trainyard.parallel.plan.schedules import build_schedule, placement_of
-from trainyard.parallel.plan.search_options import searched_paths
+from trainyard.parallel.plan.planner.cost_model import StepCosts, option_value, pipeline_floor, ratio_key, step_costs
+from trainyard.parallel.plan.planner.machine_costs import MachineCosts
+from trainyard.parallel.plan.planner.search_options import searched_paths
+from trainyard.parallel.plan.schedule.schedule_sim import check
+from trainyard.parallel.plan.schedule.schedule_timing import CheckedSchedule, Costs
+from trainyard.parallel.plan.schedule.schedules import build_schedule, placement_of
 from trainyard.parallel.plan.sizing import fixed_parallel
 
 

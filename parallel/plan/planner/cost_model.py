@@ -1,6 +1,6 @@
 """The cost model: a laid-out job's step time from measured machine costs, term by term.
 
-`MachineCosts` (`parallel.plan.machine_costs`) holds what a calibration run measured on one node type: the rate
+`MachineCosts` (`parallel.plan.planner.machine_costs`) holds what a calibration run measured on one node type: the rate
 the trainer runs a model's FLOPs at, by width (and a matmul's, as latency + FLOPs / throughput), the all-reduce,
 point-to-point, all-to-all, all-gather and reduce-scatter times as latency + bytes / bandwidth (alpha-beta), the
 optimizer's time per parameter element, the trainer's fixed costs (per block and per chunk of each micro-batch, per
@@ -9,7 +9,7 @@ FSDP2 machinery), and how much slower compute runs when k ranks share one node (
 cores; 1 where each rank has its own device). `step_costs(layout, config, machine)` turns a layout into the
 per-chunk forward / backward / point-to-point costs the schedule simulator takes plus the terms outside the
 pipeline (the data-parallel reduction not hidden behind backward, the optimizer step, the options' own extras);
-`parallel.plan.planner` simulates the schedule with them and adds the rest.
+`parallel.plan.planner.planner` simulates the schedule with them and adds the rest.
 
 What is written by hand and why: the FLOPs of a chunk come from the family's `flops_per_token` (6 N + 12 L d T),
 shared out over the blocks; the collectives' message sizes are Megatron's (two activation all-reduces per block
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 from trainyard.parallel.config import JobConfig, ModelConfig
 from trainyard.parallel.plan.layout import Layout
-from trainyard.parallel.plan.machine_costs import MachineCosts
-from trainyard.parallel.plan.memory import ParamCounts, param_counts
+from trainyard.parallel.plan.memory.estimate import ParamCounts, param_counts
+from trainyard.parallel.plan.planner.machine_costs import MachineCosts
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.plan.sizing import Resolved, Sizing
 

@@ -10,10 +10,10 @@ from dataclasses import replace
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.optim.kinds import OPTIMIZERS, optimizer_kind
 from trainyard.parallel.plan.admission import ClusterResources
-from trainyard.parallel.plan.planner_search import Search
-from trainyard.parallel.plan.prediction import Candidate
+from trainyard.parallel.plan.planner.planner_search import Search
+from trainyard.parallel.plan.planner.prediction import Candidate
+from trainyard.parallel.plan.planner.search_options import searched_values
 from trainyard.parallel.plan.rules import PlanError, violations
-from trainyard.parallel.plan.search_options import searched_values
 from trainyard.parallel.plan.sizing import fixed_parallel
 from trainyard.parallel.plan.units import format_size
 

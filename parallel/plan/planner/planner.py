@@ -2,34 +2,33 @@
 predicted step time.
 
 `plan_layouts(config, cluster, machine)` enumerates degree tuples (dp, pp, tp, ep, sp), micro-batch counts,
-schedules with their vpp (`parallel.plan.schedules.SCHEDULES`) and, for each, the searched options
-(`parallel.plan.search_options.SEARCHED`: the values of `parallel.zero` in `parallel.plan.sharding.SHARDINGS`,
+schedules with their vpp (`parallel.plan.schedule.schedules.SCHEDULES`) and, for each, the searched options
+(`parallel.plan.planner.search_options.SEARCHED`: the values of `parallel.zero` in `parallel.plan.sharding.SHARDINGS`,
 the `activation_checkpointing` modes read off the config's Literal, and any offload switch the config has), so a
 new registry entry joins the search with no change here. Options that change the training's numbers (the
 optimizer kind, gradient compression, the reduce dtype, local SGD) stay as the user wrote them.
 
-Best first: each (degrees, micro-batches, schedule, vpp) gets a cheap lower bound on its step time (FLOPs /
-throughput and the measured fixed costs, slowed by the ranks sharing a node, plus the pipeline's fill and the
-cheapest sharding level's optimizer step and gathers). They are taken from one queue in bound order; a base
-taken puts its variants (the searched options) in the queue by the lower bound of their costs (the rules,
-`parallel.plan.rules.violations`, and `parallel.plan.cost_model.step_costs`, no memory plan, no simulation), a variant
-with a saver on (recompute, offload: they only add time) at first by its saver-free sibling's bound. Only a
-variant taken from the queue is sized (`parallel.plan.memory`, with `margin` kept free) and simulated (cached per
-schedule, pp, vpp, micro-batches and cost ratios; the planner's own schedules, checked by their tests, are not
-checked again), until nothing left can beat the `top`-th best time found. The predicted step time is the
-simulated makespan with the cost model's per-chunk costs (`parallel.plan.cost_model`) plus the terms outside the
-pipeline. Pure: no torch.
+Best first: each (degrees, micro-batches, schedule, vpp) gets a cheap lower bound on its step time (FLOPs / throughput
+and the measured fixed costs, slowed by the ranks sharing a node, plus the pipeline's fill and the cheapest sharding
+level's optimizer step and gathers). They are taken from one queue in bound order; a base taken puts its variants (the
+searched options) in the queue by the lower bound of their costs (the rules, `parallel.plan.rules.violations`, and
+`parallel.plan.planner.cost_model.step_costs`, no memory plan, no simulation), a variant with a saver on (recompute,
+offload: they only add time) at first by its saver-free sibling's bound. Only a variant taken from the queue is sized
+(`parallel.plan.memory.estimate`, with `margin` kept free) and simulated (cached per schedule, pp, vpp, micro-batches
+and cost ratios; the planner's own schedules, checked by their tests, are not checked again), until nothing left can
+beat the `top`-th best time found. The predicted step time is the simulated makespan with the cost model's per-chunk
+costs (`parallel.plan.planner.cost_model`) plus the terms outside the pipeline. Pure: no torch.
 
-Left out of the search, by hand (`parallel.plan.planner_search`): uneven stages (pp and pp x vpp must
+Left out of the search, by hand (`parallel.plan.planner.planner_search`): uneven stages (pp and pp x vpp must
 divide n_layer), pipelines with fewer micro-batches than stages, more than MAX_VPP chunks per rank or
 MAX_SEARCH_CHUNKS chunk forwards per step; elastic dp ranges. The memory check reads the first, middle and
 last stage (the winner is then checked on every rank by `parallel.plan.make_plan` in `choose`).
 
 This module owns the best-first loop and `choose`; the rest lives beside it, one job each:
-`parallel.plan.search_options` (what is searched), `parallel.plan.planner_search` (the bases, their bounds and
-variants, a variant's memory and costs), `parallel.plan.prediction` (a layout's predicted step, the ranked result)
-and `parallel.plan.planner_explain` (why a runner-up lost, what would make a model fit); the cost arithmetic is
-`parallel.plan.cost_model`.
+`parallel.plan.planner.search_options` (what is searched), `parallel.plan.planner.planner_search` (the bases, their
+bounds and variants, a variant's memory and costs), `parallel.plan.planner.prediction` (a layout's predicted step, the
+ranked result) and `parallel.plan.planner.planner_explain` (why a runner-up lost, what would make a model fit); the cost
+arithmetic is `parallel.plan.planner.cost_model`.
 """
 
 from __future__ import annotations
@@ -40,11 +39,11 @@ from dataclasses import replace
 
 from trainyard.parallel.config import JobConfig, ParallelConfig
 from trainyard.parallel.plan.admission import ClusterResources
-from trainyard.parallel.plan.cost_model import StepCosts
-from trainyard.parallel.plan.machine_costs import MachineCosts
-from trainyard.parallel.plan.planner_explain import distinct, no_fit_error, why_lost
-from trainyard.parallel.plan.planner_search import BaseLayout, Search
-from trainyard.parallel.plan.prediction import Candidate, PlannerResult, lower_bound
+from trainyard.parallel.plan.planner.cost_model import StepCosts
+from trainyard.parallel.plan.planner.machine_costs import MachineCosts
+from trainyard.parallel.plan.planner.planner_explain import distinct, no_fit_error, why_lost
+from trainyard.parallel.plan.planner.planner_search import BaseLayout, Search
+from trainyard.parallel.plan.planner.prediction import Candidate, PlannerResult, lower_bound
 from trainyard.parallel.plan.rules import PlanError
 from trainyard.parallel.plan.sizing import fixed_parallel
 

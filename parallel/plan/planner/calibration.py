@@ -3,7 +3,7 @@ service's state directory, keyed by node type), and the machine costs fitted fro
 
 `parallel.runtime.calibrate` measures (spawned gloo ranks, timed matmuls, collectives, optimizer steps and tiny
 training runs) and hands its raw timings here: each fitted as latency + size / throughput
-(`parallel.plan.machine_costs.Fit`, two points, `two_point_fit`), compute's slowdown with k ranks busy
+(`parallel.plan.planner.machine_costs.Fit`, two points, `two_point_fit`), compute's slowdown with k ranks busy
 (`contention_from`, `paired_slowdowns`), the all-reduce's with more ranks than the fit's world
 (`comm_contention_from`), and the trainer's fixed costs and FLOP rates from the tiny runs (`fixed_from_steps`,
 `flops_from_steps`, over the runs `FIXED_RUNS` and the widths `WIDTHS` name). The service reads the cache on a
@@ -25,7 +25,7 @@ from typing import Any
 
 from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig
 from trainyard.parallel.plan.admission import ClusterResources
-from trainyard.parallel.plan.machine_costs import Fit, MachineCosts, default_gpu_costs
+from trainyard.parallel.plan.planner.machine_costs import Fit, MachineCosts, default_gpu_costs
 from trainyard.parallel.plan.sharding import sharding_for
 
 CACHE_FILE = "calibration.json"
@@ -135,7 +135,7 @@ def flops_from_steps(costs: MachineCosts, step: dict[str, float]) -> MachineCost
     costs and the optimizer's step (pure arithmetic)."""
     from trainyard.parallel.models import family_of
     from trainyard.parallel.plan import make_plan
-    from trainyard.parallel.plan.memory import param_counts
+    from trainyard.parallel.plan.memory.estimate import param_counts
 
     def rate(config: JobConfig, name: str) -> float:
         m = config.model
