@@ -12,7 +12,7 @@ import torch._dynamo
 import trainyard.parallel.runtime.compile as compile_
 from helpers import slow
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainyard.parallel.config_model import ModelConfig, MoEConfig
+from trainyard.parallel.config.model import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
 from trainyard.parallel.models.moe import MoELayer
 from trainyard.parallel.runtime.split_backward import backward_input, backward_weight

@@ -106,9 +106,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def room_of(module: str) -> str | None:
-    """`parallel.plan.memory.estimate` -> `plan`; None for the top of `parallel/` (config, seeds, spec, the package)."""
+    """`parallel.plan.memory.estimate` -> `plan`; None for the top of `parallel/` (the config package, names, seeds,
+    spec, the package)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOMS) else None
+    return parts[1] if len(parts) >= 2 and parts[1] in ROOMS else None
 
 
 def room_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -137,7 +138,8 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_every_room_of_parallel_imports_only_the_rooms_below_it():
     graph = import_graph()
-    assert set(ROOMS) == {p.name for p in (ROOT / "parallel").iterdir() if (p / "__init__.py").is_file()}
+    # every package of parallel/ is a room, but the JobSpec's (`config`), which sits at the top with names, seeds, spec
+    assert set(ROOMS) | {"config"} == {p.name for p in (ROOT / "parallel").iterdir() if (p / "__init__.py").is_file()}
     assert room_violations(graph) == []
 
 

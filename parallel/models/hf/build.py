@@ -6,7 +6,7 @@ names a dropout (or stochastic-depth, layer-drop) probability is built at 0, and
 makes for itself gets p = 0. Training then computes what transformers' eval-mode forward computes.
 
 `model.hf_config` is a JSON object with a `model_type`: the spec checks it as it is read
-(`parallel.config_fields.CONFIG_JSON`).
+(`parallel.config.fields.CONFIG_JSON`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
-from trainyard.parallel.config_fields import MAX_GLOBAL_BATCH, MAX_STEPS, NOT_BOOL, STRICT, Degree, RuleError, Steps
+from trainyard.parallel.config.fields import MAX_GLOBAL_BATCH, MAX_STEPS, NOT_BOOL, STRICT, Degree, RuleError, Steps
 from trainyard.parallel.names import CompressionName, ScheduleKind, SyncName, ZeroLevel
 
 

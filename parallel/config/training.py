@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
-from trainyard.parallel.config_fields import NOT_BOOL, STRICT, Steps
+from trainyard.parallel.config.fields import NOT_BOOL, STRICT, Steps
 from trainyard.parallel.names import LrScheduleName, OptimizerName
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
-from trainyard.parallel.config_fields import CONFIG_JSON, MAX_SEQ_LEN, NOT_BOOL, STRICT
+from trainyard.parallel.config.fields import CONFIG_JSON, MAX_SEQ_LEN, NOT_BOOL, STRICT
 from trainyard.parallel.names import FamilyName
 
 

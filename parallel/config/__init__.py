@@ -11,9 +11,9 @@ field `async_` its spec name, `async`, a Python keyword).
 
 This module is the JobSpec's one import point: it holds the top (`JobConfig`, `PlannerNote`) and re-exports
 every name of its sections, one module per group of sections, each small enough to read at once:
-`parallel.config_fields` (bounds, the number types, `RuleError`), `parallel.config_model` (`model`),
-`parallel.config_training` (`data`, `optimizer`, `eval`, `checkpoint`, `resume_from`, `init_from`) and
-`parallel.config_parallel` (`parallel`, `fault`, `resources`, `sim_costs`). Import from here.
+`parallel.config.fields` (bounds, the number types, `RuleError`), `parallel.config.model` (`model`),
+`parallel.config.training` (`data`, `optimizer`, `eval`, `checkpoint`, `resume_from`, `init_from`) and
+`parallel.config.parallelism` (`parallel`, `fault`, `resources`, `sim_costs`). Import from here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
-from trainyard.parallel.config_fields import (
+from trainyard.parallel.config.fields import (
     MAX_DEGREE,
     MAX_GLOBAL_BATCH,
     MAX_PRIORITY,
@@ -35,8 +35,8 @@ from trainyard.parallel.config_fields import (
     RuleError,
     Steps,
 )
-from trainyard.parallel.config_model import LoraConfig, ModelConfig, MoEConfig, RopeScalingConfig
-from trainyard.parallel.config_parallel import (
+from trainyard.parallel.config.model import LoraConfig, ModelConfig, MoEConfig, RopeScalingConfig
+from trainyard.parallel.config.parallelism import (
     DpRange,
     FaultConfig,
     GradCompressionConfig,
@@ -46,7 +46,7 @@ from trainyard.parallel.config_parallel import (
     SimCostsConfig,
     SyncConfig,
 )
-from trainyard.parallel.config_training import (
+from trainyard.parallel.config.training import (
     CheckpointConfig,
     DataConfig,
     DataSource,
