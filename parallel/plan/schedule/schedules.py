@@ -21,11 +21,10 @@ passed locally.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 from trainyard.parallel.names import SCHEDULE_KINDS, registry
 from trainyard.parallel.plan.schedule.actions import Action, ActionKind, ScheduleError, stage_location, virtual_stage
+from trainyard.parallel.plan.schedule.kind import BI, BW, B, Compute, F, Schedule
+from trainyard.parallel.plan.schedule.kinds import gpipe, interleaved, one_f_one_b, zb_h1, zbv
 
 
 def check_schedule_args(kind: str, pp: int, microbatches: int, vpp: int) -> None:
@@ -53,109 +52,6 @@ def placement_of(kind: str) -> str:
     return SCHEDULES[kind].placement
 
 
-# --- compute orders: (F | B | I | W, microbatch, local chunk), per rank; registered in SCHEDULES ---
-
-Compute = tuple[ActionKind, int, int]
-F, B = ActionKind.FORWARD, ActionKind.BACKWARD
-BI, BW = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
-
-
-def _gpipe_order(m: int, vpp: int) -> list[Compute]:
-    # All forwards chunk by chunk, then all backwards in reverse chunk order (with vpp > 1 this is the
-    # breadth-first "looped" schedule: the same bubble as interleaved, but every activation is held at once).
-    forwards = [(F, mb, c) for c in range(vpp) for mb in range(m)]
-    backwards = [(B, mb, c) for c in reversed(range(vpp)) for mb in range(m)]
-    return forwards + backwards
-
-
-def _one_f_one_b_order(pp: int, m: int, rank: int) -> list[Compute]:
-    warmup = min(pp - rank - 1, m)
-    order: list[Compute] = [(F, mb, 0) for mb in range(warmup)]
-    for i in range(m - warmup):
-        order += [(F, warmup + i, 0), (B, i, 0)]
-    return order + [(B, mb, 0) for mb in range(m - warmup, m)]
-
-
-def _group_size(pp: int, m: int) -> int:
-    """Micro-batches that go through one chunk before the rank moves to the next chunk.
-
-    Megatron-LM's rule: a group holds at least pp micro-batches, or the first rank waits for the
-    wrapped-around activation; groups are equal, except a last, smaller one that must itself hold at least
-    pp. The smallest such size keeps the fewest activations in flight (it sets the warm-up length).
-    """
-    for size in range(pp, m + 1):
-        if m % size == 0 or m % size >= pp:
-            return size
-    raise ScheduleError(f"interleaved-1f1b needs microbatches >= pp (got microbatches={m}, pp={pp})")
-
-
-def _interleaved_order(pp: int, m: int, vpp: int, rank: int) -> list[Compute]:
-    group = _group_size(pp, m)
-    table = [(mb, c) for start in range(0, m, group) for c in range(vpp)
-             for mb in range(start, min(start + group, m))]
-    forwards = [(F, mb, c) for mb, c in table]
-    backwards = [(B, mb, vpp - 1 - c) for mb, c in table]
-    total = len(table)
-    # Later ranks start 1F1B sooner: each rank keeps two more forwards in flight than the next one, to cover
-    # the round trip of the first backward (Megatron's warm-up count).
-    warmup = min(2 * (pp - rank - 1) + (vpp - 1) * group, total)
-    order = forwards[:warmup]
-    for i in range(total - warmup):
-        order += [forwards[warmup + i], backwards[i]]
-    return order + backwards[total - warmup:]
-
-
-def _zb_h1_order(pp: int, m: int, rank: int) -> list[Compute]:
-    # ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", the handcrafted schedule with 1F1B's memory):
-    # 1F1B's warm-up, then each backward split into I and W; rank r defers the W of its first r micro-batches,
-    # which fill the cool-down where 1F1B idles. The same order as torch's ScheduleInterleavedZeroBubble with
-    # one chunk per rank. Each rank holds at most pp activations (an activation is held until its W).
-    warmup = min(pp - rank - 1, m)
-    order: list[Compute] = [(F, mb, 0) for mb in range(warmup)]
-    weights = 0
-    for i in range(m):
-        if warmup + i < m:
-            order.append((F, warmup + i, 0))
-        order.append((BI, i, 0))
-        if i >= rank:
-            order.append((BW, weights, 0))
-            weights += 1
-    return order + [(BW, mb, 0) for mb in range(weights, m)]
-
-
-def _zbv_order(pp: int, m: int, rank: int) -> list[Compute]:
-    # ZB-V (the same paper, section 6; torch's ScheduleZBVZeroBubble, whose order this is): two chunks per rank
-    # in a V (chunk 0 is virtual stage rank, chunk 1 stage 2pp-1-rank). Built for max(m, 2pp-1) micro-batches,
-    # the fewest that fill the V, and the ones beyond m dropped, as torch does.
-    n = max(2 * pp - 1, m)
-    order: list[Compute] = []
-    f0 = f1 = b0 = b1 = 0
-    for _ in range(2 * (pp - rank) - 1):
-        order.append((F, f0, 0))
-        f0 += 1
-    for _ in range(rank):
-        order += [(F, f1, 1), (F, f0, 0)]
-        f0, f1 = f0 + 1, f1 + 1
-    for _ in range(pp - rank):
-        order += [(F, f1, 1), (BI, b1, 1), (BW, b1, 1)]
-        f1, b1 = f1 + 1, b1 + 1
-    while f1 < f0 or f0 < n:
-        if f0 < n:
-            order.append((F, f0, 0))
-            f0 += 1
-        order += [(BI, b0, 0), (BW, b0, 0), (F, f1, 1), (BI, b1, 1), (BW, b1, 1)]
-        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
-    w0, w1 = b0, b1
-    for _ in range(rank):
-        order += [(BI, b0, 0), (BI, b1, 1)]
-        b0, b1 = b0 + 1, b1 + 1
-    for _ in range(pp - rank):
-        order += [(BI, b0, 0), (BW, w0, 0)]
-        b0, w0 = b0 + 1, w0 + 1
-    order += [(BW, mb, 1) for mb in range(w1, b1)] + [(BW, mb, 0) for mb in range(w0, b0)]
-    return [c for c in order if c[1] < m]
-
-
 # --- communication placement ---
 
 # Integer reference costs for placement (forward 1, backward 2): every time is exact, so "both ranks are
@@ -166,61 +62,11 @@ _MESSAGE_KINDS = {F: (ActionKind.SEND_ACT, ActionKind.RECV_ACT),
                   BI: (ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)}
 
 
-def _refuse_1f1b(pp: int, m: int, vpp: int) -> str | None:
-    if vpp != 1:
-        return f"1f1b needs vpp=1 (got vpp={vpp}); use interleaved-1f1b for virtual stages"
-    return None
-
-
-def _refuse_interleaved(pp: int, m: int, vpp: int) -> str | None:
-    if vpp < 2:
-        return f"interleaved-1f1b needs vpp >= 2 (got vpp={vpp}); use 1f1b for one chunk per rank"
-    if pp < 2:
-        return (f"interleaved-1f1b needs pp >= 2 (got pp={pp}): with one pipeline rank there is nothing to "
-                "interleave; use 1f1b or gpipe")
-    if m < pp:
-        return (f"interleaved-1f1b needs microbatches >= pp (got microbatches={m}, pp={pp}): a group of "
-                "micro-batches must fill the pipeline before it wraps around to the next chunk; with fewer, "
-                "every activation is held at once anyway, and gpipe with the same vpp runs that schedule")
-    return None
-
-
-def _refuse_zb_h1(pp: int, m: int, vpp: int) -> str | None:
-    if vpp != 1:
-        return f"zb-h1 needs vpp=1 (got vpp={vpp}); zbv runs two chunks per rank"
-    return None
-
-
-def _refuse_zbv(pp: int, m: int, vpp: int) -> str | None:
-    if vpp != 2:
-        return f"zbv needs vpp=2 (got vpp={vpp}): it places exactly two chunks per rank, in a V"
-    return None
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """One schedule kind: each rank's compute order, and why it cannot serve a (pp, microbatches, vpp)."""
-
-    name: str
-    order: Callable[[int, int, int, int], list[Compute]]
-    """(pp, microbatches, vpp, rank) -> that rank's forwards and backwards in order."""
-    refuse: Callable[[int, int, int], str | None] = lambda pp, m, vpp: None
-    """(pp, microbatches, vpp) -> the reason it cannot build them, or None."""
-    placement: str = "interleaved"
-    """Which virtual stages each rank's chunks are (`virtual_stage`)."""
-    splits_backward: bool = False
-    """Its backwards are input (I) and weight (W) halves run apart (`parallel.runtime.split_backward`)."""
-
-
 SCHEDULES: dict[str, Schedule] = registry(SCHEDULE_KINDS, {s.name: s for s in (
-    Schedule("gpipe", lambda pp, m, vpp, rank: _gpipe_order(m, vpp)),
-    Schedule("1f1b", lambda pp, m, vpp, rank: _one_f_one_b_order(pp, m, rank), _refuse_1f1b),
-    Schedule("interleaved-1f1b", _interleaved_order, _refuse_interleaved),
-    Schedule("zb-h1", lambda pp, m, vpp, rank: _zb_h1_order(pp, m, rank), _refuse_zb_h1, splits_backward=True),
-    Schedule("zbv", lambda pp, m, vpp, rank: _zbv_order(pp, m, rank), _refuse_zbv, placement="v", splits_backward=True),
+    gpipe.SCHEDULE, one_f_one_b.SCHEDULE, interleaved.SCHEDULE, zb_h1.SCHEDULE, zbv.SCHEDULE,
 )}, "parallel.plan.schedule.schedules.SCHEDULES")
-"""The pipeline schedule kinds `parallel.schedule` may name (`parallel.names.SCHEDULE_KINDS`, in this order); a new
-one is a new entry and its name there."""
+"""The pipeline schedule kinds `parallel.schedule` may name (`parallel.names.SCHEDULE_KINDS`, in this order), one
+module each in `parallel.plan.schedule.kinds`: a new one is its module, its line here and its name there."""
 
 
 def place_comm(orders: list[list[Compute]], pp: int, vpp: int, placement: str = "interleaved") -> list[list[Action]]:
