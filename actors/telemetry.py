@@ -24,7 +24,7 @@ from trainyard.actors.failure_handling.replicas import complete_pipeline
 from trainyard.actors.journal import METRICS_LOG, AppendOnly
 from trainyard.actors.tracking import Trackers
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.runtime.step_stats import StepReport, StepStats
+from trainyard.parallel.runtime.step.step_stats import StepReport, StepStats
 
 log = logging.getLogger("trainyard.coordinator")
 

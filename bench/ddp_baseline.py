@@ -39,7 +39,7 @@ from trainyard.parallel.data.sampler import global_batch_ids, rank_share
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, make_optimizer, set_lr
-from trainyard.parallel.runtime.data_parallel import GradientReducer
+from trainyard.parallel.runtime.dp.data_parallel import GradientReducer
 from trainyard.parallel.spec import load_spec_text, parse_spec
 
 GRAD_SYNCS = ("ddp", "after-backward")

@@ -71,11 +71,11 @@ from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.plan import Plan, PlanError, make_plan
 from trainyard.parallel.plan.memory.estimate import rank_memory
-from trainyard.parallel.runtime.data_parallel import GradientReducer
 from trainyard.parallel.runtime.distributed import shutdown_distributed
+from trainyard.parallel.runtime.dp.data_parallel import GradientReducer
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.local_world import free_ports
-from trainyard.parallel.runtime.step_figures import Figures
+from trainyard.parallel.runtime.step.step_figures import Figures
 
 GPT_MEDIUM = {"n_layer": 24, "n_head": 16, "d_model": 1024, "vocab_size": 50304, "seq_len": 1024}
 LLAMA_1B = {"family": "llama", "n_layer": 22, "n_head": 32, "n_kv_head": 4, "d_model": 2048, "ffn_hidden": 5632,

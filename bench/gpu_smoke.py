@@ -71,15 +71,15 @@ from trainyard.parallel.io.export import export_model
 from trainyard.parallel.io.hf_checkpoint import write_hf_dir
 from trainyard.parallel.io.peft_adapter import write_peft_dir
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.lora import apply_lora, is_adapter, merged
-from trainyard.parallel.models.moe import capacity
+from trainyard.parallel.models.components.lora import apply_lora, is_adapter, merged
+from trainyard.parallel.models.components.moe import capacity
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.driver import RankDriver, Save
-from trainyard.parallel.runtime.local_parts import local_part
 from trainyard.parallel.runtime.local_world import free_ports
 from trainyard.parallel.runtime.materialize import local_slices
-from trainyard.parallel.runtime.step_figures import Figures
+from trainyard.parallel.runtime.step.step_figures import Figures
+from trainyard.parallel.runtime.tp.local_parts import local_part
 
 STEPS = 4
 GPT2 = ModelConfig(n_layer=2, n_head=4, d_model=128, vocab_size=512, seq_len=128)

@@ -29,7 +29,7 @@ from trainyard.parallel.plan.schedule.schedule_sim import simulate
 from trainyard.parallel.plan.schedule.schedule_timing import Costs
 from trainyard.parallel.plan.schedule.schedules import build_schedule, placement_of
 from trainyard.parallel.runtime.local_world import spawn
-from trainyard.parallel.runtime.pipeline import PipelineExecutor
+from trainyard.parallel.runtime.pipeline.pipeline import PipelineExecutor
 
 from bench.context import BenchContext
 from bench.results import Row, at_most, median, ratio

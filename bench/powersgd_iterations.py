@@ -25,7 +25,7 @@ from bench.savers_grads import POWERSGD, TAIL, _losses, _plan
 
 def _iterated_finish(self, iterations: int) -> None:
     """`PowerSGDReducer.finish` with `iterations` power iterations on the summed gradient, synchronously."""
-    from trainyard.parallel.runtime.data_parallel import GradientReducer
+    from trainyard.parallel.runtime.dp.data_parallel import GradientReducer
 
     if not self.compressing:
         self._sent = None

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.driver import RankDriver
-from trainyard.parallel.runtime.local_parts import local_part
 from trainyard.parallel.runtime.local_world import spawn
+from trainyard.parallel.runtime.tp.local_parts import local_part
 from trainyard.parallel.runtime.trainer import RankTrainer
 from trainyard.parallel.spec import parse_spec
 

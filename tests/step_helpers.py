@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import Any
 
 from trainyard.actors.telemetry import StepRow
-from trainyard.parallel.runtime.step_stats import StepReport, StepStats
+from trainyard.parallel.runtime.step.step_stats import StepReport, StepStats
 
 STATS = {"step": 0, "loss": 2.5, "grad_norm": 1.0, "lr": 1e-3, "compute_s": 0.2, "pp_rank": 0, "dp_rank": 0,
          "tp_rank": 0, "forward_s": 0.1, "backward_s": 0.2, "comm_s": 0.0, "schedule_s": 0.4, "peak_activations": 2,

@@ -15,7 +15,7 @@ from trainyard.actors.journal import Journal
 from trainyard.actors.progress import Progress
 from trainyard.actors.telemetry import Rows, StepRow, checkpoint_event, compile_event, make_row, set_gauges
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.runtime.step_stats import StepReport
+from trainyard.parallel.runtime.step.step_stats import StepReport
 
 log = logging.getLogger("trainyard.coordinator")
 

@@ -41,7 +41,7 @@ from trainyard.actors.worker_group.worker_group import WorkerGroup, dead_nodes
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, can_move_in_memory, resize_plan
 from trainyard.parallel.plan.cadence import saves_after
-from trainyard.parallel.runtime.step_stats import StepReport
+from trainyard.parallel.runtime.step.step_stats import StepReport
 
 log = logging.getLogger("trainyard.coordinator")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trainyard.parallel.plan import Plan, can_move_in_memory
-from trainyard.parallel.runtime.step_stats import StepReport, StepStats
+from trainyard.parallel.runtime.step.step_stats import StepReport, StepStats
 
 
 def replicas_may_recover(plan: Plan) -> bool:

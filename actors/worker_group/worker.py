@@ -27,7 +27,7 @@ from trainyard.actors.calls import first_line
 from trainyard.actors.worker_group.oom_killer import confine_memory, read_oom_counters
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.host_memory import resident_bytes
-from trainyard.parallel.runtime.step_stats import Save, StepReport
+from trainyard.parallel.runtime.step.step_stats import Save, StepReport
 
 if TYPE_CHECKING:
     from trainyard.parallel.runtime.driver import RankDriver

@@ -19,7 +19,7 @@ from trainyard.actors.calls import Failure, call_all
 from trainyard.actors.naming import coordinator_name, placement_group_name, worker_name
 from trainyard.actors.worker_group.worker import Worker
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.runtime.step_stats import StepReport
+from trainyard.parallel.runtime.step.step_stats import StepReport
 
 Slot = tuple[PlacementGroup, int]
 log = logging.getLogger("trainyard.coordinator")

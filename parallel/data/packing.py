@@ -22,7 +22,7 @@ from trainyard.parallel.data.examples import ExampleDataset
 
 if TYPE_CHECKING:
     import torch
-    from trainyard.parallel.models.documents import Documents
+    from trainyard.parallel.models.components.documents import Documents
 
 
 def pack(targets: np.ndarray, seq_len: int) -> np.ndarray:
@@ -97,7 +97,7 @@ class PackedDataset(ExampleDataset):
     def documents(self, ids: list[int]) -> Documents:
         """The documents of these rows (a micro-batch), (len(ids), seq_len) each."""
         import torch
-        from trainyard.parallel.models.documents import Documents
+        from trainyard.parallel.models.components.documents import Documents
 
         positions, segments = zip(*(self.row_documents(i) for i in ids), strict=True)
         return Documents(torch.from_numpy(np.stack(positions)), torch.from_numpy(np.stack(segments)))

@@ -33,8 +33,8 @@ from trainyard.parallel.io.checkpoint import MODEL_FILE as MODEL_FILE  # the fil
 from trainyard.parallel.io.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, load_into, write_hf_dir
 from trainyard.parallel.io.peft_adapter import write_peft_dir
 from trainyard.parallel.io.stream_safetensors import Entry, write_streamed
-from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.models.lora import apply_lora, is_adapter, merged
+from trainyard.parallel.models.components.decoder import DecoderStage
+from trainyard.parallel.models.components.lora import apply_lora, is_adapter, merged
 from trainyard.parallel.models.whole import full_model
 
 

@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from trainyard.parallel.config import ModelConfig, RuleError
 from trainyard.parallel.io.hf_spec import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, adapter_for_family
-from trainyard.parallel.models.hf_mapping import Block, from_hf_block, hf_block, to_hf, whole
-from trainyard.parallel.models.lora import is_adapter
+from trainyard.parallel.models.components.hf_mapping import Block, from_hf_block, hf_block, to_hf, whole
+from trainyard.parallel.models.components.lora import is_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """save_pretrained's default shard size."""

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from trainyard.parallel.config import ModelConfig, RuleError
 from trainyard.parallel.io.hf_checkpoint import local_block
 from trainyard.parallel.io.hf_spec import adapter_for_family
-from trainyard.parallel.models.lora import adapter_names, is_adapter
+from trainyard.parallel.models.components.lora import adapter_names, is_adapter
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

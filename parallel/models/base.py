@@ -34,7 +34,7 @@ from trainyard.parallel.models.counting import ParamCounts, Shapes
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
-    from trainyard.parallel.models.decoder import DecoderStage
+    from trainyard.parallel.models.components.decoder import DecoderStage
 
 ReductionSet = Literal["dense", "router", "experts"]
 Matrix = tuple[int, int, ReductionSet]

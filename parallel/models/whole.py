@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 from trainyard.parallel.config import ModelConfig
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.decoder import DecoderStage, init_parameters
+from trainyard.parallel.models.components.decoder import DecoderStage, init_parameters
 from trainyard.parallel.models.gpt2.model import GPTStage
 
 

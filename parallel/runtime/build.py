@@ -78,20 +78,20 @@ import trainyard.parallel.runtime.compile as regional_compile
 import trainyard.parallel.runtime.materialize as materializing
 from trainyard.parallel.config import JobConfig
 from trainyard.parallel.io import hf_checkpoint, peft_adapter
-from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.models.lora import apply_lora
-from trainyard.parallel.models.moe import MoEContext, moe_layers
+from trainyard.parallel.models.components.decoder import DecoderStage
+from trainyard.parallel.models.components.lora import apply_lora
+from trainyard.parallel.models.components.moe import MoEContext, moe_layers
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.layout import RankCoords
 from trainyard.parallel.plan.schedule.actions import virtual_stage
 from trainyard.parallel.plan.sharding import Sharding
 from trainyard.parallel.runtime.compression import Compressor, make_compressor
-from trainyard.parallel.runtime.data_parallel import Reducer, make_reducer
 from trainyard.parallel.runtime.distributed import RankGroups
-from trainyard.parallel.runtime.fsdp import ShardedChunks, shard_chunks
+from trainyard.parallel.runtime.dp.data_parallel import Reducer, make_reducer
+from trainyard.parallel.runtime.dp.fsdp import ShardedChunks, shard_chunks
 from trainyard.parallel.runtime.host_steps import forward_units, wait_in_forward
-from trainyard.parallel.runtime.tensor_parallel import apply_tensor_parallel
-from trainyard.parallel.runtime.tied import TiedEmbeddings
+from trainyard.parallel.runtime.pipeline.tied import TiedEmbeddings
+from trainyard.parallel.runtime.tp.tensor_parallel import apply_tensor_parallel
 from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
 
 

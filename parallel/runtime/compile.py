@@ -65,8 +65,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.models.moe import MoELayer
+from trainyard.parallel.models.components.decoder import DecoderStage
+from trainyard.parallel.models.components.moe import MoELayer
 
 BACKEND = "inductor"
 """torch.compile's backend for `compile: true`."""

@@ -26,8 +26,8 @@ from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.memory.estimate import estimate
 from trainyard.parallel.runtime.distributed import RankGroups, init_distributed, pick_device, shutdown_distributed
 from trainyard.parallel.runtime.host_memory import return_freed_memory, returns_freed_memory
-from trainyard.parallel.runtime.step_figures import Figures
-from trainyard.parallel.runtime.step_stats import Save
+from trainyard.parallel.runtime.step.step_figures import Figures
+from trainyard.parallel.runtime.step.step_stats import Save
 from trainyard.parallel.runtime.trainer import RankTrainer
 
 RECENT = 4

@@ -30,9 +30,9 @@ from collections.abc import Sequence
 
 import torch
 from trainyard.parallel.io.hf_checkpoint import local_block
-from trainyard.parallel.models.decoder import DecoderStage, initial_value
-from trainyard.parallel.models.lora import init_adapter, is_adapter
-from trainyard.parallel.runtime.local_parts import local_part
+from trainyard.parallel.models.components.decoder import DecoderStage, initial_value
+from trainyard.parallel.models.components.lora import init_adapter, is_adapter
+from trainyard.parallel.runtime.tp.local_parts import local_part
 
 
 def local_slices(p: torch.Tensor) -> tuple[slice, ...]:

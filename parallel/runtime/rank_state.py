@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from trainyard.parallel.io import checkpoint
-from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.components.decoder import DecoderStage
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.layout import RankCoords
 from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_before_save
-from trainyard.parallel.runtime.data_parallel import Reducer
 from trainyard.parallel.runtime.distributed import RankGroups
-from trainyard.parallel.runtime.local_parts import local_part
+from trainyard.parallel.runtime.dp.data_parallel import Reducer
+from trainyard.parallel.runtime.pipeline.tied import TiedEmbeddings
 from trainyard.parallel.runtime.sync import ReplicaSync, saved_outer_state
-from trainyard.parallel.runtime.tied import TiedEmbeddings
+from trainyard.parallel.runtime.tp.local_parts import local_part
 from trainyard.parallel.runtime.train_optimizer import StateView, TrainOptimizer
 
 

@@ -48,8 +48,8 @@ from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.optim import states as optimizer_states
 from trainyard.parallel.optim.kinds import OptimizerKind, optimizer_kind
 from trainyard.parallel.runtime.host_steps import HostSteps
-from trainyard.parallel.runtime.local_parts import like_param as _like
-from trainyard.parallel.runtime.local_parts import local_part as _local
+from trainyard.parallel.runtime.tp.local_parts import like_param as _like
+from trainyard.parallel.runtime.tp.local_parts import local_part as _local
 
 STEP_CHUNK = 2**24
 """Elements per torch optimizer (64 MiB of fp32): the bound on a step's temporaries, and offloaded, the grain of the

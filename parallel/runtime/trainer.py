@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from trainyard.parallel.data.datasets import counted_targets, open_dataset
 from trainyard.parallel.data.sampler import rank_share, validation_batches
-from trainyard.parallel.models.moe import moe_layers
+from trainyard.parallel.models.components.moe import moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
@@ -52,13 +52,13 @@ from trainyard.parallel.plan.schedule.actions import FREEING_KINDS, Action, Acti
 from trainyard.parallel.runtime.build import build_rank
 from trainyard.parallel.runtime.compile import compile_seconds
 from trainyard.parallel.runtime.distributed import RankGroups
-from trainyard.parallel.runtime.pipeline import PipelineExecutor, PipelineTimings
+from trainyard.parallel.runtime.pipeline.pipeline import PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.rank_state import RankState
-from trainyard.parallel.runtime.step_figures import Figures, stage
-from trainyard.parallel.runtime.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
-from trainyard.parallel.runtime.step_stats import DivergedError, StepStats
+from trainyard.parallel.runtime.step.step_figures import Figures, stage
+from trainyard.parallel.runtime.step.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
+from trainyard.parallel.runtime.step.step_stats import DivergedError, StepStats
 from trainyard.parallel.runtime.sync import make_replica_sync, replica_group
-from trainyard.parallel.runtime.tensor_parallel import activation_shape, loss_context
+from trainyard.parallel.runtime.tp.tensor_parallel import activation_shape, loss_context
 
 FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
 """A pipeline schedule's actions that evaluation runs: forwards and the activations between stages."""

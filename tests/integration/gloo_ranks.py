@@ -11,9 +11,9 @@ import torch
 from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
-from trainyard.parallel.runtime.local_parts import local_part
 from trainyard.parallel.runtime.local_world import PlanRun, RankResult, run_plan, run_plans, spawn
 from trainyard.parallel.runtime.materialize import local_slices
+from trainyard.parallel.runtime.tp.local_parts import local_part
 
 K = TypeVar("K")
 

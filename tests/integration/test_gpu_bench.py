@@ -183,13 +183,13 @@ def cuda_syncs_on_the_cpu(monkeypatch):
     read, but the step's figures, which `Figures.read` reads from pinned host memory after an event; the data's
     tensors are the host's) and the project's copies of host data to the device that do not pass `non_blocking`
     (a copy from pageable memory)."""
-    import trainyard.parallel.runtime.step_figures as step_figures
+    import trainyard.parallel.runtime.step.step_figures as step_figures
 
     mode = {"warn": False}
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.update(warn=m == "warn"))
     tolist, to = torch.Tensor.tolist, torch.Tensor.to
-    parallel = Path(step_figures.__file__).parents[1]
+    parallel = Path(step_figures.__file__).parents[2]
     device_code = (str(parallel / "models"), str(parallel / "runtime"))
 
     def synchronizing() -> None:
@@ -216,8 +216,8 @@ def cuda_syncs_on_the_cpu(monkeypatch):
 @pytest.mark.slow
 @SLOW
 def test_gpu_smoke_host_read_check_counts_each_call_against_its_budget(cuda_syncs_on_the_cpu, monkeypatch, tmp_path):
-    import trainyard.parallel.models.moe as moe
-    import trainyard.parallel.runtime.pipeline as pipeline
+    import trainyard.parallel.models.components.moe as moe
+    import trainyard.parallel.runtime.pipeline.pipeline as pipeline
 
     import bench.gpu_smoke as smoke
 

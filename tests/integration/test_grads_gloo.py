@@ -22,7 +22,7 @@ from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.sharding import sharding_for
 from trainyard.parallel.runtime.compression.powersgd import PowerSGD
-from trainyard.parallel.runtime.data_parallel import make_reducer
+from trainyard.parallel.runtime.dp.data_parallel import make_reducer
 from trainyard.parallel.spec import parse_spec
 
 FULL = {"kind": "powersgd", "rank": 64, "min_compression_rate": 0}

@@ -89,7 +89,7 @@ def _count_reads() -> None:
     """Before a rank's driver (and so its trainer, which reads init_from.hf) is built: count what it reads, and
     keep its copies of the tied embedding after each step."""
     from trainyard.parallel.io import hf_checkpoint
-    from trainyard.parallel.runtime.local_parts import local_part
+    from trainyard.parallel.runtime.tp.local_parts import local_part
     from trainyard.parallel.runtime.trainer import RankTrainer
 
     hf_checkpoint.safe_open = _CountingOpen
@@ -111,7 +111,7 @@ def _count_reads() -> None:
 
 def _read_and_held(driver: RankDriver, stats: list[dict]) -> dict:
     """What the rank read of the checkpoint, what it holds, and its two steps' losses."""
-    from trainyard.parallel.runtime.local_parts import local_part
+    from trainyard.parallel.runtime.tp.local_parts import local_part
 
     read = sum(n for _, n in _CountingOpen.read)
     held = sum(local_part(p).numel() for chunk in driver.trainer.chunks for p in chunk.parameters())
@@ -124,8 +124,8 @@ def _frozen_and_state(driver: RankDriver, stats: list[dict]) -> dict:
     """Whether every frozen parameter still equals its block of the HF checkpoint, and the optimizer's bytes."""
     from trainyard.parallel.io import hf_checkpoint
     from trainyard.parallel.io.hf_spec import adapter_for_family
-    from trainyard.parallel.models.hf_mapping import from_hf_block, hf_block
-    from trainyard.parallel.runtime.local_parts import local_part
+    from trainyard.parallel.models.components.hf_mapping import from_hf_block, hf_block
+    from trainyard.parallel.runtime.tp.local_parts import local_part
 
     cfg = driver.trainer.plan.config
     files = hf_checkpoint.HFFiles(Path(cfg.init_from.hf))

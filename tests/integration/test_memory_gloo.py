@@ -17,7 +17,7 @@ from helpers import tiny_spec
 from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
-from trainyard.parallel.runtime.local_parts import local_part
+from trainyard.parallel.runtime.tp.local_parts import local_part
 from trainyard.parallel.spec import parse_spec
 
 MOE = {"experts": 4, "top_k": 2, "every": 2}

@@ -20,7 +20,7 @@ from gloo_ranks import layout_id, run_named, spawn
 from helpers import tiny_spec
 from trainyard.parallel.config import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.moe import MoEContext, MoELayer
+from trainyard.parallel.models.components.moe import MoEContext, MoELayer
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
 

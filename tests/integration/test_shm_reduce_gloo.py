@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import spawn
 from torch import nn
-from trainyard.parallel.runtime import shm_reduce
-from trainyard.parallel.runtime.data_parallel import GradientReducer
+from trainyard.parallel.runtime.dp import shm_reduce
+from trainyard.parallel.runtime.dp.data_parallel import GradientReducer
 
 WORLD = 3
 SHAPES = [(7, 5), (11,), (3, 3, 2), (1,)]  # 35 + 11 + 18 + 1 = 65 values: not a multiple of 3, the tail is padded

@@ -43,7 +43,7 @@ def plan_for(parallel: dict, **overrides) -> Plan:
 
 def copies(driver: RankDriver, stats: list[dict]) -> dict:
     """This rank's copies of the tied embedding (local parts), by its (dp, tp) coordinates."""
-    from trainyard.parallel.runtime.local_parts import local_part
+    from trainyard.parallel.runtime.tp.local_parts import local_part
 
     tied, c = driver.trainer.tied, driver.trainer.coords
     held = {"embedding": tied.embedding, "head": tied.head}

@@ -19,9 +19,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from trainyard.parallel.config import ModelConfig
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.optim.optimizer import clip_grad_norm, tp_copies
-from trainyard.parallel.runtime.data_parallel import GradientReducer
-from trainyard.parallel.runtime.pipeline import _SavedTensorMeter
-from trainyard.parallel.runtime.tensor_parallel import apply_tensor_parallel
+from trainyard.parallel.runtime.dp.data_parallel import GradientReducer
+from trainyard.parallel.runtime.pipeline.pipeline import _SavedTensorMeter
+from trainyard.parallel.runtime.tp.tensor_parallel import apply_tensor_parallel
 
 TP = 2
 CFG = ModelConfig(n_layer=2, n_head=4, d_model=32, vocab_size=256, seq_len=16)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainyard.parallel.runtime.data_parallel import GradientReducer
-from trainyard.parallel.runtime.grad_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from trainyard.parallel.runtime.dp.data_parallel import GradientReducer
+from trainyard.parallel.runtime.dp.grad_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 
 class _Ops(TorchDispatchMode):

@@ -27,18 +27,18 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.models.lora import apply_lora, is_adapter
-from trainyard.parallel.models.moe import moe_layers
+from trainyard.parallel.models.components.decoder import DecoderStage
+from trainyard.parallel.models.components.lora import apply_lora, is_adapter
+from trainyard.parallel.models.components.moe import moe_layers
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime import build
 from trainyard.parallel.runtime.build import CHUNK_STEPS, RANK_STEPS, BuiltRank, RankBuild, build_rank
-from trainyard.parallel.runtime.data_parallel import GradientReducer
 from trainyard.parallel.runtime.distributed import RankGroups
-from trainyard.parallel.runtime.fsdp import FsdpReducer
-from trainyard.parallel.runtime.local_parts import local_part, own_bucket
+from trainyard.parallel.runtime.dp.data_parallel import GradientReducer
+from trainyard.parallel.runtime.dp.fsdp import FsdpReducer
 from trainyard.parallel.runtime.materialize import local_slices
-from trainyard.parallel.runtime.tied import TiedEmbeddings
+from trainyard.parallel.runtime.pipeline.tied import TiedEmbeddings
+from trainyard.parallel.runtime.tp.local_parts import local_part, own_bucket
 from trainyard.parallel.spec import parse_spec
 
 CHUNK_ORDER = ("meta", "tensor_parallel", "lora", "recompute", "compile_blocks", "moe_context")

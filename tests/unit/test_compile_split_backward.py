@@ -14,8 +14,8 @@ from helpers import slow
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainyard.parallel.config.model import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.moe import MoELayer
-from trainyard.parallel.runtime.split_backward import backward_input, backward_weight
+from trainyard.parallel.models.components.moe import MoELayer
+from trainyard.parallel.runtime.pipeline.split_backward import backward_input, backward_weight
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten._grouped_mm.default}

@@ -17,7 +17,7 @@ from trainyard.parallel.config import RuleError
 from trainyard.parallel.io import hf_checkpoint
 from trainyard.parallel.io.export import export_hf, load_exported
 from trainyard.parallel.io.hf_spec import adapter_for_family, model_fields
-from trainyard.parallel.models import hf_mapping
+from trainyard.parallel.models.components import hf_mapping
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.spec import parse_spec
 

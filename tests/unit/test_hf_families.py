@@ -124,7 +124,7 @@ def test_the_job_event_names_the_family_that_claimed_the_directory(checkpoints):
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe"])
 def test_lora_adapts_the_kin_and_the_memory_plan_counts_their_adapters(checkpoints, name):
-    from trainyard.parallel.models.lora import apply_lora, is_adapter
+    from trainyard.parallel.models.components.lora import apply_lora, is_adapter
 
     _, directory = checkpoints[name]
     targets = ["q", "k", "v", "o", "gate", "up", "down"]

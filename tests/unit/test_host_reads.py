@@ -36,7 +36,7 @@ from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver, Save
 from trainyard.parallel.runtime.local_world import free_ports
-from trainyard.parallel.runtime.step_stats import DivergedError
+from trainyard.parallel.runtime.step.step_stats import DivergedError
 
 aten = torch.ops.aten
 SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}

@@ -14,7 +14,7 @@ from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.io import hf_checkpoint, peft_adapter
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.lora import adapter_names, apply_lora, init_adapter, is_adapter, merged
+from trainyard.parallel.models.components.lora import adapter_names, apply_lora, init_adapter, is_adapter, merged
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.plan.memory.estimate import rank_memory

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.models.loss import IGNORE_INDEX, chunk_tokens, linear_cross_entropy_sum
+from trainyard.parallel.models.components.loss import IGNORE_INDEX, chunk_tokens, linear_cross_entropy_sum
 from trainyard.parallel.models.whole import full_model
 
 TOKENS, D, VOCAB = 300, 48, 1000

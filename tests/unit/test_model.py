@@ -42,7 +42,7 @@ def test_tied_embeddings_share_one_tensor():
 
 def test_the_activation_meter_counts_a_storage_once_however_many_layers_save_it():
     from torch import nn
-    from trainyard.parallel.runtime.pipeline import _SavedTensorMeter
+    from trainyard.parallel.runtime.pipeline.pipeline import _SavedTensorMeter
 
     layers = [nn.Linear(8, 8) for _ in range(3)]  # like q, k and v: each saves the same input
     meter = _SavedTensorMeter([p for layer in layers for p in layer.parameters()])

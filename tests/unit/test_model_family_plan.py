@@ -13,8 +13,8 @@ from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.plan.memory.estimate import param_counts
 from trainyard.parallel.plan.present import describe
-from trainyard.parallel.runtime.pipeline import _SavedTensorMeter
-from trainyard.parallel.runtime.step_inputs import autocast_context
+from trainyard.parallel.runtime.pipeline.pipeline import _SavedTensorMeter
+from trainyard.parallel.runtime.step.step_inputs import autocast_context
 from trainyard.parallel.spec import SpecError, parse_spec
 
 LLAMA = {"family": "llama", "n_layer": 4, "d_model": 64, "n_head": 4, "n_kv_head": 2, "ffn_hidden": 160,

@@ -8,7 +8,7 @@ import torch
 from helpers import tiny_spec
 from trainyard.parallel.config import ModelConfig, MoEConfig
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.moe import MoELayer, capacity
+from trainyard.parallel.models.components.moe import MoELayer, capacity
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.spec import parse_spec
 

@@ -12,7 +12,7 @@ from trainyard.parallel.data.datasets import IGNORE, counted_targets, load_batch
 from trainyard.parallel.data.examples import pieces
 from trainyard.parallel.data.packing import PackedDataset, pack
 from trainyard.parallel.models import FAMILIES
-from trainyard.parallel.models.documents import document_mask
+from trainyard.parallel.models.components.documents import document_mask
 from trainyard.parallel.models.whole import full_model
 from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.spec import parse_spec

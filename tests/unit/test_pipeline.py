@@ -8,8 +8,13 @@ from helpers import tiny_spec
 from trainyard.parallel.models.whole import GPTStage, full_model
 from trainyard.parallel.plan.schedule.actions import Action, ActionKind
 from trainyard.parallel.plan.schedule.schedules import build_schedule
-from trainyard.parallel.runtime.pipeline import HANDLERS, PipelineExecutor, UnsupportedAction, _SavedTensorMeter
-from trainyard.parallel.runtime.split_backward import backward_input, backward_weight
+from trainyard.parallel.runtime.pipeline.pipeline import (
+    HANDLERS,
+    PipelineExecutor,
+    UnsupportedAction,
+    _SavedTensorMeter,
+)
+from trainyard.parallel.runtime.pipeline.split_backward import backward_input, backward_weight
 from trainyard.parallel.spec import parse_spec
 
 CFG = parse_spec(tiny_spec(model={"n_layer": 4})).model

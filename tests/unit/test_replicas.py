@@ -11,7 +11,7 @@ from step_helpers import step_report
 from trainyard.actors.failure_handling.replicas import complete_pipeline, live_point, replicas_to_replace
 from trainyard.actors.telemetry import make_row
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.runtime.step_stats import StepReport, StepStats
+from trainyard.parallel.runtime.step.step_stats import StepReport, StepStats
 from trainyard.parallel.spec import parse_spec
 
 PLAN = make_plan(parse_spec(tiny_spec(model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "microbatches": 2})))

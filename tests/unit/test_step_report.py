@@ -16,7 +16,7 @@ from trainyard.parallel.config import DataConfig, EvalConfig, JobConfig, ModelCo
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.local_world import free_ports
-from trainyard.parallel.runtime.step_stats import Save, StepReport
+from trainyard.parallel.runtime.step.step_stats import Save, StepReport
 
 
 @pytest.fixture(scope="module")

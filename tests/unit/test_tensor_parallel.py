@@ -5,7 +5,7 @@ import contextlib
 from helpers import tiny_spec
 from torch.distributed.tensor.parallel import loss_parallel
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.runtime.tensor_parallel import activation_shape, loss_context
+from trainyard.parallel.runtime.tp.tensor_parallel import activation_shape, loss_context
 from trainyard.parallel.spec import parse_spec
 
 

@@ -17,7 +17,7 @@ from trainyard.parallel.models.gpt2 import counts
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
-    from trainyard.parallel.models.decoder import DecoderStage
+    from trainyard.parallel.models.components.decoder import DecoderStage
 
 
 class GPT2(ModelFamily):
@@ -64,7 +64,7 @@ class GPT2(ModelFamily):
         vocabulary. The learned positions: `wpe` stays replicated; with sp its (seq_len, d_model) output is
         sliced to this rank's positions (a local slice whose backward all-gathers, so every rank gets the
         whole gradient of `wpe` and its weight needs no reduction of ours)."""
-        import trainyard.parallel.models.tp_styles as tp
+        import trainyard.parallel.models.components.tp_styles as tp
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import PrepareModuleOutput
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from trainyard.parallel.config import ModelConfig, NotNative, RuleError
-from trainyard.parallel.models.hf_mapping import Source, hf_bool
+from trainyard.parallel.models.components.hf_mapping import Source, hf_bool
 
 FAMILY = "gpt2"
 ARCHITECTURES = ("GPT2LMHeadModel",)

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.models.documents import Documents, attend
-from trainyard.parallel.models.grouped import grouped_linear
+from trainyard.parallel.models.components.documents import Documents, attend
+from trainyard.parallel.models.components.grouped import grouped_linear
 
 
 class CausalSelfAttention(nn.Module):

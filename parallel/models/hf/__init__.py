@@ -35,7 +35,7 @@ from trainyard.parallel.models.llama import counts as llama_counts
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
-    from trainyard.parallel.models.decoder import DecoderStage
+    from trainyard.parallel.models.components.decoder import DecoderStage
 
 NATIVE = "needs a native model family (the transformers backend, model.family hf, trains at data parallelism only)"
 LIMITS = "dp with ZeRO 0-3, full recompute, bf16, compile; no pp, tp, sp, ep, LoRA or selective recompute"

@@ -16,7 +16,7 @@ import json
 from collections.abc import Collection, Mapping
 
 from trainyard.parallel.config import ModelConfig, RuleError
-from trainyard.parallel.models.hf_mapping import Source
+from trainyard.parallel.models.components.hf_mapping import Source
 
 FAMILY = "hf"
 ARCHITECTURES: tuple[str, ...] = ()

@@ -32,10 +32,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig
+from trainyard.parallel.models.components.loss import IGNORE_INDEX, linear_cross_entropy_sum
 from trainyard.parallel.models.hf.build import hf_model
 from trainyard.parallel.models.hf.head import HeadForward, body_of
 from trainyard.parallel.models.hf.structure import decoder_layers, structure
-from trainyard.parallel.models.loss import IGNORE_INDEX, linear_cross_entropy_sum
 
 __all__ = ["HFStage", "element_counts", "hf_model", "parameter_shapes"]
 

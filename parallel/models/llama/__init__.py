@@ -26,7 +26,7 @@ from trainyard.parallel.models.llama import counts
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
-    from trainyard.parallel.models.decoder import DecoderStage
+    from trainyard.parallel.models.components.decoder import DecoderStage
 
 
 class Llama(ModelFamily):
@@ -87,7 +87,7 @@ class Llama(ModelFamily):
         row-parallel; the MLP's gate and up column-, down row-parallel; RMSNorms sequence-parallel with sp
         (the attention's input is all-gathered before q, k and v, so rotary embeddings see every position);
         embedding and head split over the vocabulary."""
-        import trainyard.parallel.models.tp_styles as tp
+        import trainyard.parallel.models.components.tp_styles as tp
 
         stream = tp.stream_layout(sequence_parallel)
         layers: dict[str, ParallelStyle] = tp.vocab_embedding("wte", stream) if stage.first else {}

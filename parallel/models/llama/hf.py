@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from trainyard.parallel.config import ModelConfig, NotNative, RuleError
-from trainyard.parallel.models.hf_mapping import Source, hf_bool
+from trainyard.parallel.models.components.hf_mapping import Source, hf_bool
 
 FAMILY = "llama"
 ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")

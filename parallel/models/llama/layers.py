@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig, RopeScalingConfig
-from trainyard.parallel.models.decoder import causal_attention
-from trainyard.parallel.models.documents import Documents, attend
-from trainyard.parallel.models.grouped import grouped_linear
+from trainyard.parallel.models.components.decoder import causal_attention
+from trainyard.parallel.models.components.documents import Documents, attend
+from trainyard.parallel.models.components.grouped import grouped_linear
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.components.decoder import DecoderStage
 from trainyard.parallel.models.llama.counts import ffn_hidden
 from trainyard.parallel.models.llama.layers import LlamaAttention, SwiGLU
 

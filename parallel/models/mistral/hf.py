@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from trainyard.parallel.config import ModelConfig, NotNative, RuleError
-from trainyard.parallel.models.hf_mapping import Source
+from trainyard.parallel.models.components.hf_mapping import Source
 from trainyard.parallel.models.llama import hf as llama
 
 FAMILY = "mistral"

@@ -16,7 +16,7 @@ from trainyard.parallel.models.llama.counts import kv_width, q_width
 
 if TYPE_CHECKING:
     from trainyard.parallel.config import ModelConfig
-    from trainyard.parallel.models.decoder import DecoderStage
+    from trainyard.parallel.models.components.decoder import DecoderStage
 
 
 class Qwen2(Llama):

@@ -20,7 +20,7 @@ from trainyard.parallel.models.qwen3 import counts
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
     from trainyard.parallel.config import ModelConfig
-    from trainyard.parallel.models.decoder import DecoderStage
+    from trainyard.parallel.models.components.decoder import DecoderStage
 
 
 class Qwen3(Llama):

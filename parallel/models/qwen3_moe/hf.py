@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from trainyard.parallel.config import ModelConfig, NotNative, RuleError
-from trainyard.parallel.models.hf_mapping import Source, hf_bool
+from trainyard.parallel.models.components.hf_mapping import Source, hf_bool
 from trainyard.parallel.models.llama import hf as llama
 from trainyard.parallel.models.qwen3 import hf as qwen3
 

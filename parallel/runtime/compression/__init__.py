@@ -16,7 +16,7 @@ from collections.abc import Callable
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.names import COMPRESSION_NAMES, CompressionName, registry
 from trainyard.parallel.runtime.compression.powersgd import PowerSGD
-from trainyard.parallel.runtime.data_parallel import Compressor
+from trainyard.parallel.runtime.dp.data_parallel import Compressor
 
 __all__ = ["COMPRESSORS", "NAMES", "Compressor", "make_compressor"]
 

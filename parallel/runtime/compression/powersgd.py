@@ -59,9 +59,9 @@ import torch.distributed as dist
 from torch import nn
 from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan.grad_compression import approximation_rank
-from trainyard.parallel.runtime.data_parallel import GradientReducer, ShardedGradientReducer
-from trainyard.parallel.runtime.grad_buckets import Bucket as _Bucket
-from trainyard.parallel.runtime.local_parts import local_part
+from trainyard.parallel.runtime.dp.data_parallel import GradientReducer, ShardedGradientReducer
+from trainyard.parallel.runtime.dp.grad_buckets import Bucket as _Bucket
+from trainyard.parallel.runtime.tp.local_parts import local_part
 from trainyard.parallel.seeds import derive_seed
 
 

@@ -68,15 +68,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
-from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.models.moe import moe_layers
+from trainyard.parallel.models.components.decoder import DecoderStage
+from trainyard.parallel.models.components.moe import moe_layers
 from trainyard.parallel.plan.schedule.actions import Action, ActionKind
 from trainyard.parallel.plan.sharding import Sharding
-from trainyard.parallel.runtime.fsdp_meter import GatheredMeter
-from trainyard.parallel.runtime.fsdp_split import gather_split, reduce_after_weight
-from trainyard.parallel.runtime.gloo_comms import BroadcastAllGather, InPlaceReduceScatter
-from trainyard.parallel.runtime.grad_buckets import WIRE_DTYPES
-from trainyard.parallel.runtime.local_parts import local_part
+from trainyard.parallel.runtime.dp.fsdp_meter import GatheredMeter
+from trainyard.parallel.runtime.dp.fsdp_split import gather_split, reduce_after_weight
+from trainyard.parallel.runtime.dp.gloo_comms import BroadcastAllGather, InPlaceReduceScatter
+from trainyard.parallel.runtime.dp.grad_buckets import WIRE_DTYPES
+from trainyard.parallel.runtime.tp.local_parts import local_part
 
 # The executor never changes a chunk's output in place, which is what FSDP2's warning is about.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
-from trainyard.parallel.models.transfers import to_device
+from trainyard.parallel.models.components.transfers import to_device
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from trainyard.parallel.runtime.local_parts import local_part, own_bucket
+from trainyard.parallel.runtime.tp.local_parts import local_part, own_bucket
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """`parallel.reduce_dtype` -> the type of the gradients on the wire between data-parallel ranks (the buckets' and

@@ -25,8 +25,8 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.runtime.local_parts import OWN_BUCKET, local_part
+from trainyard.parallel.models.components.decoder import DecoderStage
+from trainyard.parallel.runtime.tp.local_parts import OWN_BUCKET, local_part
 
 
 class TiedEmbeddings:

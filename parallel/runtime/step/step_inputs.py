@@ -13,9 +13,9 @@ import torch
 from trainyard.parallel.data.datasets import Dataset, counted_targets, has_loss_mask, load_batch, step_counted_targets
 from trainyard.parallel.data.packing import PackedDataset
 from trainyard.parallel.data.sampler import step_batch_ids
-from trainyard.parallel.models.documents import Documents
+from trainyard.parallel.models.components.documents import Documents
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.runtime.pipeline import Batch
+from trainyard.parallel.runtime.pipeline.pipeline import Batch
 
 
 def autocast_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:

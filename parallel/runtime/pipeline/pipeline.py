@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from trainyard.parallel.models.decoder import DecoderStage
-from trainyard.parallel.models.documents import Documents
-from trainyard.parallel.models.transfers import to_device
+from trainyard.parallel.models.components.decoder import DecoderStage
+from trainyard.parallel.models.components.documents import Documents
+from trainyard.parallel.models.components.transfers import to_device
 from trainyard.parallel.plan.schedule.actions import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -41,9 +41,9 @@ from trainyard.parallel.plan.schedule.actions import (
     stage_location,
     virtual_stage,
 )
-from trainyard.parallel.runtime.fsdp import ShardedChunks, next_computes
-from trainyard.parallel.runtime.split_backward import ParamGroups, backward_input, backward_weight
-from trainyard.parallel.runtime.stage_clock import StageClock
+from trainyard.parallel.runtime.dp.fsdp import ShardedChunks, next_computes
+from trainyard.parallel.runtime.pipeline.split_backward import ParamGroups, backward_input, backward_weight
+from trainyard.parallel.runtime.pipeline.stage_clock import StageClock
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch
 

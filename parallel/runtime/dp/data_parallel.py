@@ -72,8 +72,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.optim.optimizer import tp_copies
 from trainyard.parallel.plan.sharding import Sharding
-from trainyard.parallel.runtime.fsdp import FsdpReducer, ShardedChunks
-from trainyard.parallel.runtime.grad_buckets import (
+from trainyard.parallel.runtime.dp.fsdp import FsdpReducer, ShardedChunks
+from trainyard.parallel.runtime.dp.grad_buckets import (
     BUCKET_BYTES,
     WIRE_DTYPES,
     Bucket,
@@ -83,8 +83,8 @@ from trainyard.parallel.runtime.grad_buckets import (
     shard_of,
     split,
 )
-from trainyard.parallel.runtime.local_parts import like_param, local_part
-from trainyard.parallel.runtime.shm_reduce import shared_rows, sum_rows
+from trainyard.parallel.runtime.dp.shm_reduce import shared_rows, sum_rows
+from trainyard.parallel.runtime.tp.local_parts import like_param, local_part
 
 OptimizerState = Mapping[torch.Tensor, Mapping[str, torch.Tensor]]  # `StateView.state`, the checkpoint's form
 

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.components.decoder import DecoderStage
 from trainyard.parallel.plan import Plan
 
 

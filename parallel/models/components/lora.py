@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from trainyard.parallel.config import LoraConfig, ModelConfig
 from trainyard.parallel.models import family_of
-from trainyard.parallel.models.decoder import DecoderStage
+from trainyard.parallel.models.components.decoder import DecoderStage
 from trainyard.parallel.seeds import derive_seed
 
 ADAPTERS = ("lora_A", "lora_B")

@@ -38,9 +38,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.models.documents import Documents, ReadsDocuments
-from trainyard.parallel.models.loss import linear_cross_entropy_sum
-from trainyard.parallel.models.moe import MoELayer
+from trainyard.parallel.models.components.documents import Documents, ReadsDocuments
+from trainyard.parallel.models.components.loss import linear_cross_entropy_sum
+from trainyard.parallel.models.components.moe import MoELayer
 from trainyard.parallel.seeds import derive_seed
 
 

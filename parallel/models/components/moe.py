@@ -62,8 +62,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from trainyard.parallel.config import ModelConfig
-from trainyard.parallel.models.grouped import use_grouped_mm
-from trainyard.parallel.models.transfers import to_device
+from trainyard.parallel.models.components.grouped import use_grouped_mm
+from trainyard.parallel.models.components.transfers import to_device
 
 N_STAT_SLOTS = 4
 """Per-layer statistics before the per-expert loads: aux sum, z sum, dropped and all assignments."""

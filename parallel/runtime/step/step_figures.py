@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from trainyard.parallel.runtime.pipeline import PipelineTimings
+from trainyard.parallel.runtime.pipeline.pipeline import PipelineTimings
 
 
 @dataclass
