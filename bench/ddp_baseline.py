@@ -11,7 +11,7 @@ step (wall time and its phases, loss, grad norm) to `--out`.
 Gradient sync, `--grad-sync`:
 - `ddp` (the baseline): DDP all-reduces buckets while backward still runs. DDP averages, so the per-rank
   loss is `loss_sum / tokens_per_step * dp`, which makes the averaged gradient the global-batch mean.
-- `after-backward` (a diagnostic): no DDP; trainyard's own `parallel.runtime.data_parallel.GradientReducer`
+- `after-backward` (a diagnostic): no DDP; trainyard's own `parallel.runtime.dp.data_parallel.GradientReducer`
   (bucketed SUM, after backward, by gloo's all-reduce: shared memory off) on a loss of
   `loss_sum / tokens_per_step`, i.e. trainyard's math without Ray, so the difference to `ddp` is the value of
   overlapping the all-reduce with backward.

@@ -7,7 +7,7 @@ Both sides train the JobSpec in bench/dp2.yaml (same GPT, init, samples, optimiz
 - ddp: bench/ddp_baseline.py under torchrun, 2 gloo processes with OMP_NUM_THREADS=1, DDP's overlapped
   all-reduce (the baseline of the ratio);
 - after-backward: the same script without DDP, all-reducing once after backward with trainyard's own
-  `parallel.runtime.data_parallel` (a diagnostic: trainyard's math without Ray, and DDP's overlap switched off);
+  `parallel.runtime.dp.data_parallel` (a diagnostic: trainyard's math without Ray, and DDP's overlap switched off);
 - no-ray: the job's plan on trainyard's own ranks (`RankDriver`, the class the service's Worker actors wrap) as local
   processes (`parallel.runtime.local_world`), without Ray, the service or the coordinator; a step is the slower
   rank's `compute_s`. Beside the service's step it measures what running under Ray costs on this machine.

@@ -80,7 +80,7 @@ FLOOR_GIB = 3.0
 """The watchdog ends the process when the available memory falls below this (rather than let the machine swap or
 OOM)."""
 SAMPLE_S = 0.1
-ZERO3_PARAM_OFFLOAD = ("absent: parallel.runtime.fsdp (ZeRO-2/3, FSDP2) has no parameter offload (no "
+ZERO3_PARAM_OFFLOAD = ("absent: parallel.runtime.dp.fsdp (ZeRO-2/3, FSDP2) has no parameter offload (no "
                        "CPUOffloadPolicy), and at world size 1 it leaves every parameter out of FSDP (a set reduced by "
                        "this rank alone), so only optimizer.offload runs")
 

@@ -219,7 +219,8 @@ def quantized_states(driver: RankDriver) -> int:
 
 @contextlib.contextmanager
 def counting_grouped_mm() -> Iterator[list[int]]:
-    """The `torch._grouped_mm` calls made while it is entered (`parallel.models.grouped` calls it through `torch`)."""
+    """The `torch._grouped_mm` calls made while it is entered (`parallel.models.components.grouped` calls it through
+    `torch`)."""
     calls, original = [0], getattr(torch, "_grouped_mm", None)
     if original is None:
         yield calls
@@ -245,7 +246,7 @@ def compiled_graphs() -> int:
 
 def grouped_expected(cfg: JobConfig, device: torch.device) -> str | None:
     """Why the variant's experts should run as grouped matmuls on `device` (None: they loop), as
-    `parallel.models.grouped.use_grouped_mm` decides."""
+    `parallel.models.components.grouped.use_grouped_mm` decides."""
     if cfg.model.moe is None or cfg.precision != "bf16" or device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return None
     widths = (cfg.model.d_model, family_of(cfg.model).ffn_hidden(cfg.model))

@@ -2,8 +2,8 @@
 
 Two parts, side by side in one run:
 - **schedule time vs simulated makespan.** pp=4 ranks (spawned processes on gloo, no Ray) run the real
-  `parallel.runtime.pipeline.PipelineExecutor` over the real action lists, with stages of a fixed synthetic cost:
-  each chunk's forward sleeps FORWARD_S and its backward BACKWARD_S per stage (split evenly across the
+  `parallel.runtime.pipeline.pipeline.PipelineExecutor` over the real action lists, with stages of a fixed synthetic
+  cost: each chunk's forward sleeps FORWARD_S and its backward BACKWARD_S per stage (split evenly across the
   vpp chunks of interleaved-1f1b and zbv), half of it in the input's gradient and half in the weight's, so a
   split backward (zb-h1, zbv) sleeps each half in its own action, and moves a real activation tensor between
   ranks. Sleeping, not

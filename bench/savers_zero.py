@@ -1,4 +1,4 @@
-"""Section "savers-zero": ZeRO-2 and ZeRO-3 (FSDP2, `parallel.runtime.fsdp`) against zero 0, memory and step time.
+"""Section "savers-zero": ZeRO-2 and ZeRO-3 (FSDP2, `parallel.runtime.dp.fsdp`) against zero 0, memory and step time.
 
 Run: `python -m bench.run --only savers-zero`; spawned gloo ranks on this machine (torch alone, no Ray).
 

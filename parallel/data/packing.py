@@ -6,7 +6,7 @@ piece's length - 1) fit seq_len. A row's inputs are its pieces' tokens but the l
 but the first (each piece shifted on its own, so no target is the next example's first token), then padding
 whose targets do not count. Each token also carries its position in its piece (restarting at 0) and its segment
 (the piece's index in the row; the padding one segment after the last piece), which the model turns into a
-block-diagonal causal mask and per-example positions (`parallel.models.documents`).
+block-diagonal causal mask and per-example positions (`parallel.models.components.documents`).
 
 Rows are the samples: a sample id is a row's index, so epochs, counted targets and the layout-independence of
 the batches are those of `packing: false` (`parallel.data.examples`).

@@ -31,7 +31,8 @@ BACKEND = "hf"
 
 
 def adapter_for_family(family: str) -> ModuleType:
-    """The family's HF mapping module, `parallel/models/<family>/hf.py` (see `parallel.models.hf_mapping.HFAdapter`)."""
+    """The family's HF mapping module, `parallel/models/<family>/hf.py` (see
+    `parallel.models.components.hf_mapping.HFAdapter`)."""
     from trainyard.parallel.models import FAMILIES
 
     return FAMILIES[family].hf

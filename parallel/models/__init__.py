@@ -3,6 +3,11 @@ a model (see `parallel.models.base` for the interface, docs/design.md, "A model 
 
 A family is a folder `parallel/models/<name>/` whose `__init__.py` defines its `ModelFamily`; adding one is
 that folder, a line below and its name in `parallel.names.FamilyName` (what `model.family` may say).
+
+Beside the registry and the family folders: the interface (`base`), the vocabulary a family counts its memory in
+(`counting`, torch-free: the plan reads it), the whole model of a job (`whole`) and the parts the families share
+(`components/`: the decoder stage, MoE, the fused loss, LoRA, tensor-parallel styles, the Hugging Face mapping's
+common part...), which import no family.
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ trainer, the plan, the memory plan and tensor parallelism ask it; they never nam
 
 - rules: `check(config, parallel)` returns the family's own RuleErrors (the plan raises the first; the API: 422);
 - modules: `build_stage(cfg, layers, first=, last=, seed=, experts=)` builds one pipeline stage (see
-  `parallel.models.decoder.DecoderStage` for what a stage offers), `feed_forward(cfg)` its dense feed-forward
-  module (one MoE expert is the stage class's `expert(cfg)`, by default the same module; `parallel.models.moe` is
-  handed it);
+  `parallel.models.components.decoder.DecoderStage` for what a stage offers), `feed_forward(cfg)` its dense feed-forward
+  module (one MoE expert is the stage class's `expert(cfg)`, by default the same module;
+  `parallel.models.components.moe` is handed it);
 - tensor parallelism: `tensor_parallel_plan(stage, sequence_parallel=)` returns the `parallelize_module`
   plan (which projections are column- or row-parallel, which norms sequence-parallel);
 - counting (pure arithmetic, for `parallel.plan.memory.estimate` and MFU): `param_counts`, `embed_activations`,
   `block_activations`, `head_activations`, `flops_per_token`; `ffn_hidden(cfg)` the feed-forward width;
-- LoRA: `lora_targets` names the projections `model.lora.targets` may adapt (`parallel.models.lora`);
+- LoRA: `lora_targets` names the projections `model.lora.targets` may adapt (`parallel.models.components.lora`);
 - gradients: `reduction_set(name)` says which group sums a parameter's gradient (dense, router, experts);
 - Hugging Face: `hf` is the family's `parallel/models/<family>/hf.py` module, imported on first use.
 
@@ -45,7 +45,8 @@ class ModelFamily(ABC):
     name: str
     """The value of `model.family` that selects this family (also its folder under `parallel/models/`)."""
     lora_targets: dict[str, str] = {}
-    """`model.lora.targets`' names -> the projection's module path inside a block (`parallel.models.lora`)."""
+    """`model.lora.targets`' names -> the projection's module path inside a block
+    (`parallel.models.components.lora`)."""
     learned_positions: bool = False
     """Its positions are a learned embedding table (gpt2's), which sequence parallelism slices as one (seq_len,
     d_model) table: packed examples, whose positions restart at each, cannot run with `parallel.sp`
@@ -125,9 +126,9 @@ class ModelFamily(ABC):
         return {}
 
     def adapter_elements(self, cfg: ModelConfig, layers: Sequence[int], *, tp: int) -> int:
-        """Local elements of the LoRA adapters of blocks `layers` at tensor-parallel degree tp (`parallel.models.lora`:
-        A (rank x in) and B (out x rank), the one split over tp that the base splits; an MoE block's feed-forward has
-        none)."""
+        """Local elements of the LoRA adapters of blocks `layers` at tensor-parallel degree tp
+        (`parallel.models.components.lora`: A (rank x in) and B (out x rank), the one split over tp that the base
+        splits; an MoE block's feed-forward has none)."""
         if cfg.lora is None:
             return 0
         shapes, r, total = self.lora_shapes(cfg), cfg.lora.rank, 0
@@ -140,8 +141,8 @@ class ModelFamily(ABC):
         return total
 
     def reduction_set(self, name: str) -> ReductionSet:
-        """Which ranks sum a parameter's gradient (see `parallel.models.moe`): dense parameters over dp, an MoE
-        router over its whole stage, experts over the ranks holding the same experts."""
+        """Which ranks sum a parameter's gradient (see `parallel.models.components.moe`): dense parameters over dp, an
+        MoE router over its whole stage, experts over the ranks holding the same experts."""
         if ".moe.router." in name:
             return "router"
         if ".moe.experts." in name:

@@ -61,8 +61,8 @@ class Shapes:
 
 def expert_rows_fraction(m: ModelConfig, tp: int = 1) -> float:
     """Rows the experts compute on per (token, expert) choice: 1 dropless (every choice, sorted by expert); with a
-    capacity factor, the fixed-size buffers' rows (`parallel.models.moe`): experts x min(capacity, the slice's
-    length) per slice of seq_len / tp tokens' x top_k choices, kept or not (more than 1 when capacity x experts
+    capacity factor, the fixed-size buffers' rows (`parallel.models.components.moe`): experts x min(capacity, the
+    slice's length) per slice of seq_len / tp tokens' x top_k choices, kept or not (more than 1 when capacity x experts
     exceeds the choices)."""
     moe = m.moe
     if moe is None or moe.capacity_factor is None:
@@ -74,7 +74,7 @@ def expert_rows_fraction(m: ModelConfig, tp: int = 1) -> float:
 
 def moe_routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
     """(rows the experts compute on on this rank, bytes the router keeps); the same in every family
-    (`parallel.models.moe` routes alike whatever the experts are)."""
+    (`parallel.models.components.moe` routes alike whatever the experts are)."""
     moe = m.moe
     assert moe is not None, "routing is an MoE model's"
     routed = s.tokens // s.tp  # each tp rank routes its slice of every sequence
@@ -86,8 +86,8 @@ def moe_routing(m: ModelConfig, s: Shapes) -> tuple[int, int]:
 
 
 def chunk_tokens(tokens: int, vocab: int, d_model: int) -> int:
-    """Tokens per chunk of the fused loss (`parallel.models.loss`): d_model (a chunk's logits as big as the weight),
-    or more when that would take more than ceil(vocab / d_model) chunks (a chunk's logits as big as the hidden
+    """Tokens per chunk of the fused loss (`parallel.models.components.loss`): d_model (a chunk's logits as big as the
+    weight), or more when that would take more than ceil(vocab / d_model) chunks (a chunk's logits as big as the hidden
     states: Liger's rule)."""
     return max(1, d_model, math.ceil(tokens / math.ceil(vocab / d_model)))
 
@@ -96,7 +96,7 @@ def fused_loss_transient(m: ModelConfig, s: Shapes) -> int:
     """The fused loss's bytes at its peak beside what it keeps for backward (`head_and_loss`), in forward, once per
     micro-batch: one chunk's fp32 logits and their log-softmax, the hidden states with ignored rows zeroed (for
     the weight's gradient), the targets' picked log-probabilities, and under autocast the bf16 copies of the head's
-    weight and of the hidden states (`parallel.models.loss`). The vocabulary-parallel loss (tp > 1): 0, not
+    weight and of the hidden states (`parallel.models.components.loss`). The vocabulary-parallel loss (tp > 1): 0, not
     counted. Measured on the CPU (tests/integration/test_memory_peak.py) as the step's peak over its kept bytes."""
     if s.tp != 1:
         return 0
@@ -108,7 +108,7 @@ def fused_loss_transient(m: ModelConfig, s: Shapes) -> int:
 
 def head_and_loss(m: ModelConfig, s: Shapes) -> int:
     """What the output head and the loss keep for backward per micro-batch, after the final norm; the same in
-    every family (`DecoderStage.loss_sum`). Fused (tp 1, `parallel.models.loss`): the gradients it computed
+    every family (`DecoderStage.loss_sum`). Fused (tp 1, `parallel.models.components.loss`): the gradients it computed
     in forward, the hidden states' (fp32, the norm's output) and the head weight's (fp32), never logits.
     Vocabulary-parallel (tp > 1): the norm's output kept by the head (all-gathered under sp; its bf16 copy
     under autocast), the weight's bf16 copy, cross_entropy's fp32 log-softmax vocab / tp wide, the targets."""

@@ -195,7 +195,7 @@ def moe_context(b: RankBuild, chunk: int) -> None:
 
 def fsdp(b: RankBuild) -> None:
     """7. ZeRO-2/3: FSDP2 shards each chunk per unit (its embedding, each block, its head; routers and experts on
-    their own groups) over the same groups as the reducers (`parallel.runtime.fsdp`), on the meta device."""
+    their own groups) over the same groups as the reducers (`parallel.runtime.dp.fsdp`), on the meta device."""
     par = b.plan.parallel
     if b.sharding.shards_parameters:
         b.sharded = shard_chunks(b.chunks, b.groups.dp_mesh, b.groups.stage, b.groups.experts, b.sharding,
@@ -235,8 +235,8 @@ def reducers(b: RankBuild) -> None:
     """12. A reducer per set of parameters, and the gradient compressor they send through."""
     cfg, groups = b.cfg, b.groups
     par = b.plan.parallel
-    # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.moe): dense
-    # parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
+    # Each set of gradients is summed over the ranks that computed parts of it (see parallel.models.components.moe):
+    # dense parameters over dp, routers over the whole stage, experts over the ranks holding the same experts.
     # local_sgd, diloco: a replica is `plan.reduce_dp` dp ranks (`groups.reduce`), which reduce, shard and spread
     # experts among themselves as allreduce's dp ranks do.
     sets = groups.reducing  # parallel.plan.reduction_sets

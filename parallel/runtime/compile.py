@@ -17,7 +17,7 @@ What it composes with, each by the ordinary route:
 - bf16: autocast is entered around the stage's forward, outside the blocks, and dynamo honours it;
 - pipeline stages: each stage compiles its own blocks; the executor's sends and receives stay eager;
 - zero-bubble schedules (zb-h1, zbv: a backward split into an input half and a weight half,
-  `parallel.runtime.split_backward`): see below.
+  `parallel.runtime.pipeline.split_backward`): see below.
 
 Split backward (`separable_weights=True`). A compiled region is one autograd node (AOTAutograd's
 CompiledFunction) whose backward computes every gradient of the region at once: asked for the input's gradient,

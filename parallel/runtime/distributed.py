@@ -10,7 +10,7 @@ by_enumeration` from the plan's lists: the expert-parallel group (dp ranks that 
 group of ranks holding the same experts (they sum expert gradients: dp replicas and tp ranks), and the
 whole stage (router gradients and MoE statistics). Dense jobs create none of them. A model with tied embeddings
 across pipeline ranks adds the pairs holding its first and last virtual stage (`Plan.tied_groups`), which sum the
-embedding's and the head copy's gradients (`parallel.runtime.tied`).
+embedding's and the head copy's gradients (`parallel.runtime.pipeline.tied`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ holds more than its own shards plus one whole parameter at a time, the transient
 
 Why one whole parameter at a time and keep the slice, rather than a generator that draws only this rank's
 elements (torch's DTensor random ops, offset-based Philox): the values are then bitwise those of the whole
-construction (`parallel.models.decoder.init_parameters`) at every layout, whatever tp, ep, ZeRO or pipeline split,
-and a job resharded or resumed at another layout starts from the same weights: one (seed, name) generator, one
+construction (`parallel.models.components.decoder.init_parameters`) at every layout, whatever tp, ep, ZeRO or pipeline
+split, and a job resharded or resumed at another layout starts from the same weights: one (seed, name) generator, one
 stream. A sharding-aware generator's values depend on how it is sharded (DTensor's offset rule is its own and
 differs from a CPU generator's stream), and would give each layout other weights. The cost is time (each rank
 draws every parameter of its chunks whole) and one parameter's transient, not memory per rank.

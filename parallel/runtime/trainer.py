@@ -17,12 +17,12 @@ global mean loss whatever the layout.
 Host reads. Nothing in a step waits for the device: the loss, the clipped gradient norm (`clip_grad_norm` scales by
 min(1, max / norm) on the device), the token counts (from the sample ids, on the host) and the MoE statistics stay
 device tensors, and `queue_step` ends with all of them stacked into one tensor on its way to the host
-(`parallel.runtime.step_figures`). `read_step` reads it (`.tolist()`, the step's one read) and the divergence check
+(`parallel.runtime.step.step_figures`). `read_step` reads it (`.tolist()`, the step's one read) and the divergence check
 (`DivergedError`, naming that step) acts on it. The rank reads a step's figures one step late, once the next
 step's work is queued behind them (`RankDriver.queue_step`), so on a GPU the device goes from one step's kernels
 straight into the next one's; `train_step` reads them at once, for callers that compare trainers step by step.
 The MoE layers' dispatch is the exception, one read per layer and micro-batch when dropless, none with a capacity
-(`parallel.models.moe`). tests/unit/test_host_reads.py counts them.
+(`parallel.models.components.moe`). tests/unit/test_host_reads.py counts them.
 
 How a rank is built (its chunks on the meta device, tensor parallelism, LoRA, recompute, compile, FSDP2, their
 values, the tied embeddings, the gradient reducers and the optimizer) is `parallel.runtime.build`'s `build_rank`, in

@@ -233,8 +233,9 @@ def test_gpu_smoke_host_read_check_counts_each_call_against_its_budget(cuda_sync
         # each call: the previous step's figures and, dropless, each MoE layer's counts for each micro-batch
         assert reads["budget"] == budget and reads["per_call"] == [budget] * smoke.READ_CALLS, (name, reads)
         assert reads["flush"] == 1 and all("moe.py" in site for site in reads["sites"]), (name, reads)
-    # A blocking copy of the micro-batches (as before `parallel.models.transfers`) is two syncs more per micro-batch
-    # (the stand-in is compiled as pipeline.py's code: the stand-in of the sync debug mode flags the project's copies)
+    # A blocking copy of the micro-batches (as before `parallel.models.components.transfers`) is two syncs more per
+    # micro-batch (the stand-in is compiled as pipeline.py's code: the stand-in of the sync debug mode flags the
+    # project's copies)
     blocking = eval(compile("lambda t, device: t.to(device)", pipeline.__file__, "eval"))
     monkeypatch.setattr(pipeline, "to_device", blocking)
     with pytest.raises(AssertionError, match=r"(?s)over the host-read budget.*call 1: 4 syncs \+ 1 figure reads > 1"

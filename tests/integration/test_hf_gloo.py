@@ -1,7 +1,7 @@
 """Hugging Face checkpoints at a 3D layout (dp2 x pp2 x tp2 = 8 gloo ranks, one spawned world for both
 families): a tiny LlamaForCausalLM (GQA) and a tiny GPT2LMHeadModel as published, both with tied embeddings
-(`tie_word_embeddings`: the last stage holds its own copy of the embedding, `parallel.runtime.tied`), loaded with
-`init_from` give transformers' first-step loss and follow the same job at pp=1 (one rank, one tied tensor); the two
+(`tie_word_embeddings`: the last stage holds its own copy of the embedding, `parallel.runtime.pipeline.tied`), loaded
+with `init_from` give transformers' first-step loss and follow the same job at pp=1 (one rank, one tied tensor); the two
 copies are bitwise equal after every step; each rank reads only its own blocks of the checkpoint; the state
 trained at that layout, exported as an HF directory, loads in transformers with no missing or unexpected keys and
 gives trainyard's logits and the layout's next loss. In the same world, LoRA on the

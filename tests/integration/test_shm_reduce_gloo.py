@@ -1,4 +1,4 @@
-"""Gradients summed through shared memory (`parallel.runtime.shm_reduce`) on three real gloo ranks, without Ray.
+"""Gradients summed through shared memory (`parallel.runtime.dp.shm_reduce`) on three real gloo ranks, without Ray.
 
 The reducer's buckets are rows of one mapped file, and `finish` leaves every rank with the same bits, equal to what
 gloo's all-reduce of the same gradients gives (to rounding: three addends summed in another order), slices across

@@ -1,4 +1,4 @@
-"""Tied embeddings across pipeline chunks (`parallel.runtime.tied`) at every schedule and ZeRO stage, with tp,
+"""Tied embeddings across pipeline chunks (`parallel.runtime.pipeline.tied`) at every schedule and ZeRO stage, with tp,
 recompute and bf16, on 4 gloo ranks: each layout follows the one-rank pp=1 run (one tied tensor) within 1e-4, loss
 and clipped gradient norm (the tied weight counted once), and the embedding and its head copy are bitwise equal
 after training; a checkpoint holds one tensor for both and resumes at another pp, pp=1 to pp=2 and back, the V

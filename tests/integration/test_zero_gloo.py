@@ -1,10 +1,10 @@
-"""ZeRO-2 and ZeRO-3 (FSDP2, `parallel.runtime.fsdp`) on real gloo ranks (no Ray), with the driver the service's
+"""ZeRO-2 and ZeRO-3 (FSDP2, `parallel.runtime.dp.fsdp`) on real gloo ranks (no Ray), with the driver the service's
 workers run.
 
 One spawned world of 8 processes runs every plan in turn: zero=2 and zero=3 at (dp2, pp2, tp2, sp, 1f1b), at
 (pp2, vpp2, dp2, interleaved-1f1b) and, for MoE, at (dp2, ep2) with full recompute, zero=3 alone at (dp2),
 (dp2, pp2, 1f1b) with full recompute and (dp2) with tied embeddings, and the zero-bubble schedules (zb-h1 at
-zero=3, zbv at zero=2: `parallel.runtime.fsdp_split`), each against the one-rank zero=0 run (which
+zero=3, zbv at zero=2: `parallel.runtime.dp.fsdp_split`), each against the one-rank zero=0 run (which
 every layout follows within 1e-4: the project's layout-equivalence rule), the interleaved ones with a
 validation pass after step 1 as well; a zero=3 checkpoint resumed at zero=0 dp=1, and a zero=0 dp=1 checkpoint
 resumed at zero=3 (pp2, vpp2, dp2), both continuing that curve. Every rank reports the most parameter bytes FSDP2

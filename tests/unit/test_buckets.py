@@ -1,4 +1,4 @@
-"""Gradients in place (`parallel.runtime.data_parallel`): backward's gradients land in the reduction buckets, and
+"""Gradients in place (`parallel.runtime.dp.data_parallel`): backward's gradients land in the reduction buckets, and
 a step neither zeroes the buckets nor adds a first gradient into them. And the overlap: a model smaller than one
 whole bucket still gets a small first bucket, whose reduction starts while backward is still computing."""
 

@@ -3,7 +3,7 @@ MoE statistics, stacked), and in MoE blocks one per layer and micro-batch when d
 that the one read comes a step late (item 2): a rank's call for step N returns step N-1's figures, read once N's
 work is queued, and a divergence is reported as the step it happened in. Also the other way: a step's copies of
 host data to the device (its micro-batches, packed data's documents, a grouped MoE layer's offsets) never make the
-host wait (`parallel.models.transfers`), which on a GPU a copy from pageable memory does.
+host wait (`parallel.models.components.transfers`), which on a GPU a copy from pageable memory does.
 
 A read is counted where, on a GPU, it would make the host wait for the device: `_local_scalar_dense` (`.item()`,
 `float(t)`, `int(t)`), `is_nonzero` (`bool(t)`, `if t:`), `equal`, a `Tensor.tolist()` (which does not dispatch:

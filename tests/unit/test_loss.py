@@ -1,5 +1,5 @@
-"""The loss fused with the head (`parallel.models.loss`): torch's cross-entropy in value and gradients, and no
-full-size fp32 logits tensor in its forward or backward."""
+"""The loss fused with the head (`parallel.models.components.loss`): torch's cross-entropy in value and gradients, and
+no full-size fp32 logits tensor in its forward or backward."""
 
 from __future__ import annotations
 

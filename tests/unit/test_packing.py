@@ -1,6 +1,6 @@
 """Packed examples (`data.packing: true`): rows that hold every target once with positions restarting at each
 example (`parallel.data.packing`), and a model that attends within each example alone
-(`parallel.models.documents`): a packed row's logits are those of each example run on its own."""
+(`parallel.models.components.documents`): a packed row's logits are those of each example run on its own."""
 
 from __future__ import annotations
 

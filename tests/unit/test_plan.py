@@ -144,7 +144,7 @@ def test_a_weight_gradient_cost_above_the_whole_backward_is_refused():
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_zero_bubble_schedules_plan_with_zero2_and_zero3_and_with_compile_but_not_full_recompute(zero):
-    """FSDP2 follows the split backward (`parallel.runtime.fsdp_split`); compiled blocks keep their linears eager
+    """FSDP2 follows the split backward (`parallel.runtime.dp.fsdp_split`); compiled blocks keep their linears eager
     under it, so each half runs only its own matmuls (`parallel.runtime.compile`), which full recompute's
     whole-block checkpoint cannot span."""
     zb = {"pp": 2, "dp": 2, "microbatches": 2, "schedule": "zb-h1", "zero": zero}

@@ -22,7 +22,7 @@ parameters are filled after sharding, each rank its own slices of the same whole
 Tied embeddings: a stage that is both first and last makes the head's weight the embedding's Parameter. A last
 stage without the embedding (pp > 1, or another chunk of an interleaved rank) holds its own copy as the head
 (`tied_copy`), drawn from the embedding's generator (`EMBEDDING`'s name), so the two start equal; the trainer keeps
-them equal (`parallel.runtime.tied`).
+them equal (`parallel.runtime.pipeline.tied`).
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ class DecoderStage(nn.Module):
 
     def set_documents(self, documents: Documents | None) -> None:
         """The documents (positions, segments) of the packed micro-batch this stage computes next, or None: given to
-        every module that reads them (`parallel.models.documents`), before each forward and backward action."""
+        every module that reads them (`parallel.models.components.documents`), before each forward and backward
+        action."""
         for module in self.modules():
             if isinstance(module, ReadsDocuments):
                 module.documents = documents
@@ -207,8 +208,8 @@ class DecoderStage(nn.Module):
         """Summed (not averaged) cross-entropy: the caller divides by the global token count. Targets of -100
         count nothing.
 
-        The head and the loss are fused, a chunk of tokens at a time (`parallel.models.loss`): no full-size fp32
-        logits tensor exists, in forward or backward. With tensor parallelism the head's weight is a DTensor
+        The head and the loss are fused, a chunk of tokens at a time (`parallel.models.components.loss`): no full-size
+        fp32 logits tensor exists, in forward or backward. With tensor parallelism the head's weight is a DTensor
         sharded over the vocabulary, the logits are one too, and the caller runs this and its backward under
         `loss_parallel` (each rank holds vocab / tp of the logits); the loss is then a replicated DTensor,
         returned as its local value, which is the whole loss. (A head whose weight is a DTensor for another

@@ -1,6 +1,6 @@
 """Experts as one grouped matmul: every expert's rows through its own weight in one `torch._grouped_mm` call.
 
-An MoE layer's rows come sorted by expert (`parallel.models.moe`); `offs` holds where each expert's rows end
+An MoE layer's rows come sorted by expert (`parallel.models.components.moe`); `offs` holds where each expert's rows end
 (int32, on the device, cumulative). `grouped_linear(rows, weights, offs, biases)` is, for each expert e,
 `rows[offs[e-1]:offs[e]] @ weights[e].T + biases[e]` (`nn.Linear`'s), in one call where the loop over the experts
 issues one matmul (and its launch) per expert. The families' expert modules (gpt2's `MLP`, llama's `SwiGLU`) have a

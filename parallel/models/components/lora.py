@@ -11,7 +11,7 @@ checkpoint of a LoRA job holds (the base comes back from `init_from` or the seed
 Init is PEFT's (A Kaiming-uniform with a = sqrt(5), B zero, so the adapted model starts equal to the base), A
 drawn from (seed, its name) as every parameter is, so every layout starts from the same adapters.
 
-Applied after tensor parallelism (`parallel.runtime.tensor_parallel`), whose styles shard the base's own
+Applied after tensor parallelism (`parallel.runtime.tp.tensor_parallel`), whose styles shard the base's own
 parameters only, and split to match the base (Megatron's LoRA layout):
 - a column-parallel base (output features sharded): A replicated, B column-parallel (`Shard(0)`); the hook
   sees the style's replicated input, and B's output is the same column shard as the base's;

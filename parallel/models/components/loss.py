@@ -31,7 +31,7 @@ The trade: each micro-batch in flight keeps an fp32 (vocab, d_model) weight grad
 about twice torch's ops (62 against 32 on a 2-chunk toy head), which only a model too small to fill the
 device pays for (on CPU: 416 against 282 us at vocab 256, d_model 64, 128 tokens; even at vocab 8192).
 
-In a split backward (zero-bubble schedules, `parallel.runtime.split_backward`) this node is where the head's
+In a split backward (zero-bubble schedules, `parallel.runtime.pipeline.split_backward`) this node is where the head's
 weight meets the input's path: both halves run its backward, and it keeps its gradients until the weight half.
 
 Not used for a vocabulary-parallel head (tensor parallelism): its logits are a DTensor sharded over the

@@ -29,7 +29,7 @@ Expert gradients are then summed over the ranks that hold the same experts and t
 stage (`parallel.runtime.trainer`).
 
 Tensor parallelism. The tp ranks of a group do not duplicate the routing work: each routes and dispatches
-only its slice of the sequence (with sp it holds just that slice; without sp `parallel.runtime.tensor_parallel`
+only its slice of the sequence (with sp it holds just that slice; without sp `parallel.runtime.tp.tensor_parallel`
 hands the layer its slice and all-gathers the output). Capacity needs the sequence's earlier positions, so
 the ranks exchange their per-expert counts (a few integers) and each counts the slices before its own;
 the load-balancing loss is linear in P, so each rank adds its slice's share with the whole sequence's f,
@@ -42,8 +42,8 @@ together): the experts' row splits and the exchange's need them. With a capacity
 gets a buffer of min(capacity, slice length) rows per sequence of the micro-batch, a kept choice goes to the row
 of its place in the expert's queue, and the experts compute on the whole buffers (the empty rows are zeros nobody
 reads); with ep the buffers travel in equal splits (micro-batches are equal over dp). The experts run as grouped
-matmuls where the device has a kernel for it (`parallel.models.grouped`; the counts' offsets go back to the device
-without waiting for it, `parallel.models.transfers`), one after another elsewhere.
+matmuls where the device has a kernel for it (`parallel.models.components.grouped`; the counts' offsets go back to the
+device without waiting for it, `parallel.models.components.transfers`), one after another elsewhere.
 
 Written by hand because torch has no MoE layer. The token exchange is `dist.all_to_all_single` in a
 five-line autograd Function (`_Exchange`), as `torch.distributed.nn.functional.all_to_all_single` does:
@@ -104,8 +104,8 @@ class MoELayer(nn.Module):
         self.experts = nn.ModuleDict({str(e): expert(cfg) for e in sorted(experts)})
         self.context = MoEContext()
         self.grouped_mm: bool | None = None
-        """Run the experts as grouped matmuls: None where `parallel.models.grouped` says the device has a kernel
-        for it; True or False to force it (tests compare the two paths)."""
+        """Run the experts as grouped matmuls: None where `parallel.models.components.grouped` says the device has a
+        kernel for it; True or False to force it (tests compare the two paths)."""
         # Sums over a step's calls (see `summarize`), zeroed by the trainer at each step's start. A buffer so
         # it moves with the module; not persistent: it is no part of the model.
         self.register_buffer("stats", torch.zeros(N_STAT_SLOTS + self.n_experts, dtype=torch.float64),
@@ -229,7 +229,7 @@ class MoELayer(nn.Module):
 
     def _local_experts(self, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Rows sorted by this rank's experts (`counts` of each) through them: one grouped matmul per weight where
-        the device has one (`parallel.models.grouped`), else one expert after another."""
+        the device has one (`parallel.models.components.grouped`), else one expert after another."""
         experts = list(self.experts.values())
         grouped = getattr(type(experts[0]), "grouped", None) if experts else None
         # Recomputing experts (selective checkpointing) run as their modules, whose checkpointed regions they have.

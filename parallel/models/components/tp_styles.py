@@ -1,6 +1,6 @@
 """The pieces of a family's tensor-parallel plan (Megatron's layout, as torchtitan writes it with DTensor).
 
-A family's `tensor_parallel_plan` assembles these per stage; `parallel.runtime.tensor_parallel` applies the plan
+A family's `tensor_parallel_plan` assembles these per stage; `parallel.runtime.tp.tensor_parallel` applies the plan
 and says why the layout is what it is. `stream` is the residual stream's layout between the parallel
 regions: `Shard(1)` (the sequence) with sequence parallelism, else `Replicate()`.
 """
@@ -46,8 +46,8 @@ def region(prefix: str, norm: str, columns: Sequence[str], row: str, stream: Pla
 
 
 def moe_region(block: str, stream: Placement, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The MoE layer is plain torch code on this rank's slice of each sequence (see parallel.models.moe): hand it the
-    slice, and give the stream back its layout (without sp: an all-gather, whose backward slices)."""
+    """The MoE layer is plain torch code on this rank's slice of each sequence (see parallel.models.components.moe):
+    hand it the slice, and give the stream back its layout (without sp: an all-gather, whose backward slices)."""
     layers: dict[str, ParallelStyle] = {}
     if sequence_parallel:
         layers[f"{block}.ln_2"] = SequenceParallel()

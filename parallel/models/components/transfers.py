@@ -8,9 +8,9 @@ tensor and copies it `non_blocking`: the copy is queued on the stream like a ker
 reads it, and torch's pinned-memory allocator keeps the pinned block until the copy is done. Elsewhere (the CPU) it
 is `t.to(device)`.
 
-What a step sends: its micro-batches' inputs and targets (`parallel.runtime.pipeline`), packed data's documents
-(`parallel.models.documents`) and a dropless MoE layer's expert offsets for the grouped matmul
-(`parallel.models.moe`). tests/unit/test_host_reads.py checks that a step makes no other copy to the device.
+What a step sends: its micro-batches' inputs and targets (`parallel.runtime.pipeline.pipeline`), packed data's documents
+(`parallel.models.components.documents`) and a dropless MoE layer's expert offsets for the grouped matmul
+(`parallel.models.components.moe`). tests/unit/test_host_reads.py checks that a step makes no other copy to the device.
 """
 
 from __future__ import annotations

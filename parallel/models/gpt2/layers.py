@@ -1,6 +1,6 @@
 """GPT-2's dense building blocks: causal self-attention (with biases) and the GELU MLP.
 
-The MLP is also what an MoE block's experts are in this family (`parallel.models.moe` asks the family).
+The MLP is also what an MoE block's experts are in this family (`parallel.models.components.moe` asks the family).
 
 Selective activation checkpointing (`recompute = True`, set by `set_activation_checkpointing`) recomputes
 in backward what is large to keep and cheap to compute again, with torch's non-reentrant `checkpoint`: the
@@ -38,7 +38,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.recompute = False
         self.documents: Documents | None = None
-        """Packed examples (`parallel.models.documents`): attention stays within each."""
+        """Packed examples (`parallel.models.components.documents`): attention stays within each."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
@@ -69,7 +69,7 @@ class MLP(nn.Module):
     @staticmethod
     def grouped(experts: list[MLP], rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Experts' rows (sorted by expert, `offs` where each one's end) through them in two grouped matmuls
-        (`parallel.models.grouped`)."""
+        (`parallel.models.components.grouped`)."""
         h = grouped_linear(rows, [e.fc.weight for e in experts], offs, [e.fc.bias for e in experts])
         h = F.gelu(h, approximate=experts[0].approximate)
         return grouped_linear(h, [e.proj.weight for e in experts], offs, [e.proj.bias for e in experts])

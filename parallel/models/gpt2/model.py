@@ -1,6 +1,6 @@
 """The GPT-2 decoder: LayerNorm, learned positions, GELU MLP, biases (numerics as before the families).
 
-A stage of it is a `parallel.models.decoder.DecoderStage` with these parts; see there for what a stage holds
+A stage of it is a `parallel.models.components.decoder.DecoderStage` with these parts; see there for what a stage holds
 and offers.
 """
 

@@ -2,8 +2,8 @@
 
 `HFStage(cfg, seed=)` builds `AutoModelForCausalLM.from_config(cfg.hf_config)` (`build`: fp32, dropout off) and
 holds its children under their own names, so its parameter names are the model's (`names` maps them to a
-checkpoint's). It offers what a `parallel.models.decoder.DecoderStage` offers the trainer at pp = 1 (first and last
-at once): `forward(tokens)` is the model's body (`get_decoder()`: with transformers' own masks and positions),
+checkpoint's). It offers what a `parallel.models.components.decoder.DecoderStage` offers the trainer at pp = 1 (first
+and last at once): `forward(tokens)` is the model's body (`get_decoder()`: with transformers' own masks and positions),
 `loss_sum(hidden, targets)` the summed cross-entropy of the model's logits, `shard_units()` the input embedding,
 each decoder layer (`structure.decoder_layers`) and the rest with the output embedding,
 `set_activation_checkpointing("full")` transformers' per-layer checkpointing, and `reset_buffers`. The embeddings
@@ -11,8 +11,8 @@ are the model's own (`get_input_embeddings()`, `get_output_embeddings()`), tied 
 no module name is assumed.
 
 The loss: where the head is proved plain (`head.head_form`: logits = hidden @ W_out.T), the fused, chunked
-cross-entropy (`parallel.models.loss`, no full fp32 logits) while the weight is whole on the rank; otherwise, or
-with the weight sharded (ZeRO-3), the model's own head (`head.HeadForward`: its forward from the body's output, so
+cross-entropy (`parallel.models.components.loss`, no full fp32 logits) while the weight is whole on the rank; otherwise,
+or with the weight sharded (ZeRO-3), the model's own head (`head.HeadForward`: its forward from the body's output, so
 soft-capping, logit scaling, biases are the architecture's code) and the cross-entropy of its logits.
 
 Built under `torch.device("meta")` (the trainer's construction), the parameters are meta but the buffers (rotary

@@ -73,7 +73,8 @@ class LlamaAttention(nn.Module):
         self.register_buffer("inv_freq", rope_frequencies(self.head_dim, *self.rope), persistent=False)
         self.recompute = False
         self.documents: Documents | None = None
-        """Packed examples (`parallel.models.documents`): positions restart at each, attention stays within it."""
+        """Packed examples (`parallel.models.components.documents`): positions restart at each, attention stays within
+        it."""
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of `x` as (batch, seq, heads, head_dim), before rotation (qwen3 normalises q and k here)."""
@@ -149,7 +150,7 @@ class SwiGLU(nn.Module):
     @staticmethod
     def grouped(experts: list[SwiGLU], rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Experts' rows (sorted by expert, `offs` where each one's end) through them in three grouped matmuls
-        (`parallel.models.grouped`)."""
+        (`parallel.models.components.grouped`)."""
         g = grouped_linear(rows, [e.gate.weight for e in experts], offs)
         u = grouped_linear(rows, [e.up.weight for e in experts], offs)
         return grouped_linear(F.silu(g) * u, [e.down.weight for e in experts], offs)

@@ -1,7 +1,7 @@
 """The Llama decoder: RMSNorm, rotary positions (in the attention), SwiGLU, grouped-query attention, no
 biases; optionally tied embeddings.
 
-A stage of it is a `parallel.models.decoder.DecoderStage` with these parts; see there for what a stage holds
+A stage of it is a `parallel.models.components.decoder.DecoderStage` with these parts; see there for what a stage holds
 and offers. Parameter names (fixed: the Hugging Face mapping relies on them): `wte.weight`,
 `blocks.{i}.ln_1.weight`, `blocks.{i}.attn.{q,k,v,proj}.weight`, `blocks.{i}.ln_2.weight`,
 `blocks.{i}.mlp.{gate,up,down}.weight`, MoE blocks `blocks.{i}.moe.router.weight` and

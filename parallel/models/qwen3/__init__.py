@@ -5,7 +5,7 @@ Everything else is llama's (`parallel.models.llama`), so the family subclasses i
 each rank normalises its own heads with the whole (replicated) norm weights; their gradients are then partial
 sums over the tp ranks, so the plan makes the two norms `SequenceParallel` over the heads dimension (dim 2 of
 (batch, seq, heads, head_dim)): DTensor then holds the weight replicated and its gradient partial, and the
-gradient buffers reduce it as they do a sequence-parallel norm's (`parallel.runtime.tensor_parallel`).
+gradient buffers reduce it as they do a sequence-parallel norm's (`parallel.runtime.tp.tensor_parallel`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The qwen3_moe family (Hugging Face `Qwen3MoeForCausalLM`): qwen3's attention (per-head q and k norms,
-`head_dim`) with mixture-of-experts blocks of SwiGLU experts (`parallel.models.moe`: top-k routing, the
+`head_dim`) with mixture-of-experts blocks of SwiGLU experts (`parallel.models.components.moe`: top-k routing, the
 top-k probabilities renormalised or not as `moe.norm_topk_prob` says, the load-balancing loss, expert
 parallelism). Modules, tensor-parallel plan and counting are qwen3's (`parallel.models.qwen3`), which are
 llama's with the norms; the HF mapping is its own.

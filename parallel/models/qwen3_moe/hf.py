@@ -9,8 +9,8 @@ writes; transformers 5 fuses them in memory as `mlp.experts.gate_up_proj` and `d
 
 Refused by name: `mlp_only_layers` (dense blocks at chosen places), and a `decoder_sparse_step` above 1 whose
 dense blocks' `intermediate_size` is not the experts' width (trainyard's dense blocks and experts share
-`ffn_hidden`). The router's auxiliary loss is the one `parallel.models.moe` computes for every family (Mixtral's
-port too), whose weight stays the spec's `moe.aux_loss_coef` (written back as `router_aux_loss_coef`).
+`ffn_hidden`). The router's auxiliary loss is the one `parallel.models.components.moe` computes for every family
+(Mixtral's port too), whose weight stays the spec's `moe.aux_loss_coef` (written back as `router_aux_loss_coef`).
 transformers' `load_balancing_loss_func` (the same function for Mixtral and Qwen3-MoE, added to the loss only
 with `output_router_logits`, false by default) takes its expert fractions and mean probabilities over the
 tokens of all layers at once, which no pipeline stage holds; trainyard's is the same Switch form per layer and

@@ -1,7 +1,7 @@
 """The gradient compression room: compressors of the data-parallel reduction (`parallel.grad_compression`).
 
 Owns the registry of compressors (`COMPRESSORS`, by the spec's `parallel.grad_compression.kind`) and one module per
-compressor (`powersgd`). A compressor is a `Compressor` (`parallel.runtime.data_parallel`, where `make_reducer`
+compressor (`powersgd`). A compressor is a `Compressor` (`parallel.runtime.dp.data_parallel`, where `make_reducer`
 calls it, and re-exported here: its reducers subclass that module's, so the protocol lives beside them): the step
 running now, which the trainer sets before each step, and `reducer_class(base)`, the compressing variant of a
 sharding strategy's reducer class. The trainer builds the job's (`make_compressor`) and hands it to `make_reducer`

@@ -12,7 +12,7 @@ shards line up) large enough to gain (rows x cols > min_compression_rate x (rows
     Q_i = M^T P^ (this rank's);  e <- M - P^ Q_i^T;  all-reduce Q = sum_i Q_i;  M' = P^ Q^T
 
 so M' = P^ P^T (sum_i M_i): every rank gets the same rank-r approximation of the SUMMED gradient (our loss is
-normalised by the global token count, so the reduction sums; see `parallel.runtime.data_parallel`). Each rank's
+normalised by the global token count, so the reduction sums; see `parallel.runtime.dp.data_parallel`). Each rank's
 error is what its own gradient lost in the projection (the paper's local error memory, as the authors'
 epfml/powersgd reducer computes it: before Q is reduced), so the errors of a step add up to exactly
 (sum_i M_i) - M' and are sent later (torch's hook keeps M_i - M'/N, which adds up to the same). At full
@@ -27,7 +27,7 @@ generator seeded by (job seed, bucket, parameter): every rank of a group draws t
 P^ is the Q factor of a QR decomposition of the all-reduced P, the same on every rank.
 
 Why not torch's `ddp_comm_hooks.powerSGD_hook`: it is a DDP communication hook, taking DDP's C++ GradBucket
-and averaging over the group; our reducer is written by hand (see `parallel.runtime.data_parallel`), sums, keeps
+and averaging over the group; our reducer is written by hand (see `parallel.runtime.dp.data_parallel`), sums, keeps
 DTensor shards and ZeRO-1 slices in its buckets. The algorithm and its choices (the min_compression_rate
 rule, warm start, QR, warm-up) follow that hook, and its numbers are the hook's: tests/integration/
 test_grads_gloo.py runs the hook itself on the same gradients from the same Q (ours = its result x world

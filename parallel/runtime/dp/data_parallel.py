@@ -2,8 +2,8 @@
 and optionally sharding the optimizer state (ZeRO-1).
 
 A `GradientReducer` owns one set of parameters and the group that sums their gradients (dense parameters:
-the data-parallel group; MoE routers and experts: see `parallel.models.moe`). Written by hand instead of wrapping
-stages in DistributedDataParallel (or FSDP2's `fully_shard`) because:
+the data-parallel group; MoE routers and experts: see `parallel.models.components.moe`). Written by hand instead of
+wrapping stages in DistributedDataParallel (or FSDP2's `fully_shard`) because:
 - the loss is already normalised by the global token count, so a SUM of gradients is the exact gradient
   of the global batch (DDP averages, which would need the loss rescaled by dp);
 - with pipeline schedules a chunk's micro-batch backwards interleave with other micro-batches' forwards,
@@ -33,14 +33,14 @@ gradient in that backward, e.g. an expert no token reached) and waits for what i
 
 Shared memory (`parallel.shared_memory_reduce`, on by default): when every rank of the group is a CPU process on one
 host, the buckets of a plain `GradientReducer` are views into this rank's row of a tensor the group's ranks all map
-(`parallel.runtime.shm_reduce`), and `finish` sums the rows in place instead of calling gloo's all-reduce (TCP
+(`parallel.runtime.dp.shm_reduce`), and `finish` sums the rows in place instead of calling gloo's all-reduce (TCP
 between the processes of one machine). Nothing starts during backward then: the sum is two barriers and one pass over
 the memory, cheaper than what overlap hid (dp bench: 0.143 s against 0.149 s a step, the ranks without Ray). ZeRO-1,
 bf16 on the wire and PowerSGD keep their collectives.
 
 Sharding is a strategy (`parallel.plan.sharding`, picked by `parallel.zero`), and `make_reducer` builds the
 reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (zero 0),
-`ShardedGradientReducer` is ZeRO-1, and ZeRO-2/3 are torch's FSDP2 (`parallel.runtime.fsdp.FsdpReducer`: the
+`ShardedGradientReducer` is ZeRO-1, and ZeRO-2/3 are torch's FSDP2 (`parallel.runtime.dp.fsdp.FsdpReducer`: the
 pipeline executor tells FSDP2 which chunk to gather and when a chunk's last backward comes, which is what
 DDP and plain FSDP usage lack here). Gradient compression (`parallel.grad_compression`) is a compressor
 object (`Compressor`, built from the registry `parallel.runtime.compression.COMPRESSORS`) handed to `make_reducer`,
@@ -95,12 +95,12 @@ def make_reducer(chunk_params: list[list[nn.Parameter]], group: dist.ProcessGrou
                  compressor: Compressor | None = None, shared_memory: bool = False) -> Reducer:
     """The reducer the sharding strategy needs for this set of parameters. A group of one rank shards
     nothing: every strategy keeps everything there. ZeRO-2/3: the parameters FSDP2 sharded (`sharded`, see
-    `parallel.runtime.fsdp`) are reduced by FSDP2. `compressor` (`parallel.grad_compression`): the same reducer with
+    `parallel.runtime.dp.fsdp`) are reduced by FSDP2. `compressor` (`parallel.grad_compression`): the same reducer with
     its buckets sent compressed (`parallel.runtime.compression`); a group of one rank sends nothing. `shared_memory`: a
     plain reducer whose group's ranks share a host sums through shared memory (module doc)."""
     size = dist.get_world_size(group) if group is not None else 1
     if sharding.shards_parameters and size > 1:
-        assert sharded is not None, "ZeRO-2/3 shards the chunks with parallel.runtime.fsdp.shard_chunks first"
+        assert sharded is not None, "ZeRO-2/3 shards the chunks with parallel.runtime.dp.fsdp.shard_chunks first"
         return FsdpReducer(chunk_params, sharded, reduce_dtype)
     cls = ShardedGradientReducer if sharding.shards_optimizer_state and size > 1 else GradientReducer
     if compressor is not None and size > 1:
@@ -143,7 +143,7 @@ class GradientReducer:
                   for params in split(list(reversed(params)), bucket_bytes)]
         shared = shared_memory and self.sums_in_shared_memory
         self.rows = self._shared_rows([params for _, params in splits]) if shared else None
-        """Shared memory: every rank's buckets, back to back, one row a rank (`parallel.runtime.shm_reduce`)."""
+        """Shared memory: every rank's buckets, back to back, one row a rank (`parallel.runtime.dp.shm_reduce`)."""
         self._rows_used = 0
         self.buckets = [self._make_bucket(chunk, params) for chunk, params in splits]
         self.next_to_start = 0

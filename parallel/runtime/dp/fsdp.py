@@ -7,8 +7,8 @@ dimension of the world mesh (`parallel.runtime.distributed`), so a tensor-parall
 (dp, tp) DTensor and a plain one a 1-D (dp) DTensor, sharded along its first dimension; the chunk itself is then
 wrapped as the root of its units (it holds no parameter of its own). An MoE block's router and each of its
 experts are wrapped apart, inside their block, on a 1-D mesh made of their own reduction group (the router: the
-stage's dp x tp ranks; experts: the ranks holding the same experts; see `parallel.models.moe`), so every set of
-gradients is summed over the ranks that computed it, as the hand-written reducers do at zero 0 and 1. A set
+stage's dp x tp ranks; experts: the ranks holding the same experts; see `parallel.models.components.moe`), so every set
+of gradients is summed over the ranks that computed it, as the hand-written reducers do at zero 0 and 1. A set
 whose group is this rank alone is left out of FSDP (`ignored_params`) and reduced by a plain `GradientReducer`
 (which then sends nothing). FSDP2 does the sharding, the gathers, the reduce-scatters (in `reduce_dtype` on the
 wire; on gloo `gloo_comms`' collectives, without gloo's whole copies), the sharded gradients the optimizer
@@ -54,7 +54,7 @@ What is ours, and why:
 FSDP2's private state is used in three places: each root is initialised at construction, once its parameters
 hold values (`ready`: `_lazy_init`, which its first forward would run), so a gather prefetched into a chunk that
 has not run yet finds its units ready;
-`_set_unshard_async_op` (above); and `parallel.runtime.fsdp_meter`, which measures what is gathered.
+`_set_unshard_async_op` (above); and `parallel.runtime.dp.fsdp_meter`, which measures what is gathered.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class ShardedChunks:
 
     def gather_chunk(self, chunk: int) -> None:
         """Before either half of a split backward (not at virtual stage 0, whose weight half is a whole backward):
-        the chunk's units whole, so its parameters are the ones the graph holds (`parallel.runtime.fsdp_split`)."""
+        the chunk's units whole, so its parameters are the ones the graph holds (`parallel.runtime.dp.fsdp_split`)."""
         gather_split(self.orders[chunk] + self.nested[chunk])
         self.meter.look_all()
 
@@ -322,7 +322,7 @@ def _mesh(group: dist.ProcessGroup | None, device: str) -> DeviceMesh | None:
 
 class FsdpReducer:
     """One set of parameters (dense, routers or experts) that FSDP2 shards: the reducer's interface
-    (`parallel.runtime.data_parallel.GradientReducer`) over FSDP2's sharded parameters and gradients. FSDP2 reduces
+    (`parallel.runtime.dp.data_parallel.GradientReducer`) over FSDP2's sharded parameters and gradients. FSDP2 reduces
     during backward; the step and the checkpoint work on the shards, which are the parameters themselves."""
 
     zero = True

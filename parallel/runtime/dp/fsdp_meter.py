@@ -1,4 +1,4 @@
-"""What FSDP2 holds gathered on a rank (ZeRO-2/3, `parallel.runtime.fsdp`), measured while the step runs.
+"""What FSDP2 holds gathered on a rank (ZeRO-2/3, `parallel.runtime.dp.fsdp`), measured while the step runs.
 
 `GatheredMeter.gathered` is the set of addresses of the storages that hold gathered (whole) parameters right now:
 the pipeline's saved-tensor meter skips them (they are parameters, not activations). `peak_gathered_bytes` is the

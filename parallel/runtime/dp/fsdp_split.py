@@ -1,7 +1,7 @@
-"""ZeRO-2/3 (FSDP2, `parallel.runtime.fsdp`) under the zero-bubble schedules, whose backward is split in two
-(`parallel.runtime.split_backward`): the input half computes the input's gradient, the weight half the parameters'.
-A unit's gradient becomes final in the weight half, so it is reduce-scattered after that half, and the unit is
-gathered for both halves.
+"""ZeRO-2/3 (FSDP2, `parallel.runtime.dp.fsdp`) under the zero-bubble schedules, whose backward is split in two
+(`parallel.runtime.pipeline.split_backward`): the input half computes the input's gradient, the weight half the
+parameters'. A unit's gradient becomes final in the weight half, so it is reduce-scattered after that half, and the unit
+is gathered for both halves.
 
 Both halves name the parameters they stop at (the input half) or walk to (the weight half), and a freed unit's
 parameters are its shards, which the graph does not hold: so the chunk's units are gathered before either half

@@ -1,4 +1,4 @@
-"""The gradient buckets of `parallel.runtime.data_parallel`'s reducers: their sizes (DDP's two), one bucket's
+"""The gradient buckets of `parallel.runtime.dp.data_parallel`'s reducers: their sizes (DDP's two), one bucket's
 state, how parameters are split into buckets, and the small steps on a bucket's views (a gradient copied in, the
 views settled before a reduction). The reducers' flow and the reasons for it are that module's docstring."""
 

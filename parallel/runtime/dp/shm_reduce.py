@@ -1,5 +1,5 @@
 """Summing a group's gradients through shared memory when every rank of the group is a CPU process on one host:
-the buckets of `parallel.runtime.data_parallel.GradientReducer` when `parallel.shared_memory_reduce` is on.
+the buckets of `parallel.runtime.dp.data_parallel.GradientReducer` when `parallel.shared_memory_reduce` is on.
 
 Written by hand because gloo, torch's CPU backend, has one transport, TCP: between two processes of one machine its
 all-reduce copies every byte through the kernel's sockets, in both directions, and keeps a core busy doing it. Here

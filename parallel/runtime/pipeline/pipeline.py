@@ -3,8 +3,8 @@
 The coordinator's schedule (`parallel.plan.schedule.schedules`) gives each pipeline rank an ordered list of actions;
 this module only interprets it, dispatching each action by its kind through one table (`HANDLERS`):
 FORWARD/BACKWARD run one micro-batch through one local chunk; BACKWARD_INPUT / BACKWARD_WEIGHT run the two
-halves of a split backward (`parallel.runtime.split_backward`: the input gradient, then later the weights'); a run of
-consecutive communication actions is posted together as one `batch_isend_irecv` and waited on as a whole,
+halves of a split backward (`parallel.runtime.pipeline.split_backward`: the input gradient, then later the weights'); a
+run of consecutive communication actions is posted together as one `batch_isend_irecv` and waited on as a whole,
 which is the semantics the schedule simulator proves deadlock-free. A kind with no entry raises
 `UnsupportedAction` rather than being run as something it is not. Activations and their gradients move
 with torch.distributed point-to-point (gloo or NCCL), so the CPU tests run the GPU code path.
@@ -99,9 +99,9 @@ class PipelineExecutor:
         `loss_context` wraps the last stage's loss and its backward (`loss_parallel` with tp); `autocast`
         wraps every forward and loss (bf16 autocast for `precision: bf16`); `before_backward` is called
         before each backward and each weight-gradient half (the trainer arms the gradient reduction before a
-        chunk's last one); `sharded`: the chunks' parameters are sharded by FSDP2 (ZeRO-2/3, `parallel.runtime.fsdp`),
-        which is told before each forward and backward which chunk computes now and which next, and whose
-        gathered parameters the saved-tensor meter does not count as activations; `placement` is how the
+        chunk's last one); `sharded`: the chunks' parameters are sharded by FSDP2 (ZeRO-2/3,
+        `parallel.runtime.dp.fsdp`), which is told before each forward and backward which chunk computes now and which
+        next, and whose gathered parameters the saved-tensor meter does not count as activations; `placement` is how the
         schedule places virtual stages (`actions.virtual_stage`)."""
         self.chunks, self.pp_rank, self.pp, self.pp_ranks = chunks, pp_rank, pp, pp_ranks
         self.placement = placement
@@ -176,7 +176,7 @@ class PipelineExecutor:
         self._set_documents(actions[i], state)
         a = actions[i]
         # At virtual stage 0 the weight half is the whole backward, through FSDP2's hooks; elsewhere it passes none
-        # of them, and the units are gathered and their gradients reduced around it (`parallel.runtime.fsdp_split`).
+        # of them, and the units are gathered and their gradients reduced around it (`parallel.runtime.dp.fsdp_split`).
         whole = self._virtual(a.chunk) == 0
         with self.clock.span(state.timings, "backward_s"):
             if self.sharded is not None and whole:

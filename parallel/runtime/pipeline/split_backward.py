@@ -8,7 +8,7 @@ is computed twice.
 
 The weight half is written by hand (torch's `stage_backward_weight` is the same walk) for one reason: torch's
 calls `torch.autograd.grad` and adds the result to `.grad` itself, so the parameters' AccumulateGrad nodes
-never run and their post-accumulate hooks never fire; the gradient reducer (`parallel.runtime.data_parallel`) starts
+never run and their post-accumulate hooks never fire; the gradient reducer (`parallel.runtime.dp.data_parallel`) starts
 a bucket's reduction from those hooks, and keeps `.grad` as a view into its bucket that autograd must add to
 in place. Here `torch.autograd.backward(edges, inputs=params)` accumulates exactly as a whole backward does.
 

@@ -5,7 +5,7 @@ measures it. On a GPU the call only queues kernels: a host timer measures the qu
 and the per-stage times computed from it (`actors.telemetry`) are wrong there. So on CUDA each span is a pair of
 CUDA events recorded on the current stream around the action, and its seconds are read from the events'
 `elapsed_time` after the step's one read from the device, when they are complete: reading them then waits for
-nothing. That read comes one step late (`parallel.runtime.step_figures`), after the next step's spans are recorded:
+nothing. That read comes one step late (`parallel.runtime.step.step_figures`), after the next step's spans are recorded:
 `detach` hands a step's spans over as it is queued, and `settle` adds them into its timings at the read.
 """
 

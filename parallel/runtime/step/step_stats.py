@@ -1,8 +1,9 @@
 """What one training step reports: `StepStats` (the rank's numbers for the step, which `RankDriver` returns as a
 dict), `StepReport` (what a rank's answer for a step holds, typed: those numbers and what the step added, as the
 coordinator reads it), `Save` (a checkpoint asked for after a step) and `DivergedError` (a step whose loss or
-gradient norm is not finite, raised as the step's figures are read: one step late, `parallel.runtime.step_figures`).
-Data only, no torch: the trainer fills them, and the coordinator, which never imports torch, reads them.
+gradient norm is not finite, raised as the step's figures are read: one step late,
+`parallel.runtime.step.step_figures`). Data only, no torch: the trainer fills them, and the coordinator, which never
+imports torch, reads them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ replica clips over, whether a checkpoint holds a mode's own state). The pure fac
 step apart, when they sync, the bytes they send, what the plan shows) are `parallel.plan.replica_sync.SYNC_KINDS`,
 under the same names.
 
-- `allreduce` (the default): the gradient reducer (`parallel.runtime.data_parallel`) sums every gradient across the
+- `allreduce` (the default): the gradient reducer (`parallel.runtime.dp.data_parallel`) sums every gradient across the
   replicas every step; nothing here runs (its entry is None).
 - `local_sgd` (Stich 2019, Lin et al. 2020): each replica steps on its own share of the step's global batch
   (the layout-independent sampler's, as always), with no traffic between replicas; every `every` steps (and

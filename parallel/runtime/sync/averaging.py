@@ -52,8 +52,8 @@ class ParameterAveraging:
 
     def __init__(self, cfg: SyncConfig, params: list[torch.Tensor], group: dist.ProcessGroup | None, dp: int,
                  apart: frozenset[int] = frozenset()):
-        """`apart`: indices in `params` of the copies of a tied embedding (`parallel.runtime.tied`), each averaged
-        in an all-reduce of its own, so the first stage's copy and the last stage's, equal going in, come out
+        """`apart`: indices in `params` of the copies of a tied embedding (`parallel.runtime.pipeline.tied`), each
+        averaged in an all-reduce of its own, so the first stage's copy and the last stage's, equal going in, come out
         equal: the same values at the same places of a buffer of the same size, over as many replicas (in one
         buffer with the rest of a stage, a sum of more than two could be rounded in another order on each)."""
         from torch.distributed.tensor import DTensor

@@ -23,7 +23,7 @@ def like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 OWN_BUCKET = "trainyard_own_bucket"
 """The attribute marking a parameter whose gradient the reducers put in a bucket of its own: a tied embedding's
-copies (`parallel.runtime.tied`), which ZeRO-1 must slice alike on the two ranks holding them."""
+copies (`parallel.runtime.pipeline.tied`), which ZeRO-1 must slice alike on the two ranks holding them."""
 
 
 def own_bucket(p: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 `apply_tensor_parallel(stage, tp_mesh, sequence_parallel=...)` shards a stage in place over the 1-D
 tensor-parallel mesh with `parallelize_module`, by the plan its model family gives
-(`ModelFamily.tensor_parallel_plan`, built from `parallel.models.tp_styles`; Megatron's layout, as
+(`ModelFamily.tensor_parallel_plan`, built from `parallel.models.components.tp_styles`; Megatron's layout, as
 torchtitan writes it). For gpt2 (llama alike, see its family):
 - attention: q, k and v each `ColwiseParallel` (a rank keeps n_head / tp whole heads of each), the output
   projection `RowwiseParallel`; the MLP's `fc` column-parallel, its `proj` row-parallel;
@@ -16,8 +16,8 @@ torchtitan writes it). For gpt2 (llama alike, see its family):
   what the pipeline sends (`activation_shape`).
 
 A mixture-of-experts block's feed-forward part is not sharded: its layer takes this rank's slice of every
-sequence and returns the same slice (`parallel.models.moe` says why and how the routing is shared), so only its
-input and output layouts are declared.
+sequence and returns the same slice (`parallel.models.components.moe` says why and how the routing is shared), so only
+its input and output layouts are declared.
 
 The residual stream between the parallel regions is a plain local tensor, as in torchtitan: the styles
 hand DTensors only to the layers that need them, so the model's forward stays ordinary torch code.
@@ -40,7 +40,7 @@ backward. What it lacks is handled elsewhere, each with its reason:
 - DTensor leaves a sequence-parallel norm's gradient a partial sum over tp and computes the vocabulary-
   parallel embedding's gradient whole (it has no row-sharded embedding backward); accumulating into
   gradient buffers with the parameters' placements reduces the one and slices the other
-  (`parallel.runtime.data_parallel`).
+  (`parallel.runtime.dp.data_parallel`).
 - The global gradient norm spans DTensor and plain gradients and the pipeline (`parallel.optim.optimizer`).
 """
 
