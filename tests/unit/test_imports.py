@@ -4,14 +4,20 @@
 - The product's folders: `service/` and `actors/` never import `api/` or `cli/`; `parallel/` imports no Ray,
   FastAPI, service, actors, api or cli; `api/` touches neither Ray nor torch.
 - `parallel/`'s rooms: `config`, `seeds`, `spec`, `names` at its top import no room; then each room imports only the
-  rooms below it (`ROOMS`), and nothing in `parallel/` imports a circle.
+  rooms below it (`ROOMS`; a room's own rooms, `runtime/dp/`, `models/components/`..., count as it), and nothing in
+  `parallel/` imports a circle.
+- Rooms inside rooms: in every folder of the product, its rooms import each other without a circle (counted room by
+  room, not module by module). `runtime/`'s rooms import only the rooms `RUNTIME_ROOMS` lists and never the modules
+  at `runtime/`'s top, which assemble them; `models/components/` imports no family. Each room's `__init__.py` has a
+  docstring (what it owns).
 - `actors/`: nothing imports a circle (the controller's parts in `actions/`, the policies, the worker group: none
-  imports the controller back), only the coordinator imports the controller, and no folder holds over 15 modules
-  nor any module over 400 lines.
+  imports the controller back) and only the coordinator imports the controller.
+- No folder of the product holds over 15 modules, nor any module over 400 lines.
 - `plan/` loads without torch, and so do the coordinator and the service.
 """
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +36,17 @@ ROOMS: dict[str, set[str]] = {
     "runtime": {"plan", "models", "optim", "data", "io"},
 }
 """Each room of `parallel/` -> the rooms it may import (besides itself and the top: config, seeds, spec)."""
+
+RUNTIME_ROOMS: dict[str, set[str]] = {
+    "tp": set(),
+    "dp": {"tp"},
+    "compression": {"dp", "tp"},
+    "sync": set(),
+    "pipeline": {"dp", "tp"},
+    "step": {"pipeline"},
+}
+"""Each room of `parallel/runtime/` -> the runtime rooms it may import (besides itself). None imports the modules at
+`runtime/`'s top (driver, trainer, build, rank_state...): they assemble the rooms."""
 
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "service": ("api", "cli"),
@@ -155,18 +172,105 @@ def test_only_the_coordinator_imports_the_controller():
     assert sorted(module for module, deps in graph.items() if "actors.controller" in deps) == ["actors.coordinator"]
 
 
-ACTORS_MODULES_PER_FOLDER, ACTORS_LINES_PER_MODULE = 15, 400
+@functools.cache
+def rooms_in(folder: str) -> list[str]:
+    """The rooms directly inside a folder of the product (`parallel/runtime` -> compression, dp, ...): its packages."""
+    return sorted(p.name for p in (ROOT / folder).iterdir() if (p / "__init__.py").is_file())
 
 
-def test_no_folder_of_actors_is_crowded_and_no_module_is_long():
-    folders: dict[Path, int] = {}
-    long = []
-    for path in (ROOT / "actors").rglob("*.py"):
-        folders[path.parent] = folders.get(path.parent, 0) + 1
-        if len(path.read_text().splitlines()) > ACTORS_LINES_PER_MODULE:
-            long.append(str(path.relative_to(ROOT)))
-    assert {str(f.relative_to(ROOT)): n for f, n in folders.items() if n > ACTORS_MODULES_PER_FOLDER} == {}
-    assert long == []
+def room_inside(module: str, folder: str) -> str | None:
+    """`parallel.runtime.dp.data_parallel`, `parallel/runtime` -> `dp`; None for a module at the folder's top (or
+    outside the folder)."""
+    prefix = folder.replace("/", ".") + "."
+    first = module.removeprefix(prefix).split(".")[0] if module.startswith(prefix) else None
+    return first if first in rooms_in(folder) else None
+
+
+def room_graph(folder: str) -> dict[str, set[str]]:
+    """The rooms directly inside `folder` -> the other rooms of it their modules import (its top's modules left out:
+    they are no room)."""
+    graph: dict[str, set[str]] = {r: set() for r in rooms_in(folder)}
+    for module, deps in import_graph(folder.split("/")[0]).items():
+        if (mine := room_inside(module, folder)) is not None:
+            graph[mine] |= {theirs for dep in deps if (theirs := room_inside(dep, folder)) not in (None, mine)}
+    return graph
+
+
+def product_folders() -> list[str]:
+    return sorted(str(p.parent.relative_to(ROOT)) for top in PRODUCT for p in (ROOT / top).rglob("__init__.py"))
+
+
+def test_the_rooms_inside_every_folder_import_each_other_without_a_circle():
+    graphs = {folder: room_graph(folder) for folder in product_folders()}
+    assert "tp" in graphs["parallel/runtime"]["dp"]  # the walk sees the rooms inside rooms
+    assert "components" in graphs["parallel/models"]["llama"]
+    assert {folder: cycle for folder, graph in graphs.items() if (cycle := find_cycle(graph))} == {}
+
+
+def runtime_room_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, deps in sorted(graph.items()):
+        if (mine := room_inside(module, "parallel/runtime")) is None:
+            continue  # the runtime's top, which may import every room, or another room of parallel/
+        for dep in sorted(deps):
+            if not (dep + ".").startswith("parallel.runtime."):
+                continue
+            theirs = room_inside(dep, "parallel/runtime")
+            if theirs is None:
+                out.append(f"{module} -> {dep} ({mine} may not import the runtime's top)")
+            elif theirs != mine and theirs not in RUNTIME_ROOMS.get(mine, set()):
+                out.append(f"{module} -> {dep} ({mine} may not import {theirs})")
+    return out
+
+
+def test_every_room_of_the_runtime_imports_only_the_rooms_below_it_and_never_its_top():
+    assert set(RUNTIME_ROOMS) == set(rooms_in("parallel/runtime"))
+    graph = import_graph()
+    assert "parallel.runtime.dp.data_parallel" in graph["parallel.runtime.build"]  # the walk sees the rooms
+    assert runtime_room_violations(graph) == []
+
+
+def test_the_runtime_rule_finds_an_upward_import():
+    assert runtime_room_violations({"parallel.runtime.tp.local_parts": {"parallel.runtime.dp.grad_buckets"},
+                                    "parallel.runtime.sync": {"parallel.runtime.rank_state"},
+                                    "parallel.runtime.trainer": {"parallel.runtime.step.step_stats"}}) == [
+        "parallel.runtime.sync -> parallel.runtime.rank_state (sync may not import the runtime's top)",
+        "parallel.runtime.tp.local_parts -> parallel.runtime.dp.grad_buckets (tp may not import dp)",
+    ]
+
+
+def test_the_families_shared_parts_import_no_family():
+    families = set(rooms_in("parallel/models")) - {"components"}
+    graph = import_graph()
+    bad = [f"{module} -> {dep}" for module, deps in sorted(graph.items())
+           if room_inside(module, "parallel/models") == "components"
+           for dep in sorted(deps) if room_inside(dep, "parallel/models") in families]
+    assert "parallel.models.components.decoder" in graph["parallel.models.llama.model"]
+    assert bad == []
+
+
+def test_every_room_says_what_it_owns():
+    """Each folder inside a product folder (a room) has an `__init__.py` with a docstring."""
+    silent = [folder for folder in product_folders() if "/" in folder
+              and not ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text()))]
+    assert silent == []
+
+
+MODULES_PER_FOLDER, LINES_PER_MODULE = 15, 400
+
+
+def test_no_folder_of_the_product_is_crowded_and_no_module_is_long():
+    """Modules are the `.py` files directly in a folder, `__init__` too."""
+    folders: dict[str, int] = {}
+    long = {}
+    for top in PRODUCT:
+        for path in (ROOT / top).rglob("*.py"):
+            folder = str(path.parent.relative_to(ROOT))
+            folders[folder] = folders.get(folder, 0) + 1
+            if (lines := len(path.read_text().splitlines())) > LINES_PER_MODULE:
+                long[str(path.relative_to(ROOT))] = lines
+    assert {folder: n for folder, n in folders.items() if n > MODULES_PER_FOLDER} == {}
+    assert long == {}
 
 
 def test_the_room_rule_finds_an_upward_import():
