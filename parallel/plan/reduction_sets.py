@@ -3,7 +3,7 @@
 A parameter is in one set, by its name (`ModelFamily.reduction_set`; the family's counts split the same way:
 `ParamCounts.dense`, `.router`, `.experts`, and each matrix of `ModelFamily.matrices` names its set), and only a
 parameter that gets a gradient is reduced (with `model.lora`, the adapters: dense). Each set's gradients are summed
-over the ranks that computed parts of them (`parallel.models.moe`):
+over the ranks that computed parts of them (`parallel.models.components.moe`):
 
 - `dense`: the data-parallel ranks of one replica (`Layout.dp_groups`: every dp rank, or one local_sgd / diloco
   replica's, `parallel.sync.replicas`);

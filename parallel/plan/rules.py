@@ -282,8 +282,8 @@ def stage_layer_violations(config: JobConfig) -> list[PlanError]:
 
 
 def sharding_violations(r: Resolved) -> list[PlanError]:
-    """ZeRO-2/3 are FSDP2's (`parallel.runtime.fsdp`), which reduce-scatters each chunk's gradients during its backward:
-    there is no reduction left to run after backward."""
+    """ZeRO-2/3 are FSDP2's (`parallel.runtime.dp.fsdp`), which reduce-scatters each chunk's gradients during its
+    backward: there is no reduction left to run after backward."""
     par = r.parallel
     if r.sharding.shards_parameters and not par.overlap_reduce:
         return [PlanError("parallel.overlap_reduce", f"overlap_reduce=false needs zero <= 1 (zero={par.zero} "

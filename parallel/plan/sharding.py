@@ -4,11 +4,11 @@ A registry keyed by the spec's `parallel.zero`: 0 keeps everything on every rank
 keeps the reduced gradients and the optimizer state of its 1/N slice: reduce-scatter, then an all-gather of the
 parameters after the step), 2 is ZeRO-2 (the reduced gradients exist as this rank's 1/N shard only) and 3 is ZeRO-3 (the
 parameters too, gathered one block at a time around its forward and backward); 2 and 3 are torch's FSDP2
-(`parallel.runtime.fsdp`). Each strategy answers the questions the rest of the code asks of it: the memory plan its
+(`parallel.runtime.dp.fsdp`). Each strategy answers the questions the rest of the code asks of it: the memory plan its
 parameter, gradient and optimizer-state elements per rank (`parallel.plan.memory.estimate`), the gradient reducer
-whether to shard (`parallel.runtime.data_parallel`), the trainer whether to hand the chunks to FSDP2 and how, a resize
-whether the state may stay in memory (`parallel.plan.can_move_in_memory`), the cost model which collectives a step runs
-(`parallel.plan.planner.cost_model`). Pure: no torch.
+whether to shard (`parallel.runtime.dp.data_parallel`), the trainer whether to hand the chunks to FSDP2 and how, a
+resize whether the state may stay in memory (`parallel.plan.can_move_in_memory`), the cost model which collectives a
+step runs (`parallel.plan.planner.cost_model`). Pure: no torch.
 """
 
 from __future__ import annotations

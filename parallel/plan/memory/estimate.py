@@ -16,7 +16,7 @@ have and its tensor-parallel plan shards): parameters are fp32 (4 B) whatever th
 `parallel.zero: 2 | 3` a 1/N shard plus what FSDP2 holds gathered at the peak: at ZeRO-2 every chunk, at ZeRO-3
 two units (blocks, or a block and the embedding or the head): `param_bytes`, `parallel.plan.memory.fsdp`);
 gradients live in fp32 flat buckets that hold every local parameter (4 B each, also under ZeRO-1, which keeps whole
-gradients and adds the reduced 1/N slice; see `parallel.runtime.data_parallel`); AdamW keeps two fp32 states per
+gradients and adds the reduced 1/N slice; see `parallel.runtime.dp.data_parallel`); AdamW keeps two fp32 states per
 parameter (8 B), and with `parallel.zero: 1` each rank keeps the states of 1/N of the parameters, N the size
 of the group that reduces them: dense parameters over dp, the MoE router over the stage's dp x tp ranks,
 experts over the ranks holding the same experts (dp / ep x tp).
@@ -32,7 +32,7 @@ shards plus that one parameter.
 ZeRO-2/3's `reduction`: the step peaks in the backward of the rank's largest unit (the head or the embedding at a
 real vocabulary), holding one whole gradient of it besides the above: the loss's returned head gradient next to
 the one kept from forward, or the embedding's next to its gathered weight (on gloo the collectives copy nothing,
-`parallel.runtime.gloo_comms`). Measured (`scale` bench, 501M Llama, zero=3, BENCHMARKS.md): the plan 6-7% above the
+`parallel.runtime.dp.gloo_comms`). Measured (`scale` bench, 501M Llama, zero=3, BENCHMARKS.md): the plan 6-7% above the
 peak at dp=4, 9% at dp=8, where it also counts every gradient shard beside the head's backward, before any exists
 (each is made by its unit's reduce-scatter). Not counted: the optimizer step's temporaries (AdamW's
 foreach), bounded to STEP_CHUNK elements (64 MiB, `parallel.runtime.train_optimizer`) after the backward.

@@ -3,7 +3,7 @@ gradient before its reduce-scatter (`parallel.plan.memory.estimate` adds them to
 peak).
 
 A rank's FSDP2 units are its chunks' embedding, blocks and head, as `DecoderStage.shard_units` makes them; the
-gathers are walked over the rank's computes in its schedule's order (`parallel.runtime.fsdp` gathers one unit
+gathers are walked over the rank's computes in its schedule's order (`parallel.runtime.dp.fsdp` gathers one unit
 ahead; `peak_gathered_bytes` measures the pair). Pure arithmetic: no torch.
 """
 
@@ -34,7 +34,7 @@ def gathered_bytes(plan: Sizing, pp_rank: int) -> int:
     if not sharding.reshard_after_forward or not split:
         return FP32 * sharding.gathered_elements(passes)  # ZeRO-2 holds every unit all step anyway
     # ZeRO-3 under a zb schedule: either half of a split backward gathers its chunk's units all at once
-    # (`parallel.runtime.fsdp_split`) and FSDP2 frees them before the next compute gathers anything but the
+    # (`parallel.runtime.dp.fsdp_split`) and FSDP2 frees them before the next compute gathers anything but the
     # unit the input half ran last with the next one's first: the peak is a whole chunk, or the per-block walk of
     # the other computes (the halves left out of it), whichever is larger.
     return FP32 * max(sharding.gathered_elements(passes), *(sum(dict(units[c]).values()) for c in split))

@@ -28,4 +28,4 @@ class Schedule:
     placement: str = "interleaved"
     """Which virtual stages each rank's chunks are (`virtual_stage`)."""
     splits_backward: bool = False
-    """Its backwards are input (I) and weight (W) halves run apart (`parallel.runtime.split_backward`)."""
+    """Its backwards are input (I) and weight (W) halves run apart (`parallel.runtime.pipeline.split_backward`)."""
