@@ -55,7 +55,7 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
         raise WireError("body", "not a ForwardBackwardRequest message") from None
     if not msg.model_id:
         raise WireError("model_id", "missing")
-    data = []
+    data: list[dict[str, list]] = []
     for i, datum in enumerate(msg.data):
         tokens: list[int] = []
         for chunk in datum.model_input:

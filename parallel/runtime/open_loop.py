@@ -48,6 +48,8 @@ class OpenLoopRank:
                                 "= 1)")
         self.driver, self.trainer = driver, driver.trainer
         [self.chunk] = self.trainer.chunks
+        self.head: Any = getattr(self.chunk, "logits", None)
+        """The hf backend's head (hidden -> logits); None: a native family's `ln_f`, then `lm_head`."""
         self.seq_len = plan.config.model.seq_len
         self.pending = False
         """Gradients were accumulated since the last `optim_step`."""
@@ -111,8 +113,7 @@ class OpenLoopRank:
         x = torch.tensor([d.tokens], dtype=torch.long, device=device)
         with self.trainer.executor.autocast():
             hidden = self.chunk(x)
-            logits = self.chunk.logits(hidden) if hasattr(self.chunk, "logits") else \
-                self.chunk.lm_head(self.chunk.ln_f(hidden))
+            logits = self.head(hidden) if self.head is not None else self.chunk.lm_head(self.chunk.ln_f(hidden))
         targets = torch.tensor(d.targets, dtype=torch.long, device=device)
         return torch.log_softmax(logits[0].float(), dim=-1).gather(1, targets[:, None])[:, 0]
 

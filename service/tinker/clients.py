@@ -22,11 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from trainyard.actors.client_session import ClientSession
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.plan import make_plan
-from trainyard.service.errors import ClientNotFound
+from trainyard.service.errors import ClientNotFound, QueueFull
 from trainyard.service.ray_runtime import cluster_resources
+from trainyard.service.tenancy import quota
 from trainyard.service.tenancy.requests import Tenancy
 from trainyard.service.tenancy.users import User
 from trainyard.service.tinker.specs import client_config
@@ -54,6 +57,9 @@ class Client:
     base_model: str
     lora_rank: int | None
     family: str
+    charge: dict[str, float]
+    """What the client holds against its owner's quota (`quota.charge` of its plan)."""
+    pg: Any
     actor: Any
     ready: Any
     """The ObjectRef of the rank's build (`ClientSession.setup`)."""
@@ -107,14 +113,29 @@ class TinkerClients:
             self._session(user, session_id)
         config = client_config(self.tenancy, user, base_model, lora_rank, self.registered, seed or 0, targets)
         plan = make_plan(config, cluster_resources())
+        charge = quota.charge(plan)
+        limits = self.tenancy.quotas(user.name)
+        beyond = limits.never_fits(charge)
+        if beyond is not None:
+            raise RuleError("base_model", beyond)
         model_id = f"model-{uuid.uuid4().hex[:16]}"
-        actor = ClientSession.options(  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
-            name=f"trainyard/tinker/{model_id}", num_cpus=plan.cpus_per_worker, num_gpus=plan.gpus_per_worker,
-            max_restarts=0).remote(model_id, plan, int(plan.cpus_per_worker))
-        ready = actor.setup.remote()
-        with self._lock:
+        with self._lock:  # what the user's jobs and clients hold; over the quota: refused (not queued yet)
+            held = quota.usage(self.tenancy.store.live_needs()).get(user.name, {"CPU": 0.0, "GPU": 0.0})
+            for c in self.clients.values():
+                if c.owner == user.name:
+                    held = {k: held.get(k, 0.0) + c.charge.get(k, 0.0) for k in ("CPU", "GPU")}
+            over = limits.over(held, charge)
+            if over is not None:
+                raise QueueFull(f"{over}; unload a training client or wait for a job to end")
+            # The rank's resources reserved as a job's are (one bundle; all or nothing), the actor placed in them.
+            pg = placement_group(plan.bundles(), strategy="PACK", name=f"trainyard-tinker-{model_id}")
+            actor = ClientSession.options(  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
+                name=f"trainyard/tinker/{model_id}", num_cpus=plan.cpus_per_worker, num_gpus=plan.gpus_per_worker,
+                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+            ).remote(model_id, plan, int(plan.cpus_per_worker))
+            ready = actor.setup.remote()
             self.clients[model_id] = Client(user.name, session_id, base_model, lora_rank, config.model.family,
-                                            actor, ready)
+                                            charge, pg, actor, ready)
             request_id = self._future(user, ready, model_id)
         return model_id, request_id
 
@@ -234,10 +255,14 @@ class TinkerClients:
 
 
 def _release(client: Client) -> None:
-    """The client's actor gone, and its rank's process with it (what it held is freed)."""
+    """The client's actor gone, and its rank's process with it, and its reserved resources freed."""
     try:
         ray.kill(client.actor, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
+        pass
+    try:
+        remove_placement_group(client.pg)
+    except Exception:  # noqa: BLE001 - already removed
         pass
 
 
