@@ -183,6 +183,10 @@ class TinkerClients:
             return "failed", f"the training client's rank did not answer within {limit:.0f} s; it was released"
         try:
             value = ray.get(future.ref)
+        except ray.exceptions.RayActorError:  # the rank's process is gone: so is the client
+            self._fail_client(future.model_id)
+            return "failed", ("the training client's rank died (its process ended) and the client was released; "
+                              "create a new training client")
         except Exception as e:  # the rank's error, raised as its cause
             cause = getattr(e, "cause", None) or e
             message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__

@@ -7,8 +7,11 @@ missing one (a 404) through the SDK; bad input is a 422 naming the field."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
+import ray
 import torch
 from hf_tiny import tiny_llama
 from trainyard.service.tenancy import users
@@ -54,6 +57,10 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
         losses.append(fb.result().metrics["loss:sum"])
     assert losses[-1] < losses[0] - 1.0, losses
 
+    forward = training.forward(data, "cross_entropy").result()  # no gradient kept, no step: twice the same
+    assert forward.metrics["loss:sum"] == training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert forward.metrics["loss:sum"] < losses[-1]
+
     # Another user's model id answers as a missing one, through the SDK and over HTTP alike.
     model_id = training.model_id
     other = tinker.ServiceClient(base_url=service.url, api_key="tml-" + bob)
@@ -76,8 +83,14 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
                                   "model_seq_id": 0, "lora_config": {"rank": 4}})
         assert refused.status_code == 422 and "base_model" in refused.text
         assert str(service.state_dir) not in refused.text
+        # A rank that dies under a live client: the next call fails with a clear error, at once, never a hang.
+        ray.kill(service.manager.tinker.clients[model_id].actor, no_restart=True)
+        started = time.monotonic()
+        with pytest.raises(Exception, match="rank died"):
+            training.forward_backward(data, "cross_entropy").result(timeout=60)
+        assert time.monotonic() - started < 30
         unloaded = http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + alice},
                              json={"model_id": model_id})
-        assert unloaded.status_code == 200
+        assert unloaded.status_code == 404  # released with its rank
         assert http.post("/api/v1/get_info", headers={"X-API-Key": "tml-" + alice},
                          json={"model_id": model_id}).status_code == 404
