@@ -11,8 +11,8 @@ from hf_tiny import tiny_llama
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.open_loop import Datum, OpenLoopError, OpenLoopRank
-from trainyard.service.tinker.specs import client_config
 from trainyard.service.tenancy.users import ADMIN_USER
+from trainyard.service.tinker.specs import client_config
 
 
 def _rank(directory, store) -> OpenLoopRank:
