@@ -36,6 +36,10 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     data = [_datum(s) for s in sequences]
 
     client = tinker.ServiceClient(base_url=service.url, api_key="tml-" + alice)
+    service.manager.tinker.registered["tinker-tiny-llama"] = str(root / "llama")  # `serve --base-model NAME=DIR`
+    rest = tinker.RestClient(base_url=service.url, api_key="tml-" + alice)
+    names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
+    assert "tinker-tiny-llama" in names
     training = client.create_lora_training_client(base_model=str(root / "llama"), rank=4).result()
 
     first = training.forward_backward(data, "cross_entropy").result()

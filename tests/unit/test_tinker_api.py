@@ -94,3 +94,17 @@ def test_a_silent_session_is_closed_and_ids_are_their_owners():
     assert clients.clients == {} and clients.sessions == {}
     with pytest.raises(ClientNotFound):
         clients.heartbeat(alice, session)
+
+
+def test_an_operators_base_model_is_a_name_and_a_directory(tmp_path):
+    import argparse
+
+    from trainyard.cli.main import _parser
+    from trainyard.cli.offline import base_model
+
+    assert base_model(f"llama = {tmp_path}/m") == ("llama", str(tmp_path / "m"))
+    for bad in ("llama", "=dir", "llama="):
+        with pytest.raises(argparse.ArgumentTypeError):
+            base_model(bad)
+    args = _parser().parse_args(["serve", "--base-model", f"a={tmp_path}", "--base-model", f"b={tmp_path}/b"])
+    assert dict(args.base_model) == {"a": str(tmp_path), "b": str(tmp_path / "b")}
