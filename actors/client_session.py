@@ -1,78 +1,78 @@
 """The ClientSession actor: one training client of the Tinker-compatible API (`service.tinker`), a live job of its
-own kind. Instead of the coordinator's fixed loop, it holds the client's rank between calls and runs each call the
-user's program makes on it (`parallel.runtime.open_loop.OpenLoopRank`: forward_backward, optim_step).
+own kind. Instead of the coordinator's fixed loop, it holds the client's ranks (a `WorkerGroup` on the placement
+group the service reserved, built as a job's ranks are) between calls, and runs each call the user's program makes
+on them: every rank runs `Worker.open_loop` (`parallel.runtime.open_loop.OpenLoopRank`), each data-parallel replica
+on its share of the datums, and the gradient reducers sum the replicas' gradients at `optim_step`.
 
-Calls to one actor run one at a time in the order they were made (Ray's ordered actor calls), which is the order the
-SDK's requests arrive in. A call that the caller got wrong raises `OpenLoopError` (its message names the field); any
-other failure leaves the rank unusable and every later call says so, instead of running on half-applied state.
+One call at a time, in the order they were made (`max_concurrency=1`), which is the order the SDK's requests
+arrive in. A call the caller got wrong raises `OpenLoopError` before any rank runs (its message names the field). A
+rank that raises, dies or does not answer within the job's `fault.step_timeout_s` fails the call (`call_all`: a
+deadline, never a hang), and leaves the client unusable: every later call says so.
 """
 
 from __future__ import annotations
 
-import socket
-import sys
-import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
+from ray.util.placement_group import PlacementGroup
+from trainyard.actors.worker_group.worker_group import WorkerGroup
 from trainyard.parallel.plan import Plan
-
-if TYPE_CHECKING:
-    from trainyard.parallel.runtime.open_loop import OpenLoopRank
 
 
 @ray.remote
 class ClientSession:
-    def __init__(self, model_id: str, plan: Plan, threads: int):
-        import torch
-
-        torch.set_num_threads(max(1, threads))
+    def __init__(self, model_id: str, plan: Plan, pg: PlacementGroup):
         self.model_id, self.plan = model_id, plan
-        self.rank: OpenLoopRank | None = None
+        self.group = WorkerGroup(f"tinker-{model_id}", plan, pg)
         self.broken: str | None = None
-        """Why the rank is unusable (a call failed inside it), or None."""
+        """Why the client is unusable (a call failed on a rank), or None."""
 
-    def setup(self) -> dict[str, Any]:
-        """Build the rank (its process group of one, the model from `init_from`, LoRA, the optimizer)."""
-        from trainyard.parallel.runtime.driver import RankDriver
-        from trainyard.parallel.runtime.open_loop import OpenLoopRank
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    async def setup(self) -> dict[str, Any]:
+        """Create the ranks, rendezvous, build each (its process groups, the model from `init_from`, LoRA, the
+        reducers, the optimizer)."""
         try:
-            self.rank = OpenLoopRank(RankDriver(self.plan, 0, "127.0.0.1", port))
+            await self.group.start()
         except Exception as e:
-            self.broken = f"{type(e).__name__}: {e}"
-            traceback.print_exc(file=sys.stderr)
+            self.broken = f"its ranks could not be built ({_line(e)})"
             raise
-        return {"model_id": self.model_id, "device": str(self.rank.driver.device)}
+        return {"model_id": self.model_id, "device": self.group.ranks[0].get("device"),
+                "world_size": self.plan.world_size}
 
-    def forward_backward(self, data: list[dict[str, list]], loss_fn: str, forward_only: bool) -> dict[str, Any]:
-        """`data`: each datum's `tokens`, `target_tokens` and `weights`."""
-        from trainyard.parallel.runtime.open_loop import Datum
+    async def forward_backward(self, data: list[dict[str, list]], loss_fn: str, forward_only: bool) -> dict[str, Any]:
+        """`data`: each datum's `tokens`, `target_tokens` and `weights`. Returns every datum's `logprobs`, in order,
+        and `metrics` (`loss:sum` over every datum)."""
+        from trainyard.parallel.runtime.open_loop import Datum, check_call, shares
 
-        datums = [Datum(d["tokens"], d["target_tokens"], d["weights"]) for d in data]
-        return self._run(lambda rank: rank.forward_backward(datums, loss_fn, forward_only))
+        check_call([Datum(d["tokens"], d["target_tokens"], d["weights"]) for d in data], loss_fn,
+                   self.plan.config.model.seq_len)
+        split = shares(len(data), self.plan.dp)
+        calls = [{"data": [data[i] for i in split[self.plan.coords(r).dp]], "loss_fn": loss_fn,
+                  "forward_only": forward_only} for r in range(self.plan.world_size)]
+        outs = await self._on_every_rank("forward_backward", calls)
+        firsts = [next(r for r in range(self.plan.world_size) if self.plan.coords(r).dp == dp)
+                  for dp in range(self.plan.dp)]  # one rank of each replica answers for it
+        return {"logprobs": [row for r in firsts for row in outs[r]["logprobs"]],
+                "metrics": {"loss:sum": sum(outs[r]["metrics"]["loss:sum"] for r in firsts)}}
 
-    def optim_step(self, adam: dict[str, float]) -> dict[str, Any]:
-        return self._run(lambda rank: rank.optim_step(**adam))
+    async def optim_step(self, adam: dict[str, float]) -> dict[str, Any]:
+        outs = await self._on_every_rank("optim_step", [dict(adam) for _ in range(self.plan.world_size)])
+        return outs[0]
 
-    def close(self) -> None:
-        if self.rank is not None:
-            self.rank.close()
-            self.rank = None
+    async def close(self) -> None:
+        self.group.release()
 
-    def _run(self, call: Any) -> dict[str, Any]:
-        from trainyard.parallel.runtime.open_loop import OpenLoopError
-
-        if self.broken is not None or self.rank is None:
-            raise RuntimeError(f"training client {self.model_id} is unusable: {self.broken or 'not set up'}")
+    async def _on_every_rank(self, method: str, calls: list[dict]) -> list[dict]:
+        if self.broken is not None:
+            raise RuntimeError(f"training client {self.model_id} is unusable: {self.broken}")
         try:
-            return call(self.rank)
-        except OpenLoopError:
-            raise
+            return await self.group.call([w.open_loop.remote(method, kwargs)
+                                          for w, kwargs in zip(self.group.workers, calls, strict=True)], method)
         except Exception as e:
-            self.broken = f"an earlier call failed ({type(e).__name__}: {e})"
-            traceback.print_exc(file=sys.stderr)
-            raise
+            self.broken = f"an earlier call failed ({_line(e)})"
+            raise RuntimeError(f"training client {self.model_id}: {_line(e)}") from None
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__

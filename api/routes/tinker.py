@@ -10,6 +10,7 @@ JSON. The live state is the manager's `tinker` (`service.tinker.TinkerClients`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,6 +22,8 @@ from trainyard.parallel.config import RuleError
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 PROTO = "application/x-protobuf"
+PARALLEL_KEY = "trainyard_parallel"
+"""The `user_metadata` key of create_model that asks for a layout (trainyard's extension)."""
 RETRIEVE_WAIT_S = 5.0
 """How long one retrieve_future waits for its call before answering try_again (the SDK allows 45 s)."""
 
@@ -45,6 +48,8 @@ class CreateModelBody(_Body):
     session_id: str = Field(max_length=200)
     base_model: str = Field(min_length=1, max_length=4096)
     lora_config: LoraBody | None = None
+    user_metadata: dict[str, Any] | None = None
+    """trainyard's extension: `trainyard_parallel`, the layout as a JobSpec's `parallel` (an object, or its JSON)."""
 
 
 class ModelBody(_Body):
@@ -121,13 +126,23 @@ def session_heartbeat(body: SessionBody, manager: Manager, user: Caller) -> dict
 @router.post("/create_model")
 def create_model(body: CreateModelBody, manager: Manager, user: Caller) -> Any:
     lora = body.lora_config
+    parallel = (body.user_metadata or {}).get(PARALLEL_KEY)
+    if isinstance(parallel, str):
+        try:
+            parallel = json.loads(parallel)
+        except ValueError:
+            return _field_error(f"user_metadata.{PARALLEL_KEY}", "not JSON")
+    if parallel is not None and not isinstance(parallel, dict):
+        return _field_error(f"user_metadata.{PARALLEL_KEY}", "not an object (a JobSpec's parallel)")
     try:
         model_id, request_id = manager.tinker.create_model(
             user, body.session_id, body.base_model, None if lora is None else lora.rank,
             seed=None if lora is None else lora.seed,
-            targets=None if lora is None else (lora.train_attn, lora.train_mlp, lora.train_unembed))
+            targets=None if lora is None else (lora.train_attn, lora.train_mlp, lora.train_unembed), parallel=parallel)
     except RuleError as e:
-        return _field_error(e.field, e.message)
+        field = f"user_metadata.{PARALLEL_KEY}{e.field.removeprefix('parallel')}" \
+            if e.field.startswith("parallel") else e.field
+        return _field_error(field, e.message)
     return {"request_id": request_id, "model_id": model_id}
 
 

@@ -6,7 +6,9 @@ LoRA, the reducers, the optimizer); only the step is split in two.
 This is the one module of the open loop that reads the trainer's internals (its chunks, reducers, optimizer and
 autocast), so that a move inside `parallel/runtime/` touches one file. No Ray here.
 
-The first slice runs one rank holding the whole model (pp = 1, tp = 1); other layouts are refused, naming the field.
+The layouts: data parallelism (dp ranks, each holding the whole model: pp = tp = ep = 1, no ZeRO); each replica runs
+its share of a call's datums (`shares`), and the gradient reducers sum the replicas' gradients at `optim_step`, so
+the step is the one of every datum's loss summed, whatever dp. Other layouts are refused, naming the field.
 Losses: `cross_entropy` (Tinker's documented one: the sum over tokens of weights * -logprob(target)); the others are
 refused, naming `loss_fn`.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
+from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
 
 LOSSES = ("cross_entropy",)
@@ -38,19 +41,37 @@ class Datum:
     weights: list[float]
 
 
+def check_layout(plan: Plan) -> None:
+    """The layouts the open loop runs: data parallelism over ranks that each hold the whole model."""
+    if plan.pp != 1 or plan.tp != 1 or plan.parallel.zero != 0 or plan.ep != 1:
+        raise OpenLoopError("parallel: the open loop runs data-parallel ranks each holding the whole model so far "
+                            "(pp = tp = ep = 1, zero 0)")
+
+
+def check_call(data: list[Datum], loss_fn: str, seq_len: int) -> None:
+    """A forward_backward's input as the rank runs it; OpenLoopError naming the field otherwise."""
+    if loss_fn not in LOSSES:
+        raise OpenLoopError(f"loss_fn: {loss_fn!r} is not one of {', '.join(LOSSES)} (the others are not built yet)")
+    for i, d in enumerate(data):
+        if not 0 < len(d.tokens) <= seq_len or len(d.targets) != len(d.tokens) or len(d.weights) != len(d.tokens):
+            raise OpenLoopError(f"data[{i}]: needs 1 to {seq_len} input tokens and as many target_tokens and weights")
+
+
+def shares(n: int, dp: int) -> list[range]:
+    """Which of `n` datums each of `dp` replicas runs: contiguous, as even as can be (some may run none)."""
+    return [range(r * n // dp, (r + 1) * n // dp) for r in range(dp)]
+
+
 class OpenLoopRank:
     """A built rank (`RankDriver`) stepped by calls: `forward_backward` accumulates, `optim_step` applies."""
 
     def __init__(self, driver: RankDriver):
-        plan = driver.plan
-        if plan.pp != 1 or plan.tp != 1 or plan.world_size != 1:
-            raise OpenLoopError("parallel: the open loop runs one rank holding the whole model so far (dp = pp = tp "
-                                "= 1)")
+        check_layout(driver.plan)
         self.driver, self.trainer = driver, driver.trainer
         [self.chunk] = self.trainer.chunks
         self.head: Any = getattr(self.chunk, "logits", None)
         """The hf backend's head (hidden -> logits); None: a native family's `ln_f`, then `lm_head`."""
-        self.seq_len = plan.config.model.seq_len
+        self.seq_len = driver.plan.config.model.seq_len
         self.pending = False
         """Gradients were accumulated since the last `optim_step`."""
         self.steps = 0
@@ -60,14 +81,7 @@ class OpenLoopRank:
     def forward_backward(self, data: list[Datum], loss_fn: str, forward_only: bool = False) -> dict[str, Any]:
         """The loss of each datum (and its gradient, accumulated, unless `forward_only`): `logprobs`, per datum the
         log-probability of each target, and `metrics` (`loss:sum`)."""
-        if loss_fn not in LOSSES:
-            raise OpenLoopError(f"loss_fn: {loss_fn!r} is not one of {', '.join(LOSSES)} (the others are not built "
-                                "yet)")
-        for i, d in enumerate(data):
-            if not 0 < len(d.tokens) <= self.seq_len or len(d.targets) != len(d.tokens) or \
-                    len(d.weights) != len(d.tokens):
-                raise OpenLoopError(f"data[{i}]: needs 1 to {self.seq_len} input tokens and as many target_tokens "
-                                    "and weights")
+        check_call(data, loss_fn, self.seq_len)
         if not forward_only and not self.pending:
             for reducer in self.trainer.reducers.values():
                 reducer.zero_grad()

@@ -23,7 +23,6 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from trainyard.actors.client_session import ClientSession
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.plan import make_plan
@@ -105,13 +104,15 @@ class TinkerClients:
             self._session(user, session_id).beat = time.monotonic()
 
     def create_model(self, user: User, session_id: str, base_model: str, lora_rank: int | None,
-                     seed: int | None = None, targets: tuple[bool, bool, bool] | None = None) -> tuple[str, str]:
+                     seed: int | None = None, targets: tuple[bool, bool, bool] | None = None,
+                     parallel: Mapping[str, Any] | None = None) -> tuple[str, str]:
         """A new training client: (its model id, the request id whose result is the client once its rank is
-        built). `targets`: LoRA on (attention, MLP, unembedding). RuleError naming the field for a base model or
-        rank it cannot be."""
+        built). `targets`: LoRA on (attention, MLP, unembedding); `parallel`: the layout (a JobSpec's `parallel`;
+        default one rank). RuleError naming the field for a base model, rank or layout it cannot be."""
         with self._lock:
             self._session(user, session_id)
-        config = client_config(self.tenancy, user, base_model, lora_rank, self.registered, seed or 0, targets)
+        config = client_config(self.tenancy, user, base_model, lora_rank, self.registered, seed or 0, targets,
+                               parallel)
         plan = make_plan(config, cluster_resources())
         charge = quota.charge(plan)
         limits = self.tenancy.quotas(user.name)
@@ -129,10 +130,10 @@ class TinkerClients:
                 raise QueueFull(f"{over}; unload a training client or wait for a job to end")
             # The rank's resources reserved as a job's are (one bundle; all or nothing), the actor placed in them.
             pg = placement_group(plan.bundles(), strategy="PACK", name=f"trainyard-tinker-{model_id}")
+            # The session holds no resources of its own (as a job's coordinator); its ranks are in the group.
             actor = ClientSession.options(  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
-                name=f"trainyard/tinker/{model_id}", num_cpus=plan.cpus_per_worker, num_gpus=plan.gpus_per_worker,
-                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-            ).remote(model_id, plan, int(plan.cpus_per_worker))
+                name=f"trainyard/tinker/{model_id}", num_cpus=0, max_restarts=0, max_concurrency=1,
+            ).remote(model_id, plan, pg)
             ready = actor.setup.remote()
             self.clients[model_id] = Client(user.name, session_id, base_model, lora_rank, config.model.family,
                                             charge, pg, actor, ready)
@@ -190,8 +191,10 @@ class TinkerClients:
         except Exception as e:  # the rank's error, raised as its cause
             cause = getattr(e, "cause", None) or e
             message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            kind = "user_error" if type(cause).__name__ == "OpenLoopError" else "failed"
-            return kind, message[:500]
+            if type(cause).__name__ == "OpenLoopError":
+                return "user_error", message[:500]
+            self._fail_client(future.model_id)  # a rank failed under it: nothing more can run on the client
+            return "failed", f"{message[:500]} (the client was released)"
         if isinstance(value, dict) and "device" in value:  # the rank's build: the client is ready
             value = {"model_id": value["model_id"], "type": "create_model"}
         return "done", value

@@ -1,6 +1,7 @@
 """What a Tinker `create_model` becomes: a JobConfig whose model is the base model's Hugging Face directory
 (`init_from.hf`, resolved against the caller as any spec's paths are: `Tenancy.confine`, or a name the operator
-registered), LoRA of the asked rank, AdamW, one rank. The open loop reads no dataset: the config names the synthetic
+registered), LoRA of the asked rank, AdamW, at the layout asked (a JobSpec's `parallel`, data parallelism so far;
+default one rank). The open loop reads no dataset: the config names the synthetic
 one the trainer opens at its build."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from typing import Any
 
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.io.hf_spec import resolve_init_from
-from trainyard.parallel.spec import parse_spec
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.spec import SpecError, parse_spec
 from trainyard.service.tenancy.requests import Tenancy
 from trainyard.service.tenancy.users import User
 
@@ -20,7 +22,8 @@ MAX_SEQ_LEN = 4096
 
 def client_config(tenancy: Tenancy, user: User, base_model: str, lora_rank: int | None,
                   registered: Mapping[str, str], seed: int = 0,
-                  targets: tuple[bool, bool, bool] | None = None) -> JobConfig:
+                  targets: tuple[bool, bool, bool] | None = None, parallel: Mapping[str, Any] | None = None
+                  ) -> JobConfig:
     """The client's JobConfig; RuleError naming `base_model` or `lora_config.rank` when it cannot be one."""
     if lora_rank is None:
         raise RuleError("lora_config", "full fine-tuning is not served yet: give lora_config.rank")
@@ -48,7 +51,18 @@ def client_config(tenancy: Tenancy, user: User, base_model: str, lora_rank: int 
     spec = {"name": "tinker-client", "seed": seed, "model": model, "init_from": {"hf": directory},
             "data": {"kind": "synthetic"}, "optimizer": {"kind": "adamw", "warmup_steps": 0, "grad_clip": 0.0},
             "steps": 1_000_000, "global_batch": 1}
-    return parse_spec(spec)
+    if parallel:
+        spec["parallel"] = dict(parallel)
+        spec["global_batch"] = int(parallel.get("dp", 1)) if isinstance(parallel.get("dp", 1), int) else 1
+    try:
+        config = parse_spec(spec)
+    except SpecError as e:
+        raise RuleError(e.errors[0][0], e.errors[0][1]) from None
+    plan = make_plan(config)
+    if plan.pp != 1 or plan.tp != 1 or plan.ep != 1 or plan.parallel.zero != 0:
+        raise RuleError("parallel", "a training client runs data-parallel ranks each holding the whole model so far "
+                                    "(pp = tp = ep = 1, zero 0)")
+    return config
 
 
 def _targets(family: str, targets: tuple[bool, bool, bool]) -> list[str] | None:

@@ -40,7 +40,11 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     rest = tinker.RestClient(base_url=service.url, api_key="tml-" + alice)
     names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
     assert "tinker-tiny-llama" in names
-    training = client.create_lora_training_client(base_model=str(root / "llama"), rank=4).result()
+    pending = client.create_lora_training_client(base_model=str(root / "llama"), rank=4)
+    # trainyard's extension: the layout, as a JobSpec's `parallel` (built beside the first)
+    pending_dp2 = client.create_lora_training_client(base_model="tinker-tiny-llama", rank=4,
+                                                     user_metadata={"trainyard_parallel": '{"dp": 2}'})
+    training, dp2 = pending.result(), pending_dp2.result()
 
     first = training.forward_backward(data, "cross_entropy").result()
     with torch.no_grad():  # transformers' own loss and logprobs on the same tokens, the adapters' B being zero
@@ -53,13 +57,21 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     for out, row in zip(first.loss_fn_outputs, theirs, strict=True):
         torch.testing.assert_close(out["logprobs"].to_torch(), row, rtol=0, atol=1e-5)
 
-    losses = [first.metrics["loss:sum"]]
-    training.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result()
+    losses, at_dp2 = [first.metrics["loss:sum"]], [dp2.forward_backward(data, "cross_entropy").result()]
+    adam = tinker.types.AdamParams(learning_rate=2e-2)
+    training.optim_step(adam).result()
+    dp2.optim_step(adam).result()
     for _ in range(3):
-        fb = training.forward_backward(data, "cross_entropy")
-        training.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result()
+        fb, fb2 = training.forward_backward(data, "cross_entropy"), dp2.forward_backward(data, "cross_entropy")
+        training.optim_step(adam).result()
+        dp2.optim_step(adam).result()
         losses.append(fb.result().metrics["loss:sum"])
+        at_dp2.append(fb2.result())
     assert losses[-1] < losses[0] - 1.0, losses
+    # dp2 (each replica one of the two datums, the gradients summed at the step) follows dp1
+    assert [out.metrics["loss:sum"] for out in at_dp2] == pytest.approx(losses, rel=1e-4)
+    for out, row in zip(at_dp2[0].loss_fn_outputs, theirs, strict=True):
+        torch.testing.assert_close(out["logprobs"].to_torch(), row, rtol=0, atol=1e-5)
 
     forward = training.forward(data, "cross_entropy").result()  # no gradient kept, no step: twice the same
     assert forward.metrics["loss:sum"] == training.forward(data, "cross_entropy").result().metrics["loss:sum"]
@@ -88,13 +100,16 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
         assert refused.status_code == 422 and "base_model" in refused.text
         assert str(service.state_dir) not in refused.text
         # A rank that dies under a live client: the next call fails with a clear error, at once, never a hang.
-        ray.kill(service.manager.tinker.clients[model_id].actor, no_restart=True)
+        ray.kill(ray.get_actor(f"trainyard/tinker-{model_id}/pp0-tp0-dp0"), no_restart=True)
         started = time.monotonic()
-        with pytest.raises(Exception, match="rank died"):
+        with pytest.raises(Exception, match="died"):
             training.forward_backward(data, "cross_entropy").result(timeout=60)
         assert time.monotonic() - started < 30
         unloaded = http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + alice},
                              json={"model_id": model_id})
         assert unloaded.status_code == 404  # released with its rank
+        unloaded = http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + alice},
+                             json={"model_id": dp2.model_id})
+        assert unloaded.status_code == 200 and dp2.model_id not in service.manager.tinker.clients
         assert http.post("/api/v1/get_info", headers={"X-API-Key": "tml-" + alice},
                          json={"model_id": model_id}).status_code == 404
