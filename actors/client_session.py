@@ -59,9 +59,6 @@ class ClientSession:
         outs = await self._on_every_rank("optim_step", [dict(adam) for _ in range(self.plan.world_size)])
         return outs[0]
 
-    async def close(self) -> None:
-        self.group.release()
-
     async def _on_every_rank(self, method: str, calls: list[dict]) -> list[dict]:
         if self.broken is not None:
             raise RuntimeError(f"training client {self.model_id} is unusable: {self.broken}")

@@ -6,7 +6,8 @@ LoRA, the reducers, the optimizer); only the step is split in two.
 This is the one module of the open loop that reads the trainer's internals (its chunks, reducers, optimizer and
 autocast), so that a move inside `parallel/runtime/` touches one file. No Ray here.
 
-The layouts: data parallelism (dp ranks, each holding the whole model: pp = tp = ep = 1, no ZeRO); each replica runs
+The layouts: data parallelism (dp ranks, each holding the whole model: pp = tp = ep = 1; ZeRO-1 shards the optimizer
+state and the summed gradients, its reducers gathering the parameters after the step); each replica runs
 its share of a call's datums (`shares`), and the gradient reducers sum the replicas' gradients at `optim_step`, so
 the step is the one of every datum's loss summed, whatever dp. Other layouts are refused, naming the field.
 Losses: `cross_entropy` (Tinker's documented one: the sum over tokens of weights * -logprob(target)); the others are
@@ -43,15 +44,15 @@ class Datum:
 
 def check_layout(plan: Plan) -> None:
     """The layouts the open loop runs: data parallelism over ranks that each hold the whole model."""
-    if plan.pp != 1 or plan.tp != 1 or plan.parallel.zero != 0 or plan.ep != 1:
+    if plan.pp != 1 or plan.tp != 1 or plan.parallel.zero > 1 or plan.ep != 1:
         raise OpenLoopError("parallel: the open loop runs data-parallel ranks each holding the whole model so far "
-                            "(pp = tp = ep = 1, zero 0)")
+                            "(pp = tp = ep = 1, zero 0 or 1)")
 
 
 def check_call(data: list[Datum], loss_fn: str, seq_len: int) -> None:
     """A forward_backward's input as the rank runs it; OpenLoopError naming the field otherwise."""
     if loss_fn not in LOSSES:
-        raise OpenLoopError(f"loss_fn: {loss_fn!r} is not one of {', '.join(LOSSES)} (the others are not built yet)")
+        raise OpenLoopError(f"loss_fn: not one of {', '.join(LOSSES)} (the others are not built yet)")
     for i, d in enumerate(data):
         if not 0 < len(d.tokens) <= seq_len or len(d.targets) != len(d.tokens) or len(d.weights) != len(d.tokens):
             raise OpenLoopError(f"data[{i}]: needs 1 to {seq_len} input tokens and as many target_tokens and weights")

@@ -59,9 +59,9 @@ def client_config(tenancy: Tenancy, user: User, base_model: str, lora_rank: int 
     except SpecError as e:
         raise RuleError(e.errors[0][0], e.errors[0][1]) from None
     plan = make_plan(config)
-    if plan.pp != 1 or plan.tp != 1 or plan.ep != 1 or plan.parallel.zero != 0:
+    if plan.pp != 1 or plan.tp != 1 or plan.ep != 1 or plan.parallel.zero > 1:
         raise RuleError("parallel", "a training client runs data-parallel ranks each holding the whole model so far "
-                                    "(pp = tp = ep = 1, zero 0)")
+                                    "(pp = tp = ep = 1, zero 0 or 1)")
     return config
 
 

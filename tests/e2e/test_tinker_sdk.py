@@ -43,7 +43,7 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     pending = client.create_lora_training_client(base_model=str(root / "llama"), rank=4)
     # trainyard's extension: the layout, as a JobSpec's `parallel` (built beside the first)
     pending_dp2 = client.create_lora_training_client(base_model="tinker-tiny-llama", rank=4,
-                                                     user_metadata={"trainyard_parallel": '{"dp": 2}'})
+                                                     user_metadata={"trainyard_parallel": '{"dp": 2, "zero": 1}'})
     training, dp2 = pending.result(), pending_dp2.result()
 
     first = training.forward_backward(data, "cross_entropy").result()
@@ -68,7 +68,8 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
         losses.append(fb.result().metrics["loss:sum"])
         at_dp2.append(fb2.result())
     assert losses[-1] < losses[0] - 1.0, losses
-    # dp2 (each replica one of the two datums, the gradients summed at the step) follows dp1
+    # dp2 with ZeRO-1 (each replica one of the two datums, the gradients summed at the step, the optimizer state
+    # sharded) follows dp1
     assert [out.metrics["loss:sum"] for out in at_dp2] == pytest.approx(losses, rel=1e-4)
     for out, row in zip(at_dp2[0].loss_fn_outputs, theirs, strict=True):
         torch.testing.assert_close(out["logprobs"].to_torch(), row, rtol=0, atol=1e-5)

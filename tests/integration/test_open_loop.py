@@ -60,3 +60,20 @@ def test_gradients_accumulate_until_the_step(tmp_path):
     assert any(not torch.equal(s, w) for s, w in zip(start, both, strict=True))  # the step moved the adapters
     for h, w in zip(halves, both, strict=True):
         torch.testing.assert_close(h, w, rtol=0, atol=1e-6)
+
+
+def test_a_client_layout_the_open_loop_cannot_run_is_refused_naming_parallel(tmp_path):
+    from trainyard.parallel.config import RuleError
+
+    tiny_llama(tmp_path / "llama")
+    registered = {"tiny": str(tmp_path / "llama")}
+    config = client_config(None, ADMIN_USER, "tiny", 4, registered, parallel={"dp": 2, "zero": 1})  # type: ignore[arg-type]
+    assert (make_plan(config).dp, make_plan(config).parallel.zero, config.global_batch) == (2, 1, 2)
+    for parallel, field in (({"dp": 2, "pp": 2}, "parallel"), ({"dp": 2, "zero": 3}, "parallel"),
+                            ({"dp": "two"}, "parallel.dp")):
+        with pytest.raises(RuleError) as e:
+            client_config(None, ADMIN_USER, "tiny", 4, registered, parallel=parallel)  # type: ignore[arg-type]
+        assert e.value.field == field
+    with pytest.raises(RuleError) as e:
+        client_config(None, ADMIN_USER, "tiny", None, registered)  # type: ignore[arg-type]
+    assert e.value.field == "lora_config"
