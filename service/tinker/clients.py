@@ -128,7 +128,7 @@ class TinkerClients:
             over = limits.over(held, charge)
             if over is not None:
                 raise QueueFull(f"{over}; unload a training client or wait for a job to end")
-            # The rank's resources reserved as a job's are (one bundle; all or nothing), the actor placed in them.
+            # The ranks' resources reserved as a job's are (its bundles, all or nothing); the ranks placed in them.
             pg = placement_group(plan.bundles(), strategy="PACK", name=f"trainyard-tinker-{model_id}")
             # The session holds no resources of its own (as a job's coordinator); its ranks are in the group.
             actor = ClientSession.options(  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
@@ -174,8 +174,8 @@ class TinkerClients:
                 raise ClientNotFound(request_id)
         if future.ref is None:
             return "done", future.value
-        limit = SETUP_TIMEOUT_S if future.model_id in self.clients and \
-            future.ref is self.clients[future.model_id].ready else CALL_TIMEOUT_S
+        client = self.clients.get(future.model_id or "")
+        limit = SETUP_TIMEOUT_S if client is not None and future.ref is client.ready else CALL_TIMEOUT_S
         ready, _ = ray.wait([future.ref], timeout=wait_s)
         if not ready:
             if time.monotonic() - future.started < limit:
@@ -186,8 +186,8 @@ class TinkerClients:
             value = ray.get(future.ref)
         except ray.exceptions.RayActorError:  # the rank's process is gone: so is the client
             self._fail_client(future.model_id)
-            return "failed", ("the training client's rank died (its process ended) and the client was released; "
-                              "create a new training client")
+            return "failed", ("the training client's rank died (its process ended), or the client was unloaded; "
+                              "it is released: create a new training client")
         except Exception as e:  # the rank's error, raised as its cause
             cause = getattr(e, "cause", None) or e
             message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
