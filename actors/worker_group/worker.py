@@ -65,6 +65,7 @@ class Worker:
         build this rank's trainer."""
         self.rank = self.rank if rank is None else rank
         self._step_failed = False
+        self._open = None  # a new driver: its open loop is built anew at the next call
         from trainyard.parallel.runtime.driver import RankDriver
 
         baseline = resident_bytes("VmRSS")  # the process before its trainer: Ray's worker, torch and their imports

@@ -3,7 +3,8 @@ Ray, a live training client's rank). A tiny Hugging Face Llama directory built h
 data root is the base model; a LoRA training client runs a supervised loop of a few steps: the first
 forward_backward's loss and per-token logprobs are transformers' own on the same tokens (1e-5), forward_backward
 accumulates until optim_step applies, and the loss falls over the steps. Another user's model id answers as a
-missing one (a 404) through the SDK; bad input is a 422 naming the field."""
+missing one (a 404) through the SDK; bad input is a 422 naming the field; a rank killed under the client fails the
+next call at once. In `make test-slow`: clients at dp2 and dp2 with ZeRO-1 follow one rank's losses."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 import ray
 import torch
+from helpers import slow
 from hf_tiny import tiny_llama
 from trainyard.service.tenancy import users
 
@@ -23,6 +25,20 @@ def _datum(tokens: list[int]):
     n = len(tokens) - 1
     return tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n})
+
+
+def _loop(training, data, steps: int, started: bool = False) -> list[float]:
+    """`steps` rounds of forward_backward then optim_step (`started`: the first forward_backward ran already, the
+    loop begins with its step); each round's loss, taken before its step."""
+    adam = tinker.types.AdamParams(learning_rate=2e-2)
+    if started:
+        training.optim_step(adam).result()
+    losses = []
+    for _ in range(steps):
+        fb = training.forward_backward(data, "cross_entropy")
+        training.optim_step(adam).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    return losses
 
 
 def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
@@ -40,11 +56,7 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     rest = tinker.RestClient(base_url=service.url, api_key="tml-" + alice)
     names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
     assert "tinker-tiny-llama" in names
-    pending = client.create_lora_training_client(base_model=str(root / "llama"), rank=4)
-    # trainyard's extension: the layout, as a JobSpec's `parallel` (built beside the first)
-    pending_dp2 = client.create_lora_training_client(base_model="tinker-tiny-llama", rank=4,
-                                                     user_metadata={"trainyard_parallel": '{"dp": 2, "zero": 1}'})
-    training, dp2 = pending.result(), pending_dp2.result()
+    training = client.create_lora_training_client(base_model=str(root / "llama"), rank=4).result()
 
     first = training.forward_backward(data, "cross_entropy").result()
     with torch.no_grad():  # transformers' own loss and logprobs on the same tokens, the adapters' B being zero
@@ -57,22 +69,8 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     for out, row in zip(first.loss_fn_outputs, theirs, strict=True):
         torch.testing.assert_close(out["logprobs"].to_torch(), row, rtol=0, atol=1e-5)
 
-    losses, at_dp2 = [first.metrics["loss:sum"]], [dp2.forward_backward(data, "cross_entropy").result()]
-    adam = tinker.types.AdamParams(learning_rate=2e-2)
-    training.optim_step(adam).result()
-    dp2.optim_step(adam).result()
-    for _ in range(3):
-        fb, fb2 = training.forward_backward(data, "cross_entropy"), dp2.forward_backward(data, "cross_entropy")
-        training.optim_step(adam).result()
-        dp2.optim_step(adam).result()
-        losses.append(fb.result().metrics["loss:sum"])
-        at_dp2.append(fb2.result())
+    losses = [first.metrics["loss:sum"], *_loop(training, data, steps=3, started=True)]
     assert losses[-1] < losses[0] - 1.0, losses
-    # dp2 with ZeRO-1 (each replica one of the two datums, the gradients summed at the step, the optimizer state
-    # sharded) follows dp1
-    assert [out.metrics["loss:sum"] for out in at_dp2] == pytest.approx(losses, rel=1e-4)
-    for out, row in zip(at_dp2[0].loss_fn_outputs, theirs, strict=True):
-        torch.testing.assert_close(out["logprobs"].to_torch(), row, rtol=0, atol=1e-5)
 
     forward = training.forward(data, "cross_entropy").result()  # no gradient kept, no step: twice the same
     assert forward.metrics["loss:sum"] == training.forward(data, "cross_entropy").result().metrics["loss:sum"]
@@ -109,8 +107,32 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
         unloaded = http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + alice},
                              json={"model_id": model_id})
         assert unloaded.status_code == 404  # released with its rank
-        unloaded = http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + alice},
-                             json={"model_id": dp2.model_id})
-        assert unloaded.status_code == 200 and dp2.model_id not in service.manager.tinker.clients
         assert http.post("/api/v1/get_info", headers={"X-API-Key": "tml-" + alice},
                          json={"model_id": model_id}).status_code == 404
+
+
+@slow
+def test_data_parallel_clients_follow_one_rank(service, tmp_path):
+    """trainyard's extension, the layout as a JobSpec's `parallel`: at dp2 (each replica one of the two datums, the
+    gradients summed at the step) and at dp2 with ZeRO-1 (the optimizer state sharded too), the losses are one
+    rank's (1e-4)."""
+    tiny_llama(tmp_path / "llama")
+    service.manager.tinker.registered["tinker-dp-llama"] = str(tmp_path / "llama")
+    token = users.create(service.state_dir, "tinker-carol")
+    client = tinker.ServiceClient(base_url=service.url, api_key="tml-" + token)
+    torch.manual_seed(1)
+    data = [_datum(torch.randint(0, 256, (17,)).tolist()) for _ in range(2)]
+    layouts = [None, '{"dp": 2}', '{"dp": 2, "zero": 1}']
+    pending = [client.create_lora_training_client(base_model="tinker-dp-llama", rank=4, user_metadata=None if
+                                                  layout is None else {"trainyard_parallel": layout})
+               for layout in layouts]
+    trainings = [p.result() for p in pending]
+    one, *others = [_loop(t, data, steps=4) for t in trainings]
+    assert one[-1] < one[0]
+    for losses in others:
+        assert losses == pytest.approx(one, rel=1e-4)
+    with httpx.Client(base_url=service.url, timeout=30) as http:
+        for t in trainings:
+            assert http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + token},
+                             json={"model_id": t.model_id}).status_code == 200
+    assert not any(t.model_id in service.manager.tinker.clients for t in trainings)
