@@ -39,16 +39,16 @@ class ClientSession:
         return {"model_id": self.model_id, "device": self.group.ranks[0].get("device"),
                 "world_size": self.plan.world_size}
 
-    async def forward_backward(self, data: list[dict[str, list]], loss_fn: str, forward_only: bool) -> dict[str, Any]:
-        """`data`: each datum's `tokens`, `target_tokens` and `weights`. Returns every datum's `logprobs`, in order,
-        and `metrics` (`loss:sum` over every datum)."""
-        from trainyard.parallel.runtime.open_loop import Datum, check_call, shares
+    async def forward_backward(self, data: list[dict[str, list]], loss_fn: str, forward_only: bool,
+                               config: dict[str, float] | None = None) -> dict[str, Any]:
+        """`data`: each datum's `tokens`, `target_tokens` and the loss's inputs by name; `config`: the loss's.
+        Returns every datum's `logprobs`, in order, and `metrics` (`loss:sum` over every datum)."""
+        from trainyard.parallel.runtime.open_loop import check_call, datum_of, shares
 
-        check_call([Datum(d["tokens"], d["target_tokens"], d["weights"]) for d in data], loss_fn,
-                   self.plan.config.model.seq_len)
+        check_call([datum_of(d) for d in data], loss_fn, self.plan.config.model.seq_len, config)
         split = shares(len(data), self.plan.dp)
         calls = [{"data": [data[i] for i in split[self.plan.coords(r).dp]], "loss_fn": loss_fn,
-                  "forward_only": forward_only} for r in range(self.plan.world_size)]
+                  "forward_only": forward_only, "config": config} for r in range(self.plan.world_size)]
         outs = await self._on_every_rank("forward_backward", calls)
         firsts = [next(r for r in range(self.plan.world_size) if self.plan.coords(r).dp == dp)
                   for dp in range(self.plan.dp)]  # one rank of each replica answers for it

@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+MAX_INPUTS = 16
+"""The most `loss_fn_inputs` a datum may name."""
+
 
 class WireError(ValueError):
     """A payload that cannot be read: `field` names what is wrong."""
@@ -33,7 +36,8 @@ class ForwardBackwardCall:
     loss_fn: str
     forward_only: bool
     data: list[dict[str, list]]
-    """Each datum's `tokens`, `target_tokens` and `weights`, as long as each other."""
+    """Each datum's `tokens`, `target_tokens` and its other `loss_fn_inputs` by name, as long as each other."""
+    loss_fn_config: dict[str, float] | None = None
 
 
 def _pb() -> Any:
@@ -63,18 +67,23 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
                 raise WireError(f"data[{i}].model_input", "only encoded_text chunks are served yet")
             tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
         inputs = dict(datum.loss_fn_inputs)
-        for name in ("target_tokens", "weights"):
-            if name not in inputs:
-                raise WireError(f"data[{i}].loss_fn_inputs.{name}", "missing")
-        targets = _tensor(pb, inputs["target_tokens"], f"data[{i}].loss_fn_inputs.target_tokens")
-        weights = _tensor(pb, inputs["weights"], f"data[{i}].loss_fn_inputs.weights")
-        if not (len(tokens) == len(targets) == len(weights)):
-            raise WireError(f"data[{i}]", "model_input, target_tokens and weights differ in length")
-        data.append({"tokens": tokens, "target_tokens": [int(t) for t in targets],
-                     "weights": [float(w) for w in weights]})
+        if "target_tokens" not in inputs:
+            raise WireError(f"data[{i}].loss_fn_inputs.target_tokens", "missing")
+        if len(inputs) > MAX_INPUTS or any(not name.isidentifier() or name == "tokens" for name in inputs):
+            raise WireError(f"data[{i}].loss_fn_inputs", "names other than a loss's inputs")
+        read: dict[str, list] = {"tokens": tokens}
+        for name, tensor in sorted(inputs.items()):
+            values = _tensor(pb, tensor, f"data[{i}].loss_fn_inputs.{name}")
+            if len(values) != len(tokens):
+                raise WireError(f"data[{i}].loss_fn_inputs.{name}", "not as long as model_input")
+            read[name] = [int(v) for v in values] if name == "target_tokens" else [float(v) for v in values]
+        data.append(read)
     if not data:
         raise WireError("data", "no datum")
-    return ForwardBackwardCall(msg.model_id, msg.seq_id, msg.loss_fn, msg.forward_only, data)
+    config = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config)
+    if any(v.WhichOneof("value") == "text" for v in msg.loss_fn_config_v2.values()):
+        raise WireError("loss_fn_config", "text values are not served")
+    return ForwardBackwardCall(msg.model_id, msg.seq_id, msg.loss_fn, msg.forward_only, data, config or None)
 
 
 def _tensor(pb: Any, t: Any, field: str) -> list:

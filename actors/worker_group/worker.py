@@ -82,16 +82,16 @@ class Worker:
 
     def open_loop(self, method: str, kwargs: dict) -> dict:
         """A Tinker training client's call on this rank (`actors.client_session`): `forward_backward` (its datums
-        as dicts of `tokens`, `target_tokens`, `weights`) or `optim_step` (the Adam parameters), on the open loop
-        built on this rank's driver at its first call (`parallel.runtime.open_loop.OpenLoopRank`)."""
+        as dicts of `tokens`, `target_tokens` and the loss's inputs) or `optim_step` (the Adam parameters), on the
+        open loop built on this rank's driver at its first call (`parallel.runtime.open_loop.OpenLoopRank`)."""
         assert self.driver is not None, "setup() must run before open_loop()"
-        from trainyard.parallel.runtime.open_loop import Datum, OpenLoopRank
+        from trainyard.parallel.runtime.open_loop import OpenLoopRank, datum_of
 
         with self._traceback_to_stderr(f"the training client's {method}"):
             if self._open is None:
                 self._open = OpenLoopRank(self.driver)
             if method == "forward_backward":
-                data = [Datum(d["tokens"], d["target_tokens"], d["weights"]) for d in kwargs.pop("data")]
+                data = [datum_of(d) for d in kwargs.pop("data")]
                 return self._open.forward_backward(data, **kwargs)
             return self._open.optim_step(**kwargs)
 

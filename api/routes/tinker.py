@@ -165,7 +165,8 @@ async def forward_backward(request: Request, manager: Manager, user: Caller) -> 
         return _field_error(e.field, e.message)
     except SdkMissing as e:
         return JSONResponse(status_code=501, content={"detail": str(e)})
-    request_id = manager.tinker.forward_backward(user, call.model_id, call.data, call.loss_fn, call.forward_only)
+    request_id = manager.tinker.forward_backward(user, call.model_id, call.data, call.loss_fn, call.forward_only,
+                                                 call.loss_fn_config)
     return {"request_id": request_id, "model_id": call.model_id}
 
 

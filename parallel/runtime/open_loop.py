@@ -10,12 +10,13 @@ The layouts: data parallelism (dp ranks, each holding the whole model: pp = tp =
 state and the summed gradients, its reducers gathering the parameters after the step); each replica runs
 its share of a call's datums (`shares`), and the gradient reducers sum the replicas' gradients at `optim_step`, so
 the step is the one of every datum's loss summed, whatever dp. Other layouts are refused, naming the field.
-Losses: `cross_entropy` (Tinker's documented one: the sum over tokens of weights * -logprob(target)); the others are
-refused, naming `loss_fn`.
+Losses: Tinker's `cross_entropy`, `importance_sampling` and `ppo` (`parallel.runtime.tinker_losses`, as documented);
+the others are refused, naming `loss_fn`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,7 @@ import torch
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
-
-LOSSES = ("cross_entropy",)
-"""The loss functions `forward_backward` runs (Tinker's names)."""
+from trainyard.parallel.runtime.tinker_losses import INPUTS, LOSSES, config_of
 
 
 class OpenLoopError(ValueError):
@@ -34,12 +33,18 @@ class OpenLoopError(ValueError):
 
 @dataclass(frozen=True)
 class Datum:
-    """One sequence of a call: the model's input tokens, the target of each position and its weight (all as long
-    as the input)."""
+    """One sequence of a call: the model's input tokens, the target of each position, and the loss's other inputs
+    by their Tinker names (`weights`; `logprobs`, `advantages`), all as long as the input."""
 
     tokens: list[int]
     targets: list[int]
-    weights: list[float]
+    inputs: dict[str, list[float]]
+
+
+def datum_of(d: Mapping[str, list]) -> Datum:
+    """A datum as the API hands it over: `tokens`, `target_tokens` and the loss's other inputs by name."""
+    return Datum(list(d["tokens"]), list(d["target_tokens"]),
+                 {k: list(v) for k, v in d.items() if k not in ("tokens", "target_tokens")})
 
 
 def check_layout(plan: Plan) -> None:
@@ -49,13 +54,23 @@ def check_layout(plan: Plan) -> None:
                             "(pp = tp = ep = 1, zero 0 or 1)")
 
 
-def check_call(data: list[Datum], loss_fn: str, seq_len: int) -> None:
-    """A forward_backward's input as the rank runs it; OpenLoopError naming the field otherwise."""
+def check_call(data: list[Datum], loss_fn: str, seq_len: int, config: Mapping[str, float] | None = None
+               ) -> dict[str, float]:
+    """A forward_backward's input as the rank runs it, and the loss's config (its defaults filled in);
+    OpenLoopError naming the field otherwise."""
     if loss_fn not in LOSSES:
         raise OpenLoopError(f"loss_fn: not one of {', '.join(LOSSES)} (the others are not built yet)")
+    try:
+        full = config_of(loss_fn, config)
+    except ValueError as e:
+        raise OpenLoopError(str(e)) from None
     for i, d in enumerate(data):
-        if not 0 < len(d.tokens) <= seq_len or len(d.targets) != len(d.tokens) or len(d.weights) != len(d.tokens):
-            raise OpenLoopError(f"data[{i}]: needs 1 to {seq_len} input tokens and as many target_tokens and weights")
+        if not 0 < len(d.tokens) <= seq_len or len(d.targets) != len(d.tokens):
+            raise OpenLoopError(f"data[{i}]: needs 1 to {seq_len} input tokens and as many target_tokens")
+        for name in INPUTS[loss_fn]:
+            if len(d.inputs.get(name, ())) != len(d.tokens):
+                raise OpenLoopError(f"data[{i}].loss_fn_inputs.{name}: {loss_fn} needs one per input token")
+    return full
 
 
 def shares(n: int, dp: int) -> list[range]:
@@ -79,10 +94,12 @@ class OpenLoopRank:
         self.decays = [bool(g.get("weight_decay", 0.0)) for g in self.trainer.optimizer.param_groups]
         """Which optimizer groups take weight decay (the job's rule: matrices, not biases or norms)."""
 
-    def forward_backward(self, data: list[Datum], loss_fn: str, forward_only: bool = False) -> dict[str, Any]:
-        """The loss of each datum (and its gradient, accumulated, unless `forward_only`): `logprobs`, per datum the
-        log-probability of each target, and `metrics` (`loss:sum`)."""
-        check_call(data, loss_fn, self.seq_len)
+    def forward_backward(self, data: list[Datum], loss_fn: str, forward_only: bool = False,
+                         config: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """The loss of each datum (`parallel.runtime.tinker_losses`; its gradient accumulated unless
+        `forward_only`): `logprobs`, per datum the log-probability of each target, and `metrics` (`loss:sum`)."""
+        full = check_call(data, loss_fn, self.seq_len, config)
+        loss_of = LOSSES[loss_fn]
         if not forward_only and not self.pending:
             for reducer in self.trainer.reducers.values():
                 reducer.zero_grad()
@@ -91,7 +108,9 @@ class OpenLoopRank:
         for d in data:
             with torch.set_grad_enabled(not forward_only):
                 picked = self._logprobs(d)
-                loss = -(picked * torch.tensor(d.weights, dtype=picked.dtype, device=picked.device)).sum()
+                inputs = {name: torch.tensor(d.inputs[name], dtype=picked.dtype, device=picked.device)
+                          for name in INPUTS[loss_fn]}
+                loss = loss_of(picked, inputs, full)
                 if not forward_only:
                     loss.backward()
             logprobs.append(picked.detach().float().cpu().tolist())

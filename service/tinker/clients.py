@@ -147,10 +147,11 @@ class TinkerClients:
                     "family": client.family}
 
     def forward_backward(self, user: User, model_id: str, data: list[dict[str, list]], loss_fn: str,
-                         forward_only: bool) -> str:
+                         forward_only: bool, config: dict[str, float] | None = None) -> str:
         with self._lock:
             client = self._client(user, model_id)
-            return self._future(user, client.actor.forward_backward.remote(data, loss_fn, forward_only), model_id)
+            ref = client.actor.forward_backward.remote(data, loss_fn, forward_only, config)
+            return self._future(user, ref, model_id)
 
     def optim_step(self, user: User, model_id: str, adam: dict[str, float]) -> str:
         with self._lock:

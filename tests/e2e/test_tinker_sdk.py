@@ -76,6 +76,15 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     assert forward.metrics["loss:sum"] == training.forward(data, "cross_entropy").result().metrics["loss:sum"]
     assert forward.metrics["loss:sum"] < losses[-1]
 
+    # importance_sampling through the SDK: the first logprobs as the sampler's, an advantage of 1 on each token
+    sampled = first.loss_fn_outputs[0]["logprobs"].tolist()
+    rl = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(sequences[0][:-1]),
+                            loss_fn_inputs={"target_tokens": sequences[0][1:], "logprobs": sampled,
+                                            "advantages": [1.0] * len(sampled)})
+    out = training.forward([rl], "importance_sampling").result()
+    now = out.loss_fn_outputs[0]["logprobs"].to_torch()
+    assert out.metrics["loss:sum"] == pytest.approx(-float(torch.exp(now - torch.tensor(sampled)).sum()), rel=1e-5)
+
     # Another user's model id answers as a missing one, through the SDK and over HTTP alike.
     model_id = training.model_id
     other = tinker.ServiceClient(base_url=service.url, api_key="tml-" + bob)

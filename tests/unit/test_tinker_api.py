@@ -17,11 +17,11 @@ from trainyard.service.tenancy.users import User
 tinker = pytest.importorskip("tinker")
 
 
-def _request(datums, loss_fn="cross_entropy", forward_only=False) -> bytes:
+def _request(datums, loss_fn="cross_entropy", forward_only=False, config=None) -> bytes:
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
     request = tinker.types.ForwardBackwardRequest(
-        forward_backward_input=tinker.types.ForwardBackwardInput(data=datums, loss_fn=loss_fn),
+        forward_backward_input=tinker.types.ForwardBackwardInput(data=datums, loss_fn=loss_fn, loss_fn_config=config),
         model_id="model-1", seq_id=3)
     msg = forward_backward_request_to_proto(request)
     msg.forward_only = forward_only
@@ -36,6 +36,12 @@ def test_a_forward_backward_request_and_result_round_trip_through_the_sdks_own_c
     call = read_forward_backward(_request([datum, datum], forward_only=True))
     assert (call.model_id, call.seq_id, call.loss_fn, call.forward_only) == ("model-1", 3, "cross_entropy", True)
     assert call.data[1] == {"tokens": [5, 6, 7], "target_tokens": [6, 7, 8], "weights": [0.0, 1.0, 0.5]}
+
+    inputs = {"target_tokens": [6, 7], "logprobs": [-1.5, -2.0], "advantages": [1.0, -1.0]}
+    ppo = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6]), loss_fn_inputs=inputs)
+    call = read_forward_backward(_request([ppo], "ppo", config={"clip_low_threshold": 0.7}))
+    assert call.data == [{"tokens": [5, 6], **inputs}]
+    assert (call.loss_fn, call.loss_fn_config) == ("ppo", {"clip_low_threshold": pytest.approx(0.7)})
 
     out = deserialize_forward_backward_output(write_forward_backward(
         {"logprobs": [[-1.0, -2.0, -3.0], [-0.5]], "metrics": {"loss:sum": 4.5}}))
