@@ -1,6 +1,7 @@
 """Nothing is read before the caller is known: an ASGI middleware that authenticates every request from its
 `Authorization` header before any route (and so before any body) runs, and answers 401 without reading the body.
 
+The Tinker SDK (`api.routes.tinker`) sends its key as `X-API-Key: tml-<token>` instead: the same token, the same user.
 The user it finds is the request's `state.user`, which the routes' `caller` dependency returns. The paths that need
 no token are the health check and the API's own documentation. Then, and only for a known user, a body's size is
 capped (Starlette's body limit: a declared length over it is a 413 unread, a streamed body is cut off once past
@@ -15,7 +16,9 @@ from typing import Any
 
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
-OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset({"/healthz", "/api/v1/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+TINKER_KEY_PREFIX = "tml-"
+"""The Tinker SDK's API keys (`X-API-Key`) are `tml-` + a trainyard token; the SDK refuses keys without it."""
 MAX_JSON_BODY = 1 << 20
 """The largest JSON body a route reads (a JobSpec is a few KiB): larger is a 413, refused unread."""
 UNAUTHORIZED = ("missing or wrong bearer token (the admin's is in the state directory's `token` file; `trainyard "
@@ -51,7 +54,9 @@ class Authenticate:
     def _user(self, scope: dict) -> Any:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         if header is None:
-            return None
+            key = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"").decode("latin-1").strip()
+            return self.authenticate(key.removeprefix(TINKER_KEY_PREFIX)) \
+                if key.startswith(TINKER_KEY_PREFIX) and len(key) > len(TINKER_KEY_PREFIX) else None
         scheme, _, credentials = header.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not credentials.strip():
             return None

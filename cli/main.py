@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                         "users cannot name another")
     s.add_argument("--wandb-project", default=None, metavar="P", help="the W&B project jobs log to (default trainyard)")
     s.add_argument("--wandb-entity", default=None, metavar="E", help="the W&B entity (default: the key's own)")
+    s.add_argument("--base-model", action="append", default=[], type=offline.base_model, metavar="NAME=DIR",
+                   help="a Hugging Face directory every user's Tinker training client may name as base_model NAME "
+                        "(repeatable; else a client names a directory under its user's data roots)")
     s.set_defaults(func=offline.serve)
 
     s = sub.add_parser("submit", help="submit a JobSpec file (YAML or JSON)")

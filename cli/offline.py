@@ -55,7 +55,16 @@ def serve(args: argparse.Namespace) -> int:
                  num_cpus=args.num_cpus, max_queued=args.max_queued,
                  allow_fault_injection=args.allow_fault_injection,
                  max_upload_bytes=args.max_upload_bytes or DEFAULT_MAX_UPLOAD_BYTES,
-                 trackers=TrackerPolicy(args.mlflow_uri, args.wandb_project, args.wandb_entity))
+                 trackers=TrackerPolicy(args.mlflow_uri, args.wandb_project, args.wandb_entity),
+                 base_models=dict(args.base_model))
+
+
+def base_model(text: str) -> tuple[str, str]:
+    """`--base-model NAME=DIR`: the name and the directory, made absolute."""
+    name, sep, directory = text.partition("=")
+    if not sep or not name.strip() or not directory.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR")
+    return name.strip(), str(Path(directory.strip()).expanduser().resolve())
 
 
 def plan(args: argparse.Namespace) -> int:

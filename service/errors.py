@@ -25,3 +25,7 @@ class Calibrating(RuntimeError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class ClientNotFound(LookupError):
+    """No Tinker session, training client or request with this id (another user's answers the same)."""

@@ -60,6 +60,7 @@ from trainyard.service.tenancy import quota
 from trainyard.service.tenancy.requests import Tenancy
 from trainyard.service.tenancy.trackers import TrackerPolicy
 from trainyard.service.tenancy.users import ADMIN_USER, User
+from trainyard.service.tinker import TinkerClients
 
 log = logging.getLogger("trainyard.manager")
 
@@ -117,6 +118,7 @@ class JobManager:
         self.tenancy = Tenancy(store, store.path.parent, self.paths, quotas, trackers, plan=self.plan)
         self.tenancy.uploads.sweep_partial()
         self.calibrations = Calibrations(self.data_dir)
+        self.tinker = TinkerClients(self.tenancy)  # the Tinker-compatible API's sessions and live clients
         self.live = LiveJobs(store)
         self.admission = Admission(self.live, self.paths, self.resume_point, detach_jobs,
                                    choose_layout=lambda config: self.choose_layout(config)[0], quotas=quotas)
@@ -351,6 +353,7 @@ class JobManager:
         a few seconds. Waiting jobs stay queued in the store for the next start."""
         self._stopping.set()
         self._wake.set()
+        self.tinker.close()
         for thread in self._threads:
             thread.join(timeout=RESERVE_TIMEOUT_S + 5)
         live, read = self.live.snapshot()

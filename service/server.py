@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ Passed in by the CLI, so the service runs the web layer without importing it."""
 def serve(make_app: AppFactory, host: str = "127.0.0.1", port: int = 8000, state_dir: str | Path | None = None,
           ray_address: str | None = None, num_cpus: int | None = None, max_queued: int = 1000,
           allow_fault_injection: bool = False, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-          trackers: TrackerPolicy = TrackerPolicy()) -> int:
+          trackers: TrackerPolicy = TrackerPolicy(), base_models: Mapping[str, str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _check_port_free(host, port)  # before Ray starts: a taken port is an error in milliseconds, not seconds
     # Every file the service and its embedded Ray's processes make (the store, checkpoints, uploads, models, logs)
@@ -93,6 +93,7 @@ def serve(make_app: AppFactory, host: str = "127.0.0.1", port: int = 8000, state
     users = Registry(directory)  # `trainyard token create` writes it; read again whenever it changes
     manager = JobManager(JobStore(directory / "jobs.db"), dashboard_url=info.dashboard_url, max_queued=max_queued,
                          detach_jobs=not info.embedded, quotas=users.quota, trackers=trackers)
+    manager.tinker.registered.update(base_models or {})  # `--base-model NAME=DIR`: Tinker clients' base models
     app = make_app(manager, token, ray_address=info.address, allow_fault_injection=allow_fault_injection,
                    users=users, max_upload_bytes=max_upload_bytes)
     server = _Server(http_config(app, host, port))

@@ -31,6 +31,7 @@ from trainyard.parallel.runtime.step.step_stats import Save, StepReport
 
 if TYPE_CHECKING:
     from trainyard.parallel.runtime.driver import RankDriver
+    from trainyard.parallel.runtime.open_loop import OpenLoopRank
 
 # torch and the trainer are imported in the rank's process when it is created, not where the class is defined:
 # the coordinator creates workers from this class and must not pay seconds of torch import as each job starts.
@@ -46,6 +47,8 @@ class Worker:
         torch.set_num_threads(max(1, threads))
         self.driver: RankDriver | None = None
         self._kept: dict | None = None
+        self._open: OpenLoopRank | None = None
+        """A Tinker training client's open loop on this rank (`open_loop`), once called."""
         self._step_failed = False
         """A step raised here: the steps queued after it are refused until the recovery sets this rank up again
         (one would block on the peers the failure left waiting, and hold up the recovery's call behind it)."""
@@ -62,6 +65,7 @@ class Worker:
         build this rank's trainer."""
         self.rank = self.rank if rank is None else rank
         self._step_failed = False
+        self._open = None  # a new driver: its open loop is built anew at the next call
         from trainyard.parallel.runtime.driver import RankDriver
 
         baseline = resident_bytes("VmRSS")  # the process before its trainer: Ray's worker, torch and their imports
@@ -75,6 +79,21 @@ class Worker:
         print(f"job {self.job_id} rank {self.rank} ({plan.worker_name(self.rank)}) of {plan.world_size} ready on "
               f"{info['node']} (pid {info['pid']}, {info['device']})", file=sys.stderr, flush=True)
         return info
+
+    def open_loop(self, method: str, kwargs: dict) -> dict:
+        """A Tinker training client's call on this rank (`actors.client_session`): `forward_backward` (its datums
+        as dicts of `tokens`, `target_tokens` and the loss's inputs) or `optim_step` (the Adam parameters), on the
+        open loop built on this rank's driver at its first call (`parallel.runtime.open_loop.OpenLoopRank`)."""
+        assert self.driver is not None, "setup() must run before open_loop()"
+        from trainyard.parallel.runtime.open_loop import OpenLoopRank, datum_of
+
+        with self._traceback_to_stderr(f"the training client's {method}"):
+            if self._open is None:
+                self._open = OpenLoopRank(self.driver)
+            if method == "forward_backward":
+                data = [datum_of(d) for d in kwargs.pop("data")]
+                return self._open.forward_backward(data, **kwargs)
+            return self._open.optim_step(**kwargs)
 
     def load_checkpoint(self, directory: str, step: int) -> None:
         assert self.driver is not None, "setup() must run before load_checkpoint()"

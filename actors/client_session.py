@@ -1,0 +1,75 @@
+"""The ClientSession actor: one training client of the Tinker-compatible API (`service.tinker`), a live job of its
+own kind. Instead of the coordinator's fixed loop, it holds the client's ranks (a `WorkerGroup` on the placement
+group the service reserved, built as a job's ranks are) between calls, and runs each call the user's program makes
+on them: every rank runs `Worker.open_loop` (`parallel.runtime.open_loop.OpenLoopRank`), each data-parallel replica
+on its share of the datums, and the gradient reducers sum the replicas' gradients at `optim_step`.
+
+One call at a time, in the order they were made (`max_concurrency=1`), which is the order the SDK's requests
+arrive in. A call the caller got wrong raises `OpenLoopError` before any rank runs (its message names the field). A
+rank that raises, dies or does not answer within the job's `fault.step_timeout_s` fails the call (`call_all`: a
+deadline, never a hang), and leaves the client unusable: every later call says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from trainyard.actors.worker_group.worker_group import WorkerGroup
+from trainyard.parallel.plan import Plan
+
+
+@ray.remote
+class ClientSession:
+    def __init__(self, model_id: str, plan: Plan, pg: PlacementGroup):
+        self.model_id, self.plan = model_id, plan
+        self.group = WorkerGroup(f"tinker-{model_id}", plan, pg)
+        self.broken: str | None = None
+        """Why the client is unusable (a call failed on a rank), or None."""
+
+    async def setup(self) -> dict[str, Any]:
+        """Create the ranks, rendezvous, build each (its process groups, the model from `init_from`, LoRA, the
+        reducers, the optimizer)."""
+        try:
+            await self.group.start()
+        except Exception as e:
+            self.broken = f"its ranks could not be built ({_line(e)})"
+            raise
+        return {"model_id": self.model_id, "device": self.group.ranks[0].get("device"),
+                "world_size": self.plan.world_size}
+
+    async def forward_backward(self, data: list[dict[str, list]], loss_fn: str, forward_only: bool,
+                               config: dict[str, float] | None = None) -> dict[str, Any]:
+        """`data`: each datum's `tokens`, `target_tokens` and the loss's inputs by name; `config`: the loss's.
+        Returns every datum's `logprobs`, in order, and `metrics` (`loss:sum` over every datum)."""
+        from trainyard.parallel.runtime.open_loop import check_call, datum_of, shares
+
+        check_call([datum_of(d) for d in data], loss_fn, self.plan.config.model.seq_len, config)
+        split = shares(len(data), self.plan.dp)
+        calls = [{"data": [data[i] for i in split[self.plan.coords(r).dp]], "loss_fn": loss_fn,
+                  "forward_only": forward_only, "config": config} for r in range(self.plan.world_size)]
+        outs = await self._on_every_rank("forward_backward", calls)
+        firsts = [next(r for r in range(self.plan.world_size) if self.plan.coords(r).dp == dp)
+                  for dp in range(self.plan.dp)]  # one rank of each replica answers for it
+        return {"logprobs": [row for r in firsts for row in outs[r]["logprobs"]],
+                "metrics": {"loss:sum": sum(outs[r]["metrics"]["loss:sum"] for r in firsts)}}
+
+    async def optim_step(self, adam: dict[str, float]) -> dict[str, Any]:
+        outs = await self._on_every_rank("optim_step", [dict(adam) for _ in range(self.plan.world_size)])
+        return outs[0]
+
+    async def _on_every_rank(self, method: str, calls: list[dict]) -> list[dict]:
+        if self.broken is not None:
+            raise RuntimeError(f"training client {self.model_id} is unusable: {self.broken}")
+        try:
+            return await self.group.call([w.open_loop.remote(method, kwargs)
+                                          for w, kwargs in zip(self.group.workers, calls, strict=True)], method)
+        except Exception as e:
+            self.broken = f"an earlier call failed ({_line(e)})"
+            raise RuntimeError(f"training client {self.model_id}: {_line(e)}") from None
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__

@@ -1,0 +1,155 @@
+"""One rank's step opened to an outside driver (the Tinker-compatible API): `forward_backward` on the caller's token
+sequences with their per-token weights, gradients accumulating over calls, and `optim_step`, which applies them with
+the caller's Adam parameters. The rank is built as a job's is (`RankDriver`, `RankTrainer`: `build_rank`'s order,
+LoRA, the reducers, the optimizer); only the step is split in two.
+
+This is the one module of the open loop that reads the trainer's internals (its chunks, reducers, optimizer and
+autocast), so that a move inside `parallel/runtime/` touches one file. No Ray here.
+
+The layouts: data parallelism (dp ranks, each holding the whole model: pp = tp = ep = 1; ZeRO-1 shards the optimizer
+state and the summed gradients, its reducers gathering the parameters after the step); each replica runs
+its share of a call's datums (`shares`), and the gradient reducers sum the replicas' gradients at `optim_step`, so
+the step is the one of every datum's loss summed, whatever dp. Other layouts are refused, naming the field.
+Losses: Tinker's `cross_entropy`, `importance_sampling` and `ppo` (`parallel.runtime.tinker_losses`, as documented);
+the others are refused, naming `loss_fn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
+from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.tinker_losses import INPUTS, LOSSES, config_of
+
+
+class OpenLoopError(ValueError):
+    """A call this rank cannot run as asked (the caller's error, not the rank's): its message names the field."""
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One sequence of a call: the model's input tokens, the target of each position, and the loss's other inputs
+    by their Tinker names (`weights`; `logprobs`, `advantages`), all as long as the input."""
+
+    tokens: list[int]
+    targets: list[int]
+    inputs: dict[str, list[float]]
+
+
+def datum_of(d: Mapping[str, list]) -> Datum:
+    """A datum as the API hands it over: `tokens`, `target_tokens` and the loss's other inputs by name."""
+    return Datum(list(d["tokens"]), list(d["target_tokens"]),
+                 {k: list(v) for k, v in d.items() if k not in ("tokens", "target_tokens")})
+
+
+def check_layout(plan: Plan) -> None:
+    """The layouts the open loop runs: data parallelism over ranks that each hold the whole model."""
+    if plan.pp != 1 or plan.tp != 1 or plan.parallel.zero > 1 or plan.ep != 1:
+        raise OpenLoopError("parallel: the open loop runs data-parallel ranks each holding the whole model so far "
+                            "(pp = tp = ep = 1, zero 0 or 1)")
+
+
+def check_call(data: list[Datum], loss_fn: str, seq_len: int, config: Mapping[str, float] | None = None
+               ) -> dict[str, float]:
+    """A forward_backward's input as the rank runs it, and the loss's config (its defaults filled in);
+    OpenLoopError naming the field otherwise."""
+    if loss_fn not in LOSSES:
+        raise OpenLoopError(f"loss_fn: not one of {', '.join(LOSSES)} (the others are not built yet)")
+    try:
+        full = config_of(loss_fn, config)
+    except ValueError as e:
+        raise OpenLoopError(str(e)) from None
+    for i, d in enumerate(data):
+        if not 0 < len(d.tokens) <= seq_len or len(d.targets) != len(d.tokens):
+            raise OpenLoopError(f"data[{i}]: needs 1 to {seq_len} input tokens and as many target_tokens")
+        for name in INPUTS[loss_fn]:
+            if len(d.inputs.get(name, ())) != len(d.tokens):
+                raise OpenLoopError(f"data[{i}].loss_fn_inputs.{name}: {loss_fn} needs one per input token")
+    return full
+
+
+def shares(n: int, dp: int) -> list[range]:
+    """Which of `n` datums each of `dp` replicas runs: contiguous, as even as can be (some may run none)."""
+    return [range(r * n // dp, (r + 1) * n // dp) for r in range(dp)]
+
+
+class OpenLoopRank:
+    """A built rank (`RankDriver`) stepped by calls: `forward_backward` accumulates, `optim_step` applies."""
+
+    def __init__(self, driver: RankDriver):
+        check_layout(driver.plan)
+        self.driver, self.trainer = driver, driver.trainer
+        [self.chunk] = self.trainer.chunks
+        self.head: Any = getattr(self.chunk, "logits", None)
+        """The hf backend's head (hidden -> logits); None: a native family's `ln_f`, then `lm_head`."""
+        self.seq_len = driver.plan.config.model.seq_len
+        self.pending = False
+        """Gradients were accumulated since the last `optim_step`."""
+        self.steps = 0
+        self.decays = [bool(g.get("weight_decay", 0.0)) for g in self.trainer.optimizer.param_groups]
+        """Which optimizer groups take weight decay (the job's rule: matrices, not biases or norms)."""
+
+    def forward_backward(self, data: list[Datum], loss_fn: str, forward_only: bool = False,
+                         config: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """The loss of each datum (`parallel.runtime.tinker_losses`; its gradient accumulated unless
+        `forward_only`): `logprobs`, per datum the log-probability of each target, and `metrics` (`loss:sum`)."""
+        full = check_call(data, loss_fn, self.seq_len, config)
+        loss_of = LOSSES[loss_fn]
+        if not forward_only and not self.pending:
+            for reducer in self.trainer.reducers.values():
+                reducer.zero_grad()
+            self.pending = True
+        logprobs, total = [], 0.0
+        for d in data:
+            with torch.set_grad_enabled(not forward_only):
+                picked = self._logprobs(d)
+                inputs = {name: torch.tensor(d.inputs[name], dtype=picked.dtype, device=picked.device)
+                          for name in INPUTS[loss_fn]}
+                loss = loss_of(picked, inputs, full)
+                if not forward_only:
+                    loss.backward()
+            logprobs.append(picked.detach().float().cpu().tolist())
+            total += float(loss.detach())
+        return {"logprobs": logprobs, "metrics": {"loss:sum": total}}
+
+    def optim_step(self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-12,
+                   weight_decay: float = 0.0, grad_clip_norm: float = 0.0) -> dict[str, Any]:
+        """The accumulated gradients applied (none accumulated: the step is still taken on zero gradients, as
+        Tinker's does); the next `forward_backward` starts a new accumulation. `metrics`: the gradient norm."""
+        trainer = self.trainer
+        if not self.pending:
+            for reducer in trainer.reducers.values():
+                reducer.zero_grad()
+        for reducer in trainer.reducers.values():
+            reducer.finish()
+        trainer.optimizer.settle()
+        weighted, group = trainer._norm_inputs()
+        norm = clip_grad_norm(weighted, grad_clip_norm, group)  # 0: no clipping, as Tinker's
+        set_lr(trainer.optimizer, learning_rate)
+        for g, decays in zip(trainer.optimizer.param_groups, self.decays, strict=True):
+            if "betas" in g:
+                g["betas"] = (beta1, beta2)
+            g.update({k: v for k, v in (("eps", eps), ("weight_decay", weight_decay if decays else 0.0)) if k in g})
+        trainer.optimizer.step()
+        for reducer in trainer.reducers.values():
+            reducer.gather_params()
+        self.pending, self.steps = False, self.steps + 1
+        return {"metrics": {"grad_norm:mean": float(norm)}, "steps": self.steps}
+
+    def _logprobs(self, d: Datum) -> torch.Tensor:
+        """Each position's log-probability of its target, in fp32."""
+        device = self.trainer.device
+        x = torch.tensor([d.tokens], dtype=torch.long, device=device)
+        with self.trainer.executor.autocast():
+            hidden = self.chunk(x)
+            logits = self.head(hidden) if self.head is not None else self.chunk.lm_head(self.chunk.ln_f(hidden))
+        targets = torch.tensor(d.targets, dtype=torch.long, device=device)
+        return torch.log_softmax(logits[0].float(), dim=-1).gather(1, targets[:, None])[:, 0]
+
+    def close(self) -> None:
+        self.driver.close()

@@ -1,0 +1,277 @@
+"""The Tinker-compatible API's live state: sessions (kept alive by the SDK's heartbeats), training clients (each a
+`ClientSession` actor, a live job of its own kind holding its ranks between calls) and the futures of the calls made
+on them. Everything is per user: another user's session, model or request answers as a missing one
+(`ClientNotFound`).
+
+A call returns a request id at once; its work is queued on the client's actor (Ray runs one actor's calls in the
+order they were made) and `retrieve` waits a bounded time for it: done, failed (with the error's category: the
+caller's, or the server's), or still pending (the SDK asks again). A session whose heartbeat stops for
+`heartbeat_timeout_s` is closed and its clients released, as `unload` releases one.
+
+No torch here: the ranks import it in their own processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from trainyard.actors.client_session import ClientSession
+from trainyard.parallel.config import RuleError
+from trainyard.parallel.plan import make_plan
+from trainyard.service.errors import ClientNotFound, QueueFull
+from trainyard.service.ray_runtime import cluster_resources
+from trainyard.service.tenancy import quota
+from trainyard.service.tenancy.requests import Tenancy
+from trainyard.service.tenancy.users import User
+from trainyard.service.tinker.specs import client_config
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 60.0
+"""A session whose SDK sent no heartbeat for this long is closed (the SDK beats every 10 s)."""
+SETUP_TIMEOUT_S = 300.0
+"""A client's rank that is not built within this is a failed `create_model`, never a hang."""
+CALL_TIMEOUT_S = 600.0
+"""A call on a client's rank still running after this fails, and the client with it."""
+
+
+@dataclass
+class Session:
+    owner: str
+    beat: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Client:
+    owner: str
+    session_id: str
+    base_model: str
+    lora_rank: int | None
+    family: str
+    charge: dict[str, float]
+    """What the client holds against its owner's quota (`quota.charge` of its plan)."""
+    pg: Any
+    actor: Any
+    ready: Any
+    """The ObjectRef of the rank's build (`ClientSession.setup`)."""
+
+
+@dataclass
+class Future:
+    owner: str
+    ref: Any | None
+    """The call's ObjectRef (None: answered already, in `value`)."""
+    value: dict[str, Any] | None = None
+    started: float = field(default_factory=time.monotonic)
+    model_id: str | None = None
+
+
+class TinkerClients:
+    """The sessions, clients and futures of every user, behind one lock."""
+
+    def __init__(self, tenancy: Tenancy, registered: Mapping[str, str] | None = None,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+        """`registered`: the base models the operator named (`trainyard serve --base-model NAME=DIR`)."""
+        self.tenancy, self.registered = tenancy, dict(registered or {})
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.sessions: dict[str, Session] = {}
+        self.clients: dict[str, Client] = {}
+        self.futures: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    def base_models(self) -> list[str]:
+        return sorted(self.registered)
+
+    def create_session(self, user: User) -> str:
+        self._start_reaper()
+        session_id = f"session-{uuid.uuid4().hex[:16]}"
+        with self._lock:
+            self.sessions[session_id] = Session(user.name)
+        return session_id
+
+    def heartbeat(self, user: User, session_id: str) -> None:
+        with self._lock:
+            self._session(user, session_id).beat = time.monotonic()
+
+    def create_model(self, user: User, session_id: str, base_model: str, lora_rank: int | None,
+                     seed: int | None = None, targets: tuple[bool, bool, bool] | None = None,
+                     parallel: Mapping[str, Any] | None = None) -> tuple[str, str]:
+        """A new training client: (its model id, the request id whose result is the client once its rank is
+        built). `targets`: LoRA on (attention, MLP, unembedding); `parallel`: the layout (a JobSpec's `parallel`;
+        default one rank). RuleError naming the field for a base model, rank or layout it cannot be."""
+        with self._lock:
+            self._session(user, session_id)
+        config = client_config(self.tenancy, user, base_model, lora_rank, self.registered, seed or 0, targets,
+                               parallel)
+        plan = make_plan(config, cluster_resources())
+        charge = quota.charge(plan)
+        limits = self.tenancy.quotas(user.name)
+        beyond = limits.never_fits(charge)
+        if beyond is not None:
+            raise RuleError("base_model", beyond)
+        model_id = f"model-{uuid.uuid4().hex[:16]}"
+        with self._lock:  # what the user's jobs and clients hold; over the quota: refused (not queued yet)
+            held = quota.usage(self.tenancy.store.live_needs()).get(user.name, {"CPU": 0.0, "GPU": 0.0})
+            for c in self.clients.values():
+                if c.owner == user.name:
+                    held = {k: held.get(k, 0.0) + c.charge.get(k, 0.0) for k in ("CPU", "GPU")}
+            over = limits.over(held, charge)
+            if over is not None:
+                raise QueueFull(f"{over}; unload a training client or wait for a job to end")
+            # The ranks' resources reserved as a job's are (its bundles, all or nothing); the ranks placed in them.
+            pg = placement_group(plan.bundles(), strategy="PACK", name=f"trainyard-tinker-{model_id}")
+            # The session holds no resources of its own (as a job's coordinator); its ranks are in the group.
+            actor = ClientSession.options(  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
+                name=f"trainyard/tinker/{model_id}", num_cpus=0, max_restarts=0, max_concurrency=1,
+            ).remote(model_id, plan, pg)
+            ready = actor.setup.remote()
+            self.clients[model_id] = Client(user.name, session_id, base_model, lora_rank, config.model.family,
+                                            charge, pg, actor, ready)
+            request_id = self._future(user, ready, model_id)
+        return model_id, request_id
+
+    def info(self, user: User, model_id: str) -> dict[str, Any]:
+        with self._lock:
+            client = self._client(user, model_id)
+            return {"model_id": model_id, "base_model": client.base_model, "lora_rank": client.lora_rank,
+                    "family": client.family}
+
+    def forward_backward(self, user: User, model_id: str, data: list[dict[str, list]], loss_fn: str,
+                         forward_only: bool, config: dict[str, float] | None = None) -> str:
+        with self._lock:
+            client = self._client(user, model_id)
+            ref = client.actor.forward_backward.remote(data, loss_fn, forward_only, config)
+            return self._future(user, ref, model_id)
+
+    def optim_step(self, user: User, model_id: str, adam: dict[str, float]) -> str:
+        with self._lock:
+            client = self._client(user, model_id)
+            return self._future(user, client.actor.optim_step.remote(adam), model_id)
+
+    def unload(self, user: User, model_id: str) -> str:
+        with self._lock:
+            client = self._client(user, model_id)
+            del self.clients[model_id]
+            request_id = self._future(user, None, model_id, {"model_id": model_id, "type": "unload_model"})
+        _release(client)
+        return request_id
+
+    def retrieve(self, user: User, request_id: str, wait_s: float) -> tuple[str, dict[str, Any] | str | None]:
+        """("done", the call's result), ("failed", why: a line naming no data of the request), ("user_error",
+        why) or ("pending", None) after `wait_s` without an answer."""
+        with self._lock:
+            future = self.futures.get(request_id)
+            if future is None or future.owner != user.name:
+                raise ClientNotFound(request_id)
+        if future.ref is None:
+            return "done", future.value
+        client = self.clients.get(future.model_id or "")
+        limit = SETUP_TIMEOUT_S if client is not None and future.ref is client.ready else CALL_TIMEOUT_S
+        ready, _ = ray.wait([future.ref], timeout=wait_s)
+        if not ready:
+            if time.monotonic() - future.started < limit:
+                return "pending", None
+            self._fail_client(future.model_id)
+            return "failed", f"the training client's rank did not answer within {limit:.0f} s; it was released"
+        try:
+            value = ray.get(future.ref)
+        except ray.exceptions.RayActorError:  # the rank's process is gone: so is the client
+            self._fail_client(future.model_id)
+            return "failed", ("the training client's rank died (its process ended), or the client was unloaded; "
+                              "it is released: create a new training client")
+        except Exception as e:  # the rank's error, raised as its cause
+            cause = getattr(e, "cause", None) or e
+            message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            if type(cause).__name__ == "OpenLoopError":
+                return "user_error", message[:500]
+            self._fail_client(future.model_id)  # a rank failed under it: nothing more can run on the client
+            return "failed", f"{message[:500]} (the client was released)"
+        if isinstance(value, dict) and "device" in value:  # the rank's build: the client is ready
+            value = {"model_id": value["model_id"], "type": "create_model"}
+        return "done", value
+
+    def close(self) -> None:
+        """Release every client (the service stops)."""
+        self._stop.set()
+        with self._lock:
+            clients, self.clients, self.sessions = list(self.clients.values()), {}, {}
+        for client in clients:
+            _release(client)
+
+    def reap(self) -> None:
+        """Close the sessions whose heartbeat stopped, releasing their clients; forget futures long answered."""
+        now = time.monotonic()
+        with self._lock:
+            dead = {sid for sid, s in self.sessions.items() if now - s.beat > self.heartbeat_timeout_s}
+            for sid in dead:
+                del self.sessions[sid]
+            gone = [(mid, c) for mid, c in self.clients.items() if c.session_id in dead]
+            for mid, _ in gone:
+                del self.clients[mid]
+            for rid in [rid for rid, f in self.futures.items() if now - f.started > 4 * CALL_TIMEOUT_S]:
+                del self.futures[rid]
+        for mid, client in gone:
+            log.info("tinker session %s stopped beating: releasing client %s", client.session_id, mid)
+            _release(client)
+
+    def _start_reaper(self) -> None:
+        with self._lock:
+            if self._reaper is not None:
+                return
+            self._reaper = threading.Thread(target=self._reap_loop, name="tinker-reaper", daemon=True)
+        self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(min(5.0, self.heartbeat_timeout_s / 4)):
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - the reaper must outlive one bad pass
+                log.exception("tinker reaper pass failed")
+
+    def _fail_client(self, model_id: str | None) -> None:
+        with self._lock:
+            client = self.clients.pop(model_id, None) if model_id is not None else None
+        if client is not None:
+            _release(client)
+
+    def _session(self, user: User, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.owner != user.name:
+            raise ClientNotFound(session_id)
+        return session
+
+    def _client(self, user: User, model_id: str) -> Client:
+        client = self.clients.get(model_id)
+        if client is None or client.owner != user.name:
+            raise ClientNotFound(model_id)
+        return client
+
+    def _future(self, user: User, ref: Any | None, model_id: str | None, value: dict[str, Any] | None = None) -> str:
+        request_id = f"req-{uuid.uuid4().hex}"
+        self.futures[request_id] = Future(user.name, ref, value, model_id=model_id)
+        return request_id
+
+
+def _release(client: Client) -> None:
+    """The client's actor gone, and its rank's process with it, and its reserved resources freed."""
+    try:
+        ray.kill(client.actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+    try:
+        remove_placement_group(client.pg)
+    except Exception:  # noqa: BLE001 - already removed
+        pass
+
+
+__all__ = ["ClientNotFound", "RuleError", "TinkerClients"]

@@ -1,0 +1,147 @@
+"""The flagship of the Tinker-compatible API: the official Tinker SDK, unchanged, against the real service (uvicorn,
+Ray, a live training client's rank). A tiny Hugging Face Llama directory built here (nothing downloaded) in a user's
+data root is the base model; a LoRA training client runs a supervised loop of a few steps: the first
+forward_backward's loss and per-token logprobs are transformers' own on the same tokens (1e-5), forward_backward
+accumulates until optim_step applies, and the loss falls over the steps. Another user's model id answers as a
+missing one (a 404) through the SDK; bad input is a 422 naming the field; a rank killed under the client fails the
+next call at once. In `make test-slow`: clients at dp2 and dp2 with ZeRO-1 follow one rank's losses."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import ray
+import torch
+from helpers import slow
+from hf_tiny import tiny_llama
+from trainyard.service.tenancy import users
+
+tinker = pytest.importorskip("tinker")
+
+
+def _datum(tokens: list[int]):
+    n = len(tokens) - 1
+    return tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+                              loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n})
+
+
+def _loop(training, data, steps: int, started: bool = False) -> list[float]:
+    """`steps` rounds of forward_backward then optim_step (`started`: the first forward_backward ran already, the
+    loop begins with its step); each round's loss, taken before its step."""
+    adam = tinker.types.AdamParams(learning_rate=2e-2)
+    if started:
+        training.optim_step(adam).result()
+    losses = []
+    for _ in range(steps):
+        fb = training.forward_backward(data, "cross_entropy")
+        training.optim_step(adam).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    return losses
+
+
+def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
+    root = tmp_path / "alice-data"
+    root.mkdir()
+    reference = tiny_llama(root / "llama").eval()
+    alice = users.create(service.state_dir, "tinker-alice", limits=users.Limits(data_roots=(str(root),)))
+    bob = users.create(service.state_dir, "tinker-bob", limits=users.Limits(data_roots=(str(tmp_path),)))
+    torch.manual_seed(0)
+    sequences = [torch.randint(0, 256, (17,)).tolist() for _ in range(2)]
+    data = [_datum(s) for s in sequences]
+
+    client = tinker.ServiceClient(base_url=service.url, api_key="tml-" + alice)
+    service.manager.tinker.registered["tinker-tiny-llama"] = str(root / "llama")  # `serve --base-model NAME=DIR`
+    rest = tinker.RestClient(base_url=service.url, api_key="tml-" + alice)
+    names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
+    assert "tinker-tiny-llama" in names
+    training = client.create_lora_training_client(base_model=str(root / "llama"), rank=4).result()
+
+    first = training.forward_backward(data, "cross_entropy").result()
+    with torch.no_grad():  # transformers' own loss and logprobs on the same tokens, the adapters' B being zero
+        ids = torch.tensor(sequences)
+        logits = reference(input_ids=ids).logits[:, :-1].float()
+        theirs = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None])[..., 0]
+        mean_loss = reference(input_ids=ids, labels=ids).loss
+    n = ids[:, 1:].numel()
+    assert first.metrics["loss:sum"] / n == pytest.approx(float(mean_loss), abs=1e-5)
+    for out, row in zip(first.loss_fn_outputs, theirs, strict=True):
+        torch.testing.assert_close(out["logprobs"].to_torch(), row, rtol=0, atol=1e-5)
+
+    losses = [first.metrics["loss:sum"], *_loop(training, data, steps=3, started=True)]
+    assert losses[-1] < losses[0] - 1.0, losses
+
+    forward = training.forward(data, "cross_entropy").result()  # no gradient kept, no step: twice the same
+    assert forward.metrics["loss:sum"] == training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert forward.metrics["loss:sum"] < losses[-1]
+
+    # importance_sampling through the SDK: the first logprobs as the sampler's, an advantage of 1 on each token
+    sampled = first.loss_fn_outputs[0]["logprobs"].tolist()
+    rl = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(sequences[0][:-1]),
+                            loss_fn_inputs={"target_tokens": sequences[0][1:], "logprobs": sampled,
+                                            "advantages": [1.0] * len(sampled)})
+    out = training.forward([rl], "importance_sampling").result()
+    now = out.loss_fn_outputs[0]["logprobs"].to_torch()
+    assert out.metrics["loss:sum"] == pytest.approx(-float(torch.exp(now - torch.tensor(sampled)).sum()), rel=1e-5)
+
+    # Another user's model id answers as a missing one, through the SDK and over HTTP alike.
+    model_id = training.model_id
+    other = tinker.ServiceClient(base_url=service.url, api_key="tml-" + bob)
+    from tinker.lib.public_interfaces.training_client import fetch_training_info
+
+    with pytest.raises(tinker.NotFoundError):
+        other.holder.run_coroutine_threadsafe(fetch_training_info(other.holder, model_id)).result()
+    with httpx.Client(base_url=service.url, timeout=30) as http:
+        as_bob = http.post("/api/v1/optim_step", headers={"X-API-Key": "tml-" + bob},
+                           json={"model_id": model_id, "adam_params": {"learning_rate": 1e-3}})
+        assert as_bob.status_code == 404 and model_id in as_bob.text
+        bad = http.post("/api/v1/optim_step", headers={"X-API-Key": "tml-" + alice},
+                        json={"model_id": model_id, "adam_params": {"learning_rate": -1}})
+        assert bad.status_code == 422 and "learning_rate" in bad.text
+        # A base model outside the user's data roots: a 422 naming base_model, the path not quoted back
+        session = http.post("/api/v1/create_session", headers={"X-API-Key": "tml-" + bob},
+                            json={"tags": [], "user_metadata": {}, "sdk_version": "x"}).json()["session_id"]
+        refused = http.post("/api/v1/create_model", headers={"X-API-Key": "tml-" + bob},
+                            json={"session_id": session, "base_model": str(service.state_dir),
+                                  "model_seq_id": 0, "lora_config": {"rank": 4}})
+        assert refused.status_code == 422 and "base_model" in refused.text
+        assert str(service.state_dir) not in refused.text
+        # A rank that dies under a live client: the next call fails with a clear error, at once, never a hang.
+        ray.kill(ray.get_actor(f"trainyard/tinker-{model_id}/pp0-tp0-dp0"), no_restart=True)
+        started = time.monotonic()
+        with pytest.raises(Exception, match="died"):
+            training.forward_backward(data, "cross_entropy").result(timeout=60)
+        assert time.monotonic() - started < 30
+        unloaded = http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + alice},
+                             json={"model_id": model_id})
+        assert unloaded.status_code == 404  # released with its rank
+        assert http.post("/api/v1/get_info", headers={"X-API-Key": "tml-" + alice},
+                         json={"model_id": model_id}).status_code == 404
+
+
+@slow
+def test_data_parallel_clients_follow_one_rank(service, tmp_path):
+    """trainyard's extension, the layout as a JobSpec's `parallel`: at dp2 (each replica one of the two datums, the
+    gradients summed at the step) and at dp2 with ZeRO-1 (the optimizer state sharded too), the losses are one
+    rank's (1e-4)."""
+    tiny_llama(tmp_path / "llama")
+    service.manager.tinker.registered["tinker-dp-llama"] = str(tmp_path / "llama")
+    token = users.create(service.state_dir, "tinker-carol")
+    client = tinker.ServiceClient(base_url=service.url, api_key="tml-" + token)
+    torch.manual_seed(1)
+    data = [_datum(torch.randint(0, 256, (17,)).tolist()) for _ in range(2)]
+    layouts = [None, '{"dp": 2}', '{"dp": 2, "zero": 1}']
+    pending = [client.create_lora_training_client(base_model="tinker-dp-llama", rank=4, user_metadata=None if
+                                                  layout is None else {"trainyard_parallel": layout})
+               for layout in layouts]
+    trainings = [p.result() for p in pending]
+    one, *others = [_loop(t, data, steps=4) for t in trainings]
+    assert one[-1] < one[0]
+    for losses in others:
+        assert losses == pytest.approx(one, rel=1e-4)
+    with httpx.Client(base_url=service.url, timeout=30) as http:
+        for t in trainings:
+            assert http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + token},
+                             json={"model_id": t.model_id}).status_code == 200
+    assert not any(t.model_id in service.manager.tinker.clients for t in trainings)

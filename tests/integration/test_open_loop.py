@@ -1,0 +1,122 @@
+"""The open loop's rank (`parallel.runtime.open_loop`) and its losses (`parallel.runtime.tinker_losses`) without Ray: a
+Tinker client's JobConfig (`service.tinker.specs`) built from a tiny Hugging Face Llama, one rank. forward_backward
+accumulates gradients until optim_step: two calls on halves then a step leave the same weights as one call on both; a
+forward leaves none; the per-token logprobs are transformers' own; bad input is refused naming the field, the rank
+still usable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_tiny import tiny_llama
+from trainyard.parallel.plan import make_plan
+from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.open_loop import Datum, OpenLoopError, OpenLoopRank
+from trainyard.service.tenancy.users import ADMIN_USER
+from trainyard.service.tinker.specs import client_config
+
+
+def _rank(directory, store) -> OpenLoopRank:
+    config = client_config(None, ADMIN_USER, "tiny", 4, {"tiny": str(directory)})  # type: ignore[arg-type]
+    return OpenLoopRank(RankDriver(make_plan(config), 0, "127.0.0.1", 0, init_method=f"file://{store}"))
+
+
+def _datum(tokens: list[int], **inputs: list[float]) -> Datum:
+    return Datum(tokens[:-1], tokens[1:], inputs or {"weights": [1.0] * (len(tokens) - 1)})
+
+
+def _weights(rank: OpenLoopRank) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in rank.chunk.parameters() if p.requires_grad]
+
+
+def test_gradients_accumulate_until_the_step(tmp_path):
+    reference = tiny_llama(tmp_path / "llama").eval()
+    torch.manual_seed(0)
+    a, b = (torch.randint(0, 256, (13,)).tolist() for _ in range(2))
+    adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01}
+
+    rank = _rank(tmp_path / "llama", tmp_path / "store1")
+    out = rank.forward_backward([_datum(a)], "cross_entropy", forward_only=True)  # a forward: no gradient kept
+    with torch.no_grad():
+        ids = torch.tensor([a])
+        theirs = torch.log_softmax(reference(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])
+    torch.testing.assert_close(torch.tensor(out["logprobs"][0]), theirs[:, 0], rtol=0, atol=1e-5)
+    assert out["metrics"]["loss:sum"] == pytest.approx(-float(theirs.sum()), abs=1e-4)
+    with pytest.raises(OpenLoopError, match="loss_fn"):
+        rank.forward_backward([_datum(a)], "ppo")
+    with pytest.raises(OpenLoopError, match=r"data\[0\]"):
+        rank.forward_backward([Datum([1, 2], [2], {"weights": [1.0]})], "cross_entropy")
+    with pytest.raises(OpenLoopError, match=r"data\[0\].loss_fn_inputs.logprobs"):
+        rank.forward_backward([_datum(a)], "importance_sampling")
+    with pytest.raises(OpenLoopError, match="loss_fn_config"):
+        rank.forward_backward([_datum(a)], "cross_entropy", config={"clip_low_threshold": 0.5})
+    rank.forward_backward([_datum(a)], "cross_entropy")
+    rank.forward_backward([_datum(b)], "cross_entropy")
+    rank.optim_step(**adam)
+    halves = _weights(rank)
+    rank.close()
+
+    rank = _rank(tmp_path / "llama", tmp_path / "store2")
+    start = _weights(rank)
+    rank.forward_backward([_datum(a), _datum(b)], "cross_entropy")
+    rank.optim_step(**adam)
+    both = _weights(rank)
+    rank.close()
+    assert any(not torch.equal(s, w) for s, w in zip(start, both, strict=True))  # the step moved the adapters
+    for h, w in zip(halves, both, strict=True):
+        torch.testing.assert_close(h, w, rtol=0, atol=1e-6)
+
+
+def test_a_client_layout_the_open_loop_cannot_run_is_refused_naming_parallel(tmp_path):
+    from trainyard.parallel.config import RuleError
+
+    tiny_llama(tmp_path / "llama")
+    registered = {"tiny": str(tmp_path / "llama")}
+    config = client_config(None, ADMIN_USER, "tiny", 4, registered, parallel={"dp": 2, "zero": 1})  # type: ignore[arg-type]
+    assert (make_plan(config).dp, make_plan(config).parallel.zero, config.global_batch) == (2, 1, 2)
+    for parallel, field in (({"dp": 2, "pp": 2}, "parallel"), ({"dp": 2, "zero": 3}, "parallel"),
+                            ({"dp": "two"}, "parallel.dp")):
+        with pytest.raises(RuleError) as e:
+            client_config(None, ADMIN_USER, "tiny", 4, registered, parallel=parallel)  # type: ignore[arg-type]
+        assert e.value.field == field
+    with pytest.raises(RuleError) as e:
+        client_config(None, ADMIN_USER, "tiny", None, registered)  # type: ignore[arg-type]
+    assert e.value.field == "lora_config"
+
+
+def test_importance_sampling_and_ppo_follow_their_documented_formulas(tmp_path):
+    """Their values are the formulas' on transformers' logprobs; at a ratio of 1 (the sampling logprobs the
+    current ones) their gradient is cross_entropy's with the advantages as weights: the same step."""
+    reference = tiny_llama(tmp_path / "llama").eval()
+    torch.manual_seed(2)
+    a = torch.randint(0, 256, (13,)).tolist()
+    advantages = torch.randn(12).tolist()
+    with torch.no_grad():
+        ids = torch.tensor([a])
+        lp = torch.log_softmax(reference(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+    sampled = (lp + 0.5 * torch.randn(12)).tolist()  # ratios well inside and outside PPO's clip
+    adv = torch.tensor(advantages)
+    ratio = torch.exp(lp - torch.tensor(sampled))
+    expected = {"importance_sampling": -(ratio * adv).sum(),
+                "ppo": -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum()}
+    adam = {"learning_rate": 1e-2, "eps": 1e-8}
+
+    rank = _rank(tmp_path / "llama", tmp_path / "store1")
+    for loss_fn, value in expected.items():
+        out = rank.forward_backward([_datum(a, logprobs=sampled, advantages=advantages)], loss_fn, forward_only=True)
+        assert out["metrics"]["loss:sum"] == pytest.approx(float(value), abs=1e-5), loss_fn
+    out = rank.forward_backward([_datum(a, logprobs=sampled, advantages=advantages)], "ppo", forward_only=True,
+                                config={"clip_low_threshold": 0.5, "clip_high_threshold": 2.0})
+    assert out["metrics"]["loss:sum"] == pytest.approx(
+        float(-torch.minimum(ratio * adv, ratio.clamp(0.5, 2.0) * adv).sum()), abs=1e-5)
+    rank.forward_backward([_datum(a, logprobs=lp.tolist(), advantages=advantages)], "importance_sampling")
+    rank.optim_step(**adam)
+    sampled_step = _weights(rank)
+    rank.close()
+
+    rank = _rank(tmp_path / "llama", tmp_path / "store2")
+    rank.forward_backward([_datum(a, weights=advantages)], "cross_entropy")
+    rank.optim_step(**adam)
+    for x, y in zip(sampled_step, _weights(rank), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+    rank.close()
