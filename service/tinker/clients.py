@@ -208,9 +208,10 @@ class TinkerClients:
         for client in clients:
             _release(client)
 
-    def reap(self) -> None:
-        """Close the sessions whose heartbeat stopped, releasing their clients; forget futures long answered."""
-        now = time.monotonic()
+    def reap(self, now: float | None = None) -> None:
+        """Close the sessions whose heartbeat stopped, releasing their clients; forget futures long answered.
+        `now`: the monotonic time to judge by (default: now)."""
+        now = time.monotonic() if now is None else now
         with self._lock:
             dead = {sid for sid, s in self.sessions.items() if now - s.beat > self.heartbeat_timeout_s}
             for sid in dead:
@@ -263,15 +264,18 @@ class TinkerClients:
 
 
 def _release(client: Client) -> None:
-    """The client's actor gone, and its rank's process with it, and its reserved resources freed."""
-    try:
-        ray.kill(client.actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
-    try:
-        remove_placement_group(client.pg)
-    except Exception:  # noqa: BLE001 - already removed
-        pass
+    """The client's actor gone, and its rank's process with it, and its reserved resources freed (what it never
+    had is skipped: a call on Ray would start one in a process that has none)."""
+    if client.actor is not None:
+        try:
+            ray.kill(client.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    if client.pg is not None:
+        try:
+            remove_placement_group(client.pg)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
 
 
 __all__ = ["ClientNotFound", "RuleError", "TinkerClients"]

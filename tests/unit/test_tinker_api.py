@@ -5,8 +5,6 @@ clients released, and every id is its owner's."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from trainyard.api.guard import Authenticate
@@ -83,7 +81,7 @@ def test_a_silent_session_is_closed_and_ids_are_their_owners():
     from trainyard.service.tinker.clients import Client, TinkerClients
 
     alice, bob = User("alice", admin=False), User("bob", admin=False)
-    clients = TinkerClients(tenancy=None, heartbeat_timeout_s=0.05)  # type: ignore[arg-type]
+    clients = TinkerClients(tenancy=None, heartbeat_timeout_s=60)  # type: ignore[arg-type]
     clients._start_reaper = lambda: None  # type: ignore[method-assign]  # reaped by hand here
     session = clients.create_session(alice)
     clients.clients["model-1"] = Client("alice", session, "base", 4, "llama", {}, None, None, None)
@@ -93,10 +91,10 @@ def test_a_silent_session_is_closed_and_ids_are_their_owners():
         clients.info(bob, "model-1")
     assert clients.info(alice, "model-1")["lora_rank"] == 4
     clients.heartbeat(alice, session)
-    clients.reap()
+    beat = clients.sessions[session].beat
+    clients.reap(now=beat + 59)
     assert "model-1" in clients.clients
-    time.sleep(0.1)
-    clients.reap()
+    clients.reap(now=beat + 61)
     assert clients.clients == {} and clients.sessions == {}
     with pytest.raises(ClientNotFound):
         clients.heartbeat(alice, session)
