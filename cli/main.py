@@ -17,8 +17,14 @@ import argparse
 import os
 import sys
 
-from trainyard.cli import jobs, offline, tokens
-from trainyard.cli.client import ApiError
+# Ray's token auth for the cluster `serve` embeds, set before anything here imports Ray (the command table's
+# modules do, through the store): Ray reads RAY_AUTH_MODE once, as it is imported, and a driver imported before it
+# is set talks without the token to daemons started with it (every call refused: `trainyard serve` exited 1).
+# Test fixtures alone set it to disabled; commands other than `serve` start no Ray.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+from trainyard.cli import jobs, offline, tokens  # noqa: E402 - after the line above
+from trainyard.cli.client import ApiError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

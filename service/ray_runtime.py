@@ -73,10 +73,10 @@ def connect(address: str | None = None, num_cpus: int | None = None, dashboard: 
         ctx = ray.init(address=address, namespace=NAMESPACE)
         return RayInfo(address=address, dashboard_url=_url(ctx.dashboard_url), embedded=False)
     os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet that ray.init starts
-    # Token auth on, explicitly (Ray's default for a local cluster now, but a default may change): a process that
-    # reaches the cluster's ports without the token (in ~/.ray, the service account's) runs nothing on it. Test
-    # fixtures alone set RAY_AUTH_MODE=disabled.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # Token auth on (a process that reaches the cluster's ports without the token, in ~/.ray, the service
+    # account's, runs nothing on it): `trainyard serve` sets RAY_AUTH_MODE=token before Ray is imported
+    # (`cli.main`), which Ray reads once, at its import; set here after that import, the daemons would
+    # require the token and this driver would not send it. Test fixtures alone set it to disabled.
     with _daemons_in_their_own_process_group(), agent_port_clear_of_other_clusters():
         ctx = ray.init(
             address="local",  # a cluster of its own, even where a `ray start` of someone else's runs here

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-EXAMPLES = 60 if SLOW_TESTS else 15
-"""Per operation and generation mode (it was 100, then 50, then 30: the suite's budget; `make test-slow` runs four
+EXAMPLES = 60 if SLOW_TESTS else 8
+"""Per operation and generation mode (it was 100, then 50, 30, 15: the suite's budget; `make test-slow` runs four
 times as many; derandomised: the same each run)."""
 
 

@@ -151,6 +151,7 @@ def _failed_by_drill(client, drill: str) -> tuple[str, dict]:
     return job_id, job
 
 
+@slow
 def test_a_rank_out_of_memory_fails_the_job_once_saying_so(service):
     """The rank's address space is capped and its step 4 asks for more, which the OS refuses (the oom_worker
     drill): the job ends FAILED at once with an error naming the rank, the step and the plan's prediction,

@@ -1,4 +1,6 @@
-"""The flagship of Hugging Face checkpoints through the real service (uvicorn, Ray, gloo): a job started from
+"""(`make test-slow`: `make test` starts from a Hugging Face directory through the service in test_tinker_sdk.py, and
+checks these numbers on gloo ranks in tests/integration/test_hf_gloo.py.) The flagship of Hugging Face checkpoints
+through the real service (uvicorn, Ray, gloo): a job started from
 a GPT2LMHeadModel directory with `init_from`, trained a few steps, exported with `trainyard export --format hf`
 (the REST path), loads in transformers with no missing or unexpected keys and gives the logits of trainyard's
 own export; its first loss is transformers' loss on the same batch. Beside it (submitted at once, so the two
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from helpers import tiny_spec, wait_terminal
+from helpers import slow, tiny_spec, wait_terminal
 from hf_tiny import hf_val_loss, tiny_backend, tiny_gpt2
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.cli.main import main as cli
@@ -19,6 +21,7 @@ from trainyard.parallel.data.sampler import global_batch_ids
 from trainyard.parallel.io.export import load_exported
 
 
+@slow
 def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

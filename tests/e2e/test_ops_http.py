@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 from conftest import start_service
-from helpers import live_actor, tiny_spec, wait_for, wait_terminal, with_one_bad_token
+from helpers import live_actor, slow, tiny_spec, wait_for, wait_terminal, with_one_bad_token
 from trainyard.cli.client import ApiError
 from trainyard.cli.main import main as cli
 from trainyard.service.logs import read_rank_log
@@ -47,6 +47,7 @@ def placement_group_state(job_id: str) -> str | None:
     return states[-1] if states else None
 
 
+@slow
 def test_a_failing_stage_fails_the_job_its_log_holds_the_traceback_and_the_cli_follows_it(service, client, failing,
                                                                                           capsys):
     # Only rank 0 reads the bad token: it raises in step 0 while rank 1 waits for its activation from a peer that

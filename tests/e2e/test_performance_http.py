@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 
-from helpers import run_all, tiny_spec
+from helpers import run_all, slow, tiny_spec
 
 SETTINGS = {"precision": "bf16", "activation_checkpointing": "selective"}
 
 
+@slow
 def test_a_job_with_every_setting_trains_and_reports_stage_activation_peaks(service):
     client = service.client()
     spec = tiny_spec(model={"n_layer": 4}, global_batch=8, steps=5,

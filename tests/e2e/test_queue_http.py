@@ -148,6 +148,7 @@ def race_stop_and_delete(http, job_id: str) -> list[int]:
     return codes
 
 
+@slow
 def test_concurrent_stop_and_delete_never_answer_5xx_and_the_service_keeps_working(client):
     http = client._http
     ids = [client.submit(tiny_spec(steps=100_000)) for _ in range(2)]  # one rank each: they run side by side

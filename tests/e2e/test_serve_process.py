@@ -62,7 +62,9 @@ def start_serve(state: Path, log: Path, ray_address: str | None = None, cpus: in
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # tests only: the product keeps Ray's token auth on
+    # A cluster the test started has Ray's token auth off (tests only); an embedded one keeps the product's: on
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"} if ray_address else \
+        {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     where = ["--ray-address", ray_address] if ray_address else ["--num-cpus", str(cpus)]
     # A session of its own, as systemd runs a service: a signal to its process group reaches nothing of ours.
     proc = subprocess.Popen([sys.executable, "-m", "trainyard.cli.main", "--state-dir", str(state), "serve",
@@ -203,6 +205,19 @@ def test_on_a_joined_cluster_the_service_reattaches_to_the_running_job(ray_sessi
         assert kinds.count("reattached") == 2 and "interrupted" not in kinds and "failure" not in kinds
     finally:
         client.close()  # the service itself is stopped by `_no_service_left_behind`
+
+
+def test_serve_starts_its_embedded_ray_with_rays_token_auth_and_answers(tmp_path):
+    """`trainyard serve` as a user runs it (no RAY_AUTH_MODE in its environment): its embedded Ray requires the
+    token and the service, which holds it, comes up and answers; SIGTERM stops it with exit code 0. (Before, the
+    variable was set after Ray was imported: every call of the service's driver was refused, and serve exited 1.)"""
+    proc, client = start_serve(tmp_path / "state", tmp_path / "serve.log", cpus=2)
+    try:
+        assert client.cluster()["nodes"], client.cluster()
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
 
 
 def test_serve_on_a_taken_port_fails_at_once_saying_so(tmp_path):

@@ -1,17 +1,19 @@
-"""A two-node Ray cluster (`ray.cluster_utils.Cluster`, fake GPUs) that `trainyard serve --ray-address` joins:
-each tensor-parallel group lands on one node and a (pp=2, tp=2) job spans both nodes; then nodes are lost under
-running jobs: an elastic job shrinks to the replica left and trains on, a fixed-size one waits for a node added
-back and resumes (both in `make test-slow`, beside tests/e2e/test_elastic_cluster.py's shrink-and-grow-back
-story), and a fixed-size one whose node does not come back fails naming it (the short node-loss check in `make
-test`). The tests that remove a node run last; each one adds a second node back first if it is missing."""
+"""(All in `make test-slow`.) A two-node Ray cluster (`ray.cluster_utils.Cluster`, fake GPUs) that `trainyard serve
+--ray-address` joins: each tensor-parallel group lands on one node and a (pp=2, tp=2) job spans both nodes; then nodes
+are lost under running jobs: an elastic job shrinks to the replica left and trains on, a fixed-size one waits for a node
+added back and resumes (both in `make test-slow`, beside tests/e2e/test_elastic_cluster.py's shrink-and-grow-back
+story), and a fixed-size one whose node does not come back fails naming it (the short node-loss check in `make test`).
+The tests that remove a node run last; each one adds a second node back first if it is missing."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from helpers import slow, tiny_spec, wait_for, wait_terminal
+from helpers import SLOW, tiny_spec, wait_for, wait_terminal
 from test_serve_process import start_serve
+
+pytestmark = SLOW  # two Ray nodes and their jobs: about 40 s of make test's budget
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,6 @@ def _resizes(client, job_id: str) -> list[tuple[int, int, str]]:
     return [(e["from"]["dp"], e["to"]["dp"], e["reason"]) for e in client.events(job_id) if e["kind"] == "resize"]
 
 
-@slow
 def test_an_elastic_job_that_loses_a_node_shrinks_to_the_replica_left_and_trains_on(serve, two_node_cluster):
     """It removes the second node. Slow (about 90 s on two busy cores), so `make test-slow` runs it, not `make
     test`. The shrink once never came: the coordinator, placed by a soft affinity to the service's node, had
@@ -125,7 +126,6 @@ def test_an_elastic_job_that_loses_a_node_shrinks_to_the_replica_left_and_trains
         client.stop(job_id)
 
 
-@slow
 def test_a_fixed_size_job_that_loses_a_node_waits_for_one_added_back_and_resumes(serve, two_node_cluster):
     """A fixed-size dp=2 job, one rank on each node: the worker node is removed, the job waits (RECOVERING, a
     `node_lost` event) within fault.node_grace_s, a new node is added, Ray places the lost bundle on it and the

@@ -62,7 +62,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imported_names(path: Path) -> set[str]:
+@functools.cache  # parsed once for all the tests' graphs
+def _imported_names(path: Path) -> frozenset[str]:
     """Every dotted name `path` imports, ours without the `trainyard.` prefix, relative imports resolved."""
     package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
     found = set()
@@ -78,7 +79,7 @@ def _imported_names(path: Path) -> set[str]:
         else:
             continue
         found |= {n.removeprefix("trainyard.") for n in names}
-    return found
+    return frozenset(found)
 
 
 def product_files() -> dict[str, Path]:
