@@ -1,4 +1,4 @@
-"""Fuzzing the API from its own OpenAPI schema (schemathesis): no request, valid or not, gets a 5xx.
+"""(`make test-slow`.) Fuzzing the API from its own OpenAPI schema (schemathesis): no request, valid or not, gets a 5xx.
 
 The service under test is real (uvicorn, the manager, Ray) but admits nothing, so the specs the fuzzer
 manages to make valid are queued and never train. Half the examples of an operation on one job use a job
@@ -14,7 +14,7 @@ import json
 import pytest
 import schemathesis
 from conftest import start_service
-from helpers import SLOW_TESTS, tiny_spec
+from helpers import SLOW, SLOW_TESTS, tiny_spec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
@@ -23,6 +23,8 @@ from schemathesis import GenerationMode
 EXAMPLES = 60 if SLOW_TESTS else 8
 """Per operation and generation mode (it was 100, then 50, 30, 15: the suite's budget; `make test-slow` runs four
 times as many; derandomised: the same each run)."""
+
+pytestmark = SLOW  # its own service and some 300 requests: about 30 s of make test's budget
 
 
 @pytest.fixture(scope="module")

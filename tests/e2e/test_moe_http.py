@@ -1,15 +1,18 @@
-"""A mixture-of-experts job through the real service (uvicorn, Ray, gloo): the flagship job (`three_d_job`: llama
-at dp=2, ep=2, pp=2, tp=2) carries every MoE layer's per-expert load in its metrics and names its workers by the
-experts they host; and the plan and rules of the API. The numerics (every layout on the single-rank curve, dropless
-and with a capacity factor, recomputed blocks) are checked on gloo: tests/integration/test_moe_gloo.py."""
+"""(`make test-slow`; these layouts' numerics: tests/integration/*_gloo.py.) A mixture-of-experts job through the real
+service (uvicorn, Ray, gloo): the flagship job (`three_d_job`: llama at dp=2, ep=2, pp=2, tp=2) carries every MoE
+layer's per-expert load in its metrics and names its workers by the experts they host; and the plan and rules of the
+API. The numerics (every layout on the single-rank curve, dropless and with a capacity factor, recomputed blocks) are
+checked on gloo: tests/integration/test_moe_gloo.py."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import tiny_spec
+from helpers import SLOW, tiny_spec
 from trainyard.actors.naming import worker_name
 
 TOKENS_PER_STEP = 8 * 16  # global_batch x seq_len
+
+pytestmark = SLOW  # the 8-rank 3D job (conftest.three_d_job): its numerics are the gloo tests'
 
 
 def moe_spec(**parallel) -> dict:

@@ -1,13 +1,16 @@
-"""Pipeline jobs through the real service: a (dp=2, pp=2, tp=2) job's metrics report the bubble and per-stage
-times; the plan shows the schedule. (A stage that raises fails the job while its neighbour waits for it:
-tests/e2e/test_ops_http.py, whose failing job is a pipeline.) Every schedule and layout against the single rank's
-losses is checked on gloo (tests/integration/test_pipeline_gloo.py)."""
+"""(`make test-slow`; these layouts' numerics: tests/integration/*_gloo.py.) Pipeline jobs through the real service: a
+(dp=2, pp=2, tp=2) job's metrics report the bubble and per-stage times; the plan shows the schedule. (A stage that
+raises fails the job while its neighbour waits for it: tests/e2e/test_ops_http.py, whose failing job is a pipeline.)
+Every schedule and layout against the single rank's losses is checked on gloo
+(tests/integration/test_pipeline_gloo.py)."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import tiny_spec
+from helpers import SLOW, tiny_spec
 from trainyard.actors.naming import worker_name
+
+pytestmark = SLOW  # the 8-rank 3D job (conftest.three_d_job): its numerics are the gloo tests'
 
 
 def pipeline_spec(**parallel) -> dict:

@@ -1,7 +1,7 @@
-"""The service's queue and its robustness, over HTTP against real Ray: bursts, priorities, concurrent stop/delete,
-a stop racing admission, a killed worker; `make test-slow` adds waiting jobs across a restart, a follower that
-survives a failing job, and `parallel: auto` submitted while the costs are measured (the admission thread's
-logic for it: tests/unit/test_calibration_in_background.py)."""
+"""The service's queue and its robustness, over HTTP against real Ray: bursts, a stop racing admission, a killed worker
+(the order of the queue's policy: tests/unit/test_queue.py); `make test-slow` adds priorities, concurrent stop/delete,
+waiting jobs across a restart, a follower that survives a failing job, and `parallel: auto` submitted while the costs
+are measured (the admission thread's logic for it: tests/unit/test_calibration_in_background.py)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def test_a_full_queue_refuses_a_submit_with_429_and_the_reason(ray_session, tmp_
         svc.shutdown()
 
 
+@slow
 def test_two_jobs_that_cannot_run_together_run_one_after_the_other_in_priority_order(client):
     # Each needs 6 of the 8 CPUs: never both at once.
     spec = tiny_spec(steps=3, resources={"cpus_per_worker": 6})

@@ -1,16 +1,18 @@
-"""Tensor, sequence and 3D parallelism through the real service (uvicorn, Ray, gloo): a (dp=2, pp=2, tp=2, ep=2)
-llama MoE job trains, follows its one-rank curve and shows where each rank runs; the plan shows the tp groups and
-bundles; the rules are 422s. Every layout's numerics against the single rank are checked on gloo
-(tests/integration/test_tensor_parallel_gloo.py, test_llama_gloo.py)."""
+"""(`make test-slow`; these layouts' numerics: tests/integration/*_gloo.py.) Tensor, sequence and 3D parallelism through
+the real service (uvicorn, Ray, gloo): a (dp=2, pp=2, tp=2, ep=2) llama MoE job trains, follows its one-rank curve and
+shows where each rank runs; the plan shows the tp groups and bundles; the rules are 422s. Every layout's numerics
+against the single rank are checked on gloo (tests/integration/test_tensor_parallel_gloo.py, test_llama_gloo.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import THREE_D_SPEC, tiny_spec
+from helpers import SLOW, THREE_D_SPEC, tiny_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.local_world import PlanRun, run_plan
 from trainyard.parallel.spec import parse_spec
+
+pytestmark = SLOW  # the 8-rank 3D job (conftest.three_d_job): its numerics are the gloo tests'
 
 
 def tp_spec(**parallel) -> dict:
