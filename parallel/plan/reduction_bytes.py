@@ -65,13 +65,13 @@ def compression_state_bytes(plan: Sizing, pp: int) -> int:
     """What the gradient compressor keeps on a rank of pipeline stage `pp` beside the gradient buckets: what it
     keeps for each matrix it compresses (`Compressed.kept`; PowerSGD: the error, rows x cols, and the factors P and
     Q with their packed copies on the wire, fp32), and the packed copy of the tensors sent whole."""
-    compression = plan.parallel.grad_compression
-    if compression is None:
+    compression, compressor = plan.parallel.grad_compression, plan.compression
+    if compression is None or compressor is None:
         return 0
     elements, matrices = _stage_matrices(plan, pp)
     kept = whole = 0
     for rows, cols, _ in matrices:
-        c = plan.compression.matrix(rows, cols, compression) if plan.compression else None
+        c = compressor.matrix(rows, cols, compression)
         if c is not None:
             kept += c.kept
             whole += rows * cols
@@ -90,9 +90,9 @@ def reduction_bytes(plan: Sizing) -> dict:
     for pp in range(plan.pp):
         elements, matrices = _stage_matrices(plan, pp)
         plain = sent = wire * elements * per_step
-        if compression is not None and plan.compression is not None:
+        if compression is not None and (compressor := plan.compression) is not None:
             for rows, cols, _ in matrices:
-                c = plan.compression.matrix(rows, cols, compression)
+                c = compressor.matrix(rows, cols, compression)
                 if c is not None:
                     sent += c.sent - wire * rows * cols
         stages.append({"uncompressed": plain, "sent": sent})

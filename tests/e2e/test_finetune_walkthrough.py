@@ -24,12 +24,11 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, SLOW
 from hf_tiny import tiny_llama
 
 MARKER = "<!-- run by tests/e2e/test_finetune_walkthrough.py -->"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1",
-                                                   reason="slow: run with `make test-slow`")]
+pytestmark = SLOW
 
 
 def readme_blocks() -> dict[str, str]:

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import slow
 
 from bench import gpu_record
 from bench.report import render
 from bench.results import Row
 
 REPO = Path(__file__).resolve().parents[2]
-SLOW = pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
 NEW_VARIANTS = ["llama moe grouped bf16", "llama tied, moe with capacity", "llama lora fp32", "llama lora bf16",
                 "llama packed fp32", "llama packed bf16", "gpt2 packed, full recompute", "llama examples unpacked",
                 "gpt2 adamw8bit", "gpt2 adamw8bit offload"]
@@ -81,8 +81,7 @@ def test_gpu_bench_tiny_cpu_mode_reports_every_side_and_matching_losses(tmp_path
     assert rows[2].ratio == pytest.approx(1.04, abs=1e-3) and rows[2].met()  # within 5%
 
 
-@pytest.mark.slow
-@SLOW
+@slow
 def test_gpu_big_tiny_cpu_mode_is_refused_without_offload_and_trains_with_it(tmp_path):
     out = tmp_path / "big.json"
     cmd = [sys.executable, "-m", "bench.gpu_big", "--tiny", "--device", "cpu", "--out", str(out)]
@@ -144,8 +143,7 @@ def test_gpu_benches_import_neither_ray_nor_the_service():
                          "trainyard.actors"}
 
 
-@pytest.mark.slow
-@SLOW
+@slow
 def test_gpu_smoke_new_variants_pass_on_the_cpu_and_write_their_summary(tmp_path):
     out = tmp_path / "smoke.json"
     reads = "host reads: llama moe (ep 1) fp32"  # CUDA only: skipped here, not failed
@@ -213,8 +211,7 @@ def cuda_syncs_on_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", flagged_to)
 
 
-@pytest.mark.slow
-@SLOW
+@slow
 def test_gpu_smoke_host_read_check_counts_each_call_against_its_budget(cuda_syncs_on_the_cpu, monkeypatch, tmp_path):
     import trainyard.parallel.models.components.moe as moe
     import trainyard.parallel.runtime.pipeline.pipeline as pipeline
@@ -243,8 +240,7 @@ def test_gpu_smoke_host_read_check_counts_each_call_against_its_budget(cuda_sync
         smoke.host_reads("host reads: llama gqa fp32", cpu, documents)
 
 
-@pytest.mark.slow
-@SLOW
+@slow
 def test_the_gpu_session_script_runs_every_part_on_a_cpu_and_leaves_what_the_device_tool_brings_back(tmp_path):
     """bench/gpu_session.sh as a GPU session runs it (its two calls' parts at once), on tiny shapes on the CPU: every
     part exits 0, $OUT holds no more than the 8 files the device tool brings back, and they record."""

@@ -15,7 +15,6 @@ example run alone: one spawned world of 4 gloo ranks for all thirteen runs.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 import torch
 from data_helpers import examples_loss, word_tokenizer
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of
-from helpers import tiny_spec
+from helpers import slow, tiny_spec
 from hf_tiny import VOCAB, hf_loss, tiny_gpt2, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.data.datasets import open_dataset
@@ -41,7 +40,6 @@ THREE_D = {"dp": 2, "pp": 2, "tp": 2, **MB}
 SLOW = {"qwen2": THREE_D, "qwen3": {**THREE_D, "sp": True}, "mistral": {**THREE_D, "sp": True},
         "qwen3_moe": {**THREE_D, "ep": 2}}
 LOSS_TOL, CURVE_TOL = 1e-5, 1e-4
-slow = pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1", reason="slow: run with `make test-slow`")
 
 
 RECOMPUTE = {"qwen3": "selective"}
@@ -168,7 +166,6 @@ def test_a_packed_batch_s_loss_is_transformers_loss_on_each_example_alone(fast, 
     _check_packed(*fast, name)
 
 
-@pytest.mark.slow
 @slow
 @pytest.mark.parametrize("name", list(PACKED_SLOW))
 def test_a_packed_batch_s_loss_at_dp2_pp2_tp2_is_transformers_loss_on_each_example_alone(three_d, name):
@@ -186,7 +183,6 @@ def _check_packed(world: dict, root: Path, name: str) -> None:
     assert abs(world[name][0] - expected) < LOSS_TOL
 
 
-@pytest.mark.slow
 @slow
 @pytest.mark.parametrize("name", list(BUILD))
 def test_kin_load_train_and_export_at_dp2_pp2_tp2(three_d, name):

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import PlanRun, run_plans, stats_of
-from helpers import tiny_spec
+from helpers import SLOW_TESTS, slow, tiny_spec
 from test_tied_gloo import assert_tied_equal, copies
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.data.datasets import open_dataset
@@ -35,7 +34,6 @@ from trainyard.parallel.plan import make_plan
 from trainyard.parallel.spec import parse_spec
 
 STEPS, BATCH, EVERY, OUTER_LR, MOMENTUM = 8, 8, 4, 0.7, 0.9
-SLOW = os.environ.get("TRAINYARD_SLOW_TESTS") == "1"
 
 
 def last_stage_losses(per_rank: list[list[dict]]) -> list[float]:
@@ -183,7 +181,7 @@ def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("checkpoints"))
     named = [(key, PlanRun(plan, probe=final_params)) for key, plan in EXACT.items()]
     named += [(key, PlanRun(plan, probe=whole_params)) for key, (plan, _) in SHARDED.items()]
-    if SLOW:  # two 6-rank runs: `make test-slow`
+    if SLOW_TESTS:  # two 6-rank runs: `make test-slow`
         named += [(key, PlanRun(plan, probe=copies)) for key, plan in TIED_RUNS.items()]
     named += [
         ("diloco-pp2", PlanRun(plan_for({"dp": 2, "pp": 2, "microbatches": 2}, DILOCO, **SAVES),
@@ -235,8 +233,7 @@ def test_replicas_of_sharded_ranks_synchronising_every_step_equal_all_reduce(run
             torch.testing.assert_close(p, twin[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="slow: run with `make test-slow`")
+@slow
 def test_tied_embeddings_across_stages_stay_bitwise_equal_through_the_syncs(runs):
     """The embedding (first stage) and its head copy (last stage) are averaged each in an all-reduce of its own
     over the three replicas: equal going in, equal coming out; every step with a linear inner step, as all-reduce."""

@@ -7,20 +7,18 @@ test_hf_gloo.py's 3D world covers the case in `make test`."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from gloo_ranks import PlanRun, run_plans
-from helpers import tiny_spec
+from helpers import SLOW, tiny_spec
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.spec import parse_spec
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("TRAINYARD_SLOW_TESTS") != "1",
-                                                   reason="slow: run with `make test-slow`")]
+pytestmark = SLOW
 ATOL = 1e-4
 LAYOUTS = {
     "pp2-1f1b": {"pp": 2, "microbatches": 4},

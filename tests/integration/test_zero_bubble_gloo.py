@@ -15,13 +15,11 @@ in a world of its own (four ranks compiling cost more than `make test` has to sp
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of, use_aot_eager
-from helpers import tiny_spec
+from helpers import slow, tiny_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.schedule.schedule_sim import simulate
 from trainyard.parallel.spec import parse_spec
@@ -135,7 +133,6 @@ def test_the_v_puts_the_loss_on_the_first_pipeline_rank_and_reductions_start_dur
     assert all(stats[-1]["early_reductions"] > 0 for stats in zbv)
 
 
-SLOW = os.environ.get("TRAINYARD_SLOW_TESTS") == "1"
 SLOW_LAYOUTS = {  # every one compiled but its eager twin; four ranks each
     "zbv pp2 dp2 zero3": {"pp": 2, "dp": 2, "vpp": 2, "zero": 3, "microbatches": 4, "schedule": "zbv"},
     "interleaved-1f1b pp2 dp2 zero3": {"pp": 2, "dp": 2, "vpp": 2, "zero": 3, "microbatches": 4,
@@ -159,8 +156,7 @@ def slow_runs() -> dict[str, Run]:
     return run_all(plans)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="slow: run with `make test-slow`")
+@slow
 @pytest.mark.parametrize("compiled", SLOW_TWINS)
 def test_compiled_zero_bubble_with_zero2_and_zero3_follows_its_eager_and_whole_compiled_twins(compiled, slow_runs):
     eager_twin, whole = SLOW_TWINS[compiled]

@@ -14,12 +14,10 @@ the registry that transformers builds at tiny sizes (the others are skipped, nam
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_spec
+from helpers import slow, tiny_spec
 from hf_tiny import tiny_architecture
 from trainyard.api.spec import parse_submitted_spec
 from trainyard.parallel.io.hf_checkpoint import load_into, write_hf_dir
@@ -28,7 +26,6 @@ from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.spec import SpecError
 
 TOL = 1e-5
-SLOW = os.environ.get("TRAINYARD_SLOW_TESTS") == "1"
 
 REPRESENTATIVES = {
     "gpt_neox": "its head is `embed_out` in a checkpoint, `lm_head` in memory",
@@ -129,8 +126,7 @@ def test_each_kind_of_architecture_trains_exactly_or_is_refused_at_submit(model_
     check_architecture(model_type, tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="slow: run with `make test-slow`")
+@slow
 @pytest.mark.parametrize("model_type", _registry())
 def test_every_architecture_of_the_registry_trains_exactly_or_is_refused_at_submit(model_type, tmp_path):
     check_architecture(model_type, tmp_path)
