@@ -16,13 +16,14 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import cast
 
 from ray.util.metrics import Gauge
 from trainyard.actors.failure_handling.replicas import complete_pipeline
 from trainyard.actors.journal import METRICS_LOG, AppendOnly
 from trainyard.actors.tracking import Trackers
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.runtime.step.step_row import StepRow
+from trainyard.parallel.runtime.step.step_row import MoELayerRow, StepRow
 from trainyard.parallel.runtime.step.step_stats import StepReport, StepStats
 
 log = logging.getLogger("trainyard.coordinator")
@@ -176,7 +177,7 @@ def set_gauges(job_id: str, row: StepRow, steps: int) -> None:
     for layer, values in (row.moe or {}).items():
         tags = {"job_id": job_id, "layer": layer}
         for key, gauge in _MOE_GAUGES.items():
-            gauge.set(values[key], tags=tags)
+            gauge.set(values[key], tags=tags)  # type: ignore[literal-required]  # _MOE_GAUGES' keys are its
         for expert, load in enumerate(values["load"]):
             _EXPERT_LOAD.set(load, tags={**tags, "expert": str(expert)})
     if step == 0 or (step + 1) % 10 == 0:
@@ -190,9 +191,9 @@ def _first_pipeline(stats: Sequence[StepStats]) -> list[StepStats]:
     return [s for s in stats if s.dp_rank == d and s.tp_rank == 0]
 
 
-def moe_metrics(stats: Sequence[StepStats]) -> dict[str, dict]:
+def moe_metrics(stats: Sequence[StepStats]) -> dict[str, MoELayerRow]:
     """Each MoE layer's statistics, keyed by its block index; every rank of a stage holds the stage's sums, so
     one pipeline's ranks have them all."""
     stages = _first_pipeline(stats)
-    layers = {layer: values for s in stages for layer, values in s.moe.items()}
+    layers = {layer: cast(MoELayerRow, values) for s in stages for layer, values in s.moe.items()}
     return dict(sorted(layers.items(), key=lambda item: int(item[0])))
