@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS, NOT_BOOL
-from trainyard.parallel.runtime.step.step_row import StepRow
 
 if TYPE_CHECKING:
     from trainyard.service.store import JobRecord
@@ -44,10 +43,6 @@ class JobInfo(BaseModel):
     ended_at: float | None = None
     updated_at: float
     spec: dict | None = None
-
-
-MetricsRow = StepRow
-"""One step's metrics row, as the coordinator makes it (`actors.telemetry.StepRow`)."""
 
 
 class RankLog(BaseModel):

@@ -1,13 +1,13 @@
 """A step's metrics row as data: `StepRow`, which the coordinator makes from the ranks' reports
-(`actors.telemetry.make_row`) and the REST API serves as `MetricsRow` (a pydantic dataclass: its attribute
-docstrings are the schema's descriptions). No torch, no Ray: the API imports it."""
+(`actors.telemetry.make_row`), and `MetricsRow`, the model of a row the REST API serves, made from it (the
+attribute docstrings are the schema's descriptions). No torch, no Ray: the API imports it."""
 
 from __future__ import annotations
 
 from dataclasses import MISSING, fields
 from typing import Any
 
-from pydantic import ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from typing_extensions import TypedDict
 
@@ -78,3 +78,13 @@ class StepRow:
 
 _ROW_FIELDS = tuple(f.name for f in fields(StepRow))
 _ALWAYS = frozenset(f.name for f in fields(StepRow) if f.default is MISSING)
+
+
+SERVED_ALWAYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
+"""The fields every row the service has stored holds (a row an older service wrote may lack the others)."""
+MetricsRow: type[BaseModel] = create_model(
+    "MetricsRow", __config__=ConfigDict(extra="allow"),
+    **{name: (info.annotation if name in SERVED_ALWAYS else info.annotation | None,
+              Field(... if name in SERVED_ALWAYS else None, description=info.description))
+       for name, info in StepRow.__pydantic_fields__.items()})  # type: ignore[attr-defined, call-overload]
+"""A row as the REST API serves it: StepRow's fields and descriptions, all but `SERVED_ALWAYS` optional."""
