@@ -9,29 +9,31 @@ per tensor shape, for a step that is memory bound anyway: there the same ops run
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torchao.optim import AdamW4bit, AdamW8bit
 from trainyard.parallel.config import OptimizerConfig
 
 
-class _EagerOnCpu(torch.optim.Optimizer):
-    """A torchao optimizer's step, run eagerly when every parameter is on the CPU."""
+def _eagerly_on_cpu(optimizer: torch.optim.Optimizer, step: Callable, closure: Callable | None):
+    """A torchao optimizer's `step`, run eagerly when every parameter is on the CPU."""
+    if not all(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
+        return step(closure)
+    with torch.compiler.set_stance("force_eager"):
+        return step(closure)
 
+
+class EagerOnCpuAdamW8bit(AdamW8bit):
     @torch.no_grad()
     def step(self, closure=None):
-        on_cpu = all(p.device.type == "cpu" for g in self.param_groups for p in g["params"])
-        if not on_cpu:
-            return super().step(closure)
-        with torch.compiler.set_stance("force_eager"):
-            return super().step(closure)
+        return _eagerly_on_cpu(self, super().step, closure)
 
 
-class EagerOnCpuAdamW8bit(_EagerOnCpu, AdamW8bit):
-    pass
-
-
-class EagerOnCpuAdamW4bit(_EagerOnCpu, AdamW4bit):
-    pass
+class EagerOnCpuAdamW4bit(AdamW4bit):
+    @torch.no_grad()
+    def step(self, closure=None):
+        return _eagerly_on_cpu(self, super().step, closure)
 
 
 def adamw8bit(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:

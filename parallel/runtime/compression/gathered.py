@@ -122,7 +122,8 @@ class GatheringReducer(GradientReducer):
 
     def _state(self, index: int, b: Bucket) -> _BucketState:
         if index not in self._states:
-            matrices, rest = [], []
+            matrices: list[tuple[int, int]] = []
+            rest: list[tuple[int, int]] = []
             for p, offset in zip(b.params, b.offsets, strict=True):
                 local = local_part(p)
                 (matrices if local.dim() >= 2 else rest).append((offset, local.numel()))
