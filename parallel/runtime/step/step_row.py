@@ -46,7 +46,8 @@ class StepRow:
     stage_peak_activations: list[int]
     stage_peak_activation_mb: list[float]
     reduce_bytes: int
-    """Gradient bytes the busiest rank handed to the step's data-parallel reductions (PowerSGD's, compressed)."""
+    """Gradient bytes the busiest rank handed to the step's data-parallel reductions (compressed, with a
+    grad_compression)."""
     cross_replica_bytes: int
     """The most any rank all-reduced across the data-parallel replicas (parallel.sync)."""
     peak_rss_bytes: int | None = None
