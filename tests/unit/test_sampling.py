@@ -100,7 +100,7 @@ def test_sampling_keeps_to_top_k_and_top_p_and_a_seed_reproduces(tmp_path):
 def test_a_stop_token_or_string_ends_a_sequence_keeping_its_stop(tmp_path):
     ours, _ = ours_and_theirs("llama", tmp_path / "m")
     tokens = generate(cached_model(ours), SampleCall(PROMPT, 1, 16, temperature=0.0), CPU)["sequences"][0]["tokens"]
-    at = next(i for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    at = max(tokens.index(t) for t in tokens)  # a token's first place: the latest one
     stopped = generate(cached_model(ours), SampleCall(PROMPT, 2, 16, temperature=0.0), CPU,
                        stop_tokens=[tokens[at]])["sequences"]
     assert [(s["tokens"], s["stop_reason"]) for s in stopped] == [(tokens[:at + 1], "stop")] * 2
