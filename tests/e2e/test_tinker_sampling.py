@@ -6,7 +6,8 @@ sampled tokens' logprobs and compute_logprobs are transformers' forward's (1e-5)
 forward's; a seed reproduces its sequences; a stop token ends a sequence with stop_reason "stop"; a sampler at an
 earlier save point samples its own weights while training goes on from the live ones; `await sample(...)` serves
 too; a base model's sampler (no training client) is the base model. Bad SamplingParams are 422s naming the field;
-another user's sampler, or one whose training client was unloaded, answers as missing."""
+another user's sampler, one whose unnamed weights were dropped for newer ones, or one whose training client was
+unloaded, answers as missing."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import ray
 import torch
 from helpers import slow
 from hf_tiny import tiny_llama
+from trainyard.parallel.runtime.sampling.params import MAX_EPHEMERAL
 from trainyard.service.tenancy import users
 
 tinker = pytest.importorskip("tinker")
@@ -31,9 +33,9 @@ def _datum(tokens: list[int]):
 
 def _trained_reference(model_id: str, steps: int, tmp_path):
     """transformers' model of the client's weights now: its rank's checkpoint, exported as a job's model is."""
-    from transformers import AutoModelForCausalLM
     from trainyard.parallel.io.checkpoint import step_dir
     from trainyard.parallel.io.export import export_hf
+    from transformers import AutoModelForCausalLM
 
     rank = ray.get_actor(f"trainyard/tinker-{model_id}/pp0-tp0-dp0")
     ray.get(rank.final_checkpoint.remote(str(tmp_path / "ckpt"), steps, {}, False))
@@ -148,6 +150,11 @@ def test_sampling_a_trained_client_through_the_official_sdk(service, tmp_path):
                          json={"model_id": training.model_id, "path": "x"}).status_code == 404
         assert http.post("/api/v1/save_weights_for_sampler", headers=as_alice,
                          json={"model_id": training.model_id, "path": "../x"}).json()["detail"][0]["field"] == "path"
+        unnamed = [training.save_weights_and_get_sampling_client().result() for _ in range(MAX_EPHEMERAL)]
+        dropped, kept = (request | {"sampling_session_id": s._sampling_session_id, "sampling_params": {"max_tokens": 2}}
+                         for s in (later, unnamed[0]))  # a client keeps its last MAX_EPHEMERAL unnamed ones
+        assert http.post("/api/v1/asample", headers=as_alice, json=dropped).status_code == 404
+        assert http.post("/api/v1/asample", headers=as_alice, json=kept).status_code == 200
         assert http.post("/api/v1/unload_model", headers=as_alice,
                          json={"model_id": training.model_id}).status_code == 200
         gone = http.post("/api/v1/asample", headers=as_alice, json=request | {"sampling_params": {"max_tokens": 2}})

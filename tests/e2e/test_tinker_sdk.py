@@ -6,7 +6,7 @@ accumulates until optim_step applies, and the loss falls over the steps. Another
 missing one (a 404) through the SDK; bad input is a 422 naming the field; a rank killed under the client fails the
 next call at once. Sampling on the client's rank: a save point before any step samples transformers' greedy
 generate token for token, and the trained one's compute_logprobs is the training forward's. In `make test-slow`:
-clients at dp2 and dp2 with ZeRO-1 follow one rank's losses."""
+clients at dp2 and dp2 with ZeRO-1 follow one rank's losses, and sample its tokens."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
 def test_data_parallel_clients_follow_one_rank(service, tmp_path):
     """trainyard's extension, the layout as a JobSpec's `parallel`: at dp2 (each replica one of the two datums, the
     gradients summed at the step) and at dp2 with ZeRO-1 (the optimizer state sharded too), the losses are one
-    rank's (1e-4)."""
+    rank's (1e-4), and so are their samplers' greedy tokens (their first rank samples)."""
     tiny_llama(tmp_path / "llama")
     service.manager.tinker.registered["tinker-dp-llama"] = str(tmp_path / "llama")
     token = users.create(service.state_dir, "tinker-carol")
@@ -171,6 +171,12 @@ def test_data_parallel_clients_follow_one_rank(service, tmp_path):
     assert one[-1] < one[0]
     for losses in others:
         assert losses == pytest.approx(one, rel=1e-4)
+    greedy = tinker.types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])  # the first rank samples
+    prompt = data[0].model_input
+    samples = [t.save_weights_and_get_sampling_client().result().sample(prompt, 1, greedy).result().sequences[0]
+               for t in trainings]
+    assert all(s.tokens == samples[0].tokens for s in samples)
+    assert all(s.logprobs == pytest.approx(samples[0].logprobs, abs=1e-4) for s in samples)
     with httpx.Client(base_url=service.url, timeout=30) as http:
         for t in trainings:
             assert http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + token},
