@@ -1,12 +1,13 @@
 """(`make test-slow`: `make test` starts from a Hugging Face directory through the service in test_tinker_sdk.py, and
 checks these numbers on gloo ranks in tests/integration/test_hf_gloo.py.) The flagship of Hugging Face checkpoints
-through the real service (uvicorn, Ray, gloo): a job started from
-a GPT2LMHeadModel directory with `init_from`, trained a few steps, exported with `trainyard export --format hf`
-(the REST path), loads in transformers with no missing or unexpected keys and gives the logits of trainyard's
-own export, and `trainyard generate` samples it greedily as transformers' `generate` does; its first loss is transformers' loss on the same batch. Beside it (submitted at once, so the two
-run together), the transformers backend's flagship: a GraniteForCausalLM with its multipliers and logits scaling,
-which no native family reads, trained at dp2 with ZeRO-3 and per-layer recompute, with the same checks, its
-`val_loss` that of its export in transformers, and its `init_from` event naming the backend."""
+through the real service (uvicorn, Ray, gloo): a job started from a GPT2LMHeadModel directory with `init_from`,
+trained a few steps, exported with `trainyard export --format hf` (the REST path), loads in transformers with no
+missing or unexpected keys and gives the logits of trainyard's own export, and `trainyard generate` samples it
+greedily as transformers' `generate` does; its first loss is transformers' loss on the same batch. Beside it
+(submitted at once, so the two run together), the transformers backend's flagship: a GraniteForCausalLM with its
+multipliers and logits scaling, which no native family reads, trained at dp2 with ZeRO-3 and per-layer recompute,
+with the same checks, its `val_loss` that of its export in transformers, and its `init_from` event naming the
+backend."""
 
 from __future__ import annotations
 
