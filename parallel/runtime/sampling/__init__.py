@@ -10,6 +10,8 @@
   logprob, the prompt's logprobs and top-k.
 - `snapshots`: named copies of a training client's trainable weights, swapped in for a sample (a sampler at a
   named save point) and back.
+- `sampler`: one rank's sampler, the above assembled on a built model (`parallel.runtime.open_loop` holds one;
+  `trainyard generate` runs one on a downloaded model).
 
 Imports no other runtime room and not the runtime's top (`open_loop` uses it).
 """
