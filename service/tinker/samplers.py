@@ -12,8 +12,9 @@ and base model, released with its session.
 
 Everything is per user: another user's sampling session, model path or training client answers as a missing one
 (`ClientNotFound`, a 404), also a sampler whose training client was unloaded or whose unnamed weights were dropped
-(a client keeps `MAX_NAMED` named and its last `MAX_EPHEMERAL` unnamed sampler weights). A request the ranks cannot
-serve is a `RuleError` naming its field (`parallel.runtime.sampling.params`, torch-free), before any rank runs.
+(a client keeps `MAX_NAMED` named and its last `MAX_EPHEMERAL` unnamed sampler weights, besides the inflight one).
+A request the ranks cannot serve is a `RuleError` naming its field (`parallel.runtime.sampling.params`, torch-free),
+before any rank runs.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class TinkerSamplers:
                                         "save under a name it has")
             drop = []
             if unnamed and snapshot not in saved:
-                older = [n for n, u in saved.items() if u]
+                older = [n for n, u in saved.items() if u and n != INFLIGHT]  # the inflight one stays
                 drop = older[:max(0, len(older) - MAX_EPHEMERAL + 1)]
             for old in drop:
                 del saved[old]
