@@ -59,6 +59,7 @@ _ADDED_COLUMNS = {
     "ranks": "TEXT NOT NULL DEFAULT '[]'",
     "events": "TEXT NOT NULL DEFAULT '[]'",
     "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs stored before users belong to the admin (ADMIN)
+    "kind": "TEXT NOT NULL DEFAULT 'job'",
 }
 _TERMINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_terminal)
 _QUEUED = "status = 'PENDING' AND admitted_at IS NULL"
@@ -94,6 +95,9 @@ class JobRecord:
     """What happened to the job as it ran: failures, recoveries, checkpoints (see actors.coordinator)."""
     owner: str = ADMIN
     """The user who submitted it (`service.tenancy.users`)."""
+    kind: str = "job"
+    """`job`: a JobSpec's fixed loop, run by a coordinator; `tinker`: a Tinker training client
+    (`service.tinker`), whose calls the user's own program makes, its job id the client's model id."""
 
     @property
     def queued(self) -> bool:
@@ -151,7 +155,7 @@ class JobStore:
                 f"INSERT INTO jobs ({_COLUMNS}) VALUES ({', '.join('?' * len(_COLUMN_LIST))})",
                 (job.job_id, job.name, job.status.value, json.dumps(job.spec), job.steps, job.step, job.error,
                  json.dumps(job.actors), now, now, job.priority, json.dumps(job.needs), job.admitted_at,
-                 job.ended_at, json.dumps(job.ranks), "[]", job.owner),
+                 job.ended_at, json.dumps(job.ranks), "[]", job.owner, job.kind),
             )
             self._insert_events(job.job_id, job.events, first=0)
 
@@ -287,14 +291,14 @@ class JobStore:
 
 
 _COLUMN_LIST = ("job_id", "name", "status", "spec", "steps", "step", "error", "actors", "created_at", "updated_at",
-                "priority", "needs", "admitted_at", "ended_at", "ranks", "events", "owner")
+                "priority", "needs", "admitted_at", "ended_at", "ranks", "events", "owner", "kind")
 _COLUMNS = ", ".join(_COLUMN_LIST)
 
 
 def _record(row: tuple, events: list[dict]) -> JobRecord:
     (job_id, name, status, spec, steps, step, error, actors, created, updated, priority, needs, admitted_at,
-     ended_at, ranks, _, owner) = row
+     ended_at, ranks, _, owner, kind) = row
     return JobRecord(job_id=job_id, name=name, status=JobStatus(status), spec=json.loads(spec), steps=steps,
                      step=step, error=error, actors=json.loads(actors), created_at=created, updated_at=updated,
                      priority=priority, needs=json.loads(needs), admitted_at=admitted_at, ended_at=ended_at,
-                     ranks=json.loads(ranks), events=events, owner=owner)
+                     ranks=json.loads(ranks), events=events, owner=owner, kind=kind)

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from trainyard.actors.coordinator import Coordinator, JobStorage
 from trainyard.actors.journal import steps_logged
@@ -24,7 +24,7 @@ from trainyard.actors.naming import coordinator_name, placement_group_name
 from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig, RuleError
 from trainyard.parallel.io import checkpoint
-from trainyard.parallel.plan import make_plan
+from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.spec import parse_spec, spec_to_dict
 from trainyard.service.admission import queue
 from trainyard.service.errors import Calibrating
@@ -44,10 +44,14 @@ taken them in between); then it is given back and the queue tried again."""
 class Admission:
     def __init__(self, live: LiveJobs, paths: JobPaths, resume_point: Callable[[JobConfig], tuple[str, int] | None],
                  detach_jobs: bool, choose_layout: Callable[[JobConfig], JobConfig] = lambda config: config,
-                 quotas: queue.Quotas = lambda _: quota.NO_QUOTA):
+                 quotas: queue.Quotas = lambda _: quota.NO_QUOTA,
+                 start_client: Callable[[str, Plan, PlacementGroup], None] | None = None):
         """`choose_layout`: `parallel: auto` resolved (raises Calibrating while the costs are being measured);
-        `quotas`: each user's (`service.tenancy.users`)."""
+        `quotas`: each user's (`service.tenancy.users`); `start_client`: builds an admitted Tinker training client's
+        ranks in its reserved group (`service.tinker.TinkerClients.admitted`; a job of kind `tinker` has no
+        coordinator)."""
         self.live, self.store, self.paths = live, live.store, paths
+        self.start_client = start_client
         self.quotas = quotas
         self.resume_point = resume_point
         self.choose_layout = choose_layout
@@ -116,6 +120,8 @@ class Admission:
         try:
             config = parse_spec(job.spec)
             plan = make_plan(config, cluster_resources())
+            if job.kind == "tinker":
+                return self._admit_client(job, plan)
             root = self.paths.checkpoint_root(job.job_id, config)
             # A job the service's restart interrupted goes on from its own (hashed by the coordinator), the latest
             # with every step before it in the coordinator's metrics log (`steps_logged`).
@@ -151,4 +157,18 @@ class Admission:
             self.live.add(job.job_id, coordinator, pg, job.step)
         coordinator.start.remote()  # a coordinator that cannot start shows up in the next poll
         log.info("job %s admitted (world size %d)", job.job_id, plan.world_size)
+        return True
+
+    def _admit_client(self, job: JobRecord, plan: Plan) -> bool:
+        """A Tinker training client's turn: its group reserved as a job's (never detached: its actor is the
+        service's), then its ranks built by `start_client`; False if the resources were taken meanwhile."""
+        pg = placement_group(plan.bundles(), strategy="PACK", name=placement_group_name(job.job_id))
+        if not pg.wait(RESERVE_TIMEOUT_S):
+            remove_placement_group(pg)
+            return False
+        if self.start_client is None or not self.store.claim(job.job_id):  # unloaded while the group was reserved
+            remove_placement_group(pg)
+            return True
+        self.start_client(job.job_id, plan, pg)
+        log.info("tinker client %s admitted (world size %d)", job.job_id, plan.world_size)
         return True

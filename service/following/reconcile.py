@@ -1,7 +1,7 @@
 """The store made true to Ray when the service starts: every job the store shows as admitted or running is
 either followed again (its coordinator outlived the previous service, on a cluster the service joined) or
 queued again, to go on from its latest checkpoint (its coordinator died with the service, or with the embedded
-cluster)."""
+cluster). A Tinker training client (a job of kind `tinker`) ends FAILED: its actor was the service's."""
 
 from __future__ import annotations
 
@@ -18,11 +18,20 @@ from trainyard.service.store import JobRecord
 
 log = logging.getLogger("trainyard.manager")
 
+CLIENT_GONE = ("the service restarted: a Tinker training client's ranks do not outlive it; its saved states remain "
+               "(create a training client from one)")
+
 
 def reconcile(live: LiveJobs) -> None:
     store = live.store
     for job in store.list():
-        if job.status is JobStatus.PENDING and job.admitted_at is not None:
+        if job.kind == "tinker" and not job.status.is_terminal:
+            # A Tinker training client's actor is the service's: it died with it, and nothing can take the SDK's
+            # calls in flight back. Its saved states stay (`save_state`): a new client loads one.
+            with contextlib.suppress(Exception):
+                remove_placement_group(ray.util.get_placement_group(placement_group_name(job.job_id)))
+            store.update(job.job_id, status=JobStatus.FAILED, error=CLIENT_GONE)
+        elif job.status is JobStatus.PENDING and job.admitted_at is not None:
             if reattach(live, job):  # a joined cluster: its coordinator is still verifying its start point
                 continue
             # Admitted but not yet running: its reservation died with Ray, or (detached) is given back here.
