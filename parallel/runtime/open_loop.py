@@ -10,8 +10,8 @@ The layouts: data parallelism (dp ranks, each holding the whole model: pp = tp =
 state and the summed gradients, its reducers gathering the parameters after the step); each replica runs
 its share of a call's datums (`shares`), and the gradient reducers sum the replicas' gradients at `optim_step`, so
 the step is the one of every datum's loss summed, whatever dp. Other layouts are refused, naming the field.
-Losses: Tinker's `cross_entropy`, `importance_sampling` and `ppo` (`parallel.runtime.tinker_losses`, as documented);
-the others are refused, naming `loss_fn`.
+Losses: Tinker's documented ones (`parallel.runtime.tinker_losses`: cross_entropy, importance_sampling, ppo, cispo,
+dro); the others are refused, naming `loss_fn`.
 """
 
 from __future__ import annotations
