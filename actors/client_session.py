@@ -59,6 +59,19 @@ class ClientSession:
         outs = await self._on_every_rank("optim_step", [dict(adam) for _ in range(self.plan.world_size)])
         return outs[0]
 
+    async def save_state(self, root: str, info: dict, answer: dict[str, Any]) -> dict[str, Any]:
+        """A DCP checkpoint of the client's state under `root` (every rank its part, rank 0 commits it:
+        `OpenLoopRank.save_state`); `answer` once it is committed."""
+        await self._on_every_rank("save_state", [{"root": root, "info": info} for _ in range(self.plan.world_size)])
+        return answer
+
+    async def load_state(self, directory: str, step: int, optimizer: bool, answer: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint of `step` in `directory` loaded on every rank (with its optimizer state when
+        `optimizer`), whatever layout wrote it; `answer` once every rank holds it."""
+        await self._on_every_rank("load_state", [{"directory": directory, "step": step, "optimizer": optimizer}
+                                                 for _ in range(self.plan.world_size)])
+        return answer
+
     async def _on_every_rank(self, method: str, calls: list[dict]) -> list[dict]:
         if self.broken is not None:
             raise RuntimeError(f"training client {self.model_id} is unusable: {self.broken}")

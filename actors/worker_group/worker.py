@@ -82,8 +82,9 @@ class Worker:
 
     def open_loop(self, method: str, kwargs: dict) -> dict:
         """A Tinker training client's call on this rank (`actors.client_session`): `forward_backward` (its datums
-        as dicts of `tokens`, `target_tokens` and the loss's inputs) or `optim_step` (the Adam parameters), on the
-        open loop built on this rank's driver at its first call (`parallel.runtime.open_loop.OpenLoopRank`)."""
+        as dicts of `tokens`, `target_tokens` and the loss's inputs), `optim_step` (the Adam parameters),
+        `save_state` or `load_state`, on the open loop built on this rank's driver at its first call
+        (`parallel.runtime.open_loop.OpenLoopRank`)."""
         assert self.driver is not None, "setup() must run before open_loop()"
         from trainyard.parallel.runtime.open_loop import OpenLoopRank, datum_of
 
@@ -93,6 +94,8 @@ class Worker:
             if method == "forward_backward":
                 data = [datum_of(d) for d in kwargs.pop("data")]
                 return self._open.forward_backward(data, **kwargs)
+            if method in ("save_state", "load_state"):
+                return getattr(self._open, method)(**kwargs)
             return self._open.optim_step(**kwargs)
 
     def load_checkpoint(self, directory: str, step: int) -> None:

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
@@ -140,6 +142,32 @@ class OpenLoopRank:
             reducer.gather_params()
         self.pending, self.steps = False, self.steps + 1
         return {"metrics": {"grad_norm:mean": float(norm)}, "steps": self.steps}
+
+    def save_state(self, root: str, info: dict) -> dict[str, Any]:
+        """The adapters and their optimizer state as a DCP checkpoint under `root` (`step_<optim steps>`, with `info`
+        in its manifest), as a job's (`RankTrainer.save_checkpoint`; collective); the checkpoints of other steps
+        under it removed (a save over one of the same name). Gradients being accumulated are not saved."""
+        self.trainer.save_checkpoint(Path(root), self.steps, info)
+        if self.driver.rank == 0:
+            checkpoint.prune(Path(root), 1, self.steps)
+        return {"steps": self.steps}
+
+    def load_state(self, directory: str, step: int, optimizer: bool) -> dict[str, Any]:
+        """The adapters from the checkpoint of `step` in `directory`, whatever layout wrote it (DCP reshards); with
+        `optimizer` their optimizer state and step count too, else the optimizer starts afresh (its moments zero,
+        its step 0, as a new client's). Gradients being accumulated are dropped."""
+        trainer = self.trainer
+        trainer.load_checkpoint(Path(directory), step)
+        self.steps = step
+        if not optimizer:
+            kept = trainer.local_state()
+            for moments in kept["optim"].values():
+                for t in moments.values():
+                    t.zero_()
+            trainer.adopt_state(kept, 0, None)
+            self.steps = 0
+        self.pending = False
+        return {"steps": self.steps}
 
     def _logprobs(self, d: Datum) -> torch.Tensor:
         """Each position's log-probability of its target, in fp32."""
