@@ -65,9 +65,12 @@ class ClientSession:
         await self._on_every_rank("save_state", [{"root": root, "info": info} for _ in range(self.plan.world_size)])
         return answer
 
-    async def load_state(self, directory: str, step: int, optimizer: bool, answer: dict[str, Any]) -> dict[str, Any]:
+    async def load_state(self, directory: str, step: int, optimizer: bool, answer: dict[str, Any],
+                         after: Any = None) -> dict[str, Any]:
         """The checkpoint of `step` in `directory` loaded on every rank (with its optimizer state when
-        `optimizer`), whatever layout wrote it; `answer` once every rank holds it."""
+        `optimizer`), whatever layout wrote it; `answer` once every rank holds it. `after`: the ObjectRef of
+        `setup` for a client made from the checkpoint, which Ray resolves before this runs (an async actor's
+        calls need not run in the order they were made)."""
         await self._on_every_rank("load_state", [{"directory": directory, "step": step, "optimizer": optimizer}
                                                  for _ in range(self.plan.world_size)])
         return answer

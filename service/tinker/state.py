@@ -190,7 +190,7 @@ class TinkerState:
         answer = {"path": path, "model_id": model_id, "type": "load_weights"}
         with self.clients._lock:
             client = self.clients._client(user, model_id)
-            call = client.actor.load_state.remote(str(saved.step_dir), saved.step, optimizer, answer)
+            call = client.actor.load_state.remote(str(saved.step_dir), saved.step, optimizer, answer, client.ready)
             return self.clients._future(user, call, model_id)
 
     def _saved(self, user: User, ref: Ref) -> Saved | None:
