@@ -1,7 +1,7 @@
 """Where the Tinker API's saved state lives and who may name it (`service.tenancy.tinker_paths`), pure: a `tinker://`
 path is the SDK's own form (its parser agrees), a run id, name or path that cannot be one is refused naming the field
 and never quoting it, and a path resolves in its caller's folder only: another user's checkpoint answers as missing,
-exactly as one that never was."""
+exactly as one that never was; what the state lists parses as the SDK's own response models."""
 
 from __future__ import annotations
 
@@ -54,3 +54,40 @@ def test_a_path_resolves_in_its_callers_folder_only(tmp_path):
     with pytest.raises(CheckpointNotFound):
         paths.existing_run("bob", "model-1")
     assert paths.runs("bob") == [] and paths.checkpoints("bob", "model-1") == []
+
+
+def test_listings_are_the_sdks_shapes_and_a_checkpoint_past_its_ttl_is_gone(tmp_path):
+    """What `service.tinker.state` lists parses as the SDK's own response models; a checkpoint whose TTL passed is
+    deleted when next looked at."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from trainyard.service.tenancy.users import User
+    from trainyard.service.tinker.clients import TinkerClients
+
+    tinker = pytest.importorskip("tinker")
+    paths = TinkerPaths(tmp_path / "tinker")
+    clients = TinkerClients(tenancy=SimpleNamespace(tinker=paths))  # type: ignore[arg-type]
+    alice = User("alice", admin=False)
+    now = time.time()
+    for name, made in (("kept", {"time": now - 10, "expires_at": None, "user_metadata": {"k": "v"}}),
+                       ("expired", {"time": now - 20, "expires_at": now - 1, "user_metadata": None})):
+        step = checkpoint.step_dir(paths.checkpoint_dir("alice", parse(f"tinker://model-1/weights/{name}")), 4)
+        step.mkdir(parents=True)
+        (step / checkpoint.MANIFEST).write_text(json.dumps({"files": {}, "tinker": {
+            **made, "base_model": "tiny", "lora_rank": 4, "seed": 0, "targets": None}}))
+    (paths.run_dir("alice", "model-1") / "run.json").write_text(json.dumps(
+        {"training_run_id": "model-1", "created": now - 30, "base_model": "tiny", "lora_rank": 4}))
+
+    listed = tinker.types.CheckpointsListResponse.model_validate(clients.state.checkpoints(alice, "model-1"))
+    assert [(c.checkpoint_id, c.tinker_path, c.user_metadata) for c in listed.checkpoints] == [
+        ("weights/kept", "tinker://model-1/weights/kept", {"k": "v"})]
+    assert not paths.checkpoint_dir("alice", parse("tinker://model-1/weights/expired")).exists()
+    runs = tinker.types.TrainingRunsResponse.model_validate(clients.state.runs(alice, limit=10, offset=0))
+    assert [(r.training_run_id, r.lora_rank, r.last_checkpoint.checkpoint_id) for r in runs.training_runs] == [
+        ("model-1", 4, "weights/kept")]
+    mine = tinker.types.CheckpointsListResponse.model_validate(clients.state.user_checkpoints(alice, 10, 0))
+    assert [c.checkpoint_id for c in mine.checkpoints] == ["weights/kept"] and mine.cursor.total_count == 1
+    with pytest.raises(CheckpointNotFound):
+        clients.state.checkpoints(User("bob", admin=False), "model-1")
