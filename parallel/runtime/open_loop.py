@@ -1,6 +1,7 @@
 """One rank's step opened to an outside driver (the Tinker-compatible API): `forward_backward` on the caller's token
 sequences with their per-token weights, gradients accumulating over calls, and `optim_step`, which applies them with
-the caller's Adam parameters. The rank is built as a job's is (`RankDriver`, `RankTrainer`: `build_rank`'s order,
+the caller's Adam parameters; its state saved and loaded as a job's checkpoints are (`save_state`, `load_state`:
+DCP, any layout loading any). The rank is built as a job's is (`RankDriver`, `RankTrainer`: `build_rank`'s order,
 LoRA, the reducers, the optimizer); only the step is split in two.
 
 This is the one module of the open loop that reads the trainer's internals (its chunks, reducers, optimizer and

@@ -6,7 +6,8 @@ _with_optimizer`, and the deprecated `load_state_with_optimizer` on a live clien
 the uninterrupted one (1e-6); one made from its weights only (`create_training_client_from_state`, `load_state`)
 starts at the same loss and then steps as a fresh optimizer does; one at dp2 follows at the data-parallel tests'
 tolerance. The checkpoint's adapters, downloaded as a PEFT directory, are peft's own: transformers with them gives
-the client's logprobs. The runs and checkpoints are listed; another user's path, run and checkpoint answer as missing
+the client's logprobs; `cispo` and `dro` through the SDK are their documented formulas' values. The runs and
+checkpoints are listed; another user's path, run and checkpoint answer as missing
 ones; bad paths are 422s naming the field without quoting it; a deleted checkpoint is gone.
 `forward_backward_custom` (the SDK's forward, its loss computed locally, a `cross_entropy` with its gradient as
 float weights of either sign sent back) steps as the documented linear surrogate does. All slow
@@ -143,6 +144,21 @@ def test_state_saved_through_the_sdk_resumes_lists_downloads_and_stays_its_owner
         theirs = torch.log_softmax(reference(input_ids=ids).logits[:, :-1].float(), -1).gather(2, ids[:, 1:, None])
     for row, lp in zip(theirs[..., 0], mine, strict=True):
         torch.testing.assert_close(lp, row, rtol=0, atol=1e-5)
+    # cispo and dro through the SDK's wire (their loss_fn_config too): the documented formulas' values.
+    sampled = mine[0] + 0.3 * torch.randn(len(mine[0]))
+    adv = torch.randn(len(mine[0]))
+    rl = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(sequences[0][:-1]),
+                             loss_fn_inputs={"target_tokens": sequences[0][1:], "logprobs": sampled.tolist(),
+                                             "advantages": adv.tolist()})]
+    ratio = torch.exp(mine[0] - sampled)
+    narrow = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    for loss_fn, config, value in (("cispo", None, -(ratio.clamp(0.0, 4.0) * mine[0] * adv).sum()),
+                                   ("cispo", narrow, -(ratio.clamp(0.9, 1.1) * mine[0] * adv).sum()),
+                                   ("dro", {"beta": 0.5}, -(mine[0] * adv - 0.25 * (mine[0] - sampled) ** 2).sum())):
+        out = b.forward(rl, loss_fn, config).result()
+        assert out.metrics["loss:sum"] == pytest.approx(float(value), rel=1e-5, abs=1e-5), loss_fn
+    with pytest.raises(tinker.RequestFailedError, match=r"loss_fn_config\.beta"):
+        b.forward(rl, "dro").result()
     fresh = _loop(b, data, 3)
     assert fresh[0] == pytest.approx(uninterrupted[0], abs=1e-6)
     assert fresh[1] != pytest.approx(uninterrupted[1], abs=1e-4)  # its optimizer began afresh
