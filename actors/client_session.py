@@ -2,7 +2,8 @@
 own kind. Instead of the coordinator's fixed loop, it holds the client's ranks (a `WorkerGroup` on the placement
 group the service reserved, built as a job's ranks are) between calls, and runs each call the user's program makes
 on them: every rank runs `Worker.open_loop` (`parallel.runtime.open_loop.OpenLoopRank`), each data-parallel replica
-on its share of the datums, and the gradient reducers sum the replicas' gradients at `optim_step`.
+on its share of the datums, and the gradient reducers sum the replicas' gradients at `optim_step`. A sampling
+client's calls (`save_for_sampler`, `sample`) run on the first rank alone, which holds every replica's weights.
 
 One call at a time, in the order they were made (`max_concurrency=1`), which is the order the SDK's requests
 arrive in. A call the caller got wrong raises `OpenLoopError` before any rank runs (its message names the field). A
@@ -75,12 +76,35 @@ class ClientSession:
                                                  for _ in range(self.plan.world_size)])
         return answer
 
-    async def _on_every_rank(self, method: str, calls: list[dict]) -> list[dict]:
+    async def save_for_sampler(self, name: str, drop: list[str], answer: dict[str, Any]) -> dict[str, Any]:
+        """The weights now as sampler weights `name`, in the memory of the rank that samples (the first: every
+        replica holds the same weights), those named in `drop` forgotten; then `answer` (the SDK's)."""
+        await self._on_every_rank("save_for_sampler", [{"name": name, "drop": drop}], first_only=True)
+        return answer
+
+    async def sample(self, request: dict[str, Any], name: str | None) -> dict[str, Any]:
+        """A Tinker sample on the first rank, at sampler weights `name` (None: the live weights); a request the
+        rank cannot serve raises `OpenLoopError` (checked here first: the client stays usable)."""
+        from trainyard.parallel.runtime.open_loop import OpenLoopError
+        from trainyard.parallel.runtime.sampling.params import SampleError, has_tokenizer, sample_call
+
+        cfg = self.plan.config
+        try:
+            sample_call(request, cfg.model.seq_len, cfg.model.vocab_size,
+                        has_tokenizer(cfg.init_from.hf if cfg.init_from is not None else None))
+        except SampleError as e:
+            raise OpenLoopError(str(e)) from None
+        [out] = await self._on_every_rank("sample", [{"request": request, "name": name}], first_only=True)
+        return out
+
+    async def _on_every_rank(self, method: str, calls: list[dict], first_only: bool = False) -> list[dict]:
+        """`first_only`: the first rank's call alone (`calls` holds one)."""
         if self.broken is not None:
             raise RuntimeError(f"training client {self.model_id} is unusable: {self.broken}")
         try:
+            workers = self.group.workers[:1] if first_only else self.group.workers
             return await self.group.call([w.open_loop.remote(method, kwargs)
-                                          for w, kwargs in zip(self.group.workers, calls, strict=True)], method)
+                                          for w, kwargs in zip(workers, calls, strict=True)], method)
         except Exception as e:
             self.broken = f"an earlier call failed ({_line(e)})"
             raise RuntimeError(f"training client {self.model_id}: {_line(e)}") from None

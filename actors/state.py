@@ -12,30 +12,14 @@ asks for, gets an outcome, and sets `step(state, outcome, inputs)` as the next s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import StrEnum
 
 from trainyard.actors.calls import Failure
 from trainyard.actors.failure_handling.policy import FailureAction, FailureDecision, FailurePolicy
+from trainyard.actors.job_status import JobStatus
 from trainyard.actors.journal import all_causes
 from trainyard.actors.scaling_policy.resize_desk import Resize
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.cadence import is_done
-
-
-class JobStatus(StrEnum):
-    PENDING = "PENDING"
-    """Waiting for the whole job's placement group (gang admission)."""
-    RUNNING = "RUNNING"
-    RECOVERING = "RECOVERING"
-    RESIZING = "RESIZING"
-    STOPPED = "STOPPED"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED)
-
 
 Point = tuple[str, int]
 """A checkpoint to load: (directory, step)."""

@@ -15,15 +15,15 @@ import logging
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from ray.util.metrics import Gauge
 from trainyard.actors.failure_handling.replicas import complete_pipeline
 from trainyard.actors.journal import METRICS_LOG, AppendOnly
 from trainyard.actors.tracking import Trackers
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.runtime.step.step_row import MoELayerRow, StepRow
 from trainyard.parallel.runtime.step.step_stats import StepReport, StepStats
 
 log = logging.getLogger("trainyard.coordinator")
@@ -53,56 +53,6 @@ _MOE_GAUGES = {
 }
 _EXPERT_LOAD = Gauge("trainyard_moe_expert_load", "Tokens routed to an expert of an MoE layer in the last step",
                      tag_keys=("job_id", "layer", "expert"))
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """One step's metrics row (`make_row`). The fields without a default are in every row; the others only when
-    the step has them (`to_row` leaves the unset ones out)."""
-
-    step: int
-    loss: float
-    """The mean over the replicas' when they differ (local_sgd, diloco with a replica dropped: each has its own)."""
-    lr: float
-    grad_norm: float
-    tokens_per_s: float
-    step_time_s: float
-    coordinator_overhead_s: float
-    """Wall time between two steps' results that no rank spent computing."""
-    bubble_fraction: float
-    stage_forward_s: list[float]
-    stage_backward_s: list[float]
-    stage_peak_activations: list[int]
-    stage_peak_activation_mb: list[float]
-    reduce_bytes: int
-    """Gradient bytes the busiest rank handed to the step's data-parallel reductions (PowerSGD's, compressed)."""
-    cross_replica_bytes: int
-    """The most any rank all-reduced across the data-parallel replicas (parallel.sync)."""
-    peak_rss_bytes: int | None = None
-    """The largest rank process's resident high-water mark so far (the OS's)."""
-    compile_s: float | None = None
-    """The slowest rank's torch.compile time in this step (`compile: true`), when it compiled."""
-    predicted_step_s: float | None = None
-    """The planner's prediction of the step time (`parallel: auto`)."""
-    moe: dict[str, dict] | None = None
-    sample_ids: list[int] | None = None
-    """Whole examples (`data.packing`): the global batch's sample ids."""
-    epoch: int | None = None
-    val_loss: float | None = None
-    checkpoint_blocked_s: float | None = None
-    """The step waited this long for its slowest rank's save."""
-    checkpoint_error: str | None = None
-    replica_steps: list[int] | None = None
-    """local_sgd, diloco: the steps each replica's state holds."""
-
-    def to_row(self) -> dict[str, Any]:
-        """The row as the metrics log, the trackers and the service's polls have it."""
-        return {name: value for name in _ROW_FIELDS
-                if (value := getattr(self, name)) is not None or name in _ALWAYS}
-
-
-_ROW_FIELDS = tuple(f.name for f in fields(StepRow))
-_ALWAYS = frozenset(f.name for f in fields(StepRow) if f.default is MISSING)
 
 
 class Rows:
@@ -227,7 +177,7 @@ def set_gauges(job_id: str, row: StepRow, steps: int) -> None:
     for layer, values in (row.moe or {}).items():
         tags = {"job_id": job_id, "layer": layer}
         for key, gauge in _MOE_GAUGES.items():
-            gauge.set(values[key], tags=tags)
+            gauge.set(values[key], tags=tags)  # type: ignore[literal-required]  # _MOE_GAUGES' keys are its
         for expert, load in enumerate(values["load"]):
             _EXPERT_LOAD.set(load, tags={**tags, "expert": str(expert)})
     if step == 0 or (step + 1) % 10 == 0:
@@ -241,9 +191,9 @@ def _first_pipeline(stats: Sequence[StepStats]) -> list[StepStats]:
     return [s for s in stats if s.dp_rank == d and s.tp_rank == 0]
 
 
-def moe_metrics(stats: Sequence[StepStats]) -> dict[str, dict]:
+def moe_metrics(stats: Sequence[StepStats]) -> dict[str, MoELayerRow]:
     """Each MoE layer's statistics, keyed by its block index; every rank of a stage holds the stage's sums, so
     one pipeline's ranks have them all."""
     stages = _first_pipeline(stats)
-    layers = {layer: values for s in stages for layer, values in s.moe.items()}
+    layers = {layer: cast(MoELayerRow, values) for s in stages for layer, values in s.moe.items()}
     return dict(sorted(layers.items(), key=lambda item: int(item[0])))

@@ -45,41 +45,6 @@ class JobInfo(BaseModel):
     spec: dict | None = None
 
 
-class MoELayerMetrics(BaseModel):
-    aux_loss: float
-    """Load-balancing loss (Switch/GShard), mean over the step's sequences: 1 when perfectly balanced."""
-    z_loss: float
-    """Router z-loss: squared log-sum-exp of the router logits, mean over the step's tokens."""
-    dropped_fraction: float
-    """Token assignments over capacity (0 when dropless)."""
-    load: list[int]
-    """Tokens routed to each expert (before capacity); they sum to the step's tokens x top_k."""
-
-
-class MetricsRow(BaseModel):
-    model_config = ConfigDict(extra="allow")  # per-stage timings, bubble fraction, ...
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens_per_s: float
-    step_time_s: float
-    moe: dict[str, MoELayerMetrics] | None = None
-    """Per MoE layer (keyed by block index) for a mixture-of-experts model."""
-    val_loss: float | None = None
-    """Mean token loss on the validation data, on the steps `eval.every` picks and the last."""
-    epoch: float | None = None
-    """Whole examples (`data.packing`): epochs done at the end of the step (1.0: the first pass is complete)."""
-    sample_ids: list[int] | None = None
-    """Whole examples: the global batch's sample ids (sequence indices), in data-parallel rank order."""
-    checkpoint_blocked_s: float | None = None
-    """On a step that saved a checkpoint: how long the save held the step up (with async, the staging)."""
-    peak_rss_bytes: int | None = None
-    """The largest rank process's resident memory high-water mark so far, as the OS counts it."""
-    predicted_step_s: float | None = None
-    """A layout the planner chose (`parallel: auto`): the step time its cost model predicted, beside step_time_s."""
-
-
 class RankLog(BaseModel):
     rank: int
     name: str | None = None

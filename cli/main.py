@@ -8,7 +8,7 @@ state directory. `logs` reads the ranks' logs
 matplotlib (`cli.plot`).
 
 This module is the command table (one parser for every subcommand); the commands live in `cli.offline` (no
-server needed), `cli.tokens` (users) and `cli.jobs` (over the API).
+server needed), `cli.tokens` (users), `cli.jobs` (over the API) and `cli.generate` (a job's model sampled here).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 # Test fixtures alone set it to disabled; commands other than `serve` start no Ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-from trainyard.cli import jobs, offline, tokens  # noqa: E402 - after the line above
+from trainyard.cli import generate, jobs, offline, tokens  # noqa: E402 - after the line above
 from trainyard.cli.client import ApiError  # noqa: E402
 
 
@@ -135,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
                         "the merged model); peft: adapter_config.json and adapter_model.safetensors, for "
                         "peft.PeftModel.from_pretrained")
     s.set_defaults(func=jobs.export)
+    generate.add_parser(sub)
     s = sub.add_parser("logs", help="print the ranks' logs (stderr by default), read from Ray")
     s.add_argument("job_id")
     s.add_argument("--rank", type=int, default=None, help="one rank (default: every rank, each line prefixed)")

@@ -28,12 +28,12 @@ from collections.abc import Mapping
 from typing import Literal, TypeVar, get_args
 
 FamilyName = Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "hf"]
-OptimizerName = Literal["adamw", "adamw8bit", "adafactor", "sgd"]
+OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd"]
 LrScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
 ZeroLevel = Literal[0, 1, 2, 3]
 SyncName = Literal["allreduce", "local_sgd", "diloco"]
-CompressionName = Literal["powersgd"]
+CompressionName = Literal["powersgd", "topk", "qsgd"]
 
 FAMILY_NAMES: tuple[FamilyName, ...] = get_args(FamilyName)
 OPTIMIZER_NAMES: tuple[OptimizerName, ...] = get_args(OptimizerName)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainyard.actors.state import JobStatus
+from trainyard.actors.job_status import JobStatus
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

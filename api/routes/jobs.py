@@ -11,9 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse
 from trainyard.api.body import JsonBodyRoute
 from trainyard.api.deps import CALIBRATING, GUARDED, NOT_FOUND, OWNED, Manager, caller, read_spec
-from trainyard.api.models import FaultDrill, JobCreated, JobInfo, JobLogs, MetricsRow, ScaleRequest, job_info
+from trainyard.api.models import FaultDrill, JobCreated, JobInfo, JobLogs, ScaleRequest, job_info
 from trainyard.api.spec import RawSpec
 from trainyard.parallel.config import MAX_DEGREE, MAX_STEPS
+from trainyard.parallel.runtime.step.step_row import MetricsRow
 from trainyard.service.tenancy.users import User
 
 MAX_LOG_TAIL = 100_000
@@ -41,10 +42,11 @@ def list_jobs(manager: Manager, user: User = Depends(caller)) -> list[JobInfo]:
 def job(manager: Manager, job_id: str) -> JobInfo:
     return job_info(manager.get(job_id), manager.dashboard_url, manager.queue_view())
 
-@router.get("/api/jobs/{job_id}/metrics", dependencies=OWNED, responses=NOT_FOUND)
+@router.get("/api/jobs/{job_id}/metrics", dependencies=OWNED, responses=NOT_FOUND,
+            response_model=list[MetricsRow])  # type: ignore[valid-type]  # a model made from StepRow
 def metrics(manager: Manager, job_id: str, since: int = Query(0, ge=0, le=MAX_STEPS,
-                                             description="first step to return")) -> list[MetricsRow]:
-    return [MetricsRow(**row) for row in manager.metrics(job_id, since)]
+                                             description="first step to return")) -> list[dict]:
+    return manager.metrics(job_id, since)
 
 @router.get("/api/jobs/{job_id}/logs", dependencies=OWNED,
          responses={**NOT_FOUND, 404: {"description": "no such job, or no such rank in it"},

@@ -4,8 +4,9 @@
 The SDK authenticates with `X-API-Key: tml-<trainyard token>` (`api.guard`); every session, model and request id
 belongs to its caller, and another user's answers as a missing one (a 404). Calls on a model return a future (a
 request id) at once; `retrieve_future` answers its result, a `try_again` while it runs, or the error (its category
-`user` for the caller's mistakes). forward_backward's request and result are protobuf (`api.tinker_wire`), the rest
-JSON. The live state is the manager's `tinker` (`service.tinker.TinkerClients`).
+`user` for the caller's mistakes). forward_backward's request and result are protobuf (`api.tinker_wire`), and a
+sample's result (`api.tinker_sample_wire`; the sampling routes: `api.routes.tinker_sampling`), the rest JSON. The
+live state is the manager's `tinker` (`service.tinker.TinkerClients`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from trainyard.api.deps import Caller, Manager
+from trainyard.api.tinker_sample_wire import write_sample
 from trainyard.api.tinker_wire import SdkMissing, WireError, read_forward_backward, write_forward_backward
 from trainyard.parallel.config import RuleError
 
@@ -108,7 +110,7 @@ def telemetry() -> dict[str, str]:
 
 @router.get("/get_server_capabilities")
 def capabilities(manager: Manager, _: Caller) -> dict[str, Any]:
-    return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": False}
+    return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True}
                                  for name in manager.tinker.base_models()]}
 
 
@@ -191,6 +193,11 @@ def retrieve_future(body: RetrieveBody, manager: Manager, user: Caller) -> Any:
     if state != "done":
         return {"error": value, "category": "user" if state == "user_error" else "server"}
     assert isinstance(value, dict)
+    if value.get("type") == "sample":  # a sample's result: the SDK reads it as protobuf only
+        try:
+            return Response(write_sample(value), media_type=PROTO)
+        except SdkMissing as e:
+            return JSONResponse(status_code=501, content={"detail": str(e)})
     if "logprobs" in value:  # a forward_backward's result: the SDK reads it as protobuf only
         try:
             return Response(write_forward_backward(value), media_type=PROTO)

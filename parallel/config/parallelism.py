@@ -29,19 +29,33 @@ class DpRange:
 
 @dataclass(frozen=True, kw_only=True)
 class GradCompressionConfig:
-    """PowerSGD (Vogels et al. 2019) on the data-parallel reduction: each large enough gradient matrix is sent
-    as two rank-`rank` factors, with error feedback (`parallel.runtime.compression.powersgd`)."""
+    """A compressor on the data-parallel reduction (`parallel.runtime.compression`): powersgd (Vogels et al. 2019,
+    each large enough gradient matrix sent as two rank-`rank` factors, with error feedback), topk (Aji & Heafield
+    2017, each matrix's `ratio` largest elements, the rest carried to the next step) or qsgd (Alistarh et al.
+    2017, each matrix stochastically rounded to `levels` levels of its norm, unbiased). 1-D tensors go whole."""
 
     __pydantic_config__ = STRICT
     kind: CompressionName = "powersgd"
-    """The compressor (the only one so far)."""
+    """The compressor: powersgd, topk or qsgd."""
     rank: Annotated[int, Gt(0), Le(4096), NOT_BOOL] = 4
-    """Rank of the approximation of each gradient matrix (a matrix of min(rows, cols) <= rank is exact)."""
+    """powersgd: rank of the approximation of each gradient matrix (a matrix of min(rows, cols) <= rank is exact)."""
     warmup_steps: Steps = 0
     """Steps reduced uncompressed first (the gradients change fastest early; torch's start_powerSGD_iter)."""
     min_compression_rate: Annotated[float, Ge(0), Le(1e6), NOT_BOOL] = 2.0
-    """A matrix is compressed only when its elements exceed (rows + cols) x rank by this factor (torch's
+    """powersgd: a matrix is compressed only when its elements exceed (rows + cols) x rank by this factor (torch's
     default 2); the others, and every 1-D tensor, are reduced uncompressed. 0 compresses every matrix."""
+    ratio: Annotated[float, Gt(0), Le(1), NOT_BOOL] = 0.01
+    """topk: the share of each gradient matrix's elements a rank sends, the largest by magnitude (k = ceil(ratio x
+    elements)), as int32 index and fp32 value pairs; 1 sends every element (the exact sum)."""
+    error_feedback: bool = True
+    """topk: keep what a rank did not send and add it to its next gradient (Aji & Heafield's residual); false drops
+    it."""
+    levels: Annotated[int, Ge(1), Le(127), NOT_BOOL] = 7
+    """qsgd: the levels s of |g| / ||g|| (stochastic rounding to l / s); a code takes 2, 4 or 8 bits (sign and level:
+    s <= 1, 7, 127), 7 is 4-bit QSGD."""
+    bucket_size: Annotated[int, Gt(0), Le(1 << 30), NOT_BOOL] = 512
+    """qsgd: consecutive elements of a matrix quantized against one fp32 norm (the paper's bucket size d: the
+    variance grows with it, as min(d / s^2, sqrt(d) / s) x ||g||^2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +115,8 @@ class ParallelConfig:
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Type of the gradients on the wire between data-parallel ranks; bf16 halves the traffic."""
     grad_compression: GradCompressionConfig | None = None
-    """Compress the gradients on the wire (`{kind: powersgd, rank: 4, warmup_steps: 10}`); null: none."""
+    """Compress the gradients on the wire (`{kind: powersgd, rank: 4, warmup_steps: 10}`, `{kind: topk, ratio: 0.01}`,
+    `{kind: qsgd, levels: 7}`); null: none."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """How the replicas keep in step: every step (allreduce) or every H steps (local_sgd, diloco)."""
 

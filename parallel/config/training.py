@@ -60,9 +60,9 @@ class OptimizerConfig:
     weight_decay: Annotated[float, Ge(0), Le(1e3), NOT_BOOL] = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms)."""
     beta1: Annotated[float, Ge(0), Le(1), NOT_BOOL] = 0.9
-    """AdamW's first-moment decay (below 1 with adamw, adamw8bit); sgd's momentum."""
+    """AdamW's first-moment decay (below 1 with adamw, adamw8bit, adamw4bit); sgd's momentum."""
     beta2: Annotated[float, Ge(0), Le(1), NOT_BOOL] = 0.95
-    """AdamW's second-moment decay (below 1 with adamw, adamw8bit)."""
+    """AdamW's second-moment decay (below 1 with adamw, adamw8bit, adamw4bit)."""
     warmup_steps: Steps = 10
     """Linear warm-up from 0 to `lr`; afterwards the `schedule`."""
     schedule: LrScheduleName = "cosine"
@@ -77,9 +77,9 @@ class OptimizerConfig:
     """Clip the global gradient norm to this; 0 turns clipping off."""
     kind: OptimizerName = "adamw"
     """Which optimizer (`parallel.optim.kinds.OPTIMIZERS`): its update and the state it keeps per parameter.
-    adamw8bit: AdamW with block-wise 8-bit moments (torchao); adafactor: factored second moments, no first
-    moment, update clipping, `lr` a step relative to each tensor's RMS (`parallel.optim.adafactor`); sgd: SGD with
-    momentum `beta1` (0: plain SGD), linear in the gradient."""
+    adamw8bit, adamw4bit: AdamW with block-wise 8-bit or 4-bit moments (torchao); adafactor: factored second
+    moments, no first moment, update clipping, `lr` a step relative to each tensor's RMS (`parallel.optim.adafactor`);
+    sgd: SGD with momentum `beta1` (0: plain SGD), linear in the gradient."""
     offload: bool = False
     """ZeRO-Offload: the optimizer's state lives in (pinned) host memory and its step runs on the CPU."""
     offload_overlap: bool = True

@@ -84,29 +84,41 @@ class ModelFamily(ABC):
     def tensor_parallel_plan(self, stage: DecoderStage, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
         """`parallelize_module`'s plan for one stage: module path -> style."""
 
-    @abstractmethod
+    counts: ModuleType | None = None
+    """The family's counting module (`parallel/models/<family>/counts.py`: `param_counts`, `matrices`,
+    `embed_activations`, `block_activations`, `head_activations`, each with the method's arguments); the five
+    methods below ask it. A family without one overrides them."""
+
+    def _counts(self) -> ModuleType:
+        if self.counts is None:
+            raise NotImplementedError(f"family {self.name} has no counts module and does not count itself")
+        return self.counts
+
     def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
                      ep: int) -> ParamCounts:
         """Exact local parameter elements of one stage at tensor-parallel degree tp (tied embeddings once)."""
+        counted: ParamCounts = self._counts().param_counts(cfg, layers, first=first, last=last, tp=tp, ep=ep)
+        return counted
 
-    @abstractmethod
     def embed_activations(self, cfg: ModelConfig, s: Shapes) -> int:
         """Bytes the first stage's embedding keeps for backward, per micro-batch."""
+        return int(self._counts().embed_activations(cfg, s))
 
-    @abstractmethod
     def block_activations(self, cfg: ModelConfig, block: int, s: Shapes) -> tuple[int, int, int]:
         """Block `block` per micro-batch: (bytes kept with no checkpointing, bytes selective checkpointing
         saves, bytes of the region selective checkpointing recomputes at once)."""
+        kept, saved, region = self._counts().block_activations(cfg, block, s)
+        return kept, saved, region
 
-    @abstractmethod
     def head_activations(self, cfg: ModelConfig, s: Shapes) -> int:
         """Bytes the final norm, the head and the loss keep, per micro-batch."""
+        return int(self._counts().head_activations(cfg, s))
 
-    @abstractmethod
     def matrices(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
                  ep: int) -> list[Matrix]:
         """The local shape of every 2-D parameter of one stage at tensor-parallel degree tp, with its reduction
         set (what gradient compression works on; the rest of `param_counts` is 1-D)."""
+        return list(self._counts().matrices(cfg, layers, first=first, last=last, tp=tp, ep=ep))
 
     @abstractmethod
     def embedding_params(self, cfg: ModelConfig) -> int:

@@ -3,8 +3,8 @@
 torch.optim runs `Optimizer.add_param_group` (so every optimizer's construction) under `torch._disable_dynamo`,
 and Adam's, AdamW's and SGD's `step` under a grad-mode wrapper that calls `torch._dynamo.graph_break()`; each
 imports torch._dynamo on its first call. That import is about 1.1 s of CPU in every rank process (of about 6 s to
-start one), though only `compile: true`, torchao's adamw8bit (which compiles its step), tensor parallelism
-(DTensor) and ZeRO-2/3 (FSDP2) use dynamo.
+start one), though only `compile: true`, torchao's adamw8bit and adamw4bit (which compile their step), tensor
+parallelism (DTensor) and ZeRO-2/3 (FSDP2) use dynamo.
 
 Outside a compiled region the two wrappers only call the function: `disable` sets dynamo's frame callback to none
 for the call, which it already is, and `graph_break` does nothing. Nothing is compiled before torch._dynamo is

@@ -12,6 +12,10 @@ parameter's name in the parameter's shape, fp32, in every layout: see `parallel.
   in fp32, which the plan does not count (a fraction of a percent of a real model's state). Its step is
   `torch.compile`d on CUDA as torchao intends and run eagerly on CPU (inductor's CPU compile costs tens
   of seconds per tensor shape and the step is memory bound anyway).
+- `adamw4bit`: torchao's `AdamW4bit` (Li et al. 2023): both moments block-wise quantized to 4 bits (128-element
+  blocks, two codes a byte, an fp32 absmax scale per block; the first moment on a signed dynamic map, the second
+  on a linear one without zero), 2 x (1/2 + 4/128) B per element; the same fp32 fallback for small tensors
+  (under 4096 elements or not a multiple of 128) and the same eager step on CPU as adamw8bit.
 - `adafactor`: Adafactor (Shazeer & Stern 2018) as HF transformers runs it with `relative_step=False`
   (`parallel.optim.adafactor`: no first moment, update clipping d = 1, `lr` under the job's schedule times each
   tensor's RMS (at least 1e-3: HF's default `scale_parameter`), decoupled weight decay): the second moment
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
 FP32 = 4
 BLOCK_8BIT = 256
 """torchao's block size for 8-bit states: one fp32 scale per this many elements."""
+BLOCK_4BIT = 128
+"""torchao's block size for 4-bit states (its AdamW4bit's default)."""
 
 
 def _build_adamw(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
@@ -57,9 +63,15 @@ def _build_adamw(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -
 
 
 def _build_adamw8bit(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
-    from trainyard.parallel.optim.adamw8bit import adamw8bit
+    from trainyard.parallel.optim.low_bit import adamw8bit
 
     return adamw8bit(groups, cfg)
+
+
+def _build_adamw4bit(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
+    from trainyard.parallel.optim.low_bit import adamw4bit
+
+    return adamw4bit(groups, cfg)
 
 
 def _build_adafactor(groups: list[dict], cfg: OptimizerConfig, host: bool = False) -> torch.optim.Optimizer:
@@ -96,6 +108,9 @@ class OptimizerKind:
     """It wants each piece of a matrix as whole rows (2-D views), as factored states do."""
     identity_state: bool = False
     """Its own state tensors are the checkpoint's (fp32, the tensor's shape): saved and loaded in place."""
+    quantized: bool = False
+    """Its moments are torchao's quantized tensors (`OptimState8bit`, `OptimState4bit`): the checkpoint holds them
+    dequantized, and a load quantizes them again (`parallel.optim.states`)."""
     adam_betas: bool = False
     """It reads beta1 and beta2 as Adam's moment decays, which must be below 1 (its bias correction divides by
     1 - beta**step; torch and torchao refuse 1): `parallel.plan.rules` refuses 1 at submit."""
@@ -114,14 +129,19 @@ def _adafactor_bytes(elements: int, d_model: int) -> int:
 ADAMW = OptimizerKind(name="adamw", state=("exp_avg", "exp_avg_sq"), build=_build_adamw,
                       plan_bytes=lambda n, d: 2 * FP32 * n, identity_state=True, adam_betas=True)
 ADAMW8BIT = OptimizerKind(name="adamw8bit", state=("exp_avg", "exp_avg_sq"), build=_build_adamw8bit,
-                          plan_bytes=lambda n, d: 2 * (n + FP32 * math.ceil(n / BLOCK_8BIT)), adam_betas=True)
+                          plan_bytes=lambda n, d: 2 * (n + FP32 * math.ceil(n / BLOCK_8BIT)), quantized=True,
+                          adam_betas=True)
+ADAMW4BIT = OptimizerKind(name="adamw4bit", state=("exp_avg", "exp_avg_sq"), build=_build_adamw4bit,
+                          plan_bytes=lambda n, d: 2 * (math.ceil(n / 2) + FP32 * math.ceil(n / BLOCK_4BIT)),
+                          quantized=True, adam_betas=True)
 ADAFACTOR = OptimizerKind(name="adafactor", state=("exp_avg_sq",), build=_build_adafactor,
                           plan_bytes=_adafactor_bytes, matrices=True)
 SGD = OptimizerKind(name="sgd", state=("momentum_buffer",), build=_build_sgd, plan_bytes=lambda n, d: FP32 * n,
                     identity_state=True)
 
 OPTIMIZERS: dict[str, OptimizerKind] = registry(
-    OPTIMIZER_NAMES, {k.name: k for k in (ADAMW, ADAMW8BIT, ADAFACTOR, SGD)}, "parallel.optim.kinds.OPTIMIZERS")
+    OPTIMIZER_NAMES, {k.name: k for k in (ADAMW, ADAMW8BIT, ADAMW4BIT, ADAFACTOR, SGD)},
+    "parallel.optim.kinds.OPTIMIZERS")
 """`optimizer.kind` -> its optimizer (the names: `parallel.names.OptimizerName`)."""
 
 

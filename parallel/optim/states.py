@@ -9,6 +9,8 @@ AdamW's whatever the optimizer, and its bytes as measured.
   (a tp shard, a ZeRO-1 slice), which another layout cuts elsewhere. The round trip costs one
   re-quantization (within a block's quantization step) at each resume, and the checkpoint is as large as
   AdamW's.
+- adamw4bit: the same for torchao's `OptimState4bit` (4-bit codes, 128-element blocks): a round trip costs one
+  re-quantization within a block's 4-bit step.
 - adafactor: the factored second moment of a matrix piece (row_var, col_var) is saved as the estimate Adafactor
   itself uses, v = row_var col_var / mean(row_var), in the piece's shape, under `exp_avg_sq`; on load each piece
   factors its part of v again by row and column means. For a piece of the same rows and columns that gives back
@@ -26,17 +28,17 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 from trainyard.parallel.optim import adafactor
-from trainyard.parallel.optim.kinds import ADAFACTOR, ADAMW8BIT, OptimizerKind
+from trainyard.parallel.optim.kinds import ADAFACTOR, OptimizerKind
 
 
 def empty_state(kind: OptimizerKind, optimizer: torch.optim.Optimizer, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """The state `optimizer` would create for `t` at its first step (a checkpoint before it, or a load,
     needs the state to exist)."""
     step = torch.tensor(0.0)
-    if kind is ADAMW8BIT:
-        from torchao.optim import AdamW8bit  # imported already: the registry built this optimizer from it
+    if kind.quantized:
+        from torchao.optim.adam import _AdamBase  # imported already: the registry built this optimizer from it
 
-        assert isinstance(optimizer, AdamW8bit)
+        assert isinstance(optimizer, _AdamBase)
         return {"step": step, "exp_avg": optimizer._new_buffer(t, True), "exp_avg_sq": optimizer._new_buffer(t, False)}
     if kind is ADAFACTOR:
         return adafactor.empty_state(t)
@@ -75,11 +77,11 @@ def load(kind: OptimizerKind, optimizer: torch.optim.Optimizer, t: torch.Tensor,
     for k in kind.state:
         mine = _local(state[k])
         if mine is not values[k]:
-            mine.copy_(values[k])  # an OptimState8bit quantizes what it is given
+            mine.copy_(values[k])  # an OptimState8bit or OptimState4bit quantizes what it is given
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor really holds: a DTensor its local part, a tensor subclass (torchao's 8-bit state)
+    """Bytes a tensor really holds: a DTensor its local part, a tensor subclass (torchao's 8- or 4-bit state)
     the tensors inside it (codes, scales, its map)."""
     t = _local(t)
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
@@ -89,7 +91,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def _dequantized(t: torch.Tensor) -> torch.Tensor:
-    # torchao's OptimState8bit.dequantize takes the output dtype; torch's stub knows only quantized tensors' form
+    # torchao's OptimState8bit/4bit.dequantize take the output dtype; torch's stub knows only quantized tensors' form
     return t.dequantize(torch.float32) if hasattr(t, "codes") else t.detach().clone().float()  # type: ignore[call-arg]
 
 

@@ -7,7 +7,8 @@ replica's dp ranks, routers over the stage, experts over the ranks holding the s
 `parallel.plan.reduction_sets`, which the runtime and the memory plan read too) sends its local gradients in
 `reduce_dtype`, or nothing when no other rank shares it. With gradient compression (`parallel.grad_compression`),
 each matrix the compressor compresses sends what its entry in `parallel.plan.grad_compression.COMPRESSIONS` says
-(PowerSGD: its two fp32 factors P, rows x r, and Q, cols x r) instead, and every other tensor goes whole. Shapes
+(PowerSGD: its two fp32 factors P, rows x r, and Q, cols x r; top-k: k index and value pairs; QSGD: packed codes
+and norms) instead, and every other tensor goes whole. Shapes
 come from the model's family (`ModelFamily.matrices`); with `model.lora` only the adapters have gradients, so
 only they are reduced. Pure arithmetic: no torch.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from trainyard.parallel.models.base import Matrix
 from trainyard.parallel.models.counting import BF16, FP32
-from trainyard.parallel.plan.reduction_sets import shared_sets
+from trainyard.parallel.plan.reduction_sets import group_sizes, shared_sets
 from trainyard.parallel.plan.schedule.actions import virtual_stage
 from trainyard.parallel.plan.sizing import Sizing
 from trainyard.parallel.plan.units import format_bytes
@@ -64,14 +65,16 @@ def _adapter_matrices(plan: Sizing, layers: list[int]) -> list[Matrix]:
 def compression_state_bytes(plan: Sizing, pp: int) -> int:
     """What the gradient compressor keeps on a rank of pipeline stage `pp` beside the gradient buckets: what it
     keeps for each matrix it compresses (`Compressed.kept`; PowerSGD: the error, rows x cols, and the factors P and
-    Q with their packed copies on the wire, fp32), and the packed copy of the tensors sent whole."""
+    Q with their packed copies on the wire, fp32; top-k its residual and the pairs, its own and the group's
+    gathered; QSGD its codes and the group's), and the packed copy of the tensors sent whole."""
     compression, compressor = plan.parallel.grad_compression, plan.compression
     if compression is None or compressor is None:
         return 0
     elements, matrices = _stage_matrices(plan, pp)
     kept = whole = 0
-    for rows, cols, _ in matrices:
-        c = compressor.matrix(rows, cols, compression)
+    sizes = group_sizes(plan.layout)
+    for rows, cols, reduction_set in matrices:
+        c = compressor.matrix(rows, cols, compression, sizes[reduction_set])
         if c is not None:
             kept += c.kept
             whole += rows * cols
@@ -91,8 +94,9 @@ def reduction_bytes(plan: Sizing) -> dict:
         elements, matrices = _stage_matrices(plan, pp)
         plain = sent = wire * elements * per_step
         if compression is not None and (compressor := plan.compression) is not None:
-            for rows, cols, _ in matrices:
-                c = compressor.matrix(rows, cols, compression)
+            sizes = group_sizes(plan.layout)
+            for rows, cols, reduction_set in matrices:
+                c = compressor.matrix(rows, cols, compression, sizes[reduction_set])
                 if c is not None:
                     sent += c.sent - wire * rows * cols
         stages.append({"uncompressed": plain, "sent": sent})

@@ -13,6 +13,10 @@ its share of a call's datums (`shares`), and the gradient reducers sum the repli
 the step is the one of every datum's loss summed, whatever dp. Other layouts are refused, naming the field.
 Losses: Tinker's documented ones (`parallel.runtime.tinker_losses`: cross_entropy, importance_sampling, ppo, cispo,
 dro); the others are refused, naming `loss_fn`.
+
+Sampling (`save_for_sampler`, `sample`): the rank's own model generates (`parallel.runtime.sampling.Sampler`), at its
+live weights or at a named snapshot of its trainable weights taken in memory: a sampling client of a training
+client's save point is served by the client's own rank, no file written.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from trainyard.parallel.io import checkpoint
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
+from trainyard.parallel.runtime.sampling.sampler import Sampler
 from trainyard.parallel.runtime.tinker_losses import INPUTS, LOSSES, config_of
 
 
@@ -96,6 +101,10 @@ class OpenLoopRank:
         self.steps = 0
         self.decays = [bool(g.get("weight_decay", 0.0)) for g in self.trainer.optimizer.param_groups]
         """Which optimizer groups take weight decay (the job's rule: matrices, not biases or norms)."""
+        cfg = driver.plan.config
+        self.sampler = Sampler(self.chunk, self.trainer.device, self.seq_len, cfg.model.vocab_size,
+                               cfg.init_from.hf if cfg.init_from is not None else None, self.trainer.executor.autocast)
+        """The rank's generation, and the sampler snapshots of its weights (`save_for_sampler`, `sample`)."""
 
     def forward_backward(self, data: list[Datum], loss_fn: str, forward_only: bool = False,
                          config: Mapping[str, float] | None = None) -> dict[str, Any]:
@@ -169,6 +178,20 @@ class OpenLoopRank:
             self.steps = 0
         self.pending = False
         return {"steps": self.steps}
+
+    def save_for_sampler(self, name: str, drop: list[str] | None = None) -> dict[str, Any]:
+        """The trainable weights now, kept in memory as sampler weights `name` (those in `drop` forgotten)."""
+        return self.sampler.save(name, drop or ())
+
+    def sample(self, request: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+        """A Tinker sample (`parallel.runtime.sampling.sampler.Sampler.sample`) at sampler weights `name` (None:
+        the live weights); OpenLoopError naming the field for a request it cannot serve."""
+        from trainyard.parallel.runtime.sampling.params import SampleError
+
+        try:
+            return self.sampler.sample(request, name)
+        except SampleError as e:
+            raise OpenLoopError(str(e)) from None
 
     def _logprobs(self, d: Datum) -> torch.Tensor:
         """Each position's log-probability of its target, in fp32."""

@@ -1,7 +1,7 @@
 """The Tinker-compatible API's live state: sessions (kept alive by the SDK's heartbeats), training clients (each a
 `ClientSession` actor, a live job of its own kind holding its ranks between calls) and the futures of the calls made
-on them. Everything is per user: another user's session, model or request answers as a missing one
-(`ClientNotFound`).
+on them (the sampling clients' part: `samplers`). Everything is per user: another user's session, model or request
+answers as a missing one (`ClientNotFound`).
 
 A call returns a request id at once; its work is queued on the client's actor (Ray runs one actor's calls in the
 order they were made) and `retrieve` waits a bounded time for it: done, failed (with the error's category: the
@@ -31,6 +31,7 @@ from trainyard.service.ray_runtime import cluster_resources
 from trainyard.service.tenancy import quota
 from trainyard.service.tenancy.requests import Tenancy
 from trainyard.service.tenancy.users import User
+from trainyard.service.tinker.samplers import TinkerSamplers
 from trainyard.service.tinker.specs import client_config
 from trainyard.service.tinker.state import TinkerState
 
@@ -63,6 +64,10 @@ class Client:
     actor: Any
     ready: Any
     """The ObjectRef of the rank's build (`ClientSession.setup`)."""
+    seq_len: int = 0
+    vocab_size: int = 0
+    directory: str | None = None
+    """The base model's Hugging Face directory (its tokenizer, for a sample's stop strings)."""
     config: Any = None
     """Its JobConfig (`service.tinker.specs.client_config`)."""
     args: dict[str, Any] = field(default_factory=dict)
@@ -94,6 +99,8 @@ class TinkerClients:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self.samplers = TinkerSamplers(self)
+        """The sampling clients: sampler weights, sampling sessions, samples (`service.tinker.samplers`)."""
         self.state = TinkerState(self)
         """The clients' saved state: checkpoints, and the runs that wrote them (`service.tinker.state`)."""
 
@@ -147,7 +154,9 @@ class TinkerClients:
             ).remote(model_id, plan, pg)
             ready = actor.setup.remote()
             self.clients[model_id] = Client(user.name, session_id, base_model, lora_rank, config.model.family,
-                                            charge, pg, actor, ready, config, {"seed": seed or 0, "targets": targets})
+                                            charge, pg, actor, ready, config.model.seq_len, config.model.vocab_size,
+                                            config.init_from.hf if config.init_from is not None else None, config,
+                                            {"seed": seed or 0, "targets": targets})
             request_id = self._future(user, ready, model_id)
         return model_id, request_id
 

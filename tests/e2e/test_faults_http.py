@@ -1,10 +1,11 @@
 """Lose a worker, lose nothing, through the real service (uvicorn, Ray, gloo): fault drills hang a rank of a
-(pp=2) job that checkpoints every three steps, or kill its coordinator, or kill a rank and then another during
-that recovery (fault.max_failures=2); the job recovers from its latest checkpoint and ends SUCCEEDED with losses
-and final weights bit-identical to an uninterrupted run, and its events list the failures and the recovery time.
-(`make test-slow` adds a rank killed as the model is exported at the job's end.)
-(The plain kill of one rank is the "twice" drill's first failure: a drill of its own would be a fifth job, one
-more than the test cluster's 8 CPUs run at once, for no claim that drill does not check.)"""
+(pp=2) job that checkpoints every three steps, then kill another while the ranks load the checkpoint in that
+recovery (fault.max_failures=2), or kill the job's coordinator; each job recovers from its latest checkpoint and
+ends SUCCEEDED with losses and final weights bit-identical to an uninterrupted run, and its events list the
+failures and the recovery time. (`make test-slow` adds a rank killed as the model is exported at the job's end.)
+(The plain kill of one rank, through the service: tests/e2e/test_live_recovery_http.py; from a checkpoint, at the
+gloo level: tests/integration/test_checkpoint_gloo.py. Three jobs here, the test cluster's 8 CPUs run them side
+by side.)"""
 
 from __future__ import annotations
 
@@ -23,17 +24,17 @@ SPEC = tiny_spec(model={"n_layer": 4}, steps=8, global_batch=8, checkpoint={"eve
                  fault={"max_failures": 2, "hang_floor_s": 30, "from_replica": False})  # the checkpoint path
 HANG_FLOOR_S = 3
 """The hang drill's job only: a step that waits on another job's start is no hang of the others."""
-DRILLS = {"hang": [("hang_worker", 0, 4)], "coordinator": [("kill_coordinator", 0, 4)],
-          # a failure during a recovery is one more failure, not the end: rank 1 dies at step 4, then rank 0 while
-          # the ranks load the checkpoint in that recovery (before, the second failure failed the job: the
+DRILLS = {"coordinator": [("kill_coordinator", 0, 4)],
+          # a failure during a recovery is one more failure, not the end: rank 1 hangs at step 4, then rank 0 dies
+          # while the ranks load the checkpoint in that recovery (before, the second failure failed the job: the
           # recovery ran inside the handler of the first)
-          "twice": [("kill_worker_in_recovery", 0, 0), ("kill_worker", 1, 4)]}
+          "hang": [("kill_worker_in_recovery", 0, 0), ("hang_worker", 1, 4)]}
 
 
 @pytest.fixture(scope="module")
 def runs(service) -> dict[str, tuple[dict, list[dict]]]:
-    """Every drill's job and an uninterrupted one, submitted at once (four pp=2 jobs: the test cluster's 8 CPUs
-    run them side by side); each drill is scheduled once its job runs."""
+    """Every drill's job and an uninterrupted one, submitted at once (three pp=2 jobs); each drill is scheduled
+    once its job runs."""
     client = service.client()
     jobs = {name: client.submit({**SPEC, "name": name} | ({"fault": {**SPEC["fault"], "hang_floor_s": HANG_FLOOR_S}}
                                                           if name == "hang" else {}))
@@ -74,18 +75,27 @@ def _check_first_failure(events: list[dict], failure: dict, cause: str) -> None:
     assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3, 6]
 
 
-@pytest.mark.parametrize("drill", ["hang", "coordinator"])
-def test_events_list_the_failure_and_the_recovery_time(runs, drill, client):
-    job, _ = runs[drill]
-    events = client._call("GET", f"/api/jobs/{job['job_id']}/events")
+def test_events_list_the_coordinators_death_and_the_recovery_time(runs, client):
+    job, _ = runs["coordinator"]
+    events = client.events(job["job_id"])
     failures = [e for e in events if e["kind"] == "failure"]
     assert len(failures) == 1
-    failure, rank = failures[0], DRILLS[drill][0][1]
-    if drill == "coordinator":  # no rank failed; all died with the coordinator that owned them
-        assert failure["ranks"] == [] and "the coordinator died" in failure["cause"]
-    else:
-        assert rank in failure["ranks"]  # with its peers: a hang stalls the ranks waiting on it too
-    _check_first_failure(events, failure, "hung" if drill == "hang" else "died")
+    # no rank failed; all died with the coordinator that owned them
+    assert failures[0]["ranks"] == [] and "the coordinator died" in failures[0]["cause"]
+    _check_first_failure(events, failures[0], "died")
+
+
+def test_a_hung_rank_then_a_rank_killed_during_its_recovery_are_recovered_from(runs, client):
+    job, _ = runs["hang"]
+    events = client.events(job["job_id"])
+    failures = [e for e in events if e["kind"] == "failure"]
+    assert [f["failure"] for f in failures] == [1, 2]
+    assert 1 in failures[0]["ranks"]  # with its peers: a hang stalls the ranks waiting on it too
+    _check_first_failure(events, failures[0], "hung")
+    assert failures[1]["ranks"] == [0] and "loading the checkpoint of step 3" in failures[1]["cause"]  # ... and then
+    assert failures[1]["restore_step"] == 3
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert recovered[0]["failure"] == 2  # one recovery, from both
 
 
 @slow
@@ -107,19 +117,6 @@ def test_a_rank_killed_as_the_model_is_exported_is_recovered_from(runs, client, 
     weights = [load_file(str(client.download_model(j, tmp_path / f"{i}-{MODEL_FILE}")))
                for i, j in enumerate((reference["job_id"], job_id))]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-
-
-def test_a_rank_killed_during_a_recovery_is_recovered_from_too(runs, client):
-    job, _ = runs["twice"]
-    events = client.events(job["job_id"])
-    failures = [e for e in events if e["kind"] == "failure"]
-    assert [f["failure"] for f in failures] == [1, 2]
-    assert failures[0]["ranks"] == [1]  # the kill at step 4 ...
-    _check_first_failure(events, failures[0], "died")
-    assert failures[1]["ranks"] == [0] and "loading the checkpoint of step 3" in failures[1]["cause"]  # ... and then
-    assert failures[1]["restore_step"] == 3
-    recovered = [e for e in events if e["kind"] == "recovered"]
-    assert recovered[0]["failure"] == 2  # one recovery, from both
 
 
 def test_drills_are_refused_unless_the_service_allows_them(ray_session, tmp_path):

@@ -1,14 +1,17 @@
 """(`make test-slow`: `make test` starts from a Hugging Face directory through the service in test_tinker_sdk.py, and
 checks these numbers on gloo ranks in tests/integration/test_hf_gloo.py.) The flagship of Hugging Face checkpoints
-through the real service (uvicorn, Ray, gloo): a job started from
-a GPT2LMHeadModel directory with `init_from`, trained a few steps, exported with `trainyard export --format hf`
-(the REST path), loads in transformers with no missing or unexpected keys and gives the logits of trainyard's
-own export; its first loss is transformers' loss on the same batch. Beside it (submitted at once, so the two
-run together), the transformers backend's flagship: a GraniteForCausalLM with its multipliers and logits scaling,
-which no native family reads, trained at dp2 with ZeRO-3 and per-layer recompute, with the same checks, its
-`val_loss` that of its export in transformers, and its `init_from` event naming the backend."""
+through the real service (uvicorn, Ray, gloo): a job started from a GPT2LMHeadModel directory with `init_from`,
+trained a few steps, exported with `trainyard export --format hf` (the REST path), loads in transformers with no
+missing or unexpected keys and gives the logits of trainyard's own export, and `trainyard generate` samples it
+greedily as transformers' `generate` does; its first loss is transformers' loss on the same batch. Beside it
+(submitted at once, so the two run together), the transformers backend's flagship: a GraniteForCausalLM with its
+multipliers and logits scaling, which no native family reads, trained at dp2 with ZeRO-3 and per-layer recompute,
+with the same checks, its `val_loss` that of its export in transformers, and its `init_from` event naming the
+backend."""
 
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,12 @@ def test_init_from_hf_trains_and_exports_to_transformers(service, client, tmp_pa
     assert "model.lora" in capsys.readouterr().err and not any((tmp_path / "peft").iterdir())
     theirs, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    # `trainyard generate JOB`: the job's export downloaded and sampled here, greedy as transformers' generate
+    assert cli([*auth, "generate", job_id, "--tokens", "3,1,4,1,5", "--max-tokens", "8", "--stop", "--json"]) == 0
+    theirs.generation_config.eos_token_id = None  # --stop with none: only the length ends a sequence
+    with torch.no_grad():
+        greedy = theirs.eval().generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=8, do_sample=False)[0, 5:]
+    assert json.loads(capsys.readouterr().out)["sequences"][0]["tokens"] == greedy.tolist()
     ours = load_exported(tmp_path / "ty" / "model.safetensors")  # the hint `trainyard export` prints
     assert not torch.equal(ours.state_dict()["wte.weight"], source.state_dict()["transformer.wte.weight"])
     with torch.no_grad():

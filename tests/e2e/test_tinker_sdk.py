@@ -4,8 +4,10 @@ data root is the base model; a LoRA training client runs a supervised loop of a 
 forward_backward's loss and per-token logprobs are transformers' own on the same tokens (1e-5), forward_backward
 accumulates until optim_step applies, and the loss falls over the steps; save_state's checkpoint is listed.
 Another user's model id and checkpoints answer as missing ones (a 404) through the SDK; bad input is a 422 naming
-the field; a rank killed under the client fails the next call at once. In `make test-slow`: clients at dp2 and dp2
-with ZeRO-1 follow one rank's losses."""
+the field; a rank killed under the client fails the next call at once. Sampling on the client's rank: a save point
+before any step samples transformers' greedy generate token for token, and the trained one's compute_logprobs is
+the training forward's. In `make test-slow`: clients at dp2 and dp2 with ZeRO-1 follow one rank's losses, and
+sample its tokens."""
 
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     names = [m.model_name for m in rest.get_server_capabilities().result().supported_models]
     assert "tinker-tiny-llama" in names
     training = client.create_lora_training_client(base_model=str(root / "llama"), rank=4).result()
+    base_path = training.save_weights_for_sampler("before-training").result().path  # B = 0: the base's weights
 
     first = training.forward_backward(data, "cross_entropy").result()
     with torch.no_grad():  # transformers' own loss and logprobs on the same tokens, the adapters' B being zero
@@ -76,6 +79,23 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     forward = training.forward(data, "cross_entropy").result()  # no gradient kept, no step: twice the same
     assert forward.metrics["loss:sum"] == training.forward(data, "cross_entropy").result().metrics["loss:sum"]
     assert forward.metrics["loss:sum"] < losses[-1]
+
+    # Sampling on the client's own rank: the save point taken before any step is the base model (its weights
+    # swapped in, the trained ones back after): its greedy samples are transformers' generate, token for token.
+    prompt = tinker.types.ModelInput.from_ints(sequences[0][:5])
+    before = client.create_sampling_client(model_path=base_path).result()
+    greedy = before.sample(prompt, 2, tinker.types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])).result()
+    reference.generation_config.eos_token_id = None  # stop=[]: nothing but max_tokens ends either
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([sequences[0][:5]]), max_new_tokens=8, do_sample=False)[0, 5:]
+    assert [s.tokens for s in greedy.sequences] == [expected.tolist()] * 2
+    assert [s.stop_reason for s in greedy.sequences] == ["length"] * 2
+    # The trained weights' sampler: compute_logprobs is the training forward's (its first position has none).
+    trained = training.save_weights_and_get_sampling_client().result()
+    scored = trained.compute_logprobs(tinker.types.ModelInput.from_ints(sequences[0])).result()
+    assert scored[0] is None
+    torch.testing.assert_close(torch.tensor(scored[1:]), forward.loss_fn_outputs[0]["logprobs"].to_torch(),
+                               rtol=0, atol=1e-5)
 
     # importance_sampling through the SDK: the first logprobs as the sampler's, an advantage of 1 on each token
     sampled = first.loss_fn_outputs[0]["logprobs"].tolist()
@@ -114,6 +134,17 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
                                   "model_seq_id": 0, "lora_config": {"rank": 4}})
         assert refused.status_code == 422 and "base_model" in refused.text
         assert str(service.state_dir) not in refused.text
+        # Sampling: another user's sampler weights and sampling session answer as missing; bad params are a 422
+        as_bob = http.post("/api/v1/create_sampling_session", headers={"X-API-Key": "tml-" + bob},
+                           json={"session_id": session, "sampling_session_seq_id": 0, "model_path": base_path})
+        assert as_bob.status_code == 404
+        sample = {"sampling_session_id": trained._sampling_session_id, "num_samples": 1,
+                  "prompt": {"chunks": [{"type": "encoded_text", "tokens": sequences[0][:5]}]},
+                  "sampling_params": {"max_tokens": 4}}
+        assert http.post("/api/v1/asample", headers={"X-API-Key": "tml-" + bob}, json=sample).status_code == 404
+        bad = http.post("/api/v1/asample", headers={"X-API-Key": "tml-" + alice},
+                        json=sample | {"sampling_params": {"max_tokens": 4, "top_p": 0}})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "sampling_params.top_p"
         # A rank that dies under a live client: the next call fails with a clear error, at once, never a hang.
         ray.kill(ray.get_actor(f"trainyard/tinker-{model_id}/pp0-tp0-dp0"), no_restart=True)
         started = time.monotonic()
@@ -131,7 +162,7 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
 def test_data_parallel_clients_follow_one_rank(service, tmp_path):
     """trainyard's extension, the layout as a JobSpec's `parallel`: at dp2 (each replica one of the two datums, the
     gradients summed at the step) and at dp2 with ZeRO-1 (the optimizer state sharded too), the losses are one
-    rank's (1e-4)."""
+    rank's (1e-4), and so are their samplers' greedy tokens (their first rank samples)."""
     tiny_llama(tmp_path / "llama")
     service.manager.tinker.registered["tinker-dp-llama"] = str(tmp_path / "llama")
     token = users.create(service.state_dir, "tinker-carol")
@@ -147,6 +178,12 @@ def test_data_parallel_clients_follow_one_rank(service, tmp_path):
     assert one[-1] < one[0]
     for losses in others:
         assert losses == pytest.approx(one, rel=1e-4)
+    greedy = tinker.types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])  # the first rank samples
+    prompt = data[0].model_input
+    samples = [t.save_weights_and_get_sampling_client().result().sample(prompt, 1, greedy).result().sequences[0]
+               for t in trainings]
+    assert all(s.tokens == samples[0].tokens for s in samples)
+    assert all(s.logprobs == pytest.approx(samples[0].logprobs, abs=1e-4) for s in samples)
     with httpx.Client(base_url=service.url, timeout=30) as http:
         for t in trainings:
             assert http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + token},

@@ -1,7 +1,8 @@
 """PowerSGD gradient compression and `compile: true` on real gloo ranks, all plans in one spawned world.
 
-The compressor's math on two ranks (a probe on the dp=2 reference's world: the reducer on hand-set
-gradients), then whole runs: powersgd at full rank equals the uncompressed reduction (dp2, and with ZeRO-1;
+The compressors' math on two ranks (a probe on the dp=2 reference's world: the reducer on hand-set
+gradients; PowerSGD's, and top-k's and QSGD's, whose whole runs are tests/integration/test_compressors_gloo.py),
+then whole runs: powersgd at full rank equals the uncompressed reduction (dp2, and with ZeRO-1;
 dp2 tp2 runs in `make bench`: a world of four costs more here than it adds), a rank-2 run trains and sends
 a small fraction of the bytes (what the plan says it sends), and compiled blocks follow eager at tp=2 with
 sp, at pp=2 with full recompute, at dp=2 over ZeRO-3 (FSDP2) shards and with llama at tp=2. The compile runs
@@ -21,6 +22,7 @@ from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.sharding import sharding_for
+from trainyard.parallel.runtime.compression import make_compressor
 from trainyard.parallel.runtime.compression.powersgd import PowerSGD
 from trainyard.parallel.runtime.dp.data_parallel import make_reducer
 from trainyard.parallel.spec import parse_spec
@@ -51,7 +53,7 @@ def _reduce(reducer, params, rank: int, step: int, compressor) -> dict:
     reducer.finish()
     state = reducer._states.get(0)
     return {"w": params[0].grad.clone(), "b": params[1].grad.clone(), "bytes": reducer.wire_bytes,
-            "error": state.matrices[0].error.clone() if state else None,
+            "error": state.matrices[0].error.clone() if state and hasattr(state.matrices[0], "error") else None,
             "shard": reducer.buckets[0].shard.clone() if reducer.buckets[0].shard is not None else None}
 
 
@@ -103,10 +105,46 @@ def torch_probe(rank: int) -> dict:
     return {"ours": [(o["w"], o["b"]) for o in ours], "torch": theirs}
 
 
+GATHERING = {"topk-full": (GradCompressionConfig(kind="topk", ratio=1.0), 0, 1),
+             "topk": (GradCompressionConfig(kind="topk", ratio=0.25), 0, 3),
+             "topk-zero1": (GradCompressionConfig(kind="topk", ratio=1.0), 1, 1),
+             "qsgd": (GradCompressionConfig(kind="qsgd", levels=7, bucket_size=64), 0, 2),
+             "qsgd-again": (GradCompressionConfig(kind="qsgd", levels=7, bucket_size=64), 0, 2)}
+"""Top-k and QSGD on the same two ranks: (config, zero, steps)."""
+
+
+def gathering_probe(rank: int) -> dict:
+    """Top-k and QSGD reducers on two ranks' known gradients: each step's reduced gradients, this rank's residual
+    (top-k) and what it sent (the codes `encode` made, decoded alone)."""
+    out = {}
+    for name, (cfg, zero, steps) in GATHERING.items():
+        params = [torch.nn.Parameter(torch.zeros(16, 12)), torch.nn.Parameter(torch.zeros(12))]
+        compressor = make_compressor(cfg, seed=3)
+        reducer = make_reducer([params], dist.group.WORLD, sharding_for(zero), compressor=compressor)
+        sent = []
+
+        def encode(key, grad, encode=reducer.encode, reducer=reducer, sent=sent):
+            codes = encode(key, grad)
+            mine = torch.zeros(grad.numel())
+            reducer.add_decoded(mine, codes)
+            sent.append(mine.view(16, 12))
+            return codes
+
+        reducer.encode = encode
+        out[name] = []
+        for step in range(steps):
+            got = _reduce(reducer, params, rank, step, compressor)
+            got["sent"] = sent[-1]
+            got["residual"] = reducer.residuals[(0, 0)].view(16, 12).clone() if hasattr(reducer, "residuals") \
+                and (0, 0) in reducer.residuals else None
+            out[name].append(got)
+    return out
+
+
 def math_probe(driver, stats) -> dict:
     """The reducer on two ranks' known gradients: full rank, rank 1 with warm-up and error feedback, ZeRO-1;
-    and against torch's own PowerSGD hook."""
-    rank, out = dist.get_rank(), {"torch": torch_probe(dist.get_rank())}
+    and against torch's own PowerSGD hook; top-k's and QSGD's (`gathering_probe`)."""
+    rank, out = dist.get_rank(), {"torch": torch_probe(dist.get_rank()), **gathering_probe(dist.get_rank())}
     for name, cfg, zero, steps in [("full", GradCompressionConfig(rank=12, min_compression_rate=0), 0, 1),
                                    ("rank1", GradCompressionConfig(rank=1, warmup_steps=1), 0, 3),
                                    ("zero1", GradCompressionConfig(rank=12, min_compression_rate=0), 1, 1)]:
@@ -202,6 +240,49 @@ def test_zero1_keeps_its_slice_of_the_compressed_sum(runs):
     for rank in (0, 1):
         shard = runs["dp2"][rank].probe["zero1"][0]["shard"]
         assert relative_error(shard, whole[rank * shard.numel():][:shard.numel()]) < 1e-4
+
+
+def test_topk_and_qsgd_reduce_two_ranks_as_their_papers_say(runs):
+    """Top-k at ratio 1 is the plain sum, bitwise (one addition per element either way), and keeps nothing; at
+    ratio 0.25 what a rank sent plus what it kept is its gradient plus its last residual, bitwise, and the
+    reduced matrix is the sum of what the two ranks sent; ZeRO-1 keeps its slice of the sum. QSGD gives both
+    ranks the same sum, near the exact one (within its variance bound) and not equal to it, the same again
+    from the same seed and step; and each step's bytes are the payload the plan counts (1-D tensors whole)."""
+    from trainyard.parallel.plan.grad_compression import COMPRESSIONS
+
+    sums = [[a + b for a, b in zip(_grads(0, step), _grads(1, step), strict=True)] for step in range(3)]
+    ranks = [runs["dp2"][r].probe for r in (0, 1)]
+    for r, rank in enumerate(ranks):
+        [full] = rank["topk-full"]
+        torch.testing.assert_close(full["w"], sums[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(full["b"], sums[0][1], rtol=0, atol=0)
+        assert not full["residual"].any()
+        assert full["bytes"] == 12 * 4 + 16 * 12 * 8  # the bias whole, every (index, value) pair
+        whole = torch.cat([s.reshape(-1) for s in sums[0][::-1]])  # a bucket holds its parameters reversed
+        shard = rank["topk-zero1"][0]["shard"]
+        torch.testing.assert_close(shard, whole[r * shard.numel():][:shard.numel()], rtol=0, atol=0)
+    carried = [torch.zeros(16, 12), torch.zeros(16, 12)]
+    cfg = GATHERING["topk"][0]
+    for step in range(3):
+        for r in (0, 1):
+            got = ranks[r]["topk"][step]
+            assert torch.equal(got["sent"] + got["residual"], _grads(r, step)[0] + carried[r])
+            assert torch.count_nonzero(got["sent"]) == 48  # a quarter of 192
+            assert got["bytes"] == 12 * 4 + COMPRESSIONS["topk"].matrix(16, 12, cfg, 2).sent
+            carried[r] = got["residual"]
+        torch.testing.assert_close(ranks[0]["topk"][step]["w"], ranks[0]["topk"][step]["sent"]
+                                   + ranks[1]["topk"][step]["sent"], rtol=1e-6, atol=1e-6)
+        assert torch.equal(ranks[0]["topk"][step]["w"], ranks[1]["topk"][step]["w"])
+    cfg = GATHERING["qsgd"][0]
+    for step in range(2):
+        w = [ranks[r]["qsgd"][step]["w"] for r in (0, 1)]
+        assert torch.equal(w[0], w[1]) and torch.equal(w[0], ranks[0]["qsgd-again"][step]["w"])
+        # Lemma 3.1 per rank, buckets of 64: E||Q(g) - g||^2 <= min(64 / 49, 8 / 7) ||g||^2; one draw, 3 x that
+        bound = 8 / 7 * sum(_grads(r, step)[0].pow(2).sum() for r in (0, 1))
+        assert 0 < (w[0] - sums[step][0]).pow(2).sum() < 3 * bound
+        torch.testing.assert_close(ranks[0]["qsgd"][step]["b"], sums[step][1])  # 1-D: whole
+        assert ranks[0]["qsgd"][step]["bytes"] == 12 * 4 + COMPRESSIONS["qsgd"].matrix(16, 12, cfg, 2).sent
+    assert not torch.equal(ranks[0]["qsgd"][0]["sent"], ranks[1]["qsgd"][0]["sent"])
 
 
 @pytest.mark.parametrize("name", ["dp2-powersgd-full", "dp2-zero1-powersgd-full"])

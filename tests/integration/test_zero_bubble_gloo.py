@@ -1,12 +1,13 @@
 """Zero-bubble schedules on real gloo process groups, without Ray: zb-h1 and zbv (split backward, the V
 placement) follow the single rank's losses and gradient norms within 1e-4 per step (the norm checks the
 gradients themselves, which AdamW's first steps would mostly hide), alone and composed with dp, tp, sp, ZeRO-1,
-recomputation and `compile: true`. One spawned world of 8 ranks runs the reference and every layout in turn, with
+recomputation (`compile: true`: below). One spawned world of 8 ranks runs the reference and every layout in turn, with
 the rank driver the workers run (`parallel.runtime.driver`), so this is the numerics the service runs.
 
-Compiled blocks under a split backward keep their linears eager (`parallel.runtime.compile`): zb-h1 at pp=2 with
-selective recompute, compiled (the `aot_eager` backend), follows its eager twin within 1e-5, losses and every
-parameter after the last step. `make test-slow` adds zbv with ZeRO-3 and zb-h1 with ZeRO-2, each against its eager
+Compiled blocks under a split backward keep their linears eager (`parallel.runtime.compile`; on one rank:
+tests/unit/test_compile_split_backward.py). `make test-slow` adds: zb-h1 at pp=2 with selective recompute,
+compiled (the `aot_eager` backend), follows its eager twin within 1e-5, losses and every parameter after the last
+step; and zbv with ZeRO-3 and zb-h1 with ZeRO-2, each against its eager
 twin and its twin compiled under a schedule without split backward (interleaved-1f1b, 1f1b: blocks compiled whole),
 in a world of its own (four ranks compiling cost more than `make test` has to spare).
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from gloo_ranks import PlanRun, last_stage_losses, run_plans, stats_of, use_aot_eager
-from helpers import slow, tiny_spec
+from helpers import SLOW_TESTS, slow, tiny_spec
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.schedule.schedule_sim import simulate
 from trainyard.parallel.spec import parse_spec
@@ -34,11 +35,14 @@ LAYOUTS = {  # global batch 16 over 4 blocks
     "zbv pp2 dp2 tp2 sp recompute": ({"pp": 2, "dp": 2, "tp": 2, "sp": True, "vpp": 2, "microbatches": 4,
                                       "schedule": "zbv", "shared_memory_reduce": False},
                                      {"activation_checkpointing": "full"}),
-    "zb-h1 pp2 m4 selective compiled": ({"pp": 2, "microbatches": 4, "schedule": "zb-h1"},
-                                        {"compile": True, "activation_checkpointing": "selective"}),
 }
 TWINS = {"zb-h1 pp2 m4 selective compiled": "zb-h1 pp2 m4 selective"}
-"""A compiled layout and its eager twin (not a layout of its own above: the twin's numbers are the check)."""
+"""A compiled layout and its eager twin (`make test-slow`: compiling under a split backward, on one rank, is
+tests/unit/test_compile_split_backward.py's, in `make test`)."""
+TWIN_PLANS = {"zb-h1 pp2 m4 selective compiled": ({"pp": 2, "microbatches": 4, "schedule": "zb-h1"},
+                                                  {"compile": True, "activation_checkpointing": "selective"}),
+              "zb-h1 pp2 m4 selective": ({"pp": 2, "microbatches": 4, "schedule": "zb-h1"},
+                                         {"activation_checkpointing": "selective"})}
 
 
 def plan_for(top: dict | None = None, **parallel):
@@ -46,9 +50,8 @@ def plan_for(top: dict | None = None, **parallel):
                                           **(top or {}))))
 
 
-PLANS = {"reference": plan_for(microbatches=4)} | {k: plan_for(top, **p) for k, (p, top) in LAYOUTS.items()} | {
-    "zb-h1 pp2 m4 selective": plan_for({"activation_checkpointing": "selective"}, pp=2, microbatches=4,
-                                       schedule="zb-h1")}
+PLANS = {"reference": plan_for(microbatches=4)} | {k: plan_for(top, **p) for k, (p, top) in LAYOUTS.items()} | (
+    {k: plan_for(top, **p) for k, (p, top) in TWIN_PLANS.items()} if SLOW_TESTS else {})
 
 
 def final_state(driver, stats) -> dict:
@@ -100,6 +103,7 @@ def assert_twins(run: Run, twin: Run) -> None:
         torch.testing.assert_close(p, theirs[key], rtol=1e-5, atol=1e-6, msg=str(key))
 
 
+@slow
 @pytest.mark.parametrize("compiled", TWINS)
 def test_compiled_blocks_under_a_split_backward_follow_their_eager_twin(compiled, runs):
     eager, linears = runs[compiled].eager_linears()

@@ -44,6 +44,7 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "sync": set(),
     "pipeline": {"dp", "tp"},
     "step": {"pipeline"},
+    "sampling": set(),
 }
 """Each room of `parallel/runtime/` -> the runtime rooms it may import (besides itself). None imports the modules at
 `runtime/`'s top (driver, trainer, build, rank_state...): they assemble the rooms."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.optim.adafactor import Adafactor
-from trainyard.parallel.optim.kinds import ADAFACTOR, ADAMW, ADAMW8BIT, OPTIMIZERS, SGD
+from trainyard.parallel.optim.kinds import ADAFACTOR, ADAMW, ADAMW4BIT, ADAMW8BIT, OPTIMIZERS, SGD
 from trainyard.parallel.optim.states import export, load, tensor_bytes
 from trainyard.parallel.runtime.train_optimizer import TrainOptimizer
 
@@ -28,7 +28,7 @@ def _stepped(kind: str, p: torch.nn.Parameter, steps: int = 2, **cfg) -> TrainOp
 
 
 def test_each_kind_keeps_the_state_bytes_the_registry_claims():
-    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "adafactor", "sgd"}
+    assert set(OPTIMIZERS) == {"adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd"}
     shape = (64, 256)
     n = shape[0] * shape[1]
     measured = {kind: _stepped(kind, _param(shape)).state_bytes()[0] for kind in OPTIMIZERS}
@@ -36,6 +36,10 @@ def test_each_kind_keeps_the_state_bytes_the_registry_claims():
     # 8-bit codes and a scale per 256-element block for both moments, plus torchao's two 256-entry maps
     assert measured["adamw8bit"] == ADAMW8BIT.state_bytes(n) + 2 * 256 * 4
     assert measured["adamw8bit"] <= 0.27 * measured["adamw"]
+    # 4-bit: two codes a byte and a scale per 128-element block for both moments, plus torchao's two 16-entry maps
+    assert measured["adamw4bit"] == ADAMW4BIT.state_bytes(n) + 2 * 16 * 4
+    assert ADAMW4BIT.state_bytes(n) == 2 * (n // 2 + 4 * n // 128)  # about 0.53 B per element per moment
+    assert measured["adamw4bit"] <= 0.14 * measured["adamw"]
     # factored: one fp32 per row and per column
     assert measured["adafactor"] == 4 * (shape[0] + shape[1])
     assert ADAFACTOR.state_bytes(n, d_model=shape[0]) >= measured["adafactor"]
@@ -88,6 +92,44 @@ def test_8bit_state_round_trips_through_the_checkpoint_form_as_torchao_quantizes
     ref = _param((32, 256))
     reference = _stepped("adamw", ref)
     assert (saved["exp_avg"] - reference.optimizers[0].state[ref]["exp_avg"]).abs().max() < 0.02
+
+
+def test_4bit_state_round_trips_through_the_checkpoint_form_within_its_quantization_step():
+    """adamw4bit's moments (torchao's OptimState4bit) saved as AdamW's fp32 tensors and quantized again on load:
+    the dequantized state after the round trip is the saved one within a block's 4-bit step. The second moment's
+    map (linear, 1/16 to 1) reaches 1, so its codes come back as they were; the first moment's signed map reaches
+    1 but only -0.8875, so a block that holds no code of 1 (its largest moment was negative) comes back up to 11%
+    smaller (torchao's own step re-quantizes the same way), and the other blocks come back as they were. Both
+    moments follow fp32 AdamW's within the 4-bit error."""
+    from torchao.optim.subclass_4bit import OptimState4bit
+
+    p = _param((32, 256))
+    opt = _stepped("adamw4bit", p)
+    inner = opt.optimizers[0]
+    state = inner.state[p]
+    assert isinstance(state["exp_avg"], OptimState4bit) and isinstance(state["exp_avg_sq"], OptimState4bit)
+    saved = {k: v.clone() for k, v in export(ADAMW4BIT, inner, p).items()}
+    assert saved["exp_avg"].dtype == torch.float32 and saved["exp_avg"].shape == p.shape
+    torch.testing.assert_close(saved["exp_avg_sq"], state["exp_avg_sq"].dequantize())
+    reaches_one = saved["exp_avg"].view(-1, 128).amax(dim=1) == state["exp_avg"].scale  # a code of 1.0 in it
+    assert 0 < int(reaches_one.sum()) < reaches_one.numel()  # both kinds of block are here
+    for key in ADAMW4BIT.state:
+        quantized = state[key]
+        step = (quantized.qmap.sort().values.diff().max() * quantized.scale).repeat_interleave(128).view(p.shape)
+        quantized.copy_(torch.zeros_like(saved[key]))
+        assert quantized.dequantize().abs().max() < 1e-12  # cleared (the unsigned map has no 0): load refills it
+        load(ADAMW4BIT, inner, p, saved)
+        back = quantized.dequantize()
+        assert ((back - saved[key]).abs() <= step).all()
+        as_they_were = (back == saved[key]).view(-1, 128).all(dim=1)
+        assert as_they_were.all() if key == "exp_avg_sq" else as_they_were.equal(reaches_one)
+    ref = _param((32, 256))
+    reference = _stepped("adamw", ref).optimizers[0].state[ref]
+    for key in ADAMW4BIT.state:  # within a step of the map (its widest gap: 0.225 of a block's largest moment)
+        error = (saved[key] - reference[key]).view(-1, 128).abs().amax(dim=1)
+        assert (error <= 0.225 * reference[key].view(-1, 128).abs().amax(dim=1)).all()
+    opt.step()  # and it steps on from the loaded state
+    assert int(inner.state[p]["step"]) == 3
 
 
 @pytest.mark.parametrize("scale_parameter", [True, False])
@@ -207,6 +249,8 @@ def test_the_memory_plan_splits_device_and_host_bytes():
     assert 0 < offload.activations < base.activations and offload.total < base.total
     assert base.host == 0 and offload.to_dict()["host_total"] == offload.host
     assert memory(optimizer={"kind": "adamw8bit"}).optimizer < 0.27 * base.optimizer
+    four = memory(optimizer={"kind": "adamw4bit"}).optimizer  # about 0.53 B per parameter and moment, of AdamW's 4
+    assert 0.13 * base.optimizer < four < 0.14 * base.optimizer
     assert memory(optimizer={"kind": "adafactor"}).optimizer < 0.1 * base.optimizer
 
 

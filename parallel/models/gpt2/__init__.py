@@ -10,8 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig, RuleError
-from trainyard.parallel.models.base import Matrix, ModelFamily
-from trainyard.parallel.models.counting import ParamCounts, Shapes
+from trainyard.parallel.models.base import ModelFamily
 from trainyard.parallel.models.gpt2 import counts
 
 if TYPE_CHECKING:
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
 
 class GPT2(ModelFamily):
     name = "gpt2"
+    counts = counts
     lora_targets = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "fc": "mlp.fc", "proj": "mlp.proj"}
     learned_positions = True
 
@@ -90,22 +90,6 @@ class GPT2(ModelFamily):
         return {"q": (d, d, False), "k": (d, d, False), "v": (d, d, False), "o": (d, d, True), "fc": (d, ffn, False),
                 "proj": (ffn, d, True)}
 
-    def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
-                     ep: int) -> ParamCounts:
-        return counts.param_counts(cfg, layers, first=first, last=last, tp=tp, ep=ep)
-
-    def matrices(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
-                 ep: int) -> list[Matrix]:
-        return counts.matrices(cfg, layers, first=first, last=last, tp=tp, ep=ep)
-
     def embedding_params(self, cfg: ModelConfig) -> int:
         return cfg.vocab_size * cfg.d_model + cfg.context * cfg.d_model
 
-    def embed_activations(self, cfg: ModelConfig, s: Shapes) -> int:
-        return counts.embed_activations(cfg, s)
-
-    def block_activations(self, cfg: ModelConfig, block: int, s: Shapes) -> tuple[int, int, int]:
-        return counts.block_activations(cfg, block, s)
-
-    def head_activations(self, cfg: ModelConfig, s: Shapes) -> int:
-        return counts.head_activations(cfg, s)

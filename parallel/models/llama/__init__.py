@@ -19,8 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig, RuleError
-from trainyard.parallel.models.base import Matrix, ModelFamily
-from trainyard.parallel.models.counting import ParamCounts, Shapes
+from trainyard.parallel.models.base import ModelFamily
 from trainyard.parallel.models.llama import counts
 
 if TYPE_CHECKING:
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
 
 class Llama(ModelFamily):
     name = "llama"
+    counts = counts
     lora_targets = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "gate": "mlp.gate", "up": "mlp.up",
                     "down": "mlp.down"}
     SLIDING_WINDOW = False
@@ -107,22 +107,6 @@ class Llama(ModelFamily):
         return {"q": (d, q, False), "k": (d, kv, False), "v": (d, kv, False), "o": (q, d, True),
                 "gate": (d, ffn, False), "up": (d, ffn, False), "down": (ffn, d, True)}
 
-    def param_counts(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
-                     ep: int) -> ParamCounts:
-        return counts.param_counts(cfg, layers, first=first, last=last, tp=tp, ep=ep)
-
-    def matrices(self, cfg: ModelConfig, layers: Sequence[int], *, first: bool, last: bool, tp: int,
-                 ep: int) -> list[Matrix]:
-        return counts.matrices(cfg, layers, first=first, last=last, tp=tp, ep=ep)
-
     def embedding_params(self, cfg: ModelConfig) -> int:
         return cfg.vocab_size * cfg.d_model
 
-    def embed_activations(self, cfg: ModelConfig, s: Shapes) -> int:
-        return counts.embed_activations(cfg, s)
-
-    def block_activations(self, cfg: ModelConfig, block: int, s: Shapes) -> tuple[int, int, int]:
-        return counts.block_activations(cfg, block, s)
-
-    def head_activations(self, cfg: ModelConfig, s: Shapes) -> int:
-        return counts.head_activations(cfg, s)

@@ -287,8 +287,8 @@ def optimizer_elements(plan: Plan, counts: ParamCounts) -> int:
 
 def optimizer_bytes(plan: Plan, counts: ParamCounts) -> int:
     """The optimizer's state for this rank's elements, by the registry (`parallel.optim.kinds`: AdamW 8 B per
-    element, adamw8bit about 2, adafactor about 8 / d_model, sgd 4): on the device, or with `optimizer.offload`
-    on the host."""
+    element, adamw8bit about 2, adamw4bit about 1, adafactor about 8 / d_model, sgd 4): on the device, or with
+    `optimizer.offload` on the host."""
     return plan.optimizer.state_bytes(optimizer_elements(plan, counts), plan.config.model.d_model)
 
 

@@ -44,7 +44,7 @@ reducer it needs: `GradientReducer` keeps every reduced gradient on every rank (
 pipeline executor tells FSDP2 which chunk to gather and when a chunk's last backward comes, which is what
 DDP and plain FSDP usage lack here). Gradient compression (`parallel.grad_compression`) is a compressor
 object (`Compressor`, built from the registry `parallel.runtime.compression.COMPRESSORS`) handed to `make_reducer`,
-which picks the compressing variant of the strategy's reducer (`parallel.runtime.compression.powersgd`).
+which picks the compressing variant of the strategy's reducer (`parallel.runtime.compression`: powersgd, topk, qsgd).
 
 ZeRO-1 (`ShardedGradientReducer`): each bucket is reduce-scattered instead of all-reduced, so rank i of the group gets
 the summed gradients of its 1/N slice of the bucket; the optimizer holds the parameters' pieces in that

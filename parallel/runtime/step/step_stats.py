@@ -41,7 +41,7 @@ class StepStats:
     buckets: int
     """Bytes of AdamW state this rank holds (with ZeRO-1, its slice's only)."""
     reduce_bytes: int
-    """Bytes this rank handed to the step's gradient reductions (payload; compressed with PowerSGD)."""
+    """Bytes this rank handed to the step's gradient reductions (payload; compressed with a grad_compression)."""
     compile_s: float
     """Seconds torch.compile spent compiling during this step (`compile: true`; the first steps)."""
     moe: dict[str, dict]
