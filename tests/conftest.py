@@ -19,6 +19,12 @@ from helpers import wait_for
 # read that. The processes inherit this environment: Ray's workers through its daemons, started by `ray.init` below.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+# Tests only: the product keeps Ray's token auth on. Set here, before any test module is collected: Ray reads it once,
+# as it is imported, and a test module may import Ray at its top (or `trainyard.cli.main`, which sets the product's
+# `token` unless it is set already); a driver that read `token` talks to the session's daemons, started without
+# auth, in a way they drop (a client's actor "cancelled before it started": seen when a unit test that imports the
+# CLI was collected before the first module importing Ray).
+os.environ["RAY_AUTH_MODE"] = "disabled"
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +32,6 @@ def ray_session() -> Iterator[None]:
     import ray
     from trainyard.service.ray_runtime import agent_port_clear_of_other_clusters
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # tests only: the product keeps Ray's token auth on
     # Workers at nice 0, as the product's embedded Ray starts them (service.ray_runtime.connect): at Ray's default
     # of 15 the jobs' ranks lose the cores to Ray's daemons, to this process, and to anything else on the machine.
     os.environ["RAY_worker_niceness"] = "0"
