@@ -60,6 +60,22 @@ class ClientSession:
         outs = await self._on_every_rank("optim_step", [dict(adam) for _ in range(self.plan.world_size)])
         return outs[0]
 
+    async def save_state(self, root: str, info: dict, answer: dict[str, Any]) -> dict[str, Any]:
+        """A DCP checkpoint of the client's state under `root` (every rank its part, rank 0 commits it:
+        `OpenLoopRank.save_state`); `answer` once it is committed."""
+        await self._on_every_rank("save_state", [{"root": root, "info": info} for _ in range(self.plan.world_size)])
+        return answer
+
+    async def load_state(self, directory: str, step: int, optimizer: bool, answer: dict[str, Any],
+                         after: Any = None) -> dict[str, Any]:
+        """The checkpoint of `step` in `directory` loaded on every rank (with its optimizer state when
+        `optimizer`), whatever layout wrote it; `answer` once every rank holds it. `after`: the ObjectRef of
+        `setup` for a client made from the checkpoint, which Ray resolves before this runs (an async actor's
+        calls need not run in the order they were made)."""
+        await self._on_every_rank("load_state", [{"directory": directory, "step": step, "optimizer": optimizer}
+                                                 for _ in range(self.plan.world_size)])
+        return answer
+
     async def save_for_sampler(self, name: str, drop: list[str], answer: dict[str, Any]) -> dict[str, Any]:
         """The weights now as sampler weights `name`, in the memory of the rank that samples (the first: every
         replica holds the same weights), those named in `drop` forgotten; then `answer` (the SDK's)."""

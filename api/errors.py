@@ -10,7 +10,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.spec import describe_error, relevant_errors
-from trainyard.service.errors import Calibrating, ClientNotFound, JobConflict, JobNotFound, QueueFull, RankNotFound
+from trainyard.service.errors import (
+    Calibrating,
+    CheckpointNotFound,
+    ClientNotFound,
+    JobConflict,
+    JobNotFound,
+    QueueFull,
+    RankNotFound,
+)
 from trainyard.service.tenancy.uploads import UploadTooLarge
 
 
@@ -42,6 +50,12 @@ def _not_found_as(text: str):  # noqa: ANN202 - a handler
     return handler
 
 
+async def _no_checkpoint(_: Request, exc: Exception) -> JSONResponse:
+    field = exc.args[0]  # the request's field, never what it held
+    return JSONResponse(status_code=404, content={"detail": f"no such training run or checkpoint of yours ({field})",
+                                                  "field": field})
+
+
 def _plain(code: int):  # noqa: ANN202 - a handler
     async def handler(_: Request, exc: Exception) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Calibrating) else None
@@ -52,8 +66,8 @@ def _plain(code: int):  # noqa: ANN202 - a handler
 
 HANDLERS = {RequestValidationError: _invalid_spec, RuleError: _rule_broken, JobNotFound: _not_found,
             RankNotFound: _plain(404), ClientNotFound: _not_found_as('no such session, model or request'),
-            JobConflict: _plain(409), QueueFull: _plain(429), UploadTooLarge: _plain(413),
-            Calibrating: _plain(503)}
+            CheckpointNotFound: _no_checkpoint, JobConflict: _plain(409), QueueFull: _plain(429),
+            UploadTooLarge: _plain(413), Calibrating: _plain(503)}
 
 
 def install(app: FastAPI) -> None:

@@ -29,3 +29,8 @@ class Calibrating(RuntimeError):
 
 class ClientNotFound(LookupError):
     """No Tinker session, training client or request with this id (another user's answers the same)."""
+
+
+class CheckpointNotFound(LookupError):
+    """No Tinker training run or checkpoint of this user where the request's field (`args[0]`) names one (another
+    user's answers the same)."""

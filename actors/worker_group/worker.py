@@ -83,8 +83,9 @@ class Worker:
     def open_loop(self, method: str, kwargs: dict) -> dict:
         """A Tinker training client's call on this rank (`actors.client_session`): `forward_backward` (its datums
         as dicts of `tokens`, `target_tokens` and the loss's inputs), `optim_step` (the Adam parameters),
-        `save_for_sampler` or `sample` (a sampling client's: a snapshot of the weights, a generation), on the
-        open loop built on this rank's driver at its first call (`parallel.runtime.open_loop.OpenLoopRank`)."""
+        `save_for_sampler` or `sample` (a sampling client's: a snapshot of the weights, a generation), `save_state`
+        or `load_state` (a checkpoint), on the open loop built on this rank's driver at its first call
+        (`parallel.runtime.open_loop.OpenLoopRank`)."""
         assert self.driver is not None, "setup() must run before open_loop()"
         from trainyard.parallel.runtime.open_loop import OpenLoopRank, datum_of
 
@@ -94,7 +95,7 @@ class Worker:
             if method == "forward_backward":
                 data = [datum_of(d) for d in kwargs.pop("data")]
                 return self._open.forward_backward(data, **kwargs)
-            if method in ("save_for_sampler", "sample"):  # a sampling client's (`parallel.runtime.sampling`)
+            if method in ("save_for_sampler", "sample", "save_state", "load_state"):  # sampling; a checkpoint
                 return getattr(self._open, method)(**kwargs)
             return self._open.optim_step(**kwargs)
 

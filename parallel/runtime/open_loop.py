@@ -1,6 +1,7 @@
 """One rank's step opened to an outside driver (the Tinker-compatible API): `forward_backward` on the caller's token
 sequences with their per-token weights, gradients accumulating over calls, and `optim_step`, which applies them with
-the caller's Adam parameters. The rank is built as a job's is (`RankDriver`, `RankTrainer`: `build_rank`'s order,
+the caller's Adam parameters; its state saved and loaded as a job's checkpoints are (`save_state`, `load_state`:
+DCP, any layout loading any). The rank is built as a job's is (`RankDriver`, `RankTrainer`: `build_rank`'s order,
 LoRA, the reducers, the optimizer); only the step is split in two.
 
 This is the one module of the open loop that reads the trainer's internals (its chunks, reducers, optimizer and
@@ -10,8 +11,8 @@ The layouts: data parallelism (dp ranks, each holding the whole model: pp = tp =
 state and the summed gradients, its reducers gathering the parameters after the step); each replica runs
 its share of a call's datums (`shares`), and the gradient reducers sum the replicas' gradients at `optim_step`, so
 the step is the one of every datum's loss summed, whatever dp. Other layouts are refused, naming the field.
-Losses: Tinker's `cross_entropy`, `importance_sampling` and `ppo` (`parallel.runtime.tinker_losses`, as documented);
-the others are refused, naming `loss_fn`.
+Losses: Tinker's documented ones (`parallel.runtime.tinker_losses`: cross_entropy, importance_sampling, ppo, cispo,
+dro); the others are refused, naming `loss_fn`.
 
 Sampling (`save_for_sampler`, `sample`): the rank's own model generates (`parallel.runtime.sampling.Sampler`), at its
 live weights or at a named snapshot of its trainable weights taken in memory: a sampling client of a training
@@ -22,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
@@ -149,6 +152,32 @@ class OpenLoopRank:
             reducer.gather_params()
         self.pending, self.steps = False, self.steps + 1
         return {"metrics": {"grad_norm:mean": float(norm)}, "steps": self.steps}
+
+    def save_state(self, root: str, info: dict) -> dict[str, Any]:
+        """The adapters and their optimizer state as a DCP checkpoint under `root` (`step_<optim steps>`, with `info`
+        in its manifest), as a job's (`RankTrainer.save_checkpoint`; collective); the checkpoints of other steps
+        under it removed (a save over one of the same name). Gradients being accumulated are not saved."""
+        self.trainer.save_checkpoint(Path(root), self.steps, info)
+        if self.driver.rank == 0:
+            checkpoint.prune(Path(root), 1, self.steps)
+        return {"steps": self.steps}
+
+    def load_state(self, directory: str, step: int, optimizer: bool) -> dict[str, Any]:
+        """The adapters from the checkpoint of `step` in `directory`, whatever layout wrote it (DCP reshards); with
+        `optimizer` their optimizer state and step count too, else the optimizer starts afresh (its moments zero,
+        its step 0, as a new client's). Gradients being accumulated are dropped."""
+        trainer = self.trainer
+        trainer.load_checkpoint(Path(directory), step)
+        self.steps = step
+        if not optimizer:
+            kept = trainer.local_state()
+            for moments in kept["optim"].values():
+                for t in moments.values():
+                    t.zero_()
+            trainer.adopt_state(kept, 0, None)
+            self.steps = 0
+        self.pending = False
+        return {"steps": self.steps}
 
     def save_for_sampler(self, name: str, drop: list[str] | None = None) -> dict[str, Any]:
         """The trainable weights now, kept in memory as sampler weights `name` (those in `drop` forgotten)."""

@@ -21,6 +21,7 @@ from trainyard.service.paths import JobPaths
 from trainyard.service.store import JobRecord, JobStore
 from trainyard.service.tenancy import quota, uploads
 from trainyard.service.tenancy.access import Access
+from trainyard.service.tenancy.tinker_paths import TinkerPaths
 from trainyard.service.tenancy.trackers import TrackerPolicy
 from trainyard.service.tenancy.uploads import Uploads
 from trainyard.service.tenancy.users import User
@@ -34,6 +35,7 @@ class Tenancy:
         self.store, self.paths, self.quotas, self.trackers, self._plan = store, paths, quotas, trackers, plan
         self.access = Access(state_dir, paths.data_dir, owns=self._owns)
         self.uploads = Uploads(self.access.uploads_root)
+        self.tinker = TinkerPaths(self.access.data_dir / "tinker")  # the Tinker API's saved state, per user
 
     # --- what a spec names --------------------------------------------------------------------------------------
 
@@ -105,8 +107,8 @@ class Tenancy:
     # --- storage ------------------------------------------------------------------------------------------------
 
     def storage_used(self, user: str) -> int:
-        """The bytes of `user`'s uploads and of their jobs' checkpoints and models."""
-        folders = [self.uploads.folder(user)]
+        """The bytes of `user`'s uploads, of their jobs' checkpoints and models, and of their Tinker state."""
+        folders = [self.uploads.folder(user), self.tinker.user_root(user)]
         for job in self.store.list(user):
             config = parse_spec(job.spec)
             folders += [self.paths.model_path(job.job_id).parent, self.paths.checkpoint_root(job.job_id, config)]

@@ -33,6 +33,7 @@ from trainyard.service.tenancy.requests import Tenancy
 from trainyard.service.tenancy.users import User
 from trainyard.service.tinker.samplers import TinkerSamplers
 from trainyard.service.tinker.specs import client_config
+from trainyard.service.tinker.state import TinkerState
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ class Client:
     vocab_size: int = 0
     directory: str | None = None
     """The base model's Hugging Face directory (its tokenizer, for a sample's stop strings)."""
+    config: Any = None
+    """Its JobConfig (`service.tinker.specs.client_config`)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """`create_model`'s `seed` and `targets`, which a checkpoint records to make the client again
+    (`service.tinker.state`)."""
 
 
 @dataclass
@@ -95,6 +101,8 @@ class TinkerClients:
         self._reaper: threading.Thread | None = None
         self.samplers = TinkerSamplers(self)
         """The sampling clients: sampler weights, sampling sessions, samples (`service.tinker.samplers`)."""
+        self.state = TinkerState(self)
+        """The clients' saved state: checkpoints, and the runs that wrote them (`service.tinker.state`)."""
 
     def base_models(self) -> list[str]:
         return sorted(self.registered)
@@ -112,12 +120,15 @@ class TinkerClients:
 
     def create_model(self, user: User, session_id: str, base_model: str, lora_rank: int | None,
                      seed: int | None = None, targets: tuple[bool, bool, bool] | None = None,
-                     parallel: Mapping[str, Any] | None = None) -> tuple[str, str]:
+                     parallel: Mapping[str, Any] | None = None, model_id: str | None = None) -> tuple[str, str]:
         """A new training client: (its model id, the request id whose result is the client once its rank is
         built). `targets`: LoRA on (attention, MLP, unembedding); `parallel`: the layout (a JobSpec's `parallel`;
-        default one rank). RuleError naming the field for a base model, rank or layout it cannot be."""
+        default one rank); `model_id`: the id the SDK derived for it (a client made from a checkpoint), else a new
+        one. RuleError naming the field for a base model, rank or layout it cannot be."""
         with self._lock:
             self._session(user, session_id)
+            if model_id is not None and model_id in self.clients:
+                raise RuleError("model_seq_id", "this session has a training client of this seq id already")
         config = client_config(self.tenancy, user, base_model, lora_rank, self.registered, seed or 0, targets,
                                parallel)
         plan = make_plan(config, cluster_resources())
@@ -126,7 +137,7 @@ class TinkerClients:
         beyond = limits.never_fits(charge)
         if beyond is not None:
             raise RuleError("base_model", beyond)
-        model_id = f"model-{uuid.uuid4().hex[:16]}"
+        model_id = model_id or f"model-{uuid.uuid4().hex[:16]}"
         with self._lock:  # what the user's jobs and clients hold; over the quota: refused (not queued yet)
             held = quota.usage(self.tenancy.store.live_needs()).get(user.name, {"CPU": 0.0, "GPU": 0.0})
             for c in self.clients.values():
@@ -144,7 +155,8 @@ class TinkerClients:
             ready = actor.setup.remote()
             self.clients[model_id] = Client(user.name, session_id, base_model, lora_rank, config.model.family,
                                             charge, pg, actor, ready, config.model.seq_len, config.model.vocab_size,
-                                            config.init_from.hf if config.init_from is not None else None)
+                                            config.init_from.hf if config.init_from is not None else None, config,
+                                            {"seed": seed or 0, "targets": targets})
             request_id = self._future(user, ready, model_id)
         return model_id, request_id
 

@@ -2,11 +2,12 @@
 Ray, a live training client's rank). A tiny Hugging Face Llama directory built here (nothing downloaded) in a user's
 data root is the base model; a LoRA training client runs a supervised loop of a few steps: the first
 forward_backward's loss and per-token logprobs are transformers' own on the same tokens (1e-5), forward_backward
-accumulates until optim_step applies, and the loss falls over the steps. Another user's model id answers as a
-missing one (a 404) through the SDK; bad input is a 422 naming the field; a rank killed under the client fails the
-next call at once. Sampling on the client's rank: a save point before any step samples transformers' greedy
-generate token for token, and the trained one's compute_logprobs is the training forward's. In `make test-slow`:
-clients at dp2 and dp2 with ZeRO-1 follow one rank's losses, and sample its tokens."""
+accumulates until optim_step applies, and the loss falls over the steps; save_state's checkpoint is listed.
+Another user's model id and checkpoints answer as missing ones (a 404) through the SDK; bad input is a 422 naming
+the field; a rank killed under the client fails the next call at once. Sampling on the client's rank: a save point
+before any step samples transformers' greedy generate token for token, and the trained one's compute_logprobs is
+the training forward's. In `make test-slow`: clients at dp2 and dp2 with ZeRO-1 follow one rank's losses, and
+sample its tokens."""
 
 from __future__ import annotations
 
@@ -105,13 +106,19 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
     now = out.loss_fn_outputs[0]["logprobs"].to_torch()
     assert out.metrics["loss:sum"] == pytest.approx(-float(torch.exp(now - torch.tensor(sampled)).sum()), rel=1e-5)
 
-    # Another user's model id answers as a missing one, through the SDK and over HTTP alike.
+    # save_state: the run's checkpoint, listed (resuming from it: tests/e2e/test_tinker_state_sdk.py, slow).
+    path = training.save_state("after-the-loop").result().path
+    assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [path]
+
+    # Another user's model id and checkpoints answer as missing ones, through the SDK and over HTTP alike.
     model_id = training.model_id
     other = tinker.ServiceClient(base_url=service.url, api_key="tml-" + bob)
     from tinker.lib.public_interfaces.training_client import fetch_training_info
 
     with pytest.raises(tinker.NotFoundError):
         other.holder.run_coroutine_threadsafe(fetch_training_info(other.holder, model_id)).result()
+    with pytest.raises(tinker.NotFoundError):
+        tinker.RestClient(base_url=service.url, api_key="tml-" + bob).list_checkpoints(model_id).result()
     with httpx.Client(base_url=service.url, timeout=30) as http:
         as_bob = http.post("/api/v1/optim_step", headers={"X-API-Key": "tml-" + bob},
                            json={"model_id": model_id, "adam_params": {"learning_rate": 1e-3}})

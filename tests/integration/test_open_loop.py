@@ -2,13 +2,16 @@
 Tinker client's JobConfig (`service.tinker.specs`) built from a tiny Hugging Face Llama, one rank. forward_backward
 accumulates gradients until optim_step: two calls on halves then a step leave the same weights as one call on both; a
 forward leaves none; the per-token logprobs are transformers' own; bad input is refused naming the field, the rank
-still usable."""
+still usable. In `make test-slow`: the state a rank saves loads into another with its optimizer (the same losses)
+or without (a fresh AdamW)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import slow
 from hf_tiny import tiny_llama
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.open_loop import Datum, OpenLoopError, OpenLoopRank
@@ -119,4 +122,55 @@ def test_importance_sampling_and_ppo_follow_their_documented_formulas(tmp_path):
     rank.optim_step(**adam)
     for x, y in zip(sampled_step, _weights(rank), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+    rank.close()
+
+
+@slow
+def test_state_saved_loads_with_its_optimizer_or_weights_only_with_a_fresh_one(tmp_path):
+    """`save_state` then `load_state`: with the optimizer, a new rank goes on with the very losses of the one that
+    saved; weights only, it holds the same adapters and its next step is a fresh AdamW's first (torch's own, on the
+    same parameters and gradients), not a continuation."""
+    tiny_llama(tmp_path / "llama")
+    torch.manual_seed(3)
+    data = [_datum(torch.randint(0, 256, (13,)).tolist()) for _ in range(2)]
+    adam = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+
+    def step(rank: OpenLoopRank) -> float:
+        loss = rank.forward_backward(data, "cross_entropy")["metrics"]["loss:sum"]
+        rank.optim_step(**adam)
+        return loss
+
+    rank = _rank(tmp_path / "llama", tmp_path / "store1")
+    for _ in range(2):
+        step(rank)
+    root = tmp_path / "state"
+    assert rank.save_state(str(root), {"note": "a test"}) == {"steps": 2}
+    saved = _weights(rank)
+    uninterrupted = [step(rank) for _ in range(2)]
+    rank.close()
+    found = checkpoint.latest_valid(root)
+    assert found is not None and found.step == 2 and checkpoint.read_manifest(found.directory)["note"] == "a test"
+
+    rank = _rank(tmp_path / "llama", tmp_path / "store2")
+    assert rank.load_state(str(found.directory), 2, optimizer=True) == {"steps": 2}
+    assert [step(rank) for _ in range(2)] == pytest.approx(uninterrupted, abs=1e-6)
+    rank.close()
+
+    rank = _rank(tmp_path / "llama", tmp_path / "store3")
+    step(rank)  # a client that trained already: its own moments are dropped by a weights-only load
+    assert rank.load_state(str(found.directory), 2, optimizer=False) == {"steps": 0}
+    for mine, theirs in zip(_weights(rank), saved, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    rank.forward_backward(data, "cross_entropy")
+    params = [p for p in rank.chunk.parameters() if p.requires_grad]
+    reference = [p.detach().clone().requires_grad_(True) for p in params]
+    for r, p in zip(reference, params, strict=True):
+        r.grad = p.grad.detach().clone()
+    fresh = torch.optim.AdamW(reference, lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]),
+                              eps=adam["eps"], weight_decay=0.0)
+    fresh.step()
+    rank.optim_step(**adam)
+    for mine, theirs in zip(_weights(rank), reference, strict=True):
+        torch.testing.assert_close(mine, theirs.detach(), rtol=1e-6, atol=1e-7)
+    assert step(rank) != pytest.approx(uninterrupted[1], abs=1e-4)  # not the continuation: the optimizer was fresh
     rank.close()
