@@ -5,14 +5,18 @@ on them: every rank runs `Worker.open_loop` (`parallel.runtime.open_loop.OpenLoo
 on its share of the datums, and the gradient reducers sum the replicas' gradients at `optim_step`. A sampling
 client's calls (`save_for_sampler`, `sample`) run on the first rank alone, which holds every replica's weights.
 
-One call at a time, in the order they were made (`max_concurrency=1`), which is the order the SDK's requests
-arrive in. A call the caller got wrong raises `OpenLoopError` before any rank runs (its message names the field). A
-rank that raises, dies or does not answer within the job's `fault.step_timeout_s` fails the call (`call_all`: a
-deadline, never a hang), and leaves the client unusable: every later call says so.
+The actor is made when the client is created and waits, holding nothing, while the client waits in the service's
+queue (a job of kind `tinker`); admission reserves its placement group and hands it over (`admit`), and `setup`
+builds the ranks in it. One call at a time, in the order the service numbered them (`run`), which is the order the
+SDK's requests arrived in; calls made while the client waits run once it is built. A call the caller got wrong
+raises `OpenLoopError` before any rank runs (its message names the field). A rank that raises, dies or does not
+answer within the job's `fault.step_timeout_s` fails the call (`call_all`: a deadline, never a hang), and leaves the
+client unusable: every later call says so.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import ray
@@ -23,15 +27,41 @@ from trainyard.parallel.plan import Plan
 
 @ray.remote
 class ClientSession:
-    def __init__(self, model_id: str, plan: Plan, pg: PlacementGroup):
+    def __init__(self, model_id: str, plan: Plan):
         self.model_id, self.plan = model_id, plan
-        self.group = WorkerGroup(f"tinker-{model_id}", plan, pg)
+        self.group: WorkerGroup | None = None
+        """The client's ranks, once admission reserved their placement group (`admit`)."""
         self.broken: str | None = None
         """Why the client is unusable (a call failed on a rank), or None."""
+        self._admitted = asyncio.Event()
+        self._turns = asyncio.Condition()
+        self._next = 0
+        """The number of the call whose turn it is (`run`)."""
+
+    async def run(self, seq: int, method: str, *args: Any) -> Any:
+        """Call `method` in its turn: the calls run one at a time, in the order the service numbered them (from 0,
+        `setup`), whatever order Ray delivers them in (it keeps no order for an async actor's calls: a large
+        argument was seen to arrive after the next call's). A call that fails passes the turn on all the same."""
+        async with self._turns:
+            await self._turns.wait_for(lambda: self._next == seq)
+        try:
+            return await getattr(self, method)(*args)
+        finally:
+            async with self._turns:
+                self._next += 1
+                self._turns.notify_all()
+
+    def admit(self, pg: PlacementGroup) -> None:
+        """The client's turn in the service's queue came: its ranks go into `pg`, reserved for them (`setup`,
+        waiting until now, builds them). Runs out of turn."""
+        self.group = WorkerGroup(f"tinker-{self.model_id}", self.plan, pg)
+        self._admitted.set()
 
     async def setup(self) -> dict[str, Any]:
-        """Create the ranks, rendezvous, build each (its process groups, the model from `init_from`, LoRA, the
-        reducers, the optimizer)."""
+        """Once admitted: create the ranks, rendezvous, build each (its process groups, the model from
+        `init_from`, LoRA, the reducers, the optimizer)."""
+        await self._admitted.wait()
+        assert self.group is not None
         try:
             await self.group.start()
         except Exception as e:
@@ -66,12 +96,9 @@ class ClientSession:
         await self._on_every_rank("save_state", [{"root": root, "info": info} for _ in range(self.plan.world_size)])
         return answer
 
-    async def load_state(self, directory: str, step: int, optimizer: bool, answer: dict[str, Any],
-                         after: Any = None) -> dict[str, Any]:
+    async def load_state(self, directory: str, step: int, optimizer: bool, answer: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint of `step` in `directory` loaded on every rank (with its optimizer state when
-        `optimizer`), whatever layout wrote it; `answer` once every rank holds it. `after`: the ObjectRef of
-        `setup` for a client made from the checkpoint, which Ray resolves before this runs (an async actor's
-        calls need not run in the order they were made)."""
+        `optimizer`), whatever layout wrote it; `answer` once every rank holds it."""
         await self._on_every_rank("load_state", [{"directory": directory, "step": step, "optimizer": optimizer}
                                                  for _ in range(self.plan.world_size)])
         return answer
@@ -101,6 +128,7 @@ class ClientSession:
         """`first_only`: the first rank's call alone (`calls` holds one)."""
         if self.broken is not None:
             raise RuntimeError(f"training client {self.model_id} is unusable: {self.broken}")
+        assert self.group is not None  # `setup`, the first call, waited for it
         try:
             workers = self.group.workers[:1] if first_only else self.group.workers
             return await self.group.call([w.open_loop.remote(method, kwargs)

@@ -20,6 +20,9 @@ class JobInfo(BaseModel):
     name: str
     owner: str
     """The user who submitted it (`admin`: the state directory's token, or a job from before users)."""
+    kind: str = "job"
+    """`job`: a JobSpec's loop; `tinker`: a Tinker training client, whose steps the user's own program drives (its
+    job id is the client's model id)."""
     status: str
     step: int
     """Steps finished so far."""
@@ -105,7 +108,8 @@ def job_info(job: JobRecord, dashboard_url: str | None, queue: dict[str, tuple[i
              with_spec: bool = True) -> JobInfo:
     """`queue` maps each waiting job to (position, what it waits for), as `JobManager.queue_view` gives it."""
     position, waiting = queue.get(job.job_id, (None, None))
-    return JobInfo(job_id=job.job_id, name=job.name, owner=job.owner, status=job.status.value, step=job.step,
+    return JobInfo(job_id=job.job_id, name=job.name, owner=job.owner, kind=job.kind, status=job.status.value,
+                   step=job.step,
                    steps=job.steps, error=job.error, actors=job.actors, ranks=job.ranks, priority=job.priority,
                    queue_position=position, waiting_for=waiting, dashboard_url=dashboard_url,
                    created_at=job.created_at, admitted_at=job.admitted_at, ended_at=job.ended_at,

@@ -15,6 +15,8 @@ where a job's files go (`service.paths`), resume points (`service.resume`) and l
   placement group removed. A poll asks only for what is new (`service.following.follow`).
 - No checkpoint is hashed here, on the API's or the admission thread's path (`service.resume`).
 - Neither thread dies with one job: an exception in one job's handling is logged and fails that job.
+- A Tinker training client (`service.tinker`) is a job of kind `tinker`: queued and admitted as jobs are, its ranks
+  built by its own actor instead of a coordinator; `stop` ends it as its unload does.
 - `logs` reads a rank's log through Ray's log API (`service.logs`), also after the job ended.
 - Jobs outlive the service. On a cluster the service joined (`detach_jobs`), coordinators and placement
   groups are detached Ray objects: shutdown leaves them running, and the next start reattaches to every
@@ -35,11 +37,9 @@ from pathlib import Path
 
 import ray
 from trainyard.actors import tracking
-from trainyard.actors.journal import read_metrics_log, steps_logged
 from trainyard.actors.state import JobStatus
 from trainyard.parallel.config import JobConfig, ParallelConfig
 from trainyard.parallel.data.datasets import Dataset, open_dataset
-from trainyard.parallel.io import checkpoint
 from trainyard.parallel.io.hf_spec import init_from_event
 from trainyard.parallel.plan import ClusterResources, Plan, make_plan, reaching_max, resize_plan
 from trainyard.parallel.plan.job_plan import dp_range
@@ -55,6 +55,7 @@ from trainyard.service.logs import job_logs
 from trainyard.service.paths import JobPaths
 from trainyard.service.ray_runtime import cluster_resources
 from trainyard.service.resume import resume_point
+from trainyard.service.stopping import stop_interrupted
 from trainyard.service.store import JobRecord, JobStore
 from trainyard.service.tenancy import quota
 from trainyard.service.tenancy.requests import Tenancy
@@ -68,19 +69,6 @@ __all__ = ["JobConflict", "JobManager", "JobNotFound", "QueueFull", "RankNotFoun
 
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long shutdown waits for the live jobs' coordinators to stop cleanly before killing them."""
-
-
-@ray.remote(num_cpus=0)
-def _export_latest(config: JobConfig, root: str, out: str) -> int | None:
-    """The model of a job's latest intact checkpoint (hashed) written to `out`; its step (None: no checkpoint). A
-    Ray task: the service imports no torch, and hashes no checkpoint on the API's path."""
-    from trainyard.parallel.io.export import export_model
-
-    found = checkpoint.latest_valid(Path(root), at_most=steps_logged(Path(root)))
-    if found is None:
-        return None
-    export_model(config, found.directory, found.step, Path(out))
-    return found.step
 
 
 def _reaching_max(config: JobConfig, events: builtins.list[dict]) -> tuple[JobConfig, builtins.list[dict]]:
@@ -121,9 +109,10 @@ class JobManager:
         self.tinker = TinkerClients(self.tenancy)  # the Tinker-compatible API's sessions and live clients
         self.live = LiveJobs(store)
         self.admission = Admission(self.live, self.paths, self.resume_point, detach_jobs,
-                                   choose_layout=lambda config: self.choose_layout(config)[0], quotas=quotas)
-        self._stopping = threading.Event()
-        self._wake = threading.Event()
+                                   choose_layout=lambda config: self.choose_layout(config)[0], quotas=quotas,
+                                   start_client=self.tinker.admitted)
+        self._stopping, self._wake = threading.Event(), threading.Event()
+        self.tinker.wake = self._wake.set
         # Ray builds its serialization context on the first call with arguments, importing pydantic.v1 as it
         # does; in the admission thread, racing the API's thread importing pydantic, that import once failed
         # (KeyError: 'pydantic.v1') and failed the job being admitted. Build it here, before any thread (the service
@@ -255,14 +244,16 @@ class JobManager:
     def stop(self, job_id: str, timeout_s: float = 60.0) -> JobRecord:
         with self.live.lock:
             job = self.get(job_id)
-            if job.status.is_terminal:
-                return job
+            if job.status.is_terminal or job.kind == "tinker":  # a Tinker client: as its unload
+                if not job.status.is_terminal:
+                    self.tinker.stop(job_id)
+                return self.get(job_id)
             coordinator = self.live.coordinator(job_id)
             if coordinator is None:  # still in the queue: nothing runs and nothing is reserved
                 stopped = self.store.update(job_id, status=JobStatus.STOPPED)
         if coordinator is None:
             if stopped:
-                self._stop_queued(job)
+                stop_interrupted(self.store, self.paths, job)
             return self.get(job_id)
         since = self.live.read_up_to(job_id)
         try:
@@ -271,29 +262,6 @@ class JobManager:
             log.warning("job %s: stop did not finish cleanly (%s); killing its coordinator", job_id, e)
         self.live.finish(job_id, JobStatus.STOPPED)
         return self.get(job_id)
-
-    def _stop_queued(self, job: JobRecord) -> None:
-        """A job stopped in the queue that ran before (the service's restart interrupted it): as a stop of a running
-        job, its model is that of its latest checkpoint and its steps and rows end there (the rows the store had not
-        read yet come from the metrics log beside the checkpoints). A job that never ran has none of these."""
-        config = parse_spec(job.spec)
-        root = self.paths.checkpoint_root(job.job_id, config)
-        if steps_logged(root) is None:
-            return
-        try:
-            out = self.paths.model_path(job.job_id)
-            step = ray.get(_export_latest.remote(config, str(root), str(out)), timeout=300)
-        except Exception as e:  # noqa: BLE001 - the job is stopped all the same, without a model
-            log.warning("job %s: stopped in the queue; no model from its checkpoints (%s)", job.job_id, e)
-            return
-        if step is None:
-            return
-        if self.store.get(job.job_id) is None:  # deleted meanwhile: its files go with it
-            shutil.rmtree(self.paths.model_path(job.job_id).parent, ignore_errors=True)
-            return
-        self.store.add_metrics(job.job_id, [r for r in read_metrics_log(root) if r["step"] < step])
-        self.store.drop_metrics_from(job.job_id, step)
-        self.store.update(job.job_id, step=step)
 
     def model_file(self, job_id: str) -> Path:
         """The trained model of an ended job (SUCCEEDED or STOPPED after at least one step)."""

@@ -190,6 +190,8 @@ def retrieve_future(body: RetrieveBody, manager: Manager, user: Caller) -> Any:
     state, value = manager.tinker.retrieve(user, body.request_id, RETRIEVE_WAIT_S)
     if state == "pending":
         return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+    if state == "queued":  # the training client waits in the service's queue (its owner's quota, or the cluster)
+        return {"type": "try_again", "request_id": body.request_id, "queue_state": "paused_capacity"}
     if state != "done":
         return {"error": value, "category": "user" if state == "user_error" else "server"}
     assert isinstance(value, dict)

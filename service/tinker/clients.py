@@ -3,9 +3,13 @@
 on them (the sampling clients' part: `samplers`). Everything is per user: another user's session, model or request
 answers as a missing one (`ClientNotFound`).
 
-A call returns a request id at once; its work is queued on the client's actor (Ray runs one actor's calls in the
-order they were made) and `retrieve` waits a bounded time for it: done, failed (with the error's category: the
-caller's, or the server's), or still pending (the SDK asks again). A session whose heartbeat stops for
+A client is a job of kind `tinker` in the service's store and queue: `create_model` queues it (its owner's quota and
+the cluster's free resources admit it, in the queue's order, as they admit jobs; `Admission` reserves its group and
+calls `admitted`), and its row ends STOPPED at `unload` (or when its session stops beating, or the service shuts
+down) or FAILED when its ranks fail. A call returns a request id at once; its work is queued on the client's actor,
+numbered (`submit`: the actor runs the calls in that order, those made while it waits in the queue once it is
+built), and `retrieve` waits a bounded time for it: done, failed (with the error's category: the caller's, or the
+server's), or still pending or queued (the SDK asks again). A session whose heartbeat stops for
 `heartbeat_timeout_s` is closed and its clients released, as `unload` releases one.
 
 No torch here: the ranks import it in their own processes.
@@ -17,17 +21,20 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from trainyard.actors.client_session import ClientSession
+from trainyard.actors.job_status import JobStatus
 from trainyard.parallel.config import RuleError
 from trainyard.parallel.plan import make_plan
-from trainyard.service.errors import ClientNotFound, QueueFull
+from trainyard.parallel.spec import spec_to_dict
+from trainyard.service.errors import ClientNotFound
 from trainyard.service.ray_runtime import cluster_resources
+from trainyard.service.store import JobRecord
 from trainyard.service.tenancy import quota
 from trainyard.service.tenancy.requests import Tenancy
 from trainyard.service.tenancy.users import User
@@ -61,9 +68,14 @@ class Client:
     charge: dict[str, float]
     """What the client holds against its owner's quota (`quota.charge` of its plan)."""
     pg: Any
+    """Its ranks' placement group, once admission reserved it (None while it waits in the queue)."""
     actor: Any
     ready: Any
     """The ObjectRef of the rank's build (`ClientSession.setup`)."""
+    admitted: float | None = None
+    """When admission handed it its placement group (monotonic); None while it waits in the queue."""
+    calls: int = 1
+    """The number the next call on it takes (`ClientSession.run`; `setup` is 0)."""
     seq_len: int = 0
     vocab_size: int = 0
     directory: str | None = None
@@ -99,6 +111,8 @@ class TinkerClients:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self.wake: Callable[[], None] = lambda: None
+        """Wakes the admission thread (the manager's), which admits a client created here."""
         self.samplers = TinkerSamplers(self)
         """The sampling clients: sampler weights, sampling sessions, samples (`service.tinker.samplers`)."""
         self.state = TinkerState(self)
@@ -138,27 +152,52 @@ class TinkerClients:
         if beyond is not None:
             raise RuleError("base_model", beyond)
         model_id = model_id or f"model-{uuid.uuid4().hex[:16]}"
-        with self._lock:  # what the user's jobs and clients hold; over the quota: refused (not queued yet)
-            held = quota.usage(self.tenancy.store.live_needs()).get(user.name, {"CPU": 0.0, "GPU": 0.0})
-            for c in self.clients.values():
-                if c.owner == user.name:
-                    held = {k: held.get(k, 0.0) + c.charge.get(k, 0.0) for k in ("CPU", "GPU")}
-            over = limits.over(held, charge)
-            if over is not None:
-                raise QueueFull(f"{over}; unload a training client or wait for a job to end")
-            # The ranks' resources reserved as a job's are (its bundles, all or nothing); the ranks placed in them.
-            pg = placement_group(plan.bundles(), strategy="PACK", name=f"trainyard-tinker-{model_id}")
+        with self._lock:
+            # A job of kind `tinker` in the service's queue: admitted within its owner's quota and the cluster's free
+            # resources, in the queue's order (`Admission`), which reserves its placement group and calls
+            # `admitted`. Its actor is made now and holds nothing; the calls made meanwhile wait in it.
             # The session holds no resources of its own (as a job's coordinator); its ranks are in the group.
             actor = ClientSession.options(  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
-                name=f"trainyard/tinker/{model_id}", num_cpus=0, max_restarts=0, max_concurrency=1,
-            ).remote(model_id, plan, pg)
-            ready = actor.setup.remote()
+                name=f"trainyard/tinker/{model_id}", num_cpus=0, max_restarts=0, max_concurrency=1000,
+            ).remote(model_id, plan)
+            ready = actor.run.remote(0, "setup")
             self.clients[model_id] = Client(user.name, session_id, base_model, lora_rank, config.model.family,
-                                            charge, pg, actor, ready, config.model.seq_len, config.model.vocab_size,
-                                            config.init_from.hf if config.init_from is not None else None, config,
-                                            {"seed": seed or 0, "targets": targets})
+                                            charge, None, actor, ready, seq_len=config.model.seq_len,
+                                            vocab_size=config.model.vocab_size,
+                                            directory=config.init_from.hf if config.init_from is not None else None,
+                                            config=config, args={"seed": seed or 0, "targets": targets})
+            self.tenancy.store.insert(JobRecord(
+                job_id=model_id, name=f"tinker-{config.model.family}", status=JobStatus.PENDING,
+                spec=spec_to_dict(config), steps=0, needs=quota.needs(plan), owner=user.name, kind="tinker",
+                events=[{"time": time.time(), "kind": "tinker_client", "cause": f"a training client of {base_model} "
+                         f"(LoRA rank {lora_rank}), its calls made by the user's program"}]))
             request_id = self._future(user, ready, model_id)
+        self.wake()
         return model_id, request_id
+
+    def admitted(self, model_id: str, plan: Any, pg: Any) -> None:
+        """Admission reserved client `model_id`'s placement group (`Admission.start_client`): its actor builds
+        its ranks in it. A client unloaded meanwhile gives the group back."""
+        with self._lock:
+            client = self.clients.get(model_id)
+            if client is not None:
+                client.pg, client.admitted = pg, time.monotonic()
+                client.actor.admit.remote(pg)
+        if client is None:
+            remove_placement_group(pg)
+            self.tenancy.store.update(model_id, status=JobStatus.STOPPED)
+
+    def stop(self, model_id: str) -> None:
+        """The client ended through the jobs API (`JobManager.stop`): as an unload."""
+        with self._lock:
+            client = self.clients.pop(model_id, None)
+        self._end(model_id, client, JobStatus.STOPPED)
+
+    def submit(self, client: Client, method: str, *args: Any) -> Any:
+        """`method` on the client's actor in its turn (after every call made before it); the caller holds the
+        lock. The call's ObjectRef."""
+        seq, client.calls = client.calls, client.calls + 1
+        return client.actor.run.remote(seq, method, *args)
 
     def info(self, user: User, model_id: str) -> dict[str, Any]:
         with self._lock:
@@ -170,20 +209,20 @@ class TinkerClients:
                          forward_only: bool, config: dict[str, float] | None = None) -> str:
         with self._lock:
             client = self._client(user, model_id)
-            ref = client.actor.forward_backward.remote(data, loss_fn, forward_only, config)
+            ref = self.submit(client, "forward_backward", data, loss_fn, forward_only, config)
             return self._future(user, ref, model_id)
 
     def optim_step(self, user: User, model_id: str, adam: dict[str, float]) -> str:
         with self._lock:
             client = self._client(user, model_id)
-            return self._future(user, client.actor.optim_step.remote(adam), model_id)
+            return self._future(user, self.submit(client, "optim_step", adam), model_id)
 
     def unload(self, user: User, model_id: str) -> str:
         with self._lock:
             client = self._client(user, model_id)
             del self.clients[model_id]
             request_id = self._future(user, None, model_id, {"model_id": model_id, "type": "unload_model"})
-        _release(client)
+        self._end(model_id, client, JobStatus.STOPPED)
         return request_id
 
     def retrieve(self, user: User, request_id: str, wait_s: float) -> tuple[str, dict[str, Any] | str | None]:
@@ -199,24 +238,30 @@ class TinkerClients:
         limit = SETUP_TIMEOUT_S if client is not None and future.ref is client.ready else CALL_TIMEOUT_S
         ready, _ = ray.wait([future.ref], timeout=wait_s)
         if not ready:
-            if time.monotonic() - future.started < limit:
+            if client is not None and client.admitted is None:  # waiting in the queue, as a job may
+                return "queued", None
+            started = max(future.started, client.admitted or 0.0) if client is not None else future.started
+            if time.monotonic() - started < limit:
                 return "pending", None
-            self._fail_client(future.model_id)
-            return "failed", f"the training client's rank did not answer within {limit:.0f} s; it was released"
+            why = f"the training client's rank did not answer within {limit:.0f} s; it was released"
+            self._fail_client(future.model_id, why)
+            return "failed", why
         try:
             value = ray.get(future.ref)
         except ray.exceptions.RayActorError:  # the rank's process is gone: so is the client
-            self._fail_client(future.model_id)
-            return "failed", ("the training client's rank died (its process ended), or the client was unloaded; "
-                              "it is released: create a new training client")
+            why = ("the training client's rank died (its process ended), or the client was unloaded; it is "
+                   "released: create a new training client")
+            self._fail_client(future.model_id, why)
+            return "failed", why
         except Exception as e:  # the rank's error, raised as its cause
             cause = getattr(e, "cause", None) or e
             message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
             if type(cause).__name__ == "OpenLoopError":
                 return "user_error", message[:500]
-            self._fail_client(future.model_id)  # a rank failed under it: nothing more can run on the client
+            self._fail_client(future.model_id, message[:500])  # a rank failed under it: nothing more can run
             return "failed", f"{message[:500]} (the client was released)"
-        if isinstance(value, dict) and "device" in value:  # the rank's build: the client is ready
+        if isinstance(value, dict) and "device" in value:  # the rank's build: the client is ready, its job RUNNING
+            self.tenancy.store.update(value["model_id"], status=JobStatus.RUNNING)
             value = {"model_id": value["model_id"], "type": "create_model"}
         return "done", value
 
@@ -224,9 +269,10 @@ class TinkerClients:
         """Release every client (the service stops)."""
         self._stop.set()
         with self._lock:
-            clients, self.clients, self.sessions = list(self.clients.values()), {}, {}
-        for client in clients:
-            _release(client)
+            clients, self.clients, self.sessions = list(self.clients.items()), {}, {}
+        for model_id, client in clients:
+            self._end(model_id, client, JobStatus.STOPPED, "the service shut down; a Tinker training client does "
+                                                           "not outlive it (its saved states remain)")
 
     def reap(self, now: float | None = None) -> None:
         """Close the sessions whose heartbeat stopped, releasing their clients; forget futures long answered.
@@ -243,7 +289,8 @@ class TinkerClients:
                 del self.futures[rid]
         for mid, client in gone:
             log.info("tinker session %s stopped beating: releasing client %s", client.session_id, mid)
-            _release(client)
+            self._end(mid, client, JobStatus.STOPPED, "its session's heartbeat stopped (the user's program ended "
+                                                      "or lost the service)")
 
     def _start_reaper(self) -> None:
         with self._lock:
@@ -259,9 +306,15 @@ class TinkerClients:
             except Exception:  # noqa: BLE001 - the reaper must outlive one bad pass
                 log.exception("tinker reaper pass failed")
 
-    def _fail_client(self, model_id: str | None) -> None:
+    def _fail_client(self, model_id: str | None, why: str = "a call on its ranks failed") -> None:
         with self._lock:
             client = self.clients.pop(model_id, None) if model_id is not None else None
+        if client is not None and model_id is not None:
+            self._end(model_id, client, JobStatus.FAILED, why)
+
+    def _end(self, model_id: str, client: Client | None, status: JobStatus, error: str | None = None) -> None:
+        """The client's job row ended (a queued one leaves the queue), then its actor and group released."""
+        self.tenancy.store.update(model_id, status=status, error=error)
         if client is not None:
             _release(client)
 

@@ -93,7 +93,7 @@ class TinkerSamplers:
                           "type": "save_weights_for_sampler"}
             else:
                 answer = {"path": f"tinker://{model_id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
-            ref = client.actor.save_for_sampler.remote(snapshot, drop, answer)
+            ref = clients.submit(client, "save_for_sampler", snapshot, drop, answer)
             return clients._future(user, ref, model_id)
 
     def create_session(self, user: User, session_id: str, model_path: str | None, base_model: str | None) -> str:
@@ -160,7 +160,7 @@ class TinkerSamplers:
                 sample_call(request, client.seq_len, client.vocab_size, has_tokenizer(client.directory))
             except SampleError as e:
                 raise RuleError(e.field, e.message) from None
-            ref = client.actor.sample.remote(request, weights)
+            ref = clients.submit(client, "sample", request, weights)
             request_id = clients._future(user, ref, model_id)
         n = int(request.get("num_samples", 1))
         return request_id, [f"seq-{uuid.uuid4().hex[:16]}" for _ in range(n)]

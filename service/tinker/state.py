@@ -99,7 +99,8 @@ class TinkerState:
         directory = self.paths.checkpoint_dir(user.name, ref)
         with self.clients._lock:
             live = self.clients._client(user, model_id)
-            call = live.actor.save_state.remote(str(directory), info, {"path": ref.tinker_path, "type": "save_weights"})
+            call = self.clients.submit(live, "save_state", str(directory), info,
+                                     {"path": ref.tinker_path, "type": "save_weights"})
             return self.clients._future(user, call, model_id)
 
     def load(self, user: User, model_id: str, path: str, optimizer: bool) -> str:
@@ -190,7 +191,7 @@ class TinkerState:
         answer = {"path": path, "model_id": model_id, "type": "load_weights"}
         with self.clients._lock:
             client = self.clients._client(user, model_id)
-            call = client.actor.load_state.remote(str(saved.step_dir), saved.step, optimizer, answer, client.ready)
+            call = self.clients.submit(client, "load_state", str(saved.step_dir), saved.step, optimizer, answer)
             return self.clients._future(user, call, model_id)
 
     def _saved(self, user: User, ref: Ref) -> Saved | None:

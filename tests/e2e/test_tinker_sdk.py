@@ -17,7 +17,7 @@ import httpx
 import pytest
 import ray
 import torch
-from helpers import slow
+from helpers import slow, wait_for
 from hf_tiny import tiny_llama
 from trainyard.service.tenancy import users
 
@@ -189,3 +189,38 @@ def test_data_parallel_clients_follow_one_rank(service, tmp_path):
             assert http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + token},
                              json={"model_id": t.model_id}).status_code == 200
     assert not any(t.model_id in service.manager.tinker.clients for t in trainings)
+
+
+@slow
+def test_a_client_over_its_quota_waits_in_the_queue_and_starts_when_the_first_is_unloaded(service, tmp_path):
+    """A training client is a job of kind `tinker` in the service's queue: a user whose quota holds one rank gets
+    their first client, and their second waits (the SDK's future pending, the jobs API showing it queued behind
+    the quota) instead of failing; unloading the first admits it. A job of theirs would wait alike."""
+    from trainyard.cli.client import Client as JobsClient
+
+    tiny_llama(tmp_path / "llama")
+    service.manager.tinker.registered["tinker-quota-llama"] = str(tmp_path / "llama")
+    token = users.create(service.state_dir, "tinker-dave", limits=users.Limits(max_cpus=1))
+    client = tinker.ServiceClient(base_url=service.url, api_key="tml-" + token)
+    first = client.create_lora_training_client(base_model="tinker-quota-llama", rank=4).result()
+    second = client.create_lora_training_client(base_model="tinker-quota-llama", rank=4)
+    jobs = JobsClient(service.url, token)
+    wait_for(lambda: len(jobs.jobs()) == 2, 60, "the second client's job row")
+    rows = {j["job_id"]: j for j in jobs.jobs()}
+    assert rows[first.model_id]["kind"] == "tinker" and rows[first.model_id]["status"] == "RUNNING"
+    [queued] = [j for j in rows.values() if j["job_id"] != first.model_id]
+    assert queued["status"] == "PENDING" and queued["queue_position"] >= 1
+    assert "quota" in queued["waiting_for"]["reason"]
+    with httpx.Client(base_url=service.url, timeout=30) as http:
+        assert http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + token},
+                         json={"model_id": first.model_id}).status_code == 200
+    admitted = second.result(timeout=120)
+    assert admitted.model_id == queued["job_id"]
+    torch.manual_seed(2)
+    assert admitted.forward_backward([_datum(torch.randint(0, 256, (9,)).tolist())],
+                                     "cross_entropy").result().metrics["loss:sum"] > 0
+    assert jobs.job(first.model_id)["status"] == "STOPPED" and jobs.job(admitted.model_id)["status"] == "RUNNING"
+    jobs.stop(admitted.model_id)  # the jobs API ends a client as its unload does
+    assert jobs.job(admitted.model_id)["status"] == "STOPPED"
+    assert admitted.model_id not in service.manager.tinker.clients
+    jobs.close()

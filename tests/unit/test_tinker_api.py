@@ -5,6 +5,8 @@ clients released, and every id is its owner's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from trainyard.api.guard import Authenticate
@@ -77,14 +79,19 @@ def test_the_sdks_key_is_the_tokens_user():
     assert user((b"authorization", b"Bearer tok")) == "alice"
 
 
-def test_a_silent_session_is_closed_and_ids_are_their_owners():
+def test_a_silent_session_is_closed_and_ids_are_their_owners(tmp_path):
+    from trainyard.actors.job_status import JobStatus
+    from trainyard.service.store import JobRecord, JobStore
     from trainyard.service.tinker.clients import Client, TinkerClients
 
     alice, bob = User("alice", admin=False), User("bob", admin=False)
-    clients = TinkerClients(tenancy=None, heartbeat_timeout_s=60)  # type: ignore[arg-type]
+    store = JobStore(tmp_path / "jobs.db")
+    clients = TinkerClients(tenancy=SimpleNamespace(store=store), heartbeat_timeout_s=60)  # type: ignore[arg-type]
     clients._start_reaper = lambda: None  # type: ignore[method-assign]  # reaped by hand here
     session = clients.create_session(alice)
     clients.clients["model-1"] = Client("alice", session, "base", 4, "llama", {}, None, None, None)
+    store.insert(JobRecord(job_id="model-1", name="tinker-llama", status=JobStatus.RUNNING, spec={}, steps=0,
+                           owner="alice", kind="tinker"))
     with pytest.raises(ClientNotFound):
         clients.heartbeat(bob, session)
     with pytest.raises(ClientNotFound):
@@ -98,6 +105,8 @@ def test_a_silent_session_is_closed_and_ids_are_their_owners():
     assert clients.clients == {} and clients.sessions == {}
     with pytest.raises(ClientNotFound):
         clients.heartbeat(alice, session)
+    ended = store.get("model-1")  # its job row ended, saying why
+    assert ended.status is JobStatus.STOPPED and "heartbeat stopped" in ended.error and ended.kind == "tinker"
 
 
 def test_an_operators_base_model_is_a_name_and_a_directory(tmp_path):

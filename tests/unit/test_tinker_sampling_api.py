@@ -6,6 +6,8 @@ sampling session ends with its SDK session."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from trainyard.api.tinker_sample_wire import write_sample
 from trainyard.parallel.config import RuleError
@@ -34,11 +36,13 @@ def test_a_sample_result_reads_back_through_the_sdks_own_converter():
     assert plain.prompt_logprobs is None and plain.topk_prompt_logprobs is None
 
 
-def test_sampling_sessions_are_their_owners_and_bad_params_name_their_field():
+def test_sampling_sessions_are_their_owners_and_bad_params_name_their_field(tmp_path):
+    from trainyard.service.store import JobStore
     from trainyard.service.tinker.clients import Client, TinkerClients
 
     alice, bob = User("alice", admin=False), User("bob", admin=False)
-    clients = TinkerClients(tenancy=None, heartbeat_timeout_s=60)  # type: ignore[arg-type]
+    tenancy = SimpleNamespace(store=JobStore(tmp_path / "jobs.db"))
+    clients = TinkerClients(tenancy=tenancy, heartbeat_timeout_s=60)  # type: ignore[arg-type]
     clients._start_reaper = lambda: None  # type: ignore[method-assign]  # reaped by hand here
     samplers = clients.samplers
     session, bobs = clients.create_session(alice), clients.create_session(bob)
