@@ -84,6 +84,20 @@ def _field_error(field: str, message: str) -> JSONResponse:
                                                               "msg": message, "type": "value_error"}]})
 
 
+def requested_layout(user_metadata: dict[str, Any] | None) -> dict[str, Any] | None | JSONResponse:
+    """The layout `user_metadata` asks for (`PARALLEL_KEY`: a JobSpec's `parallel`, an object or its JSON), None
+    for the default, or the 422 naming the field."""
+    parallel = (user_metadata or {}).get(PARALLEL_KEY)
+    if isinstance(parallel, str):
+        try:
+            parallel = json.loads(parallel)
+        except ValueError:
+            return _field_error(f"user_metadata.{PARALLEL_KEY}", "not JSON")
+    if parallel is not None and not isinstance(parallel, dict):
+        return _field_error(f"user_metadata.{PARALLEL_KEY}", "not an object (a JobSpec's parallel)")
+    return parallel
+
+
 @router.get("/healthz")
 def healthz() -> dict[str, str]:
     return {"status": "ok"}
@@ -128,14 +142,9 @@ def session_heartbeat(body: SessionBody, manager: Manager, user: Caller) -> dict
 @router.post("/create_model")
 def create_model(body: CreateModelBody, manager: Manager, user: Caller) -> Any:
     lora = body.lora_config
-    parallel = (body.user_metadata or {}).get(PARALLEL_KEY)
-    if isinstance(parallel, str):
-        try:
-            parallel = json.loads(parallel)
-        except ValueError:
-            return _field_error(f"user_metadata.{PARALLEL_KEY}", "not JSON")
-    if parallel is not None and not isinstance(parallel, dict):
-        return _field_error(f"user_metadata.{PARALLEL_KEY}", "not an object (a JobSpec's parallel)")
+    parallel = requested_layout(body.user_metadata)
+    if isinstance(parallel, JSONResponse):
+        return parallel
     try:
         model_id, request_id = manager.tinker.create_model(
             user, body.session_id, body.base_model, None if lora is None else lora.rank,

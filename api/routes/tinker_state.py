@@ -13,16 +13,15 @@ what was sent. Saves and loads return a future (`retrieve_future`, `api.routes.t
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from trainyard.api.deps import Caller, Manager
+from trainyard.api.routes.tinker import PARALLEL_KEY, _field_error, requested_layout
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
-PARALLEL_KEY = "trainyard_parallel"
 """The `user_metadata` key that asks for a layout (trainyard's extension, as at `create_model`)."""
 
 
@@ -57,11 +56,6 @@ class WeightsInfoBody(_Body):
     tinker_path: str = Field(max_length=1000)
 
 
-def _field_error(field: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=422, content={"detail": [{"loc": ["body", *field.split(".")], "field": field,
-                                                              "msg": message, "type": "value_error"}]})
-
-
 @router.post("/save_weights")
 def save_weights(body: SaveWeightsBody, manager: Manager, user: Caller) -> dict[str, Any]:
     request_id = manager.tinker.state.save(user, body.model_id, body.path, body.ttl_seconds, body.overwrite,
@@ -83,14 +77,9 @@ def load_weights(body: LoadWeightsBody, manager: Manager, user: Caller) -> Any:
     if body.model_id is not None or body.model_seq_id is None:
         return _field_error("model_seq_id", "a new client from a checkpoint names its session and model_seq_id "
                                             "(and no model_id)")
-    parallel = (body.user_metadata or {}).get(PARALLEL_KEY)
-    if isinstance(parallel, str):
-        try:
-            parallel = json.loads(parallel)
-        except ValueError:
-            return _field_error(f"user_metadata.{PARALLEL_KEY}", "not JSON")
-    if parallel is not None and not isinstance(parallel, dict):
-        return _field_error(f"user_metadata.{PARALLEL_KEY}", "not an object (a JobSpec's parallel)")
+    parallel = requested_layout(body.user_metadata)
+    if isinstance(parallel, JSONResponse):
+        return parallel
     from trainyard.parallel.config import RuleError
 
     try:
