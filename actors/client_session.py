@@ -3,7 +3,8 @@ own kind. Instead of the coordinator's fixed loop, it holds the client's ranks (
 group the service reserved, built as a job's ranks are) between calls, and runs each call the user's program makes
 on them: every rank runs `Worker.open_loop` (`parallel.runtime.open_loop.OpenLoopRank`), each data-parallel replica
 on its share of the datums, and the gradient reducers sum the replicas' gradients at `optim_step`. A sampling
-client's calls (`save_for_sampler`, `sample`) run on the first rank alone, which holds every replica's weights.
+client's calls (`save_for_sampler`, `sample`) run on the first replica's ranks alone (one rank, or its tensor-parallel
+group in lockstep), which hold every replica's weights.
 
 The actor is made when the client is created and waits, holding nothing, while the client waits in the service's
 queue (a job of kind `tinker`); admission reserves its placement group and hands it over (`admit`), and `setup`
@@ -17,6 +18,7 @@ client unusable: every later call says so.
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import ray
@@ -106,7 +108,8 @@ class ClientSession:
     async def save_for_sampler(self, name: str, drop: list[str], answer: dict[str, Any]) -> dict[str, Any]:
         """The weights now as sampler weights `name`, in the memory of the rank that samples (the first: every
         replica holds the same weights), those named in `drop` forgotten; then `answer` (the SDK's)."""
-        await self._on_every_rank("save_for_sampler", [{"name": name, "drop": drop}], first_only=True)
+        await self._on_every_rank("save_for_sampler", [{"name": name, "drop": drop}] * len(self._first_replica),
+                                  first_only=True)
         return answer
 
     async def sample(self, request: dict[str, Any], name: str | None) -> dict[str, Any]:
@@ -121,16 +124,26 @@ class ClientSession:
                         has_tokenizer(cfg.init_from.hf if cfg.init_from is not None else None))
         except SampleError as e:
             raise OpenLoopError(str(e)) from None
-        [out] = await self._on_every_rank("sample", [{"request": request, "name": name}], first_only=True)
-        return out
+        params = dict(request.get("sampling_params") or {})
+        if len(self._first_replica) > 1 and params.get("seed") is None:  # its ranks draw each token alike
+            params["seed"] = random.randrange(2**63)
+            request = {**request, "sampling_params": params}
+        outs = await self._on_every_rank("sample", [{"request": request, "name": name}] * len(self._first_replica),
+                                         first_only=True)
+        return outs[0]
+
+    @property
+    def _first_replica(self) -> list[int]:
+        """The ranks of data-parallel replica 0 (one rank, or its tensor-parallel group)."""
+        return [r for r in range(self.plan.world_size) if self.plan.coords(r).dp == 0]
 
     async def _on_every_rank(self, method: str, calls: list[dict], first_only: bool = False) -> list[dict]:
-        """`first_only`: the first rank's call alone (`calls` holds one)."""
+        """`first_only`: the first replica's ranks alone (`calls` holds one for each)."""
         if self.broken is not None:
             raise RuntimeError(f"training client {self.model_id} is unusable: {self.broken}")
         assert self.group is not None  # `setup`, the first call, waited for it
         try:
-            workers = self.group.workers[:1] if first_only else self.group.workers
+            workers = [self.group.workers[r] for r in self._first_replica] if first_only else self.group.workers
             return await self.group.call([w.open_loop.remote(method, kwargs)
                                           for w, kwargs in zip(workers, calls, strict=True)], method)
         except Exception as e:

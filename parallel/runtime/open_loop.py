@@ -7,16 +7,21 @@ LoRA, the reducers, the optimizer); only the step is split in two.
 This is the one module of the open loop that reads the trainer's internals (its chunks, reducers, optimizer and
 autocast), so that a move inside `parallel/runtime/` touches one file. No Ray here.
 
-The layouts: data parallelism (dp ranks, each holding the whole model: pp = tp = ep = 1; ZeRO-1 shards the optimizer
-state and the summed gradients, its reducers gathering the parameters after the step); each replica runs
-its share of a call's datums (`shares`), and the gradient reducers sum the replicas' gradients at `optim_step`, so
-the step is the one of every datum's loss summed, whatever dp. Other layouts are refused, naming the field.
+The layouts: data parallelism (ZeRO-1 shards the optimizer state and the summed gradients, its reducers gathering
+the parameters after the step) over replicas that are each one rank or a tensor-parallel group (tp ranks, each
+holding its heads and its share of the vocabulary: the head's logits stay sharded, and each target's logprob is the
+negative of the cross-entropy under `loss_parallel`, which also wraps the backward, so the full logits never exist
+on one rank). Each replica runs its share of a call's datums (`shares`; every rank of a replica the same ones), and
+the gradient reducers sum the replicas' gradients at `optim_step`, so the step is the one of every datum's loss
+summed, whatever the layout. Pipeline and expert parallelism, sequence parallelism and ZeRO-2/3 are refused, naming
+the field.
 Losses: Tinker's documented ones (`parallel.runtime.tinker_losses`: cross_entropy, importance_sampling, ppo, cispo,
 dro); the others are refused, naming `loss_fn`.
 
 Sampling (`save_for_sampler`, `sample`): the rank's own model generates (`parallel.runtime.sampling.Sampler`), at its
 live weights or at a named snapshot of its trainable weights taken in memory: a sampling client of a training
-client's save point is served by the client's own rank, no file written.
+client's save point is served by the client's own ranks (the first replica's: under tp its ranks generate in
+lockstep, each token drawn from the same gathered logits with the same seed), no file written.
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.sampling.sampler import Sampler
 from trainyard.parallel.runtime.tinker_losses import INPUTS, LOSSES, config_of
+from trainyard.parallel.runtime.tp.tensor_parallel import loss_context
 
 
 class OpenLoopError(ValueError):
@@ -55,11 +63,24 @@ def datum_of(d: Mapping[str, list]) -> Datum:
                  {k: list(v) for k, v in d.items() if k not in ("tokens", "target_tokens")})
 
 
+LAYOUT_RULE = "a training client runs data-parallel replicas of one rank or one tensor-parallel group so far " \
+              "(pp = ep = 1, sp off, zero 0 or 1)"
+
+
+def layout_violation(plan: Plan) -> str | None:
+    """The field of `plan` the open loop cannot run (`LAYOUT_RULE`), or None."""
+    for field, bad in (("parallel.pp", plan.pp != 1), ("parallel.ep", plan.ep != 1),
+                       ("parallel.sp", plan.parallel.sp), ("parallel.zero", plan.parallel.zero > 1)):
+        if bad:
+            return field
+    return None
+
+
 def check_layout(plan: Plan) -> None:
-    """The layouts the open loop runs: data parallelism over ranks that each hold the whole model."""
-    if plan.pp != 1 or plan.tp != 1 or plan.parallel.zero > 1 or plan.ep != 1:
-        raise OpenLoopError("parallel: the open loop runs data-parallel ranks each holding the whole model so far "
-                            "(pp = tp = ep = 1, zero 0 or 1)")
+    """The layouts the open loop runs (`LAYOUT_RULE`)."""
+    field = layout_violation(plan)
+    if field is not None:
+        raise OpenLoopError(f"{field}: {LAYOUT_RULE}")
 
 
 def check_call(data: list[Datum], loss_fn: str, seq_len: int, config: Mapping[str, float] | None = None
@@ -95,6 +116,8 @@ class OpenLoopRank:
         [self.chunk] = self.trainer.chunks
         self.head: Any = getattr(self.chunk, "logits", None)
         """The hf backend's head (hidden -> logits); None: a native family's `ln_f`, then `lm_head`."""
+        self.loss_context = loss_context(driver.plan)
+        """`loss_parallel` under tp (the logits sharded over the vocabulary), around the loss and its backward."""
         self.seq_len = driver.plan.config.model.seq_len
         self.pending = False
         """Gradients were accumulated since the last `optim_step`."""
@@ -118,7 +141,7 @@ class OpenLoopRank:
             self.pending = True
         logprobs, total = [], 0.0
         for d in data:
-            with torch.set_grad_enabled(not forward_only):
+            with torch.set_grad_enabled(not forward_only), self.loss_context():
                 picked = self._logprobs(d)
                 inputs = {name: torch.tensor(d.inputs[name], dtype=picked.dtype, device=picked.device)
                           for name in INPUTS[loss_fn]}
@@ -201,6 +224,9 @@ class OpenLoopRank:
             hidden = self.chunk(x)
             logits = self.head(hidden) if self.head is not None else self.chunk.lm_head(self.chunk.ln_f(hidden))
         targets = torch.tensor(d.targets, dtype=torch.long, device=device)
+        if isinstance(logits, DTensor):  # tp: sharded over the vocabulary, under `loss_parallel`
+            picked = -F.cross_entropy(logits[0].float(), targets, reduction="none")
+            return picked.to_local() if isinstance(picked, DTensor) else picked
         return torch.log_softmax(logits[0].float(), dim=-1).gather(1, targets[:, None])[:, 0]
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """What a Tinker `create_model` becomes: a JobConfig whose model is the base model's Hugging Face directory
 (`init_from.hf`, resolved against the caller as any spec's paths are: `Tenancy.confine`, or a name the operator
-registered), LoRA of the asked rank, AdamW, at the layout asked (a JobSpec's `parallel`, data parallelism so far;
-default one rank). The open loop reads no dataset: the config names the synthetic
-one the trainer opens at its build."""
+registered), LoRA of the asked rank, AdamW, at the layout asked (a JobSpec's `parallel`: data parallelism over
+replicas of one rank or one tensor-parallel group so far; default one rank). The open loop reads no dataset: the
+config names the synthetic one the trainer opens at its build."""
 
 from __future__ import annotations
 
@@ -58,10 +58,11 @@ def client_config(tenancy: Tenancy, user: User, base_model: str, lora_rank: int 
         config = parse_spec(spec)
     except SpecError as e:
         raise RuleError(e.errors[0][0], e.errors[0][1]) from None
-    plan = make_plan(config)
-    if plan.pp != 1 or plan.tp != 1 or plan.ep != 1 or plan.parallel.zero > 1:
-        raise RuleError("parallel", "a training client runs data-parallel ranks each holding the whole model so far "
-                                    "(pp = tp = ep = 1, zero 0 or 1)")
+    from trainyard.parallel.runtime.open_loop import LAYOUT_RULE, layout_violation
+
+    field = layout_violation(make_plan(config))
+    if field is not None:
+        raise RuleError(field, LAYOUT_RULE)
     return config
 
 

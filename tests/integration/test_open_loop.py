@@ -2,13 +2,16 @@
 Tinker client's JobConfig (`service.tinker.specs`) built from a tiny Hugging Face Llama, one rank. forward_backward
 accumulates gradients until optim_step: two calls on halves then a step leave the same weights as one call on both; a
 forward leaves none; the per-token logprobs are transformers' own; bad input is refused naming the field, the rank
-still usable. In `make test-slow`: the state a rank saves loads into another with its optimizer (the same losses)
-or without (a fresh AdamW)."""
+still usable. In `make test-slow`: a client at tp2 follows one rank (losses, logprobs, greedy and seeded samples);
+the state a rank saves loads into another with its optimizer (the same losses) or without (a fresh AdamW)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from gloo_ranks import spawn
 from helpers import slow
 from hf_tiny import tiny_llama
 from trainyard.parallel.io import checkpoint
@@ -70,6 +73,54 @@ def test_gradients_accumulate_until_the_step(tmp_path):
         torch.testing.assert_close(h, w, rtol=0, atol=1e-6)
 
 
+TP_ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+TP_GREEDY = {"prompt": list(range(5, 12)), "num_samples": 1,
+             "sampling_params": {"max_tokens": 5, "temperature": 0.0, "stop": []}}
+TP_SAMPLED = {**TP_GREEDY, "num_samples": 2, "sampling_params": {"max_tokens": 5, "temperature": 1.0, "stop": [],
+                                                                 "seed": 7}}
+
+
+def _tp_calls(rank: OpenLoopRank, data: list[Datum]) -> dict:
+    """Two steps, then the loss after them, a greedy and a seeded sample: what tp2 must share with one rank."""
+    losses = []
+    for _ in range(2):
+        losses.append(rank.forward_backward(data, "cross_entropy")["metrics"]["loss:sum"])
+        rank.optim_step(**TP_ADAM)
+    after = rank.forward_backward(data, "cross_entropy", forward_only=True)
+    return {"losses": [*losses, after["metrics"]["loss:sum"]], "logprobs": after["logprobs"],
+            "greedy": rank.sample(TP_GREEDY), "sampled": rank.sample(TP_SAMPLED)}
+
+
+def _tp_rank(rank: int, port: int, directory: str, out: str, data: list[Datum]) -> None:
+    config = client_config(None, ADMIN_USER, "tiny", 4, {"tiny": directory}, parallel={"tp": 2})  # type: ignore[arg-type]
+    open_rank = OpenLoopRank(RankDriver(make_plan(config), rank, "127.0.0.1", port))
+    torch.save(_tp_calls(open_rank, data), Path(out) / f"rank{rank}.pt")
+    open_rank.close()
+
+
+@slow
+def test_a_tensor_parallel_client_follows_one_rank(tmp_path):
+    """At tp2 (each rank its heads and half the vocabulary, the logprobs taken under `loss_parallel`) a client's
+    losses and logprobs over two steps are one rank's (1e-5), and both ranks sample the one rank's tokens, greedy
+    and seeded (each token drawn from the gathered logits)."""
+    tiny_llama(tmp_path / "llama")
+    torch.manual_seed(4)
+    data = [_datum(torch.randint(0, 256, (11,)).tolist()) for _ in range(2)]
+    one = _rank(tmp_path / "llama", tmp_path / "store")
+    expected = _tp_calls(one, data)
+    one.close()
+    spawn(_tp_rank, 2, str(tmp_path / "llama"), str(tmp_path), data)
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+        assert expected["losses"][2] < expected["losses"][0]
+        torch.testing.assert_close(torch.tensor(got["logprobs"]), torch.tensor(expected["logprobs"]), rtol=0,
+                                   atol=1e-5)
+        for kind in ("greedy", "sampled"):
+            assert [s["tokens"] for s in got[kind]["sequences"]] == \
+                [s["tokens"] for s in expected[kind]["sequences"]], (r, kind)
+
+
 def test_a_client_layout_the_open_loop_cannot_run_is_refused_naming_parallel(tmp_path):
     from trainyard.parallel.config import RuleError
 
@@ -77,8 +128,8 @@ def test_a_client_layout_the_open_loop_cannot_run_is_refused_naming_parallel(tmp
     registered = {"tiny": str(tmp_path / "llama")}
     config = client_config(None, ADMIN_USER, "tiny", 4, registered, parallel={"dp": 2, "zero": 1})  # type: ignore[arg-type]
     assert (make_plan(config).dp, make_plan(config).parallel.zero, config.global_batch) == (2, 1, 2)
-    for parallel, field in (({"dp": 2, "pp": 2}, "parallel"), ({"dp": 2, "zero": 3}, "parallel"),
-                            ({"dp": "two"}, "parallel.dp")):
+    for parallel, field in (({"dp": 2, "pp": 2}, "parallel.pp"), ({"dp": 2, "zero": 3}, "parallel.zero"),
+                            ({"tp": 2, "sp": True}, "parallel.sp"), ({"dp": "two"}, "parallel.dp")):
         with pytest.raises(RuleError) as e:
             client_config(None, ADMIN_USER, "tiny", 4, registered, parallel=parallel)  # type: ignore[arg-type]
         assert e.value.field == field

@@ -15,7 +15,9 @@ for each sample) and `select` (only the sequences still running kept).
 
 Logits come back in fp32, for the positions asked: at a prefill, from `first` on (the prompt's scored positions and
 the last one), at a step the one new position. The rank's autocast (`autocast`) wraps every forward, as its
-training forward's does, so a sample's logprobs are the training forward's. Everything runs under `no_grad`.
+training forward's does, so a sample's logprobs are the training forward's. Everything runs under `no_grad`. Under
+tensor parallelism every rank of the group steps the same sequences, each its own heads (the styles' collectives
+run as in training), and the head's vocabulary-sharded logits are gathered whole (`whole`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from trainyard.parallel.models.gpt2.layers import CausalSelfAttention
 from trainyard.parallel.models.llama.layers import LlamaAttention, rotate_half
 
@@ -59,6 +62,12 @@ def cached_model(stage: nn.Module, autocast: Autocast = contextlib.nullcontext) 
     if blocks is not None and all(isinstance(b.attn, LlamaAttention | CausalSelfAttention) for b in blocks.values()):
         return NativeCache(stage, autocast)
     return Recompute(stage, autocast)
+
+
+def whole(logits: torch.Tensor) -> torch.Tensor:
+    """The logits over the whole vocabulary: under tp the head's output is sharded over it (a DTensor), gathered
+    here, so every rank of the group draws from the same numbers."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 def _first(first: int, t: int) -> int:
@@ -103,7 +112,7 @@ class NativeCache:
                 x = x + (block.moe if block.is_moe else block.mlp)(block.ln_2(x))
             logits = stage.lm_head(stage.ln_f(x[:, first:]))
         self.length += t
-        return logits.float()
+        return whole(logits).float()
 
     def _attention(self, i: int, attn: Any, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, t = x.shape[:2]
@@ -173,7 +182,7 @@ class Recompute:
             hidden = stage(self.tokens)[:, first:]
             head = getattr(stage, "logits", None)
             logits = head(hidden) if head is not None else stage.lm_head(stage.ln_f(hidden))
-        return logits.float()
+        return whole(logits).float()
 
     def prefill(self, tokens: torch.Tensor, first: int = -1) -> torch.Tensor:
         self.tokens = tokens
