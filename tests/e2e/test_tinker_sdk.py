@@ -161,15 +161,16 @@ def test_an_sl_loop_through_the_official_sdk(service, tmp_path):
 @slow
 def test_data_parallel_clients_follow_one_rank(service, tmp_path):
     """trainyard's extension, the layout as a JobSpec's `parallel`: at dp2 (each replica one of the two datums, the
-    gradients summed at the step) and at dp2 with ZeRO-1 (the optimizer state sharded too), the losses are one
-    rank's (1e-4), and so are their samplers' greedy tokens (their first rank samples)."""
+    gradients summed at the step), at dp2 with ZeRO-1 (the optimizer state sharded too) and at tp2, the losses are
+    one rank's (1e-4), and so are their samplers' greedy tokens (their first replica samples); tp2's ranks sample
+    an unseeded request alike (it would hang otherwise)."""
     tiny_llama(tmp_path / "llama")
     service.manager.tinker.registered["tinker-dp-llama"] = str(tmp_path / "llama")
     token = users.create(service.state_dir, "tinker-carol")
     client = tinker.ServiceClient(base_url=service.url, api_key="tml-" + token)
     torch.manual_seed(1)
     data = [_datum(torch.randint(0, 256, (17,)).tolist()) for _ in range(2)]
-    layouts = [None, '{"dp": 2}', '{"dp": 2, "zero": 1}']
+    layouts = [None, '{"dp": 2}', '{"dp": 2, "zero": 1}', '{"tp": 2}']
     pending = [client.create_lora_training_client(base_model="tinker-dp-llama", rank=4, user_metadata=None if
                                                   layout is None else {"trainyard_parallel": layout})
                for layout in layouts]
@@ -184,6 +185,9 @@ def test_data_parallel_clients_follow_one_rank(service, tmp_path):
                for t in trainings]
     assert all(s.tokens == samples[0].tokens for s in samples)
     assert all(s.logprobs == pytest.approx(samples[0].logprobs, abs=1e-4) for s in samples)
+    unseeded = tinker.types.SamplingParams(max_tokens=4, temperature=1.0, stop=[])  # tp2's ranks get one seed
+    drawn = trainings[-1].save_weights_and_get_sampling_client().result().sample(prompt, 2, unseeded).result()
+    assert [len(s.tokens) for s in drawn.sequences] == [4, 4]
     with httpx.Client(base_url=service.url, timeout=30) as http:
         for t in trainings:
             assert http.post("/api/v1/unload_model", headers={"X-API-Key": "tml-" + token},
