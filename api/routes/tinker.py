@@ -25,6 +25,10 @@ from trainyard.parallel.config import RuleError
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 PROTO = "application/x-protobuf"
 PARALLEL_KEY = "trainyard_parallel"
+FULL_KEY = "trainyard_full_finetune"
+"""user_metadata's trainyard extension for full fine-tuning: true trains every weight of the base model instead of
+LoRA adapters (the SDK's create_lora_training_client always sends a lora_config; a create_model without one is full
+fine-tuning too)."""
 """The `user_metadata` key of create_model that asks for a layout (trainyard's extension)."""
 RETRIEVE_WAIT_S = 5.0
 """How long one retrieve_future waits for its call before answering try_again (the SDK allows 45 s)."""
@@ -51,7 +55,8 @@ class CreateModelBody(_Body):
     base_model: str = Field(min_length=1, max_length=4096)
     lora_config: LoraBody | None = None
     user_metadata: dict[str, Any] | None = None
-    """trainyard's extension: `trainyard_parallel`, the layout as a JobSpec's `parallel` (an object, or its JSON)."""
+    """trainyard's extensions: `trainyard_parallel`, the layout as a JobSpec's `parallel` (an object, or its JSON);
+    `trainyard_full_finetune`, true (or "true") for full fine-tuning (`FULL_KEY`)."""
 
 
 class ModelBody(_Body):
@@ -82,6 +87,16 @@ def _field_error(field: str, message: str) -> JSONResponse:
     """A 422 in the API's shape, naming the field (and no data of the request)."""
     return JSONResponse(status_code=422, content={"detail": [{"loc": ["body", *field.split(".")], "field": field,
                                                               "msg": message, "type": "value_error"}]})
+
+
+def requested_full(user_metadata: dict[str, Any] | None) -> bool | JSONResponse:
+    """Whether `user_metadata` asks for full fine-tuning (`FULL_KEY`: true or false, or their JSON), or the 422."""
+    full = (user_metadata or {}).get(FULL_KEY, False)
+    if full in ("true", "false"):
+        full = full == "true"
+    if not isinstance(full, bool):
+        return _field_error(f"user_metadata.{FULL_KEY}", "must be true or false")
+    return full
 
 
 def requested_layout(user_metadata: dict[str, Any] | None) -> dict[str, Any] | None | JSONResponse:
@@ -141,10 +156,12 @@ def session_heartbeat(body: SessionBody, manager: Manager, user: Caller) -> dict
 
 @router.post("/create_model")
 def create_model(body: CreateModelBody, manager: Manager, user: Caller) -> Any:
-    lora = body.lora_config
-    parallel = requested_layout(body.user_metadata)
+    parallel, full = requested_layout(body.user_metadata), requested_full(body.user_metadata)
     if isinstance(parallel, JSONResponse):
         return parallel
+    if isinstance(full, JSONResponse):
+        return full
+    lora = None if full else body.lora_config
     try:
         model_id, request_id = manager.tinker.create_model(
             user, body.session_id, body.base_model, None if lora is None else lora.rank,
@@ -162,7 +179,7 @@ def get_info(body: ModelBody, manager: Manager, user: Caller) -> dict[str, Any]:
     info = manager.tinker.info(user, body.model_id)
     return {"type": "get_info", "model_id": body.model_id,
             "model_data": {"arch": info["family"], "model_name": info["base_model"], "tokenizer_id": None},
-            "is_lora": True, "lora_rank": info["lora_rank"]}
+            "is_lora": info["lora_rank"] is not None, "lora_rank": info["lora_rank"]}
 
 
 @router.post("/forward_backward")

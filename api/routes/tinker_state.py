@@ -114,7 +114,8 @@ def list_checkpoints(run_id: str, manager: Manager, user: Caller) -> dict[str, A
             responses={200: {"content": {"application/x-tar": {}}, "description": "a tar of the PEFT directory"}})
 def download_peft(run_id: str, checkpoint_id: str, manager: Manager, user: Caller) -> FileResponse:
     """trainyard's: the checkpoint's adapters as a tar of a PEFT adapter directory (`adapter_config.json`,
-    `adapter_model.safetensors`), for `peft.PeftModel.from_pretrained(base, directory)`."""
+    `adapter_model.safetensors`), for `peft.PeftModel.from_pretrained(base, directory)`; a full fine-tuning's
+    checkpoint as a tar of its whole model's Hugging Face directory (`from_pretrained(directory)`)."""
     archive = manager.tinker.state.peft_archive(user, run_id, checkpoint_id)
     name = f"{run_id}_{checkpoint_id.replace('/', '_')}_peft.tar".replace(":", "_")
     return FileResponse(archive, media_type="application/x-tar", filename=name)

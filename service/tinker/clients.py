@@ -166,11 +166,12 @@ class TinkerClients:
                                             vocab_size=config.model.vocab_size,
                                             directory=config.init_from.hf if config.init_from is not None else None,
                                             config=config, args={"seed": seed or 0, "targets": targets})
+            trained = "full fine-tuning" if lora_rank is None else f"LoRA rank {lora_rank}"
             self.tenancy.store.insert(JobRecord(
                 job_id=model_id, name=f"tinker-{config.model.family}", status=JobStatus.PENDING,
                 spec=spec_to_dict(config), steps=0, needs=quota.needs(plan), owner=user.name, kind="tinker",
                 events=[{"time": time.time(), "kind": "tinker_client", "cause": f"a training client of {base_model} "
-                         f"(LoRA rank {lora_rank}), its calls made by the user's program"}]))
+                         f"({trained}), its calls made by the user's program"}]))
             request_id = self._future(user, ready, model_id)
         self.wake()
         return model_id, request_id

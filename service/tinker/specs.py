@@ -25,9 +25,7 @@ def client_config(tenancy: Tenancy, user: User, base_model: str, lora_rank: int 
                   targets: tuple[bool, bool, bool] | None = None, parallel: Mapping[str, Any] | None = None
                   ) -> JobConfig:
     """The client's JobConfig; RuleError naming `base_model` or `lora_config.rank` when it cannot be one."""
-    if lora_rank is None:
-        raise RuleError("lora_config", "full fine-tuning is not served yet: give lora_config.rank")
-    if not 1 <= lora_rank <= 1024:
+    if lora_rank is not None and not 1 <= lora_rank <= 1024:
         raise RuleError("lora_config.rank", "must be 1 to 1024")
     directory = registered.get(base_model)
     if directory is None:
@@ -44,10 +42,11 @@ def client_config(tenancy: Tenancy, user: User, base_model: str, lora_rank: int 
         raise RuleError("base_model", "not a Hugging Face model directory you may read") from None
     model = dict(resolved.get("model") or {})
     model["seq_len"] = min(int(model.get("context_len") or MAX_SEQ_LEN), MAX_SEQ_LEN)
-    model["lora"] = {"rank": lora_rank, "alpha": float(lora_rank)}
-    adapted = _targets(str(model.get("family")), targets or (True, True, False))
-    if adapted:
-        model["lora"]["targets"] = adapted
+    if lora_rank is not None:  # None: full fine-tuning, every weight trained
+        model["lora"] = {"rank": lora_rank, "alpha": float(lora_rank)}
+        adapted = _targets(str(model.get("family")), targets or (True, True, False))
+        if adapted:
+            model["lora"]["targets"] = adapted
     spec = {"name": "tinker-client", "seed": seed, "model": model, "init_from": {"hf": directory},
             "data": {"kind": "synthetic"}, "optimizer": {"kind": "adamw", "warmup_steps": 0, "grad_clip": 0.0},
             "steps": 1_000_000, "global_batch": 1}

@@ -159,7 +159,8 @@ class TinkerState:
     def weights_info(self, user: User, path: str) -> dict[str, Any]:
         made = self._intact(user, parse(path, "tinker_path"), "tinker_path").record
         attn, mlp, unembed = made.get("targets") or (True, True, False)
-        return {"base_model": made.get("base_model"), "is_lora": True, "lora_rank": made.get("lora_rank"),
+        return {"base_model": made.get("base_model"), "is_lora": made.get("lora_rank") is not None,
+                "lora_rank": made.get("lora_rank"),
                 "train_attn": attn, "train_mlp": mlp, "train_unembed": unembed}
 
     def delete(self, user: User, run_id: str, checkpoint_id: str) -> None:
@@ -167,9 +168,10 @@ class TinkerState:
         shutil.rmtree(self.paths.existing(user.name, ref, "checkpoint_id"))
 
     def peft_archive(self, user: User, run_id: str, checkpoint_id: str) -> Path:
-        """A tar of the checkpoint's adapters as a PEFT adapter directory for its base model (made once, beside
-        it: the job's export, `export_model` then `hf_export.hf_archive`); RuleError on `model.lora` for an
-        adapter PEFT has no form for."""
+        """A tar of the checkpoint's adapters as a PEFT adapter directory for its base model, or of a full
+        fine-tuning's whole model as a Hugging Face directory (made once, beside it: the job's export,
+        `export_model` then `hf_export.hf_archive`); RuleError on `model.lora` for an adapter PEFT has no form
+        for."""
         saved = self._intact(user, ref_of(run_id, checkpoint_id, "checkpoint_id"), "checkpoint_id")
         from trainyard.parallel.io.export import export_model  # torch: only when asked for
         from trainyard.service.hf_export import hf_archive
@@ -179,7 +181,8 @@ class TinkerState:
             manifest = saved.step_dir / checkpoint.MANIFEST
             if not model_file.is_file() or model_file.stat().st_mtime < manifest.stat().st_mtime:
                 export_model(parse_spec(saved.manifest["spec"]), saved.step_dir, saved.step, model_file)
-            return hf_archive(model_file, saved.manifest["spec"], "peft")
+            lora = (saved.manifest["spec"].get("model") or {}).get("lora")
+            return hf_archive(model_file, saved.manifest["spec"], "peft" if lora else "hf")
 
     # --- helpers -----------------------------------------------------------------------------------------------
 
@@ -234,9 +237,10 @@ class TinkerState:
         last = max(saved, key=lambda s: s.record.get("time", 0.0), default=None)
         latest = time.time() if client is not None else max(
             [record.get("created", 0.0), *(s.record.get("time", 0.0) for s in saved)])
-        return {"training_run_id": run_id, "model_owner": user.name, "is_lora": True, "corrupted": False,
+        rank = client.lora_rank if client is not None else record.get("lora_rank")
+        return {"training_run_id": run_id, "model_owner": user.name, "is_lora": rank is not None, "corrupted": False,
                 "base_model": client.base_model if client is not None else record.get("base_model"),
-                "lora_rank": client.lora_rank if client is not None else record.get("lora_rank"),
+                "lora_rank": rank,
                 "last_request_time": _iso(latest), "last_checkpoint": None if last is None else _listed(last),
                 "last_sampler_checkpoint": None, "user_metadata": None}
 

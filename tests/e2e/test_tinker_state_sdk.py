@@ -201,3 +201,48 @@ def test_state_saved_through_the_sdk_resumes_lists_downloads_and_stays_its_owner
     with pytest.raises(tinker.NotFoundError):
         rest.get_weights_info_by_tinker_path(path).result()
     http.close()
+
+
+def test_full_fine_tuning_through_the_sdk_saves_the_whole_model(service, tmp_path):
+    """trainyard's extension `trainyard_full_finetune`: a client trains every weight (the SDK's get_info says it is
+    not LoRA), its checkpoint downloads as the whole model's Hugging Face directory, which transformers loads to the
+    client's own logprobs, and a client made from it is a full fine-tuning again, at the same loss."""
+    from transformers import LlamaForCausalLM
+
+    tiny_llama(tmp_path / "llama")
+    token = users.create(service.state_dir, "tinker-full-erin")
+    service.manager.tinker.registered["tinker-full-llama"] = str(tmp_path / "llama")
+    torch.manual_seed(6)
+    sequences = [torch.randint(0, 256, (13,)).tolist() for _ in range(2)]
+    data = [_datum(s) for s in sequences]
+    sc = tinker.ServiceClient(base_url=service.url, api_key="tml-" + token)
+    http = httpx.Client(base_url=service.url, timeout=60, headers={"X-API-Key": "tml-" + token})
+    refused = http.post("/api/v1/create_model", json={"session_id": "s", "base_model": "tinker-full-llama",
+                                                      "user_metadata": {"trainyard_full_finetune": "yes"}})
+    assert refused.status_code == 422
+    assert refused.json()["detail"][0]["field"] == "user_metadata.trainyard_full_finetune"
+
+    full = sc.create_lora_training_client(base_model="tinker-full-llama", rank=4,
+                                          user_metadata={"trainyard_full_finetune": "true"}).result()
+    info = full.get_info()
+    assert (info.is_lora, info.lora_rank) == (False, None)
+    losses = _loop(full, data, 3)
+    assert losses[-1] < losses[0]
+    path = full.save_state("three").result().path
+    mine = _logprobs(full, data)
+    tar = http.get(f"/api/v1/training_runs/{full.model_id}/checkpoints/weights/three/peft")
+    assert tar.status_code == 200
+    tarfile.open(fileobj=io.BytesIO(tar.content)).extractall(tmp_path / "hf", filter="data")
+    reference = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        for s, lp in zip(sequences, mine, strict=True):
+            ids = torch.tensor([s[:-1]])
+            theirs = torch.log_softmax(reference(input_ids=ids).logits[0].float(), -1).gather(
+                1, torch.tensor(s[1:])[:, None])[:, 0]
+            torch.testing.assert_close(lp, theirs, rtol=0, atol=1e-4)
+    again = sc.create_training_client_from_state(path).result()
+    assert again.get_info().is_lora is False
+    assert again.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        float(-sum(lp.sum() for lp in mine)), abs=1e-4)
+    for client in (full, again):
+        assert http.post("/api/v1/unload_model", json={"model_id": client.model_id}).status_code == 200

@@ -134,8 +134,31 @@ def test_a_client_layout_the_open_loop_cannot_run_is_refused_naming_parallel(tmp
             client_config(None, ADMIN_USER, "tiny", 4, registered, parallel=parallel)  # type: ignore[arg-type]
         assert e.value.field == field
     with pytest.raises(RuleError) as e:
-        client_config(None, ADMIN_USER, "tiny", None, registered)  # type: ignore[arg-type]
-    assert e.value.field == "lora_config"
+        client_config(None, ADMIN_USER, "tiny", 0, registered)  # type: ignore[arg-type]
+    assert e.value.field == "lora_config.rank"
+
+
+def test_a_full_fine_tuning_client_trains_every_weight(tmp_path):
+    """No LoRA rank: full fine-tuning. Every weight of the base model is trainable, its logprobs are transformers'
+    own before the step, and a step moves every matrix."""
+    reference = tiny_llama(tmp_path / "llama").eval()
+    config = client_config(None, ADMIN_USER, "tiny", None, {"tiny": str(tmp_path / "llama")})  # type: ignore[arg-type]
+    assert config.model.lora is None
+    rank = OpenLoopRank(RankDriver(make_plan(config), 0, "127.0.0.1", 0, init_method=f"file://{tmp_path / 's'}"))
+    params = dict(rank.chunk.named_parameters())
+    assert params and all(p.requires_grad for p in params.values())
+    start = {n: p.detach().clone() for n, p in params.items()}
+    torch.manual_seed(5)
+    a = torch.randint(0, 256, (9,)).tolist()
+    out = rank.forward_backward([_datum(a)], "cross_entropy")
+    with torch.no_grad():
+        ids = torch.tensor([a])
+        theirs = torch.log_softmax(reference(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])
+    torch.testing.assert_close(torch.tensor(out["logprobs"][0]), theirs[:, 0], rtol=0, atol=1e-5)
+    rank.optim_step(learning_rate=1e-2, eps=1e-8)
+    moved = [n for n, p in params.items() if p.dim() == 2 and not torch.equal(p.detach(), start[n])]
+    assert sorted(moved) == sorted(n for n, p in params.items() if p.dim() == 2)
+    rank.close()
 
 
 def test_importance_sampling_and_ppo_follow_their_documented_formulas(tmp_path):
