@@ -40,6 +40,7 @@ from bench import (
     soak,
     step,
     sync,
+    tinker,
     tp_memory,
 )
 from bench import planner as planner_bench
@@ -95,6 +96,8 @@ SECTIONS: dict[str, Section] = {
         Section("soak", "four jobs (dp, pp x dp, tp, MoE) through a seeded fault every 20 s on a two-node cluster, "
                         "1,000 queued submits from four users mid-way: recoveries, bit-identical losses, nothing left",
                 soak.run_section),
+        Section("tinker", "the Tinker API's round trip vs a batch job's step; sampling vs transformers generate",
+                tinker.run_section),
         Section("scale", "a 501M llama at dp=4 zero=3, built on the meta device: each rank's peak RSS vs the plan",
                 scale.run_section),
     )

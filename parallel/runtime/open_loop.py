@@ -102,6 +102,21 @@ def check_call(data: list[Datum], loss_fn: str, seq_len: int, config: Mapping[st
     return full
 
 
+def batches(lengths: list[int], tokens: int) -> list[range]:
+    """The datums of a call in forwards of at most `tokens` padded positions each (rows x the longest), in order;
+    a datum alone may fill one."""
+    out: list[range] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start + 1) * max(longest, n) > tokens:
+            out.append(range(start, i))
+            start, longest = i, 0
+        longest = max(longest, n)
+    if lengths:
+        out.append(range(start, len(lengths)))
+    return out
+
+
 def shares(n: int, dp: int) -> list[range]:
     """Which of `n` datums each of `dp` replicas runs: contiguous, as even as can be (some may run none)."""
     return [range(r * n // dp, (r + 1) * n // dp) for r in range(dp)]
@@ -119,6 +134,9 @@ class OpenLoopRank:
         self.loss_context = loss_context(driver.plan)
         """`loss_parallel` under tp (the logits sharded over the vocabulary), around the loss and its backward."""
         self.seq_len = driver.plan.config.model.seq_len
+        self.forward_tokens = driver.plan.micro_batch_size * self.seq_len
+        """The most positions one forward holds (rows x the longest datum): the plan's micro-batch, which the
+        memory plan counted (`service.tinker.specs.FORWARD_TOKENS`)."""
         self.pending = False
         """Gradients were accumulated since the last `optim_step`."""
         self.steps = 0
@@ -140,16 +158,17 @@ class OpenLoopRank:
                 reducer.zero_grad()
             self.pending = True
         logprobs, total = [], 0.0
-        for d in data:
+        for group in batches([len(d.tokens) for d in data], self.forward_tokens):
+            rows = [data[i] for i in group]
             with torch.set_grad_enabled(not forward_only), self.loss_context():
-                picked = self._logprobs(d)
-                inputs = {name: torch.tensor(d.inputs[name], dtype=picked.dtype, device=picked.device)
-                          for name in INPUTS[loss_fn]}
-                loss = loss_of(picked, inputs, full)
+                picked = self._logprobs(rows)
+                losses = [loss_of(lp, {name: torch.tensor(d.inputs[name], dtype=lp.dtype, device=lp.device)
+                                       for name in INPUTS[loss_fn]}, full) for d, lp in zip(rows, picked, strict=True)]
+                loss = torch.stack(losses).sum()
                 if not forward_only:
                     loss.backward()
-            logprobs.append(picked.detach().float().cpu().tolist())
-            total += float(loss.detach())
+            logprobs += [lp.detach().float().cpu().tolist() for lp in picked]
+            total += sum(float(x.detach()) for x in losses)
         return {"logprobs": logprobs, "metrics": {"loss:sum": total}}
 
     def optim_step(self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-12,
@@ -216,18 +235,24 @@ class OpenLoopRank:
         except SampleError as e:
             raise OpenLoopError(str(e)) from None
 
-    def _logprobs(self, d: Datum) -> torch.Tensor:
-        """Each position's log-probability of its target, in fp32."""
-        device = self.trainer.device
-        x = torch.tensor([d.tokens], dtype=torch.long, device=device)
+    def _logprobs(self, rows: list[Datum]) -> list[torch.Tensor]:
+        """Each datum's log-probability of each of its targets, in fp32: the datums in one forward, padded on the
+        right to the longest (causal attention: a position sees none of the padding after it)."""
+        device, width = self.trainer.device, max(len(d.tokens) for d in rows)
+        x = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        targets = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        for i, d in enumerate(rows):
+            x[i, :len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+            targets[i, :len(d.targets)] = torch.tensor(d.targets, dtype=torch.long)
         with self.trainer.executor.autocast():
             hidden = self.chunk(x)
             logits = self.head(hidden) if self.head is not None else self.chunk.lm_head(self.chunk.ln_f(hidden))
-        targets = torch.tensor(d.targets, dtype=torch.long, device=device)
         if isinstance(logits, DTensor):  # tp: sharded over the vocabulary, under `loss_parallel`
-            picked = -F.cross_entropy(logits[0].float(), targets, reduction="none")
-            return picked.to_local() if isinstance(picked, DTensor) else picked
-        return torch.log_softmax(logits[0].float(), dim=-1).gather(1, targets[:, None])[:, 0]
+            picked = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+            picked = (picked.to_local() if isinstance(picked, DTensor) else picked).view(len(rows), width)
+        else:
+            picked = torch.log_softmax(logits.float(), dim=-1).gather(2, targets[..., None])[..., 0]
+        return [picked[i, :len(d.tokens)] for i, d in enumerate(rows)]
 
     def close(self) -> None:
         self.driver.close()

@@ -18,6 +18,9 @@ from trainyard.service.tenancy.users import User
 
 MAX_SEQ_LEN = 4096
 """The longest sequence a client's datum may have (the model's own limit where it is lower)."""
+FORWARD_TOKENS = 4096
+"""The positions a client's rank runs in one forward (its micro-batch: FORWARD_TOKENS // seq_len sequences, at least
+one), which the memory plan counts: a call's datums go through in forwards of that many padded positions."""
 
 
 def client_config(tenancy: Tenancy, user: User, base_model: str, lora_rank: int | None,
@@ -50,9 +53,12 @@ def client_config(tenancy: Tenancy, user: User, base_model: str, lora_rank: int 
     spec = {"name": "tinker-client", "seed": seed, "model": model, "init_from": {"hf": directory},
             "data": {"kind": "synthetic"}, "optimizer": {"kind": "adamw", "warmup_steps": 0, "grad_clip": 0.0},
             "steps": 1_000_000, "global_batch": 1}
+    rows = max(1, FORWARD_TOKENS // model["seq_len"])
+    spec["global_batch"] = rows
     if parallel:
         spec["parallel"] = dict(parallel)
-        spec["global_batch"] = int(parallel.get("dp", 1)) if isinstance(parallel.get("dp", 1), int) else 1
+        dp = parallel.get("dp", 1)
+        spec["global_batch"] = rows * (dp if isinstance(dp, int) and dp > 0 else 1)
     try:
         config = parse_spec(spec)
     except SpecError as e:

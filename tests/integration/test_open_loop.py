@@ -19,7 +19,7 @@ from trainyard.parallel.plan import make_plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.open_loop import Datum, OpenLoopError, OpenLoopRank
 from trainyard.service.tenancy.users import ADMIN_USER
-from trainyard.service.tinker.specs import client_config
+from trainyard.service.tinker.specs import FORWARD_TOKENS, client_config
 
 
 def _rank(directory, store) -> OpenLoopRank:
@@ -127,7 +127,8 @@ def test_a_client_layout_the_open_loop_cannot_run_is_refused_naming_parallel(tmp
     tiny_llama(tmp_path / "llama")
     registered = {"tiny": str(tmp_path / "llama")}
     config = client_config(None, ADMIN_USER, "tiny", 4, registered, parallel={"dp": 2, "zero": 1})  # type: ignore[arg-type]
-    assert (make_plan(config).dp, make_plan(config).parallel.zero, config.global_batch) == (2, 1, 2)
+    plan = make_plan(config)
+    assert (plan.dp, plan.parallel.zero, plan.micro_batch_size * config.model.seq_len) == (2, 1, FORWARD_TOKENS)
     for parallel, field in (({"dp": 2, "pp": 2}, "parallel.pp"), ({"dp": 2, "zero": 3}, "parallel.zero"),
                             ({"tp": 2, "sp": True}, "parallel.sp"), ({"dp": "two"}, "parallel.dp")):
         with pytest.raises(RuleError) as e:

@@ -1,7 +1,8 @@
 """The Tinker losses (`parallel.runtime.tinker_losses`) against references written here from Tinker's documented
 formulas (https://tinker-docs.thinkingmachines.ai/losses and its pages per loss): each loss's value, and its gradient
 with respect to the current logprobs, derived by hand from the formula (not by autograd of the same expression).
-Plain torch, in float64; the ratios are drawn well inside and outside the clips, never on their edges."""
+Plain torch, in float64; the ratios are drawn well inside and outside the clips, never on their edges. And how the
+open loop groups a call's datums into forwards (`open_loop.batches`)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,13 @@ def test_configs_are_checked_naming_the_key():
     with pytest.raises(ValueError, match=r"^loss_fn_config\.beta: not a finite number"):
         config_of("dro", {"beta": float("nan")})
     assert set(CONFIG) <= set(LOSSES) == set(INPUTS)
+
+
+def test_a_calls_datums_go_in_forwards_of_at_most_the_micro_batchs_positions():
+    from trainyard.parallel.runtime.open_loop import batches
+
+    assert batches([], 64) == []
+    assert batches([16, 16, 16, 16, 16], 64) == [range(0, 4), range(4, 5)]  # 4 rows x 16
+    assert batches([10, 30, 5], 64) == [range(0, 2), range(2, 3)]  # 3 x 30 > 64: the third waits
+    assert batches([100, 3, 3], 64) == [range(0, 1), range(1, 3)]  # one datum alone may fill a forward
+    assert [i for r in batches([7, 1, 40, 9, 9, 33], 50) for i in r] == list(range(6))  # every datum once, in order
