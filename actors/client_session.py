@@ -10,20 +10,30 @@ The actor is made when the client is created and waits, holding nothing, while t
 queue (a job of kind `tinker`); admission reserves its placement group and hands it over (`admit`), and `setup`
 builds the ranks in it. One call at a time, in the order the service numbered them (`run`), which is the order the
 SDK's requests arrived in; calls made while the client waits run once it is built. A call the caller got wrong
-raises `OpenLoopError` before any rank runs (its message names the field). A rank that raises, dies or does not
-answer within the job's `fault.step_timeout_s` fails the call (`call_all`: a deadline, never a hang), and leaves the
-client unusable: every later call says so.
+raises `OpenLoopError` before any rank runs (its message names the field). A rank that raises or does not answer
+within the job's `fault.step_timeout_s` fails the call (`call_all`: a deadline, never a hang), and leaves the client
+unusable: every later call says so.
+
+A rank that dies (its process gone: `StepFailed.dead`) is recovered instead: every rank of the client is replaced in
+its reserved bundles, the new ranks load the state the client last saved or loaded (`restore_point`; none: the base
+model with fresh adapters, as the client began), and the call that met the death fails with `ClientRecovered`,
+saying what the client went back to; the next call runs on the rebuilt ranks. What was done since that state
+(steps, accumulated gradients, in-memory sampler weights) is lost, and the error says so. A client whose rebuild
+fails is unusable, as above.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
+from trainyard.actors.calls import StepFailed
 from trainyard.actors.worker_group.worker_group import WorkerGroup
+from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan import Plan
 
 
@@ -39,6 +49,10 @@ class ClientSession:
         self._turns = asyncio.Condition()
         self._next = 0
         """The number of the call whose turn it is (`run`)."""
+        self.restore_point: tuple[str, int, bool] | None = None
+        """(checkpoint step directory, step, with its optimizer) of the state the client last saved or loaded, as
+        `load_state` takes them: what a recovery loads (None: the base model, as built)."""
+        self.recoveries = 0
 
     async def run(self, seq: int, method: str, *args: Any) -> Any:
         """Call `method` in its turn: the calls run one at a time, in the order the service numbered them (from 0,
@@ -95,7 +109,10 @@ class ClientSession:
     async def save_state(self, root: str, info: dict, answer: dict[str, Any]) -> dict[str, Any]:
         """A DCP checkpoint of the client's state under `root` (every rank its part, rank 0 commits it:
         `OpenLoopRank.save_state`); `answer` once it is committed."""
-        await self._on_every_rank("save_state", [{"root": root, "info": info} for _ in range(self.plan.world_size)])
+        outs = await self._on_every_rank("save_state", [{"root": root, "info": info}
+                                                        for _ in range(self.plan.world_size)])
+        steps = int(outs[0]["steps"])
+        self.restore_point = (str(checkpoint.step_dir(Path(root), steps)), steps, True)
         return answer
 
     async def load_state(self, directory: str, step: int, optimizer: bool, answer: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +120,7 @@ class ClientSession:
         `optimizer`), whatever layout wrote it; `answer` once every rank holds it."""
         await self._on_every_rank("load_state", [{"directory": directory, "step": step, "optimizer": optimizer}
                                                  for _ in range(self.plan.world_size)])
+        self.restore_point = (directory, step, optimizer)
         return answer
 
     async def save_for_sampler(self, name: str, drop: list[str], answer: dict[str, Any]) -> dict[str, Any]:
@@ -146,9 +164,45 @@ class ClientSession:
             workers = [self.group.workers[r] for r in self._first_replica] if first_only else self.group.workers
             return await self.group.call([w.open_loop.remote(method, kwargs)
                                           for w, kwargs in zip(workers, calls, strict=True)], method)
+        except StepFailed as e:
+            if not e.dead:  # raised or hung: nothing to recover from here
+                self.broken = f"an earlier call failed ({_line(e)})"
+                raise RuntimeError(f"training client {self.model_id}: {_line(e)}") from None
+            went_back = await self._recover(e)
+            raise ClientRecovered(f"training client {self.model_id}: a rank died during {method} ({_line(e)}); its "
+                                  f"ranks were rebuilt from {went_back}, and what was done since is lost (steps, "
+                                  "accumulated gradients, sampler weights in memory): this call did not run, the "
+                                  "next ones do") from None
         except Exception as e:
             self.broken = f"an earlier call failed ({_line(e)})"
             raise RuntimeError(f"training client {self.model_id}: {_line(e)}") from None
+
+    async def _recover(self, death: BaseException) -> str:
+        """Every rank replaced in the client's bundles and given the `restore_point` state; what it went back to
+        (for the error). Unusable (`broken`) if that fails."""
+        assert self.group is not None
+        try:
+            for rank in range(len(self.group.workers)):
+                self.group.kill(rank)
+            await self.group.start()
+            if self.restore_point is None:
+                went_back = "the base model with fresh adapters (it saved no state)"
+            else:
+                directory, step, optimizer = self.restore_point
+                await self.group.call([w.open_loop.remote("load_state", {"directory": directory, "step": step,
+                                                                         "optimizer": optimizer})
+                                       for w in self.group.workers], "loading the client's last state")
+                went_back = f"the state it last saved or loaded (at its step {step})"
+        except Exception as e:
+            self.broken = f"a rank died ({_line(death)}) and its ranks could not be rebuilt ({_line(e)})"
+            raise RuntimeError(f"training client {self.model_id}: {self.broken}") from None
+        self.recoveries += 1
+        return went_back
+
+
+class ClientRecovered(RuntimeError):
+    """A rank died during the call, which did not run; the client's ranks were rebuilt (the message says from what)
+    and its next calls run."""
 
 
 def _line(e: BaseException) -> str:

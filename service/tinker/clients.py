@@ -259,6 +259,10 @@ class TinkerClients:
             message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
             if type(cause).__name__ == "OpenLoopError":
                 return "user_error", message[:500]
+            if type(cause).__name__ == "ClientRecovered":  # a rank died; the client was rebuilt and goes on
+                self.tenancy.store.add_events(future.model_id or "", [
+                    {"time": time.time(), "kind": "tinker_recovered", "cause": message[:500]}])
+                return "failed", message[:500]
             self._fail_client(future.model_id, message[:500])  # a rank failed under it: nothing more can run
             return "failed", f"{message[:500]} (the client was released)"
         if isinstance(value, dict) and "device" in value:  # the rank's build: the client is ready, its job RUNNING
