@@ -8,7 +8,8 @@ starts at the same loss and then steps as a fresh optimizer does; one at dp2 fol
 tolerance. The checkpoint's adapters, downloaded as a PEFT directory, are peft's own: transformers with them gives
 the client's logprobs; `cispo` and `dro` through the SDK are their documented formulas' values. The runs and
 checkpoints are listed; another user's path, run and checkpoint answer as missing
-ones; bad paths are 422s naming the field without quoting it; a deleted checkpoint is gone.
+ones; bad paths are 422s naming the field without quoting it; a deleted checkpoint is gone. Full fine-tuning saves and
+downloads the whole model; a service restart under a live client keeps its saved state (its job FAILED saying why).
 `forward_backward_custom` (the SDK's forward, its loss computed locally, a `cross_entropy` with its gradient as
 float weights of either sign sent back) steps as the documented linear surrogate does. All slow
 (`make test-slow`); the flagship (`test_tinker_sdk.py`) saves and lists once in `make test`."""
@@ -16,6 +17,7 @@ float weights of either sign sent back) steps as the documented linear surrogate
 from __future__ import annotations
 
 import io
+import sqlite3
 import tarfile
 import warnings
 
@@ -246,3 +248,50 @@ def test_full_fine_tuning_through_the_sdk_saves_the_whole_model(service, tmp_pat
         float(-sum(lp.sum() for lp in mine)), abs=1e-4)
     for client in (full, again):
         assert http.post("/api/v1/unload_model", json={"model_id": client.model_id}).status_code == 200
+
+
+def test_a_service_restart_keeps_a_clients_saved_state_and_answers_its_calls_clearly(ray_session, tmp_path):
+    """The service dies under a live client (its row left RUNNING, as a crash leaves it) and starts again on the
+    same state directory: the client's job is FAILED saying why, its old model id and in-flight request answer as
+    missing ones (a 404 naming the field, at once), and its saved state is listed and makes a new client at the
+    very loss it was saved at."""
+    from conftest import start_service
+    from trainyard.actors.state import JobStatus
+
+    tiny_llama(tmp_path / "llama")
+    state = tmp_path / "state"
+    first = start_service(state)
+    token = users.create(state, "tinker-restart-frank")
+    first.manager.tinker.registered["tinker-restart-llama"] = str(tmp_path / "llama")
+    torch.manual_seed(7)
+    data = [_datum(torch.randint(0, 256, (13,)).tolist()) for _ in range(2)]
+    try:
+        training = tinker.ServiceClient(base_url=first.url, api_key="tml-" + token).create_lora_training_client(
+            base_model="tinker-restart-llama", rank=4).result()
+        _loop(training, data, 2)
+        path = training.save_state("kept").result().path
+        at_save = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        with httpx.Client(base_url=first.url, timeout=30, headers={"X-API-Key": "tml-" + token}) as http:
+            in_flight = http.post("/api/v1/optim_step", json={"model_id": training.model_id,
+                                                              "adam_params": ADAM}).json()["request_id"]
+    finally:
+        first.shutdown()
+    with sqlite3.connect(state / "jobs.db") as db:  # as a crash leaves it (the store keeps an ended job ended)
+        db.execute("UPDATE jobs SET status = ?, error = NULL, ended_at = NULL WHERE job_id = ?",
+                   (JobStatus.RUNNING.value, training.model_id))
+    second = start_service(state)
+    try:
+        second.manager.tinker.registered["tinker-restart-llama"] = str(tmp_path / "llama")
+        with httpx.Client(base_url=second.url, timeout=30, headers={"X-API-Key": "tml-" + token}) as http:
+            job = http.get(f"/api/jobs/{training.model_id}", headers={"Authorization": f"Bearer {token}"}).json()
+            assert job["status"] == "FAILED" and "restarted" in job["error"]
+            gone = http.post("/api/v1/get_info", json={"model_id": training.model_id})
+            assert gone.status_code == 404
+            assert http.post("/api/v1/retrieve_future", json={"request_id": in_flight}).status_code == 404
+        sc = tinker.ServiceClient(base_url=second.url, api_key="tml-" + token)
+        rest = tinker.RestClient(base_url=second.url, api_key="tml-" + token)
+        assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [path]
+        again = sc.create_training_client_from_state_with_optimizer(path).result()
+        assert again.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, abs=1e-6)
+    finally:
+        second.shutdown()
