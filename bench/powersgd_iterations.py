@@ -23,23 +23,12 @@ import torch.distributed as dist
 from bench.savers_grads import POWERSGD, TAIL, _losses, _plan
 
 
-def _iterated_finish(self, iterations: int) -> None:
-    """`PowerSGDReducer.finish` with `iterations` power iterations on the summed gradient, synchronously."""
-    from trainyard.parallel.runtime.dp.data_parallel import GradientReducer
-
-    if not self.compressing:
-        self._sent = None
-        GradientReducer.finish(self)
-        return
-    self.started_early = self.next_to_start
-    self._start_ready(everything=True)
+def _iterated_finish(self, iterations: int) -> int:
+    """`PowerSGDReducer._finish_compressed` with `iterations` power iterations on the summed gradient,
+    synchronously (the bytes it reports: 0, this measures loss only)."""
     for index, b in enumerate(self.buckets):
         st = self._states[index]
-        for work in st.works:
-            work.wait()
-        st.works = []
-        if st.rest_wire is not None:
-            self._unpack_rest(b, st)
+        self._wait(b, st)
         ps = list(torch.split(st.p_wire, [m.p.numel() for m in st.matrices])) if st.matrices else []
         for it in range(iterations):
             hats = [torch.linalg.qr(p.view_as(m.p)).Q for p, m in zip(ps, st.matrices, strict=True)]
@@ -56,8 +45,7 @@ def _iterated_finish(self, iterations: int) -> None:
             m.q, m.p = q.clone(), None
         st.q_wire = st.p_wire = st.rest_wire = None
         self._keep_reduced(b)
-    self._sent = 0
-    self.next_to_start, self.armed = 0, set()
+    return 0
 
 
 def _all_reduced(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
@@ -70,7 +58,7 @@ def patch(iterations: int) -> None:
     """Run in each rank before its trainer is built: the reducer does `iterations` power iterations a step."""
     from trainyard.parallel.runtime.compression.powersgd import PowerSGDReducer
 
-    PowerSGDReducer.finish = functools.partialmethod(_iterated_finish, iterations=iterations)
+    PowerSGDReducer._finish_compressed = functools.partialmethod(_iterated_finish, iterations=iterations)
 
 
 def main(argv: list[str]) -> int:

@@ -89,6 +89,18 @@ def _field_error(field: str, message: str) -> JSONResponse:
                                                               "msg": message, "type": "value_error"}]})
 
 
+def queued(request_id: str, model_id: str) -> dict[str, Any]:
+    """The SDK's answer to a call it polls for (`retrieve_future`): the request to poll and the model it is on."""
+    return {"request_id": request_id, "model_id": model_id}
+
+
+def layout_error(e: RuleError) -> JSONResponse:
+    """A plan rule's 422, its `parallel...` field named as the client sends it (under `user_metadata`)."""
+    field = f"user_metadata.{PARALLEL_KEY}{e.field.removeprefix('parallel')}" \
+        if e.field.startswith("parallel") else e.field
+    return _field_error(field, e.message)
+
+
 def requested_full(user_metadata: dict[str, Any] | None) -> bool | JSONResponse:
     """Whether `user_metadata` asks for full fine-tuning (`FULL_KEY`: true or false, or their JSON), or the 422."""
     full = (user_metadata or {}).get(FULL_KEY, False)
@@ -168,10 +180,8 @@ def create_model(body: CreateModelBody, manager: Manager, user: Caller) -> Any:
             seed=None if lora is None else lora.seed,
             targets=None if lora is None else (lora.train_attn, lora.train_mlp, lora.train_unembed), parallel=parallel)
     except RuleError as e:
-        field = f"user_metadata.{PARALLEL_KEY}{e.field.removeprefix('parallel')}" \
-            if e.field.startswith("parallel") else e.field
-        return _field_error(field, e.message)
-    return {"request_id": request_id, "model_id": model_id}
+        return layout_error(e)
+    return queued(request_id, model_id)
 
 
 @router.post("/get_info")
@@ -193,22 +203,20 @@ async def forward_backward(request: Request, manager: Manager, user: Caller) -> 
         return _field_error(e.field, e.message)
     except SdkMissing as e:
         return JSONResponse(status_code=501, content={"detail": str(e)})
-    request_id = manager.tinker.forward_backward(user, call.model_id, call.data, call.loss_fn, call.forward_only,
-                                                 call.loss_fn_config)
-    return {"request_id": request_id, "model_id": call.model_id}
+    return queued(manager.tinker.forward_backward(user, call.model_id, call.data, call.loss_fn, call.forward_only,
+                                                  call.loss_fn_config), call.model_id)
 
 
 @router.post("/optim_step")
 def optim_step(body: OptimStepBody, manager: Manager, user: Caller) -> Any:
     if body.optimizer_params is not None:
         return _field_error("optimizer_params", "only Adam (adam_params) is served yet")
-    request_id = manager.tinker.optim_step(user, body.model_id, body.adam_params.model_dump())
-    return {"request_id": request_id, "model_id": body.model_id}
+    return queued(manager.tinker.optim_step(user, body.model_id, body.adam_params.model_dump()), body.model_id)
 
 
 @router.post("/unload_model")
 def unload_model(body: ModelBody, manager: Manager, user: Caller) -> dict[str, Any]:
-    return {"request_id": manager.tinker.unload(user, body.model_id), "model_id": body.model_id}
+    return queued(manager.tinker.unload(user, body.model_id), body.model_id)
 
 
 @router.post("/retrieve_future")

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from trainyard.api.deps import Caller, Manager
+from trainyard.api.routes.tinker import queued
 from trainyard.parallel.config import RuleError
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
@@ -77,8 +78,7 @@ class SampleBody(_Body):
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: SaveForSamplerBody, manager: Manager, user: Caller) -> dict[str, Any]:
-    request_id = manager.tinker.samplers.save_for_sampler(user, body.model_id, body.path, body.kind)
-    return {"request_id": request_id, "model_id": body.model_id}
+    return queued(manager.tinker.samplers.save_for_sampler(user, body.model_id, body.path, body.kind), body.model_id)
 
 
 @router.post("/create_sampling_session")

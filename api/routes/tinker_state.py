@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from trainyard.api.deps import Caller, Manager
-from trainyard.api.routes.tinker import PARALLEL_KEY, _field_error, requested_layout
+from trainyard.api.routes.tinker import _field_error, layout_error, queued, requested_layout
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 """The `user_metadata` key that asks for a layout (trainyard's extension, as at `create_model`)."""
@@ -58,9 +58,8 @@ class WeightsInfoBody(_Body):
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeightsBody, manager: Manager, user: Caller) -> dict[str, Any]:
-    request_id = manager.tinker.state.save(user, body.model_id, body.path, body.ttl_seconds, body.overwrite,
-                                           body.user_metadata)
-    return {"request_id": request_id, "model_id": body.model_id}
+    return queued(manager.tinker.state.save(user, body.model_id, body.path, body.ttl_seconds, body.overwrite,
+                                            body.user_metadata), body.model_id)
 
 
 @router.post("/load_weights")
@@ -73,7 +72,7 @@ def load_weights(body: LoadWeightsBody, manager: Manager, user: Caller) -> Any:
     if body.session_id is None:
         if body.model_id is None:
             return _field_error("model_id", "give the model to load into, or session_id for a new one")
-        return {"request_id": state.load(user, body.model_id, body.path, body.optimizer), "model_id": body.model_id}
+        return queued(state.load(user, body.model_id, body.path, body.optimizer), body.model_id)
     if body.model_id is not None or body.model_seq_id is None:
         return _field_error("model_seq_id", "a new client from a checkpoint names its session and model_seq_id "
                                             "(and no model_id)")
@@ -88,8 +87,8 @@ def load_weights(body: LoadWeightsBody, manager: Manager, user: Caller) -> Any:
     except RuleError as e:
         if not e.field.startswith("parallel"):
             raise
-        return _field_error(f"user_metadata.{PARALLEL_KEY}{e.field.removeprefix('parallel')}", e.message)
-    return {"request_id": request_id, "model_id": model_id}
+        return layout_error(e)
+    return queued(request_id, model_id)
 
 
 @router.get("/training_runs")

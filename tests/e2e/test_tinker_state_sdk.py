@@ -39,6 +39,13 @@ def _datum(tokens: list[int], weights: list[float] | None = None):
                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights or [1.0] * n})
 
 
+def _random_data(seed: int, length: int) -> tuple[list[list[int]], list]:
+    """Two sequences of `length` random tokens (drawn from `seed`) and their datums."""
+    torch.manual_seed(seed)
+    sequences = [torch.randint(0, 256, (length,)).tolist() for _ in range(2)]
+    return sequences, [_datum(s) for s in sequences]
+
+
 def _loop(training, data, steps: int) -> list[float]:
     """`steps` rounds of forward_backward then optim_step; each round's loss, taken before its step."""
     losses = []
@@ -60,9 +67,7 @@ def test_state_saved_through_the_sdk_resumes_lists_downloads_and_stays_its_owner
     alice = users.create(service.state_dir, "tinker-state-alice", limits=users.Limits(data_roots=(str(root),)))
     bob = users.create(service.state_dir, "tinker-state-bob")
     service.manager.tinker.registered["tinker-state-llama"] = str(root / "llama")
-    torch.manual_seed(5)
-    sequences = [torch.randint(0, 256, (17,)).tolist() for _ in range(2)]
-    data = [_datum(s) for s in sequences]
+    sequences, data = _random_data(5, 17)
     sc = tinker.ServiceClient(base_url=service.url, api_key="tml-" + alice)
     rest = tinker.RestClient(base_url=service.url, api_key="tml-" + alice)
     http = httpx.Client(base_url=service.url, timeout=60, headers={"X-API-Key": "tml-" + alice})
@@ -214,9 +219,7 @@ def test_full_fine_tuning_through_the_sdk_saves_the_whole_model(service, tmp_pat
     tiny_llama(tmp_path / "llama")
     token = users.create(service.state_dir, "tinker-full-erin")
     service.manager.tinker.registered["tinker-full-llama"] = str(tmp_path / "llama")
-    torch.manual_seed(6)
-    sequences = [torch.randint(0, 256, (13,)).tolist() for _ in range(2)]
-    data = [_datum(s) for s in sequences]
+    sequences, data = _random_data(6, 13)
     sc = tinker.ServiceClient(base_url=service.url, api_key="tml-" + token)
     http = httpx.Client(base_url=service.url, timeout=60, headers={"X-API-Key": "tml-" + token})
     refused = http.post("/api/v1/create_model", json={"session_id": "s", "base_model": "tinker-full-llama",

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
@@ -17,8 +18,8 @@ from trainyard.parallel.runtime.tp.local_parts import local_part
 
 K = TypeVar("K")
 
-__all__ = ["PlanRun", "RankResult", "check_initial", "initial_mismatches", "last_stage_losses", "layout_id", "losses",
-           "run_named", "run_plans", "run_ranks", "spawn", "stats_of", "use_aot_eager"]
+__all__ = ["PlanRun", "RankResult", "check_initial", "checkpointed_run", "initial_mismatches", "last_stage_losses",
+           "layout_id", "losses", "run_named", "run_plans", "run_ranks", "spawn", "stats_of", "use_aot_eager"]
 
 
 def run_ranks(plan: Plan, out_dir: Path | None = None, **checkpoints) -> list[list[dict]]:
@@ -28,6 +29,16 @@ def run_ranks(plan: Plan, out_dir: Path | None = None, **checkpoints) -> list[li
     run = PlanRun(plan, save_after=tuple(checkpoints.get("save", ())), root=checkpoints.get("root"),
                   background=checkpoints.get("background", False), resume=checkpoints.get("resume"))
     return stats_of(run_plan(run))
+
+
+def checkpointed_run(out: Path, name: str, plan: Plan, checkpoints: dict, **options) -> PlanRun:
+    """Run `name` of a test's table under `out`: `checkpoints` is {"save": step} (save after that step),
+    {"resume": (run, step)} (go on from that run's checkpoint) or neither; a run from scratch checks its initial
+    parameters (`check_initial`). `options`: more `PlanRun` fields."""
+    resume = checkpoints.get("resume")
+    return PlanRun(plan, save_after=(checkpoints["save"],) if "save" in checkpoints else (), root=str(out / name),
+                   resume=(str(step_dir(out / resume[0], resume[1])), resume[1]) if resume else None,
+                   at_start=None if resume else check_initial, **options)
 
 
 def run_named(plans: Mapping[K, Plan]) -> dict[K, list[list[dict]]]:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import PlanRun, RankResult, check_initial, run_plans, stats_of
+from gloo_ranks import RankResult, checkpointed_run, run_plans, stats_of
 from helpers import tiny_spec
-from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.spec import parse_spec
 
@@ -52,15 +51,8 @@ RUNS: dict[str, tuple[Plan, dict]] = {
 def results(tmp_path_factory) -> dict[str, list[RankResult]]:
     """Every run's results, [rank]: its StepStats dicts, and `check_initial` before the first step."""
     out = tmp_path_factory.mktemp("llama")
-
-    def run_of(name: str, plan: Plan, checkpoints: dict) -> PlanRun:
-        resume = checkpoints.get("resume")
-        return PlanRun(plan, save_after=(checkpoints["save"],) if "save" in checkpoints else (), root=str(out / name),
-                       resume=(str(step_dir(out / resume[0], resume[1])), resume[1]) if resume else None,
-                       at_start=None if resume else check_initial)
-
-    return dict(zip(RUNS, run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()]),
-                    strict=True))
+    ran = run_plans([checkpointed_run(out, name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()])
+    return dict(zip(RUNS, ran, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gloo_ranks import PlanRun, RankResult, check_initial, run_plans, stats_of
+from gloo_ranks import RankResult, checkpointed_run, run_plans, stats_of
 from helpers import REPO, tiny_spec
-from trainyard.parallel.io.checkpoint import step_dir
 from trainyard.parallel.models import family_of
 from trainyard.parallel.plan import Plan, make_plan
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
@@ -58,8 +57,8 @@ RUNS: dict[str, tuple[Plan, dict]] = {
     # zero-bubble: gathered for both halves of the split backward, reduce-scattered after the weight half
     "zb-h1-zero3": (plan_for(parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "zb-h1", "zero": 3}), {}),
     "zbv-zero2": (plan_for(parallel={**INTERLEAVED, "schedule": "zbv", "zero": 2}), {}),
-    "zero3-resumed-at-zero0-dp1": (plan_for(parallel={"microbatches": 2}), {"resume": "zero3-tp"}),
-    "zero0-resumed-at-zero3": (plan_for(parallel={**INTERLEAVED, "zero": 3}), {"resume": "reference"}),
+    "zero3-resumed-at-zero0-dp1": (plan_for(parallel={"microbatches": 2}), {"resume": ("zero3-tp", 1)}),
+    "zero0-resumed-at-zero3": (plan_for(parallel={**INTERLEAVED, "zero": 3}), {"resume": ("reference", 1)}),
 }
 
 
@@ -73,15 +72,9 @@ def gathered_peak(driver: RankDriver, stats: list[dict]) -> int:
 def results(tmp_path_factory) -> dict[str, list[RankResult]]:
     """Every run's results, [rank]: the StepStats dicts of each step, and `gathered_peak`."""
     out = tmp_path_factory.mktemp("zero")
-
-    def run_of(name: str, plan: Plan, checkpoints: dict) -> PlanRun:
-        resume = checkpoints.get("resume")
-        return PlanRun(plan, save_after=(checkpoints["save"],) if "save" in checkpoints else (), root=str(out / name),
-                       resume=(str(step_dir(out / resume, 1)), 1) if resume else None,
-                       evaluate_after=(1,) if plan.config.eval.every else (), probe=gathered_peak,
-                       at_start=None if resume else check_initial)
-
-    ran = run_plans([run_of(name, plan, checkpoints) for name, (plan, checkpoints) in RUNS.items()])
+    ran = run_plans([checkpointed_run(out, name, plan, checkpoints, probe=gathered_peak,
+                                      evaluate_after=(1,) if plan.config.eval.every else ())
+                     for name, (plan, checkpoints) in RUNS.items()])
     return dict(zip(RUNS, ran, strict=True))
 
 

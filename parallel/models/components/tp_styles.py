@@ -8,6 +8,7 @@ regions: `Shard(1)` (the sequence) with sequence parallelism, else `Replicate()`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -18,6 +19,9 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+if TYPE_CHECKING:
+    from trainyard.parallel.models.components.decoder import DecoderStage
 
 
 def stream_layout(sequence_parallel: bool) -> Placement:
@@ -54,6 +58,22 @@ def moe_region(block: str, stream: Placement, sequence_parallel: bool) -> dict[s
     layers[f"{block}.moe"] = PrepareModuleInputOutput(
         input_layouts=(stream,), desired_input_layouts=(Shard(1),), use_local_input=True,
         output_layouts=(Shard(1),), desired_output_layouts=(stream,), use_local_output=True)
+    return layers
+
+
+def blocks(stage: DecoderStage, mlp_columns: Sequence[str], mlp_row: str, stream: Placement,
+           sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Each block of a stage: its attention (q, k, v column-parallel, proj row-parallel), then its MoE layer or its
+    MLP (`mlp_columns` column-parallel, `mlp_row` row-parallel)."""
+    layers: dict[str, ParallelStyle] = {}
+    for i in stage.blocks:
+        block = f"blocks.{i}"
+        moe = stage.cfg.is_moe_block(int(i))
+        if moe:
+            layers |= moe_region(block, stream, sequence_parallel)
+        layers |= region(f"{block}.attn", "ln_1", ("q", "k", "v"), "proj", stream, sequence_parallel)
+        if not moe:
+            layers |= region(f"{block}.mlp", "ln_2", mlp_columns, mlp_row, stream, sequence_parallel)
     return layers
 
 

@@ -74,13 +74,7 @@ class GPT2(ModelFamily):
             layers |= tp.vocab_embedding("wte", stream)
             if sequence_parallel:
                 layers["wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-        for i in stage.blocks:
-            block = f"blocks.{i}"
-            if stage.cfg.is_moe_block(int(i)):
-                layers |= tp.moe_region(block, stream, sequence_parallel)
-            layers |= tp.region(f"{block}.attn", "ln_1", ("q", "k", "v"), "proj", stream, sequence_parallel)
-            if not stage.cfg.is_moe_block(int(i)):
-                layers |= tp.region(f"{block}.mlp", "ln_2", ("fc",), "proj", stream, sequence_parallel)
+        layers |= tp.blocks(stage, ("fc",), "proj", stream, sequence_parallel)
         if stage.last:
             layers |= tp.head(stream, sequence_parallel)
         return layers

@@ -91,13 +91,7 @@ class Llama(ModelFamily):
 
         stream = tp.stream_layout(sequence_parallel)
         layers: dict[str, ParallelStyle] = tp.vocab_embedding("wte", stream) if stage.first else {}
-        for i in stage.blocks:
-            block = f"blocks.{i}"
-            if stage.cfg.is_moe_block(int(i)):
-                layers |= tp.moe_region(block, stream, sequence_parallel)
-            layers |= tp.region(f"{block}.attn", "ln_1", ("q", "k", "v"), "proj", stream, sequence_parallel)
-            if not stage.cfg.is_moe_block(int(i)):
-                layers |= tp.region(f"{block}.mlp", "ln_2", ("gate", "up"), "down", stream, sequence_parallel)
+        layers |= tp.blocks(stage, ("gate", "up"), "down", stream, sequence_parallel)
         if stage.last:
             layers |= tp.head(stream, sequence_parallel)
         return layers

@@ -2,12 +2,13 @@
 
 Owns the registry of compressors (`COMPRESSORS`, by the spec's `parallel.grad_compression.kind`) and one module per
 compressor (`powersgd`, `topk`, `qsgd`; the last two share the reducer of `gathered`, which all-gathers each rank's
-codes and sums them decoded). A compressor is a `Compressor` (`parallel.runtime.dp.data_parallel`, where `make_reducer`
-calls it, and re-exported here: its reducers subclass that module's, so the protocol lives beside them): the step
-running now, which the trainer sets before each step, and `reducer_class(base)`, the compressing variant of a
-sharding strategy's reducer class. The trainer builds the job's (`make_compressor`) and hands it to `make_reducer`
-for every reduction set. What a compressor sends and keeps, and whether it needs whole gradients, are its pure
-facts in `parallel.plan.grad_compression.COMPRESSIONS`, under the same names.
+codes and sums them decoded). Every compressor and its reducers build on `base` (warm-up, the uncompressed rest,
+ZeRO-1's slice, the bytes sent). A compressor is a `Compressor` (`parallel.runtime.dp.data_parallel`, where
+`make_reducer` calls it, and re-exported here: its reducers subclass that module's, so the protocol lives beside them):
+the step running now, which the trainer sets before each step, and `reducer_class(base)`, the compressing variant of a
+sharding strategy's reducer class. The trainer builds the job's (`make_compressor`) and hands it to `make_reducer` for
+every reduction set. What a compressor sends and keeps, and whether it needs whole gradients, are its pure facts in
+`parallel.plan.grad_compression.COMPRESSIONS`, under the same names.
 """
 
 from __future__ import annotations

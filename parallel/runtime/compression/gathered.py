@@ -15,7 +15,8 @@ feedback updates what it keeps there) and `add_decoded` (one rank's codes of a m
 matrix is a parameter's local gradient of two or more dimensions (this rank's shard of a DTensor's: the group's
 ranks hold the same tp coordinate, so the shards line up); every 1-D tensor is packed into one buffer and
 all-reduced whole in `reduce_dtype`, as with PowerSGD (a norm's or a bias's few elements gain nothing). The
-first `warmup_steps` steps take the plain reducer's path.
+first `warmup_steps` steps take the plain reducer's path (that flow, shared with PowerSGD, is
+`parallel.runtime.compression.base`'s).
 
 Timing: a bucket's codes are encoded and their all-gather started as soon as its gradients are final (during
 backward, as the plain reduction starts); `finish` waits for each bucket in order and decodes it. ZeRO-1: the
@@ -29,71 +30,40 @@ packed 1-D tensors (an all-gather then delivers the group's N - 1 other payloads
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from trainyard.parallel.config import GradCompressionConfig
-from trainyard.parallel.runtime.dp.data_parallel import GradientReducer, ShardedGradientReducer
+from trainyard.parallel.runtime.compression.base import BaseCompressor, BucketState, CompressingReducer
 from trainyard.parallel.runtime.dp.grad_buckets import Bucket
 from trainyard.parallel.runtime.tp.local_parts import local_part
 
 
-@dataclass
-class GatheringCompressor:
-    """A gathering compressor (a `Compressor`): its options, the job seed and the step running now (set by the
-    trainer before each step). A subclass names its two reducers, plain and ZeRO-1."""
+class GatheringCompressor(BaseCompressor):
+    """A gathering compressor (a `Compressor`, `parallel.runtime.compression.base`): its reducers gather codes."""
 
-    config: GradCompressionConfig
-    seed: int
-    step: int = 0
     reducers: ClassVar[tuple[type[GatheringReducer], type[GatheringReducer]]]
-    """Set by each subclass: its reducer and its ZeRO-1 reducer."""
-
-    @property
-    def active(self) -> bool:
-        return self.step >= self.config.warmup_steps
-
-    def reducer_class(self, base: type[GradientReducer]) -> type[GatheringReducer]:
-        """The compressing variant of a sharding strategy's reducer (`parallel.plan.rules` refuses the others)."""
-        plain, sharded = self.reducers
-        variants = {GradientReducer: plain, ShardedGradientReducer: sharded}
-        if base not in variants:
-            raise ValueError(f"{self.config.kind} does not compose with {base.__name__} (it needs whole gradients)")
-        return variants[base]
 
 
-@dataclass
-class _BucketState:
+@dataclass(kw_only=True)
+class _BucketState(BucketState):
     matrices: list[tuple[int, int]]
     """(offset, elements) in the bucket of each gradient matrix, encoded."""
-    rest: list[tuple[int, int]]
-    """(offset, length) in the bucket of each tensor sent whole."""
-    works: list[dist.Work] = field(default_factory=list)
-    rest_wire: torch.Tensor | None = None
     send: torch.Tensor | None = None
     gathered: torch.Tensor | None = None
     """[rank] every rank's codes of the bucket's matrices, back to back."""
 
 
-class GatheringReducer(GradientReducer):
+class GatheringReducer(CompressingReducer[_BucketState]):
     """The plain reducer with each bucket's gradient matrices encoded, all-gathered, decoded and summed (module
     doc); a compressor subclasses it with its hooks."""
 
-    sums_in_shared_memory = False
     wire_dtype: torch.dtype = torch.uint8
     """The type of the codes on the wire."""
 
-    def __init__(self, chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None,
-                 compressor: GatheringCompressor, **kwargs):
-        self.compressor = compressor
-        self._states: dict[int, _BucketState] = {}
-        self._sent: int | None = None
-        """Bytes sent in the last step, when it was compressed."""
-        super().__init__(chunk_params, group, **kwargs)
-        self._index = {id(b): i for i, b in enumerate(self.buckets)}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
 
     # the compressor's hooks
@@ -110,15 +80,7 @@ class GatheringReducer(GradientReducer):
         """Add one rank's `codes` of a matrix into `total` (fp32, 1-D, the matrix's elements)."""
         raise NotImplementedError
 
-    # the flow
-
-    @property
-    def wire_bytes(self) -> int:
-        return super().wire_bytes if self._sent is None else self._sent
-
-    @property
-    def compressing(self) -> bool:
-        return self.group is not None and self.compressor.active
+    # the flow (`CompressingReducer`'s hooks)
 
     def _state(self, index: int, b: Bucket) -> _BucketState:
         if index not in self._states:
@@ -127,55 +89,27 @@ class GatheringReducer(GradientReducer):
             for p, offset in zip(b.params, b.offsets, strict=True):
                 local = local_part(p)
                 (matrices if local.dim() >= 2 else rest).append((offset, local.numel()))
-            self._states[index] = _BucketState(matrices, rest)
+            self._states[index] = _BucketState(matrices=matrices, rest=rest)
         return self._states[index]
 
-    @torch.no_grad()
-    def _start(self, b: Bucket) -> None:
-        if not self.compressing:
-            super()._start(b)
-            return
-        index = self._index[id(b)]
-        st = self._state(index, b)
-        if st.rest:
-            rest = torch.cat([b.flat[o:o + n] for o, n in st.rest])
-            st.rest_wire = rest if rest.dtype == self.reduce_dtype else rest.to(self.reduce_dtype)
-            st.works.append(dist.all_reduce(st.rest_wire, group=self.group, async_op=True))
+    def _start_matrices(self, index: int, b: Bucket, st: _BucketState) -> None:
         if st.matrices:
             st.send = torch.cat([self.encode((index, i), b.flat[o:o + n]) for i, (o, n) in enumerate(st.matrices)])
             st.gathered = st.send.new_empty(self.size * st.send.numel())  # flat: gloo takes no stacked output
             st.works.append(dist.all_gather_into_tensor(st.gathered, st.send, group=self.group, async_op=True))
 
-    @torch.no_grad()
-    def finish(self) -> None:
-        if not self.compressing:
-            self._sent = None
-            super().finish()
-            return
-        self.started_early = self.next_to_start
-        self._start_ready(everything=True)
+    def _finish_compressed(self) -> int:
         sent = 0
         for index, b in enumerate(self.buckets):
             st = self._states[index]
-            for work in st.works:
-                work.wait()
-            st.works = []
-            if st.rest_wire is not None:
-                sent += st.rest_wire.numel() * st.rest_wire.element_size()
-                offset = 0
-                for o, n in st.rest:
-                    b.flat[o:o + n].copy_(st.rest_wire[offset:offset + n])
-                    offset += n
+            sent += self._wait(b, st)
             if st.send is not None:
-                assert st.gathered is not None  # gathered with the send, in `_start`
+                assert st.gathered is not None  # gathered with the send, in `_start_matrices`
                 sent += st.send.numel() * st.send.element_size()
                 self._decode(b, st, st.gathered.view(self.size, -1))
             st.send = st.gathered = st.rest_wire = None
-            target = self._reduced(b)  # ZeRO-1: this rank's slice of the whole bucket
-            if target is not b.flat:
-                target.copy_(b.flat[self.rank * target.numel():][:target.numel()])
-        self._sent = sent
-        self.next_to_start, self.armed = 0, set()
+            self._keep_reduced(b)  # ZeRO-1: this rank's slice of the whole bucket
+        return sent
 
     def _decode(self, b: Bucket, st: _BucketState, gathered: torch.Tensor) -> None:
         """Every rank's codes of each matrix, decoded and summed in rank order into the bucket."""

@@ -52,14 +52,13 @@ last step before the save (one step's compression error) is lost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from trainyard.parallel.config import GradCompressionConfig
 from trainyard.parallel.plan.grad_compression import approximation_rank
-from trainyard.parallel.runtime.dp.data_parallel import GradientReducer, ShardedGradientReducer
+from trainyard.parallel.runtime.compression.base import BaseCompressor, BucketState, CompressingReducer
+from trainyard.parallel.runtime.dp.data_parallel import ShardedGradientReducer
 from trainyard.parallel.runtime.dp.grad_buckets import Bucket as _Bucket
 from trainyard.parallel.runtime.tp.local_parts import local_part
 from trainyard.parallel.seeds import derive_seed
@@ -74,31 +73,6 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
 
 
 @dataclass
-class PowerSGD:
-    """The compressor the trainer's reducers share (a `Compressor`): its options, the job seed, and the step
-    running now (set by the trainer before each step, so warm-up follows the job's step count across resumes)."""
-
-    config: GradCompressionConfig
-    seed: int
-    step: int = 0
-
-    @property
-    def active(self) -> bool:
-        return self.step >= self.config.warmup_steps
-
-    def reducer_class(self, base: type[GradientReducer]) -> type[PowerSGDReducer]:
-        """The compressing variant of a sharding strategy's reducer (`parallel.plan.rules` refuses the others)."""
-        variants = {GradientReducer: PowerSGDReducer, ShardedGradientReducer: ShardedPowerSGDReducer}
-        if base not in variants:
-            raise ValueError(f"PowerSGD does not compose with {base.__name__} (it needs whole gradients)")
-        return variants[base]
-
-    def initial_q(self, key: tuple, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, "powersgd", *key))
-        return torch.randn(cols, rank, generator=gen).to(dtype=torch.float32, device=like.device)
-
-
-@dataclass
 class _Matrix:
     offset: int
     rows: int
@@ -110,38 +84,17 @@ class _Matrix:
     p: torch.Tensor | None = None
 
 
-@dataclass
-class _BucketState:
+@dataclass(kw_only=True)
+class _BucketState(BucketState):
     matrices: list[_Matrix]
-    rest: list[tuple[int, int]]
-    """(offset, length) in the bucket of each tensor sent uncompressed."""
-    works: list[dist.Work] = field(default_factory=list)
-    rest_wire: torch.Tensor | None = None
     p_wire: torch.Tensor | None = None
     q_wire: torch.Tensor | None = None
 
 
-class PowerSGDReducer(GradientReducer):
+class PowerSGDReducer(CompressingReducer[_BucketState]):
     """The plain reducer with each bucket's large gradient matrices sent as PowerSGD factors (module doc)."""
 
-    sums_in_shared_memory = False
-
-    def __init__(self, chunk_params: list[list[nn.Parameter]], group: dist.ProcessGroup | None,
-                 compressor: PowerSGD, **kwargs):
-        self.compressor = compressor
-        self._states: dict[int, _BucketState] = {}
-        self._sent: int | None = None
-        """Bytes sent in the last step, when it was compressed."""
-        super().__init__(chunk_params, group, **kwargs)
-        self._index = {id(b): i for i, b in enumerate(self.buckets)}
-
-    @property
-    def wire_bytes(self) -> int:
-        return super().wire_bytes if self._sent is None else self._sent
-
-    @property
-    def compressing(self) -> bool:
-        return self.group is not None and self.compressor.active
+    compressor: PowerSGD
 
     def _state(self, index: int, b: _Bucket) -> _BucketState:
         if index not in self._states:
@@ -157,24 +110,13 @@ class PowerSGDReducer(GradientReducer):
                 q = self.compressor.initial_q((index, i), cols, r, b.flat)
                 matrices.append(_Matrix(offset, rows, cols, q, torch.zeros(rows, cols, dtype=b.flat.dtype,
                                                                            device=b.flat.device)))
-            self._states[index] = _BucketState(matrices, rest)
+            self._states[index] = _BucketState(matrices=matrices, rest=rest)
         return self._states[index]
 
     def _matrix(self, b: _Bucket, m: _Matrix) -> torch.Tensor:
         return b.flat[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
 
-    @torch.no_grad()
-    def _start(self, b: _Bucket) -> None:
-        if not self.compressing:
-            super()._start(b)
-            return
-        index = self._index[id(b)]
-        st = self._state(index, b)
-        parts = [b.flat[o:o + n] for o, n in st.rest]
-        if parts:
-            rest = torch.cat(parts)
-            st.rest_wire = rest if rest.dtype == self.reduce_dtype else rest.to(self.reduce_dtype)
-            st.works.append(dist.all_reduce(st.rest_wire, group=self.group, async_op=True))
+    def _start_matrices(self, index: int, b: _Bucket, st: _BucketState) -> None:
         if st.matrices:
             ps = []
             for m in st.matrices:
@@ -185,27 +127,15 @@ class PowerSGDReducer(GradientReducer):
             st.p_wire = torch.cat(ps)
             st.works.append(dist.all_reduce(st.p_wire, group=self.group, async_op=True))
 
-    @torch.no_grad()
-    def finish(self) -> None:
-        if not self.compressing:
-            self._sent = None
-            super().finish()
-            return
-        self.started_early = self.next_to_start
-        self._start_ready(everything=True)
+    def _finish_compressed(self) -> int:
         sent = 0
         for index, b in enumerate(self.buckets):  # phase 2: orthonormalise P, send Q
             st = self._states[index]
-            for work in st.works:
-                work.wait()
-            st.works = []
-            if st.rest_wire is not None:
-                sent += st.rest_wire.numel() * st.rest_wire.element_size()
-                self._unpack_rest(b, st.rest_wire, st)
+            sent += self._wait(b, st)
             if not st.matrices:
                 continue
             p_wire = st.p_wire
-            assert p_wire is not None  # `_start` sent the matrices' P
+            assert p_wire is not None  # `_start_matrices` sent the matrices' P
             sent += p_wire.numel() * p_wire.element_size()
             offset, qs = 0, []
             for m in st.matrices:
@@ -234,22 +164,18 @@ class PowerSGDReducer(GradientReducer):
                 st.q_wire = st.p_wire = None
             st.rest_wire = None
             self._keep_reduced(b)
-        self._sent = sent
-        self.next_to_start, self.armed = 0, set()
-
-    def _unpack_rest(self, b: _Bucket, rest_wire: torch.Tensor, st: _BucketState) -> None:
-        offset = 0
-        for o, n in st.rest:
-            b.flat[o:o + n].copy_(rest_wire[offset:offset + n])
-            offset += n
-
-    def _keep_reduced(self, b: _Bucket) -> None:
-        """The reduced gradients are in the whole bucket; a sharded reducer keeps its slice as well."""
-        target = self._reduced(b)
-        if target is not b.flat:
-            target.copy_(b.flat[self.rank * target.numel():][:target.numel()])
+        return sent
 
 
 class ShardedPowerSGDReducer(PowerSGDReducer, ShardedGradientReducer):
     """ZeRO-1 with PowerSGD: the compressed all-reduce fills the whole bucket, this rank keeps its slice."""
 
+
+class PowerSGD(BaseCompressor):
+    """The compressor the trainer's reducers share (a `Compressor`, `parallel.runtime.compression.base`)."""
+
+    reducers = (PowerSGDReducer, ShardedPowerSGDReducer)
+
+    def initial_q(self, key: tuple, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "powersgd", *key))
+        return torch.randn(cols, rank, generator=gen).to(dtype=torch.float32, device=like.device)
