@@ -32,7 +32,7 @@ OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd"]
 LrScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
 ZeroLevel = Literal[0, 1, 2, 3]
-SyncName = Literal["allreduce", "local_sgd", "diloco"]
+SyncName = Literal["allreduce", "local_sgd", "diloco", "gossip"]
 CompressionName = Literal["powersgd", "topk", "qsgd"]
 
 FAMILY_NAMES: tuple[FamilyName, ...] = get_args(FamilyName)

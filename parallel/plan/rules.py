@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
+from trainyard.parallel.plan.gossip_peers import gossip_violation
 from trainyard.parallel.plan.planner.search_options import searched_values, with_option
 from trainyard.parallel.plan.replica_sync import LOCAL_KINDS, is_local, replica_dp
 from trainyard.parallel.plan.schedule.actions import ScheduleError
@@ -252,6 +253,11 @@ def sync_violations(r: Resolved) -> list[PlanError]:
                                                              f"replicas, which {sync.kind} does not run (its replicas "
                                                              "average their parameters every parallel.sync.every "
                                                              "steps instead): leave one of the two out"))
+    if sync.kind == "gossip":
+        reason = gossip_violation(dp // replica_dp(sync, dp), sync.peers)
+        if reason is not None:
+            errors.append(PlanError("parallel.sync.peers", f"{reason}: each gossip replica averages with as many "
+                                                           "others as every other replica does"))
     every = config.checkpoint.every
     # Only the saves before the last step count: the job's final checkpoint follows the last step's sync.
     if every and every < config.steps and every % sync.every:

@@ -76,16 +76,20 @@ class RankState:
         self.steps_done = None
         return self.sync_replicas(view, live)
 
-    def sync_replicas(self, view: StateView | None, live: tuple[int, ...] | None) -> int:
-        """local_sgd / diloco's sync (`ReplicaSync.synchronise`), averaging the inner state of `view` too when one is
-        given; the optimizer then takes the parameters it changed (offloaded: into its host copies). The bytes sent."""
+    def sync_replicas(self, view: StateView | None, live: tuple[int, ...] | None, *, step: int = 0,
+                      whole: bool = True) -> int:
+        """local_sgd / diloco / gossip's sync (`ReplicaSync.synchronise`), averaging the inner state of `view` too
+        when one is given; the optimizer then takes the parameters it changed (offloaded: into its host copies).
+        `step`, `whole`: the sync's step and whether it must leave one model (gossip's rounds do not). The bytes
+        sent."""
         self.optimizer.settle()
         assert self.sync is not None
         copies = (self.tied.embedding, self.tied.head)  # a tied embedding's moments: each averaged apart
         apart = {id(t) for r in self.reducers.values() for t, p in r.optimizer_params() if any(p is c for c in copies)}
         inner = _inner_state(view, lambda t: id(t) not in apart) if view is not None else []
         tied = _inner_state(view, lambda t: id(t) in apart) if view is not None else []
-        sent = self.sync.synchronise(inner, live, self.coords.dp, state_apart=tied)
+        sent = self.sync.synchronise(inner, live, self.coords.dp, state_apart=tied, step=step,
+                                     seed=self.plan.config.seed, whole=whole)
         self.optimizer.params_changed()
         return sent
 

@@ -47,7 +47,7 @@ from trainyard.parallel.models.components.moe import moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_after
+from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_after, whole_sync
 from trainyard.parallel.plan.schedule.actions import FREEING_KINDS, Action, ActionKind, stage_location
 from trainyard.parallel.runtime.build import build_rank
 from trainyard.parallel.runtime.compile import compile_seconds
@@ -150,14 +150,15 @@ class RankTrainer:
         for reducer in self.reducers.values():
             reducer.gather_params()
         # Across the replicas: the dense gradients' reduction every step (what it handed to its collectives), or
-        # local_sgd / diloco's syncs.
+        # local_sgd / diloco / gossip's syncs.
         sent = 0 if self.local_sync or "dense" not in self.reducers else self.reducers["dense"].wire_bytes
         cfg = self.plan.config
         if self.sync is not None and syncs_after(step, self.plan.parallel.sync, cfg.steps):
             self.optimizer.settle()  # the sync reads the parameters
             checkpointed = averages_optimizer_state(step, self.plan.parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
-            sent = self.rank_state.sync_replicas(view, live)
+            whole = whole_sync(step, self.plan.parallel.sync, cfg.checkpoint.every, cfg.steps)
+            sent = self.rank_state.sync_replicas(view, live, step=step, whole=whole)
             if view is not None:
                 view.write_back()
         self.rank_state.steps_done = step + 1
