@@ -215,6 +215,15 @@ def schedule_violations(r: Resolved) -> list[PlanError]:
                                                       "around the compiled block, backward fails); use "
                                                       "activation_checkpointing: selective or none, or a schedule "
                                                       "without split backward (1f1b, interleaved-1f1b)")]
+    if r.schedule.delays_update:
+        # 2bw swaps the older weight version into the parameters around a step's compute: whole local tensors,
+        # stepped on the device, by the one replica (a sharded or offloaded copy, or a replica stepping alone,
+        # would step another version than the one swapped back)
+        held = [name for name, on in (("parallel.zero", par.zero > 0), ("optimizer.offload", config.optimizer.offload),
+                                      ("parallel.sync", is_local(par.sync))) if on]
+        if held:
+            return [PlanError(held[0], f"{par.schedule} (PipeDream-2BW's two weight versions) runs at zero 0, "
+                                       "without optimizer.offload and with sync allreduce only, so far")]
     if costs.backward_weight is not None and costs.backward_weight > costs.backward:
         return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
                                                        f"backward={costs.backward}: it is a part of the backward")]

@@ -25,6 +25,7 @@ from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.dp.data_parallel import Reducer
 from trainyard.parallel.runtime.pipeline.tied import TiedEmbeddings
+from trainyard.parallel.runtime.pipeline.weight_versions import WeightVersions
 from trainyard.parallel.runtime.sync import ReplicaSync, saved_outer_state
 from trainyard.parallel.runtime.tp.local_parts import local_part
 from trainyard.parallel.runtime.train_optimizer import StateView, TrainOptimizer
@@ -45,6 +46,8 @@ class RankState:
         self._view: StateView | None = None
         """The optimizer state `checkpoint_state` exported, until a load fills it and `_took_state` takes it back."""
         self._pending_checkpoint: tuple[Callable[[], None], Path, int] | None = None
+        self.versions: WeightVersions | None = None
+        """2bw's older weight version (`parallel.runtime.pipeline.weight_versions`), set by the trainer."""
         self.steps_done: int | None = 0
         """The steps the parameters and moments hold; None while they are being replaced or stepped (a failure
         then leaves them half-done), so a recovery takes state only from a rank that knows its step."""
@@ -198,6 +201,8 @@ class RankState:
         self.optimizer.set_step(step)
         if self.sync is not None:
             self.sync.took_state()
+        if self.versions is not None:  # 2bw: the loaded weights are the older version too
+            self.versions.took_state()
         self.steps_done = step
 
 
