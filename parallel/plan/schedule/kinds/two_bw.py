@@ -7,7 +7,8 @@ idles (`steady_state`), at the cost of the one-step delay in the update.
 Its compute order within a step is 1F1B's; what differs is that steps do not flush (the bubble a step pays is the
 steady state's: `steady_state`, which the plan preview shows) and that the ranks step the weights one version late
 (`delays_update`: `parallel.runtime.pipeline.weight_versions`). The planner never picks it (it changes the numbers).
-Pure: no torch.
+The executor does not overlap steps yet (a step's list runs to its end inside one call): the numbers are 2BW's,
+the measured step 1F1B's. Pure: no torch.
 """
 
 from __future__ import annotations
