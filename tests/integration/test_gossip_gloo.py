@@ -1,8 +1,9 @@
 """Gossip averaging (`parallel.sync.kind: gossip`) on real gloo ranks, without Ray, all plans in one spawned world:
 
-- with every other replica as a peer (dp=4, peers=3) a gossip round is local_sgd's mean, sent point to point:
-  the same losses and parameters as local_sgd within 1e-6 (AdamW), three copies of the parameters sent per
-  round instead of one all-reduce's;
+- with every other replica as a peer (dp=4, peers=3) a gossip round is local_sgd's mean (every replica's
+  parameters after it are the replicas' mean before it, within 1e-6), sent point to point: three copies of the
+  parameters per round instead of one all-reduce's; in `make test-slow`, the whole run against local_sgd's
+  (AdamW: losses and parameters within 1e-6);
 - at dp=2 with one peer, every step and a linear inner step (plain SGD), gossip equals all-reduce;
 - on a ring with one peer (dp=4), the job trains (its loss falls), and each round replaces each replica's
   parameters by the mean of its own and its one peer's (`gossip_peers`): the replicas differed before it and
@@ -14,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-from gloo_ranks import PlanRun, run_plans, stats_of
-from helpers import tiny_spec
+from gloo_ranks import PlanRun, RankResult, run_plans, stats_of
+from helpers import SLOW_TESTS, slow, tiny_spec
 from test_sync_gloo import final_params, last_stage_losses
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.gossip_peers import gossip_peers
@@ -53,10 +54,15 @@ def sync_log(driver, stats) -> list[dict]:
     return driver.gossip_log
 
 
+def logged_params(driver, stats) -> dict:
+    return {"log": driver.gossip_log, "params": final_params(driver, stats)}
+
+
 RING = {"kind": "gossip", "every": 1, "peers": 1, "topology": "ring"}
+RECORDED = ("gossip-all", "ring")
 RUNS = {
-    "local_sgd": (plan_for(4, {"kind": "local_sgd", "every": EVERY}), final_params),
-    "gossip-all": (plan_for(4, {"kind": "gossip", "every": EVERY, "peers": 3, "topology": "random"}), final_params),
+    **({"local_sgd": (plan_for(4, {"kind": "local_sgd", "every": EVERY}), final_params)} if SLOW_TESTS else {}),
+    "gossip-all": (plan_for(4, {"kind": "gossip", "every": EVERY, "peers": 3, "topology": "random"}), logged_params),
     "allreduce-dp2": (plan_for(2, **NO_CLIP), final_params),
     "gossip-dp2": (plan_for(2, {"kind": "gossip", "every": 1, "peers": 1}, **NO_CLIP), final_params),
     "ring": (plan_for(4, RING, optimizer={"lr": 1e-2}), sync_log),
@@ -67,7 +73,7 @@ _cache: dict = {}
 
 def runs() -> dict:
     if not _cache:
-        named = [(key, PlanRun(plan, probe=probe, at_start=record_syncs if key == "ring" else None))
+        named = [(key, PlanRun(plan, probe=probe, at_start=record_syncs if key in RECORDED else None))
                  for key, (plan, probe) in RUNS.items()]
         results = run_plans([run for _, run in named])
         _cache.update({key: r for (key, _), r in zip(named, results, strict=True)})
@@ -88,11 +94,24 @@ def assert_same_run(run, reference, rtol: float) -> None:
 
 
 def test_gossip_with_every_other_replica_as_a_peer_is_local_sgd_sent_point_to_point():
-    gossip, local = runs()["gossip-all"], runs()["local_sgd"]
-    assert_same_run(gossip, local, rtol=1e-6)
-    sent, reduced = ([s["cross_replica_bytes"] for s in run[0].stats] for run in (gossip, local))
+    gossip = runs()["gossip-all"]
+    logs = {r.probe["log"][0]["replica"]: r.probe["log"] for r in gossip}
+    gossiped, whole = logs[0]
+    assert (gossiped["step"], gossiped["whole"], whole["whole"]) == (EVERY - 1, False, True)
+    before = torch.stack([logs[i][0]["before"] for i in range(4)])
+    assert float((before - before.mean(0)).norm()) > 0  # the replicas stepped apart
+    for i in range(4):  # local_sgd's average, from three point-to-point messages
+        torch.testing.assert_close(logs[i][0]["after"], before.mean(0), rtol=1e-6, atol=1e-7)
+    sent = [s["cross_replica_bytes"] for s in gossip[0].stats]
+    numel = before.shape[1]
     # the round after step 1 sends the parameters to three peers; the last is whole, one all-reduce's
-    assert sent[1] == 3 * reduced[1] > 0 and sent[-1] == reduced[-1] and sent[0] == sent[2] == 0
+    assert sent == [0, 3 * 4 * numel, 0, 4 * numel]
+
+
+@slow
+def test_a_gossip_run_with_every_other_replica_as_a_peer_is_local_sgds_run():
+    gossip, local = runs()["gossip-all"], runs()["local_sgd"]
+    assert_same_run([RankResult(r.stats, r.probe["params"]) for r in gossip], local, rtol=1e-6)
 
 
 def test_gossip_at_dp2_with_one_peer_every_step_equals_all_reduce_with_a_linear_inner_step():
