@@ -55,6 +55,9 @@ def test_the_plan_shows_the_bytes_per_step_of_each_stage():
         return describe(make_plan(parse_spec(spec)))["sync"]
 
     allreduce, diloco = sync_of({}), sync_of({"kind": "diloco", "every": 8})
+    gossip = sync_of({"kind": "gossip", "every": 4, "peers": 1, "topology": "random"})
+    assert (gossip["peers"], gossip["topology"]) == (1, "random")  # its options shown
+    assert gossip["cross_replica_bytes_per_step"] == [b / 4 for b in allreduce["cross_replica_bytes_per_step"]]
     assert diloco["kind"] == "diloco" and diloco["every"] == 8 and len(diloco["cross_replica_bytes_per_step"]) == 2
     assert diloco["cross_replica_bytes_per_step"] == [b / 8 for b in allreduce["cross_replica_bytes_per_step"]]
 
