@@ -5,6 +5,8 @@
   parameters per round instead of one all-reduce's; in `make test-slow`, the whole run against local_sgd's
   (AdamW: losses and parameters within 1e-6);
 - at dp=2 with one peer, every step and a linear inner step (plain SGD), gossip equals all-reduce;
+- a replica dropped after a failure sits out, then rejoins at the next sync (local_sgd's machinery: the sync
+  with replicas out of the round is the live replicas' mean) and takes the live replica's state;
 - on a ring with one peer (dp=4), the job trains (its loss falls), and each round replaces each replica's
   parameters by the mean of its own and its one peer's (`gossip_peers`): the replicas differed before it and
   agree more after it, and their mean is what it was (the pairing is doubly stochastic).
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import PlanRun, RankResult, run_plans, stats_of
 from helpers import SLOW_TESTS, slow, tiny_spec
-from test_sync_gloo import final_params, last_stage_losses
+from test_sync_gloo import drop_and_rejoin, final_params, last_stage_losses
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.gossip_peers import gossip_peers
 from trainyard.parallel.spec import parse_spec
@@ -67,6 +69,8 @@ RUNS = {
     "gossip-dp2": (plan_for(2, {"kind": "gossip", "every": 1, "peers": 1}, **NO_CLIP), final_params),
     "ring": (plan_for(4, RING, optimizer={"lr": 1e-2}), sync_log),
 }
+DROPPED = make_plan(parse_spec(tiny_spec(steps=8, global_batch=8, parallel={"dp": 2, "sync": {
+    "kind": "gossip", "every": 4, "peers": 1}})))
 
 _cache: dict = {}
 
@@ -75,6 +79,7 @@ def runs() -> dict:
     if not _cache:
         named = [(key, PlanRun(plan, probe=probe, at_start=record_syncs if key in RECORDED else None))
                  for key, (plan, probe) in RUNS.items()]
+        named.append(("dropped", PlanRun(DROPPED, steps=range(0), probe=drop_and_rejoin)))
         results = run_plans([run for _, run in named])
         _cache.update({key: r for (key, _), r in zip(named, results, strict=True)})
     return _cache
@@ -137,3 +142,13 @@ def test_a_ring_round_averages_each_replica_with_its_peer_and_brings_them_closer
         assert logs[0][call]["sent"] == 4 * before.shape[1]  # one peer: one copy of the parameters
     assert logs[0][-1]["whole"]  # the last sync leaves one model
     assert all(torch.equal(logs[i][-1]["after"], logs[0][-1]["after"]) for i in range(4))
+
+
+def test_a_dropped_gossip_replica_sits_out_then_rejoins_with_the_live_replicas_state():
+    live, dropped = (r.probe for r in runs()["dropped"])
+    assert not all(torch.equal(live["sat_out"][n], t) for n, t in live["before"].items())  # replica 0 stepped
+    for name, before in dropped["before"].items():
+        assert torch.equal(dropped["sat_out"][name], before), name  # replica 1 ran nothing in step 2
+        assert torch.equal(dropped["rejoined"][name], live["rejoined"][name]), name  # then took replica 0's
+    assert all(loss is not None for loss in live["losses"])
+    assert [loss is None for loss in dropped["losses"]] == [s in (2, 3) for s in range(8)]
