@@ -67,17 +67,25 @@ class SyncConfig:
     kind: SyncName = "allreduce"
     """allreduce: gradients summed every step; local_sgd: each replica steps on its own share of the batch and
     the parameters are averaged every `every` steps; diloco: the averaged change since the last sync (the
-    pseudo-gradient) goes through an outer Nesterov SGD (`parallel.runtime.sync`)."""
+    pseudo-gradient) goes through an outer Nesterov SGD; gossip: every `every` steps each replica averages its
+    parameters with `peers` others only, by point-to-point messages (`parallel.runtime.sync`)."""
     every: Annotated[int, Gt(0), Le(MAX_STEPS), NOT_BOOL] = 1
-    """local_sgd, diloco: steps between synchronisations (H)."""
+    """local_sgd, diloco, gossip: steps between synchronisations (H)."""
     outer_lr: Annotated[float, Gt(0), Le(1e3), NOT_BOOL] = 0.7
     """diloco: the outer SGD's learning rate (DiLoCo's 0.7)."""
     outer_momentum: Annotated[float, Ge(0), Lt(1), NOT_BOOL] = 0.9
     """diloco: the outer SGD's Nesterov momentum (0: plain SGD)."""
+    peers: Degree = 1
+    """gossip: how many other replicas each replica averages with at a sync (fewer than the replicas; with an odd
+    number, the replicas must be even: each exchange pairs two). The replicas' number less one: local_sgd's mean."""
+    topology: Literal["ring", "random"] = "ring"
+    """gossip: who the peers are: `ring`, the nearest replicas by index (one peer: the left and the right
+    neighbour in turn); `random`, the same over a permutation drawn from (seed, step), new at every sync
+    (`parallel.plan.gossip_peers`)."""
     replicas: Degree | None = None
-    """local_sgd, diloco: how many replicas the data-parallel ranks form (it must divide dp); each replica is then
-    dp / replicas consecutive dp ranks, which share ZeRO's shards and MoE's experts and sum their gradients every
-    step, as allreduce's ranks do. Default: dp (each data-parallel rank a replica)."""
+    """local_sgd, diloco, gossip: how many replicas the data-parallel ranks form (it must divide dp); each replica
+    is then dp / replicas consecutive dp ranks, which share ZeRO's shards and MoE's experts and sum their gradients
+    every step, as allreduce's ranks do. Default: dp (each data-parallel rank a replica)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +126,7 @@ class ParallelConfig:
     """Compress the gradients on the wire (`{kind: powersgd, rank: 4, warmup_steps: 10}`, `{kind: topk, ratio: 0.01}`,
     `{kind: qsgd, levels: 7}`); null: none."""
     sync: SyncConfig = field(default_factory=SyncConfig)
-    """How the replicas keep in step: every step (allreduce) or every H steps (local_sgd, diloco)."""
+    """How the replicas keep in step: every step (allreduce) or every H steps (local_sgd, diloco, gossip)."""
 
     @property
     def fixed_dp(self) -> int:

@@ -13,8 +13,9 @@ from trainyard.parallel.plan.memory.estimate import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
 from trainyard.parallel.plan.replica_sync import cross_replica_bytes
 from trainyard.parallel.plan.schedule.actions import ActionKind, format_actions
-from trainyard.parallel.plan.schedule.schedule_sim import render_gantt, simulate
+from trainyard.parallel.plan.schedule.schedule_sim import render_gantt, simulate, steady_state
 from trainyard.parallel.plan.schedule.schedule_timing import Costs
+from trainyard.parallel.plan.schedule.schedules import build_schedule
 from trainyard.parallel.plan.units import format_bytes
 
 
@@ -94,6 +95,11 @@ def describe_schedule(plan: Plan) -> dict:
     result = simulate([list(actions) for actions in plan.actions], plan.microbatches, plan.vpp,
                       Costs(forward=c.forward, backward=c.backward, comm=c.comm, backward_weight=c.backward_weight),
                       plan.schedule.placement)
+    makespan, bubble = result.makespan, result.bubble_fraction
+    if not plan.schedule.flushes:  # 2bw: a step runs into the next; what it costs is the steady state's
+        twice = build_schedule(plan.schedule.name, plan.pp, 2 * plan.microbatches, plan.vpp)
+        makespan, bubble = steady_state([list(actions) for actions in plan.actions], twice, plan.microbatches,
+                                        Costs(forward=c.forward, backward=c.backward, comm=c.comm))
     return {
         "kind": plan.schedule.name,
         "pp": plan.pp,
@@ -102,8 +108,9 @@ def describe_schedule(plan: Plan) -> dict:
         "microbatches": plan.microbatches,
         "costs": {"forward": c.forward, "backward": c.backward, "comm": c.comm, **split},
         "stages": [format_actions(list(actions)) for actions in plan.actions],
-        "makespan": result.makespan,
-        "bubble_fraction": result.bubble_fraction,
+        "makespan": makespan,  # of a step in steady state where the schedule does not flush (2bw)
+        "bubble_fraction": bubble,
+        "flushes": plan.schedule.flushes,
         "peak_activations": result.peak_activations,
         "gantt": render_gantt(result),
     }

@@ -1,8 +1,11 @@
-"""When data-parallel replicas synchronise (`parallel.sync`: allreduce, local_sgd, diloco) and what it costs: the
-pure rules the coordinator, the plan and the ranks all ask (`parallel.runtime.sync` runs the collective).
+"""When data-parallel replicas synchronise (`parallel.sync`: allreduce, local_sgd, diloco, gossip) and what it costs:
+the pure rules the coordinator, the plan and the ranks all ask (`parallel.runtime.sync` runs the collective).
 
 - `allreduce`: every gradient is summed across the replicas every step (the reducers); no sync step.
 - `local_sgd` / `diloco`: each replica steps alone; every `every` steps (and after the last) they synchronise.
+- `gossip`: as local_sgd, but a sync averages each replica with `peers` others only (`gossip_peers`), point to
+  point; the syncs that must leave one model (after the last step, before a checkpoint: `whole_sync`) average
+  them all, as local_sgd's do.
 
 `SYNC_KINDS` is the sync modes' pure side, by name: what the rules below read of a mode. How a mode runs on a rank
 is `parallel.runtime.sync.SYNCS`, under the same names (tests/unit/test_sync.py holds the two equal).
@@ -27,12 +30,16 @@ class SyncKind:
     all-reduce their parameters (fp32); False: the reducers sum the gradients every step and nothing syncs."""
     options: tuple[str, ...] = ()
     """The `SyncConfig` fields the mode reads besides `kind` and `replicas` (`trainyard plan` shows them)."""
+    peer_to_peer: bool = False
+    """A sync sends this rank's parameters to each of `peers` peers (and receives theirs), point to point, instead
+    of all-reducing them with every replica."""
 
 
 SYNC_KINDS: dict[SyncName, SyncKind] = registry(SYNC_NAMES, {
     "allreduce": SyncKind(steps_apart=False),
     "local_sgd": SyncKind(steps_apart=True, options=("every",)),
     "diloco": SyncKind(steps_apart=True, options=("every", "outer_lr", "outer_momentum")),
+    "gossip": SyncKind(steps_apart=True, options=("every", "peers", "topology"), peer_to_peer=True),
 }, "the replica sync modes' facts")
 """The sync modes by name (the spec's `parallel.sync.kind`); `allreduce` is the default."""
 NAMES = tuple(SYNC_KINDS)
@@ -46,7 +53,7 @@ def is_local(cfg: SyncConfig) -> bool:
 
 def replica_dp(cfg: SyncConfig, dp: int) -> int:
     """Data-parallel ranks in one replica, which sum their gradients every step (and share ZeRO's shards and MoE's
-    experts): every dp rank with allreduce (one replica), dp / `replicas` with local_sgd and diloco (default 1)."""
+    experts): every dp rank with allreduce (one replica), dp / `replicas` with the others (default 1)."""
     return dp // (cfg.replicas or dp) if is_local(cfg) else dp
 
 
@@ -61,6 +68,14 @@ def syncs_after(step: int, cfg: SyncConfig, steps: int) -> bool:
     """Whether the replicas synchronise their parameters after step `step` (0-based): every `every` steps, and
     after the job's last step (so the final state, and every checkpoint, is one model)."""
     return is_local(cfg) and ((step + 1) % cfg.every == 0 or step + 1 == steps)
+
+
+def whole_sync(step: int, cfg: SyncConfig, checkpoint_every: int, steps: int) -> bool:
+    """Whether the sync after `step` must leave every replica with one model: after the job's last step, and
+    where a `checkpoint.every` checkpoint follows (which holds one copy of the state). local_sgd's and diloco's
+    always do; gossip's average each replica with its peers only, but for these."""
+    return not SYNC_KINDS[cfg.kind].peer_to_peer or step + 1 == steps or \
+        averages_optimizer_state(step, cfg, checkpoint_every, steps)
 
 
 def rejoin_step(after: int, cfg: SyncConfig, steps: int) -> int:
@@ -96,9 +111,11 @@ def cross_replica_bytes(cfg: SyncConfig, local_params: int, dp: int, wire_bytes:
     """Bytes one rank puts into its all-reduces across the replicas per step, on average (the payload; a ring
     all-reduce sends about twice that over the wire). allreduce: every local gradient, at the wire type
     (`parallel.reduce_dtype`), each step; local_sgd and diloco: every local parameter (fp32) once per `every`
-    steps. 0 with one replica."""
+    steps; gossip: to each of `peers` peers once per `every` steps (but at a `whole_sync`, one all-reduce's).
+    0 with one replica."""
     if dp == 1:
         return 0.0
     if is_local(cfg):
-        return FP32 * local_params / cfg.every
+        copies = cfg.peers if SYNC_KINDS[cfg.kind].peer_to_peer else 1
+        return FP32 * local_params * copies / cfg.every
     return float(wire_bytes * local_params)

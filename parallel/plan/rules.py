@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
+from trainyard.parallel.plan.gossip_peers import gossip_violation
 from trainyard.parallel.plan.planner.search_options import searched_values, with_option
 from trainyard.parallel.plan.replica_sync import LOCAL_KINDS, is_local, replica_dp
 from trainyard.parallel.plan.schedule.actions import ScheduleError
@@ -214,6 +215,15 @@ def schedule_violations(r: Resolved) -> list[PlanError]:
                                                       "around the compiled block, backward fails); use "
                                                       "activation_checkpointing: selective or none, or a schedule "
                                                       "without split backward (1f1b, interleaved-1f1b)")]
+    if r.schedule.delays_update:
+        # 2bw swaps the older weight version into the parameters around a step's compute: whole local tensors,
+        # stepped on the device, by the one replica (a sharded or offloaded copy, or a replica stepping alone,
+        # would step another version than the one swapped back)
+        held = [name for name, on in (("parallel.zero", par.zero > 0), ("optimizer.offload", config.optimizer.offload),
+                                      ("parallel.sync", is_local(par.sync))) if on]
+        if held:
+            return [PlanError(held[0], f"{par.schedule} (PipeDream-2BW's two weight versions) runs at zero 0, "
+                                       "without optimizer.offload and with sync allreduce only, so far")]
     if costs.backward_weight is not None and costs.backward_weight > costs.backward:
         return [PlanError("sim_costs.backward_weight", f"backward_weight={costs.backward_weight} exceeds "
                                                        f"backward={costs.backward}: it is a part of the backward")]
@@ -252,6 +262,11 @@ def sync_violations(r: Resolved) -> list[PlanError]:
                                                              f"replicas, which {sync.kind} does not run (its replicas "
                                                              "average their parameters every parallel.sync.every "
                                                              "steps instead): leave one of the two out"))
+    if sync.kind == "gossip":
+        reason = gossip_violation(dp // replica_dp(sync, dp), sync.peers)
+        if reason is not None:
+            errors.append(PlanError("parallel.sync.peers", f"{reason}: each gossip replica averages with as many "
+                                                           "others as every other replica does"))
     every = config.checkpoint.every
     # Only the saves before the last step count: the job's final checkpoint follows the last step's sync.
     if every and every < config.steps and every % sync.every:

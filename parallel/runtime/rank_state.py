@@ -25,6 +25,7 @@ from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.dp.data_parallel import Reducer
 from trainyard.parallel.runtime.pipeline.tied import TiedEmbeddings
+from trainyard.parallel.runtime.pipeline.weight_versions import WeightVersions
 from trainyard.parallel.runtime.sync import ReplicaSync, saved_outer_state
 from trainyard.parallel.runtime.tp.local_parts import local_part
 from trainyard.parallel.runtime.train_optimizer import StateView, TrainOptimizer
@@ -45,6 +46,8 @@ class RankState:
         self._view: StateView | None = None
         """The optimizer state `checkpoint_state` exported, until a load fills it and `_took_state` takes it back."""
         self._pending_checkpoint: tuple[Callable[[], None], Path, int] | None = None
+        self.versions: WeightVersions | None = None
+        """2bw's older weight version (`parallel.runtime.pipeline.weight_versions`), set by the trainer."""
         self.steps_done: int | None = 0
         """The steps the parameters and moments hold; None while they are being replaced or stepped (a failure
         then leaves them half-done), so a recovery takes state only from a rank that knows its step."""
@@ -76,16 +79,20 @@ class RankState:
         self.steps_done = None
         return self.sync_replicas(view, live)
 
-    def sync_replicas(self, view: StateView | None, live: tuple[int, ...] | None) -> int:
-        """local_sgd / diloco's sync (`ReplicaSync.synchronise`), averaging the inner state of `view` too when one is
-        given; the optimizer then takes the parameters it changed (offloaded: into its host copies). The bytes sent."""
+    def sync_replicas(self, view: StateView | None, live: tuple[int, ...] | None, *, step: int = 0,
+                      whole: bool = True) -> int:
+        """local_sgd / diloco / gossip's sync (`ReplicaSync.synchronise`), averaging the inner state of `view` too
+        when one is given; the optimizer then takes the parameters it changed (offloaded: into its host copies).
+        `step`, `whole`: the sync's step and whether it must leave one model (gossip's rounds do not). The bytes
+        sent."""
         self.optimizer.settle()
         assert self.sync is not None
         copies = (self.tied.embedding, self.tied.head)  # a tied embedding's moments: each averaged apart
         apart = {id(t) for r in self.reducers.values() for t, p in r.optimizer_params() if any(p is c for c in copies)}
         inner = _inner_state(view, lambda t: id(t) not in apart) if view is not None else []
         tied = _inner_state(view, lambda t: id(t) in apart) if view is not None else []
-        sent = self.sync.synchronise(inner, live, self.coords.dp, state_apart=tied)
+        sent = self.sync.synchronise(inner, live, self.coords.dp, state_apart=tied, step=step,
+                                     seed=self.plan.config.seed, whole=whole)
         self.optimizer.params_changed()
         return sent
 
@@ -194,6 +201,8 @@ class RankState:
         self.optimizer.set_step(step)
         if self.sync is not None:
             self.sync.took_state()
+        if self.versions is not None:  # 2bw: the loaded weights are the older version too
+            self.versions.took_state()
         self.steps_done = step
 
 

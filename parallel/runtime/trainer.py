@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,12 +48,13 @@ from trainyard.parallel.models.components.moe import moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_after
+from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_after, whole_sync
 from trainyard.parallel.plan.schedule.actions import FREEING_KINDS, Action, ActionKind, stage_location
 from trainyard.parallel.runtime.build import build_rank
 from trainyard.parallel.runtime.compile import compile_seconds
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.pipeline.pipeline import PipelineExecutor, PipelineTimings
+from trainyard.parallel.runtime.pipeline.weight_versions import WeightVersions
 from trainyard.parallel.runtime.rank_state import RankState
 from trainyard.parallel.runtime.step.step_figures import Figures, stage
 from trainyard.parallel.runtime.step.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
@@ -94,6 +96,9 @@ class RankTrainer:
             if self.local_sync else None
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
                                     self.tied)
+        # 2bw: each step computes on the weights one version old and steps the newest (PipeDream-2BW)
+        self.versions = WeightVersions(params) if plan.schedule.delays_update else None
+        self.rank_state.versions = self.versions
         # Where each chunk's gradients become final: its last backward (or weight-gradient half) in the schedule.
         self.last_backward = {a.chunk: a.microbatch for a in plan.actions[self.coords.pp]
                               if a.kind in FREEING_KINDS}
@@ -134,7 +139,8 @@ class RankTrainer:
         for _, layer in self.moe_layers:
             layer.stats.zero_()
         self.executor.loss_scale = self._loss_scale(step, microbatch_ids)
-        loss_sum, timings = self._forward_backward(microbatch_ids, meter=self.steps_run % METER_EVERY == 0)
+        with self.versions.previous() if self.versions is not None else nullcontext():
+            loss_sum, timings = self._forward_backward(microbatch_ids, meter=self.steps_run % METER_EVERY == 0)
         self.steps_run += 1
         for reducer in self.reducers.values():
             reducer.finish()
@@ -149,15 +155,18 @@ class RankTrainer:
         self.optimizer.step()
         for reducer in self.reducers.values():
             reducer.gather_params()
+        if self.versions is not None:
+            self.versions.stepped()
         # Across the replicas: the dense gradients' reduction every step (what it handed to its collectives), or
-        # local_sgd / diloco's syncs.
+        # local_sgd / diloco / gossip's syncs.
         sent = 0 if self.local_sync or "dense" not in self.reducers else self.reducers["dense"].wire_bytes
         cfg = self.plan.config
         if self.sync is not None and syncs_after(step, self.plan.parallel.sync, cfg.steps):
             self.optimizer.settle()  # the sync reads the parameters
             checkpointed = averages_optimizer_state(step, self.plan.parallel.sync, cfg.checkpoint.every, cfg.steps)
             view = self.optimizer.export() if checkpointed else None
-            sent = self.rank_state.sync_replicas(view, live)
+            whole = whole_sync(step, self.plan.parallel.sync, cfg.checkpoint.every, cfg.steps)
+            sent = self.rank_state.sync_replicas(view, live, step=step, whole=whole)
             if view is not None:
                 view.write_back()
         self.rank_state.steps_done = step + 1

@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import get_args
 
 import pytest
+from helpers import tiny_spec
 from trainyard.parallel.config import ScheduleKind
+from trainyard.parallel.plan import PlanError, make_plan
+from trainyard.parallel.plan.present import describe
 from trainyard.parallel.plan.schedule.actions import Action, ActionKind, ScheduleError, format_actions, parse_actions
-from trainyard.parallel.plan.schedule.schedule_sim import render_gantt, simulate
+from trainyard.parallel.plan.schedule.schedule_sim import render_gantt, simulate, steady_state
 from trainyard.parallel.plan.schedule.schedule_timing import Costs
 from trainyard.parallel.plan.schedule.schedules import SCHEDULE_KINDS, build_schedule, check_schedule_args, placement_of
+from trainyard.parallel.spec import parse_spec
 
 # (pp, microbatches): multiples of pp, non-multiples, fewer micro-batches than ranks, and a single rank.
 PP_M = [(2, 4), (4, 8), (3, 7), (4, 6), (4, 2), (3, 1), (1, 5)]
@@ -101,6 +105,7 @@ OFFERED = [  # every combination here must build and pass the simulator, whateve
     ("interleaved-1f1b", 4, 7, 2), ("interleaved-1f1b", 4, 13, 4), ("interleaved-1f1b", 5, 12, 2),
     ("zb-h1", 1, 3, 1), ("zb-h1", 2, 1, 1), ("zb-h1", 3, 5, 1), ("zb-h1", 4, 2, 1), ("zb-h1", 4, 8, 1),
     ("zbv", 1, 3, 2), ("zbv", 2, 1, 2), ("zbv", 2, 5, 2), ("zbv", 3, 4, 2), ("zbv", 4, 6, 2), ("zbv", 4, 9, 2),
+    ("2bw", 1, 2, 1), ("2bw", 2, 4, 1), ("2bw", 4, 8, 1),
 ]
 
 
@@ -290,3 +295,35 @@ def test_validator_rejects_a_fifo_payload_mismatch():
 def test_validator_names_rank_position_and_action(rows, why):
     with pytest.raises(ScheduleError, match=why):
         simulate(table(*rows), 1)
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 2)])
+def test_2bw_runs_1f1b_within_a_step_and_without_the_flush_its_steady_state_has_no_bubble(pp, m):
+    """PipeDream-2BW: a step's lists are 1F1B's; the next step's forwards start as its backwards drain, so two
+    steps back to back cost one step more than one, m (F + B) a rank: no idle time left (1F1B pays (pp - 1) (F + B)
+    each step)."""
+    one = build_schedule("2bw", pp, m)
+    assert one == build_schedule("1f1b", pp, m)
+    for costs in (Costs(), Costs(1.0, 3.0, 0.0)):
+        per_step, bubble = steady_state(one, build_schedule("2bw", pp, 2 * m), m, costs)
+        flushed = simulate(build_schedule("1f1b", pp, m), m, costs=costs)
+        assert per_step == m * (costs.forward + costs.backward) and bubble == 0.0
+        assert flushed.makespan == (m + pp - 1) * (costs.forward + costs.backward) and flushed.bubble_fraction > 0
+
+
+def test_2bw_is_refused_with_virtual_stages_and_the_plan_shows_its_steady_state():
+    with pytest.raises(ScheduleError, match="2bw needs vpp=1"):
+        check_schedule_args("2bw", 2, 4, 2)
+    spec = tiny_spec(model={"n_layer": 4}, parallel={"pp": 4, "microbatches": 8, "schedule": "2bw"})
+    shown = describe(make_plan(parse_spec(spec)))["schedule"]
+    assert shown["flushes"] is False and shown["bubble_fraction"] == 0.0
+    assert shown["makespan"] == 8 * 3.0  # a step in steady state, at the default costs (F 1, B 2)
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    ({"zero": 1}, "parallel.zero"), ({"dp": 2, "sync": {"kind": "local_sgd", "every": 2}}, "parallel.sync")])
+def test_2bw_refuses_what_would_step_another_weight_version_naming_the_field(overrides, field):
+    spec = tiny_spec(parallel={"dp": 2, "pp": 2, "microbatches": 2, "schedule": "2bw", **overrides})
+    with pytest.raises(PlanError) as info:
+        make_plan(parse_spec(spec))
+    assert info.value.field == field and "PipeDream-2BW's two weight versions" in str(info.value)

@@ -13,6 +13,7 @@ from trainyard.parallel.plan.replica_sync import (
     cross_replica_bytes,
     syncs_after,
     syncs_before_save,
+    whole_sync,
 )
 from trainyard.parallel.spec import parse_spec
 
@@ -40,12 +41,23 @@ def test_local_replicas_send_the_parameters_once_per_h_steps():
     assert cross_replica_bytes(SyncConfig(kind="diloco", every=8), 1000, dp=1) == 0
 
 
+def test_gossip_sends_to_each_peer_and_only_its_last_and_checkpointed_syncs_are_whole():
+    cfg = SyncConfig(kind="gossip", every=2, peers=3)
+    assert cross_replica_bytes(cfg, 1000, dp=8) == 4 * 1000 * 3 / 2
+    assert [s for s in range(10) if syncs_after(s, cfg, steps=10)] == [1, 3, 5, 7, 9]
+    assert [s for s in range(10) if whole_sync(s, cfg, 4, steps=10)] == [3, 7, 9]  # checkpoints at 4, 8; the last
+    assert all(whole_sync(s, SyncConfig(kind="local_sgd", every=2), 0, steps=10) for s in range(10))
+
+
 def test_the_plan_shows_the_bytes_per_step_of_each_stage():
     def sync_of(sync):
         spec = tiny_spec(model={"n_layer": 4}, parallel={"dp": 2, "pp": 2, "microbatches": 2, "sync": sync})
         return describe(make_plan(parse_spec(spec)))["sync"]
 
     allreduce, diloco = sync_of({}), sync_of({"kind": "diloco", "every": 8})
+    gossip = sync_of({"kind": "gossip", "every": 4, "peers": 1, "topology": "random"})
+    assert (gossip["peers"], gossip["topology"]) == (1, "random")  # its options shown
+    assert gossip["cross_replica_bytes_per_step"] == [b / 4 for b in allreduce["cross_replica_bytes_per_step"]]
     assert diloco["kind"] == "diloco" and diloco["every"] == 8 and len(diloco["cross_replica_bytes_per_step"]) == 2
     assert diloco["cross_replica_bytes_per_step"] == [b / 8 for b in allreduce["cross_replica_bytes_per_step"]]
 
@@ -58,15 +70,22 @@ def test_the_plan_shows_the_bytes_per_step_of_each_stage():
      "ep=2 does not divide the 1 data-parallel ranks of each diloco replica"),
     ({"parallel": {"dp": 4, "sync": {"kind": "diloco", "replicas": 3}}}, "parallel.sync.replicas",
      "replicas=3 does not divide dp=4"),
-    ({"parallel": {"dp": 4, "sync": {"replicas": 2}}}, "parallel.sync.replicas", "only local_sgd and diloco"),
+    ({"parallel": {"dp": 4, "sync": {"replicas": 2}}}, "parallel.sync.replicas", "only local_sgd, diloco and gossip"),
     ({"parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4}}, "checkpoint": {"every": 6}, "steps": 8},
      "checkpoint.every", "multiple of parallel.sync.every=4"),
     ({"parallel": {"dp": {"min": 1, "max": 2}, "sync": {"kind": "local_sgd", "every": 4}}}, "parallel.sync",
      "elastic"),
     ({"parallel": {"dp": 2, "sync": {"kind": "diloco", "every": 4},
                    "grad_compression": {"kind": "powersgd", "rank": 2}}}, "parallel.grad_compression", "diloco"),
+    ({"parallel": {"dp": 4, "sync": {"kind": "gossip", "peers": 4}}}, "parallel.sync.peers",
+     "peers=4 needs at least 5 replicas, and there are 4"),
+    ({"parallel": {"dp": 4, "sync": {"kind": "gossip", "peers": 1, "replicas": 1}}},
+     "parallel.sync.peers", "peers=1 needs at least 2 replicas, and there are 1"),
+    ({"parallel": {"dp": 3, "sync": {"kind": "gossip", "peers": 1}}, "global_batch": 6}, "parallel.sync.peers",
+     "an odd number of peers pairs an even number of replicas only"),
 ], ids=["zero1-one-rank-replicas", "moe-ep2-one-rank-replicas", "replicas-not-dividing-dp", "allreduce-replicas",
-        "checkpoint-mid-round", "elastic", "grad-compression"])
+        "checkpoint-mid-round", "elastic", "grad-compression", "gossip-too-many-peers", "gossip-one-replica",
+        "gossip-odd-pairing"])
 def test_combinations_that_do_not_compose_are_refused_naming_the_field(overrides, field, words):
     with pytest.raises(PlanError) as info:
         make_plan(parse_spec(tiny_spec(**overrides)))

@@ -117,7 +117,8 @@ class Search:
         n_layer = self.config.model.n_layer
         vpps = range(1, MAX_VPP + 1) if pp > 1 else (1,)  # one rank: virtual chunks only add hand-overs
         kinds = [(kind, vpp) for kind in SCHEDULE_KINDS for vpp in vpps if n_layer % (pp * vpp) == 0
-                 and pp * vpp * m <= MAX_SEARCH_CHUNKS and SCHEDULES[kind].refuse(pp, m, vpp) is None]
+                 and pp * vpp * m <= MAX_SEARCH_CHUNKS and SCHEDULES[kind].refuse(pp, m, vpp) is None
+                 and not SCHEDULES[kind].delays_update]  # 2bw changes the numbers: only by name
         if pp == 1:  # one pipeline rank runs every kind alike: the spec's own, else the first that takes it
             kinds = [k for k in kinds if k[0] == fixed_parallel(self.config).schedule] or kinds[:1]
         return kinds

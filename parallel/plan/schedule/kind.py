@@ -29,3 +29,9 @@ class Schedule:
     """Which virtual stages each rank's chunks are (`virtual_stage`)."""
     splits_backward: bool = False
     """Its backwards are input (I) and weight (W) halves run apart (`parallel.runtime.pipeline.split_backward`)."""
+    flushes: bool = True
+    """Each step drains the pipeline before the next starts; False (2bw): the next step's forwards run into the
+    last one's backwards, so a step's bubble is the steady state's (`schedule_sim.steady_state`)."""
+    delays_update: bool = False
+    """Each step's gradient is of the weights one version old (2bw's double-buffered weights,
+    `parallel.runtime.pipeline.weight_versions`): it changes the numbers, so the planner never picks it."""

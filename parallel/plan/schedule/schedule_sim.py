@@ -49,6 +49,19 @@ def simulate(stages: list[list[Action]], microbatches: int, vpp: int = 1,
     return check(stages, microbatches, vpp, placement).run(costs)
 
 
+def steady_state(stages: list[list[Action]], twice: list[list[Action]], microbatches: int,
+                 costs: Costs = Costs()) -> tuple[float, float]:
+    """(time per step, bubble fraction) of a schedule that does not flush between steps (2bw), in steady state:
+    `stages` is one step's lists and `twice` the same schedule over two steps' micro-batches back to back (what
+    the ranks run when a step's forwards start as the last one's backwards drain); a step then costs the
+    difference, and its bubble is what of that difference the ranks do not compute. Both lists are checked
+    (`simulate`)."""
+    once, both = simulate(stages, microbatches, costs=costs), simulate(twice, 2 * microbatches, costs=costs)
+    per_step = both.makespan - once.makespan
+    compute = microbatches * (costs.forward + costs.backward)  # per rank, one F and one B per micro-batch
+    return per_step, max(0.0, 1.0 - compute / per_step)
+
+
 def check(stages: list[list[Action]], microbatches: int, vpp: int = 1,
           placement: str = "interleaved", verify: bool = True) -> CheckedSchedule:
     """The static checks of `simulate` (steps 1 and 2), once for a schedule timed under many costs. `verify=False` pairs

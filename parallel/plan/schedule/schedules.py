@@ -24,7 +24,7 @@ from __future__ import annotations
 from trainyard.parallel.names import SCHEDULE_KINDS, registry
 from trainyard.parallel.plan.schedule.actions import Action, ActionKind, ScheduleError, stage_location, virtual_stage
 from trainyard.parallel.plan.schedule.kind import BI, BW, B, Compute, F, Schedule
-from trainyard.parallel.plan.schedule.kinds import gpipe, interleaved, one_f_one_b, zb_h1, zbv
+from trainyard.parallel.plan.schedule.kinds import gpipe, interleaved, one_f_one_b, two_bw, zb_h1, zbv
 
 
 def check_schedule_args(kind: str, pp: int, microbatches: int, vpp: int) -> None:
@@ -63,7 +63,7 @@ _MESSAGE_KINDS = {F: (ActionKind.SEND_ACT, ActionKind.RECV_ACT),
 
 
 SCHEDULES: dict[str, Schedule] = registry(SCHEDULE_KINDS, {s.name: s for s in (
-    gpipe.SCHEDULE, one_f_one_b.SCHEDULE, interleaved.SCHEDULE, zb_h1.SCHEDULE, zbv.SCHEDULE,
+    gpipe.SCHEDULE, one_f_one_b.SCHEDULE, interleaved.SCHEDULE, zb_h1.SCHEDULE, zbv.SCHEDULE, two_bw.SCHEDULE,
 )}, "parallel.plan.schedule.schedules.SCHEDULES")
 """The pipeline schedule kinds `parallel.schedule` may name (`parallel.names.SCHEDULE_KINDS`, in this order), one
 module each in `parallel.plan.schedule.kinds`: a new one is its module, its line here and its name there."""

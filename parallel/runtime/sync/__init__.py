@@ -3,10 +3,10 @@ group of one or (`parallel.sync.replicas`) several dp ranks, which share ZeRO's 
 
 Owns the registry of sync modes (`SYNCS`, by the spec's `parallel.sync.kind`), the protocol a mode's object
 implements on a rank (`ReplicaSync`: what the trainer and `parallel.runtime.rank_state` ask of it), one module per
-mode (`local_sgd`, `diloco`) and the machinery they share (`averaging`: the replicas' mean, the process group a
-replica clips over, whether a checkpoint holds a mode's own state). The pure facts of each mode (whether its replicas
-step apart, when they sync, the bytes they send, what the plan shows) are `parallel.plan.replica_sync.SYNC_KINDS`,
-under the same names.
+mode (`local_sgd`, `diloco`, `gossip`) and the machinery they share (`averaging`: the replicas' mean, the process
+group a replica clips over, whether a checkpoint holds a mode's own state). The pure facts of each mode (whether its
+replicas step apart, when they sync, the bytes they send, what the plan shows) are
+`parallel.plan.replica_sync.SYNC_KINDS`, under the same names.
 
 - `allreduce` (the default): the gradient reducer (`parallel.runtime.dp.data_parallel`) sums every gradient across the
   replicas every step; nothing here runs (its entry is None).
@@ -15,6 +15,9 @@ under the same names.
   after the last) the replicas' parameters are averaged.
 - `diloco` (Douillard et al. 2023): as local_sgd, but the averaged change since the last sync goes through an
   outer Nesterov SGD over the anchor (the parameters of the last sync).
+- `gossip` (Boyd et al. 2006; Lian et al. 2017's decentralised SGD): as local_sgd, but a sync averages each replica
+  with `peers` others only (`parallel.plan.gossip_peers`), by point-to-point messages, no collective; the syncs
+  that must leave one model (the last, a checkpoint's, a rejoin's) are local_sgd's.
 
 So the link between replicas carries the parameters once per `every` steps instead of the gradients every step.
 Each replica's inner optimizer state stays its own, except at the syncs a `checkpoint.every` checkpoint follows:
@@ -51,6 +54,7 @@ from typing import TYPE_CHECKING, Protocol
 from trainyard.parallel.names import SYNC_NAMES, SyncName, registry
 from trainyard.parallel.runtime.sync.averaging import replica_group, saved_outer_state
 from trainyard.parallel.runtime.sync.diloco import DiLoCo
+from trainyard.parallel.runtime.sync.gossip import Gossip
 from trainyard.parallel.runtime.sync.local_sgd import LocalSGD
 
 if TYPE_CHECKING:
@@ -65,11 +69,14 @@ class ReplicaSync(Protocol):
     """One rank's part of the synchronisations of a mode whose replicas step apart."""
 
     def synchronise(self, optimizer_state: Sequence[torch.Tensor] = (), live: tuple[int, ...] | None = None,
-                    replica: int = 0, state_apart: Sequence[torch.Tensor] = ()) -> int:
+                    replica: int = 0, state_apart: Sequence[torch.Tensor] = (), *, step: int = 0, seed: int = 0,
+                    whole: bool = True) -> int:
         """Bring the replicas' parameters together (and average the tensors of `optimizer_state` in place,
-        `state_apart` each in an all-reduce of its own); the bytes this rank all-reduced. `live`: the replicas in
+        `state_apart` each in an all-reduce of its own); the bytes this rank sent. `live`: the replicas in
         the round when some are dropped (`round_of`); this rank's replica `replica`, if not among them, adds
-        nothing (it is rejoining, and takes the result from a live replica after)."""
+        nothing (it is rejoining, and takes the result from a live replica after). `step`, `seed`: the sync's
+        (gossip picks its peers by them); `whole`: the sync must leave one model (`replica_sync.whole_sync`:
+        gossip then averages over every replica; the other modes always do)."""
         ...
 
     def took_state(self) -> None:
@@ -95,6 +102,7 @@ SYNCS: dict[SyncName, SyncFactory | None] = registry(SYNC_NAMES, {
     "allreduce": None,
     "local_sgd": LocalSGD,
     "diloco": DiLoCo,
+    "gossip": Gossip,
 }, "the replica sync modes")
 """The sync modes by the spec's `parallel.sync.kind`; None: the replicas step together (the reducers sum the
 gradients), nothing to build."""

@@ -65,12 +65,13 @@ class ParameterAveraging:
         return FP32 * sum(p.numel() for p in self.params)
 
     def synchronise(self, optimizer_state: Sequence[torch.Tensor] = (), live: tuple[int, ...] | None = None,
-                    replica: int = 0, state_apart: Sequence[torch.Tensor] = ()) -> int:
+                    replica: int = 0, state_apart: Sequence[torch.Tensor] = (), *, step: int = 0, seed: int = 0,
+                    whole: bool = True) -> int:
         """Average the parameters over the replicas, which the mode then takes (`_take`), and the tensors of
         `optimizer_state` in place (`state_apart`, a tied embedding's moments, in an all-reduce of their own); the
         bytes this rank all-reduced. `live`: the replicas in the round when some are dropped (`round_of`); this
         rank's replica `replica`, if not among them, adds nothing (it is rejoining, and takes the result from a
-        live replica after)."""
+        live replica after). Every sync here is whole (`step`, `seed` and `whole` are gossip's)."""
         import torch
 
         count = self.dp if live is None else len(live)
