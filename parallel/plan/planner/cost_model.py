@@ -134,8 +134,12 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     rate = machine.flops_per_s(m.d_model / layout.tp, tokens)  # a shard's matrices run at a narrower model's rate
     if config.compile:
         rate *= machine.compile_speedup
-    fwd = slow * (fixed_fwd + flops / rate)
-    bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * flops / rate)
+    seconds = flops / rate  # one forward's FLOPs; attention's own at its kernel's rate where that is known
+    if machine.attention_flops_per_s:
+        attention = blocks * 4 * m.d_model * m.seq_len * tokens / layout.tp
+        seconds += attention / machine.attention_flops_per_s - attention / rate
+    fwd = slow * (fixed_fwd + seconds)
+    bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * seconds)
 
     within = node_gpus or layout.world_size
     act = tokens * m.d_model * act_bytes
@@ -187,7 +191,7 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
             extras[gather_key] = over * gathers / (reduce + gathers) + first
     return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,
                      tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
-                     recompute_per_chunk=slow * recompute * (fixed_fwd + flops / rate),
+                     recompute_per_chunk=slow * recompute * (fixed_fwd + seconds),
                      dp_exposed=dp_exposed + dp_fixed,
                      optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras,
                      shared=pipeline_sharing(machine, layout.pp, layout.world_size, on_node))

@@ -3,7 +3,7 @@
 A profile is data, one JSON file per device in `devices/` beside this module (`a100-80gb`, `h100-sxm`, `h200`):
 dense bf16 and fp8 peak, HBM capacity and bandwidth, NVLink bandwidth, the network of a node (GPUs per node, one
 NIC per GPU and its rate), the fraction of peak a matmul reaches by its inner width, the non-matmul kernels' time
-over the matmuls' (eager and compiled), and each collective's latency and bus bandwidth in a node and across
+over the matmuls' (eager and compiled), the attention kernel's fraction of peak, and each collective's latency and bus bandwidth in a node and across
 nodes; every number carries the source it was read or fitted from (`DeviceProfile.sources`). `load_profile(name)`
 reads one (a name of `devices/` or a path to a file of the same shape); `DeviceProfile.machine_costs()` turns it
 into the `MachineCosts` the cost model reads, so a calibration run on a real node (`trainyard calibrate`'s cache,
@@ -56,6 +56,8 @@ class DeviceProfile:
     """One GPU's NIC, one direction, line rate."""
     matmul_efficiency: tuple[tuple[float, float], ...]
     """(inner width, fraction of peak) pairs, ascending: a GEMM of that width reaches that fraction."""
+    attention_efficiency: float
+    """The fraction of peak the attention kernel (flash attention, forward and backward) reaches."""
     kernel_overhead: dict[str, float]
     """`eager` / `compile` -> the non-matmul kernels' time over the matmuls' time."""
     allreduce_in_node: Fit
@@ -97,7 +99,8 @@ class DeviceProfile:
             block_s=3 * OPS_PER_BLOCK * KERNEL_LATENCY_S, model_flops=model_flops,
             peak_flops=self.peak_bf16, compile_speedup=eager / compiled, device_memory=self.hbm_bytes,
             nic_bytes_per_s=self.nic_bytes_per_s * self.across_efficiency, node_gpus=w,
-            across_latency_s=self.across_latency_s, measured={"profile": self.name, "sources": self.sources})
+            across_latency_s=self.across_latency_s, attention_flops_per_s=self.peak_bf16 * self.attention_efficiency,
+            measured={"profile": self.name, "sources": self.sources})
 
 
 def profile_names() -> list[str]:
@@ -152,7 +155,7 @@ def parse_profile(d: dict) -> DeviceProfile:
         peak_bf16=value("peak_flops.bf16"), peak_fp8=value("peak_flops.fp8"), hbm_bytes=value("hbm.bytes"),
         hbm_bytes_per_s=value("hbm.bytes_per_s"), nvlink_bytes_per_s=value("nvlink.bytes_per_s"),
         gpus_per_node=int(value("network.gpus_per_node")), nic_bytes_per_s=value("network.nic_bytes_per_s"),
-        matmul_efficiency=points, kernel_overhead=overhead,
+        matmul_efficiency=points, kernel_overhead=overhead, attention_efficiency=value("attention_efficiency"),
         allreduce_in_node=fit("allreduce_in_node", "bus_bytes_per_s"), p2p_in_node=fit("p2p_in_node", "bytes_per_s"),
         across_latency_s=float(across.get("latency_s", 20e-6)), across_efficiency=float(across.get("efficiency", 0.9)),
         sources=sources)

@@ -120,6 +120,9 @@ class MachineCosts:
     `inter_node_factor` x the node's own bandwidth."""
     node_gpus: int = 0
     """Devices a node holds (a profile's); 0: as the cluster says."""
+    attention_flops_per_s: float = 0.0
+    """The rate of attention's own FLOPs (scores and context: 12 L d T a token of training; a fused flash kernel,
+    whatever the compile); 0: as the rest of the model's."""
     across_latency_s: float = 0.0
     """Latency of one hop between nodes (a collective spanning nodes pays it log2 of the nodes times, tree-like)."""
 
@@ -149,7 +152,7 @@ class MachineCosts:
         fits |= {k: Fit(**d[k]) for k in ("allgather", "reducescatter") if d.get(k)}
         fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
                                    "dp_step_s", "backward_share", "peak_flops", "compile_speedup", "device_memory",
-                                   "nic_bytes_per_s", "node_gpus", "across_latency_s") if k in d}
+                                   "nic_bytes_per_s", "node_gpus", "across_latency_s", "attention_flops_per_s") if k in d}
         zero_fixed = {level: (float(a), float(b)) for level, (a, b) in d.get("zero_fixed", {}).items()}
         model_flops = tuple((float(w), float(r)) for w, r in d.get("model_flops", ()))
         token_efficiency = tuple((float(t), float(e)) for t, e in d.get("token_efficiency", ()))
