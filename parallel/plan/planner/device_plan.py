@@ -29,17 +29,21 @@ def device_cluster(nodes: int, gpus_per_node: int, profile: DeviceProfile) -> Cl
     return ClusterResources(nodes=(node,) * max(nodes, 1))
 
 
-def plan_on_devices(config: JobConfig, *, nodes: int, gpus_per_node: int, device: str,
+def plan_on_devices(config: JobConfig, *, nodes: int, gpus_per_node: int, device: str, auto: bool = False,
                     top: int = 5) -> tuple[JobConfig, dict]:
-    """(the config to run, {"device", "prediction", "planner" (with `parallel: auto`)}): its layout on the
-    cluster, predicted with the profile's costs (the node's GPU count its own, `gpus_per_node`)."""
+    """(the config to run, {"device", "nodes", "gpus_per_node", "prediction", "planner" (when planned)}): with
+    `parallel: auto` or `auto` the planner's layout (a mapping's other options kept), else the config's own, each
+    rank on one GPU (`resources.gpus_per_worker` 1 where it was auto), predicted with the profile's costs (0
+    `gpus_per_node`: the profile's)."""
+    if config.resources.gpus_per_worker == "auto":
+        config = replace(config, resources=replace(config.resources, gpus_per_worker=1))
     profile = load_profile(device)
     if gpus_per_node and gpus_per_node != profile.gpus_per_node:
         profile = replace(profile, gpus_per_node=gpus_per_node)
     machine = profile.machine_costs()
     cluster = device_cluster(nodes, gpus_per_node or profile.gpus_per_node, profile)
     out: dict = {"device": profile.name, "nodes": max(nodes, 1), "gpus_per_node": profile.gpus_per_node}
-    if config.parallel == "auto":
+    if config.parallel == "auto" or auto:
         chosen, result = choose(config, cluster, machine, top=top)
         best = next(c for c in result.candidates if c.config == replace(chosen, planned=c.config.planned))
         out["prediction"] = describe(best, Search(chosen, cluster, machine, 0.0)).to_dict()
