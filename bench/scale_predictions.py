@@ -62,8 +62,8 @@ def _gpt(n_layer: int, n_head: int, d_model: int) -> dict:
 
 def _megatron_tps(mfu: float, model: dict) -> float:
     """Megatron's MFU read back as tokens/s per GPU: MFU x peak / (72 l h^2 + 12 l h s + 6 V h)."""
-    l, h, s, v = model["n_layer"], model["d_model"], model["seq_len"], model["vocab_size"]
-    return mfu * A100_PEAK / (72 * l * h * h + 12 * l * h * s + 6 * v * h)
+    layers, h, s, v = model["n_layer"], model["d_model"], model["seq_len"], model["vocab_size"]
+    return mfu * A100_PEAK / (72 * layers * h * h + 12 * layers * h * s + 6 * v * h)
 
 
 TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
@@ -71,7 +71,8 @@ MEGATRON = "Megatron-LM README (Korthikanti et al. 2022, Table 5)"
 PUBLISHED = (
     Published("torchtitan llama3.1-8b 8xH100 fsdp", "h100-96gb-500w", 1, LLAMA_8B,
               {"dp": 8, "zero": 3, "microbatches": 1}, 16, 5762, f"{TITAN}, Table 1: FSDP, 5,762 TPS/GPU",
-              leaves_out="torchtitan's selective op checkpointing (every other matmul re-run; trainyard's selective re-runs less)"),
+              leaves_out="torchtitan's selective op checkpointing (every other matmul re-run; trainyard's "
+                         "selective re-runs less)"),
     Published("torchtitan llama3.1-8b 8xH100 fsdp+compile", "h100-96gb-500w", 1, LLAMA_8B,
               {"dp": 8, "zero": 3, "microbatches": 1}, 16, 6667, f"{TITAN}, Table 1: FSDP + torch.compile, 6,667",
               compile=True, leaves_out="as above"),
@@ -141,8 +142,9 @@ def run_section(ctx: BenchContext) -> list[Row]:
         lay = picked["planner"]["candidates"][0]["layout"]
         text = " ".join(f"{k.rpartition('.')[2]}={v}" for k, v in lay.items())
         faster = best["step_s"] <= fixed["step_s"] * (1 + 1e-9)
-        rows.append(Row(f"{run.name}: --auto's layout, predicted step vs the published layout's", round(best["step_s"], 4),
-                        round(fixed["step_s"], 4), round(best["step_s"] / fixed["step_s"], 3), "s",
+        rows.append(Row(f"{run.name}: --auto's layout, predicted step vs the published layout's",
+                        round(best["step_s"], 4), round(fixed["step_s"], 4),
+                        round(best["step_s"] / fixed["step_s"], 3), "s",
                         f"--auto picked {text} ({picked['planner']['evaluated']} layouts costed, "
                         f"{time.perf_counter() - t0:.1f} s with the fixed one)"
                         + ("" if faster else not_faster(fixed, picked["planner"]["bounds"])),

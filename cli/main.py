@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, metavar="NAME",
                    help="the GPU's profile: a100-80gb, h100-sxm, h100-96gb-500w, h200 (parallel/plan/planner/"
                         "devices/), or a profile file's path (default with --gpus-per-node: h100-sxm)")
-    s.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    s.add_argument("--gpu-memory-gib", type=float, default=0.0,
+                   help="with --gpus-per-node: each GPU's memory, instead of the device profile's")
     s.add_argument("--cpus-per-node", type=float, default=0,
                    help="default: 8 per GPU with --gpus-per-node, else this machine's")
     s.set_defaults(func=offline.plan)

@@ -84,7 +84,7 @@ def plan(args: argparse.Namespace) -> int:
             spec["parallel"] = "auto"
         config = parse_submitted_spec(spec)
         prediction = None
-        if args.device or (args.gpus_per_node and not args.cpus_per_node):  # a cluster of devices, not this machine
+        if args.device or args.gpus_per_node:  # a cluster of devices, not this machine
             config, prediction = _on_devices(config, args)
             ranking = prediction.pop("planner", None)
         elif config.parallel == "auto" or args.auto:  # a mapping's layout is the planner's, its other options kept
@@ -115,7 +115,8 @@ def _on_devices(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - Job
 
     try:
         return plan_on_devices(config, nodes=max(args.nodes, 1), gpus_per_node=args.gpus_per_node,
-                               device=args.device or DEFAULT_DEVICE, auto=args.auto)
+                               device=args.device or DEFAULT_DEVICE, auto=args.auto,
+                               gpu_memory=args.gpu_memory_gib * 2**30 if args.gpu_memory_gib else 0.0)
     except ProfileError as e:
         raise RuleError("device", str(e)) from None
 
@@ -149,8 +150,7 @@ def _choose(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - JobConf
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpus = args.cpus_per_node or (8.0 * args.gpus_per_node if args.gpus_per_node else float(os.cpu_count() or 1))
-    node = NodeResources(cpus=cpus, gpus=args.gpus_per_node,
-                         memory=float(memory), gpu_memory=args.gpu_memory_gib * 2**30 if args.gpus_per_node else 0.0)
+    node = NodeResources(cpus=cpus, gpus=args.gpus_per_node, memory=float(memory), gpu_memory=0.0)
     cluster = ClusterResources(nodes=(node,) * max(args.nodes, 1))
     chosen, result = choose(config, cluster, machine_costs(resolve(args.state_dir), cluster))
     return chosen, result.to_dict()

@@ -27,7 +27,20 @@ so its simulation speeds a compute up by how many compute beside it (`pipeline_s
 bubble lends the others its core). A tensor-parallel shard's FLOPs run at the rate of a model as wide as the shard
 (narrower matrices, and the norms and residuals stay whole on every shard). Ignored: kernel fusion and overlap
 inside a chunk, stragglers, contention between groups sharing a link, the first step's warm-up. Pure arithmetic: no
-torch."""
+torch.
+
+At scale (a device profile's or a GPU calibration's costs, `parallel.plan.planner.device_profile`), what published
+large runs depend on, and where it is here: compute at the fraction of peak a matmul of the shard's width reaches,
+attention at its flash kernel's rate, compile's fused kernels (`MachineCosts.compile_speedup`); tp all-reduces
+inside a node (a tp group is one node's bundle); pp hand-overs across nodes on the GPU's own NIC (`pipeline_p2p`);
+the dp reduction (all-reduce, or ZeRO's reduce-scatters) and ZeRO-3's prefetched gathers overlapped with the step's
+compute, only what is left over exposed (plain dp: behind the backward only); hierarchical collectives (a group
+spanning nodes runs at the smaller of the node's bus bandwidth and its ranks' NICs on each node,
+`MachineCosts.collective`); MoE all-to-alls (inside or across nodes alike); selective and full recompute
+(RECOMPUTE_EXTRA); sequence parallelism's smaller hand-overs; the bubble of every schedule kind, interleaved ones
+included, from the simulator. Left out: tp collectives overlapped with compute (Megatron's with the weight-gradient
+GEMMs, async TP), contention at the top-of-rack switches, power and clock limits (a profile's peak is what it
+says), fp8 matmuls."""
 
 from __future__ import annotations
 

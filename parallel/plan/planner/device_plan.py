@@ -30,16 +30,18 @@ def device_cluster(nodes: int, gpus_per_node: int, profile: DeviceProfile) -> Cl
 
 
 def plan_on_devices(config: JobConfig, *, nodes: int, gpus_per_node: int, device: str, auto: bool = False,
-                    top: int = 5) -> tuple[JobConfig, dict]:
+                    top: int = 5, gpu_memory: float = 0.0) -> tuple[JobConfig, dict]:
     """(the config to run, {"device", "nodes", "gpus_per_node", "prediction", "planner" (when planned)}): with
     `parallel: auto` or `auto` the planner's layout (a mapping's other options kept), else the config's own, each
     rank on one GPU (`resources.gpus_per_worker` 1 where it was auto), predicted with the profile's costs (0
-    `gpus_per_node`: the profile's)."""
+    `gpus_per_node`: the profile's; a `gpu_memory` in bytes replaces the profile's HBM)."""
     if config.resources.gpus_per_worker == "auto":
         config = replace(config, resources=replace(config.resources, gpus_per_worker=1))
     profile = load_profile(device)
     if gpus_per_node and gpus_per_node != profile.gpus_per_node:
         profile = replace(profile, gpus_per_node=gpus_per_node)
+    if gpu_memory:
+        profile = replace(profile, hbm_bytes=gpu_memory)
     machine = profile.machine_costs()
     cluster = device_cluster(nodes, gpus_per_node or profile.gpus_per_node, profile)
     out: dict = {"device": profile.name, "nodes": max(nodes, 1), "gpus_per_node": profile.gpus_per_node}

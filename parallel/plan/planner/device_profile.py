@@ -1,13 +1,14 @@
 """Device profiles: what a GPU node type is planned with before (or instead of) a calibration run on it.
 
-A profile is data, one JSON file per device in `devices/` beside this module (`a100-80gb`, `h100-sxm`, `h200`):
-dense bf16 and fp8 peak, HBM capacity and bandwidth, NVLink bandwidth, the network of a node (GPUs per node, one
-NIC per GPU and its rate), the fraction of peak a matmul reaches by its inner width, the non-matmul kernels' time
-over the matmuls' (eager and compiled), the attention kernel's fraction of peak, and each collective's latency and bus bandwidth in a node and across
-nodes; every number carries the source it was read or fitted from (`DeviceProfile.sources`). `load_profile(name)`
-reads one (a name of `devices/` or a path to a file of the same shape); `DeviceProfile.machine_costs()` turns it
-into the `MachineCosts` the cost model reads, so a calibration run on a real node (`trainyard calibrate`'s cache,
-`parallel.plan.planner.calibration`) replaces a profile field for field: the cost model never knows which it got.
+A profile is data, one JSON file per device in `devices/` beside this module (`a100-80gb`, `h100-sxm`, `h200`,
+`h100-96gb-500w`): dense bf16 and fp8 peak, HBM capacity and bandwidth, NVLink bandwidth, the network of a node
+(GPUs per node, one NIC per GPU and its rate), the fraction of peak a matmul reaches by its inner width, the
+attention kernel's fraction of peak, the non-matmul kernels' time over the matmuls' (eager and compiled), and each
+collective's latency and bus bandwidth in a node and across nodes; every number carries the source it was read or
+fitted from (`DeviceProfile.sources`). `load_profile(name)` reads one (a name of `devices/` or a path to a file of
+the same shape); `DeviceProfile.machine_costs()` turns it into the `MachineCosts` the cost model reads, so a
+calibration run on a real node replaces a profile field for field (a file of the same shape, or the calibration
+cache's `MachineCosts`): the cost model never knows which it got.
 
 What is written by hand and why: the AdamW step's bytes per element (fp32 parameter, gradient and two moments read,
 three written: 28 bytes at 70% of HBM bandwidth) and a kernel's launch latency (OPS_PER_BLOCK kernels a block,

@@ -152,7 +152,8 @@ class MachineCosts:
         fits |= {k: Fit(**d[k]) for k in ("allgather", "reducescatter") if d.get(k)}
         fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
                                    "dp_step_s", "backward_share", "peak_flops", "compile_speedup", "device_memory",
-                                   "nic_bytes_per_s", "node_gpus", "across_latency_s", "attention_flops_per_s") if k in d}
+                                   "nic_bytes_per_s", "node_gpus", "across_latency_s", "attention_flops_per_s")
+                 if k in d}
         zero_fixed = {level: (float(a), float(b)) for level, (a, b) in d.get("zero_fixed", {}).items()}
         model_flops = tuple((float(w), float(r)) for w, r in d.get("model_flops", ()))
         token_efficiency = tuple((float(t), float(e)) for t, e in d.get("token_efficiency", ()))
