@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import slow
 from trainyard.cli.main import main
 from trainyard.parallel.config import JobConfig, ModelConfig, ParallelConfig
 from trainyard.parallel.plan.planner.device_plan import device_cluster, plan_on_devices
@@ -111,3 +112,14 @@ def test_plan_on_devices_keeps_a_fixed_layout_and_gives_its_ranks_one_gpu():
     assert config.parallel.dp == 4 and config.parallel.tp == 2
     assert config.resources.gpus_per_worker == 1
     assert out["prediction"]["fits"] and out["device"] == "h200"
+
+
+@slow
+def test_a_1t_gpt_on_3072_gpus_gets_a_layout_that_fits_within_the_search_bounds():
+    model = ModelConfig(family="gpt2", n_layer=128, n_head=160, d_model=25600, vocab_size=51200, seq_len=2048)
+    config = JobConfig(model=model, steps=1, global_batch=3072, precision="bf16", parallel="auto")
+    chosen, out = plan_on_devices(config, nodes=384, gpus_per_node=8, device="a100-80gb")
+    par = chosen.parallel
+    assert par.dp * par.pp * par.tp == 3072 and par.tp <= 8
+    assert out["prediction"]["fits"] and out["prediction"]["memory_per_device"] <= 80 * 2**30
+    assert "at most 500 layouts sized" in out["planner"]["bounds"]
