@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from bench.context import BenchContext
-from bench.results import Row, ratio, ratio_within
+from bench.results import Row, at_most, ratio, ratio_within
 
 A100_PEAK = 312e12
 TARGET = 0.15
@@ -151,4 +151,25 @@ def run_section(ctx: BenchContext) -> list[Row]:
                         target=None))
         print(f"  {rows[-2].name}: {ours:.0f} vs {run.tokens_per_s_per_device:.0f} ({r:.2f}); auto {text}",
               flush=True)
-    return rows
+    return [*rows, plan_1t_on_3072()]
+
+
+def plan_1t_on_3072() -> Row:
+    """`trainyard plan --auto` of a 1T GPT (Megatron's shape) on 384 nodes of 8 A100s, timed in-process."""
+    from trainyard.api.spec import parse_submitted_spec
+    from trainyard.parallel.plan import make_plan
+    from trainyard.parallel.plan.planner.device_plan import plan_on_devices
+
+    run = PUBLISHED[-1]
+    t0 = time.perf_counter()
+    config = parse_submitted_spec({**run.spec("auto"), "global_batch": 3072})
+    chosen, out = plan_on_devices(config, nodes=384, gpus_per_node=8, device="a100-80gb")
+    make_plan(chosen)
+    took = time.perf_counter() - t0
+    lay = out["planner"]["candidates"][0]["layout"]
+    text = " ".join(f"{k.rpartition('.')[2]}={v}" for k, v in lay.items())
+    p = out["prediction"]
+    return Row("--auto for a 1T GPT on 3072 A100s (384 nodes): planning wall time", round(took, 2), None, None, "s",
+               f"picked {text}: predicted step {p['step_s']:.3g} s, MFU {p['mfu']:.1%}, memory "
+               f"{p['memory_per_device'] / 2**30:.1f} GiB of 80; {out['planner']['enumerated']} base layouts, "
+               f"{out['planner']['evaluated']} costed; bounds: {out['planner']['bounds']}", target=at_most(30))
