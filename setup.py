@@ -12,4 +12,5 @@ setup(
     packages=["trainyard"] + [f"trainyard.{name}" for top in FOLDERS
                               for name in (top, *(f"{top}.{sub}" for sub in find_packages(top)))],
     package_dir={"trainyard": "trainyard", **{f"trainyard.{top}": top for top in FOLDERS}},
+    package_data={"trainyard.parallel.plan.planner": ["devices/*.json"]},  # the device profiles (data, not code)
 )

@@ -35,6 +35,7 @@ from bench import (
     poll,
     savers_grads,
     scale,
+    scale_predictions,
     service_ops,
     signals,
     soak,
@@ -100,6 +101,9 @@ SECTIONS: dict[str, Section] = {
                 tinker.run_section),
         Section("scale", "a 501M llama at dp=4 zero=3, built on the meta device: each rank's peak RSS vs the plan",
                 scale.run_section),
+        Section("predictions", "the planner's predictions on device profiles beside published large runs "
+                               "(torchtitan on H100s, Megatron-LM on A100s), each with its source",
+                scale_predictions.run_section),
     )
 }
 

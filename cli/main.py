@@ -85,9 +85,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="let the planner choose the layout (as `parallel: auto` does) and show its top five; the "
                         "spec's other parallel options (grad_compression, reduce_dtype, sync) are kept")
     s.add_argument("--nodes", type=int, default=0,
-                   help="with --auto: plan for this many nodes like the options below (default: this machine)")
-    s.add_argument("--gpus-per-node", type=int, default=0)
-    s.add_argument("--gpu-memory-gib", type=float, default=80.0)
+                   help="plan for this many nodes like the options below (default: this machine)")
+    s.add_argument("--gpus-per-node", type=int, default=0,
+                   help="GPUs a node holds: each rank gets one, costed with --device's profile, and the output "
+                        "predicts the step (tokens/s per device, MFU, HFU, memory, where the time goes)")
+    s.add_argument("--device", default=None, metavar="NAME",
+                   help="the GPU's profile: a100-80gb, h100-sxm, h100-96gb-500w, h200 (parallel/plan/planner/"
+                        "devices/), or a profile file's path (default with --gpus-per-node: h100-sxm)")
+    s.add_argument("--gpu-memory-gib", type=float, default=0.0,
+                   help="with --gpus-per-node: each GPU's memory, instead of the device profile's")
     s.add_argument("--cpus-per-node", type=float, default=0,
                    help="default: 8 per GPU with --gpus-per-node, else this machine's")
     s.set_defaults(func=offline.plan)

@@ -83,7 +83,11 @@ def plan(args: argparse.Namespace) -> int:
         if args.auto and not isinstance(spec.get("parallel"), dict):
             spec["parallel"] = "auto"
         config = parse_submitted_spec(spec)
-        if config.parallel == "auto" or args.auto:  # a mapping's layout is the planner's, its other options kept
+        prediction = None
+        if args.device or args.gpus_per_node:  # a cluster of devices, not this machine
+            config, prediction = _on_devices(config, args)
+            ranking = prediction.pop("planner", None)
+        elif config.parallel == "auto" or args.auto:  # a mapping's layout is the planner's, its other options kept
             config, ranking = _choose(config, args)
         plan = make_plan(config)
         open_dataset(config)
@@ -96,8 +100,43 @@ def plan(args: argparse.Namespace) -> int:
     described = describe(plan)
     if ranking is not None:
         described["planner"] = ranking
+    if prediction is not None:
+        described |= prediction  # device, nodes, gpus_per_node, prediction
     print(json.dumps(described, indent=2) if args.json else format_plan(described))
     return 0
+
+
+def _on_devices(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - JobConfig; imported lazily
+    """The layout (the planner's with --auto) on --nodes x --gpus-per-node GPUs of --device's profile, and its
+    prediction; ProfileError (an unknown device) as a RuleError the caller prints."""
+    from trainyard.parallel.config import RuleError
+    from trainyard.parallel.plan.planner.device_plan import plan_on_devices
+    from trainyard.parallel.plan.planner.device_profile import ProfileError
+
+    try:
+        return plan_on_devices(config, nodes=max(args.nodes, 1), gpus_per_node=args.gpus_per_node,
+                               device=args.device or DEFAULT_DEVICE, auto=args.auto,
+                               gpu_memory=args.gpu_memory_gib * 2**30 if args.gpu_memory_gib else 0.0)
+    except ProfileError as e:
+        raise RuleError("device", str(e)) from None
+
+
+DEFAULT_DEVICE = "h100-sxm"
+"""The profile `--gpus-per-node` plans with when no --device names one (the output names it)."""
+
+
+def format_prediction(d: dict) -> list[str]:
+    """The predicted step on the cluster of devices: throughput, MFU and HFU, memory, where the time goes."""
+    p = d["prediction"]
+    fits = "fits" if p["fits"] else "DOES NOT FIT"
+    lines = [f"predicted on {d['nodes']} x {d['gpus_per_node']} {d['device']} (profile "
+             f"parallel/plan/planner/devices/{d['device']}.json; how far to trust it: docs/guide.md):",
+             f"  step {p['step_s']:.4g} s  {p['tokens_per_s_per_device']:,.0f} tokens/s per device  MFU {p['mfu']:.1%}"
+             f"  HFU {p['hfu']:.1%}",
+             f"  memory per device {format_bytes(p['memory_per_device'])} of {format_bytes(p['device_memory'])} "
+             f"({fits})",
+             "  where the step goes: " + "  ".join(f"{k} {v / p['step_s']:.1%}" for k, v in p["breakdown"].items())]
+    return lines
 
 
 def _choose(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - JobConfig; imported lazily
@@ -111,8 +150,7 @@ def _choose(config, args: argparse.Namespace):  # noqa: ANN001, ANN202 - JobConf
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpus = args.cpus_per_node or (8.0 * args.gpus_per_node if args.gpus_per_node else float(os.cpu_count() or 1))
-    node = NodeResources(cpus=cpus, gpus=args.gpus_per_node,
-                         memory=float(memory), gpu_memory=args.gpu_memory_gib * 2**30 if args.gpus_per_node else 0.0)
+    node = NodeResources(cpus=cpus, gpus=args.gpus_per_node, memory=float(memory), gpu_memory=0.0)
     cluster = ClusterResources(nodes=(node,) * max(args.nodes, 1))
     chosen, result = choose(config, cluster, machine_costs(resolve(args.state_dir), cluster))
     return chosen, result.to_dict()
@@ -166,6 +204,7 @@ def _span(ids: list[int]) -> str:
 def format_plan(d: dict) -> str:
     deg = d["degrees"]
     lines = format_ranking(d["planner"]) if "planner" in d else []
+    lines += format_prediction(d) if "prediction" in d else []
     chosen = d.get("chosen", {})
     if chosen.get("automatically"):
         lines.append(f"layout chosen automatically (predicted step time {chosen['predicted_step_s'] * 1e3:.2f} ms "

@@ -26,9 +26,9 @@ class PlanError(RuleError):
 
 
 MAX_WORKERS = 2**16
-MAX_SCHEDULE_CHUNKS = 2**13
+MAX_SCHEDULE_CHUNKS = 2**15
 """pp x vpp x microbatches: the size of the action lists the plan builds and simulates (about 0.1 ms of
-planning each). Above real jobs (pp=16, vpp=2, m=256 is at the bound)."""
+planning each). At real jobs' largest: Megatron's 1T run (pp=64, m=512) is at the bound."""
 
 
 def violations(config: JobConfig) -> list[PlanError]:

@@ -46,10 +46,10 @@ def test_more_workers_than_any_job_may_have_is_refused_without_a_cluster():
 
 
 def test_a_schedule_too_long_to_build_is_refused():
-    spec = parse_spec(tiny_spec(parallel={"microbatches": 2**14}, global_batch=2**14))
+    spec = parse_spec(tiny_spec(parallel={"microbatches": 2**16}, global_batch=2**16))
     with pytest.raises(PlanError) as info:
         make_plan(spec)
-    assert info.value.field == "parallel.microbatches" and "at most 8192" in info.value.message
+    assert info.value.field == "parallel.microbatches" and "at most 32768" in info.value.message
 
 
 def test_a_global_batch_no_rank_could_ever_hold_is_refused_at_submit():

@@ -27,7 +27,20 @@ so its simulation speeds a compute up by how many compute beside it (`pipeline_s
 bubble lends the others its core). A tensor-parallel shard's FLOPs run at the rate of a model as wide as the shard
 (narrower matrices, and the norms and residuals stay whole on every shard). Ignored: kernel fusion and overlap
 inside a chunk, stragglers, contention between groups sharing a link, the first step's warm-up. Pure arithmetic: no
-torch."""
+torch.
+
+At scale (a device profile's or a GPU calibration's costs, `parallel.plan.planner.device_profile`), what published
+large runs depend on, and where it is here: compute at the fraction of peak a matmul of the shard's width reaches,
+attention at its flash kernel's rate, compile's fused kernels (`MachineCosts.compile_speedup`); tp all-reduces
+inside a node (a tp group is one node's bundle); pp hand-overs across nodes on the GPU's own NIC (`pipeline_p2p`);
+the dp reduction (all-reduce, or ZeRO's reduce-scatters) and ZeRO-3's prefetched gathers overlapped with the step's
+compute, only what is left over exposed (plain dp: behind the backward only); hierarchical collectives (a group
+spanning nodes runs at the smaller of the node's bus bandwidth and its ranks' NICs on each node,
+`MachineCosts.collective`); MoE all-to-alls (inside or across nodes alike); selective and full recompute
+(RECOMPUTE_EXTRA); sequence parallelism's smaller hand-overs; the bubble of every schedule kind, interleaved ones
+included, from the simulator. Left out: tp collectives overlapped with compute (Megatron's with the weight-gradient
+GEMMs, async TP), contention at the top-of-rack switches, power and clock limits (a profile's peak is what it
+says), fp8 matmuls."""
 
 from __future__ import annotations
 
@@ -69,6 +82,8 @@ class StepCosts:
     """The optimizer step and the step's measured fixed cost (`MachineCosts.step_s`), slowed by contention."""
     extras: dict[str, float]
     """The options' own terms (OPTION_EXTRAS), by name."""
+    recompute_per_chunk: float = 0.0
+    """The part of compute_per_chunk that re-runs forwards in backward (activation checkpointing)."""
     shared: tuple[float, ...] = ()
     """Where a pipeline's ranks share one node's cores: a chunk's forward or backward time with k of the pp stages
     computing at once (index k - 1) over its time above, with all of them computing (`schedule_timing.Costs.shared`:
@@ -130,29 +145,38 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     fixed_fwd, fixed_bwd = fixed_costs(machine, blocks, layout.tp, par.sp, layout.pp)
     recompute = RECOMPUTE_EXTRA.get(config.activation_checkpointing, 1.0)
     rate = machine.flops_per_s(m.d_model / layout.tp, tokens)  # a shard's matrices run at a narrower model's rate
-    fwd = slow * (fixed_fwd + flops / rate)
-    bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * flops / rate)
+    if config.compile:
+        rate *= machine.compile_speedup
+    seconds = flops / rate  # one forward's FLOPs; attention's own at its kernel's rate where that is known
+    if machine.attention_flops_per_s:
+        attention = blocks * 4 * m.d_model * m.seq_len * tokens / layout.tp
+        seconds += attention / machine.attention_flops_per_s - attention / rate
+    fwd = slow * (fixed_fwd + seconds)
+    bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * seconds)
 
     within = node_gpus or layout.world_size
     act = tokens * m.d_model * act_bytes
-    tp_one = share * machine.collective("allreduce", act, layout.tp, spans_nodes=layout.tp > within)
+    tp_one = share * machine.collective("allreduce", act, layout.tp, spans_nodes=layout.tp > within,
+                                        per_node=min(layout.tp, within))
     tp_f, tp_b = 2 * blocks * tp_one, (2 + 2 * (recompute >= 1)) * blocks * tp_one
     moe_blocks = sum(m.is_moe_block(b) for b in layout.stage_layers[heaviest]) if layout.stage_layers else 0
     ep_one = 0.0
     if m.moe is not None and layout.ep > 1:
         sent = tokens / layout.tp * m.moe.top_k * m.d_model * act_bytes
-        ep_one = share * machine.collective("alltoall", sent, layout.ep, spans_nodes=layout.ep * layout.tp > within)
+        ep_one = share * machine.collective("alltoall", sent, layout.ep, spans_nodes=layout.ep * layout.tp > within,
+                                            per_node=max(1, min(layout.ep, within // layout.tp)))
     ep_f, ep_b = 2 * moe_blocks * ep_one, 2 * moe_blocks * ep_one
     message = act / layout.tp if par.sp else act
-    comm = share * machine.p2p.time(message) * (1 if layout.dp * layout.tp * layout.pp <= within else 1 / machine
-                                        .inter_node_factor) if layout.pp > 1 else 0.0
+    comm = pipeline_p2p(machine, message, layout, within) * share if layout.pp > 1 else 0.0
 
     counts = _largest_stage_counts(m, layout.stage_layers, layout.pp, layout.vpp, layout.tp, layout.ep,
                                    layout.placement, layout.dp)
     grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
     spans = layout.dp * layout.tp > within
+    dp_per_node = max(1, min(layout.dp, within // layout.tp))  # ranks of one dp group on a node (tp innermost)
     reductions = layout.microbatches if sharding.reduces_every_microbatch else 1
-    reduce = reductions * share * machine.collective(sharding.gradient_collective, grad_bytes, layout.dp, spans)
+    reduce = reductions * share * machine.collective(sharding.gradient_collective, grad_bytes, layout.dp, spans,
+                                                     per_node=dp_per_node)
     # behind the backward that made them, unless the ranks' cores are all busy with it (shared CPU cores)
     overlaps = par.overlap_reduce and not (machine.contention and slow > 1.0)
     hidden = (bwd + tp_b) * layout.vpp * reductions if overlaps else 0.0
@@ -163,10 +187,25 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     extras = dict(hook(context) for (path, value), hook in OPTION_EXTRAS.items()
                   if option_value(config, path) == value)
     if layout.dp > 1:
-        extras |= sharding_costs(sharding, machine, layout, counts.total, blocks * layout.vpp, share, slow, spans)
+        extras |= sharding_costs(sharding, machine, layout, counts.total, blocks * layout.vpp, share, slow, spans,
+                                 dp_per_node)
+    dp_exposed = max(reduce - hidden, 0.0)
+    if overlaps and not machine.contention and layout.dp > 1:
+        # each rank its own device: the reduce-scatters and the prefetched gathers run on the links beside the
+        # whole step's compute (FSDP2's and DDP's streams); what is left over, and the first unit's gather,
+        # nothing hides
+        gather_key = f"zero-{sharding.zero} parameter all-gathers"
+        gathers = extras.get(gather_key, 0.0)
+        window = (fwd + bwd + tp_f + tp_b) * layout.microbatches * layout.vpp if gathers else hidden
+        over = max(reduce + gathers - window, 0.0)
+        first = gathers / max(sharding.gathers_per_step(layout.microbatches) * blocks * layout.vpp, 1)
+        dp_exposed = over * reduce / (reduce + gathers) if reduce + gathers else 0.0
+        if gathers:
+            extras[gather_key] = over * gathers / (reduce + gathers) + first
     return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,
                      tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
-                     dp_exposed=max(reduce - hidden, 0.0) + dp_fixed,
+                     recompute_per_chunk=slow * recompute * (fixed_fwd + seconds),
+                     dp_exposed=dp_exposed + dp_fixed,
                      optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras,
                      shared=pipeline_sharing(machine, layout.pp, layout.world_size, on_node))
 
@@ -203,8 +242,20 @@ def pipeline_floor(shared: tuple[float, ...], busy: float, fill: float, fill_com
     return max(shared[0] * (busy + fill) + fill_comm, sharing_floor(shared) * busy)
 
 
+def pipeline_p2p(machine: MachineCosts, nbytes: float, layout: Layout, within: int) -> float:
+    """One hand-over between pipeline stages: inside a node while the whole job fits in one, else across nodes
+    (stage s's ranks fill a node when dp x tp reaches one: on the GPU's own NIC where it is known, else at
+    `inter_node_factor` of the node's bandwidth)."""
+    if layout.world_size <= within:
+        return machine.p2p.time(nbytes)
+    if machine.nic_bytes_per_s > 0:
+        return machine.p2p.latency_s + machine.across_latency_s + nbytes / min(machine.nic_bytes_per_s,
+                                                                              machine.p2p.per_s)
+    return machine.p2p.time(nbytes) / machine.inter_node_factor
+
+
 def sharding_costs(sharding: Sharding, machine: MachineCosts, layout: Layout, params: int, blocks: int,
-                   share: float, slow: float, spans_nodes: bool = False) -> dict[str, float]:
+                   share: float, slow: float, spans_nodes: bool = False, per_node: int = 0) -> dict[str, float]:
     """A sharding level's own terms per step beyond the gradients' reduction: its all-gathers of the rank's
     `params` parameter elements (fp32; ZeRO-1 after the step, ZeRO-2 once per chunk, ZeRO-3 around every
     forward and backward), counted whole: a gather after the step has nothing to hide behind, and a prefetched
@@ -213,7 +264,7 @@ def sharding_costs(sharding: Sharding, machine: MachineCosts, layout: Layout, pa
     gathers = sharding.gathers_per_step(layout.microbatches)
     if gathers:
         out[f"zero-{sharding.zero} parameter all-gathers"] = gathers * share * machine.collective(
-            "allgather", 4 * params, layout.dp, spans_nodes)
+            "allgather", 4 * params, layout.dp, spans_nodes, per_node)
     per_step, per_microbatch = machine.zero_fixed.get(str(sharding.zero), (0.0, 0.0))
     if per_step or per_microbatch:
         out[f"zero-{sharding.zero} fixed"] = slow * blocks * (per_step + layout.microbatches * per_microbatch)

@@ -109,6 +109,23 @@ class MachineCosts:
     block and micro-batch), beyond its collectives' own time, as measured on tiny models at dp = 2 (FSDP2's
     hooks, copies and the optimizer's step on DTensors); a level not here: none."""
 
+    peak_flops: float = 0.0
+    """The device's dense bf16 peak (what MFU and HFU are counted against); 0: unknown (a CPU calibration)."""
+    compile_speedup: float = 1.0
+    """How much faster the model's FLOPs run under `compile: true` (fused non-matmul kernels); 1: not measured."""
+    device_memory: float = 0.0
+    """Bytes of one device's memory (a profile's HBM); 0: as the cluster reports."""
+    nic_bytes_per_s: float = 0.0
+    """One GPU's achieved bandwidth to other nodes (its own NIC on its rail); 0: across nodes is
+    `inter_node_factor` x the node's own bandwidth."""
+    node_gpus: int = 0
+    """Devices a node holds (a profile's); 0: as the cluster says."""
+    attention_flops_per_s: float = 0.0
+    """The rate of attention's own FLOPs (scores and context: 12 L d T a token of training; a fused flash kernel,
+    whatever the compile); 0: as the rest of the model's."""
+    across_latency_s: float = 0.0
+    """Latency of one hop between nodes (a collective spanning nodes pays it log2 of the nodes times, tree-like)."""
+
     def slowdown(self, ranks: int) -> float:
         """How much slower compute runs with `ranks` ranks on one node than with one (at least 1)."""
         if not self.contention or ranks <= 1:
@@ -134,7 +151,9 @@ class MachineCosts:
         fits: dict[str, Any] = {k: Fit(**d[k]) for k in ("matmul", "allreduce", "p2p", "alltoall", "optimizer")}
         fits |= {k: Fit(**d[k]) for k in ("allgather", "reducescatter") if d.get(k)}
         fixed = {k: d[k] for k in ("block_s", "microbatch_s", "step_s", "tp_block_s", "sp_block_s", "pp_microbatch_s",
-                                   "dp_step_s", "backward_share") if k in d}
+                                   "dp_step_s", "backward_share", "peak_flops", "compile_speedup", "device_memory",
+                                   "nic_bytes_per_s", "node_gpus", "across_latency_s", "attention_flops_per_s")
+                 if k in d}
         zero_fixed = {level: (float(a), float(b)) for level, (a, b) in d.get("zero_fixed", {}).items()}
         model_flops = tuple((float(w), float(r)) for w, r in d.get("model_flops", ()))
         token_efficiency = tuple((float(t), float(e)) for t, e in d.get("token_efficiency", ()))
@@ -155,10 +174,12 @@ class MachineCosts:
             return max(at, 1.0)
         return self.slowdown(ranks) / self.slowdown(self.world) if self.contention else 1.0
 
-    def collective(self, kind: str, nbytes: float, n: int, spans_nodes: bool = False) -> float:
+    def collective(self, kind: str, nbytes: float, n: int, spans_nodes: bool = False, per_node: int = 0) -> float:
         """One collective of `n` ranks over `nbytes` (a rank's whole tensor: the reduced, gathered or sent one),
         scaled from the measured world by the ring's traffic: all-reduce 2(n-1)/n, all-to-all, all-gather and
-        reduce-scatter (n-1)/n."""
+        reduce-scatter (n-1)/n. Spanning nodes with `per_node` of its ranks on each (0: one) where the NICs are
+        known (`nic_bytes_per_s`): hierarchical, as NCCL runs it: the ring's bus bandwidth is the smaller of the
+        node's and its ranks' NICs together (one rail each), and the latency adds a hop per doubling of nodes."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         gather = self.allgather if kind == "allgather" else self.reducescatter or self.allgather
@@ -167,7 +188,13 @@ class MachineCosts:
         w = max(self.world, 2)
         traffic = {"allreduce": 2}.get(kind, 1)
         measured_traffic = (2 if kind == "allreduce" or measured is None else 1) * (w - 1) / w
-        bus = base.per_s * measured_traffic * (self.inter_node_factor if spans_nodes else 1.0)
+        bus = base.per_s * measured_traffic
+        if spans_nodes and self.nic_bytes_per_s > 0:
+            k = max(per_node, 1)
+            hops = math.ceil(math.log2(max(n / k, 2)))
+            latency = base.latency_s * (min(k, w) - 1) / (w - 1) + 2 * hops * self.across_latency_s
+            return latency + traffic * (n - 1) / n * nbytes / min(bus, k * self.nic_bytes_per_s)
+        bus *= self.inter_node_factor if spans_nodes else 1.0
         return base.latency_s * (n - 1) / (w - 1) + traffic * (n - 1) / n * nbytes / bus
 
 

@@ -78,6 +78,15 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
             # a base: its variants with no saver on get their costs, the others wait keyed by their sibling's
             # bound (a saver only adds time: recompute, offload copies); a waiting variant: its own costs
             waiting = [variant[0]] if variant else search.variants(base)
+            if variant is None and search.at_scale:  # a base whose leanest variant does not fit: dropped whole
+                if search.exhausted():
+                    continue
+                fits, lean = search.leanest(base, waiting)
+                if lean is not None:
+                    found = _ranked([*found, lean], top)
+                    cutoff = found[top - 1].step_s if len(found) >= top else math.inf
+                if not fits:
+                    continue
             floor: dict[int, float] = {}
             for config_ in sorted(waiting, key=lambda c: not search.saver_free(c)):
                 if variant is None and not search.saver_free(config_):
@@ -90,9 +99,11 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
                     heapq.heappush(queue, (bound, pushed, base, (config_, costs)))
                     pushed += 1
             continue
+        if search.exhausted():
+            break  # the bounded search at scale (planner_search.SCALE_RANKS) has sized all it may
         cand = search.evaluate(*variant)
         if cand is not None:
-            found = sorted([*found, cand], key=lambda c: (c.step_s, c.memory_bytes))[: 8 * top]
+            found = _ranked([*found, cand], top)
             cutoff = found[top - 1].step_s if len(found) >= top else math.inf  # what a layout must beat to be shown
     if not found:
         raise no_fit_error(config, cluster, search)
@@ -100,7 +111,11 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
     best = found[0]
     ranked = [best] + [replace(c, reason=why_lost(c, best)) for c in found[1:top]]
     return PlannerResult(candidates=ranked, enumerated=enumerated,
-                         evaluated=search.evaluated, node_type=machine.node_type)
+                         evaluated=search.evaluated, node_type=machine.node_type, bounds=search.bounds())
+
+
+def _ranked(found: list[Candidate], top: int) -> list[Candidate]:
+    return sorted(found, key=lambda c: (c.step_s, c.memory_bytes))[: 8 * top]
 
 
 def choose(config: JobConfig, cluster: ClusterResources, machine: MachineCosts, *, top: int = 5,

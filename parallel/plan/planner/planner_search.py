@@ -38,6 +38,23 @@ MAX_VPP = 4
 """Virtual chunks per pipeline rank tried (more rarely pays: each adds a point-to-point run per micro-batch)."""
 MAX_SEARCH_CHUNKS = 2048
 """pp x vpp x microbatches tried at most (the simulator's cost grows with it; more rarely pays)."""
+SCALE_RANKS = 64
+"""Past this many GPU ranks the search is bounded for speed (a 1T model on 3072 GPUs answers in seconds):
+every layout uses every GPU (fewer ranks pay only where ranks share cores, which GPU ranks do not), and at most
+MAX_SIZED_AT_SCALE layouts are sized and simulated, best bound first (`Search.bounds` says so in the result)."""
+MAX_SIZED_AT_SCALE = 500
+"""Layouts sized (memory plan) and simulated at most past SCALE_RANKS."""
+
+
+_RECOMPUTE_LEAN = {"none": 0.0, "selective": 1.0, "full": 2.0}
+
+
+def _lean_key(value: object) -> float:
+    """An option's value by how little it leaves on the device: True over False, a higher level over a lower,
+    full recompute over selective over none."""
+    if isinstance(value, str):
+        return _RECOMPUTE_LEAN.get(value, 0.0)
+    return float(value) if isinstance(value, bool | int | float) else 0.0
 
 
 def _divisors(n: int) -> list[int]:
@@ -84,6 +101,10 @@ class Search:
         self.paths = searched_paths(config)
         self.values = searched_values(config)
         self.evaluated = 0
+        self.sized = 0
+        self.gated: dict[tuple, bool] = {}
+        self.failed: dict[tuple, list[tuple[float, ...]]] = {}
+        self.at_scale = bool(self.gpus) and sum(per_node) > SCALE_RANKS
 
     def capacity(self, tp: int) -> int:
         return Gang.of(self.cpus, self.gpus, tp=tp, groups=1).placeable(self.nodes) * tp
@@ -105,6 +126,8 @@ class Search:
                     # can be faster (fixed costs, ranks sharing cores), and the bounds prune the slow ones
                     if m.n_layer % pp:
                         continue  # even stages only (the planner does not search uneven stage_layers)
+                    if self.at_scale and dp * tp * pp != cap:
+                        continue  # at scale every GPU is used (SCALE_RANKS)
                     micro = [mb for mb in _divisors(c.global_batch // dp)
                              if pp * mb <= MAX_SEARCH_CHUNKS and (pp == 1 or mb >= pp)]
                     for sp, ep, mb in itertools.product((False, True) if tp > 1 else (False,), eps, micro):
@@ -156,6 +179,38 @@ class Search:
                               busy * (pp - 1) / (3 * m * vpp))  # the fill: pp - 1 chunk forwards
         return span + max(reduce - hidden, 0.0) + dp_fixed + optimizer
 
+    def bounds(self) -> str:
+        """The search's bounds, as the result states them."""
+        text = (f"even stages only; pp x vpp x microbatches <= {MAX_SEARCH_CHUNKS}; vpp <= {MAX_VPP}; a tp group "
+                "inside one node")
+        if self.at_scale:
+            text += (f"; past {SCALE_RANKS} GPU ranks: every GPU used, at most {MAX_SIZED_AT_SCALE} layouts sized "
+                     f"and simulated, best bound first ({self.sized} were)")
+        return text
+
+    def exhausted(self) -> bool:
+        """Whether the bounded search (at scale) has sized as many layouts as it may."""
+        return self.at_scale and self.sized >= MAX_SIZED_AT_SCALE
+
+    def leanest(self, base: BaseLayout, variants: list[JobConfig]) -> tuple[bool, Candidate | None]:
+        """(whether the variant of a base holding the least (the highest sharding level, full recompute, every
+        offload on) fits or breaks a rule the others may keep, its prediction where it fits): sized once,
+        counted in `sized`; a base differing only in vpp from one already gated shares its answer."""
+        key = (base.dp, base.pp, base.tp, base.ep, base.sp, base.m, base.kind)
+        if key in self.gated:
+            return self.gated[key], None
+        lean = variants[0]
+        for path in self.paths:
+            vals = {v for cfg in variants if (v := option_value(cfg, path)) is not None}
+            pick = max(vals, key=_lean_key)
+            lean = with_option(lean, path, pick)
+        costs = self.costs(lean)
+        if costs is None:
+            return True, None  # it breaks a rule: the others may keep them
+        cand = self.evaluate(lean, costs)
+        self.gated[key] = cand is not None
+        return cand is not None, cand
+
     def saver_free(self, config: JobConfig) -> bool:
         """Whether every searched option but the sharding level is at its first value (off: no recompute, no
         offload), which the others only add time to."""
@@ -199,6 +254,13 @@ class Search:
                   if n.memory > 0 and (held := min(gang.count, gang.placeable([{"CPU": n.cpus, "GPU": n.gpus}])))]
         return max(shares, default=0.0)
 
+    def host_capacity(self, layout: Layout) -> float:
+        """Host bytes a GPU rank may hold (its share of a node's memory, as admission reads it); 0: unknown or a
+        CPU rank (whose host memory is its memory: `rank_capacity`)."""
+        if not layout.gpus_per_worker or not self.node_ranks:
+            return 0.0
+        return max((n.memory for n in self.cluster.nodes if n.gpus > 0), default=0.0) / self.node_ranks
+
     def costs(self, config: JobConfig) -> StepCosts | None:
         """The layout's per-chunk and per-step costs; None when it breaks a rule."""
         if violations(config):
@@ -206,20 +268,41 @@ class Search:
         self.evaluated += 1
         return step_costs(self.layout(config, with_schedule=False), config, self.machine, node_gpus=self.node_ranks)
 
+    def _leanness(self, config: JobConfig) -> tuple[tuple, tuple[float, ...]]:
+        par = fixed_parallel(config)
+        key = (par.dp, par.pp, par.tp, par.ep, par.sp, par.microbatches, par.schedule, par.vpp)
+        return key, tuple(_lean_key(option_value(config, path)) for path in self.paths)
+
     def evaluate(self, config: JobConfig, costs: StepCosts | None = None) -> Candidate | None:
-        """The layout's prediction; None when it breaks a rule or does not fit."""
+        """The layout's prediction; None when it breaks a rule or does not fit (at scale, a variant holding no
+        less than one that did not fit on every option is not sized again)."""
         costs = costs or self.costs(config)
         if costs is None:
             return None
+        if self.at_scale:
+            key, lean = self._leanness(config)
+            if any(all(a <= b for a, b in zip(lean, worse, strict=True)) for worse in self.failed.get(key, ())):
+                return None
+        cand = self._evaluate(config, costs)
+        if cand is None and self.at_scale:
+            self.failed.setdefault(key, []).append(lean)
+        return cand
+
+    def _evaluate(self, config: JobConfig, costs: StepCosts) -> Candidate | None:
         layout = self.layout(config)
+        self.sized += 1
         have = self.rank_capacity(layout) * (1 - self.margin)
+        host_have = self.host_capacity(layout) * (1 - self.margin)
         sizing = _Sizing(config, layout=layout)
-        memory = 0
+        memory, host = 0, 0
         for stage in dict.fromkeys((0, layout.pp - 1, layout.pp // 2)):  # the first holds most activations,
-            memory = max(memory, rank_memory(sizing, layout.rank_of(stage, 0, 0))  # the last the head
-                         .resident(bool(layout.gpus_per_worker)))
-            if have > 0 and memory > have:
+            need = rank_memory(sizing, layout.rank_of(stage, 0, 0))  # the last the head
+            memory = max(memory, need.resident(bool(layout.gpus_per_worker)))
+            host = max(host, need.host_resident if layout.gpus_per_worker else 0)
+            if (have > 0 and memory > have) or (host_have > 0 and host > host_have):
                 break
+        if host_have > 0 and host > host_have:  # a GPU rank's offloaded bytes beyond its share of the host's
+            return None
         if self.smallest is None or memory < self.smallest[0]:
             self.smallest = (memory, config)
         if have > 0 and memory > have:

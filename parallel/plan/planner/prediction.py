@@ -59,6 +59,8 @@ class PlannerResult:
     evaluated: int
     """Layouts whose costs were computed (the rest were pruned by their bound, or by their saver-free sibling's)."""
     node_type: str
+    bounds: str = ""
+    """What the search left out (`planner_search.Search.bounds`)."""
 
     @property
     def best(self) -> Candidate:
@@ -66,6 +68,7 @@ class PlannerResult:
 
     def to_dict(self) -> dict:
         return {"node_type": self.node_type, "enumerated": self.enumerated, "evaluated": self.evaluated,
+                "bounds": self.bounds,
                 "candidates": [c.to_dict() for c in self.candidates]}
 
 
