@@ -20,7 +20,6 @@ from trainyard.parallel.runtime.cp.ring import ContextShard
 from trainyard.parallel.runtime.pipeline.pipeline import Batch
 
 
-
 @dataclass(frozen=True)
 class ContextSplit:
     """One rank's place in its cp group: what it keeps of each micro-batch."""
