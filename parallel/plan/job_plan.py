@@ -240,7 +240,8 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     _raise_first(degree_violations(config))
     par = fixed_parallel(config)
     if cluster is not None:  # before the blocks are split: a job too large for the cluster is told that first
-        degrees = Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, gpus_per_worker=_gpus_per_worker(config, cluster),
+        degrees = Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, cp=par.cp,
+                         gpus_per_worker=_gpus_per_worker(config, cluster),
                          cpus_per_worker=config.resources.cpus_per_worker)
         _raise_first(fit_violations(degrees, cluster))
     layout = layout_of(config, cluster)

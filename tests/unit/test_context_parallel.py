@@ -5,7 +5,10 @@ import pytest
 import torch
 from helpers import tiny_spec
 from trainyard.parallel.models.components.documents import document_mask
+from trainyard.cli.offline import format_plan
 from trainyard.parallel.plan import Layout, PlanError, make_plan
+from trainyard.parallel.plan.memory.estimate import estimate
+from trainyard.parallel.plan.present import describe
 from trainyard.parallel.runtime.cp.chunks import attention_work, local_indices, rank_chunks, take
 from trainyard.parallel.runtime.cp.ring import Mask, block_attention, merge
 from trainyard.parallel.spec import parse_spec
@@ -102,3 +105,20 @@ def test_a_cp_plan_lays_out_its_ranks():
     plan = make_plan(parse_spec(tiny_spec(model=LLAMA, global_batch=4, parallel={"dp": 2, "cp": 2, "zero": 3})))
     assert (plan.world_size, plan.cp) == (4, 2)
     assert [(c.dp, c.cp) for c in plan.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_the_memory_plan_counts_a_rank_activations_at_one_cp_th_of_the_sequence():
+    def activations(cp: int, seq_len: int) -> int:
+        spec = tiny_spec(model={**LLAMA, "seq_len": seq_len}, global_batch=4, parallel={"cp": cp})
+        return estimate(make_plan(parse_spec(spec)).layout, parse_spec(spec))[0].activations
+
+    assert activations(2, 64) == activations(1, 32)
+    assert activations(4, 128) == activations(1, 32)
+    assert activations(4, 64) < activations(1, 64) / 3
+
+
+def test_the_plan_preview_shows_the_cp_group():
+    plan = make_plan(parse_spec(tiny_spec(model=LLAMA, global_batch=4, parallel={"cp": 2})))
+    described = describe(plan)
+    assert described["degrees"]["cp"] == 2 and described["groups"]["cp"] == [[0, 1]]
+    assert "context-parallel groups" in format_plan(described) and "cp=2" in format_plan(described)
