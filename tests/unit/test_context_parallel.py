@@ -4,8 +4,8 @@ the positions and masks by global index, the layout's groups and the rules' 422s
 import pytest
 import torch
 from helpers import tiny_spec
-from trainyard.parallel.models.components.documents import document_mask
 from trainyard.cli.offline import format_plan
+from trainyard.parallel.models.components.documents import document_mask
 from trainyard.parallel.plan import Layout, PlanError, make_plan
 from trainyard.parallel.plan.memory.estimate import estimate
 from trainyard.parallel.plan.present import describe

@@ -145,7 +145,7 @@ class RingAttention(torch.autograd.Function):
     """Ring attention's forward and backward (module doc); q, k, v as `ContextShard.attend` takes them."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard,  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard,
                 mask: Mask) -> torch.Tensor:
         dtype, groups = q.dtype, q.shape[1] // k.shape[1]
         with torch.autocast(q.device.type, enabled=False):
@@ -170,7 +170,7 @@ class RingAttention(torch.autograd.Function):
         return out.to(dtype)
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dout: torch.Tensor):
         qf, kf, vf, out, lse = ctx.saved_tensors
         shard, mask = ctx.shard, ctx.mask
         groups, scale = qf.shape[1] // kf.shape[1], 1.0 / math.sqrt(qf.shape[-1])
