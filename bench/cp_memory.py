@@ -6,7 +6,7 @@ attention (2 blocks, d_model 64, 4 query and 2 kv heads, seq_len 2048, one seque
 cp=1, 2 and 4 in one spawned world. Each rank's executor meters the bytes autograd holds for backward at once
 (`peak_activation_bytes`, parameters excluded); the plan's figure is `estimate(...)[rank].activations`. Then every
 rank of the cp=4 run times its own attention blocks (`parallel.runtime.cp.ring.block_attention` over the blocks its
-mask allows, forward only, transfers excluded: in the ring a rank waits for its peers, so its wall time says
+mask allows, forward only, one thread, transfers excluded: in the ring a rank waits for its peers, so its wall time says
 nothing of its own share), one rank at a time: head-tail chunks should make the four equal.
 """
 
@@ -52,7 +52,8 @@ def attention_seconds(driver: RankDriver, stats: list[dict]) -> float:
     mask = Mask(indices)
     t = SEQ // cp
     q, k, v = (torch.randn(1, m.n_head, t, m.head_size) for _ in range(3))
-    times = []
+    times, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)  # the same on every rank (spawned ranks' thread pools differ in size)
     for _ in range(ROUNDS):  # rounds outer, turns inner: load that comes and goes falls on every rank alike
         for turn in range(cp):  # one rank at a time: the ranks share this machine's cores
             dist.barrier(group=trainer.groups.cp)
@@ -64,6 +65,7 @@ def attention_seconds(driver: RankDriver, stats: list[dict]) -> float:
                         block_attention(q, k, v, allowed)
                 times.append(time.perf_counter() - start)
     dist.barrier(group=trainer.groups.cp)
+    torch.set_num_threads(threads)
     return min(times)  # the fastest round: other load on the shared cores only adds
 
 
