@@ -76,11 +76,13 @@ def context_parallel_violations(r: Resolved) -> list[PlanError]:
     if config.model.family not in CP_FAMILIES:
         errors.append(PlanError("parallel.cp", f"cp={cp} with model.family={config.model.family}: the ring attention "
                                                f"runs in {', '.join(CP_FAMILIES)}'s attention only"))
-    others = (("parallel.pp", par.pp > 1, "pipeline stages"), ("parallel.tp", par.tp > 1, "tensor parallelism"),
+    if par.sp and (config.model.seq_len // cp) % par.tp:
+        errors.append(PlanError("parallel.sp", f"sp=true splits each rank's {config.model.seq_len // cp} tokens "
+                                               f"(seq_len / cp) over tp={par.tp}: tp must divide them"))
+    others = (("parallel.pp", par.pp > 1, "pipeline stages"),
               ("model.moe", config.model.moe is not None, "mixture-of-experts routing"),
               ("parallel.sync.kind", par.sync.kind != "allreduce", f"{par.sync.kind} replicas"),
-              ("compile", config.compile, "torch.compile'd blocks"),
-              ("activation_checkpointing", config.activation_checkpointing != "none", "recompute"))
+              ("compile", config.compile, "torch.compile'd blocks"))
     errors += [PlanError("parallel.cp", f"cp={cp} does not compose with {field} ({what}) yet: use cp: 1 or "
                                         f"change {field}") for field, bad, what in others if bad]
     return errors

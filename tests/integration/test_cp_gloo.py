@@ -3,9 +3,10 @@
 A tiny llama with grouped-query attention (4 query heads, 2 kv heads) trains 3 steps at cp=1 and cp=2; the losses
 and gradient norms follow cp=1's within 1e-4, and the gradients of the first step (summed over the cp group by the
 reducer) equal cp=1's within 1e-5. A mistral whose sliding window (3) is shorter than a chunk (4 tokens) follows its
-own cp=1 run at cp=2 over ZeRO-3 (FSDP2 shards over the dp x cp ranks). The ring alone (`parallel.runtime.cp.ring`)
-against whole-sequence attention, packed segments whose boundaries fall inside chunks and windows included: the
-probe on the cp=2 world. Slow (`make test-slow`, a world of four): (dp2, cp2) over ZeRO-3 and the mistral at cp=4.
+own cp=1 run at cp=2 over ZeRO-3 (FSDP2 shards over the dp x cp ranks) with full recompute (the ring re-run in
+backward). The ring alone (`parallel.runtime.cp.ring`) against whole-sequence attention, packed segments whose
+boundaries fall inside chunks and windows included: the probe on the cp=2 world. Slow (`make test-slow`, a world of
+four): (dp2, cp2) over ZeRO-3, (cp2, tp2) with sp, and the mistral at cp=4.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ LLAMA = {"family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model"
 MISTRAL = {**LLAMA, "family": "mistral", "sliding_window": 3}
 
 
-def plan_for(model: dict, **parallel) -> Plan:
-    return make_plan(parse_spec(tiny_spec(model=model, steps=STEPS, global_batch=4, parallel=parallel)))
+def plan_for(model: dict, top: dict | None = None, **parallel) -> Plan:
+    return make_plan(parse_spec(tiny_spec(model=model, steps=STEPS, global_batch=4, parallel=parallel,
+                                          **(top or {}))))
 
 
 def first_step_grads(driver: RankDriver) -> dict[str, torch.Tensor]:
@@ -76,11 +78,12 @@ RUNS = {
     "llama-cp1": plan_for(LLAMA),
     "llama-cp2": plan_for(LLAMA, cp=2),
     "mistral-cp1": plan_for(MISTRAL),
-    "mistral-cp2-zero3": plan_for(MISTRAL, cp=2, zero=3),
+    "mistral-cp2-zero3-full": plan_for(MISTRAL, {"activation_checkpointing": "full"}, cp=2, zero=3),
 }
 SLOW_RUNS = {
     "llama-cp1": RUNS["llama-cp1"],
     "llama-dp2-cp2-zero3": plan_for(LLAMA, dp=2, cp=2, zero=3),
+    "llama-cp2-tp2-sp": plan_for(LLAMA, cp=2, tp=2, sp=True),
     "mistral-cp1": RUNS["mistral-cp1"],
     "mistral-cp4": plan_for(MISTRAL, cp=4),
 }
@@ -110,14 +113,15 @@ def assert_follows(results: dict[str, list[RankResult]], name: str, reference: s
         np.testing.assert_allclose([s["grad_norm"] for s in stats], [s["grad_norm"] for s in expected], rtol=1e-4)
 
 
-@pytest.mark.parametrize("name,reference", [("llama-cp2", "llama-cp1"), ("mistral-cp2-zero3", "mistral-cp1")])
+@pytest.mark.parametrize("name,reference", [("llama-cp2", "llama-cp1"), ("mistral-cp2-zero3-full", "mistral-cp1")])
 def test_cp2_follows_the_single_rank_losses(results, name, reference):
     assert_follows(results, name, reference)
 
 
 @slow
-@pytest.mark.parametrize("name,reference", [("llama-dp2-cp2-zero3", "llama-cp1"), ("mistral-cp4", "mistral-cp1")])
-def test_dp2_cp2_zero3_and_cp4_follow_the_single_rank_losses(slow_results, name, reference):
+@pytest.mark.parametrize("name,reference", [("llama-dp2-cp2-zero3", "llama-cp1"), ("llama-cp2-tp2-sp", "llama-cp1"),
+                                            ("mistral-cp4", "mistral-cp1")])
+def test_dp2_cp2_zero3_cp2_tp2_and_cp4_follow_the_single_rank_losses(slow_results, name, reference):
     assert_follows(slow_results, name, reference)
 
 
