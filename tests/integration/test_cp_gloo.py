@@ -6,7 +6,7 @@ reducer) equal cp=1's within 1e-5. A mistral whose sliding window (3) is shorter
 own cp=1 run at cp=2 over ZeRO-3 (FSDP2 shards over the dp x cp ranks) with full recompute (the ring re-run in
 backward). The ring alone (`parallel.runtime.cp.ring`) against whole-sequence attention, packed segments whose
 boundaries fall inside chunks and windows included: the probe on the cp=2 world. Slow (`make test-slow`, a world of
-four): (dp2, cp2) over ZeRO-3, (cp2, tp2) with sp, and the mistral at cp=4.
+four): (dp2, cp2) over ZeRO-3, (cp2, tp2) with sp, the mistral at cp=4 and packed chat examples at cp=4.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from data_helpers import bpe_tokenizer
 from gloo_ranks import PlanRun, RankResult, run_plans, stats_of
-from helpers import slow, tiny_spec
+from helpers import REPO, slow, tiny_spec
+from trainyard.parallel.data.prepare import PrepareOptions, prepare
 from trainyard.parallel.data.sampler import step_microbatches
 from trainyard.parallel.models.components.documents import attend, document_mask
 from trainyard.parallel.plan import Plan, make_plan
@@ -100,9 +102,20 @@ def results() -> dict[str, list[RankResult]]:
     return run_all(RUNS)
 
 
+def packed_plans(root) -> dict[str, Plan]:
+    """Chat examples packed several to a row of 64 tokens (`data.packing: true`): boundaries fall anywhere in the
+    chunks; at cp=1 and cp=4."""
+    prepare([REPO / "examples" / "finetune.jsonl"], root / "chat", bpe_tokenizer(root / "tok"),
+            PrepareOptions(chat=True), progress=False)
+    spec = tiny_spec(model={**LLAMA, "vocab_size": 300, "seq_len": 64}, steps=STEPS, global_batch=4,
+                     data={"kind": "tokens", "path": str(root / "chat"), "packing": True})
+    return {"packed-cp1": make_plan(parse_spec(spec)),
+            "packed-cp4": make_plan(parse_spec({**spec, "parallel": {"cp": 4}}))}
+
+
 @pytest.fixture(scope="module")
-def slow_results() -> dict[str, list[RankResult]]:
-    return run_all(SLOW_RUNS)
+def slow_results(tmp_path_factory) -> dict[str, list[RankResult]]:
+    return run_all({**SLOW_RUNS, **packed_plans(tmp_path_factory.mktemp("cp-packed"))})
 
 
 def assert_follows(results: dict[str, list[RankResult]], name: str, reference: str) -> None:
@@ -120,8 +133,8 @@ def test_cp2_follows_the_single_rank_losses(results, name, reference):
 
 @slow
 @pytest.mark.parametrize("name,reference", [("llama-dp2-cp2-zero3", "llama-cp1"), ("llama-cp2-tp2-sp", "llama-cp1"),
-                                            ("mistral-cp4", "mistral-cp1")])
-def test_dp2_cp2_zero3_cp2_tp2_and_cp4_follow_the_single_rank_losses(slow_results, name, reference):
+                                            ("mistral-cp4", "mistral-cp1"), ("packed-cp4", "packed-cp1")])
+def test_dp2_cp2_zero3_cp2_tp2_cp4_and_packed_follow_the_single_rank_losses(slow_results, name, reference):
     assert_follows(slow_results, name, reference)
 
 
