@@ -1,8 +1,8 @@
 """Context parallelism on real gloo ranks: cp=2 follows cp=1, in one spawned world.
 
-A tiny llama with grouped-query attention (4 query heads, 2 kv heads) trains 3 steps at cp=1 and cp=2; the losses
-and gradient norms follow cp=1's within 1e-4, and the gradients of the first step (summed over the cp group by the
-reducer) equal cp=1's within 1e-5. A mistral whose sliding window (3) is shorter than a chunk (4 tokens) follows its
+A tiny llama with grouped-query attention (4 query heads, 2 kv heads) trains 3 steps at cp=1 and cp=2; the losses,
+gradient norms and the validation loss follow cp=1's within 1e-4, and the gradients of the first step (summed over
+the cp group by the reducer) equal cp=1's within 1e-5. A mistral whose sliding window (3) is shorter than a chunk (4 tokens) follows its
 own cp=1 run at cp=2 over ZeRO-3 (FSDP2 shards over the dp x cp ranks) with full recompute (the ring re-run in
 backward). The ring alone (`parallel.runtime.cp.ring`) against whole-sequence attention, packed segments whose
 boundaries fall inside chunks and windows included: the probe on the cp=2 world. Slow (`make test-slow`, a world of
@@ -11,6 +11,8 @@ cp=2 with selective recompute (the ring re-run in backward) against bf16 at cp=1
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -78,8 +80,8 @@ def ring_errors(driver: RankDriver, stats: list[dict]) -> list[float] | None:
 
 
 RUNS = {
-    "llama-cp1": plan_for(LLAMA),
-    "llama-cp2": plan_for(LLAMA, cp=2),
+    "llama-cp1": plan_for(LLAMA, {"eval": {"every": 1, "batches": 1}}),
+    "llama-cp2": plan_for(LLAMA, {"eval": {"every": 1, "batches": 1}}, cp=2),
     "mistral-cp1": plan_for(MISTRAL),
     "mistral-cp2-zero3-full": plan_for(MISTRAL, {"activation_checkpointing": "full"}, cp=2, zero=3),
 }
@@ -96,7 +98,8 @@ SLOW_RUNS = {
 
 def run_all(plans: dict[str, Plan]) -> dict[str, list[RankResult]]:
     runs = [PlanRun(plan, at_start=first_step_grads if name in ("llama-cp1", "llama-cp2") else None,
-                    probe=ring_errors) for name, plan in plans.items()]
+                    probe=ring_errors, evaluate_after=(STEPS,) if plan.config.eval.every else ())
+            for name, plan in plans.items()]
     return dict(zip(plans, run_plans(runs), strict=True))
 
 
@@ -146,6 +149,13 @@ def test_bf16_cp2_with_selective_recompute_follows_its_bf16_single_rank_run(slow
     assert_follows(slow_results, "bf16-cp2-selective", "bf16-cp1", rtol=2e-2)  # the bf16 tests' tolerance
     assert [s["loss"] for s in stats_of(slow_results["bf16-cp1"])[0]] != \
         [s["loss"] for s in stats_of(slow_results["llama-cp1"])[0]]  # bf16 really ran
+
+
+def test_cp2_validation_loss_is_the_single_rank_one(results):
+    expected = stats_of(results["llama-cp1"])[0][-1].get("val_loss")
+    assert expected is not None and math.isfinite(expected)
+    for stats in stats_of(results["llama-cp2"]):
+        assert stats[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_cp2_gradients_of_one_step_equal_the_single_rank_gradients(results):
