@@ -2,12 +2,12 @@
 
 A tiny llama with grouped-query attention (4 query heads, 2 kv heads) trains 3 steps at cp=1 and cp=2; the losses,
 gradient norms and the validation loss follow cp=1's within 1e-4, and the gradients of the first step (summed over
-the cp group by the reducer) equal cp=1's within 1e-5. A mistral whose sliding window (3) is shorter than a chunk (4 tokens) follows its
-own cp=1 run at cp=2 over ZeRO-3 (FSDP2 shards over the dp x cp ranks) with full recompute (the ring re-run in
-backward). The ring alone (`parallel.runtime.cp.ring`) against whole-sequence attention, packed segments whose
-boundaries fall inside chunks and windows included: the probe on the cp=2 world. Slow (`make test-slow`, a world of
-four): (dp2, cp2) over ZeRO-3, (cp2, tp2) with sp, the mistral at cp=4, packed chat examples at cp=4, and bf16 at
-cp=2 with selective recompute (the ring re-run in backward) against bf16 at cp=1.
+the cp group by the reducer) equal cp=1's within 1e-5. A mistral whose sliding window (3) is shorter than a chunk (4
+tokens) follows its own cp=1 run at cp=2 over ZeRO-3 (FSDP2 shards over the dp x cp ranks) with full recompute (the
+ring re-run in backward). The ring alone (`parallel.runtime.cp.ring`) against whole-sequence attention, packed
+segments whose boundaries fall inside chunks and windows included: the probe on the cp=2 world. Slow (`make
+test-slow`, a world of four): (dp2, cp2) over ZeRO-3, (cp2, tp2) with sp, the mistral at cp=4, packed chat examples
+at cp=4, and bf16 at cp=2 with selective recompute (the ring re-run in backward) against bf16 at cp=1.
 """
 
 from __future__ import annotations
