@@ -17,7 +17,9 @@ import torch.distributed as dist
 from trainyard.parallel.models.components.documents import Documents
 from trainyard.parallel.runtime.cp.chunks import local_indices, take
 from trainyard.parallel.runtime.cp.ring import ContextShard
-from trainyard.parallel.runtime.pipeline.pipeline import Batch
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(inputs, targets) of one micro-batch, as the pipeline executor's `batch(mb)` returns them."""
 
 
 @dataclass(frozen=True)
