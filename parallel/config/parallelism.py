@@ -96,8 +96,8 @@ class ParallelConfig:
     cp: Degree = 1
     """Context-parallel ranks inside each replica: every sequence split over them (rank i of the group holds chunks i
     and 2cp-1-i, head-tail balanced), causal attention by a ring of key/value blocks (`parallel.runtime.cp`). The
-    gradients are summed over dp x cp, and ZeRO shards over dp x cp too. Not yet with pp, MoE, local_sgd / diloco
-    or compile (a 422)."""
+    gradients are summed over dp x cp, and ZeRO shards over dp x cp too. Not yet with MoE, local_sgd / diloco or
+    compile (a 422)."""
     vpp: Degree = 1
     """Virtual pipeline chunks per pipeline rank (interleaved-1f1b; zbv needs 2)."""
     sp: bool = False

@@ -182,7 +182,8 @@ class Layout:
         last = stage_location(self.n_virtual_stages - 1, self.pp, self.placement)[0]
         if last == 0:
             return []
-        return [[self.rank_of(0, t, d), self.rank_of(last, t, d)] for d in range(self.dp) for t in range(self.tp)]
+        return [[self.rank_of(0, t, d, c), self.rank_of(last, t, d, c)]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def experts_of(self, rank: int) -> range:
         """Global indices of the experts a rank hosts in each of its MoE blocks (empty for a dense model)."""

@@ -79,8 +79,7 @@ def context_parallel_violations(r: Resolved) -> list[PlanError]:
     if par.sp and (config.model.seq_len // cp) % par.tp:
         errors.append(PlanError("parallel.sp", f"sp=true splits each rank's {config.model.seq_len // cp} tokens "
                                                f"(seq_len / cp) over tp={par.tp}: tp must divide them"))
-    others = (("parallel.pp", par.pp > 1, "pipeline stages"),
-              ("model.moe", config.model.moe is not None, "mixture-of-experts routing"),
+    others = (("model.moe", config.model.moe is not None, "mixture-of-experts routing"),
               ("parallel.sync.kind", par.sync.kind != "allreduce", f"{par.sync.kind} replicas"),
               ("compile", config.compile, "torch.compile'd blocks"))
     errors += [PlanError("parallel.cp", f"cp={cp} does not compose with {field} ({what}) yet: use cp: 1 or "

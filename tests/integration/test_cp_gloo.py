@@ -6,8 +6,8 @@ the cp group by the reducer) equal cp=1's within 1e-5. A mistral whose sliding w
 tokens) follows its own cp=1 run at cp=2 over ZeRO-3 (FSDP2 shards over the dp x cp ranks) with full recompute (the
 ring re-run in backward). The ring alone (`parallel.runtime.cp.ring`) against whole-sequence attention, packed
 segments whose boundaries fall inside chunks and windows included: the probe on the cp=2 world. Slow (`make
-test-slow`, a world of four): (dp2, cp2) over ZeRO-3, (cp2, tp2) with sp, the mistral at cp=4, packed chat examples
-at cp=4, and bf16 at cp=2 with selective recompute (the ring re-run in backward) against bf16 at cp=1.
+test-slow`, a world of four): (dp2, cp2) over ZeRO-3, (cp2, tp2) with sp, (pp2, cp2) with tied embeddings, the
+mistral at cp=4, packed chat examples at cp=4, and bf16 at cp=2 with selective recompute against bf16 at cp=1.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from trainyard.parallel.spec import parse_spec
 STEPS = 3
 LLAMA = {"family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 32, "ffn_hidden": 64}
 MISTRAL = {**LLAMA, "family": "mistral", "sliding_window": 3}
+TIED = {**LLAMA, "tie_embeddings": True}
+"""At pp=2 the embedding and the head's copy sit on two stages (the tied pairs, one per cp rank)."""
 
 
 def plan_for(model: dict, top: dict | None = None, **parallel) -> Plan:
@@ -74,7 +76,7 @@ def ring_errors(driver: RankDriver, stats: list[dict]) -> list[float] | None:
         mine = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
         got = ContextShard(groups.cp, groups.cp_ranks, me, seq, packed).attend(*mine, window)
         got.square().sum().backward()
-        errors.append(float((got - expected[:, :, idx]).abs().max()))
+        errors.append(float((got - expected[:, :, idx]).detach().abs().max()))
         errors += [float((m.grad - w.grad[:, :, idx]).abs().max()) for m, w in zip(mine, whole, strict=True)]
     return errors
 
@@ -89,6 +91,8 @@ SLOW_RUNS = {
     "llama-cp1": RUNS["llama-cp1"],
     "llama-dp2-cp2-zero3": plan_for(LLAMA, dp=2, cp=2, zero=3),
     "llama-cp2-tp2-sp": plan_for(LLAMA, cp=2, tp=2, sp=True),
+    "tied-pp2-cp2": plan_for(TIED, cp=2, pp=2, microbatches=2),
+    "tied-cp1": plan_for(TIED),
     "bf16-cp1": plan_for(LLAMA, {"precision": "bf16"}),
     "bf16-cp2-selective": plan_for(LLAMA, {"precision": "bf16", "activation_checkpointing": "selective"}, cp=2),
     "mistral-cp1": RUNS["mistral-cp1"],
@@ -126,9 +130,11 @@ def slow_results(tmp_path_factory) -> dict[str, list[RankResult]]:
 
 def assert_follows(results: dict[str, list[RankResult]], name: str, reference: str, rtol: float = 1e-4) -> None:
     expected = stats_of(results[reference])[0]
+    assert any(stats[0]["loss"] is not None for stats in stats_of(results[name]))
     assert len(expected) == STEPS and expected[-1]["loss"] < expected[0]["loss"]
     for stats in stats_of(results[name]):
-        np.testing.assert_allclose([s["loss"] for s in stats], [s["loss"] for s in expected], rtol=rtol)
+        if stats[0]["loss"] is not None:  # a last-stage rank (at pp > 1 the others have none)
+            np.testing.assert_allclose([s["loss"] for s in stats], [s["loss"] for s in expected], rtol=rtol)
         np.testing.assert_allclose([s["grad_norm"] for s in stats], [s["grad_norm"] for s in expected], rtol=rtol)
 
 
@@ -139,6 +145,7 @@ def test_cp2_follows_the_single_rank_losses(results, name, reference):
 
 @slow
 @pytest.mark.parametrize("name,reference", [("llama-dp2-cp2-zero3", "llama-cp1"), ("llama-cp2-tp2-sp", "llama-cp1"),
+                                            ("tied-pp2-cp2", "tied-cp1"),
                                             ("mistral-cp4", "mistral-cp1"), ("packed-cp4", "packed-cp1")])
 def test_dp2_cp2_zero3_cp2_tp2_cp4_and_packed_follow_the_single_rank_losses(slow_results, name, reference):
     assert_follows(slow_results, name, reference)

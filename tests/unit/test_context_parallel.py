@@ -88,7 +88,7 @@ def test_the_cp_group_sits_inside_a_replica_and_the_gradients_sum_over_dp_x_cp()
 
 @pytest.mark.parametrize("parallel,model,field,rule", [
     ({"cp": 3}, {}, "parallel.cp", "must divide model.seq_len"),
-    ({"cp": 2, "pp": 2}, {"n_layer": 2}, "parallel.cp", "parallel.pp"),
+    ({"cp": 2}, {"moe": {"experts": 2, "top_k": 1}}, "parallel.cp", "model.moe"),
     ({"cp": 2, "sync": {"kind": "diloco"}, "dp": 2}, {}, "parallel.cp", "parallel.sync.kind"),
     ({"cp": 4, "tp": 4, "sp": True}, {"n_kv_head": 4, "seq_len": 24}, "parallel.sp", "seq_len / cp"),
     ({"cp": 2}, {"family": "gpt2"}, "parallel.cp", "model.family=gpt2"),
