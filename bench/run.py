@@ -25,6 +25,7 @@ from trainyard.cli.client import ApiError
 
 from bench import (
     checkpoint,
+    cp_memory,
     data,
     dp,
     elastic,
@@ -72,6 +73,8 @@ SECTIONS: dict[str, Section] = {
         Section("pipeline", "pp=4 executor vs simulated makespan; activation memory GPipe vs 1F1B",
                 pipeline.run_section),
         Section("tensor", "last-stage (logits) activation memory at tp=2 vs tp=1", tp_memory.run_section),
+        Section("cp", "each rank's activation peak at cp=2 and cp=4 vs cp=1 (ring attention, head-tail chunks); the "
+                      "memory plan's figure; per-rank attention compute at cp=4", cp_memory.run_section),
         Section("perf", "overlapped reduction, ZeRO-1 and activation checkpointing, each on vs off (dp=2)",
                 perf.run_section),
         Section("checkpoint", "checkpoint save blocking time sync vs async, save/load throughput (dp=2)",

@@ -211,7 +211,8 @@ def format_plan(d: dict) -> str:
                      f"on {chosen['node_type']})")
     lines += [
         f"model: {d['model']['summary']}",
-        f"world size {d['world_size']}  (dp={deg['dp']} pp={deg['pp']} tp={deg['tp']} ep={deg['ep']} vpp={deg['vpp']})",
+        f"world size {d['world_size']}  (dp={deg['dp']} pp={deg['pp']} tp={deg['tp']} ep={deg['ep']} "
+        f"cp={deg.get('cp', 1)} vpp={deg['vpp']})",
         f"micro-batches per step per dp rank: {d['microbatches']} of {d['micro_batch_size']} sequences",
         f"resources needed: {d['resources']['needed']}  (per worker {d['resources']['per_worker']})",
         "ranks:",
@@ -222,6 +223,9 @@ def format_plan(d: dict) -> str:
                      + "  ".join(f"{r['rank']}:{_span(r['experts'])}" for r in d["ranks"]))
         if deg["ep"] > 1:
             lines.append("expert-parallel groups (exchange tokens): " + "  ".join(str(g) for g in d["groups"]["ep"]))
+    if deg.get("cp", 1) > 1:
+        lines.append("context-parallel groups (each sequence split over one, head-tail; ring attention): "
+                     + "  ".join(str(g) for g in d["groups"]["cp"]))
     if deg["tp"] > 1:
         lines.append("tensor-parallel groups (each one placement-group bundle, so one node): "
                      + "  ".join(str(g) for g in d["groups"]["tp"]))

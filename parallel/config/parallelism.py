@@ -101,6 +101,11 @@ class ParallelConfig:
     """Tensor-parallel shards."""
     ep: Degree = 1
     """Expert-parallel ranks, carved out of dp: each hosts experts / ep experts of every MoE layer."""
+    cp: Degree = 1
+    """Context-parallel ranks inside each replica: every sequence split over them (rank i of the group holds chunks i
+    and 2cp-1-i, head-tail balanced), causal attention by a ring of key/value blocks (`parallel.runtime.cp`). The
+    gradients are summed over dp x cp, and ZeRO shards over dp x cp too. Not yet with MoE, local_sgd / diloco or
+    compile (a 422)."""
     vpp: Degree = 1
     """Virtual pipeline chunks per pipeline rank (interleaved-1f1b; zbv needs 2)."""
     sp: bool = False

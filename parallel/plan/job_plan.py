@@ -51,6 +51,7 @@ class Plan(Sizing):
     pp = property(lambda self: self.layout.pp)
     tp = property(lambda self: self.layout.tp)
     ep = property(lambda self: self.layout.ep)
+    cp = property(lambda self: self.layout.cp)
     vpp = property(lambda self: self.layout.vpp)
     microbatches = property(lambda self: self.layout.microbatches)
     micro_batch_size = property(lambda self: self.layout.micro_batch_size, doc="Sequences per micro-batch on one "
@@ -66,8 +67,8 @@ class Plan(Sizing):
     n_virtual_stages = property(lambda self: self.layout.n_virtual_stages)
     gang = property(lambda self: self.layout.gang)
 
-    def rank_of(self, pp: int, tp: int, dp: int) -> int:
-        return self.layout.rank_of(pp, tp, dp)
+    def rank_of(self, pp: int, tp: int, dp: int, cp: int = 0) -> int:
+        return self.layout.rank_of(pp, tp, dp, cp)
 
     def coords(self, rank: int) -> RankCoords:
         return self.layout.coords(rank)
@@ -77,6 +78,9 @@ class Plan(Sizing):
 
     def pp_groups(self) -> list[list[int]]:
         return self.layout.pp_groups()
+
+    def cp_groups(self) -> list[list[int]]:
+        return self.layout.cp_groups()
 
     def cross_replica_groups(self) -> list[list[int]]:
         return self.layout.cross_replica_groups()
@@ -236,7 +240,8 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     _raise_first(degree_violations(config))
     par = fixed_parallel(config)
     if cluster is not None:  # before the blocks are split: a job too large for the cluster is told that first
-        degrees = Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, gpus_per_worker=_gpus_per_worker(config, cluster),
+        degrees = Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, cp=par.cp,
+                         gpus_per_worker=_gpus_per_worker(config, cluster),
                          cpus_per_worker=config.resources.cpus_per_worker)
         _raise_first(fit_violations(degrees, cluster))
     layout = layout_of(config, cluster)
@@ -254,7 +259,7 @@ def layout_of(config: JobConfig, cluster: ClusterResources | None = None) -> Lay
     """The layout of a fixed-size config that keeps every rule (`parallel.plan.rules.violations` is empty)."""
     par, moe = fixed_parallel(config), config.model.moe
     return Layout.build(
-        dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
+        dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, cp=par.cp, vpp=par.vpp, microbatches=par.microbatches,
         micro_batch_size=config.global_batch // (par.fixed_dp * par.microbatches), layer_counts=layer_counts(config),
         schedule=par.schedule, experts=moe.experts if moe is not None else 0,
         gpus_per_worker=_gpus_per_worker(config, cluster), cpus_per_worker=config.resources.cpus_per_worker,

@@ -1,13 +1,15 @@
 """The layout: where every rank sits and what it holds, built from degrees alone (torchtitan's ParallelDims).
 
-A `Layout` knows the degrees (dp, pp, tp, ep, vpp), the micro-batching, the rank grid and its coordinates,
+A `Layout` knows the degrees (dp, pp, tp, ep, cp, vpp), the micro-batching, the rank grid and its coordinates,
 the process groups along each axis, the blocks of each virtual stage, the schedule's action lists (`actions`), and the
 placement-group gang the ranks need. It knows no JobConfig: `parallel.plan.make_plan` builds one from a
 checked config, and a planner can build one from any degrees it wants to try, then ask the memory plan
 (`parallel.plan.memory.estimate.estimate(layout, config)`) what it costs. Pure: no I/O, no torch.
 
-Rank order is tp fastest, then dp, then pp (Megatron's order): a tensor-parallel group is a run of
-consecutive ranks, so it fits in one placement-group bundle and therefore on one node.
+Rank order is tp fastest, then cp, then dp, then pp (Megatron's order): a tensor-parallel group is a run of
+consecutive ranks, so it fits in one placement-group bundle and therefore on one node; a context-parallel group is
+the tp groups of one replica's dp coordinate. The ranks that sum gradients (and that ZeRO shards over) are a replica's
+dp x cp ranks: each cp rank's gradient is its share of the sequences' loss.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class RankCoords:
     pp: int
     tp: int
     dp: int
+    cp: int = 0
+    """The rank's place in its context-parallel group (which chunks of every sequence it holds)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class Layout:
     pp: int
     tp: int
     ep: int = 1
+    cp: int = 1
+    """Context-parallel ranks per replica (each sequence split over them)."""
     vpp: int = 1
     microbatches: int = 1
     micro_batch_size: int = 1
@@ -89,15 +95,15 @@ class Layout:
     @functools.cached_property
     def ranks(self) -> tuple[RankCoords, ...]:
         """Every rank's coordinates, index = rank (built on first use: a fit check needs only the degrees)."""
-        return rank_grid(self.pp, self.tp, self.dp)
+        return rank_grid(self.pp, self.tp, self.dp, self.cp)
 
     @staticmethod
-    def build(*, dp: int, pp: int, tp: int, ep: int = 1, vpp: int = 1, microbatches: int = 1,
+    def build(*, dp: int, pp: int, tp: int, ep: int = 1, cp: int = 1, vpp: int = 1, microbatches: int = 1,
               micro_batch_size: int = 1, layer_counts: Sequence[int], schedule: str = "1f1b", experts: int = 0,
               gpus_per_worker: int = 0, cpus_per_worker: float = 1.0, replica_dp: int = 0) -> Layout:
         """A layout from degrees, the blocks of each virtual stage and a schedule kind (which must suit
         pp, microbatches and vpp: `parallel.plan.schedule.schedules.check_schedule_args`)."""
-        return Layout(dp=dp, pp=pp, tp=tp, ep=ep, vpp=vpp, microbatches=microbatches,
+        return Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, vpp=vpp, microbatches=microbatches,
                       micro_batch_size=micro_batch_size, stage_layers=stage_layers_of(layer_counts),
                       actions=tuple(map(tuple, build_schedule(schedule, pp, microbatches, vpp))),
                       placement=placement_of(schedule),
@@ -106,14 +112,14 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
 
     @property
     def n_virtual_stages(self) -> int:
         return self.pp * self.vpp
 
-    def rank_of(self, pp: int, tp: int, dp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_of(self, pp: int, tp: int, dp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def coords(self, rank: int) -> RankCoords:
         return self.ranks[rank]
@@ -122,8 +128,13 @@ class Layout:
         """Ranks that hold the same parameters and sum gradients every step: one replica's (`reduce_dp`
         consecutive dp ranks; all of them but with local_sgd and diloco)."""
         rd = self.reduce_dp
-        return [[self.rank_of(p, t, b * rd + i) for i in range(rd)]
+        return [[self.rank_of(p, t, b * rd + i, c) for i in range(rd) for c in range(self.cp)]
                 for p in range(self.pp) for t in range(self.tp) for b in range(self.dp // rd)]
+
+    def cp_groups(self) -> list[list[int]]:
+        """Ranks that split the same sequences (same pp, tp and dp), in chunk order (index = cp coordinate)."""
+        return [[self.rank_of(p, t, d, c) for c in range(self.cp)]
+                for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
 
     def cross_replica_groups(self) -> list[list[int]]:
         """local_sgd, diloco: the ranks holding the same shard (same pp, tp and place in their replica) in every
@@ -134,10 +145,12 @@ class Layout:
 
     def pp_groups(self) -> list[list[int]]:
         """Ranks that form one pipeline, in stage order."""
-        return [[self.rank_of(p, t, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return [[self.rank_of(p, t, d, c) for p in range(self.pp)]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(p, t, d) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return [[self.rank_of(p, t, d, c) for t in range(self.tp)]
+                for p in range(self.pp) for d in range(self.dp) for c in range(self.cp)]
 
     def ep_rank(self, rank: int) -> int:
         """A rank's place in its expert-parallel group: ep groups are runs of `ep` consecutive dp ranks."""
@@ -169,7 +182,8 @@ class Layout:
         last = stage_location(self.n_virtual_stages - 1, self.pp, self.placement)[0]
         if last == 0:
             return []
-        return [[self.rank_of(0, t, d), self.rank_of(last, t, d)] for d in range(self.dp) for t in range(self.tp)]
+        return [[self.rank_of(0, t, d, c), self.rank_of(last, t, d, c)]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def experts_of(self, rank: int) -> range:
         """Global indices of the experts a rank hosts in each of its MoE blocks (empty for a dense model)."""
@@ -191,7 +205,7 @@ class Layout:
     def worker_name(self, rank: int) -> str:
         """`pp0-tp1-dp2`, and with expert parallelism the experts it hosts: `pp0-tp1-dp2-experts4-7`."""
         c = self.coords(rank)
-        name = f"pp{c.pp}-tp{c.tp}-dp{c.dp}"
+        name = f"pp{c.pp}-tp{c.tp}-dp{c.dp}" + (f"-cp{c.cp}" if self.cp > 1 else "")
         if self.ep > 1:
             experts = self.experts_of(rank)
             name += f"-experts{experts[0]}-{experts[-1]}"
@@ -199,7 +213,7 @@ class Layout:
 
     @property
     def gang(self) -> Gang:
-        return Gang.of(self.cpus_per_worker, self.gpus_per_worker, tp=self.tp, groups=self.dp * self.pp)
+        return Gang.of(self.cpus_per_worker, self.gpus_per_worker, tp=self.tp, groups=self.dp * self.cp * self.pp)
 
     def bundles(self) -> list[dict[str, float]]:
         """One placement-group bundle per tensor-parallel group (a bundle always lands on one node)."""
@@ -209,9 +223,9 @@ class Layout:
         return self.gang.needed()
 
 
-def rank_grid(pp: int, tp: int, dp: int) -> tuple[RankCoords, ...]:
-    grid = [RankCoords(rank=(p * dp + d) * tp + t, pp=p, tp=t, dp=d)
-            for p in range(pp) for d in range(dp) for t in range(tp)]
+def rank_grid(pp: int, tp: int, dp: int, cp: int = 1) -> tuple[RankCoords, ...]:
+    grid = [RankCoords(rank=((p * dp + d) * cp + c) * tp + t, pp=p, tp=t, dp=d, cp=c)
+            for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
     return tuple(sorted(grid, key=lambda c: c.rank))
 
 

@@ -56,7 +56,36 @@ def degree_violations(config: JobConfig) -> list[PlanError]:
     r = Resolved(config)
     return [*model_violations(r), *expert_violations(r), *tensor_parallel_violations(r), *size_violations(r),
             *batch_violations(r), *schedule_violations(r), *sharding_violations(r), *compression_violations(r),
-            *sync_violations(r), *optimizer_violations(r), *packing_violations(r)]
+            *sync_violations(r), *optimizer_violations(r), *packing_violations(r), *context_parallel_violations(r)]
+
+
+CP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""The families whose attention runs the ring (`parallel.runtime.cp`): Llama's attention and its subclasses."""
+
+
+def context_parallel_violations(r: Resolved) -> list[PlanError]:
+    """cp splits every sequence into 2 x cp chunks (head-tail balanced) and runs causal attention as a ring inside a
+    replica. What it does not compose with yet is refused naming both fields."""
+    par, config = r.parallel, r.config
+    cp = par.cp
+    if cp == 1:
+        return []
+    errors = []
+    if config.model.seq_len % (2 * cp):
+        errors.append(PlanError("parallel.cp", f"cp={cp} splits each sequence into 2 x cp = {2 * cp} chunks: it must "
+                                               f"divide model.seq_len={config.model.seq_len}"))
+    if config.model.family not in CP_FAMILIES:
+        errors.append(PlanError("parallel.cp", f"cp={cp} with model.family={config.model.family}: the ring attention "
+                                               f"runs in {', '.join(CP_FAMILIES)}'s attention only"))
+    if par.sp and (config.model.seq_len // cp) % par.tp:
+        errors.append(PlanError("parallel.sp", f"sp=true splits each rank's {config.model.seq_len // cp} tokens "
+                                               f"(seq_len / cp) over tp={par.tp}: tp must divide them"))
+    others = (("model.moe", config.model.moe is not None, "mixture-of-experts routing"),
+              ("parallel.sync.kind", par.sync.kind != "allreduce", f"{par.sync.kind} replicas"),
+              ("compile", config.compile, "torch.compile'd blocks"))
+    errors += [PlanError("parallel.cp", f"cp={cp} does not compose with {field} ({what}) yet: use cp: 1 or "
+                                        f"change {field}") for field, bad, what in others if bad]
+    return errors
 
 
 def packing_violations(r: Resolved) -> list[PlanError]:
@@ -94,9 +123,10 @@ def optimizer_violations(r: Resolved) -> list[PlanError]:
 def size_violations(r: Resolved) -> list[PlanError]:
     """Bounds on what the plan would build: the rank grid and the schedule's action lists."""
     par, errors = r.parallel, []
-    workers = par.fixed_dp * par.pp * par.tp
+    workers = par.fixed_dp * par.cp * par.pp * par.tp
     if workers > MAX_WORKERS:
-        errors.append(PlanError("parallel.dp", f"dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {workers} "
+        errors.append(PlanError("parallel.dp", f"dp x cp x pp x tp = {par.dp} x {par.cp} x {par.pp} x {par.tp} = "
+                                               f"{workers} "
                                                f"workers; at most {MAX_WORKERS}"))
     chunks = par.pp * par.vpp * par.microbatches
     if chunks > MAX_SCHEDULE_CHUNKS:

@@ -3,12 +3,15 @@
 The mesh is the world laid out as (pp, dp, tp), the plan's rank order (tp fastest), so `mesh["tp"]` is this
 rank's tensor-parallel group for DTensor and `mesh.get_group("dp")` / `mesh.get_group("pp")` are its data-
 and pipeline-parallel groups: one source for every group, created collectively by the mesh (every rank
-must create every group, in the same order).
+must create every group, in the same order). With context parallelism the mesh's "dp" dimension is a replica's
+dp x cp ranks: they sum the gradients (each cp rank's is its chunks' share of the loss) and share ZeRO's shards.
 
 Mixture-of-experts jobs add three groups the mesh does not hold as dimensions, created with `new_subgroups_
 by_enumeration` from the plan's lists: the expert-parallel group (dp ranks that exchange tokens), the
 group of ranks holding the same experts (they sum expert gradients: dp replicas and tp ranks), and the
-whole stage (router gradients and MoE statistics). Dense jobs create none of them. A model with tied embeddings
+whole stage (router gradients and MoE statistics). Dense jobs create none of them. Context parallelism (cp > 1)
+adds the cp group (`Plan.cp_groups`): the ranks splitting the same sequences, which pass key/value blocks round
+a ring. A model with tied embeddings
 across pipeline ranks adds the pairs holding its first and last virtual stage (`Plan.tied_groups`), which sum the
 embedding's and the head copy's gradients (`parallel.runtime.pipeline.tied`).
 """
@@ -40,6 +43,10 @@ class RankGroups:
     pp_ranks: list[int]
     """Global ranks of this rank's pipeline, in stage order (index = pp coordinate)."""
     tp: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    """Context parallelism: the ranks that split this rank's sequences (ring attention), in chunk order."""
+    cp_ranks: list[int] | None = None
+    """Global ranks of the cp group, index = cp coordinate (None when cp = 1)."""
     tp_mesh: DeviceMesh | None = None
     """The 1-D tensor-parallel mesh DTensor shards over; None when tp = 1."""
     dp_mesh: DeviceMesh | None = None
@@ -90,9 +97,10 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
     )
     coords, rd = plan.coords(rank), plan.reduce_dp
     if rd in (1, plan.dp):  # replicas of one dp rank each (reduce: none) or one replica (allreduce)
-        mesh = DeviceMesh(device.type, torch.arange(plan.world_size).reshape(plan.pp, plan.dp, plan.tp),
+        mesh = DeviceMesh(device.type, torch.arange(plan.world_size).reshape(plan.pp, plan.dp * plan.cp, plan.tp),
                           mesh_dim_names=MESH_DIMS)
-        assert mesh.get_coordinate() == (coords.pp, coords.dp, coords.tp), "the mesh must follow the plan's rank map"
+        assert mesh.get_coordinate() == (coords.pp, coords.dp * plan.cp + coords.cp, coords.tp), \
+            "the mesh must follow the plan's rank map"
     else:  # local_sgd, diloco replicas of several dp ranks: "dp" is a replica's (what ZeRO shards over)
         mesh = DeviceMesh(device.type, torch.arange(plan.world_size).reshape(plan.pp, plan.dp // rd, rd, plan.tp),
                           mesh_dim_names=REPLICA_MESH_DIMS)
@@ -104,12 +112,15 @@ def init_distributed(plan: Plan, rank: int, master_addr: str, master_port: int, 
     split = 1 < rd < plan.dp
     groups = RankGroups(rank=rank, dp=_subgroup(_all_dp(plan)) if split else group("dp"), pp=group("pp"),
                         pp_ranks=mesh["pp"].mesh.tolist(), tp=group("tp"), tp_mesh=mesh["tp"] if plan.tp > 1 else None,
-                        dp_mesh=mesh["dp"] if rd > 1 else None, checkpoint=dist.new_group(backend="gloo"))
+                        dp_mesh=mesh["dp"] if rd * plan.cp > 1 else None, checkpoint=dist.new_group(backend="gloo"))
     reducing = reduction_groups(plan.layout)
-    groups.reduce = group("dp") if rd > 1 else None  # the mesh's: DTensor and FSDP2 shard over its dimension
+    groups.reduce = group("dp") if rd * plan.cp > 1 else None  # the mesh's: DTensor and FSDP2 shard over its dimension
     assert groups.reduce is None or dist.get_process_group_ranks(groups.reduce) == \
         next(g for g in reducing["dense"] if rank in g), "the mesh's dp dimension must be the plan's dense group"
     groups.replicas = group("replica") if split else groups.dp
+    if plan.cp > 1:
+        groups.cp = _subgroup(plan.cp_groups())
+        groups.cp_ranks = next(g for g in plan.cp_groups() if rank in g)
     if plan.config.model.moe is not None:
         groups.ep = _subgroup(plan.ep_groups())
         groups.experts = _subgroup(reducing["experts"])

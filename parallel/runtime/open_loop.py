@@ -64,13 +64,14 @@ def datum_of(d: Mapping[str, list]) -> Datum:
 
 
 LAYOUT_RULE = "a training client runs data-parallel replicas of one rank or one tensor-parallel group so far " \
-              "(pp = ep = 1, sp off, zero 0 or 1)"
+              "(pp = ep = cp = 1, sp off, zero 0 or 1)"
 
 
 def layout_violation(plan: Plan) -> str | None:
     """The field of `plan` the open loop cannot run (`LAYOUT_RULE`), or None."""
     for field, bad in (("parallel.pp", plan.pp != 1), ("parallel.ep", plan.ep != 1),
-                       ("parallel.sp", plan.parallel.sp), ("parallel.zero", plan.parallel.zero > 1)):
+                       ("parallel.sp", plan.parallel.sp), ("parallel.zero", plan.parallel.zero > 1),
+                       ("parallel.cp", plan.cp != 1)):  # the open loop's data and sampling know no cp split
         if bad:
             return field
     return None

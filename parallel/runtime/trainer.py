@@ -36,14 +36,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from trainyard.parallel.data.datasets import counted_targets, open_dataset
+from trainyard.parallel.data.datasets import Dataset, counted_targets, open_dataset
 from trainyard.parallel.data.sampler import rank_share, validation_batches
+from trainyard.parallel.models.components.documents import Documents
 from trainyard.parallel.models.components.moe import moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
@@ -52,8 +54,9 @@ from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs
 from trainyard.parallel.plan.schedule.actions import FREEING_KINDS, Action, ActionKind, stage_location
 from trainyard.parallel.runtime.build import build_rank
 from trainyard.parallel.runtime.compile import compile_seconds
+from trainyard.parallel.runtime.cp.split import ContextSplit
 from trainyard.parallel.runtime.distributed import RankGroups
-from trainyard.parallel.runtime.pipeline.pipeline import PipelineExecutor, PipelineTimings
+from trainyard.parallel.runtime.pipeline.pipeline import Batch, PipelineExecutor, PipelineTimings
 from trainyard.parallel.runtime.pipeline.weight_versions import WeightVersions
 from trainyard.parallel.runtime.rank_state import RankState
 from trainyard.parallel.runtime.step.step_figures import Figures, stage
@@ -105,6 +108,9 @@ class RankTrainer:
         self.dataset = open_dataset(cfg)
         self.val_dataset = open_dataset(cfg, "val") if cfg.eval.every > 0 else None
         self.forward_actions = [a for a in plan.actions[self.coords.pp] if a.kind in FORWARD_KINDS]
+        self.cp_split = ContextSplit(groups.cp, groups.cp_ranks or [rank], self.coords.cp, cfg.model.seq_len, device) \
+            if plan.cp > 1 else None
+        """Context parallelism: the tokens of each sequence this rank keeps (`parallel.runtime.cp.split`)."""
         tokens_per_step = cfg.global_batch * cfg.model.seq_len
         self.actions = list(plan.actions[self.coords.pp])
         self.executor = PipelineExecutor(
@@ -209,8 +215,7 @@ class RankTrainer:
         self.executor.loss_scale = 1.0 / max(1, sum(counted_targets(self.val_dataset, ids) for ids in batches))
         for ids in batches:
             share = rank_share(ids, self.coords.dp, self.plan.dp, self.plan.microbatches)
-            total += self.executor.run(self.forward_actions, lazy_batches(self.val_dataset, share),
-                                       lazy_documents(self.val_dataset, share, self.device))[0]
+            total += self.executor.run(self.forward_actions, *self._inputs(self.val_dataset, share))[0]
         if self.sharded is not None:  # ZeRO-2 keeps what a forward gathered: free it, the step updates shards
             self.sharded.reshard()
         if not self.is_last_stage:
@@ -318,5 +323,12 @@ class RankTrainer:
 
     def _forward_backward(self, microbatch_ids: list[list[int]], meter: bool = True
                           ) -> tuple[torch.Tensor, PipelineTimings]:
-        return self.executor.run(self.actions, lazy_batches(self.dataset, microbatch_ids),
-                                 lazy_documents(self.dataset, microbatch_ids, self.device), meter=meter)
+        return self.executor.run(self.actions, *self._inputs(self.dataset, microbatch_ids), meter=meter)
+
+    def _inputs(self, dataset: Dataset, microbatch_ids: list[list[int]]
+                ) -> tuple[Callable[[int], Batch], Callable[[int], Documents] | None]:
+        """The executor's `batch(mb)` and `documents(mb)`: with context parallelism, this rank's share of them."""
+        batch, documents = lazy_batches(dataset, microbatch_ids), lazy_documents(dataset, microbatch_ids, self.device)
+        if self.cp_split is None:
+            return batch, documents
+        return self.cp_split.batches(batch), self.cp_split.documents(batch, documents)

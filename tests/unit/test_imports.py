@@ -45,6 +45,7 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "pipeline": {"dp", "tp"},
     "step": {"pipeline"},
     "sampling": set(),
+    "cp": set(),
 }
 """Each room of `parallel/runtime/` -> the runtime rooms it may import (besides itself). None imports the modules at
 `runtime/`'s top (driver, trainer, build, rank_state...): they assemble the rooms."""

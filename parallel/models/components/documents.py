@@ -11,6 +11,10 @@ attribute, `documents`, which `DecoderStage.set_documents` sets on every module 
 executor calls it before every forward and every backward action of a micro-batch, so a recompute in the
 backward (activation checkpointing) and an interleaved schedule read the documents of the micro-batch they
 run. Without packing the attribute is None and the modules use their causal path unchanged.
+
+Context parallelism (`parallel.cp`) hands every micro-batch a `Documents` too, packed or not: the positions of the
+rank's tokens by global index (or inside their example) and a `context` whose `attend` runs the ring over the cp
+group (`parallel.runtime.cp.ring`), which the attention calls instead of building a mask over its own tokens.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ class Documents:
 
     positions: torch.Tensor
     segments: torch.Tensor
+    context: AttendsContext | None = None
+    """Context parallelism: this rank's share of the sequences, whose attention runs over the cp group."""
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> Documents:
-        return Documents(to_device(self.positions, device), to_device(self.segments, device))
+        return Documents(to_device(self.positions, device), to_device(self.segments, device), self.context)
 
     def mask(self, window: int | None = None) -> torch.Tensor:
         """(batch, 1, seq, seq) bool, True where query i may attend to key j; computed once per micro-batch
@@ -57,6 +63,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class AttendsContext(Protocol):
+    """Attention over a context-parallel group (`parallel.runtime.cp.ring.ContextShard`)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        ...
 
 
 @runtime_checkable

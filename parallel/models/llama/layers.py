@@ -95,6 +95,12 @@ class LlamaAttention(nn.Module):
         positions = None if docs is None else docs.positions
         cos, sin = (c.to(q.dtype) for c in self._rotation(t, x.device, positions))  # bf16 under autocast, as q is
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if docs is not None and docs.context is not None:  # context parallelism: the ring over the cp group
+            ring = docs.context.attend
+            # selective recompute re-runs the ring in backward (every rank of the group at the same point)
+            y = checkpoint(ring, q, k, v, self.window, use_reentrant=False) if self.recompute else \
+                ring(q, k, v, self.window)
+            return self.proj(y.transpose(1, 2).reshape(b, t, -1))
         mask = None if docs is None else docs.mask(self.window)
         if self.recompute:
             y = checkpoint(self._attend, q, k, v, mask, use_reentrant=False)

@@ -318,11 +318,14 @@ def peak_activation_bytes(plan: Plan, pp_rank: int, chunk_bytes: list[int]) -> i
 
 
 def _shapes(plan: Plan) -> Shapes:
+    """One micro-batch as this rank holds it: with context parallelism 1/cp of every sequence (its two chunks), the
+    ring keeping only its own tokens' q, k, v, output and log-sum-exp for backward (`parallel.runtime.cp.ring`)."""
     m, par = plan.config.model, plan.parallel
-    tokens = plan.micro_batch_size * m.seq_len
+    seq = m.seq_len // plan.layout.cp
+    tokens = plan.micro_batch_size * seq
     return Shapes(d=m.d_model, heads=m.n_head // plan.tp, tokens=tokens,
                   stream=tokens // plan.tp if par.sp else tokens, tp=plan.tp,
-                  bf16=plan.config.precision == "bf16", seq_len=m.seq_len, ep=plan.ep)
+                  bf16=plan.config.precision == "bf16", seq_len=seq, ep=plan.ep)
 
 
 def _chunk_activations(plan: Plan, pp_rank: int, chunk: int) -> tuple[int, int]:

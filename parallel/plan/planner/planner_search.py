@@ -67,9 +67,10 @@ class _Sizing(Sizing):
 
     def coords(self, rank: int) -> RankCoords:
         layout = self.layout
-        pp, rest = divmod(rank, layout.dp * layout.tp)
-        dp, tp = divmod(rest, layout.tp)
-        return RankCoords(rank=rank, pp=pp, tp=tp, dp=dp)
+        pp, rest = divmod(rank, layout.dp * layout.cp * layout.tp)
+        dp, rest = divmod(rest, layout.cp * layout.tp)
+        cp, tp = divmod(rest, layout.tp)
+        return RankCoords(rank=rank, pp=pp, tp=tp, dp=dp, cp=cp)
 
 
 @dataclass(frozen=True, order=True)
@@ -235,7 +236,8 @@ class Search:
     def layout(self, config: JobConfig, with_schedule: bool = True) -> Layout:
         par, moe = fixed_parallel(config), config.model.moe
         counts = even_layer_counts(config.model.n_layer, par.pp * par.vpp)
-        return Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, vpp=par.vpp, microbatches=par.microbatches,
+        return Layout(dp=par.fixed_dp, pp=par.pp, tp=par.tp, ep=par.ep, cp=par.cp, vpp=par.vpp,
+                      microbatches=par.microbatches,
                       micro_batch_size=config.global_batch // (par.fixed_dp * par.microbatches),
                       stage_layers=stage_layers_of(counts),
                       actions=(cached_schedule(par.schedule, par.pp, par.microbatches, par.vpp)

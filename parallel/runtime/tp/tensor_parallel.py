@@ -68,9 +68,11 @@ def apply_tensor_parallel(stage: DecoderStage, tp_mesh: DeviceMesh, *, sequence_
 
 
 def activation_shape(plan: Plan) -> tuple[int, int, int]:
-    """What one rank sends to the next pipeline stage: its sequence slice with sp, the whole sequence without."""
+    """What one rank sends to the next pipeline stage: its sequence slice with sp, the whole sequence without (with
+    context parallelism, of the rank's seq_len / cp tokens)."""
     m = plan.config.model
-    seq = m.seq_len // plan.tp if plan.parallel.sp else m.seq_len
+    tokens = m.seq_len // plan.cp
+    seq = tokens // plan.tp if plan.parallel.sp else tokens
     return (plan.micro_batch_size, seq, m.d_model)
 
 
