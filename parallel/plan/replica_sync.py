@@ -3,6 +3,8 @@ pure rules the coordinator, the plan and the ranks all ask (`parallel.runtime.sy
 
 - `allreduce`: every gradient is summed across the replicas every step (the reducers); no sync step.
 - `local_sgd` / `diloco`: each replica steps alone; every `every` steps (and after the last) they synchronise.
+- `parameter_server`: the replicas push gradients to server shards and pull parameters (BSP, ASP, SSP); its pure
+  rules are `parallel.plan.parameter_server`.
 
 `SYNC_KINDS` is the sync modes' pure side, by name: what the rules below read of a mode. How a mode runs on a rank
 is `parallel.runtime.sync.SYNCS`, under the same names (tests/unit/test_sync.py holds the two equal).
@@ -33,6 +35,7 @@ SYNC_KINDS: dict[SyncName, SyncKind] = registry(SYNC_NAMES, {
     "allreduce": SyncKind(steps_apart=False),
     "local_sgd": SyncKind(steps_apart=True, options=("every",)),
     "diloco": SyncKind(steps_apart=True, options=("every", "outer_lr", "outer_momentum")),
+    "parameter_server": SyncKind(steps_apart=False, options=("consistency", "staleness", "shards")),
 }, "the replica sync modes' facts")
 """The sync modes by name (the spec's `parallel.sync.kind`); `allreduce` is the default."""
 NAMES = tuple(SYNC_KINDS)
