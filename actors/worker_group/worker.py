@@ -115,7 +115,8 @@ class Worker:
         (`save`). Returns the reports of the steps finished since the last call (`RankDriver.queue_step`: the
         previous step's, and this one's when it evaluates or saves); the report says how long the checkpoint
         blocked the step. `drill` is a fault drill (`kill_worker`: the process exits;
-        `hang_worker`: the step never returns; `slow_rank`: this and every later step take `factor` times as long). `microbatch_ids` None: this rank's share of the step's global batch,
+        `hang_worker`: the step never returns; `slow_rank`: this and every later step take `factor` times as long).
+        `microbatch_ids` None: this rank's share of the step's global batch,
         drawn here from (seed, step). `round_`: who takes part while a replica is dropped."""
         assert self.driver is not None, "setup() must run before run_step()"
         if self._step_failed:

@@ -133,5 +133,5 @@ class Replica:
                 self.before_step(step, time.perf_counter() - start)
             self.transport.push(step, [p.grad.detach().clone() for p in params], staleness)
             self.paces.append(time.perf_counter() - start)
-            self.losses.append(float(loss))
+            self.losses.append(loss.item())
             self.stalenesses.append(staleness)
