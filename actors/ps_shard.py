@@ -56,7 +56,7 @@ class ParameterShard:
             return len(self.state.applied)
 
     def tensors(self) -> list[torch.Tensor]:
-        return self.state.tensors
+        return [t.detach() for t in self.state.tensors]
 
     def metrics(self) -> list[dict]:
         """Every applied update: its step, its worker (-1: BSP's mean), the staleness it carried, the version."""

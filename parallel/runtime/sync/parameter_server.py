@@ -49,9 +49,10 @@ class ShardState:
     applied: list[Applied] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.tensors = [t.detach().clone() for t in self.tensors]
+        owned = [torch.nn.Parameter(t.detach().clone()) for t in self.tensors]
+        self.tensors = list(owned)
         # Weight decay on matrices only, as the trainer's optimizer: (tensor, its parameter) pairs are the same here.
-        self.optimizer = make_optimizer([(t, t) for t in self.tensors], self.optimizer_cfg)
+        self.optimizer = make_optimizer([(p, p) for p in owned], self.optimizer_cfg)
 
     def receive(self, worker: int, step: int, grads: Sequence[torch.Tensor], staleness: int = 0) -> list[Applied]:
         """Take `worker`'s gradients of step `step`; the updates this applied (none while a BSP step waits for
@@ -131,7 +132,8 @@ class Replica:
             loss.backward()
             if self.before_step is not None:
                 self.before_step(step, time.perf_counter() - start)
-            self.transport.push(step, [p.grad.detach().clone() for p in params], staleness)
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+            self.transport.push(step, grads, staleness)
             self.paces.append(time.perf_counter() - start)
             self.losses.append(loss.item())
             self.stalenesses.append(staleness)
