@@ -94,3 +94,18 @@ def test_what_a_parameter_server_does_not_take_is_refused_naming_the_field(paral
     with pytest.raises(PlanError) as info:
         make_plan(parse_spec(spec))
     assert info.value.field == field
+
+
+def test_a_slow_rank_drill_reaches_its_rank_once_with_its_factor_and_the_api_bounds_the_factor():
+    from pydantic import ValidationError
+    from trainyard.actors.actions.requests import Drills
+    from trainyard.api.models import FaultDrill
+
+    drills = Drills()
+    drills.add("slow_rank", rank=1, at_step=2, factor=3.0)
+    assert drills.due_on_ranks(1) == {}
+    (drill,) = drills.due_on_ranks(2).values()
+    assert (drill.kind, drill.rank, drill.factor) == ("slow_rank", 1, 3.0) and drills.due_on_ranks(3) == {}
+    assert FaultDrill(kind="slow_rank", rank=1).factor == 3.0
+    with pytest.raises(ValidationError, match="factor"):
+        FaultDrill(kind="slow_rank", rank=1, factor=0.5)
