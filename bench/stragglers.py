@@ -6,8 +6,8 @@ the parameter server yet: `parallel.plan.rules.parameter_server_violations`). Th
 in every mode, STEPS steps, AdamW: all-reduce BSP (gloo all-reduce between four Ray tasks, each stepping its own
 optimizer, as data parallelism does), and a parameter server (`actors.ps_shard`, SHARDS shards) under BSP, SSP at
 s=2 and ASP. A row per mode: steps per second of the whole run (STEPS over the wall time from the first step to the
-last replica's end) and its ratio to all-reduce's; and the loss after STEPS steps (the final parameters on a held-out
-batch) beside all-reduce's.
+last replica's end, timed inside the tasks: no process start, import or gloo rendezvous) and its ratio to
+all-reduce's; and the loss after STEPS steps (the final parameters on a held-out batch) beside all-reduce's.
 """
 
 from __future__ import annotations
@@ -68,16 +68,20 @@ def _stretch(worker: int):
 
 
 @ray.remote(num_cpus=1)
-def _ps_replica(shards: list, owner: list[int], worker: int) -> float:
+def _ps_replica(shards: list, owner: list[int], worker: int) -> tuple[float, float]:
+    """(when its first step started, when its last push was applied), timed in the task: not the process start."""
     torch.set_num_threads(1)
     transport = RayTransport(shards, owner, worker)
-    Replica(model(), transport, lambda m, s: share_loss(m, s, worker), before_step=_stretch(worker)).run(0, STEPS)
+    replica = Replica(model(), transport, lambda m, s: share_loss(m, s, worker), before_step=_stretch(worker))
+    start = time.time()
+    replica.run(0, STEPS)
     transport.close()
-    return time.time()
+    return start, time.time()
 
 
 @ray.remote(num_cpus=1)
-def _allreduce_replica(address: str, worker: int) -> tuple[float, list[torch.Tensor]]:
+def _allreduce_replica(address: str, worker: int) -> tuple[float, float, list[torch.Tensor]]:
+    """(when its first step started, after the gloo world formed; when its last ended; the final parameters)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -86,6 +90,8 @@ def _allreduce_replica(address: str, worker: int) -> tuple[float, list[torch.Ten
     params = list(m.parameters())
     opt = make_optimizer([(p, p) for p in params], OPTIMIZER)
     stretch = _stretch(worker)
+    dist.barrier()
+    begin = time.time()
     for step in range(STEPS):
         start = time.perf_counter()
         opt.zero_grad()
@@ -98,7 +104,7 @@ def _allreduce_replica(address: str, worker: int) -> tuple[float, list[torch.Ten
         set_lr(opt, lr_at(step, OPTIMIZER, STEPS))
         opt.step()
     dist.destroy_process_group()
-    return time.time(), [p.detach() for p in params]
+    return begin, time.time(), [p.detach() for p in params]
 
 
 def _free_port() -> int:
@@ -111,15 +117,14 @@ def run_mode(name: str, sync: SyncConfig | None) -> dict[str, Any]:
     """(steps per second, the held-out loss after STEPS steps) of one mode."""
     if sync is None:
         address = f"tcp://127.0.0.1:{_free_port()}"
-        start = time.time()
         results = ray.get([_allreduce_replica.remote(address, w) for w in range(WORKERS)])
-        end, params = max(r[0] for r in results), results[0][1]
+        start, end, params = min(r[0] for r in results), max(r[1] for r in results), results[0][2]
     else:
         shards, owner = ps_shards(f"bench-{name.replace(' ', '-').replace('=', '')}", list(model().parameters()),
                                   OPTIMIZER, sync, WORKERS, STEPS)
         ray.get([s.tensors.remote() for s in shards])  # started
-        start = time.time()
-        end = max(ray.get([_ps_replica.remote(shards, owner, w) for w in range(WORKERS)]))
+        spans = ray.get([_ps_replica.remote(shards, owner, w) for w in range(WORKERS)])
+        start, end = min(s for s, _ in spans), max(e for _, e in spans)
         parts = [iter(t) for t in ray.get([s.tensors.remote() for s in shards])]
         params = [next(parts[o]) for o in owner]
         applied = [a for s in shards for a in ray.get(s.metrics.remote())]
