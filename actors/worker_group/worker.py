@@ -20,7 +20,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import ray
 from trainyard.actors.calls import first_line
@@ -30,9 +30,17 @@ from trainyard.parallel.runtime.host_memory import resident_bytes
 from trainyard.parallel.runtime.step.step_stats import Save, StepReport
 
 if TYPE_CHECKING:
-    from trainyard.actors.actions.requests import Drill
     from trainyard.parallel.runtime.driver import RankDriver
     from trainyard.parallel.runtime.open_loop import OpenLoopRank
+
+
+class Drill(Protocol):
+    """A fault drill as the coordinator hands it over (`actors.actions.requests.Drill`; not imported: the actions
+    import this room)."""
+
+    kind: str
+    factor: float
+
 
 # torch and the trainer are imported in the rank's process when it is created, not where the class is defined:
 # the coordinator creates workers from this class and must not pay seconds of torch import as each job starts.
