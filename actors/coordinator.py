@@ -90,9 +90,10 @@ class Coordinator:
         reserved first. Returns the new layout, or why the resize is refused now."""
         return await self.controller.request_resize(dp, reason)
 
-    async def inject(self, kind: str, rank: int, at_step: int) -> None:
-        """A fault drill: `kind` happens to `rank` when it starts step `at_step` (or the first step after)."""
-        self.controller.drills.add(kind, rank, at_step)
+    async def inject(self, kind: str, rank: int, at_step: int, factor: float = 3.0) -> None:
+        """A fault drill: `kind` happens to `rank` when it starts step `at_step` (or the first step after);
+        `factor`: slow_rank's slow-down."""
+        self.controller.drills.add(kind, rank, at_step, factor)
 
     async def add_event(self, event: dict) -> None:
         """An event the service saw (e.g. it reattached to this job after a restart)."""

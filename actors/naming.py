@@ -14,3 +14,8 @@ def worker_name(job_id: str, coords: str) -> str:
 
 def placement_group_name(job_id: str) -> str:
     return f"trainyard/{job_id}"
+
+
+def ps_shard_name(job_id: str, shard: int) -> str:
+    """A parameter-server shard (`parallel.sync.kind: parameter_server`)."""
+    return f"trainyard/{job_id}/ps{shard}"

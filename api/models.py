@@ -83,17 +83,21 @@ class FaultDrill(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["kill_worker", "hang_worker", "oom_worker", "oom_kill_worker", "kill_coordinator",
-                  "kill_worker_in_recovery", "kill_worker_in_export"]
+                  "kill_worker_in_recovery", "kill_worker_in_export", "slow_rank"]
     """kill_worker: the rank's process exits; hang_worker: the rank's step never returns; oom_worker: the rank's
     memory is capped just above what it holds (RLIMIT_AS) and its step asks for more, which the OS refuses;
     oom_kill_worker: the rank moves into a memory cgroup of its own limited to 64 MiB more and asks for more, and
     the kernel's OOM killer SIGKILLs it (needs a writable memory cgroup: root or a delegated subtree);
     kill_worker_in_recovery: the rank's process is killed as the ranks take the job's state in the next
     recovery (a failure during a recovery); kill_worker_in_export: the rank's process is killed as the job's model
-    is exported at its end (after its final checkpoint)."""
+    is exported at its end (after its final checkpoint); slow_rank: from `at_step` on, each of the rank's steps
+    takes `factor` times as long (the rank sleeps (factor - 1) times the step's measured time after it: a
+    straggler to measure the replica sync modes against)."""
     rank: Annotated[int, Field(ge=0, le=MAX_DEGREE), NOT_BOOL]
     at_step: Annotated[int, Field(ge=0, le=MAX_STEPS), NOT_BOOL] = 0
     """The step at which (or the first step after which) it happens."""
+    factor: Annotated[float, Field(ge=1.0, le=100.0), NOT_BOOL] = 3.0
+    """slow_rank: how many times as long the rank's steps take (the other kinds ignore it)."""
 
 
 class ClusterInfo(BaseModel):

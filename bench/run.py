@@ -41,6 +41,7 @@ from bench import (
     signals,
     soak,
     step,
+    stragglers,
     sync,
     tinker,
     tp_memory,
@@ -97,6 +98,8 @@ SECTIONS: dict[str, Section] = {
                 planner_bench.run_section),
         Section("sync", "diloco and local SGD vs all-reduce (dp=4; dp=2 pp=2): loss at equal tokens vs bytes "
                         "across replicas", sync.run_section),
+        Section("stragglers", "all-reduce BSP vs a parameter server (BSP, SSP s=2, ASP) at dp=4 with one rank 3x "
+                              "slow: steps/s and loss after N steps", stragglers.run_section),
         Section("soak", "four jobs (dp, pp x dp, tp, MoE) through a seeded fault every 20 s on a two-node cluster, "
                         "1,000 queued submits from four users mid-way: recoveries, bit-identical losses, nothing left",
                 soak.run_section),

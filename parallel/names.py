@@ -32,7 +32,7 @@ OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd"]
 LrScheduleName = Literal["cosine", "linear", "constant", "wsd"]
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "2bw"]
 ZeroLevel = Literal[0, 1, 2, 3]
-SyncName = Literal["allreduce", "local_sgd", "diloco", "gossip"]
+SyncName = Literal["allreduce", "local_sgd", "diloco", "gossip", "parameter_server"]
 CompressionName = Literal["powersgd", "topk", "qsgd"]
 
 FAMILY_NAMES: tuple[FamilyName, ...] = get_args(FamilyName)
@@ -43,6 +43,9 @@ SCHEDULE_KINDS: tuple[ScheduleKind, ...] = get_args(ScheduleKind)
 ZERO_LEVELS: tuple[ZeroLevel, ...] = get_args(ZeroLevel)
 SYNC_NAMES: tuple[SyncName, ...] = get_args(SyncName)
 COMPRESSION_NAMES: tuple[CompressionName, ...] = get_args(CompressionName)
+ConsistencyName = Literal["bsp", "asp", "ssp"]
+"""`parallel.sync.consistency` of a parameter server (`parallel.plan.parameter_server.CONSISTENCIES`)."""
+CONSISTENCY_NAMES: tuple[ConsistencyName, ...] = get_args(ConsistencyName)
 
 K = TypeVar("K")
 V = TypeVar("V")

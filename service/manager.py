@@ -278,7 +278,7 @@ class JobManager:
     def events(self, job_id: str) -> builtins.list[dict]:
         return self.get(job_id).events
 
-    def inject_fault(self, job_id: str, kind: str, rank: int, at_step: int) -> dict:
+    def inject_fault(self, job_id: str, kind: str, rank: int, at_step: int, factor: float = 3.0) -> dict:
         """Schedule a fault drill in a running job (the API allows it only under --allow-fault-injection)."""
         job = self.get(job_id)
         coordinator = self.live.coordinator(job_id)
@@ -287,8 +287,9 @@ class JobManager:
         workers = len(job.ranks) or make_plan(parse_spec(job.spec)).world_size
         if rank >= workers:
             raise RankNotFound(f"job {job_id} has no rank {rank}; its ranks are 0 to {workers - 1}")
-        ray.get(coordinator.inject.remote(kind, rank, at_step), timeout=30)
-        return {"job_id": job_id, "kind": kind, "rank": rank, "at_step": at_step}
+        ray.get(coordinator.inject.remote(kind, rank, at_step, factor), timeout=30)
+        return {"job_id": job_id, "kind": kind, "rank": rank, "at_step": at_step} | (
+            {"factor": factor} if kind == "slow_rank" else {})
 
     def scale(self, job_id: str, dp: int) -> dict:
         """Resize a running job to `dp` data-parallel replicas at its next step boundary. PlanError (422) when

@@ -19,6 +19,8 @@ class Drill:
     kind: str
     rank: int
     at_step: int
+    factor: float = 1.0
+    """slow_rank: how many times as long the rank's steps take from `at_step` on."""
 
 
 class Drills:
@@ -32,14 +34,15 @@ class Drills:
     def __init__(self) -> None:
         self.pending: list[Drill] = []
 
-    def add(self, kind: str, rank: int, at_step: int) -> None:
-        self.pending.append(Drill(kind, rank, at_step))
+    def add(self, kind: str, rank: int, at_step: int, factor: float = 1.0) -> None:
+        self.pending.append(Drill(kind, rank, at_step, factor))
 
-    def due_on_ranks(self, step: int) -> dict[int, str]:
-        """The workers' drills due at `step`, by rank; each runs once."""
+    def due_on_ranks(self, step: int) -> dict[int, Drill]:
+        """The workers' drills due at `step`, by rank; each is handed over once (a slow_rank drill then stays on
+        with its rank)."""
         due = [d for d in self.pending if d.at_step <= step and d.kind not in self.COORDINATOR_SIDE]
         self.pending = [d for d in self.pending if d not in due]
-        return {d.rank: d.kind for d in due}
+        return {d.rank: d for d in due}
 
     def kills_coordinator(self, step: int) -> bool:
         """A kill_coordinator drill is due as the coordinator waits for `step` (its restart has no drills)."""

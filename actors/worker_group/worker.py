@@ -20,7 +20,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import ray
 from trainyard.actors.calls import first_line
@@ -32,6 +32,15 @@ from trainyard.parallel.runtime.step.step_stats import Save, StepReport
 if TYPE_CHECKING:
     from trainyard.parallel.runtime.driver import RankDriver
     from trainyard.parallel.runtime.open_loop import OpenLoopRank
+
+
+class Drill(Protocol):
+    """A fault drill as the coordinator hands it over (`actors.actions.requests.Drill`; not imported: the actions
+    import this room)."""
+
+    kind: str
+    factor: float
+
 
 # torch and the trainer are imported in the rank's process when it is created, not where the class is defined:
 # the coordinator creates workers from this class and must not pay seconds of torch import as each job starts.
@@ -50,6 +59,8 @@ class Worker:
         self._open: OpenLoopRank | None = None
         """A Tinker training client's open loop on this rank (`open_loop`), once called."""
         self._step_failed = False
+        self._slow_factor = 1.0
+        """The slow_rank drill's factor on this rank's steps (1: none)."""
         """A step raised here: the steps queued after it are refused until the recovery sets this rank up again
         (one would block on the peers the failure left waiting, and hold up the recovery's call behind it)."""
 
@@ -106,21 +117,30 @@ class Worker:
             self.driver.load(Path(directory), step)
 
     def run_step(self, step: int, microbatch_ids: list[list[int]] | None, evaluate: bool = False,
-                 save: Save | None = None, drill: str | None = None, round_: dict | None = None) -> list[StepReport]:
+                 save: Save | None = None, drill: Drill | None = None, round_: dict | None = None
+                 ) -> list[StepReport]:
         """One training step queued; then, if asked, the validation loss and a checkpoint of the state after it
         (`save`). Returns the reports of the steps finished since the last call (`RankDriver.queue_step`: the
         previous step's, and this one's when it evaluates or saves); the report says how long the checkpoint
         blocked the step. `drill` is a fault drill (`kill_worker`: the process exits;
-        `hang_worker`: the step never returns). `microbatch_ids` None: this rank's share of the step's global batch,
+        `hang_worker`: the step never returns; `slow_rank`: this and every later step take `factor` times as long).
+        `microbatch_ids` None: this rank's share of the step's global batch,
         drawn here from (seed, step). `round_`: who takes part while a replica is dropped."""
         assert self.driver is not None, "setup() must run before run_step()"
         if self._step_failed:
             raise RuntimeError(f"rank {self.rank} did not run step {step}: an earlier step failed here")
-        if drill is not None:
-            _run_drill(drill, self.rank, step)
+        if drill is not None and drill.kind == "slow_rank":
+            print(f"rank {self.rank}: fault drill slow_rank x{drill.factor} from step {step}", file=sys.stderr,
+                  flush=True)
+            self._slow_factor = drill.factor
+        elif drill is not None:
+            _run_drill(drill.kind, self.rank, step)
         try:
             with self._traceback_to_stderr(f"step {step}"):
+                start = time.perf_counter()
                 finished = self.driver.queue_step(step, microbatch_ids, evaluate=evaluate, save=save, round_=round_)
+                # slow_rank: a straggler, made by sleeping in proportion to the step's measured time (a drill)
+                time.sleep((self._slow_factor - 1.0) * (time.perf_counter() - start))
                 return [StepReport.of(stats, peak_rss_bytes()) for stats in finished]
         except Exception:
             self._step_failed = True

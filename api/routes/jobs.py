@@ -117,7 +117,7 @@ def fault(manager: Manager, job_id: str, drill: FaultDrill, http: Request) -> di
     if not http.app.state.allow_fault_injection:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "fault drills are off; start the service with "
                                                        "`trainyard serve --allow-fault-injection`")
-    return manager.inject_fault(job_id, drill.kind, drill.rank, drill.at_step)
+    return manager.inject_fault(job_id, drill.kind, drill.rank, drill.at_step, drill.factor)
 
 @router.post("/api/jobs/{job_id}/stop", dependencies=OWNED, responses=NOT_FOUND)
 def stop(manager: Manager, job_id: str) -> JobInfo:

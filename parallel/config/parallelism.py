@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from trainyard.parallel.config.fields import MAX_GLOBAL_BATCH, MAX_STEPS, NOT_BOOL, STRICT, Degree, RuleError, Steps
-from trainyard.parallel.names import CompressionName, ScheduleKind, SyncName, ZeroLevel
+from trainyard.parallel.names import CompressionName, ConsistencyName, ScheduleKind, SyncName, ZeroLevel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +68,9 @@ class SyncConfig:
     """allreduce: gradients summed every step; local_sgd: each replica steps on its own share of the batch and
     the parameters are averaged every `every` steps; diloco: the averaged change since the last sync (the
     pseudo-gradient) goes through an outer Nesterov SGD; gossip: every `every` steps each replica averages its
-    parameters with `peers` others only, by point-to-point messages (`parallel.runtime.sync`)."""
+    parameters with `peers` others only, by point-to-point messages (`parallel.runtime.sync`); parameter_server: the
+    replicas push their gradients to `shards` server actors, which own the parameters and the optimizer state, and
+    pull the parameters back (`consistency`)."""
     every: Annotated[int, Gt(0), Le(MAX_STEPS), NOT_BOOL] = 1
     """local_sgd, diloco, gossip: steps between synchronisations (H)."""
     outer_lr: Annotated[float, Gt(0), Le(1e3), NOT_BOOL] = 0.7
@@ -86,6 +88,15 @@ class SyncConfig:
     """local_sgd, diloco, gossip: how many replicas the data-parallel ranks form (it must divide dp); each replica
     is then dp / replicas consecutive dp ranks, which share ZeRO's shards and MoE's experts and sum their gradients
     every step, as allreduce's ranks do. Default: dp (each data-parallel rank a replica)."""
+    consistency: ConsistencyName = "bsp"
+    """parameter_server: bsp, the server applies the replicas' mean gradient once per step, every replica waiting
+    for all; asp, it applies each replica's push as it arrives, no one waits; ssp, as asp, but a replica starts step
+    t only once every replica has finished step t - 1 - `staleness` (`parallel.plan.parameter_server`)."""
+    staleness: Annotated[int, Ge(0), Le(MAX_STEPS), NOT_BOOL] = 0
+    """parameter_server with ssp: how many steps a replica may run ahead of the slowest (s; 0 is lockstep)."""
+    shards: Annotated[int, Gt(0), Le(1024), NOT_BOOL] = 1
+    """parameter_server: server actors, each owning a share of the parameters (by size) and their optimizer
+    state."""
 
 
 @dataclass(frozen=True, kw_only=True)

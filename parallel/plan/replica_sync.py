@@ -6,6 +6,8 @@ the pure rules the coordinator, the plan and the ranks all ask (`parallel.runtim
 - `gossip`: as local_sgd, but a sync averages each replica with `peers` others only (`gossip_peers`), point to
   point; the syncs that must leave one model (after the last step, before a checkpoint: `whole_sync`) average
   them all, as local_sgd's do.
+- `parameter_server`: the replicas push gradients to server shards and pull parameters (BSP, ASP, SSP); its pure
+  rules are `parallel.plan.parameter_server`.
 
 `SYNC_KINDS` is the sync modes' pure side, by name: what the rules below read of a mode. How a mode runs on a rank
 is `parallel.runtime.sync.SYNCS`, under the same names (tests/unit/test_sync.py holds the two equal).
@@ -40,6 +42,7 @@ SYNC_KINDS: dict[SyncName, SyncKind] = registry(SYNC_NAMES, {
     "local_sgd": SyncKind(steps_apart=True, options=("every",)),
     "diloco": SyncKind(steps_apart=True, options=("every", "outer_lr", "outer_momentum")),
     "gossip": SyncKind(steps_apart=True, options=("every", "peers", "topology"), peer_to_peer=True),
+    "parameter_server": SyncKind(steps_apart=False, options=("consistency", "staleness", "shards")),
 }, "the replica sync modes' facts")
 """The sync modes by name (the spec's `parallel.sync.kind`); `allreduce` is the default."""
 NAMES = tuple(SYNC_KINDS)

@@ -260,11 +260,44 @@ def schedule_violations(r: Resolved) -> list[PlanError]:
     return []
 
 
+def parameter_server_violations(r: Resolved) -> list[PlanError]:
+    """A parameter server's replicas are single dp ranks whose whole parameters and gradients go to the shards: no
+    pipeline or tensor parallelism inside a replica, nothing sharded or compressed over dp, yet."""
+    par, sync = r.parallel, r.parallel.sync
+    errors = [PlanError(f"parallel.{name}", f"{name}={degree} with parallel.sync.kind parameter_server: each replica "
+                                            "is one data-parallel rank holding the whole model (a pipeline or "
+                                            f"tensor-parallel replica is not supported yet): set {name}: 1")
+              for name, degree in (("pp", par.pp), ("tp", par.tp), ("ep", par.ep))
+              if degree > 1]
+    if par.zero:
+        errors.append(PlanError("parallel.zero", f"zero={par.zero} with parallel.sync.kind parameter_server: the "
+                                                 "server shards own the optimizer state: set zero: 0"))
+    if par.grad_compression is not None:
+        errors.append(PlanError("parallel.grad_compression", "parameter_server pushes the gradients to its shards "
+                                                             "uncompressed: leave grad_compression out"))
+    if sync.replicas is not None:
+        errors.append(PlanError("parallel.sync.replicas", "parameter_server's replicas are its dp ranks: leave "
+                                                          "replicas out"))
+    if sync.staleness and sync.consistency != "ssp":
+        errors.append(PlanError("parallel.sync.staleness", f"staleness={sync.staleness} with consistency "
+                                                           f"{sync.consistency}: only ssp reads it (bsp is 0, asp "
+                                                           "unbounded)"))
+    # The shards and replicas run (actors.ps_shard, parallel.runtime.sync.parameter_server), but the job's step loop
+    # (the coordinator's one call per rank per step, RankTrainer's optimizer step) does not drive them yet: a job
+    # would otherwise train as allreduce under another name.
+    errors.append(PlanError("parallel.sync.kind", "parameter_server is not yet run by the job loop (its shards and "
+                                                  "replicas run as actors.ps_shard, see docs/guide.md): use "
+                                                  "allreduce, local_sgd or diloco for a job"))
+    return errors
+
+
 def sync_violations(r: Resolved) -> list[PlanError]:
     """local_sgd and diloco replicas step alone between synchronisations: each must hold its whole state, so
     what is sharded (ZeRO) or spread (MoE's experts at ep > 1) is within a replica (`parallel.sync.replicas`)."""
     config, par = r.config, r.parallel
     sync = par.sync
+    if sync.kind == "parameter_server":
+        return parameter_server_violations(r)
     if not is_local(sync):
         if sync.replicas is not None:
             return [PlanError("parallel.sync.replicas", f"replicas={sync.replicas} with kind {sync.kind}: only "

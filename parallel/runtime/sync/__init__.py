@@ -13,6 +13,10 @@ replicas step apart, when they sync, the bytes they send, what the plan shows) a
 - `local_sgd` (Stich 2019, Lin et al. 2020): each replica steps on its own share of the step's global batch
   (the layout-independent sampler's, as always), with no traffic between replicas; every `every` steps (and
   after the last) the replicas' parameters are averaged.
+- `parameter_server`: the replicas push their gradients (a bucket per shard) to `shards` server actors
+  (`actors.ps_shard`), each owning a share of the parameters and their optimizer state, and pull the parameters
+  back; BSP, ASP or SSP (`parallel.plan.parameter_server`). The rank's side is `parameter_server.ServerClient`, the
+  shard's math `parameter_server.ShardState`; it averages nothing, so its entry here is None.
 - `diloco` (Douillard et al. 2023): as local_sgd, but the averaged change since the last sync goes through an
   outer Nesterov SGD over the anchor (the parameters of the last sync).
 - `gossip` (Boyd et al. 2006; Lian et al. 2017's decentralised SGD): as local_sgd, but a sync averages each replica
@@ -103,6 +107,7 @@ SYNCS: dict[SyncName, SyncFactory | None] = registry(SYNC_NAMES, {
     "local_sgd": LocalSGD,
     "diloco": DiLoCo,
     "gossip": Gossip,
+    "parameter_server": None,  # no parameter averaging: the rank's client is `parameter_server.ServerClient`
 }, "the replica sync modes")
 """The sync modes by the spec's `parallel.sync.kind`; None: the replicas step together (the reducers sum the
 gradients), nothing to build."""
