@@ -4,7 +4,7 @@ CPU-only and placed apart from the ranks (no bundle of the job's placement group
 bucket of gradients to each without waiting (the refs are collected at the next pull, so the push overlaps the
 wait for the clock).
 
-A shard is an async actor: `pull(worker, step)` waits on the shard's clock (`parallel.plan.parameter_server
+A shard is an async actor: `pull(worker, step)` waits on the shard's clock (`parallel.plan.sync.parameter_server
 .may_start`) and `push` may complete a BSP step, which wakes the waiters. The math is
 `parallel.runtime.sync.parameter_server.ShardState`'s. Each shard sees every worker's push of every step, so each
 keeps the whole clock, and a pull that waits on every shard waits on the global rule.
@@ -19,7 +19,7 @@ import ray
 import torch
 from trainyard.actors.naming import NAMESPACE, ps_shard_name
 from trainyard.parallel.config import OptimizerConfig, SyncConfig
-from trainyard.parallel.plan.parameter_server import assign_shards, may_start, staleness_of
+from trainyard.parallel.plan.sync.parameter_server import assign_shards, may_start, staleness_of
 from trainyard.parallel.runtime.sync.parameter_server import ShardState
 
 

@@ -8,7 +8,7 @@ in its order, so a registry and the spec field that picks from it cannot drift a
 - `optimizer.schedule`: `LrScheduleName`, the learning-rate schedules (`parallel.optim.lr_schedules.LR_SCHEDULES`);
 - `parallel.schedule`: `ScheduleKind`, the pipeline schedules (`parallel.plan.schedule.schedules.SCHEDULES`);
 - `parallel.zero`: `ZeroLevel`, the data-parallel sharding strategies (`parallel.plan.sharding.SHARDINGS`);
-- `parallel.sync.kind`: `SyncName`, the replica sync modes (`parallel.plan.replica_sync.SYNC_KINDS`, and how each
+- `parallel.sync.kind`: `SyncName`, the replica sync modes (`parallel.plan.sync.replica_sync.SYNC_KINDS`, and how each
   runs on a rank: `parallel.runtime.sync.SYNCS`);
 - `parallel.grad_compression.kind`: `CompressionName`, the gradient compressors
   (`parallel.plan.grad_compression.COMPRESSIONS`, and their reducers: `parallel.runtime.compression.COMPRESSORS`).
@@ -44,7 +44,7 @@ ZERO_LEVELS: tuple[ZeroLevel, ...] = get_args(ZeroLevel)
 SYNC_NAMES: tuple[SyncName, ...] = get_args(SyncName)
 COMPRESSION_NAMES: tuple[CompressionName, ...] = get_args(CompressionName)
 ConsistencyName = Literal["bsp", "asp", "ssp"]
-"""`parallel.sync.consistency` of a parameter server (`parallel.plan.parameter_server.CONSISTENCIES`)."""
+"""`parallel.sync.consistency` of a parameter server (`parallel.plan.sync.parameter_server.CONSISTENCIES`)."""
 CONSISTENCY_NAMES: tuple[ConsistencyName, ...] = get_args(ConsistencyName)
 
 K = TypeVar("K")

@@ -33,7 +33,7 @@ from trainyard.actors.state import Recovering
 from trainyard.actors.telemetry import figures_by_step, make_row
 from trainyard.actors.worker_group.worker_group import WorkerGroup
 from trainyard.parallel.plan.cadence import is_done
-from trainyard.parallel.plan.replica_sync import rejoin_step
+from trainyard.parallel.plan.sync.replica_sync import rejoin_step
 
 log = logging.getLogger("trainyard.coordinator")
 

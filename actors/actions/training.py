@@ -28,7 +28,7 @@ from trainyard.actors.telemetry import Rows
 from trainyard.actors.worker_group.worker_group import WorkerGroup
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan.cadence import evaluates_after, is_done, saves_after
-from trainyard.parallel.plan.replica_sync import round_of
+from trainyard.parallel.plan.sync.replica_sync import round_of
 from trainyard.parallel.runtime.step.step_stats import Save
 
 log = logging.getLogger("trainyard.coordinator")

@@ -83,7 +83,7 @@ class SyncConfig:
     topology: Literal["ring", "random"] = "ring"
     """gossip: who the peers are: `ring`, the nearest replicas by index (one peer: the left and the right
     neighbour in turn); `random`, the same over a permutation drawn from (seed, step), new at every sync
-    (`parallel.plan.gossip_peers`)."""
+    (`parallel.plan.sync.gossip_peers`)."""
     replicas: Degree | None = None
     """local_sgd, diloco, gossip: how many replicas the data-parallel ranks form (it must divide dp); each replica
     is then dp / replicas consecutive dp ranks, which share ZeRO's shards and MoE's experts and sum their gradients
@@ -91,7 +91,7 @@ class SyncConfig:
     consistency: ConsistencyName = "bsp"
     """parameter_server: bsp, the server applies the replicas' mean gradient once per step, every replica waiting
     for all; asp, it applies each replica's push as it arrives, no one waits; ssp, as asp, but a replica starts step
-    t only once every replica has finished step t - 1 - `staleness` (`parallel.plan.parameter_server`)."""
+    t only once every replica has finished step t - 1 - `staleness` (`parallel.plan.sync.parameter_server`)."""
     staleness: Annotated[int, Ge(0), Le(MAX_STEPS), NOT_BOOL] = 0
     """parameter_server with ssp: how many steps a replica may run ahead of the slowest (s; 0 is lockstep)."""
     shards: Annotated[int, Gt(0), Le(1024), NOT_BOOL] = 1

@@ -24,7 +24,6 @@ from trainyard.parallel.config import DpRange, JobConfig
 from trainyard.parallel.plan.admission import ClusterResources, NodeResources, fit_violations, memory_violations
 from trainyard.parallel.plan.layout import Gang, Layout, RankCoords, even_layer_counts, stage_layers_of
 from trainyard.parallel.plan.memory.estimate import RankMemory, estimate
-from trainyard.parallel.plan.replica_sync import is_local, layout_replica_dp
 from trainyard.parallel.plan.rules import (
     MAX_SCHEDULE_CHUNKS,
     MAX_WORKERS,
@@ -33,6 +32,7 @@ from trainyard.parallel.plan.rules import (
     stage_layer_violations,
 )
 from trainyard.parallel.plan.sizing import Sizing, fixed_parallel
+from trainyard.parallel.plan.sync.replica_sync import is_local, layout_replica_dp
 
 __all__ = ["MAX_SCHEDULE_CHUNKS", "MAX_WORKERS", "ClusterResources", "Gang", "Layout", "NodeResources", "Plan",
            "PlanError", "RankCoords", "can_move_in_memory", "dp_range", "layout_of", "make_plan", "reaching_max",

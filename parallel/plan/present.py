@@ -11,11 +11,11 @@ from typing import Any
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.memory.estimate import estimate, param_counts
 from trainyard.parallel.plan.reduction_bytes import reduction_bytes
-from trainyard.parallel.plan.replica_sync import cross_replica_bytes
 from trainyard.parallel.plan.schedule.actions import ActionKind, format_actions
 from trainyard.parallel.plan.schedule.schedule_sim import render_gantt, simulate, steady_state
 from trainyard.parallel.plan.schedule.schedule_timing import Costs
 from trainyard.parallel.plan.schedule.schedules import build_schedule
+from trainyard.parallel.plan.sync.replica_sync import cross_replica_bytes
 from trainyard.parallel.plan.units import format_bytes
 
 

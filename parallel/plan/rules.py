@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trainyard.parallel.config import JobConfig, ParallelConfig, RuleError
-from trainyard.parallel.plan.gossip_peers import gossip_violation
 from trainyard.parallel.plan.planner.search_options import searched_values, with_option
-from trainyard.parallel.plan.replica_sync import LOCAL_KINDS, is_local, replica_dp
 from trainyard.parallel.plan.schedule.actions import ScheduleError
 from trainyard.parallel.plan.schedule.schedules import check_schedule_args
 from trainyard.parallel.plan.sizing import Resolved, fixed_parallel
+from trainyard.parallel.plan.sync.gossip_peers import gossip_violation
+from trainyard.parallel.plan.sync.replica_sync import LOCAL_KINDS, is_local, replica_dp
 
 
 class PlanError(RuleError):

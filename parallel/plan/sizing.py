@@ -25,10 +25,10 @@ from trainyard.parallel.models.base import ModelFamily
 from trainyard.parallel.optim.kinds import OPTIMIZERS, OptimizerKind
 from trainyard.parallel.plan.grad_compression import COMPRESSIONS, CompressionKind
 from trainyard.parallel.plan.layout import Layout
-from trainyard.parallel.plan.replica_sync import SYNC_KINDS, SyncKind
 from trainyard.parallel.plan.schedule.kind import Schedule
 from trainyard.parallel.plan.schedule.schedules import SCHEDULES
 from trainyard.parallel.plan.sharding import SHARDINGS, Sharding
+from trainyard.parallel.plan.sync.replica_sync import SYNC_KINDS, SyncKind
 
 E = TypeVar("E")
 

@@ -21,7 +21,7 @@ from trainyard.parallel.io import checkpoint
 from trainyard.parallel.models.components.decoder import DecoderStage
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.plan.layout import RankCoords
-from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_before_save
+from trainyard.parallel.plan.sync.replica_sync import averages_optimizer_state, syncs_before_save
 from trainyard.parallel.runtime.distributed import RankGroups
 from trainyard.parallel.runtime.dp.data_parallel import Reducer
 from trainyard.parallel.runtime.pipeline.tied import TiedEmbeddings

@@ -50,8 +50,8 @@ from trainyard.parallel.models.components.moe import moe_layers
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
-from trainyard.parallel.plan.replica_sync import averages_optimizer_state, syncs_after, whole_sync
 from trainyard.parallel.plan.schedule.actions import FREEING_KINDS, Action, ActionKind, stage_location
+from trainyard.parallel.plan.sync.replica_sync import averages_optimizer_state, syncs_after, whole_sync
 from trainyard.parallel.runtime.build import build_rank
 from trainyard.parallel.runtime.compile import compile_seconds
 from trainyard.parallel.runtime.cp.split import ContextSplit

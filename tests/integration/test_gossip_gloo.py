@@ -21,7 +21,7 @@ from gloo_ranks import PlanRun, RankResult, run_plans, stats_of
 from helpers import SLOW_TESTS, slow, tiny_spec
 from test_sync_gloo import drop_and_rejoin, final_params, last_stage_losses
 from trainyard.parallel.plan import make_plan
-from trainyard.parallel.plan.gossip_peers import gossip_peers
+from trainyard.parallel.plan.sync.gossip_peers import gossip_peers
 from trainyard.parallel.spec import parse_spec
 
 STEPS, EVERY = 4, 2

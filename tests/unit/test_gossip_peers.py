@@ -1,10 +1,10 @@
-"""The gossip sync's pure peer choice (`parallel.plan.gossip_peers`): symmetric, regular, deterministic by
+"""The gossip sync's pure peer choice (`parallel.plan.sync.gossip_peers`): symmetric, regular, deterministic by
 (seed, step), ring versus random."""
 
 from __future__ import annotations
 
 import pytest
-from trainyard.parallel.plan.gossip_peers import gossip_peers, gossip_violation
+from trainyard.parallel.plan.sync.gossip_peers import gossip_peers, gossip_violation
 
 CASES = [(replicas, peers) for replicas in range(2, 9) for peers in range(1, replicas) if peers * replicas % 2 == 0]
 

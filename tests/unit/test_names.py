@@ -19,9 +19,9 @@ from trainyard.parallel.names import (
 from trainyard.parallel.optim.kinds import OPTIMIZERS
 from trainyard.parallel.optim.lr_schedules import LR_SCHEDULES
 from trainyard.parallel.plan.grad_compression import COMPRESSIONS
-from trainyard.parallel.plan.replica_sync import SYNC_KINDS
 from trainyard.parallel.plan.schedule.schedules import SCHEDULES
 from trainyard.parallel.plan.sharding import SHARDINGS
+from trainyard.parallel.plan.sync.replica_sync import SYNC_KINDS
 from trainyard.parallel.spec import SPEC_ADAPTER
 
 

@@ -1,4 +1,4 @@
-"""The parameter server's pure rules (`parallel.plan.parameter_server`: the BSP / SSP / ASP clock, the staleness an
+"""The parameter server's pure rules (`parallel.plan.sync.parameter_server`: the BSP / SSP / ASP clock, the staleness an
 update carries, the shards' map), one shard's math (`ShardState`, in process) and the combinations the plan refuses.
 The shards as Ray actors, with replicas pushing and pulling: tests/e2e/test_parameter_server_ray.py."""
 
@@ -9,7 +9,7 @@ import torch
 from helpers import tiny_spec
 from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.plan import PlanError, make_plan
-from trainyard.parallel.plan.parameter_server import assign_shards, bound, may_start, push_weight, staleness_of
+from trainyard.parallel.plan.sync.parameter_server import assign_shards, bound, may_start, push_weight, staleness_of
 from trainyard.parallel.runtime.sync.parameter_server import ShardState
 from trainyard.parallel.spec import parse_spec
 

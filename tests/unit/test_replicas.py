@@ -52,7 +52,7 @@ def test_any_whole_pipeline_makes_the_row_of_a_step_whose_answer_died_with_a_ran
 
 def test_a_dropped_replica_sits_out_until_the_next_sync_and_rejoins_in_it():
     from trainyard.parallel.config import SyncConfig
-    from trainyard.parallel.plan.replica_sync import rejoin_step, round_of
+    from trainyard.parallel.plan.sync.replica_sync import rejoin_step, round_of
 
     cfg = SyncConfig(kind="diloco", every=8)
     assert rejoin_step(5, cfg, steps=20) == 7 and rejoin_step(8, cfg, steps=20) == 15

@@ -8,7 +8,7 @@ from helpers import tiny_spec
 from trainyard.parallel.config import SyncConfig
 from trainyard.parallel.plan import PlanError, make_plan
 from trainyard.parallel.plan.present import describe
-from trainyard.parallel.plan.replica_sync import (
+from trainyard.parallel.plan.sync.replica_sync import (
     averages_optimizer_state,
     cross_replica_bytes,
     syncs_after,
@@ -133,15 +133,15 @@ def test_a_checkpoint_says_whether_it_holds_the_outer_momentum(tmp_path):
 
 def test_the_runtime_registry_and_the_plans_table_name_the_same_modes():
     """A mode is a `parallel.runtime.sync.SYNCS` entry (how it runs; None: the reducers' all-reduce) and a
-    `parallel.plan.replica_sync.SYNC_KINDS` entry (its pure facts): the two, and the spec's kinds, agree; the
+    `parallel.plan.sync.replica_sync.SYNC_KINDS` entry (its pure facts): the two, and the spec's kinds, agree; the
     registry's names are read without torch."""
     import subprocess
     import sys
     from pathlib import Path
     from typing import get_args, get_type_hints
 
-    from trainyard.parallel.plan.replica_sync import NAMES as PLAN_NAMES
-    from trainyard.parallel.plan.replica_sync import SYNC_KINDS
+    from trainyard.parallel.plan.sync.replica_sync import NAMES as PLAN_NAMES
+    from trainyard.parallel.plan.sync.replica_sync import SYNC_KINDS
     from trainyard.parallel.runtime.sync import NAMES, SYNCS
 
     assert NAMES == PLAN_NAMES and set(get_args(get_type_hints(SyncConfig)["kind"])) == set(NAMES)

@@ -28,11 +28,11 @@ from trainyard.parallel.plan.planner.cost_model import (
 from trainyard.parallel.plan.planner.machine_costs import MachineCosts
 from trainyard.parallel.plan.planner.prediction import Candidate, cached_schedule, predict
 from trainyard.parallel.plan.planner.search_options import searched_paths, searched_values, with_option
-from trainyard.parallel.plan.replica_sync import layout_replica_dp
 from trainyard.parallel.plan.rules import violations
 from trainyard.parallel.plan.schedule.schedules import SCHEDULES, placement_of
 from trainyard.parallel.plan.sharding import SHARDINGS
 from trainyard.parallel.plan.sizing import Sizing, fixed_parallel
+from trainyard.parallel.plan.sync.replica_sync import layout_replica_dp
 
 MAX_VPP = 4
 """Virtual chunks per pipeline rank tried (more rarely pays: each adds a point-to-point run per micro-batch)."""

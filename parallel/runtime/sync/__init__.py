@@ -6,7 +6,7 @@ implements on a rank (`ReplicaSync`: what the trainer and `parallel.runtime.rank
 mode (`local_sgd`, `diloco`, `gossip`) and the machinery they share (`averaging`: the replicas' mean, the process
 group a replica clips over, whether a checkpoint holds a mode's own state). The pure facts of each mode (whether its
 replicas step apart, when they sync, the bytes they send, what the plan shows) are
-`parallel.plan.replica_sync.SYNC_KINDS`, under the same names.
+`parallel.plan.sync.replica_sync.SYNC_KINDS`, under the same names.
 
 - `allreduce` (the default): the gradient reducer (`parallel.runtime.dp.data_parallel`) sums every gradient across the
   replicas every step; nothing here runs (its entry is None).
@@ -15,12 +15,12 @@ replicas step apart, when they sync, the bytes they send, what the plan shows) a
   after the last) the replicas' parameters are averaged.
 - `parameter_server`: the replicas push their gradients (a bucket per shard) to `shards` server actors
   (`actors.ps_shard`), each owning a share of the parameters and their optimizer state, and pull the parameters
-  back; BSP, ASP or SSP (`parallel.plan.parameter_server`). The rank's side is `parameter_server.ServerClient`, the
+  back; BSP, ASP or SSP (`parallel.plan.sync.parameter_server`). The rank's side is `parameter_server.ServerClient`, the
   shard's math `parameter_server.ShardState`; it averages nothing, so its entry here is None.
 - `diloco` (Douillard et al. 2023): as local_sgd, but the averaged change since the last sync goes through an
   outer Nesterov SGD over the anchor (the parameters of the last sync).
 - `gossip` (Boyd et al. 2006; Lian et al. 2017's decentralised SGD): as local_sgd, but a sync averages each replica
-  with `peers` others only (`parallel.plan.gossip_peers`), by point-to-point messages, no collective; the syncs
+  with `peers` others only (`parallel.plan.sync.gossip_peers`), by point-to-point messages, no collective; the syncs
   that must leave one model (the last, a checkpoint's, a rejoin's) are local_sgd's.
 
 So the link between replicas carries the parameters once per `every` steps instead of the gradients every step.

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainyard.parallel.plan.replica_sync import FP32
+from trainyard.parallel.plan.sync.replica_sync import FP32
 
 if TYPE_CHECKING:
     import torch

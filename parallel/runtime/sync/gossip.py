@@ -1,6 +1,6 @@
 """`parallel.sync.kind: gossip` (Boyd et al. 2006's randomized gossip; Lian et al. 2017's decentralised SGD): each
 replica steps alone, as with local_sgd; every `every` steps it averages its parameters with `peers` other replicas
-only, chosen by (seed, step) (`parallel.plan.gossip_peers`: a symmetric regular pairing, ring or random), and goes
+only, chosen by (seed, step) (`parallel.plan.sync.gossip_peers`: a symmetric regular pairing, ring or random), and goes
 on from that mean. No collective spans the replicas: each exchange is a point-to-point send and receive
 (`batch_isend_irecv`) on the replicas' group, so a sync costs `peers` copies of the parameters whatever dp is, and
 the replicas agree more with each round without ever waiting on all of them.
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainyard.parallel.plan.gossip_peers import gossip_peers
-from trainyard.parallel.plan.replica_sync import FP32
+from trainyard.parallel.plan.sync.gossip_peers import gossip_peers
+from trainyard.parallel.plan.sync.replica_sync import FP32
 from trainyard.parallel.runtime.sync.local_sgd import LocalSGD
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ their optimizer state under the job's `optimizer.kind`, and how it applies the p
 SSP's and ASP's each push as it arrives) and a replica's side (`Replica`: pull the parameters, compute the gradient
 of its share of the step's batch, push it in one bucket per shard), over a `Transport` the actors provide
 (`actors.ps_shard`: Ray actors and object refs). The clock (who may start which step) and the staleness rule are
-`parallel.plan.parameter_server`'s.
+`parallel.plan.sync.parameter_server`'s.
 
 Written by hand: torch has no parameter server (its `torch.distributed.rpc` parameter-server example is a tutorial,
 and rpc is in maintenance). Torch-free at module level would buy nothing here (only ranks and shards import it).
@@ -20,7 +20,7 @@ from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.names import ConsistencyName
 from trainyard.parallel.optim.lr_schedules import lr_at
 from trainyard.parallel.optim.optimizer import make_optimizer, set_lr
-from trainyard.parallel.plan.parameter_server import CONSISTENCIES, push_weight
+from trainyard.parallel.plan.sync.parameter_server import CONSISTENCIES, push_weight
 
 
 @dataclass(frozen=True)

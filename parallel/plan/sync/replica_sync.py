@@ -7,7 +7,7 @@ the pure rules the coordinator, the plan and the ranks all ask (`parallel.runtim
   point; the syncs that must leave one model (after the last step, before a checkpoint: `whole_sync`) average
   them all, as local_sgd's do.
 - `parameter_server`: the replicas push gradients to server shards and pull parameters (BSP, ASP, SSP); its pure
-  rules are `parallel.plan.parameter_server`.
+  rules are `parallel.plan.sync.parameter_server`.
 
 `SYNC_KINDS` is the sync modes' pure side, by name: what the rules below read of a mode. How a mode runs on a rank
 is `parallel.runtime.sync.SYNCS`, under the same names (tests/unit/test_sync.py holds the two equal).
