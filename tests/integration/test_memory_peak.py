@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import slow
+from helpers import SLOW
 from trainyard.parallel.config import DataConfig, JobConfig, ModelConfig, ParallelConfig
 from trainyard.parallel.plan import make_plan
 from trainyard.parallel.plan.memory.estimate import rank_memory
@@ -23,9 +23,9 @@ LLAMA = ModelConfig(family="llama", n_layer=4, n_head=4, n_kv_head=2, d_model=25
 
 
 @pytest.mark.parametrize(("model", "precision", "recompute", "microbatches"), [
-    pytest.param(GPT, "bf16", "none", 1, marks=slow, id="gpt2-bf16"),  # bf16 on a CPU: 40 s each, in test-slow
+    pytest.param(GPT, "bf16", "none", 1, marks=SLOW, id="gpt2-bf16"),  # bf16 on a CPU: 40 s each, in test-slow
     pytest.param(LLAMA, "fp32", "selective", 2, id="llama-fp32-selective-m2"),
-    pytest.param(GPT, "bf16", "full", 1, marks=slow, id="gpt2-bf16-full")])
+    pytest.param(GPT, "bf16", "full", 1, marks=SLOW, id="gpt2-bf16-full")])
 def test_the_plan_s_total_is_the_rank_s_peak(model, precision, recompute, microbatches):
     config = JobConfig(name="peak", model=model, steps=3, data=DataConfig(kind="synthetic"), global_batch=8,
                        precision=precision, activation_checkpointing=recompute,
