@@ -52,7 +52,6 @@ class ClientSession:
         self.restore_point: tuple[str, int, bool] | None = None
         """(checkpoint step directory, step, with its optimizer) of the state the client last saved or loaded, as
         `load_state` takes them: what a recovery loads (None: the base model, as built)."""
-        self.recoveries = 0
 
     async def run(self, seq: int, method: str, *args: Any) -> Any:
         """Call `method` in its turn: the calls run one at a time, in the order the service numbered them (from 0,
@@ -196,7 +195,6 @@ class ClientSession:
         except Exception as e:
             self.broken = f"a rank died ({_line(death)}) and its ranks could not be rebuilt ({_line(e)})"
             raise RuntimeError(f"training client {self.model_id}: {self.broken}") from None
-        self.recoveries += 1
         return went_back
 
 

@@ -13,8 +13,8 @@ holding its heads and its share of the vocabulary: the head's logits stay sharde
 negative of the cross-entropy under `loss_parallel`, which also wraps the backward, so the full logits never exist
 on one rank). Each replica runs its share of a call's datums (`shares`; every rank of a replica the same ones), and
 the gradient reducers sum the replicas' gradients at `optim_step`, so the step is the one of every datum's loss
-summed, whatever the layout. Pipeline and expert parallelism, sequence parallelism and ZeRO-2/3 are refused, naming
-the field.
+summed, whatever the layout. Pipeline, expert and context parallelism, sequence parallelism and ZeRO-2/3 are
+refused, naming the field (`layout_violation`).
 Losses: Tinker's documented ones (`parallel.runtime.tinker_losses`: cross_entropy, importance_sampling, ppo, cispo,
 dro); the others are refused, naming `loss_fn`.
 
