@@ -4,13 +4,14 @@
 - BSP at dp=2 (AdamW, two shards) follows the same spec under all-reduce: every step's loss within 1e-6 relative,
   the exported models (the shards' parameters, pulled into the ranks before the final checkpoint) alike; every
   row names each replica's staleness (0) and pace, and the job's `parameter_server` event counts the updates.
-- (`make test-slow`) SSP at s=1 and ASP finish their steps, SSP's every update carrying staleness <= 1.
+- (`make test-slow`) SSP at s=1 and ASP finish their steps, SSP's every update carrying staleness <= 1; a BSP job
+  whose rank dies at step 2 goes back to the start (new shards) and ends with the undisturbed job's losses.
 Shards and replicas without the service: tests/e2e/test_parameter_server_ray.py."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import run_all, slow, tiny_spec
+from helpers import run_all, slow, tiny_spec, wait_for, wait_terminal
 from safetensors.torch import load_file
 from trainyard.parallel.io.export import MODEL_FILE
 
@@ -43,11 +44,24 @@ def test_bsp_equals_allreduce_data_parallelism(client, tmp_path):
 
 
 @slow
-def test_ssp_and_asp_jobs_finish_within_their_staleness(client):
-    jobs = run_all(client, {"ssp": spec({"kind": "parameter_server", "consistency": "ssp", "staleness": 1}),
-                            "asp": spec({"kind": "parameter_server", "consistency": "asp"})})
-    for name, (job, rows) in jobs.items():
-        assert [r["step"] for r in rows] == list(range(STEPS)), name
-        [event] = [e for e in client.events(job["job_id"]) if e["kind"] == "parameter_server"]
-        assert event["updates"] == 2 * STEPS  # each replica's every push applied alone
-    assert max(max(r["ps_staleness"]) for r in jobs["ssp"][1]) <= 1
+def test_ssp_and_asp_jobs_finish_within_their_staleness_and_a_bsp_job_recovers_from_a_lost_rank(client):
+    bsp = spec({"kind": "parameter_server", "consistency": "bsp"})
+    jobs = {"ssp": client.submit(spec({"kind": "parameter_server", "consistency": "ssp", "staleness": 1})),
+            "asp": client.submit(spec({"kind": "parameter_server", "consistency": "asp"})),
+            "bsp": client.submit(bsp), "killed": client.submit({**bsp, "fault": {"max_failures": 1}})}
+    wait_for(lambda: client.job(jobs["killed"])["status"] == "RUNNING", 300, "the killed job to run")
+    client._call("POST", f"/api/jobs/{jobs['killed']}/faults", json={"kind": "kill_worker", "rank": 1, "at_step": 2})
+    rows = {}
+    for name, job_id in jobs.items():
+        job = wait_terminal(client, job_id, timeout_s=300)
+        assert job["status"] == "SUCCEEDED", (name, job["error"])
+        rows[name] = client.metrics(job_id)
+        assert [r["step"] for r in rows[name]] == list(range(STEPS)), name
+        [event] = [e for e in client.events(job_id) if e["kind"] == "parameter_server"]
+        if name in ("ssp", "asp"):
+            assert event["updates"] == 2 * STEPS  # each replica's every push applied alone
+    assert max(max(r["ps_staleness"]) for r in rows["ssp"]) <= 1
+    # The lost rank took the job back to the start, the shards made anew from the ranks' initial parameters
+    [failure] = [e for e in client.events(jobs["killed"]) if e["kind"] == "failure"]
+    assert failure["restore_step"] == 0
+    assert [r["loss"] for r in rows["killed"]] == [r["loss"] for r in rows["bsp"]]
