@@ -4,7 +4,8 @@
 - BSP at dp=2 (AdamW, two shards) follows the same spec under all-reduce: every step's loss within 1e-6 relative,
   the exported models (the shards' parameters, pulled into the ranks before the final checkpoint) alike; every
   row names each replica's staleness (0) and pace, and the job's `parameter_server` event counts the updates.
-- (`make test-slow`) SSP at s=1 and ASP finish their steps, SSP's every update carrying staleness <= 1; a BSP job
+- (`make test-slow`) SSP at s=1 and ASP finish their steps, SSP's every update carrying staleness <= 1, ASP's fast
+  replica running more than a step ahead of one slowed 6x (the slow_rank drill); a BSP job
   whose rank dies at step 2 goes back to the start (new shards) and ends with the undisturbed job's losses.
 Shards and replicas without the service: tests/e2e/test_parameter_server_ray.py."""
 
@@ -18,10 +19,10 @@ from trainyard.parallel.io.export import MODEL_FILE
 STEPS = 4
 
 
-def spec(sync: dict) -> dict:
+def spec(sync: dict, steps: int = STEPS) -> dict:
     # No clipping: a replica clips its own share's gradient (the shards never see the whole step's), which equals
     # all-reduce's clip of the mean only where it does not bind.
-    return tiny_spec(steps=STEPS, optimizer={"kind": "adamw", "lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0},
+    return tiny_spec(steps=steps, optimizer={"kind": "adamw", "lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0},
                      parallel={"dp": 2, "sync": sync})
 
 
@@ -47,20 +48,27 @@ def test_bsp_equals_allreduce_data_parallelism(client, tmp_path):
 def test_ssp_and_asp_jobs_finish_within_their_staleness_and_a_bsp_job_recovers_from_a_lost_rank(client):
     bsp = spec({"kind": "parameter_server", "consistency": "bsp"})
     jobs = {"ssp": client.submit(spec({"kind": "parameter_server", "consistency": "ssp", "staleness": 1})),
-            "asp": client.submit(spec({"kind": "parameter_server", "consistency": "asp"})),
+            "asp": client.submit(spec({"kind": "parameter_server", "consistency": "asp"}, steps=2 * STEPS)),
             "bsp": client.submit(bsp), "killed": client.submit({**bsp, "fault": {"max_failures": 1}})}
-    wait_for(lambda: client.job(jobs["killed"])["status"] == "RUNNING", 300, "the killed job to run")
-    client._call("POST", f"/api/jobs/{jobs['killed']}/faults", json={"kind": "kill_worker", "rank": 1, "at_step": 2})
+    drills = {"killed": {"kind": "kill_worker", "rank": 1, "at_step": 2},
+              "asp": {"kind": "slow_rank", "rank": 1, "at_step": 1, "factor": 6.0}}
+    for name, drill in drills.items():
+        wait_for(lambda j=jobs[name]: client.job(j)["status"] == "RUNNING", 300, f"the {name} job to run")
+        client._call("POST", f"/api/jobs/{jobs[name]}/faults", json=drill)
     rows = {}
     for name, job_id in jobs.items():
         job = wait_terminal(client, job_id, timeout_s=300)
         assert job["status"] == "SUCCEEDED", (name, job["error"])
         rows[name] = client.metrics(job_id)
-        assert [r["step"] for r in rows[name]] == list(range(STEPS)), name
+        steps = 2 * STEPS if name == "asp" else STEPS
+        assert [r["step"] for r in rows[name]] == list(range(steps)), name
         [event] = [e for e in client.events(job_id) if e["kind"] == "parameter_server"]
         if name in ("ssp", "asp"):
-            assert event["updates"] == 2 * STEPS  # each replica's every push applied alone
+            assert event["updates"] == 2 * steps  # each replica's every push applied alone
     assert max(max(r["ps_staleness"]) for r in rows["ssp"]) <= 1
+    # ASP with rank 1 six times slower: rank 0 ran on ahead through its own queue. Held in lockstep (one step queued
+    # ahead) no update could carry a staleness over 1.
+    assert max(r["ps_staleness"][0] for r in rows["asp"]) >= 2
     # The lost rank took the job back to the start, the shards made anew from the ranks' initial parameters
     [failure] = [e for e in client.events(jobs["killed"]) if e["kind"] == "failure"]
     assert failure["restore_step"] == 0
