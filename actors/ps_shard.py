@@ -1,5 +1,6 @@
 """Parameter-server shards as Ray actors (`parallel.sync.kind: parameter_server`), named `trainyard/<job>/ps<i>`,
-CPU-only and placed apart from the ranks (no bundle of the job's placement group: `ps_shards`); and the replica's
+CPU-only and placed apart from the ranks (no bundle of the job's placement group: `ps_shards` from tensors,
+`shards_of` from buckets a job's rank 0 hands over as object refs, `WorkerGroup.start_shards`); and the replica's
 `RayTransport`, which pulls the parameters from every shard at once (object refs, fetched together) and pushes a
 bucket of gradients to each without waiting (the refs are collected at the next pull, so the push overlaps the
 wait for the clock).
@@ -7,7 +8,8 @@ wait for the clock).
 A shard is an async actor: `pull(worker, step)` waits on the shard's clock (`parallel.plan.sync.parameter_server
 .may_start`) and `push` may complete a BSP step, which wakes the waiters. The math is
 `parallel.runtime.sync.parameter_server.ShardState`'s. Each shard sees every worker's push of every step, so each
-keeps the whole clock, and a pull that waits on every shard waits on the global rule.
+keeps the whole clock, and a pull that waits on every shard waits on the global rule. torch is imported in the
+shard's process only: the coordinator creates the shards and never imports it.
 """
 
 from __future__ import annotations
