@@ -7,7 +7,9 @@ stages; with pp = 1 this is plain gradient accumulation; the tensor-parallel col
 layers), sum gradients across data-parallel replicas, clip the global norm (summed across tp shards and the
 pipeline), set the learning rate and take an AdamW step. With `parallel.sync` local_sgd or diloco the replicas
 step apart instead (no gradient sum across them; each steps on its own share's mean gradient and clips its own
-norm), and `parallel.runtime.sync.ReplicaSync` averages their parameters every H steps.
+norm), and `parallel.runtime.sync.ReplicaSync` averages their parameters every H steps. With a parameter server a
+replica (one rank) computes its own share's mean gradient too, but pushes it to the server's shards and pulls the
+parameters back in place of the optimizer step (`serve`, `parallel.runtime.sync.parameter_server.ServerClient`).
 
 The loss of every micro-batch is divided by the global batch's count of targets that count (all of its
 tokens; with a loss mask, the assistant/completion ones: `parallel.data.datasets.step_counted_targets`, worked out on
@@ -163,9 +165,11 @@ class RankTrainer:
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
         self.rank_state.steps_done = None
-        server_figures = self._push_and_pull(step) if self.server is not None else {}
         if self.server is None:
             self.optimizer.step()
+            server_figures = {}
+        else:  # parameter_server: the shards step the parameters
+            server_figures = self._push_and_pull(step)
         for reducer in self.reducers.values():
             reducer.gather_params()
         if self.versions is not None:
