@@ -1,5 +1,6 @@
 """Parameter-server shards as Ray actors (`parallel.sync.kind: parameter_server`), named `trainyard/<job>/ps<i>`,
-CPU-only and placed apart from the ranks (no bundle of the job's placement group: `ps_shards`); and the replica's
+CPU-only and placed apart from the ranks (no bundle of the job's placement group: `ps_shards` from tensors,
+`shards_of` from buckets a job's rank 0 hands over as object refs, `WorkerGroup.start_shards`); and the replica's
 `RayTransport`, which pulls the parameters from every shard at once (object refs, fetched together) and pushes a
 bucket of gradients to each without waiting (the refs are collected at the next pull, so the push overlaps the
 wait for the clock).
@@ -7,20 +8,24 @@ wait for the clock).
 A shard is an async actor: `pull(worker, step)` waits on the shard's clock (`parallel.plan.sync.parameter_server
 .may_start`) and `push` may complete a BSP step, which wakes the waiters. The math is
 `parallel.runtime.sync.parameter_server.ShardState`'s. Each shard sees every worker's push of every step, so each
-keeps the whole clock, and a pull that waits on every shard waits on the global rule.
+keeps the whole clock, and a pull that waits on every shard waits on the global rule. torch is imported in the
+shard's process only: the coordinator creates the shards and never imports it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 from trainyard.actors.naming import NAMESPACE, ps_shard_name
 from trainyard.parallel.config import OptimizerConfig, SyncConfig
 from trainyard.parallel.plan.sync.parameter_server import assign_shards, may_start, staleness_of
-from trainyard.parallel.runtime.sync.parameter_server import ShardState
+
+if TYPE_CHECKING:  # torch is imported in the shard's process, not in the coordinator's (which creates them)
+    import torch
 
 
 @ray.remote(num_cpus=0)
@@ -29,11 +34,15 @@ class ParameterShard:
     paces and staleness of every applied update (`metrics`)."""
 
     def __init__(self, tensors: list[torch.Tensor], optimizer_cfg: OptimizerConfig, sync: SyncConfig, workers: int,
-                 steps: int):
+                 steps: int, first: int = 0):
+        """`first`: the step the job goes on from (every worker has finished the steps before it)."""
+        import torch
+        from trainyard.parallel.runtime.sync.parameter_server import ShardState
+
         torch.set_num_threads(1)
         self.sync = sync
         self.state = ShardState(tensors, optimizer_cfg, steps, sync.consistency, workers)
-        self.finished = [0] * workers
+        self.finished = [first] * workers
         self.changed = asyncio.Condition()
 
     async def pull(self, worker: int, step: int) -> tuple[list[torch.Tensor], int]:
@@ -68,10 +77,16 @@ def ps_shards(job_id: str, params: list[torch.Tensor], optimizer_cfg: OptimizerC
     """The job's shards, each owning its share of `params` (`assign_shards`), and the owner of each parameter. They
     take no CPU slot of the ranks' placement group (Ray schedules them outside it, on any node's CPUs)."""
     owner = assign_shards([p.numel() for p in params], sync.shards)
-    shards = [ParameterShard.options(name=ps_shard_name(job_id, s), namespace=NAMESPACE).remote(  # type: ignore[attr-defined]
-        [p for p, o in zip(params, owner, strict=True) if o == s], optimizer_cfg, sync, workers, steps)
-        for s in range(sync.shards)]
-    return shards, owner
+    buckets = [[p for p, o in zip(params, owner, strict=True) if o == s] for s in range(sync.shards)]
+    return shards_of(job_id, buckets, optimizer_cfg, sync, workers, steps), owner
+
+
+def shards_of(job_id: str, buckets: Sequence[list[torch.Tensor] | ray.ObjectRef], optimizer_cfg: OptimizerConfig,
+              sync: SyncConfig, workers: int, steps: int, first: int = 0) -> list[ray.actor.ActorHandle]:
+    """A shard for each of `buckets` (its tensors, or an object ref to them: a job's come from its rank 0, and
+    never pass through the coordinator), the job's steps from `first` on to run."""
+    return [ParameterShard.options(name=ps_shard_name(job_id, s), namespace=NAMESPACE).remote(  # type: ignore[attr-defined]
+        bucket, optimizer_cfg, sync, workers, steps, first) for s, bucket in enumerate(buckets)]
 
 
 class RayTransport:

@@ -121,6 +121,7 @@ def make_row(step: int, results: Sequence[StepReport], elapsed: float, tokens: i
     blocked = [r.checkpoint_blocked_s for r in ran if r.checkpoint_blocked_s is not None]
     failed = [r.checkpoint_error for r in ran if r.checkpoint_error is not None]
     stages = sorted(_first_pipeline(stats), key=lambda s: s.pp_rank)
+    served = sorted((s for s in stats if s.ps_staleness is not None), key=lambda s: s.dp_rank)  # parameter_server
     busy = sum(s.forward_s + s.backward_s for s in stages)
     span = max(s.schedule_s for s in stages)
     return StepRow(
@@ -150,6 +151,8 @@ def make_row(step: int, results: Sequence[StepReport], elapsed: float, tokens: i
         val_loss=val[0] if val else None,
         checkpoint_blocked_s=max(blocked) if blocked else None,
         checkpoint_error=failed[0] if failed else None,  # every rank of a save says so alike
+        ps_staleness=[s.ps_staleness for s in served if s.ps_staleness is not None] if served else None,
+        ps_pace_s=[s.compute_s for s in served] if served else None,
     )
 
 

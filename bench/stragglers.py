@@ -1,8 +1,8 @@
 """Section `stragglers`: replicas that do not wait for the slowest, measured against all-reduce with one rank slowed
 3x (the `slow_rank` drill's rule: the rank sleeps (factor - 1) times each step's measured time).
 
-Run: `python -m bench.run --only stragglers`; Ray tasks on this machine, no service (the job loop does not drive
-the parameter server yet: `parallel.plan.rules.parameter_server_violations`). The same MLP, data and seed at dp=4
+Run: `python -m bench.run --only stragglers`; Ray tasks on this machine, no service (the shards and `Replica`s
+alone, without a job's ranks: a job runs them too, docs/guide.md). The same MLP, data and seed at dp=4
 in every mode, STEPS steps, AdamW: all-reduce BSP (gloo all-reduce between four Ray tasks, each stepping its own
 optimizer, as data parallelism does), and a parameter server (`actors.ps_shard`, SHARDS shards) under BSP, SSP at
 s=2 and ASP. A row per mode: steps per second of the whole run (STEPS over the wall time from the first step to the

@@ -3,6 +3,9 @@ stop or a resize asked for), and the final checkpoint with the exported model (F
 
 One Ray call per worker per step, queued one step ahead: a worker runs its calls in order and starts the
 next step the moment it finishes this one, so the round trip to the coordinator is off the critical path. A
+parameter server's SSP and ASP replicas get as many steps queued as one may run ahead of the slowest
+(`parameter_server.steps_ahead`): the coordinator does not hold them in lockstep, the shards' clock does what the
+consistency says. A
 step's figures come back one step late (`RankDriver.queue_step`): the call for step N returns N-1's (and N's too
 when N evaluates or saves), so a step's row is recorded as its figures arrive, timed by its own call (the wall
 time between the previous call's answers and its own, as the rows always were); when the loop stops (the last
@@ -28,6 +31,7 @@ from trainyard.actors.telemetry import Rows
 from trainyard.actors.worker_group.worker_group import WorkerGroup
 from trainyard.parallel.io import checkpoint
 from trainyard.parallel.plan.cadence import evaluates_after, is_done, saves_after
+from trainyard.parallel.plan.sync.parameter_server import server_event, steps_ahead
 from trainyard.parallel.plan.sync.replica_sync import round_of
 from trainyard.parallel.runtime.step.step_stats import Save
 
@@ -69,16 +73,22 @@ class StepLoop:
             return AtBoundary(done, saved=done in checkpoint.committed_steps(Path(root))) if done > 0 else Cancelled()
         if is_done(done, cfg.steps):  # recovered after the last step (a failure in the final checkpoint or export)
             return AtBoundary(done, saved=done in checkpoint.committed_steps(Path(root)))
-        start, refs = time.perf_counter(), submit(done)
+        # One step queued ahead, or under a parameter server's SSP or ASP as many as a replica may run ahead of
+        # the slowest: each rank goes through its own queue, the loop reading each step's answers as they come.
+        window = steps_ahead(plan.parallel.sync.consistency, plan.parallel.sync.staleness) if plan.sync.server else 1
+        start, queued = time.perf_counter(), {done: submit(done)}
         progress.step_began()
         for step in range(progress.start_step, cfg.steps):
             if self.drills.kills_coordinator(step):
                 log.warning("job %s: fault drill kill_coordinator at step %d", self.job_id, step)
                 os._exit(17)
-            # At most one step is queued ahead; a stop or a resize lets it finish, so the final checkpoint holds
-            # exactly the steps recorded.
-            ahead = step + 1 < cfg.steps and not self.requests.stop and self.desk.ready is None
-            upcoming = submit(step + 1) if ahead else []
+            # A stop or a resize lets the steps queued finish, so the final checkpoint holds exactly the steps
+            # recorded.
+            while (following := max(queued) + 1) < cfg.steps and following <= step + window and \
+                    not self.requests.stop and self.desk.ready is None:
+                queued[following] = submit(following)
+            refs = queued.pop(step)
+            upcoming = [ref for s in sorted(queued) for ref in queued[s]]
             # A step that also saves or evaluates is not held to the hang policy's measure of plain steps. Nor is
             # the first step after a (re)start, a recovery or a resize: it includes the ranks' warm-up.
             plain = not (saves_after(cfg, step) or evaluates_after(cfg, step)) and step > progress.start_step
@@ -89,9 +99,9 @@ class StepLoop:
             now = time.perf_counter()
             progress.step_timed(step, now - start)
             self.recorder.record_answers(answers)
-            start, refs, done = now, upcoming, step + 1
+            start, done = now, step + 1
             progress.step_began()
-            if not refs:
+            if not queued:
                 break
         # The last step's figures, read (and checked for divergence) before the final checkpoint, a stop or a resize.
         progress.waiting_for(done, [], [])
@@ -110,6 +120,8 @@ class StepLoop:
         live = self.progress.take_dropped(plan.dp)
         await group.call([w.final_checkpoint.remote(root, steps_done, checkpoint_info(cfg), saved, live)
                           for w in group.workers], "the final checkpoint")
+        if group.shards:  # parameter_server: what its shards applied, in one event
+            self.recorder.journal.add_event(server_event(await group.shard_updates(), plan.dp))
         if self.requests.suspend:
             return Done()
         directory = checkpoint.step_dir(Path(root), steps_done)

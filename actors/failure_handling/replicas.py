@@ -14,9 +14,10 @@ from trainyard.parallel.runtime.step.step_stats import StepReport, StepStats
 def replicas_may_recover(plan: Plan) -> bool:
     """Whether a failure may be recovered from a live replica: asked for (fault.from_replica), there are
     replicas, each replica of a (pp, tp) shard holds the whole state (no ZeRO slices, no expert parallelism), and
-    the replicas hold the same state (local_sgd and diloco replicas differ between synchronisations)."""
+    the replicas hold the same state (local_sgd and diloco replicas differ between synchronisations; a parameter
+    server's hold none: its shards do, and go back to the restore point with the ranks)."""
     return (plan.config.fault.from_replica and plan.dp > 1 and can_move_in_memory(plan, plan)
-            and not plan.sync.steps_apart)
+            and not plan.sync.steps_apart and not plan.sync.server)
 
 
 def replica_sources(plan: Plan, kept: dict[int, int | None], step: int) -> dict[int, int] | None:

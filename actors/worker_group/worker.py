@@ -110,6 +110,27 @@ class Worker:
                 return getattr(self._open, method)(**kwargs)
             return self._open.optim_step(**kwargs)
 
+    def param_buckets(self, owner: list[int]) -> tuple[list, ...] | list:
+        """parameter_server: this rank's trainable parameters (on the host) in one bucket per shard, by `owner`
+        (the shard of each, `assign_shards`); a shard's bucket alone when there is one (a call's single return)."""
+        assert self.driver is not None, "setup() must run before param_buckets()"
+        params = [p.detach().cpu() for p in self.driver.trainer.server_params()]
+        buckets = tuple([p for p, o in zip(params, owner, strict=True) if o == s] for s in range(max(owner) + 1))
+        return buckets[0] if len(buckets) == 1 else buckets
+
+    def param_sizes(self) -> list[int]:
+        assert self.driver is not None, "setup() must run before param_sizes()"
+        return [p.numel() for p in self.driver.trainer.server_params()]
+
+    def use_shards(self, shards: list, owner: list[int], step: int) -> None:
+        """parameter_server: this rank's parameters are the `shards`' from now on, pulled for `step` (the next)."""
+        from trainyard.actors.ps_shard import RayTransport
+
+        assert self.driver is not None, "setup() must run before use_shards()"
+        with self._traceback_to_stderr("joining the parameter server"):
+            dp_rank = self.driver.plan.coords(self.rank).dp
+            self.driver.trainer.serve(RayTransport(shards, owner, dp_rank), step)
+
     def load_checkpoint(self, directory: str, step: int) -> None:
         assert self.driver is not None, "setup() must run before load_checkpoint()"
         self._kept = None  # a recovery that kept this rank's state went through the checkpoint instead

@@ -1,5 +1,6 @@
 """The job's ranks: one Worker actor per rank, each on its slot (a placement group and a bundle index, one
-per tensor-parallel group (pp, dp)), and the spare and grown slots an elastic job moves between.
+per tensor-parallel group (pp, dp)), and the spare and grown slots an elastic job moves between; a parameter
+server's shard actors (`actors.ps_shard`), outside the slots.
 
 The admitted placement group is the service's (it reserved it and removes it). Groups reserved here to grow
 (`<name>-growN`) are this group's to give back. Nothing here decides anything: the controller and its
@@ -16,9 +17,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from trainyard.actors.calls import Failure, call_all
-from trainyard.actors.naming import coordinator_name, placement_group_name, worker_name
+from trainyard.actors.naming import NAMESPACE, coordinator_name, placement_group_name, ps_shard_name, worker_name
+from trainyard.actors.ps_shard import shards_of
 from trainyard.actors.worker_group.worker import Worker
 from trainyard.parallel.plan import Plan
+from trainyard.parallel.plan.sync.parameter_server import assign_shards
 from trainyard.parallel.runtime.step.step_stats import StepReport
 
 Slot = tuple[PlacementGroup, int]
@@ -81,6 +84,8 @@ class WorkerGroup:
         """Reserved bundles no rank uses (after a shrink, or reserved for a growth under way)."""
         self.grown: list[PlacementGroup] = []
         """Placement groups reserved to grow (the admitted one is the service's)."""
+        self.shards: list = []
+        """parameter_server: the job's shard actors (`actors.ps_shard`), once the ranks took their state."""
 
     def actor_names(self) -> list[str]:
         return [coordinator_name(self.job_id)] + [
@@ -119,10 +124,45 @@ class WorkerGroup:
         self.ranks = [{**info, "name": plan.worker_name(info["rank"])} for info in setups]
 
     async def load(self, point: tuple[str, int] | None) -> None:
+        """Every rank takes the state of `point` (None: the start); a parameter server's shards are made anew from
+        rank 0's (`start_shards`)."""
         if point is not None:
             directory, step = point
             await self.call([w.load_checkpoint.remote(directory, step) for w in self.workers],
                             f"loading the checkpoint of step {step}")
+        if self.plan.sync.server:
+            await self.start_shards(0 if point is None else point[1])
+
+    async def start_shards(self, step: int) -> None:
+        """parameter_server: the job's shards (those of a start before this one killed), each made from its bucket
+        of rank 0's parameters (straight from rank 0: an object ref each), the job going on at `step`; then every
+        rank pulls its parameters from them."""
+        self.kill_shards()
+        plan, sync = self.plan, self.plan.parallel.sync
+        [sizes] = await self.call([self.workers[0].param_sizes.remote()], "the parameter server's sizes")
+        owner = assign_shards(sizes, sync.shards)
+        buckets = self.workers[0].param_buckets.options(num_returns=sync.shards).remote(owner)
+        for s in range(sync.shards):  # the names of the shards just killed are free a moment later
+            for _ in range(50):
+                try:
+                    ray.get_actor(ps_shard_name(self.job_id, s), namespace=NAMESPACE)
+                except ValueError:
+                    break
+                await asyncio.sleep(0.1)
+        self.shards = shards_of(self.job_id, [buckets] if sync.shards == 1 else list(buckets), plan.config.optimizer,
+                                sync, plan.dp, plan.config.steps, step)
+        await self.call([w.use_shards.remote(self.shards, owner, step) for w in self.workers],
+                        "joining the parameter server")
+
+    async def shard_updates(self) -> list[dict]:
+        """parameter_server: every update the first shard applied (each shard applies every push: one is all of
+        them), `ParameterShard.metrics`."""
+        return await self.shards[0].metrics.remote() if self.shards else []
+
+    def kill_shards(self) -> None:
+        for shard in self.shards:
+            ray.kill(shard, no_restart=True)
+        self.shards = []
 
     def kill(self, rank: int) -> None:
         if rank < len(self.workers) and self.workers[rank] is not None:
@@ -245,6 +285,7 @@ class WorkerGroup:
         for rank in range(len(self.workers)):
             self.kill(rank)
         self.workers = []
+        self.kill_shards()
         for pg in self.grown:
             remove_placement_group(pg)
         self.grown, self.spare = [], []

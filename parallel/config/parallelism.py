@@ -142,7 +142,8 @@ class ParallelConfig:
     """Compress the gradients on the wire (`{kind: powersgd, rank: 4, warmup_steps: 10}`, `{kind: topk, ratio: 0.01}`,
     `{kind: qsgd, levels: 7}`); null: none."""
     sync: SyncConfig = field(default_factory=SyncConfig)
-    """How the replicas keep in step: every step (allreduce) or every H steps (local_sgd, diloco, gossip)."""
+    """How the replicas keep in step: every step (allreduce), every H steps (local_sgd, diloco, gossip), or through
+    server shards that own the parameters (parameter_server: BSP, SSP, ASP)."""
 
     @property
     def fixed_dp(self) -> int:

@@ -32,7 +32,7 @@ from trainyard.parallel.plan.rules import (
     stage_layer_violations,
 )
 from trainyard.parallel.plan.sizing import Sizing, fixed_parallel
-from trainyard.parallel.plan.sync.replica_sync import is_local, layout_replica_dp
+from trainyard.parallel.plan.sync.replica_sync import layout_replica_dp, resize_refusal
 
 __all__ = ["MAX_SCHEDULE_CHUNKS", "MAX_WORKERS", "ClusterResources", "Gang", "Layout", "NodeResources", "Plan",
            "PlanError", "RankCoords", "can_move_in_memory", "dp_range", "layout_of", "make_plan", "reaching_max",
@@ -199,9 +199,8 @@ def resize_plan(plan: Plan, dp: int, cluster: ClusterResources | None = None) ->
     take that size: outside its range, a global batch that does not split, replicas that differ (local_sgd,
     diloco), or a layout the cluster cannot hold."""
     limits = plan.dp_range
-    if is_local(sync := plan.parallel.sync) and dp != plan.dp:
-        raise PlanError("parallel.sync", f"a {sync.kind} job is not resized: its replicas differ between "
-                                         "synchronisations, and a resize copies one replica's state")
+    if (why := resize_refusal(sync := plan.parallel.sync)) is not None and dp != plan.dp:
+        raise PlanError("parallel.sync", f"a {sync.kind} job is not resized: {why}")
     if limits is not None and not limits[0] <= dp <= limits[1]:
         raise PlanError("parallel.dp", f"dp={dp} is outside the job's range parallel.dp = {{min: {limits[0]}, "
                                        f"max: {limits[1]}}}")
@@ -232,10 +231,8 @@ def make_plan(config: JobConfig, cluster: ClusterResources | None = None) -> Pla
     if limits is not None:  # laid out at its smallest size, which is what must fit to start
         if limits[0] > limits[1]:
             raise PlanError("parallel.dp", f"min={limits[0]} is more than max={limits[1]}")
-        if is_local(sync := fixed_parallel(config).sync):
-            raise PlanError("parallel.sync", f"{sync.kind} cannot run with an elastic parallel.dp: "
-                                             "a resize copies one replica's state to the others, and these "
-                                             "replicas differ between synchronisations")
+        if (why := resize_refusal(sync := fixed_parallel(config).sync)) is not None:
+            raise PlanError("parallel.sync", f"{sync.kind} cannot run with an elastic parallel.dp: {why}")
         return replace(make_plan(resized(reaching_max(config), limits[0]), cluster), dp_range=limits)
     _raise_first(degree_violations(config))
     par = fixed_parallel(config)

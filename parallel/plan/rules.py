@@ -262,33 +262,32 @@ def schedule_violations(r: Resolved) -> list[PlanError]:
 
 def parameter_server_violations(r: Resolved) -> list[PlanError]:
     """A parameter server's replicas are single dp ranks whose whole parameters and gradients go to the shards: no
-    pipeline or tensor parallelism inside a replica, nothing sharded or compressed over dp, yet."""
-    par, sync = r.parallel, r.parallel.sync
+    pipeline or tensor parallelism inside a replica, nothing sharded or compressed over dp, yet. The shards own the
+    optimizer state, which no checkpoint holds yet: no checkpoints between steps, no resume."""
+    config, par, sync = r.config, r.parallel, r.parallel.sync
     errors = [PlanError(f"parallel.{name}", f"{name}={degree} with parallel.sync.kind parameter_server: each replica "
                                             "is one data-parallel rank holding the whole model (a pipeline or "
                                             f"tensor-parallel replica is not supported yet): set {name}: 1")
-              for name, degree in (("pp", par.pp), ("tp", par.tp), ("ep", par.ep))
-              if degree > 1]
-    if par.zero:
-        errors.append(PlanError("parallel.zero", f"zero={par.zero} with parallel.sync.kind parameter_server: the "
-                                                 "server shards own the optimizer state: set zero: 0"))
-    if par.grad_compression is not None:
-        errors.append(PlanError("parallel.grad_compression", "parameter_server pushes the gradients to its shards "
-                                                             "uncompressed: leave grad_compression out"))
-    if sync.replicas is not None:
-        errors.append(PlanError("parallel.sync.replicas", "parameter_server's replicas are its dp ranks: leave "
-                                                          "replicas out"))
-    if sync.staleness and sync.consistency != "ssp":
-        errors.append(PlanError("parallel.sync.staleness", f"staleness={sync.staleness} with consistency "
-                                                           f"{sync.consistency}: only ssp reads it (bsp is 0, asp "
-                                                           "unbounded)"))
-    # The shards and replicas run (actors.ps_shard, parallel.runtime.sync.parameter_server), but the job's step loop
-    # (the coordinator's one call per rank per step, RankTrainer's optimizer step) does not drive them yet: a job
-    # would otherwise train as allreduce under another name.
-    errors.append(PlanError("parallel.sync.kind", "parameter_server is not yet run by the job loop (its shards and "
-                                                  "replicas run as actors.ps_shard, see docs/guide.md): use "
-                                                  "allreduce, local_sgd or diloco for a job"))
-    return errors
+              for name, degree in (("pp", par.pp), ("tp", par.tp), ("ep", par.ep), ("cp", par.cp)) if degree > 1]
+    held = [(field, why) for field, on, why in (
+        ("parallel.zero", par.zero > 0, f"zero={par.zero}: the server shards own the optimizer state: set zero: 0"),
+        ("optimizer.offload", config.optimizer.offload, "optimizer.offload: the server shards own the optimizer "
+                                                        "state: leave offload out"),
+        ("parallel.grad_compression", par.grad_compression is not None, "the replicas push their gradients "
+                                                                         "uncompressed: leave grad_compression out"),
+        ("parallel.sync.replicas", sync.replicas is not None, "its replicas are its dp ranks: leave replicas out"),
+        ("parallel.sync.staleness", bool(sync.staleness) and sync.consistency != "ssp",
+         f"staleness={sync.staleness} with consistency {sync.consistency}: only ssp reads it (bsp is 0, asp "
+         "unbounded)"),
+        # A checkpoint holds the ranks' state; the shards' optimizer moments are in no checkpoint yet, so one between
+        # steps (or a resume from one) would go on with fresh moments: the job's final checkpoint holds the model.
+        ("checkpoint.every", config.checkpoint.every > 0, f"every={config.checkpoint.every}: the server shards' "
+                                                          "optimizer state is not checkpointed yet: set every: 0 "
+                                                          "(the final checkpoint and the model are written)"),
+        ("resume_from", config.resume_from is not None, "the server shards' optimizer state is not checkpointed "
+                                                        "yet: a parameter_server job starts from its init"))
+        if on]
+    return errors + [PlanError(field, f"parallel.sync.kind parameter_server with {why}") for field, why in held]
 
 
 def sync_violations(r: Resolved) -> list[PlanError]:

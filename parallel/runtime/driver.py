@@ -181,6 +181,11 @@ class RankDriver:
         `RankTrainer.save_checkpoint`)."""
         self._read_queued()  # never after a diverged step (the coordinator flushed already: nothing to read)
         start = time.perf_counter()
+        if self.trainer.server is not None:
+            # parameter_server: every rank's pushes are applied by now (each collected its own before its last
+            # pull); under SSP and ASP that pull may have come before a peer's, so the state saved (and the model
+            # exported from it) is the shards' parameters, pulled again.
+            self.trainer.server.pull(steps_done)
         if not saved:
             self.trainer.save_checkpoint(Path(root), steps_done, info, live=live)
         self.trainer.finish_checkpoint()

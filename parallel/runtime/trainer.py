@@ -7,7 +7,9 @@ stages; with pp = 1 this is plain gradient accumulation; the tensor-parallel col
 layers), sum gradients across data-parallel replicas, clip the global norm (summed across tp shards and the
 pipeline), set the learning rate and take an AdamW step. With `parallel.sync` local_sgd or diloco the replicas
 step apart instead (no gradient sum across them; each steps on its own share's mean gradient and clips its own
-norm), and `parallel.runtime.sync.ReplicaSync` averages their parameters every H steps.
+norm), and `parallel.runtime.sync.ReplicaSync` averages their parameters every H steps. With a parameter server a
+replica (one rank) computes its own share's mean gradient too, but pushes it to the server's shards and pulls the
+parameters back in place of the optimizer step (`serve`, `parallel.runtime.sync.parameter_server.ServerClient`).
 
 The loss of every micro-batch is divided by the global batch's count of targets that count (all of its
 tokens; with a loss mask, the assistant/completion ones: `parallel.data.datasets.step_counted_targets`, worked out on
@@ -63,6 +65,7 @@ from trainyard.parallel.runtime.step.step_figures import Figures, stage
 from trainyard.parallel.runtime.step.step_inputs import autocast_context, lazy_batches, lazy_documents, loss_scale
 from trainyard.parallel.runtime.step.step_stats import DivergedError, StepStats
 from trainyard.parallel.runtime.sync import make_replica_sync, replica_group
+from trainyard.parallel.runtime.sync.parameter_server import ServerClient, Transport
 from trainyard.parallel.runtime.tp.tensor_parallel import activation_shape, loss_context
 
 FORWARD_KINDS = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
@@ -87,7 +90,9 @@ class RankTrainer:
         # local_sgd, diloco: each replica steps alone; its parameters are averaged at the syncs (`self.sync`).
         # A replica is `plan.reduce_dp` dp ranks (`parallel.sync.replicas`), which reduce, shard and spread experts
         # among themselves as allreduce's dp ranks do.
-        self.local_sync = plan.sync.steps_apart and plan.dp > plan.reduce_dp
+        # A parameter server's replicas (one dp rank each) step on their own share's mean gradient too, pushed to
+        # the shards instead of stepped here (`serve`).
+        self.local_sync = (plan.sync.steps_apart or plan.sync.server) and plan.dp > plan.reduce_dp
         self.norm_group = replica_group(plan) if self.local_sync else dist.group.WORLD if plan.world_size > 1 else None
         self._norm_is_local: bool | None = None
         """Whether the gradient norm needs no collective (`_norm_inputs`); decided at the first step."""
@@ -97,6 +102,8 @@ class RankTrainer:
         tied = frozenset(i for i, p in enumerate(params) if p is self.tied.embedding or p is self.tied.head)
         self.sync = make_replica_sync(par.sync, params, groups.replicas, plan.dp // plan.reduce_dp, apart=tied) \
             if self.local_sync else None
+        self.server: ServerClient | None = None
+        """parameter_server: the shards this rank pulls its parameters from and pushes its gradients to (`serve`)."""
         self.rank_state = RankState(plan, rank, groups, self.chunks, self.reducers, self.optimizer, self.sync,
                                     self.tied)
         # 2bw: each step computes on the weights one version old and steps the newest (PipeDream-2BW)
@@ -158,7 +165,11 @@ class RankTrainer:
         lr = lr_at(step, self.plan.config.optimizer, self.plan.config.steps)
         set_lr(self.optimizer, lr)
         self.rank_state.steps_done = None
-        self.optimizer.step()
+        if self.server is None:
+            self.optimizer.step()
+            server_figures = {}
+        else:  # parameter_server: the shards step the parameters
+            server_figures = self._push_and_pull(step)
         for reducer in self.reducers.values():
             reducer.gather_params()
         if self.versions is not None:
@@ -187,7 +198,8 @@ class RankTrainer:
                     early_reductions=sum(r.started_early for r in self.reducers.values()),
                     buckets=sum(len(r.buckets) for r in self.reducers.values()),
                     reduce_bytes=sum(r.wire_bytes for r in self.reducers.values()),
-                    compile_s=compile_seconds() - compiled_before if compiling else 0.0, cross_replica_bytes=sent)
+                    compile_s=compile_seconds() - compiled_before if compiling else 0.0, cross_replica_bytes=sent,
+                    **server_figures)
         return Figures(step, values, ready, step_loss is not None, lr, timings, self.executor.clock.detach(), host)
 
     def read_step(self, queued: Figures) -> StepStats:
@@ -202,6 +214,25 @@ class RankTrainer:
                                 f"finite) at lr {queued.lr:.6g}; lower optimizer.lr{clip}")
         return StepStats(step=queued.step, loss=loss, grad_norm=grad_norm, lr=queued.lr, moe=self._moe_stats(moe),
                          **queued.host, **asdict(queued.timings))
+
+    def server_params(self) -> list[torch.Tensor]:
+        """parameter_server: the parameters the shards own, in the order they take them (the trainable ones)."""
+        return [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+
+    def serve(self, transport: Transport, step: int) -> None:
+        """parameter_server: from now on this rank's parameters are the server's (`transport`'s shards), pulled for
+        `step`, the next it runs; its own optimizer is left unused (the shards step theirs)."""
+        self.server = ServerClient(self.server_params(), transport)
+        self.server.pull(step)
+
+    def _push_and_pull(self, step: int) -> dict:
+        """parameter_server: the step's gradients pushed, the parameters for the next step pulled (waiting for the
+        clock); the figures the step reports of it: the staleness its parameters carried, the pull's wait."""
+        assert self.server is not None
+        staleness = self.server.staleness
+        self.server.push(step)
+        self.server.pull(step + 1)
+        return {"ps_staleness": staleness, "ps_wait_s": self.server.wait_s}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

@@ -9,7 +9,16 @@ import torch
 from helpers import tiny_spec
 from trainyard.parallel.config import OptimizerConfig
 from trainyard.parallel.plan import PlanError, make_plan
-from trainyard.parallel.plan.sync.parameter_server import assign_shards, bound, may_start, push_weight, staleness_of
+from trainyard.parallel.plan.sync.parameter_server import (
+    ASP_AHEAD,
+    assign_shards,
+    bound,
+    may_start,
+    push_weight,
+    server_event,
+    staleness_of,
+    steps_ahead,
+)
 from trainyard.parallel.runtime.sync.parameter_server import ShardState
 from trainyard.parallel.spec import parse_spec
 
@@ -83,17 +92,48 @@ def test_with_plain_sgd_two_pushes_applied_apart_make_the_bsp_step():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(("parallel", "field"), [
-    ({"dp": 2, "pp": 2, "microbatches": 2}, "parallel.pp"),
-    ({"dp": 2, "zero": 1}, "parallel.zero"),
-    ({"dp": 2, "sync": {"consistency": "asp", "staleness": 2}}, "parallel.sync.staleness"),
-], ids=["pipeline-replica", "zero", "staleness-without-ssp"])
-def test_what_a_parameter_server_does_not_take_is_refused_naming_the_field(parallel, field):
+@pytest.mark.parametrize(("parallel", "top", "field"), [
+    ({"dp": 2, "pp": 2, "microbatches": 2}, {}, "parallel.pp"),
+    ({"dp": 2, "zero": 1}, {}, "parallel.zero"),
+    ({"dp": 2, "sync": {"consistency": "asp", "staleness": 2}}, {}, "parallel.sync.staleness"),
+    ({"dp": 2}, {"checkpoint": {"every": 2}}, "checkpoint.every"),
+    ({"dp": 2}, {"resume_from": {"job_id": "j1"}}, "resume_from"),
+    ({"dp": {"min": 1, "max": 2}}, {}, "parallel.sync"),
+], ids=["pipeline-replica", "zero", "staleness-without-ssp", "checkpoints-between-steps", "resume", "elastic"])
+def test_what_a_parameter_server_does_not_take_is_refused_naming_the_field(parallel, top, field):
     sync = {"kind": "parameter_server", **parallel.pop("sync", {})}
-    spec = tiny_spec(model={"n_layer": 2}, parallel={**parallel, "sync": sync})
+    spec = tiny_spec(model={"n_layer": 2}, parallel={**parallel, "sync": sync}, **top)
     with pytest.raises(PlanError) as info:
         make_plan(parse_spec(spec))
     assert info.value.field == field
+
+
+def test_a_parameter_server_job_is_planned_with_replicas_of_one_rank_and_is_not_resized():
+    from trainyard.parallel.plan import resize_plan
+
+    plan = make_plan(parse_spec(tiny_spec(parallel={"dp": 2, "sync": {"kind": "parameter_server", "shards": 2}})))
+    assert plan.sync.server and plan.reduce_dp == 1
+    assert make_plan(parse_spec(tiny_spec(parallel={"dp": 2}))).reduce_dp == 2  # allreduce: one replica of both
+    with pytest.raises(PlanError, match="clock") as info:
+        resize_plan(plan, 4)
+    assert info.value.field == "parallel.sync"
+
+
+def test_the_job_loop_queues_ahead_as_far_as_the_consistency_lets_a_replica_run():
+    assert steps_ahead("bsp", 0) == 1  # lockstep: one queued ahead, as every other sync mode
+    assert steps_ahead("ssp", 0) == 1 and steps_ahead("ssp", 3) == 3
+    assert steps_ahead("asp", 0) == ASP_AHEAD
+
+
+def test_the_server_event_counts_updates_by_staleness_and_worker():
+    updates = [{"step": 0, "worker": 0, "staleness": 0, "version": 1}, {"step": 0, "worker": 1, "staleness": 0,
+               "version": 2}, {"step": 1, "worker": 0, "staleness": 1, "version": 3}]
+    event = server_event(updates, workers=2)
+    assert (event["updates"], event["max_staleness"], event["mean_staleness"]) == (3, 1, pytest.approx(1 / 3))
+    assert event["staleness_counts"] == {"0": 2, "1": 1} and event["updates_by_worker"] == [2, 1]
+    bsp = server_event([{"step": s, "worker": -1, "staleness": 0, "version": s + 1} for s in range(3)], workers=2)
+    assert bsp["updates_by_worker"] == [3, 3]  # BSP's mean is every worker's update
+    assert server_event([], workers=2)["max_staleness"] == 0
 
 
 def test_a_slow_rank_drill_reaches_its_rank_once_with_its_factor_and_the_api_bounds_the_factor():

@@ -84,3 +84,31 @@ def push_weight(consistency: ConsistencyName, workers: int) -> float:
     """The scale of one push's gradient in the update it makes: 1 / workers for SSP and ASP, which apply each push
     alone; BSP applies the mean of the step's pushes (1, after averaging)."""
     return 1.0 if CONSISTENCIES[consistency].applies_mean else 1.0 / workers
+
+
+ASP_AHEAD = 8
+"""Steps the job's loop queues on each rank beyond the one it awaits under ASP: the shards never hold a replica back,
+so this queue is all that bounds how far one runs ahead of the slowest (and what a stop waits for)."""
+
+
+def steps_ahead(consistency: ConsistencyName, staleness: int) -> int:
+    """Steps the job's loop (`actors.actions.training`) queues on each rank beyond the one whose answers it awaits:
+    one in lockstep (BSP, as every other sync mode: the round trip off the critical path); under SSP the bound, so
+    that only the shards' clock holds a fast replica back; ASP_AHEAD under ASP."""
+    ahead = bound(consistency, staleness)
+    return ASP_AHEAD if ahead is None else max(1, ahead)
+
+
+def server_event(updates: Sequence[dict], workers: int) -> dict:
+    """The job's event of what its shards applied (`ParameterShard.metrics`: step, worker, staleness, version of
+    each update): how many, their staleness (the largest, the mean, how many at each), and each worker's count
+    (BSP's means, worker -1, are every worker's). Each step's own figures (every replica's staleness and pace) are
+    in its metrics row."""
+    staleness = [u["staleness"] for u in updates]
+    counts: dict[int, int] = {}
+    for s in staleness:
+        counts[s] = counts.get(s, 0) + 1
+    return {"kind": "parameter_server", "updates": len(updates), "max_staleness": max(staleness, default=0),
+            "mean_staleness": sum(staleness) / len(staleness) if staleness else 0.0,
+            "staleness_counts": {str(s): n for s, n in sorted(counts.items())},
+            "updates_by_worker": [sum(1 for u in updates if u["worker"] in (w, -1)) for w in range(workers)]}

@@ -35,6 +35,10 @@ class SyncKind:
     peer_to_peer: bool = False
     """A sync sends this rank's parameters to each of `peers` peers (and receives theirs), point to point, instead
     of all-reducing them with every replica."""
+    server: bool = False
+    """The replicas (one dp rank each) push their gradients to server shards and pull the parameters back
+    (`parallel.plan.sync.parameter_server`): nothing is summed across them, and the shards' clock counts a fixed
+    set of them (no resize)."""
 
 
 SYNC_KINDS: dict[SyncName, SyncKind] = registry(SYNC_NAMES, {
@@ -42,7 +46,7 @@ SYNC_KINDS: dict[SyncName, SyncKind] = registry(SYNC_NAMES, {
     "local_sgd": SyncKind(steps_apart=True, options=("every",)),
     "diloco": SyncKind(steps_apart=True, options=("every", "outer_lr", "outer_momentum")),
     "gossip": SyncKind(steps_apart=True, options=("every", "peers", "topology"), peer_to_peer=True),
-    "parameter_server": SyncKind(steps_apart=False, options=("consistency", "staleness", "shards")),
+    "parameter_server": SyncKind(steps_apart=False, options=("consistency", "staleness", "shards"), server=True),
 }, "the replica sync modes' facts")
 """The sync modes by name (the spec's `parallel.sync.kind`); `allreduce` is the default."""
 NAMES = tuple(SYNC_KINDS)
@@ -56,8 +60,19 @@ def is_local(cfg: SyncConfig) -> bool:
 
 def replica_dp(cfg: SyncConfig, dp: int) -> int:
     """Data-parallel ranks in one replica, which sum their gradients every step (and share ZeRO's shards and MoE's
-    experts): every dp rank with allreduce (one replica), dp / `replicas` with the others (default 1)."""
-    return dp // (cfg.replicas or dp) if is_local(cfg) else dp
+    experts): every dp rank with allreduce (one replica), dp / `replicas` with the others (default 1; a parameter
+    server's replicas are one rank each)."""
+    return dp // (cfg.replicas or dp) if is_local(cfg) or SYNC_KINDS[cfg.kind].server else dp
+
+
+def resize_refusal(cfg: SyncConfig) -> str | None:
+    """Why a job of this sync mode cannot change its dp (None: it can)."""
+    if is_local(cfg):
+        return ("a resize copies one replica's state to the others, and these replicas differ between "
+                "synchronisations")
+    if SYNC_KINDS[cfg.kind].server:
+        return "the server shards' clock counts a fixed set of replicas"
+    return None
 
 
 def layout_replica_dp(cfg: SyncConfig, dp: int) -> int:

@@ -29,7 +29,8 @@ def autocast_context(precision: str, device: torch.device) -> Callable[[], Abstr
 def loss_scale(plan: Plan, dp_rank: int, dataset: Dataset, local_sync: bool, step: int,
                microbatch_ids: list[list[int]]) -> float:
     """1 / the step's global count of targets that count (at least 1: a batch of masked targets only
-    has loss 0). local_sync (local_sgd, diloco): of this replica's share, whose mean gradient it steps on alone."""
+    has loss 0). local_sync (local_sgd, diloco, parameter_server): of this replica's share, whose mean gradient it
+    steps on alone (or pushes to the server)."""
     cfg = plan.config
     if local_sync:
         replicas = plan.dp // plan.reduce_dp

@@ -70,6 +70,11 @@ class StepRow:
     checkpoint_error: str | None = None
     replica_steps: list[int] | None = None
     """local_sgd, diloco: the steps each replica's state holds."""
+    ps_staleness: list[int] | None = None
+    """parameter_server, by replica: the staleness of the parameters it computed the step on, which its update
+    carried (0 under BSP, at most `staleness` under SSP)."""
+    ps_pace_s: list[float] | None = None
+    """parameter_server, by replica: the seconds its step took (its compute, its push, the wait for the next pull)."""
 
     def to_row(self) -> dict[str, Any]:
         """The row as the metrics log, the trackers and the service's polls have it."""

@@ -50,6 +50,11 @@ class StepStats:
     cross_replica_bytes: int = 0
     """Bytes this rank all-reduced across the data-parallel replicas in this step (gradients with allreduce,
     parameters at a local_sgd or diloco sync; `parallel.sync`)."""
+    ps_staleness: int | None = None
+    """parameter_server: the staleness of the parameters this rank computed the step on (how many steps of the
+    slowest replica's updates they missed: 0 under BSP, at most `staleness` under SSP)."""
+    ps_wait_s: float | None = None
+    """parameter_server: seconds this rank waited pulling the next step's parameters (the clock, the transfer)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

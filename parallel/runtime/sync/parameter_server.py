@@ -1,9 +1,9 @@
 """`parallel.sync.kind: parameter_server`: the math of one server shard (`ShardState`: its share of the parameters,
 their optimizer state under the job's `optimizer.kind`, and how it applies the pushes: BSP's mean once per step,
-SSP's and ASP's each push as it arrives) and a replica's side (`Replica`: pull the parameters, compute the gradient
-of its share of the step's batch, push it in one bucket per shard), over a `Transport` the actors provide
-(`actors.ps_shard`: Ray actors and object refs). The clock (who may start which step) and the staleness rule are
-`parallel.plan.sync.parameter_server`'s.
+SSP's and ASP's each push as it arrives) and a replica's side (`ServerClient`, what a job's rank holds: pull the
+parameters into the model, push its gradients in one bucket per shard; `Replica`, the same around a loss function
+for the tests and the bench), over a `Transport` the actors provide (`actors.ps_shard`: Ray actors and object
+refs). The clock (who may start which step) and the staleness rule are `parallel.plan.sync.parameter_server`'s.
 
 Written by hand: torch has no parameter server (its `torch.distributed.rpc` parameter-server example is a tutorial,
 and rpc is in maintenance). Torch-free at module level would buy nothing here (only ranks and shards import it).
@@ -11,6 +11,7 @@ and rpc is in maintenance). Torch-free at module level would buy nothing here (o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -97,6 +98,36 @@ class Transport(Protocol):
         ...
 
 
+@dataclass
+class ServerClient:
+    """A rank's side of the server in a job (`RankTrainer.serve`): its trainable parameters are the server's,
+    pulled before each step's compute (at the end of the one before: so evaluation, a checkpoint and the export
+    after a step see the server's parameters after it) and pushed as gradients after it."""
+
+    params: list[torch.Tensor]
+    transport: Transport
+    staleness: int = 0
+    """The staleness of the parameters the model holds (`parameter_server.staleness_of`)."""
+    wait_s: float = 0.0
+    """Seconds the last pull took (the wait for the clock, and the transfer)."""
+
+    def pull(self, step: int) -> None:
+        """The server's parameters once this rank may start `step`, into the model."""
+        start = time.perf_counter()
+        values, self.staleness = self.transport.pull(step)
+        with torch.no_grad():
+            for p, v in zip(self.params, values, strict=True):
+                p.copy_(v)
+        self.wait_s = time.perf_counter() - start
+
+    def push(self, step: int) -> None:
+        """This rank's gradients of `step` (on the host: the shards are CPU actors), with the staleness of the
+        parameters they were computed on."""
+        grads = [torch.zeros_like(p, device="cpu") if p.grad is None else p.grad.detach().to("cpu", copy=True)
+                 for p in self.params]
+        self.transport.push(step, grads, self.staleness)
+
+
 LossFn = Callable[[torch.nn.Module, int], torch.Tensor]
 """(the model, the step) -> this replica's loss: the mean over its share of the step's batch (equal shares, so
 the replicas' mean gradient, BSP's update, is the whole batch's, as all-reduce's sum of globally scaled ones)."""
@@ -117,8 +148,6 @@ class Replica:
     stalenesses: list[int] = field(default_factory=list)
 
     def run(self, first: int, steps: int) -> None:
-        import time
-
         params = [p for p in self.model.parameters() if p.requires_grad]
         for step in range(first, steps):
             start = time.perf_counter()
