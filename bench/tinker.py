@@ -14,15 +14,14 @@ a step of 8 x 128 tokens takes a few hundred ms on this CPU, so the fixed costs 
   the same rank on the same projections, as the client's model is: its adapters run unmerged on both sides; a
   batch of 4 rows of the prompt, greedy, one torch thread as a rank has): the median of 3 after one warm-up each.
   Target: >= 1.0x.
-
-- `tenants` (`--case tenants`; the two rows above are `--case service`): four LoRA tenants (rank 8, seeds 0-3) on
-  one open-loop rank of the same base model (`parallel.runtime.tenants`, in this process, no service), each taking
-  three steps of forward_backward + optim_step in a round robin: the rank's tensor bytes (every live tensor storage
-  in the process, counted once, over the rank's build: the base, the live tenant's adapters, gradient buckets and
-  moments, the parked tenants' adapters and moments), the most between calls, against one tenant's alone (the same
-  count on a rank of its own) plus three adapters' state (their values and AdamW's state, from the parameters'
-  sizes). Target: within 10%. Beside it, the same against four clients of their own (four times one tenant's).
-  Tenant 0's losses must equal its run alone, bit for bit (a BenchError otherwise).
+- `tenants` (`--case tenants`; the two rows above are `--case service`): four LoRA tenants (rank 8, seeds 0-3) on one
+  open-loop rank of the same base model (`parallel.runtime.tinker.tenants`, in this process, no service), each taking
+  three steps of forward_backward + optim_step in a round robin: the rank's tensor bytes (every live tensor storage in
+  the process, counted once, over the rank's build: the base, the live tenant's adapters, gradient buckets and moments,
+  the parked tenants' adapters and moments), the most between calls, against one tenant's alone (the same count on a
+  rank of its own) plus three adapters' state (their values and AdamW's state, from the parameters' sizes). Target:
+  within 10%. Beside it, the same against four clients of their own (four times one tenant's). Tenant 0's losses must
+  equal its run alone, bit for bit (a BenchError otherwise).
 """
 
 from __future__ import annotations

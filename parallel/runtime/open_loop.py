@@ -15,7 +15,7 @@ on one rank). Each replica runs its share of a call's datums (`shares`; every ra
 the gradient reducers sum the replicas' gradients at `optim_step`, so the step is the one of every datum's loss
 summed, whatever the layout. Pipeline, expert and context parallelism, sequence parallelism and ZeRO-2/3 are
 refused, naming the field (`layout_violation`).
-Losses: Tinker's documented ones (`parallel.runtime.tinker_losses`: cross_entropy, importance_sampling, ppo, cispo,
+Losses: Tinker's documented ones (`parallel.runtime.tinker.losses`: cross_entropy, importance_sampling, ppo, cispo,
 dro); the others are refused, naming `loss_fn`.
 
 Sampling (`save_for_sampler`, `sample`): the rank's own model generates (`parallel.runtime.sampling.Sampler`), at its
@@ -23,7 +23,7 @@ live weights or at a named snapshot of its trainable weights taken in memory: a 
 client's save point is served by the client's own ranks (the first replica's: under tp its ranks generate in
 lockstep, each token drawn from the same gathered logits with the same seed), no file written.
 
-Tenants (`parallel.runtime.tenants`): LoRA clients of the same base at the same layout share the rank, each call
+Tenants (`parallel.runtime.tinker.tenants`): LoRA clients of the same base at the same layout share the rank, each call
 naming its tenant (`tenant`; None: the live one), which the rank swaps in first: the base is held once, and each
 tenant's adapters, gradients, optimizer state, step count and sampler snapshots are its own (`add_tenant`,
 `drop_tenant`).
@@ -44,8 +44,8 @@ from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.sampling.sampler import Sampler
-from trainyard.parallel.runtime.tenants import TenantError, Tenants
-from trainyard.parallel.runtime.tinker_losses import INPUTS, LOSSES, config_of
+from trainyard.parallel.runtime.tinker.losses import INPUTS, LOSSES, config_of
+from trainyard.parallel.runtime.tinker.tenants import TenantError, Tenants
 from trainyard.parallel.runtime.tp.tensor_parallel import loss_context
 
 
@@ -151,7 +151,7 @@ class OpenLoopRank:
                                cfg.init_from.hf if cfg.init_from is not None else None, self.trainer.executor.autocast)
         """The rank's generation, and the sampler snapshots of its weights (`save_for_sampler`, `sample`)."""
         self.tenants = Tenants(self.trainer, self.sampler, tenant)
-        """The LoRA clients sharing this rank's base (`parallel.runtime.tenants`), `tenant` the first; each call
+        """The LoRA clients sharing this rank's base (`parallel.runtime.tinker.tenants`), `tenant` the first; each call
         names its own (None: the live one)."""
 
     @property
@@ -185,7 +185,7 @@ class OpenLoopRank:
 
     def forward_backward(self, data: list[Datum], loss_fn: str, forward_only: bool = False,
                          config: Mapping[str, float] | None = None, tenant: str | None = None) -> dict[str, Any]:
-        """The loss of each datum (`parallel.runtime.tinker_losses`; its gradient accumulated unless
+        """The loss of each datum (`parallel.runtime.tinker.losses`; its gradient accumulated unless
         `forward_only`): `logprobs`, per datum the log-probability of each target, and `metrics` (`loss:sum`)."""
         full = check_call(data, loss_fn, self.seq_len, config)
         self._use(tenant)

@@ -1,8 +1,8 @@
-"""Tenants on one open-loop rank (`parallel.runtime.tenants`) without Ray: four LoRA clients of one tiny Hugging Face
-Llama on one built rank, their calls interleaved (forward_backward, optim_step, a forward, save_for_sampler), give
-each tenant exactly its run alone on a rank of its own (losses and final adapters); a new tenant starts from its
-seed's adapters (the same seed: the same adapters, another: others); the sampler snapshots and a saved state are the
-tenant's own. At dp2 (two gloo ranks) the same interleaving gives each tenant its dp2 run alone."""
+"""Tenants on one open-loop rank (`parallel.runtime.tinker.tenants`) without Ray: four LoRA clients of one tiny Hugging
+Face Llama on one built rank, their calls interleaved (forward_backward, optim_step, a forward, save_for_sampler), give
+each tenant exactly its run alone on a rank of its own (losses and final adapters); a new tenant starts from its seed's
+adapters (the same seed: the same adapters, another: others); the sampler snapshots and a saved state are the tenant's
+own. At dp2 (two gloo ranks) the same interleaving gives each tenant its dp2 run alone."""
 
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def test_sampler_snapshots_and_saved_state_are_the_tenants_own(tmp_path):
         rank.sample(greedy, "kept", tenant="b")
     rank.save_state(str(tmp_path / "state"), {}, tenant="a")
     rank.add_tenant("c", 5)
-    assert rank.load_state(str(checkpoint.step_dir(tmp_path / "state", 2)), 2, optimizer=True, tenant="c") == {"steps": 2}
+    saved = str(checkpoint.step_dir(tmp_path / "state", 2))
+    assert rank.load_state(saved, 2, optimizer=True, tenant="c") == {"steps": 2}
     after = {}
     for tenant in ("a", "c"):
         after[tenant] = [rank.forward_backward(data[2], "cross_entropy", tenant=tenant)["metrics"]["loss:sum"]]

@@ -18,7 +18,8 @@ tenant holds its adapters and its optimizer state (and its gradients while it ha
 is the base once, one live tenant, and every other tenant's adapter state.
 
 A new tenant starts as a new client does: adapters from PEFT's init drawn from its seed (`lora.init_adapter`, as
-`parallel.runtime.materialize` fills them), no optimizer state (a torch optimizer's first step makes it), step 0.
+`parallel.runtime.materialize` fills them; a tensor-parallel adapter's part sliced as `lora.apply_lora` does), no
+optimizer state (a torch optimizer's first step makes it), step 0.
 Every rank of a client runs the same tenant calls in the same order (each rank swaps alone, no collective).
 
 This module reads the reducers' buckets (`parallel.runtime.dp.data_parallel.GradientReducer`: the open loop's
@@ -28,13 +29,13 @@ layouts are zero 0 or 1, never FSDP2's) and the trainer's torch optimizers. No R
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from trainyard.parallel.models.components.lora import init_adapter, is_adapter
-from trainyard.parallel.runtime.materialize import fill_local
 from trainyard.parallel.runtime.sampling.sampler import Sampler
 from trainyard.parallel.runtime.tp.local_parts import local_part
-from trainyard.parallel.runtime.trainer import RankTrainer
 
 
 class TenantError(KeyError):
@@ -69,7 +70,9 @@ class Parked:
 class Tenants:
     """The tenants of one rank (module doc): which one is live, and the others parked."""
 
-    def __init__(self, trainer: RankTrainer, sampler: Sampler, first: str):
+    def __init__(self, trainer: Any, sampler: Sampler, first: str):
+        """`trainer`: the rank's `parallel.runtime.trainer.RankTrainer` (its chunks, reducers and optimizer; not
+        imported: a room never imports the runtime's top)."""
         self.trainer, self.sampler = trainer, sampler
         self.params = [(name, p) for chunk in trainer.chunks for name, p in chunk.named_parameters()
                        if p.requires_grad]
@@ -107,7 +110,7 @@ class Tenants:
         self._park()
         with torch.no_grad():
             for n, p in self.params:
-                fill_local(p, init_adapter(seed, n, (p.shape[0], p.shape[1])))
+                local_part(p).copy_(_local_value(p, init_adapter(seed, n, (p.shape[0], p.shape[1]))))
         for o, t in self.held:
             o.state.pop(t, None)
         self.trainer.optimizer.params_changed()
@@ -168,3 +171,11 @@ class Tenants:
         self.trainer.optimizer.params_changed()  # offloaded: the host copies the optimizer steps
         self.sampler.snapshots.saved = parked.snapshots
         self.live, self.now = name, parked.progress
+
+
+def _local_value(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole`, the value of parameter `p` (a DTensor's: its placements' slice)."""
+    if isinstance(p, DTensor):
+        return distribute_tensor(whole.to(p.to_local().device), p.device_mesh, p.placements,
+                                 src_data_rank=None).to_local()
+    return whole

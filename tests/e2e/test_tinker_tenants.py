@@ -1,0 +1,84 @@
+"""Tenants through the official Tinker SDK (`service.tinker.sharing`): two users' LoRA clients of one base model at
+one layout share one client's ranks (the second attaches as a tenant: the same actor, no ranks of its own), each with
+its own model id that the other user's calls answer as missing; their calls interleaved, each client's losses are its
+run alone (a rank of its own, in this process, at its seed); the first client's unload leaves the second training on
+the ranks, and the second's releases them."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from hf_tiny import tiny_llama
+from trainyard.actors.job_status import JobStatus
+from trainyard.service.tenancy import users
+
+tinker = pytest.importorskip("tinker")
+
+STEPS = 3
+ADAM = {"learning_rate": 2e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12}
+
+
+def _alone(directory: str, seed: int, rows: list[list[int]], store) -> list[float]:
+    """A client's losses over STEPS steps on a rank of its own (no Ray)."""
+    from trainyard.parallel.plan import make_plan
+    from trainyard.parallel.runtime.driver import RankDriver
+    from trainyard.parallel.runtime.open_loop import Datum, OpenLoopRank
+    from trainyard.service.tenancy.users import ADMIN_USER
+    from trainyard.service.tinker.specs import client_config
+
+    config = client_config(None, ADMIN_USER, "tiny", 4, {"tiny": directory}, seed=seed)  # type: ignore[arg-type]
+    rank = OpenLoopRank(RankDriver(make_plan(config), 0, "127.0.0.1", 0, init_method=f"file://{store}"))
+    data = [Datum(r[:-1], r[1:], {"weights": [1.0] * (len(r) - 1)}) for r in rows]
+    losses = []
+    for _ in range(STEPS):
+        losses.append(rank.forward_backward(data, "cross_entropy")["metrics"]["loss:sum"])
+        rank.optim_step(**ADAM)
+    rank.close()
+    return losses
+
+
+def test_two_users_clients_of_one_base_share_its_ranks_each_as_alone(service, tmp_path):
+    tiny_llama(tmp_path / "llama")
+    service.manager.tinker.registered["tinker-tenants-llama"] = str(tmp_path / "llama")
+    keys = {name: "tml-" + users.create(service.state_dir, f"tinker-tenant-{name}") for name in ("erin", "finn")}
+    torch.manual_seed(6)
+    rows = {name: [torch.randint(0, 256, (11,)).tolist() for _ in range(2)] for name in keys}
+    clients = {name: tinker.ServiceClient(base_url=service.url, api_key=key) for name, key in keys.items()}
+    erin = clients["erin"].create_lora_training_client(base_model="tinker-tenants-llama", rank=4, seed=0).result()
+    finn = clients["finn"].create_lora_training_client(base_model="tinker-tenants-llama", rank=4, seed=1).result()
+    live = service.manager.tinker.clients
+    assert live[finn.model_id].actor is live[erin.model_id].actor and erin.model_id != finn.model_id
+
+    with httpx.Client(base_url=service.url, timeout=30) as http:  # finn's key does not reach erin's model
+        assert http.post("/api/v1/unload_model", headers={"X-API-Key": keys["finn"]},
+                         json={"model_id": erin.model_id}).status_code == 404
+
+    def datums(name: str):
+        return [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(r[:-1]),
+                                   loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)})
+                for r in rows[name]]
+
+    adam = tinker.types.AdamParams(**ADAM)
+    losses: dict[str, list[float]] = {"erin": [], "finn": []}
+    for step in range(STEPS):
+        order = (("erin", erin), ("finn", finn)) if step < STEPS - 1 else (("finn", finn),)
+        pending = [(name, training.forward_backward(datums(name), "cross_entropy")) for name, training in order]
+        for name, fb in pending:  # both accumulations pending at once on the shared ranks
+            losses[name].append(fb.result().metrics["loss:sum"])
+        for _, training in order:
+            training.optim_step(adam).result()
+        if step == STEPS - 2:  # erin leaves; finn goes on on the ranks
+            with httpx.Client(base_url=service.url, timeout=30) as http:
+                assert http.post("/api/v1/unload_model", headers={"X-API-Key": keys["erin"]},
+                                 json={"model_id": erin.model_id}).status_code == 200
+    assert finn.model_id in live and erin.model_id not in live
+    assert losses["finn"] == pytest.approx(_alone(str(tmp_path / "llama"), 1, rows["finn"], tmp_path / "s1"),
+                                           abs=1e-6)
+    assert losses["erin"] == pytest.approx(_alone(str(tmp_path / "llama"), 0, rows["erin"],
+                                                  tmp_path / "s0")[:STEPS - 1], abs=1e-6)
+    with httpx.Client(base_url=service.url, timeout=30) as http:
+        assert http.post("/api/v1/unload_model", headers={"X-API-Key": keys["finn"]},
+                         json={"model_id": finn.model_id}).status_code == 200
+    assert finn.model_id not in live
+    assert service.manager.store.get(finn.model_id).status == JobStatus.STOPPED
