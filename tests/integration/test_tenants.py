@@ -2,7 +2,8 @@
 Face Llama on one built rank, their calls interleaved (forward_backward, optim_step, a forward, save_for_sampler), give
 each tenant exactly its run alone on a rank of its own (losses and final adapters); a new tenant starts from its seed's
 adapters (the same seed: the same adapters, another: others); the sampler snapshots and a saved state are the tenant's
-own. At dp2 (two gloo ranks) the same interleaving gives each tenant its dp2 run alone."""
+own. In `make test-slow`: at dp2 (two gloo ranks), with and without ZeRO-1, the same interleaving gives each tenant
+its dp2 run alone."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ SCHEDULE = ["a.fb", "b.fb", "a.optim", "c.fb", "b.fb", "d.fb", "b.optim", "a.fb"
 
 
 def _rank(directory: Path, store: Path, seed: int = 0, rank: int = 0, port: int = 0, dp: int = 1,
-          tenant: str = "default") -> OpenLoopRank:
+          tenant: str = "default", zero: int = 0) -> OpenLoopRank:
     config = client_config(None, ADMIN_USER, "tiny", 4, {"tiny": str(directory)}, seed=seed,  # type: ignore[arg-type]
-                           parallel={"dp": dp} if dp > 1 else None)
+                           parallel={"dp": dp, "zero": zero} if dp > 1 else None)
     init = f"file://{store}" if dp == 1 else None
     return OpenLoopRank(RankDriver(make_plan(config), rank, "127.0.0.1", port, init_method=init), tenant)
 
@@ -131,10 +132,11 @@ def test_sampler_snapshots_and_saved_state_are_the_tenants_own(tmp_path):
     rank.close()
 
 
-def _dp_rank(rank: int, port: int, directory: str, out: str, tenant: str | None) -> None:
+def _dp_rank(rank: int, port: int, directory: str, out: str, tenant: str | None, zero: int) -> None:
     """A dp2 rank: the four tenants interleaved (`tenant` None), or one tenant's run alone on ranks of its own."""
     seed = SEEDS[tenant] if tenant is not None else SEEDS["a"]
-    open_rank = _rank(Path(directory), Path(out), seed=seed, rank=rank, port=port, dp=2, tenant=tenant or "a")
+    open_rank = _rank(Path(directory), Path(out), seed=seed, rank=rank, port=port, dp=2, tenant=tenant or "a",
+                      zero=zero)
     if tenant is None:
         got = _shared(open_rank)
     else:
@@ -144,10 +146,13 @@ def _dp_rank(rank: int, port: int, directory: str, out: str, tenant: str | None)
 
 
 @slow
-def test_four_interleaved_tenants_at_dp2_each_follow_their_dp2_run_alone(tmp_path):
+@pytest.mark.parametrize("zero", [0, 1])
+def test_four_interleaved_tenants_at_dp2_each_follow_their_dp2_run_alone(tmp_path, zero):
+    """dp2 (the gradients summed through shared memory) and dp2 with ZeRO-1 (each rank its slice of the moments,
+    the optimizer stepping views of the parameters)."""
     tiny_llama(tmp_path / "llama")
     for tenant in (None, *SEEDS):
-        spawn(_dp_rank, 2, str(tmp_path / "llama"), str(tmp_path), tenant)
+        spawn(_dp_rank, 2, str(tmp_path / "llama"), str(tmp_path), tenant, zero)
     for r in range(2):
         together = torch.load(tmp_path / f"None_rank{r}.pt")
         for tenant in SEEDS:
