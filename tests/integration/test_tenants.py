@@ -132,6 +132,30 @@ def test_sampler_snapshots_and_saved_state_are_the_tenants_own(tmp_path):
     rank.close()
 
 
+def test_a_tenant_that_left_leaves_nothing_to_the_next(tmp_path):
+    """The live tenant dropped: a parked tenant that never stepped, brought in next, takes its first step as a new
+    client does (none of the dropped tenant's moments), as one added afresh does."""
+    tiny_llama(tmp_path / "llama")
+    data = _data(4)
+    rank = _rank(tmp_path / "llama", tmp_path / "store", tenant="x")
+    rank.add_tenant("y", 1)  # y live, x parked
+    rank.forward_backward(data[0], "cross_entropy", tenant="x")
+    rank.optim_step(**ADAM, tenant="x")  # x has moments, y none
+    rank.drop_tenant("x")
+    after = {}
+    for tenant in ("y", "z"):
+        if tenant == "z":
+            rank.add_tenant("z", 1)
+        rank.forward_backward(data[1], "cross_entropy", tenant=tenant)
+        rank.optim_step(**ADAM, tenant=tenant)
+        rank.forward_backward(data[2], "cross_entropy", tenant=tenant)
+        rank.optim_step(**ADAM, tenant=tenant)
+        after[tenant] = _adapters(rank)
+    for a, b in zip(after["y"], after["z"], strict=True):
+        assert torch.equal(a, b)
+    rank.close()
+
+
 def _dp_rank(rank: int, port: int, directory: str, out: str, tenant: str | None, zero: int) -> None:
     """A dp2 rank: the four tenants interleaved (`tenant` None), or one tenant's run alone on ranks of its own."""
     seed = SEEDS[tenant] if tenant is not None else SEEDS["a"]

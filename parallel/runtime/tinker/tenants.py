@@ -118,7 +118,9 @@ class Tenants:
 
     def drop(self, name: str) -> None:
         """Forget tenant `name`'s state (the live one's: no tenant is live until the next `activate` or `add`)."""
-        if name == self.live:
+        if name == self.live:  # its state out of the rank's tensors: the next tenant in finds none of it
+            for o, t in self.held:
+                o.state.pop(t, None)
             self.live, self.now = None, Progress()
             self.sampler.snapshots.saved = {}
         elif self.parked.pop(name, None) is None:
@@ -168,6 +170,8 @@ class Tenants:
         for (o, t), state in zip(self.held, parked.optim, strict=True):
             if state:
                 o.state[t] = state
+            else:  # no step taken yet: a first step makes its state, as a new client's
+                o.state.pop(t, None)
         self.trainer.optimizer.params_changed()  # offloaded: the host copies the optimizer steps
         self.sampler.snapshots.saved = parked.snapshots
         self.live, self.now = name, parked.progress
