@@ -1,8 +1,8 @@
-"""Tenants through the official Tinker SDK (`service.tinker.sharing`): two users' LoRA clients of one base model at
-one layout share one client's ranks (the second attaches as a tenant: the same actor, no ranks of its own), each with
-its own model id that the other user's calls answer as missing; their calls interleaved, each client's losses are its
-run alone (a rank of its own, in this process, at its seed); the first client's unload leaves the second training on
-the ranks, and the second's releases them."""
+"""Tenants through the official Tinker SDK (`service.tinker.sharing`): two users' LoRA clients of one base model at one
+layout share one client's ranks (the second attaches as a tenant: the same actor, no ranks of its own), each with its
+own model id that the other user's calls answer as missing; their calls interleaved, each client's losses and its
+sampler weights' logprobs are its run alone's (a rank of its own, in this process, at its seed); the first client's
+unload leaves the second training on the ranks, and the second's releases them."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ STEPS = 3
 ADAM = {"learning_rate": 2e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12}
 
 
-def _alone(directory: str, seed: int, rows: list[list[int]], store) -> list[float]:
-    """A client's losses over STEPS steps on a rank of its own (no Ray)."""
+def _alone(directory: str, seed: int, rows: list[list[int]], store) -> tuple[list[float], list[float]]:
+    """A client's losses over STEPS steps on a rank of its own (no Ray), and the logprobs of its first row after the
+    first step."""
     from trainyard.parallel.plan import make_plan
     from trainyard.parallel.runtime.driver import RankDriver
     from trainyard.parallel.runtime.open_loop import Datum, OpenLoopRank
@@ -30,12 +31,14 @@ def _alone(directory: str, seed: int, rows: list[list[int]], store) -> list[floa
     config = client_config(None, ADMIN_USER, "tiny", 4, {"tiny": directory}, seed=seed)  # type: ignore[arg-type]
     rank = OpenLoopRank(RankDriver(make_plan(config), 0, "127.0.0.1", 0, init_method=f"file://{store}"))
     data = [Datum(r[:-1], r[1:], {"weights": [1.0] * (len(r) - 1)}) for r in rows]
-    losses = []
-    for _ in range(STEPS):
+    losses, logprobs = [], []
+    for step in range(STEPS):
         losses.append(rank.forward_backward(data, "cross_entropy")["metrics"]["loss:sum"])
         rank.optim_step(**ADAM)
+        if step == 0:
+            logprobs = rank.forward_backward(data[:1], "cross_entropy", forward_only=True)["logprobs"][0]
     rank.close()
-    return losses
+    return losses, logprobs
 
 
 def test_two_users_clients_of_one_base_share_its_ranks_each_as_alone(service, tmp_path):
@@ -68,15 +71,19 @@ def test_two_users_clients_of_one_base_share_its_ranks_each_as_alone(service, tm
             losses[name].append(fb.result().metrics["loss:sum"])
         for _, training in order:
             training.optim_step(adam).result()
+        if step == 0:  # each tenant's sampler weights: its own adapters, on the shared ranks
+            scored = {name: training.save_weights_and_get_sampling_client().result().compute_logprobs(
+                tinker.types.ModelInput.from_ints(rows[name][0])).result()[1:] for name, training in order}
         if step == STEPS - 2:  # erin leaves; finn goes on on the ranks
             with httpx.Client(base_url=service.url, timeout=30) as http:
                 assert http.post("/api/v1/unload_model", headers={"X-API-Key": keys["erin"]},
                                  json={"model_id": erin.model_id}).status_code == 200
     assert finn.model_id in live and erin.model_id not in live
-    assert losses["finn"] == pytest.approx(_alone(str(tmp_path / "llama"), 1, rows["finn"], tmp_path / "s1"),
-                                           abs=1e-6)
-    assert losses["erin"] == pytest.approx(_alone(str(tmp_path / "llama"), 0, rows["erin"],
-                                                  tmp_path / "s0")[:STEPS - 1], abs=1e-6)
+    for name, seed in (("erin", 0), ("finn", 1)):
+        alone, logprobs = _alone(str(tmp_path / "llama"), seed, rows[name], tmp_path / f"s{seed}")
+        assert losses[name] == pytest.approx(alone[:len(losses[name])], abs=1e-6), name
+        torch.testing.assert_close(torch.tensor(scored[name]), torch.tensor(logprobs), rtol=0, atol=1e-5)
+    assert len(losses["erin"]) == STEPS - 1 and len(losses["finn"]) == STEPS
     with httpx.Client(base_url=service.url, timeout=30) as http:
         assert http.post("/api/v1/unload_model", headers={"X-API-Key": keys["finn"]},
                          json={"model_id": finn.model_id}).status_code == 200
