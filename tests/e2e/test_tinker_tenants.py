@@ -2,13 +2,16 @@
 layout share one client's ranks (the second attaches as a tenant: the same actor, no ranks of its own), each with its
 own model id that the other user's calls answer as missing; their calls interleaved, each client's losses and its
 sampler weights' logprobs are its run alone's (a rank of its own, in this process, at its seed); the first client's
-unload leaves the second training on the ranks, and the second's releases them."""
+unload leaves the second training on the ranks, and the second's releases them. In `make test-slow`: a rank that dies
+under two tenants is rebuilt with both, each back at its own state."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
+import ray
 import torch
+from helpers import slow
 from hf_tiny import tiny_llama
 from trainyard.actors.job_status import JobStatus
 from trainyard.service.tenancy import users
@@ -89,3 +92,39 @@ def test_two_users_clients_of_one_base_share_its_ranks_each_as_alone(service, tm
                          json={"model_id": finn.model_id}).status_code == 200
     assert finn.model_id not in live
     assert service.manager.store.get(finn.model_id).status == JobStatus.STOPPED
+
+
+@slow
+def test_a_rank_that_dies_under_two_tenants_brings_each_back_to_its_own_state(service, tmp_path):
+    """The shared rank killed: the call that meets it fails saying the ranks were rebuilt; each tenant then goes on
+    from its own state, the one that saved at its saved loss, the one that never saved at fresh adapters'."""
+    tiny_llama(tmp_path / "llama")
+    service.manager.tinker.registered["tinker-tenants-kill"] = str(tmp_path / "llama")
+    keys = {name: "tml-" + users.create(service.state_dir, f"tinker-kill-{name}") for name in ("gail", "hugo")}
+    torch.manual_seed(7)
+    row = torch.randint(0, 256, (11,)).tolist()
+    data = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(row[:-1]),
+                               loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)})]
+    made = {name: tinker.ServiceClient(base_url=service.url, api_key=key).create_lora_training_client(
+        base_model="tinker-tenants-kill", rank=4, seed=i).result() for i, (name, key) in enumerate(keys.items())}
+    gail, hugo = made["gail"], made["hugo"]
+    assert service.manager.tinker.clients[hugo.model_id].actor is service.manager.tinker.clients[gail.model_id].actor
+    fresh = hugo.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    adam = tinker.types.AdamParams(**ADAM)
+    for training in (gail, hugo):
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam).result()
+    at_save = gail.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    gail.save_state("before-the-kill").result()
+    gail.forward_backward(data, "cross_entropy").result()
+    gail.optim_step(adam).result()
+    ray.kill(ray.get_actor(f"trainyard/tinker-{gail.model_id}/pp0-tp0-dp0"), no_restart=True)
+    with pytest.raises(Exception, match="rebuilt from the base model with fresh adapters"):
+        hugo.forward_backward(data, "cross_entropy").result(timeout=60)
+    assert gail.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] == pytest.approx(at_save,
+                                                                                                       abs=1e-5)
+    assert hugo.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] == pytest.approx(fresh, abs=1e-5)
+    with httpx.Client(base_url=service.url, timeout=30) as http:
+        for name, training in made.items():
+            assert http.post("/api/v1/unload_model", headers={"X-API-Key": keys[name]},
+                             json={"model_id": training.model_id}).status_code == 200
