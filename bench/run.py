@@ -156,8 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only this section (repeatable); other sections' rows in the results file are kept")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds per section (default: its own)")
     p.add_argument("--case", action="append", default=None,
-                   help="run only this case of the sections that have cases (repeatable: savers_grads: powersgd, "
-                        "compile; savers-optim: its variants); only the rows measured replace their namesakes")
+                   help="run only this case of the sections that have cases (repeatable: tinker: service, tenants; "
+                        "savers_grads: powersgd, compile; savers-optim: its variants); only the rows measured replace "
+                        "their namesakes")
     p.add_argument("--quick", action="store_true",
                    help=f"a pass under 5 minutes: sections {', '.join(QUICK_SECTIONS)} (unless --only), one or two "
                         "rounds, fewer steps; results to bench/results-quick.json (unless --out)")

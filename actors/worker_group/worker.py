@@ -91,22 +91,23 @@ class Worker:
               f"{info['node']} (pid {info['pid']}, {info['device']})", file=sys.stderr, flush=True)
         return info
 
-    def open_loop(self, method: str, kwargs: dict) -> dict:
+    def open_loop(self, method: str, kwargs: dict, host: str = "default") -> dict:
         """A Tinker training client's call on this rank (`actors.client_session`): `forward_backward` (its datums
         as dicts of `tokens`, `target_tokens` and the loss's inputs), `optim_step` (the Adam parameters),
         `save_for_sampler` or `sample` (a sampling client's: a snapshot of the weights, a generation), `save_state`
         or `load_state` (a checkpoint), on the open loop built on this rank's driver at its first call
-        (`parallel.runtime.open_loop.OpenLoopRank`)."""
+        (`parallel.runtime.open_loop.OpenLoopRank`, whose first tenant is `host`); `add_tenant`, `drop_tenant`:
+        another LoRA client on this rank's base (`parallel.runtime.tinker.tenants`)."""
         assert self.driver is not None, "setup() must run before open_loop()"
         from trainyard.parallel.runtime.open_loop import OpenLoopRank, datum_of
 
         with self._traceback_to_stderr(f"the training client's {method}"):
             if self._open is None:
-                self._open = OpenLoopRank(self.driver)
+                self._open = OpenLoopRank(self.driver, host)
             if method == "forward_backward":
                 data = [datum_of(d) for d in kwargs.pop("data")]
                 return self._open.forward_backward(data, **kwargs)
-            if method in ("save_for_sampler", "sample", "save_state", "load_state"):  # sampling; a checkpoint
+            if method in ("save_for_sampler", "sample", "save_state", "load_state", "add_tenant", "drop_tenant"):
                 return getattr(self._open, method)(**kwargs)
             return self._open.optim_step(**kwargs)
 

@@ -16,9 +16,10 @@ Each technique is a room of its own, whose `__init__.py` says what it owns:
 - `pipeline/`: the pipeline executor, its clock, the split backward, tied embeddings across stages;
 - `step/`: what a step reads and what it reports (`step_stats`: torch-free, the coordinator reads it);
 - `sampling/`: generation on a built model with a KV cache, for the Tinker API's sampling clients (its `params`:
-  torch-free, the service checks a request with it).
+  torch-free, the service checks a request with it);
+- `tinker/`: the Tinker API's losses, and the tenants that share one rank's base (`open_loop`, at the top, uses it).
 
-The top assembles the rooms and no room imports the top; the rooms import each other without a circle (`tp/`,
-`sync/` and `sampling/` none, `dp/` `tp/`, `compression/` `dp/` and `tp/`, `pipeline/` `dp/` and `tp/`, `step/`
-`pipeline/`). May import every other room of `parallel/`; nothing in `parallel/` imports it.
+The top assembles the rooms and no room imports the top; the rooms import each other without a circle (`tp/`, `sync/`
+and `sampling/` none, `dp/` `tp/`, `compression/` `dp/` and `tp/`, `pipeline/` `dp/` and `tp/`, `step/` `pipeline/`,
+`tinker/` `sampling/` and `tp/`). May import every other room of `parallel/`; nothing in `parallel/` imports it.
 """

@@ -15,13 +15,18 @@ on one rank). Each replica runs its share of a call's datums (`shares`; every ra
 the gradient reducers sum the replicas' gradients at `optim_step`, so the step is the one of every datum's loss
 summed, whatever the layout. Pipeline, expert and context parallelism, sequence parallelism and ZeRO-2/3 are
 refused, naming the field (`layout_violation`).
-Losses: Tinker's documented ones (`parallel.runtime.tinker_losses`: cross_entropy, importance_sampling, ppo, cispo,
+Losses: Tinker's documented ones (`parallel.runtime.tinker.losses`: cross_entropy, importance_sampling, ppo, cispo,
 dro); the others are refused, naming `loss_fn`.
 
 Sampling (`save_for_sampler`, `sample`): the rank's own model generates (`parallel.runtime.sampling.Sampler`), at its
 live weights or at a named snapshot of its trainable weights taken in memory: a sampling client of a training
 client's save point is served by the client's own ranks (the first replica's: under tp its ranks generate in
 lockstep, each token drawn from the same gathered logits with the same seed), no file written.
+
+Tenants (`parallel.runtime.tinker.tenants`): LoRA clients of the same base at the same layout share the rank, each call
+naming its tenant (`tenant`; None: the live one), which the rank swaps in first: the base is held once, and each
+tenant's adapters, gradients, optimizer state, step count and sampler snapshots are its own (`add_tenant`,
+`drop_tenant`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from trainyard.parallel.optim.optimizer import clip_grad_norm, set_lr
 from trainyard.parallel.plan import Plan
 from trainyard.parallel.runtime.driver import RankDriver
 from trainyard.parallel.runtime.sampling.sampler import Sampler
-from trainyard.parallel.runtime.tinker_losses import INPUTS, LOSSES, config_of
+from trainyard.parallel.runtime.tinker.losses import INPUTS, LOSSES, config_of
+from trainyard.parallel.runtime.tinker.tenants import TenantError, Tenants
 from trainyard.parallel.runtime.tp.tensor_parallel import loss_context
 
 
@@ -126,7 +132,7 @@ def shares(n: int, dp: int) -> list[range]:
 class OpenLoopRank:
     """A built rank (`RankDriver`) stepped by calls: `forward_backward` accumulates, `optim_step` applies."""
 
-    def __init__(self, driver: RankDriver):
+    def __init__(self, driver: RankDriver, tenant: str = "default"):
         check_layout(driver.plan)
         self.driver, self.trainer = driver, driver.trainer
         [self.chunk] = self.trainer.chunks
@@ -138,26 +144,56 @@ class OpenLoopRank:
         self.forward_tokens = driver.plan.micro_batch_size * self.seq_len
         """The most positions one forward holds (rows x the longest datum): the plan's micro-batch, which the
         memory plan counted (`service.tinker.specs.FORWARD_TOKENS`)."""
-        self.pending = False
-        """Gradients were accumulated since the last `optim_step`."""
-        self.steps = 0
         self.decays = [bool(g.get("weight_decay", 0.0)) for g in self.trainer.optimizer.param_groups]
         """Which optimizer groups take weight decay (the job's rule: matrices, not biases or norms)."""
         cfg = driver.plan.config
         self.sampler = Sampler(self.chunk, self.trainer.device, self.seq_len, cfg.model.vocab_size,
                                cfg.init_from.hf if cfg.init_from is not None else None, self.trainer.executor.autocast)
         """The rank's generation, and the sampler snapshots of its weights (`save_for_sampler`, `sample`)."""
+        self.tenants = Tenants(self.trainer, self.sampler, tenant)
+        """The LoRA clients sharing this rank's base (`parallel.runtime.tinker.tenants`), `tenant` the first; each call
+        names its own (None: the live one)."""
+
+    @property
+    def pending(self) -> bool:
+        """The live tenant accumulated gradients since its last `optim_step`."""
+        return self.tenants.now.pending
+
+    @property
+    def steps(self) -> int:
+        """The live tenant's optimizer steps."""
+        return self.tenants.now.steps
+
+    def add_tenant(self, name: str, seed: int) -> dict[str, Any]:
+        """A new tenant on this rank's base, as a new client starts (fresh adapters from `seed`, step 0)."""
+        try:
+            self.tenants.add(name, seed)
+        except ValueError as e:
+            raise OpenLoopError(str(e)) from None
+        return {"tenants": self.tenants.names}
+
+    def drop_tenant(self, name: str) -> dict[str, Any]:
+        """Tenant `name`'s state forgotten (the others', the base and the rank's build kept)."""
+        self.tenants.drop(name)
+        return {"tenants": self.tenants.names}
+
+    def _use(self, tenant: str | None) -> None:
+        try:
+            self.tenants.activate(tenant)
+        except TenantError as e:
+            raise OpenLoopError(f"model_id: {e.args[0]}") from None
 
     def forward_backward(self, data: list[Datum], loss_fn: str, forward_only: bool = False,
-                         config: Mapping[str, float] | None = None) -> dict[str, Any]:
-        """The loss of each datum (`parallel.runtime.tinker_losses`; its gradient accumulated unless
+                         config: Mapping[str, float] | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """The loss of each datum (`parallel.runtime.tinker.losses`; its gradient accumulated unless
         `forward_only`): `logprobs`, per datum the log-probability of each target, and `metrics` (`loss:sum`)."""
         full = check_call(data, loss_fn, self.seq_len, config)
+        self._use(tenant)
         loss_of = LOSSES[loss_fn]
         if not forward_only and not self.pending:
             for reducer in self.trainer.reducers.values():
                 reducer.zero_grad()
-            self.pending = True
+            self.tenants.now.pending = True
         logprobs, total = [], 0.0
         for group in batches([len(d.tokens) for d in data], self.forward_tokens):
             rows = [data[i] for i in group]
@@ -173,9 +209,11 @@ class OpenLoopRank:
         return {"logprobs": logprobs, "metrics": {"loss:sum": total}}
 
     def optim_step(self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-12,
-                   weight_decay: float = 0.0, grad_clip_norm: float = 0.0) -> dict[str, Any]:
+                   weight_decay: float = 0.0, grad_clip_norm: float = 0.0, tenant: str | None = None
+                   ) -> dict[str, Any]:
         """The accumulated gradients applied (none accumulated: the step is still taken on zero gradients, as
         Tinker's does); the next `forward_backward` starts a new accumulation. `metrics`: the gradient norm."""
+        self._use(tenant)
         trainer = self.trainer
         if not self.pending:
             for reducer in trainer.reducers.values():
@@ -193,44 +231,51 @@ class OpenLoopRank:
         trainer.optimizer.step()
         for reducer in trainer.reducers.values():
             reducer.gather_params()
-        self.pending, self.steps = False, self.steps + 1
+        now = self.tenants.now
+        now.pending, now.steps = False, now.steps + 1
         return {"metrics": {"grad_norm:mean": float(norm)}, "steps": self.steps}
 
-    def save_state(self, root: str, info: dict) -> dict[str, Any]:
+    def save_state(self, root: str, info: dict, tenant: str | None = None) -> dict[str, Any]:
         """The adapters and their optimizer state as a DCP checkpoint under `root` (`step_<optim steps>`, with `info`
         in its manifest), as a job's (`RankTrainer.save_checkpoint`; collective); the checkpoints of other steps
         under it removed (a save over one of the same name). Gradients being accumulated are not saved."""
+        self._use(tenant)
         self.trainer.save_checkpoint(Path(root), self.steps, info)
         if self.driver.rank == 0:
             checkpoint.prune(Path(root), 1, self.steps)
         return {"steps": self.steps}
 
-    def load_state(self, directory: str, step: int, optimizer: bool) -> dict[str, Any]:
+    def load_state(self, directory: str, step: int, optimizer: bool, tenant: str | None = None) -> dict[str, Any]:
         """The adapters from the checkpoint of `step` in `directory`, whatever layout wrote it (DCP reshards); with
         `optimizer` their optimizer state and step count too, else the optimizer starts afresh (its moments zero,
         its step 0, as a new client's). Gradients being accumulated are dropped."""
-        trainer = self.trainer
+        self._use(tenant)
+        trainer, now = self.trainer, self.tenants.now
         trainer.load_checkpoint(Path(directory), step)
-        self.steps = step
+        now.steps = step
         if not optimizer:
             kept = trainer.local_state()
             for moments in kept["optim"].values():
                 for t in moments.values():
                     t.zero_()
             trainer.adopt_state(kept, 0, None)
-            self.steps = 0
-        self.pending = False
+            now.steps = 0
+        now.pending = False
         return {"steps": self.steps}
 
-    def save_for_sampler(self, name: str, drop: list[str] | None = None) -> dict[str, Any]:
+    def save_for_sampler(self, name: str, drop: list[str] | None = None, tenant: str | None = None
+                         ) -> dict[str, Any]:
         """The trainable weights now, kept in memory as sampler weights `name` (those in `drop` forgotten)."""
+        self._use(tenant)
         return self.sampler.save(name, drop or ())
 
-    def sample(self, request: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    def sample(self, request: dict[str, Any], name: str | None = None, tenant: str | None = None
+               ) -> dict[str, Any]:
         """A Tinker sample (`parallel.runtime.sampling.sampler.Sampler.sample`) at sampler weights `name` (None:
         the live weights); OpenLoopError naming the field for a request it cannot serve."""
         from trainyard.parallel.runtime.sampling.params import SampleError
 
+        self._use(tenant)
         try:
             return self.sampler.sample(request, name)
         except SampleError as e:

@@ -12,6 +12,9 @@ built), and `retrieve` waits a bounded time for it: done, failed (with the error
 server's), or still pending or queued (the SDK asks again). A session whose heartbeat stops for
 `heartbeat_timeout_s` is closed and its clients released, as `unload` releases one.
 
+Tenants (`service.tinker.sharing`): a LoRA client may attach to a live client's ranks of the same base and layout
+instead of having its own; its end drops its state there (`detach`), and the ranks go with the last client on them.
+
 No torch here: the ranks import it in their own processes.
 """
 
@@ -38,6 +41,7 @@ from trainyard.service.store import JobRecord
 from trainyard.service.tenancy import quota
 from trainyard.service.tenancy.requests import Tenancy
 from trainyard.service.tenancy.users import User
+from trainyard.service.tinker import sharing
 from trainyard.service.tinker.samplers import TinkerSamplers
 from trainyard.service.tinker.specs import client_config
 from trainyard.service.tinker.state import TinkerState
@@ -85,6 +89,8 @@ class Client:
     args: dict[str, Any] = field(default_factory=dict)
     """`create_model`'s `seed` and `targets`, which a checkpoint records to make the client again
     (`service.tinker.state`)."""
+    model_id: str = ""
+    """Its model id: its tenant's name on the ranks it runs on (its own, or another client's: `actor`)."""
 
 
 @dataclass
@@ -152,6 +158,10 @@ class TinkerClients:
         if beyond is not None:
             raise RuleError("base_model", beyond)
         model_id = model_id or f"model-{uuid.uuid4().hex[:16]}"
+        attached = sharing.attach(self, user, session_id, base_model, lora_rank, config, plan, charge, model_id,
+                                  seed or 0, targets)
+        if attached is not None:
+            return model_id, attached
         with self._lock:
             # A job of kind `tinker` in the service's queue: admitted within its owner's quota and the cluster's free
             # resources, in the queue's order (`Admission`), which reserves its placement group and calls
@@ -160,12 +170,13 @@ class TinkerClients:
             actor = ClientSession.options(  # type: ignore[attr-defined]  # an ActorClass (@ray.remote)
                 name=f"trainyard/tinker/{model_id}", num_cpus=0, max_restarts=0, max_concurrency=1000,
             ).remote(model_id, plan)
-            ready = actor.run.remote(0, "setup")
+            ready = actor.run.remote(model_id, user.name, 0, "setup")
             self.clients[model_id] = Client(user.name, session_id, base_model, lora_rank, config.model.family,
                                             charge, None, actor, ready, seq_len=config.model.seq_len,
                                             vocab_size=config.model.vocab_size,
                                             directory=config.init_from.hf if config.init_from is not None else None,
-                                            config=config, args={"seed": seed or 0, "targets": targets})
+                                            config=config, args={"seed": seed or 0, "targets": targets},
+                                            model_id=model_id)
             trained = "full fine-tuning" if lora_rank is None else f"LoRA rank {lora_rank}"
             self.tenancy.store.insert(JobRecord(
                 job_id=model_id, name=f"tinker-{config.model.family}", status=JobStatus.PENDING,
@@ -198,7 +209,7 @@ class TinkerClients:
         """`method` on the client's actor in its turn (after every call made before it); the caller holds the
         lock. The call's ObjectRef."""
         seq, client.calls = client.calls, client.calls + 1
-        return client.actor.run.remote(seq, method, *args)
+        return client.actor.run.remote(client.model_id, client.owner, seq, method, *args)
 
     def info(self, user: User, model_id: str) -> dict[str, Any]:
         with self._lock:
@@ -318,9 +329,16 @@ class TinkerClients:
             self._end(model_id, client, JobStatus.FAILED, why)
 
     def _end(self, model_id: str, client: Client | None, status: JobStatus, error: str | None = None) -> None:
-        """The client's job row ended (a queued one leaves the queue), then its actor and group released."""
+        """The client's job row ended (a queued one leaves the queue), then its actor and group released, or, while
+        other clients are tenants on its ranks, its state dropped there (`detach`)."""
         self.tenancy.store.update(model_id, status=status, error=error)
-        if client is not None:
+        if client is None:
+            return
+        with self._lock:
+            shared = any(c.actor is client.actor for c in self.clients.values())
+            if shared:
+                self.submit(client, "detach")
+        if not shared:
             _release(client)
 
     def _session(self, user: User, session_id: str) -> Session:

@@ -1,4 +1,4 @@
-"""The open loop's rank (`parallel.runtime.open_loop`) and its losses (`parallel.runtime.tinker_losses`) without Ray: a
+"""The open loop's rank (`parallel.runtime.open_loop`) and its losses (`parallel.runtime.tinker.losses`) without Ray: a
 Tinker client's JobConfig (`service.tinker.specs`) built from a tiny Hugging Face Llama, one rank. forward_backward
 accumulates gradients until optim_step: two calls on halves then a step leave the same weights as one call on both; a
 forward leaves none; the per-token logprobs are transformers' own; bad input is refused naming the field, the rank

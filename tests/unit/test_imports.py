@@ -46,6 +46,7 @@ RUNTIME_ROOMS: dict[str, set[str]] = {
     "step": {"pipeline"},
     "sampling": set(),
     "cp": set(),
+    "tinker": {"sampling", "tp"},
 }
 """Each room of `parallel/runtime/` -> the runtime rooms it may import (besides itself). None imports the modules at
 `runtime/`'s top (driver, trainer, build, rank_state...): they assemble the rooms."""

@@ -1,4 +1,4 @@
-"""The Tinker losses (`parallel.runtime.tinker_losses`) against references written here from Tinker's documented
+"""The Tinker losses (`parallel.runtime.tinker.losses`) against references written here from Tinker's documented
 formulas (https://tinker-docs.thinkingmachines.ai/losses and its pages per loss): each loss's value, and its gradient
 with respect to the current logprobs, derived by hand from the formula (not by autograd of the same expression).
 Plain torch, in float64; the ratios are drawn well inside and outside the clips, never on their edges. And how the
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainyard.parallel.runtime.tinker_losses import CONFIG, INPUTS, LOSSES, config_of
+from trainyard.parallel.runtime.tinker.losses import CONFIG, INPUTS, LOSSES, config_of
 
 N = 64
 
