@@ -147,7 +147,8 @@ class Search:
         c, m = self.config, self.config.model
         fpt = family_of(m).flops_per_token(m)
         tokens = c.global_batch * m.seq_len
-        self.params = fpt / 6 * 0.9  # the matmul parameters, about (flops_per_token = 6 N + attention)
+        # the matmul parameters, about (flops_per_token = 6 N + 12 L d T: a long sequence's attention is no parameter)
+        self.params = max(fpt - 12 * m.n_layer * m.d_model * m.seq_len, 0.0) / 6 * 0.9
         out = []
         caps = {t: self.capacity(t) for t in _divisors(m.n_head) if m.vocab_size % t == 0}
         caps = {t: cap for t, cap in caps.items() if cap >= t}
