@@ -51,10 +51,11 @@ MAX_SIZED_AT_SCALE = 500
 """Layouts sized (memory plan) and simulated at most past SCALE_RANKS: as many at cp 1 and, apart, at cp > 1 (so
 the cp layouts, which share their bounds with their dp twins, never spend what the cp-1 search had before them)."""
 CP_AT_SCALE = "cp > 1 only where a rank's micro-batch is one sequence"
-"""Past SCALE_RANKS, what else keeps the cp layouts few: one of b > 1 sequences a micro-batch has a twin at dp x cp
-or at b / cp sequences (when cp divides b: the same tokens a rank, the same gradient group, no ring; the memory plan
-measured it 1-4% above the cp layout's at 1024 tokens) or splits unevenly into its sequences; one sequence a
-micro-batch is where only cp splits what a rank holds of it further (beside tp and pp)."""
+"""Past SCALE_RANKS, what else keeps the cp layouts few (a heuristic, as the budget is): a micro-batch of b > 1
+sequences whose b cp divides has a twin at dp x cp and cp 1 (the same tokens a rank, the same gradient group, no
+ring; the memory plan measured it 1-4% above the cp layout's at 1024 tokens), and one that cp does not divide
+splits unevenly into its sequences; a micro-batch of one sequence is where only cp splits it further (beside tp
+and pp). Below SCALE_RANKS every cp layout is searched."""
 
 
 _RECOMPUTE_LEAN = {"none": 0.0, "selective": 1.0, "full": 2.0}
