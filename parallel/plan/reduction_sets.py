@@ -5,8 +5,9 @@ A parameter is in one set, by its name (`ModelFamily.reduction_set`; the family'
 parameter that gets a gradient is reduced (with `model.lora`, the adapters: dense). Each set's gradients are summed
 over the ranks that computed parts of them (`parallel.models.components.moe`):
 
-- `dense`: the data-parallel ranks of one replica (`Layout.dp_groups`: every dp rank, or one local_sgd / diloco
-  replica's, `parallel.sync.replicas`);
+- `dense`: the data-parallel ranks of one replica with their context-parallel ranks (`Layout.dp_groups`: every dp
+  rank, or one local_sgd / diloco replica's, `parallel.sync.replicas`; each times cp, whose ranks each hold a share
+  of the sequences' gradient);
 - `router`: every rank of the replica's pipeline stage, dp x tp (`Layout.stage_groups`);
 - `experts`: the ranks holding the same experts, dp / ep x tp (`Layout.expert_groups`).
 
@@ -36,7 +37,7 @@ def group_sizes(layout: Layout) -> dict[ReductionSet, int]:
     """Each set -> the size of its groups (`reduction_groups`'), by arithmetic: the planner asks it of layouts far
     too large to list the groups of."""
     dp = layout.reduce_dp
-    return {"dense": dp, "router": dp * layout.tp, "experts": dp // layout.ep * layout.tp}
+    return {"dense": dp * layout.cp, "router": dp * layout.tp, "experts": dp // layout.ep * layout.tp}
 
 
 def shared_sets(layout: Layout) -> set[ReductionSet]:

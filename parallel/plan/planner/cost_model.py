@@ -16,18 +16,21 @@ shared out over the blocks; the collectives' message sizes are Megatron's (two a
 forward and two in backward under tp; two all-to-alls per MoE block each way under ep; one activation per
 micro-batch between pipeline stages; every local gradient once per step over dp, or as the `parallel.plan.sharding`
 strategy says: reduce-scattered once or every micro-batch, the parameters all-gathered after the step, once per
-chunk or around every forward and backward, in `sharding_costs`). Options that change the time in their own way are
-one line each in `OPTION_EXTRAS` (an offload adds its entry there). The fixed costs and the contention are measured,
-not written here (before a node type is calibrated, `machine_costs.default_gpu_costs` stands in). On a node whose
-ranks share CPU cores (a measured `contention`), a collective is CPU work on those same cores: it is slowed as
-compute is, by the node's slowdown over the one it was measured at (`comm_share`), and the data-parallel reduction
-hides behind nothing, since no core is idle to run it during the backward (on this 2-core machine 4 ranks measured
-well above their prediction before this term); a pipeline's stages are not all busy at once,
-so its simulation speeds a compute up by how many compute beside it (`pipeline_sharing`; a stage waiting in the
-bubble lends the others its core). A tensor-parallel shard's FLOPs run at the rate of a model as wide as the shard
-(narrower matrices, and the norms and residuals stay whole on every shard). Ignored: kernel fusion and overlap
-inside a chunk, stragglers, contention between groups sharing a link, the first step's warm-up. Pure arithmetic: no
-torch.
+chunk or around every forward and backward, in `sharding_costs`, over the replica's dp x cp ranks). Under context
+parallelism a rank computes 1/cp of each sequence's tokens, its attention too (the head-tail chunks balance the
+causal work), and its ring passes each block's keys and values round the cp group in forward and backward
+(`ring_costs`: what the block's attention does not hide, and the dK/dV shifts, which nothing hides). Options that
+change the time in their own way are one line each in `OPTION_EXTRAS` (an offload adds its entry there). The fixed
+costs and the contention are measured, not written here (before a node type is calibrated,
+`machine_costs.default_gpu_costs` stands in). On a node whose ranks share CPU cores (a measured `contention`), a
+collective is CPU work on those same cores: it is slowed as compute is, by the node's slowdown over the one it was
+measured at (`comm_share`), and the data-parallel reduction hides behind nothing, since no core is idle to run it
+during the backward (on this 2-core machine 4 ranks measured well above their prediction before this term); a
+pipeline's stages are not all busy at once, so its simulation speeds a compute up by how many compute beside it
+(`pipeline_sharing`; a stage waiting in the bubble lends the others its core). A tensor-parallel shard's FLOPs run
+at the rate of a model as wide as the shard (narrower matrices, and the norms and residuals stay whole on every
+shard). Ignored: kernel fusion and overlap inside a chunk, stragglers, contention between groups sharing a link, the
+first step's warm-up. Pure arithmetic: no torch.
 
 At scale (a device profile's or a GPU calibration's costs, `parallel.plan.planner.device_profile`), what published
 large runs depend on, and where it is here: compute at the fraction of peak a matmul of the shard's width reaches,
@@ -38,9 +41,10 @@ compute, only what is left over exposed (plain dp: behind the backward only); hi
 spanning nodes runs at the smaller of the node's bus bandwidth and its ranks' NICs on each node,
 `MachineCosts.collective`); MoE all-to-alls (inside or across nodes alike); selective and full recompute
 (RECOMPUTE_EXTRA); sequence parallelism's smaller hand-overs; the bubble of every schedule kind, interleaved ones
-included, from the simulator. Left out: tp collectives overlapped with compute (Megatron's with the weight-gradient
-GEMMs, async TP), contention at the top-of-rack switches, power and clock limits (a profile's peak is what it
-says), fp8 matmuls."""
+included, from the simulator; context parallelism's ring (`ring_costs`), inside a node or on the NICs. Left out: the
+ring's fp32 blocks running slower than the flash kernel (charged at its rate, as at cp = 1) and its per-block
+launches, tp collectives overlapped with compute (Megatron's with the weight-gradient GEMMs, async
+TP), contention at the top-of-rack switches, power and clock limits (a profile's peak is what it says), fp8 matmuls."""
 
 from __future__ import annotations
 
@@ -82,6 +86,8 @@ class StepCosts:
     """The optimizer step and the step's measured fixed cost (`MachineCosts.step_s`), slowed by contention."""
     extras: dict[str, float]
     """The options' own terms (OPTION_EXTRAS), by name."""
+    cp_per_chunk: float = 0.0
+    """The ring attention's exchanges of one chunk's forward and backward not hidden behind its blocks (cp > 1)."""
     recompute_per_chunk: float = 0.0
     """The part of compute_per_chunk that re-runs forwards in backward (activation checkpointing)."""
     shared: tuple[float, ...] = ()
@@ -130,7 +136,7 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     a group spans nodes; 0: one node)."""
     resolved = Resolved(config)
     m, par, sharding = config.model, resolved.parallel, resolved.sharding
-    tokens = layout.micro_batch_size * m.seq_len
+    tokens = layout.micro_batch_size * m.seq_len // layout.cp  # the rank's: 1/cp of each sequence, head-tail balanced
     act_bytes = 2 if config.precision == "bf16" else 4
     fpt_fwd = _flops_per_token(m) / 3
     head_fwd = 2 * m.vocab_size * m.d_model
@@ -148,8 +154,8 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     if config.compile:
         rate *= machine.compile_speedup
     seconds = flops / rate  # one forward's FLOPs; attention's own at its kernel's rate where that is known
+    attention = blocks * 4 * m.d_model * m.seq_len * tokens / layout.tp  # the rank's queries against every key
     if machine.attention_flops_per_s:
-        attention = blocks * 4 * m.d_model * m.seq_len * tokens / layout.tp
         seconds += attention / machine.attention_flops_per_s - attention / rate
     fwd = slow * (fixed_fwd + seconds)
     bwd = slow * (fixed_bwd + recompute * fixed_fwd + (2 + recompute) * seconds)
@@ -168,29 +174,34 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
     ep_f, ep_b = 2 * moe_blocks * ep_one, 2 * moe_blocks * ep_one
     message = act / layout.tp if par.sp else act
     comm = pipeline_p2p(machine, message, layout, within) * share if layout.pp > 1 else 0.0
+    hides = not (machine.contention and slow > 1.0)  # a transfer hides behind compute unless the cores run both
+    ring_f, ring_b = ring_costs(machine, m, layout, tokens, blocks, slow * attention / rate, share, within, hides)
+    if config.activation_checkpointing != "none":
+        ring_b += ring_f  # selective and full recompute both re-run the ring in backward (`parallel.runtime.cp`)
 
     counts = _largest_stage_counts(m, layout.stage_layers, layout.pp, layout.vpp, layout.tp, layout.ep,
                                    layout.placement, layout.dp)
     grad_bytes = counts.total * (2 if par.reduce_dtype == "bf16" else 4)
-    spans = layout.dp * layout.tp > within
-    dp_per_node = max(1, min(layout.dp, within // layout.tp))  # ranks of one dp group on a node (tp innermost)
+    group = layout.dp * layout.cp  # the ranks that sum the gradients (and that ZeRO shards over): dp x cp
+    spans = group * layout.tp > within
+    dp_per_node = max(1, min(group, within // layout.tp))  # ranks of one dp group on a node (tp innermost)
     reductions = layout.microbatches if sharding.reduces_every_microbatch else 1
-    reduce = reductions * share * machine.collective(sharding.gradient_collective, grad_bytes, layout.dp, spans,
+    reduce = reductions * share * machine.collective(sharding.gradient_collective, grad_bytes, group, spans,
                                                      per_node=dp_per_node)
     # behind the backward that made them, unless the ranks' cores are all busy with it (shared CPU cores)
-    overlaps = par.overlap_reduce and not (machine.contention and slow > 1.0)
+    overlaps = par.overlap_reduce and hides
     hidden = (bwd + tp_b) * layout.vpp * reductions if overlaps else 0.0
-    dp_fixed = slow * machine.dp_step_s if layout.dp > 1 else 0.0
-    elements = sharding.optimizer_elements(counts.total, layout.dp)
+    dp_fixed = slow * machine.dp_step_s if group > 1 else 0.0
+    elements = sharding.optimizer_elements(counts.total, group)
     context = ExtraContext(layout=layout, config=config, machine=machine, params=counts.total,
                            optimizer_elements=elements, activation_bytes=int(act * blocks * 8), comm_share=share)
     extras = dict(hook(context) for (path, value), hook in OPTION_EXTRAS.items()
                   if option_value(config, path) == value)
-    if layout.dp > 1:
+    if group > 1:
         extras |= sharding_costs(sharding, machine, layout, counts.total, blocks * layout.vpp, share, slow, spans,
                                  dp_per_node)
     dp_exposed = max(reduce - hidden, 0.0)
-    if overlaps and not machine.contention and layout.dp > 1:
+    if overlaps and not machine.contention and group > 1:
         # each rank its own device: the reduce-scatters and the prefetched gathers run on the links beside the
         # whole step's compute (FSDP2's and DDP's streams); what is left over, and the first unit's gather,
         # nothing hides
@@ -202,8 +213,9 @@ def step_costs(layout: Layout, config: JobConfig, machine: MachineCosts, *, node
         dp_exposed = over * reduce / (reduce + gathers) if reduce + gathers else 0.0
         if gathers:
             extras[gather_key] = over * gathers / (reduce + gathers) + first
-    return StepCosts(forward=fwd + tp_f + ep_f, backward=bwd + tp_b + ep_b, comm=comm, compute_per_chunk=fwd + bwd,
-                     tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
+    return StepCosts(forward=fwd + tp_f + ep_f + ring_f, backward=bwd + tp_b + ep_b + ring_b, comm=comm,
+                     compute_per_chunk=fwd + bwd, tp_per_chunk=tp_f + tp_b, ep_per_chunk=ep_f + ep_b,
+                     cp_per_chunk=ring_f + ring_b,
                      recompute_per_chunk=slow * recompute * (fixed_fwd + seconds),
                      dp_exposed=dp_exposed + dp_fixed,
                      optimizer=slow * (machine.optimizer.time(elements) + machine.step_s), extras=extras,
@@ -244,14 +256,42 @@ def pipeline_floor(shared: tuple[float, ...], busy: float, fill: float, fill_com
 
 def pipeline_p2p(machine: MachineCosts, nbytes: float, layout: Layout, within: int) -> float:
     """One hand-over between pipeline stages: inside a node while the whole job fits in one, else across nodes
-    (stage s's ranks fill a node when dp x tp reaches one: on the GPU's own NIC where it is known, else at
-    `inter_node_factor` of the node's bandwidth)."""
-    if layout.world_size <= within:
+    (stage s's ranks fill a node when dp x cp x tp reaches one)."""
+    return p2p_time(machine, nbytes, across=layout.world_size > within)
+
+
+def p2p_time(machine: MachineCosts, nbytes: float, across: bool) -> float:
+    """One point-to-point message inside a node, or across nodes: on the GPU's own NIC where it is known, else at
+    `inter_node_factor` of the node's bandwidth."""
+    if not across:
         return machine.p2p.time(nbytes)
     if machine.nic_bytes_per_s > 0:
         return machine.p2p.latency_s + machine.across_latency_s + nbytes / min(machine.nic_bytes_per_s,
                                                                               machine.p2p.per_s)
     return machine.p2p.time(nbytes) / machine.inter_node_factor
+
+
+def ring_costs(machine: MachineCosts, model: ModelConfig, layout: Layout, tokens: int, blocks: int,
+               attention_s: float, share: float, within: int, hides: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of one chunk's ring exchanges (`parallel.runtime.cp.ring`) beyond what hides
+    behind its blocks' attention, for a rank of `tokens` tokens whose `blocks` blocks' attention forward takes
+    `attention_s`: at each of the cp - 1 steps of a block's forward the rank sends its neighbour the key/value
+    block it holds (fp32, the rank's kv heads, tp splitting them) while computing against it; the backward
+    passes the same blocks while computing (the block's backward is about twice its forward), and after each of
+    its cp steps shifts the dK/dV accumulators (as large) before going on, which nothing hides. Inside a node while
+    the group's cp x tp ranks fit in one. (0, 0) at cp = 1."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    kv_heads = (model.n_kv_head or model.n_head) / layout.tp
+    kv = 2 * 4 * tokens * kv_heads * model.head_size  # k and v of the rank's tokens, fp32
+    hop = share * p2p_time(machine, kv, across=layout.cp * layout.tp > within)
+    step_f = attention_s / max(blocks, 1) / cp  # one block's attention against one key/value block
+
+    def exposed(compute: float) -> float:
+        return max(hop - compute, 0.0) if hides else hop
+
+    return blocks * (cp - 1) * exposed(step_f), blocks * ((cp - 1) * exposed(2 * step_f) + cp * hop)
 
 
 def sharding_costs(sharding: Sharding, machine: MachineCosts, layout: Layout, params: int, blocks: int,
@@ -262,9 +302,9 @@ def sharding_costs(sharding: Sharding, machine: MachineCosts, layout: Layout, pa
     one is CPU work on shared cores; and its measured fixed cost for the rank's `blocks` blocks."""
     out: dict[str, float] = {}
     gathers = sharding.gathers_per_step(layout.microbatches)
-    if gathers:
+    if gathers:  # over the replica's dp x cp ranks (what ZeRO shards over)
         out[f"zero-{sharding.zero} parameter all-gathers"] = gathers * share * machine.collective(
-            "allgather", 4 * params, layout.dp, spans_nodes, per_node)
+            "allgather", 4 * params, layout.dp * layout.cp, spans_nodes, per_node)
     per_step, per_microbatch = machine.zero_fixed.get(str(sharding.zero), (0.0, 0.0))
     if per_step or per_microbatch:
         out[f"zero-{sharding.zero} fixed"] = slow * blocks * (per_step + layout.microbatches * per_microbatch)

@@ -1,7 +1,7 @@
 """The automatic layout planner (`parallel: auto`): the valid layouts of a job on a cluster, ranked by
 predicted step time.
 
-`plan_layouts(config, cluster, machine)` enumerates degree tuples (dp, pp, tp, ep, sp), micro-batch counts,
+`plan_layouts(config, cluster, machine)` enumerates degree tuples (dp, cp, pp, tp, ep, sp), micro-batch counts,
 schedules with their vpp (`parallel.plan.schedule.schedules.SCHEDULES`) and, for each, the searched options
 (`parallel.plan.planner.search_options.SEARCHED`: the values of `parallel.zero` in `parallel.plan.sharding.SHARDINGS`,
 the `activation_checkpointing` modes read off the config's Literal, and any offload switch the config has), so a
@@ -18,6 +18,12 @@ offload: they only add time) at first by its saver-free sibling's bound. Only a 
 and cost ratios; the planner's own schedules, checked by their tests, are not checked again), until nothing left can
 beat the `top`-th best time found. The predicted step time is the simulated makespan with the cost model's per-chunk
 costs (`parallel.plan.planner.cost_model`) plus the terms outside the pipeline. Pure: no torch.
+
+Context parallelism is a degree like the others: the cp values the rules let the model take whatever the rest
+(`planner_search.cp_degrees`: 2 x cp divides seq_len, a family whose attention runs the ring, no MoE, local sync or
+compile), each costed with its ring's exchanges and 1/cp of every sequence's compute and activations, so cp wins
+where a long sequence fits no other way or where the cost model finds it faster; a rule that keeps it at 1 is
+named in the result's bounds and in the error when nothing fits.
 
 Left out of the search, by hand (`parallel.plan.planner.planner_search`): uneven stages (pp and pp x vpp must
 divide n_layer), pipelines with fewer micro-batches than stages, more than MAX_VPP chunks per rank or
@@ -79,7 +85,7 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
             # bound (a saver only adds time: recompute, offload copies); a waiting variant: its own costs
             waiting = [variant[0]] if variant else search.variants(base)
             if variant is None and search.at_scale:  # a base whose leanest variant does not fit: dropped whole
-                if search.exhausted():
+                if search.exhausted(base.cp):
                     continue
                 fits, lean = search.leanest(base, waiting)
                 if lean is not None:
@@ -101,6 +107,8 @@ def plan_layouts(config: JobConfig, cluster: ClusterResources, machine: MachineC
             continue
         if search.exhausted():
             break  # the bounded search at scale (planner_search.SCALE_RANKS) has sized all it may
+        if search.exhausted(base.cp):
+            continue  # it may still size layouts of the other kind (cp 1, cp > 1: a budget each)
         cand = search.evaluate(*variant)
         if cand is not None:
             found = _ranked([*found, cand], top)

@@ -1,5 +1,7 @@
-"""The planner's answer explained: why each runner-up lost to the winner, and, when no layout fits, what the
-smallest one found needs and what would make it fit (more nodes, a leaner optimizer). Pure: no torch.
+"""The planner's answer explained: why each runner-up lost to the winner (the step's term where it loses most: the
+bubble, a collective, the cp ring's exchanges, ...), and, when no layout fits, what the smallest one found needs,
+what the search tried (the options, the cp degrees, or the rule that kept it at cp = 1) and what would make it fit
+(more nodes, a leaner optimizer). Pure: no torch.
 """
 
 from __future__ import annotations
@@ -70,7 +72,12 @@ def no_fit_error(config: JobConfig, cluster: ClusterResources, search: Search) -
     fixes += [f"optimizer.kind: {name} (about {b:.2g} B of state per parameter instead of {per_param[kind.name]:.2g})"
               for name, b in per_param.items() if b < per_param[kind.name]]
     tried = [f"{path} in {list(values)}" for path, values in searched_values(config).items()]
+    if len(search.cps) > 1:
+        tried.append(f"parallel.cp in {search.cps}")
+    elif search.cp_refused is not None:  # a long sequence's activations: what cp would have split
+        tried.append(f"parallel.cp at 1 only ({search.cp_refused.message})")
     return PlanError("parallel", f"no layout fits: the smallest per-rank memory found is {format_size(memory)} "
-                                 f"(dp={par.dp} pp={par.pp} tp={par.tp} microbatches={par.microbatches}) but a rank "
+                                 f"(dp={par.dp} cp={par.cp} pp={par.pp} tp={par.tp} microbatches={par.microbatches}) "
+                                 "but a rank "
                                  f"may hold {format_size(have)} ({search.margin:.0%} kept free); would fit with: "
                                  + "; ".join(fixes) + " (the search already tried " + ", ".join(tried) + ")")

@@ -33,13 +33,13 @@ class Candidate:
     bubble: float
     """Simulated bubble fraction of the schedule."""
     terms: dict[str, float]
-    """Seconds per step of each part: compute, bubble, tp, ep, dp, optimizer, the options' extras."""
+    """Seconds per step of each part: compute, bubble, tp, ep, the cp ring, dp, optimizer, the options' extras."""
     reason: str = ""
     """Why it lost to the winner (empty for the winner)."""
 
     def layout_summary(self) -> dict:
         par = fixed_parallel(self.config)
-        out: dict[str, object] = {"dp": par.dp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "vpp": par.vpp,
+        out: dict[str, object] = {"dp": par.dp, "cp": par.cp, "pp": par.pp, "tp": par.tp, "ep": par.ep, "vpp": par.vpp,
                                   "sp": par.sp, "microbatches": par.microbatches, "schedule": par.schedule}
         out.update({path: option_value(self.config, path) for path in searched_paths(self.config)})
         return out
@@ -111,6 +111,7 @@ def predict(layout: Layout, config: JobConfig, costs: StepCosts, memory: int = 0
     busy = m * vpp * (costs.forward + costs.backward)
     terms = {"compute": m * vpp * costs.compute_per_chunk, "bubble": max(makespan - busy, 0.0),
              "tp all-reduce": m * vpp * costs.tp_per_chunk, "ep all-to-all": m * vpp * costs.ep_per_chunk,
+             "cp ring": m * vpp * costs.cp_per_chunk,
              "dp all-reduce": costs.dp_exposed, "optimizer": costs.optimizer, **costs.extras}
     step = makespan + costs.dp_exposed + costs.optimizer + sum(costs.extras.values())
     return Candidate(config=config, step_s=step, memory_bytes=memory, bubble=bubble, terms=terms)
