@@ -18,13 +18,11 @@ demo: $(STAMP)
 	$(BIN)/python -m trainyard.cli.demo examples/demo.yaml
 
 # mypy runs beside the tests (it needs one core for some 15 s; the tests wait on processes much of the time); its
-# verdict, like theirs, decides the target's. Two pytest-xdist workers, each with a Ray of its own: one's waits (a
-# job's start, a drill, a unit test on one core) are the other's CPU. A module runs whole in one worker, so its
-# module fixtures (the jobs its tests share) run once (tests/conftest.py: `pytest_collection_modifyitems`).
+# verdict, like theirs, decides the target's.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck & typecheck=$$!; \
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=25; tests=$$?; \
+	$(BIN)/python -m pytest --durations=25; tests=$$?; \
 	wait $$typecheck && exit $$tests
 
 # The minutes-long tests `make test` leaves out (elasticity on a two-node cluster, README's fine-tuning walk-through).

@@ -105,11 +105,10 @@ def _daemons_in_their_own_process_group() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def agent_port_clear_of_other_clusters(any_port: bool = False) -> Iterator[None]:
+def agent_port_clear_of_other_clusters() -> Iterator[None]:
     """While it lasts, a cluster that `ray.init` starts gives its dashboard agent any free port when the fixed
     default (52365) is taken, as it is by any other Ray running on the machine (a `ray start`, another service,
-    a test session's), or always with `any_port` (clusters started at the same moment: both would find the default
-    free). `ray.init` has no argument for that port, and on a taken one the agent retried for 3.4 s,
+    a test session's). `ray.init` has no argument for that port, and on a taken one the agent retried for 3.4 s,
     which the raylet, and so the service's start, waited for, and then ran without its HTTP server: Ray's log API
     then answered "Agent for node id ... doesn't exist", and `trainyard logs` had no lines. Through
     `ray._private.parameter.RayParams`, the class `ray.init` describes a new node with (private: if it moves,
@@ -117,7 +116,7 @@ def agent_port_clear_of_other_clusters(any_port: bool = False) -> Iterator[None]
     parameter = getattr(getattr(ray, "_private", None), "parameter", None)
     default = getattr(getattr(ray, "_private", None), "ray_constants", None)
     port = getattr(default, "DEFAULT_DASHBOARD_AGENT_LISTEN_PORT", None)
-    if getattr(parameter, "RayParams", None) is None or port is None or (not any_port and _port_free(port)):
+    if getattr(parameter, "RayParams", None) is None or port is None or _port_free(port):
         yield
         return
     with _constructed_with(parameter, "RayParams", dashboard_agent_listen_port=None):  # Ray's start binds port 0

@@ -1,5 +1,4 @@
-"""Shared fixtures: one real Ray for the session (one per pytest-xdist worker), and real uvicorn servers of the API
-over HTTP."""
+"""Shared fixtures: one real Ray for the session, and real uvicorn servers of the API over HTTP."""
 
 from __future__ import annotations
 
@@ -41,9 +40,7 @@ def ray_session() -> Iterator[None]:
     # the product's embedded one, also where another Ray runs on the machine: `address=None` would join whatever
     # RAY_ADDRESS or /tmp/ray/ray_current_cluster names (a `ray start`, or one that died and left the file) and
     # fail on `num_cpus`; and its dashboard agent needs a port of its own, or the log API finds no agent.
-    # Under pytest-xdist each worker starts its cluster at the same moment as the others: each agent takes a port of
-    # its own (both would find the default free, and the second's agent would run without its HTTP server).
-    with agent_port_clear_of_other_clusters(any_port="PYTEST_XDIST_WORKER" in os.environ):
+    with agent_port_clear_of_other_clusters():
         ray.init(address="local", num_cpus=8, object_store_memory=100 * 1024 * 1024, include_dashboard=True,
                  namespace="trainyard", log_to_driver=False, _system_config={"metrics_report_interval_ms": 2000})
     yield
@@ -127,14 +124,3 @@ def three_d_job(service) -> tuple[dict, list[dict]]:
     out = run_all(client, {"3d": THREE_D_SPEC})["3d"]
     client.close()
     return out
-
-
-SHARING_THE_3D_JOB = {"test_moe_http", "test_tensor_parallel_http", "test_pipeline_http"}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`): a module's tests in one worker (its module fixtures run once),
-    and the modules sharing the session's `three_d_job` in one worker."""
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2]
-        item.add_marker(pytest.mark.xdist_group("three_d" if module in SHARING_THE_3D_JOB else module))
